@@ -1,0 +1,391 @@
+//! The ABI shared by the kernel programs (`proxy-ebpf`) and user space (`proxy-user`).
+//!
+//! Every type here is a map key or value. Rules (after aya's `integration-common`):
+//! `#[repr(C)]`, explicit `_pad` fields so no type has implicit padding, integer flags
+//! instead of `bool`, addresses and ports in network byte order exactly as the kernel
+//! hands them to a `bpf_sock_addr` program (so no byte swapping happens in the datapath).
+//! User-space trait impls (bytemuck, `aya::Pod`) live behind the `user` feature.
+//!
+//! Map model (after cilium's `lb4_*`/`lb6_*` maps):
+//! - `SVC4`/`SVC6`: `{vip, port, proto, slot}` -> [`SvcValue`]. Slot 0 is the frontend
+//!   (backend count, service id, flags); slots `1..=count` each name a backend id.
+//! - `BACKEND4`/`BACKEND6`: backend id -> address and port; ids are shared by every
+//!   frontend that uses the same endpoint. Id 0 means "none".
+//! - `REVNAT4`/`REVNAT6`: service id -> frontend, for reply translation and the CLI.
+//! - `SOCK_REVNAT4`/`SOCK_REVNAT6` (LRU): `{socket cookie, backend}` -> frontend, so
+//!   `recvmsg`/`getpeername` can show the VIP to the application.
+//! - `STATS` (per-CPU array indexed by [`Reason`]) and `BACKEND_CONNS` (per-CPU hash,
+//!   backend id -> selections).
+#![no_std]
+
+/// Bumped whenever a key, value or map definition changes incompatibly. The loader stores
+/// it in the `META` map; a new agent refuses to adopt pins of another version.
+pub const ABI_VERSION: u32 = 1;
+
+/// Map names, as they appear in the object file, under the pin directory and in bpftool.
+pub mod map_names {
+    /// Frontends and their backend slots, IPv4.
+    pub const SVC4: &str = "SVC4";
+    /// Frontends and their backend slots, IPv6.
+    pub const SVC6: &str = "SVC6";
+    /// Backend id -> IPv4 backend.
+    pub const BACKEND4: &str = "BACKEND4";
+    /// Backend id -> IPv6 backend.
+    pub const BACKEND6: &str = "BACKEND6";
+    /// Service id -> IPv4 frontend.
+    pub const REVNAT4: &str = "REVNAT4";
+    /// Service id -> IPv6 frontend.
+    pub const REVNAT6: &str = "REVNAT6";
+    /// Socket cookie + IPv4 backend -> frontend (LRU).
+    pub const SOCK_REVNAT4: &str = "SOCK_REVNAT4";
+    /// Socket cookie + IPv6 backend -> frontend (LRU).
+    pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6";
+    /// Per-CPU outcome counters indexed by `Reason`.
+    pub const STATS: &str = "STATS";
+    /// Per-CPU selections per backend id.
+    pub const BACKEND_CONNS: &str = "BACKEND_CONNS";
+    /// `[ABI_VERSION]`, written by the loader.
+    pub const META: &str = "META";
+
+    /// Every pinned map.
+    pub const ALL: [&str; 11] = [
+        SVC4,
+        SVC6,
+        BACKEND4,
+        BACKEND6,
+        REVNAT4,
+        REVNAT6,
+        SOCK_REVNAT4,
+        SOCK_REVNAT6,
+        STATS,
+        BACKEND_CONNS,
+        META,
+    ];
+}
+
+/// Map sizes. Hash maps are created with `BPF_F_NO_PREALLOC`, so a large limit costs
+/// memory only for entries in use (as cilium's lb maps do).
+pub mod limits {
+    /// Frontend + slot entries per family: 50,000 services x (1 + 10 endpoints) fits twice.
+    pub const MAX_SVC_ENTRIES: u32 = 1 << 20;
+    /// Distinct backends (pod address + port) per family.
+    pub const MAX_BACKENDS: u32 = 1 << 20;
+    /// Frontends (service ids) per family.
+    pub const MAX_REVNAT: u32 = 1 << 18;
+    /// Live sockets that talked to a VIP (LRU: preallocated, so kept modest; an evicted
+    /// entry only means `getpeername`/`recvmsg` show the backend instead of the VIP).
+    pub const MAX_SOCK_REVNAT: u32 = 1 << 16;
+    /// The largest number of backends one frontend may have (a slot is a `u16`).
+    pub const MAX_BACKENDS_PER_SERVICE: u32 = u16::MAX as u32;
+    /// Entries in `META`.
+    pub const META_ENTRIES: u32 = 4;
+}
+
+/// IP protocol numbers as they appear in `bpf_sock_addr.protocol` and in IP headers.
+pub mod proto {
+    /// TCP.
+    pub const TCP: u8 = 6;
+    /// UDP.
+    pub const UDP: u8 = 17;
+    /// SCTP.
+    pub const SCTP: u8 = 132;
+}
+
+/// Frontend flags (slot 0 of `SvcValue::flags`).
+pub mod svc_flags {
+    /// `sessionAffinity: ClientIP` (datapath support comes later; carried for the CLI).
+    pub const AFFINITY: u16 = 1 << 0;
+    /// `internalTrafficPolicy: Local`: the slots hold only node-local endpoints.
+    pub const LOCAL_ONLY: u16 = 1 << 1;
+}
+
+/// Backend flags.
+pub mod backend_flags {
+    /// The endpoint is terminating (it is only in a slot as serving fallback).
+    pub const TERMINATING: u8 = 1 << 0;
+}
+
+/// `META` indices.
+pub mod meta {
+    /// The `ABI_VERSION` the pinned maps were created with.
+    pub const ABI_VERSION: u32 = 0;
+}
+
+/// Every outcome of a datapath decision: the index into the per-CPU `STATS` array.
+/// Each non-success path in the kernel increments exactly one of these.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// Destination rewritten from a frontend to a backend.
+    Translated = 0,
+    /// Destination is not a frontend: left alone.
+    NoService = 1,
+    /// The frontend exists with zero backends: the syscall fails with ECONNREFUSED.
+    NoBackend = 2,
+    /// Slot or backend entry missing (a writer bug or a racing delete): left alone.
+    BackendMissing = 3,
+    /// Socket protocol other than TCP/UDP: left alone.
+    UnsupportedProto = 4,
+    /// Reply source rewritten from a backend back to its frontend.
+    RevTranslated = 5,
+    /// No reverse-NAT entry for this socket and peer: left alone.
+    RevNatMiss = 6,
+    /// Reverse-NAT entry whose frontend is gone or reused: deleted, left alone.
+    RevNatStale = 7,
+    /// The reverse-NAT entry could not be written (map full is not possible: LRU).
+    RevNatUpdateFailed = 8,
+}
+
+impl Reason {
+    /// Number of counters (size of `STATS`).
+    pub const COUNT: u32 = 9;
+    /// Every reason in index order.
+    pub const ALL: [Reason; Self::COUNT as usize] = [
+        Reason::Translated,
+        Reason::NoService,
+        Reason::NoBackend,
+        Reason::BackendMissing,
+        Reason::UnsupportedProto,
+        Reason::RevTranslated,
+        Reason::RevNatMiss,
+        Reason::RevNatStale,
+        Reason::RevNatUpdateFailed,
+    ];
+
+    /// A stable snake_case name, used in metrics and CLI output.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Reason::Translated => "translated",
+            Reason::NoService => "no_service",
+            Reason::NoBackend => "no_backend",
+            Reason::BackendMissing => "backend_missing",
+            Reason::UnsupportedProto => "unsupported_proto",
+            Reason::RevTranslated => "rev_translated",
+            Reason::RevNatMiss => "rev_nat_miss",
+            Reason::RevNatStale => "rev_nat_stale",
+            Reason::RevNatUpdateFailed => "rev_nat_update_failed",
+        }
+    }
+}
+
+/// `SVC4` key. `port` is in network byte order, `addr` as the 4 bytes of the address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Svc4Key {
+    pub addr: u32,
+    pub port: u16,
+    /// 0 for the frontend entry, `1..=count` for backend slots.
+    pub slot: u16,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+/// `SVC6` key; the address as four network-order words, as in `bpf_sock_addr.user_ip6`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Svc6Key {
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub slot: u16,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+/// `SVC4`/`SVC6` value. In slot 0: `count`, `service_id`, `flags`, `affinity_timeout`.
+/// In slot n: `backend_id` (and `service_id`, for dumps).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SvcValue {
+    pub backend_id: u32,
+    pub service_id: u32,
+    pub count: u16,
+    pub flags: u16,
+    /// Session affinity timeout in seconds (0: no affinity).
+    pub affinity_timeout: u32,
+}
+
+/// `BACKEND4` value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Backend4 {
+    pub addr: u32,
+    pub port: u16,
+    pub proto: u8,
+    pub flags: u8,
+}
+
+/// `BACKEND6` value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Backend6 {
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub proto: u8,
+    pub flags: u8,
+}
+
+/// `REVNAT4` value (key: service id).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RevNat4 {
+    pub addr: u32,
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// `REVNAT6` value (key: service id).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RevNat6 {
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// `SOCK_REVNAT4` key: which socket talked to which backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SockRevNat4Key {
+    pub cookie: u64,
+    pub addr: u32,
+    pub port: u16,
+    pub _pad: u16,
+}
+
+/// `SOCK_REVNAT6` key.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SockRevNat6Key {
+    pub cookie: u64,
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub _pad: [u8; 6],
+}
+
+/// `SOCK_REVNAT4` value: the frontend the application asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SockRevNat4 {
+    pub addr: u32,
+    pub port: u16,
+    pub _pad: u16,
+    pub service_id: u32,
+}
+
+/// `SOCK_REVNAT6` value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SockRevNat6 {
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub _pad: u16,
+    pub service_id: u32,
+}
+
+impl Svc4Key {
+    /// The key of slot `slot` of frontend `addr:port/proto`.
+    pub const fn new(addr: u32, port: u16, proto: u8, slot: u16) -> Self {
+        Self {
+            addr,
+            port,
+            slot,
+            proto,
+            _pad: [0; 3],
+        }
+    }
+}
+
+impl Svc6Key {
+    /// The key of slot `slot` of frontend `addr:port/proto`.
+    pub const fn new(addr: [u32; 4], port: u16, proto: u8, slot: u16) -> Self {
+        Self {
+            addr,
+            port,
+            slot,
+            proto,
+            _pad: [0; 3],
+        }
+    }
+}
+
+#[cfg(feature = "user")]
+mod user {
+    use super::*;
+
+    macro_rules! pod {
+        ($($t:ty),* $(,)?) => {$(
+            // SAFETY: #[repr(C)], only integer fields, explicit padding: checked by the
+            // layout tests below (size == sum of field sizes).
+            unsafe impl bytemuck::Zeroable for $t {}
+            unsafe impl bytemuck::Pod for $t {}
+            unsafe impl aya::Pod for $t {}
+        )*};
+    }
+
+    pod!(
+        Svc4Key,
+        Svc6Key,
+        SvcValue,
+        Backend4,
+        Backend6,
+        RevNat4,
+        RevNat6,
+        SockRevNat4Key,
+        SockRevNat6Key,
+        SockRevNat4,
+        SockRevNat6,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::{align_of, size_of};
+
+    /// Size equals the sum of the field sizes: no implicit padding anywhere, which the
+    /// kernel needs (hash keys are compared byte by byte, padding would be garbage).
+    macro_rules! assert_layout {
+        ($t:ty, size $size:expr, align $align:expr, fields [$($f:ty),*]) => {
+            assert_eq!(size_of::<$t>(), $size, stringify!($t));
+            assert_eq!(align_of::<$t>(), $align, stringify!($t));
+            assert_eq!(0 $(+ size_of::<$f>())*, $size, concat!(stringify!($t), " has implicit padding"));
+        };
+    }
+
+    #[test]
+    fn abi_sizes_and_no_implicit_padding() {
+        assert_layout!(Svc4Key, size 12, align 4, fields [u32, u16, u16, u8, [u8; 3]]);
+        assert_layout!(Svc6Key, size 24, align 4, fields [[u32; 4], u16, u16, u8, [u8; 3]]);
+        assert_layout!(SvcValue, size 16, align 4, fields [u32, u32, u16, u16, u32]);
+        assert_layout!(Backend4, size 8, align 4, fields [u32, u16, u8, u8]);
+        assert_layout!(Backend6, size 20, align 4, fields [[u32; 4], u16, u8, u8]);
+        assert_layout!(RevNat4, size 8, align 4, fields [u32, u16, u8, u8]);
+        assert_layout!(RevNat6, size 20, align 4, fields [[u32; 4], u16, u8, u8]);
+        assert_layout!(SockRevNat4Key, size 16, align 8, fields [u64, u32, u16, u16]);
+        assert_layout!(SockRevNat6Key, size 32, align 8, fields [u64, [u32; 4], u16, [u8; 6]]);
+        assert_layout!(SockRevNat4, size 12, align 4, fields [u32, u16, u16, u32]);
+        assert_layout!(SockRevNat6, size 24, align 4, fields [[u32; 4], u16, u16, u32]);
+    }
+
+    #[test]
+    fn field_offsets_are_fixed() {
+        assert_eq!(core::mem::offset_of!(Svc4Key, port), 4);
+        assert_eq!(core::mem::offset_of!(Svc4Key, slot), 6);
+        assert_eq!(core::mem::offset_of!(Svc4Key, proto), 8);
+        assert_eq!(core::mem::offset_of!(Svc6Key, port), 16);
+        assert_eq!(core::mem::offset_of!(SvcValue, count), 8);
+        assert_eq!(core::mem::offset_of!(SockRevNat6Key, addr), 8);
+    }
+
+    #[test]
+    fn reasons_are_dense_and_named_uniquely() {
+        for (i, r) in Reason::ALL.iter().enumerate() {
+            assert_eq!(*r as u32, i as u32);
+            for other in &Reason::ALL[i + 1..] {
+                assert_ne!(r.name(), other.name());
+            }
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! Frontend lookup, equal-weight backend selection and the reverse path, written once over
+//! [`Family`] and instantiated for IPv4 ([`V4`]) and IPv6 ([`V6`]) (cilium's `lb4_*`/`lb6_*`,
+//! without the copy). Addresses and ports stay in network byte order throughout.
+
+use aya_ebpf::helpers::bpf_get_prandom_u32;
+use proxy_common::{
+    Reason, SockRevNat4, SockRevNat4Key, SockRevNat6, SockRevNat6Key, Svc4Key, Svc6Key,
+    SvcValue,
+};
+
+use crate::maps::{
+    count_backend, BACKEND4, BACKEND6, SOCK_REVNAT4, SOCK_REVNAT6, SVC4, SVC6,
+};
+
+/// One address family's maps.
+pub trait Family {
+    type Addr: Copy + PartialEq;
+
+    /// The `SVC` entry for `slot` of frontend `addr:port/proto`.
+    fn svc(addr: Self::Addr, port: u16, proto: u8, slot: u16) -> Option<SvcValue>;
+    /// The backend's address and port.
+    fn backend(id: u32) -> Option<(Self::Addr, u16)>;
+    /// The frontend `(addr, port, service_id)` this socket asked for when it went to
+    /// `backend`.
+    fn rev_get(cookie: u64, addr: Self::Addr, port: u16) -> Option<(Self::Addr, u16, u32)>;
+    /// Records (or refreshes) the reverse entry.
+    fn rev_put(cookie: u64, backend: (Self::Addr, u16), front: (Self::Addr, u16), id: u32)
+        -> Result<(), i32>;
+    /// Deletes a stale reverse entry.
+    fn rev_del(cookie: u64, addr: Self::Addr, port: u16);
+}
+
+pub struct V4;
+pub struct V6;
+
+impl Family for V4 {
+    type Addr = u32;
+
+    #[inline(always)]
+    fn svc(addr: u32, port: u16, proto: u8, slot: u16) -> Option<SvcValue> {
+        // SAFETY: the value is copied out at once.
+        unsafe { SVC4.get(&Svc4Key::new(addr, port, proto, slot)).copied() }
+    }
+
+    #[inline(always)]
+    fn backend(id: u32) -> Option<(u32, u16)> {
+        // SAFETY: copied out at once.
+        unsafe { BACKEND4.get(&id).map(|b| (b.addr, b.port)) }
+    }
+
+    #[inline(always)]
+    fn rev_get(cookie: u64, addr: u32, port: u16) -> Option<(u32, u16, u32)> {
+        let key = SockRevNat4Key { cookie, addr, port, _pad: 0 };
+        // SAFETY: copied out at once.
+        unsafe { SOCK_REVNAT4.get(&key).map(|v| (v.addr, v.port, v.service_id)) }
+    }
+
+    #[inline(always)]
+    fn rev_put(cookie: u64, b: (u32, u16), f: (u32, u16), id: u32) -> Result<(), i32> {
+        let key = SockRevNat4Key { cookie, addr: b.0, port: b.1, _pad: 0 };
+        let val = SockRevNat4 { addr: f.0, port: f.1, _pad: 0, service_id: id };
+        SOCK_REVNAT4.insert(&key, &val, 0)
+    }
+
+    #[inline(always)]
+    fn rev_del(cookie: u64, addr: u32, port: u16) {
+        let _ = SOCK_REVNAT4.remove(&SockRevNat4Key { cookie, addr, port, _pad: 0 });
+    }
+}
+
+impl Family for V6 {
+    type Addr = [u32; 4];
+
+    #[inline(always)]
+    fn svc(addr: [u32; 4], port: u16, proto: u8, slot: u16) -> Option<SvcValue> {
+        // SAFETY: copied out at once.
+        unsafe { SVC6.get(&Svc6Key::new(addr, port, proto, slot)).copied() }
+    }
+
+    #[inline(always)]
+    fn backend(id: u32) -> Option<([u32; 4], u16)> {
+        // SAFETY: copied out at once.
+        unsafe { BACKEND6.get(&id).map(|b| (b.addr, b.port)) }
+    }
+
+    #[inline(always)]
+    fn rev_get(cookie: u64, addr: [u32; 4], port: u16) -> Option<([u32; 4], u16, u32)> {
+        let key = SockRevNat6Key { cookie, addr, port, _pad: [0; 6] };
+        // SAFETY: copied out at once.
+        unsafe { SOCK_REVNAT6.get(&key).map(|v| (v.addr, v.port, v.service_id)) }
+    }
+
+    #[inline(always)]
+    fn rev_put(cookie: u64, b: ([u32; 4], u16), f: ([u32; 4], u16), id: u32) -> Result<(), i32> {
+        let key = SockRevNat6Key { cookie, addr: b.0, port: b.1, _pad: [0; 6] };
+        let val = SockRevNat6 { addr: f.0, port: f.1, _pad: 0, service_id: id };
+        SOCK_REVNAT6.insert(&key, &val, 0)
+    }
+
+    #[inline(always)]
+    fn rev_del(cookie: u64, addr: [u32; 4], port: u16) {
+        let _ = SOCK_REVNAT6.remove(&SockRevNat6Key { cookie, addr, port, _pad: [0; 6] });
+    }
+}
+
+/// The outcome of the forward path when the destination was a frontend.
+pub struct Fwd<A> {
+    pub addr: A,
+    pub port: u16,
+}
+
+/// Forward translation: frontend -> one of its backends, chosen with equal weight
+/// (slot = 1 + random % count: one lookup where iptables walks a statistic chain).
+/// `Ok(None)`: not a frontend. `Err(NoBackend)`: the caller must refuse the syscall.
+#[inline(always)]
+pub fn xlate_fwd<F: Family>(
+    addr: F::Addr,
+    port: u16,
+    proto: u8,
+    cookie: u64,
+) -> Result<Option<Fwd<F::Addr>>, Reason> {
+    let Some(front) = F::svc(addr, port, proto, 0) else {
+        return Ok(None);
+    };
+    if front.count == 0 {
+        return Err(Reason::NoBackend);
+    }
+    // SAFETY: helper without preconditions.
+    let rnd = unsafe { bpf_get_prandom_u32() };
+    let slot = (rnd % u32::from(front.count)) as u16 + 1;
+    let slot_entry = F::svc(addr, port, proto, slot).ok_or(Reason::BackendMissing)?;
+    let (baddr, bport) = F::backend(slot_entry.backend_id).ok_or(Reason::BackendMissing)?;
+    count_backend(slot_entry.backend_id);
+
+    // Remember the frontend for recvmsg/getpeername; write only when it changed (a UDP
+    // socket sending many datagrams to the same backend writes once).
+    let fresh = match F::rev_get(cookie, baddr, bport) {
+        Some((a, p, id)) => !(a == addr && p == port && id == front.service_id),
+        None => true,
+    };
+    if fresh && F::rev_put(cookie, (baddr, bport), (addr, port), front.service_id).is_err() {
+        crate::maps::count(Reason::RevNatUpdateFailed);
+    }
+    Ok(Some(Fwd { addr: baddr, port: bport }))
+}
+
+/// Reverse translation for `recvmsg` (a reply's source) and `getpeername` (a connected
+/// socket's peer): backend -> the frontend this socket asked for, if that frontend still
+/// exists with the same service id. `Ok(None)`: nothing to do.
+#[inline(always)]
+pub fn xlate_rev<F: Family>(
+    addr: F::Addr,
+    port: u16,
+    proto: u8,
+    cookie: u64,
+) -> Result<Option<Fwd<F::Addr>>, Reason> {
+    let Some((faddr, fport, id)) = F::rev_get(cookie, addr, port) else {
+        return Err(Reason::RevNatMiss);
+    };
+    match F::svc(faddr, fport, proto, 0) {
+        Some(front) if front.service_id == id => Ok(Some(Fwd { addr: faddr, port: fport })),
+        _ => {
+            F::rev_del(cookie, addr, port);
+            Err(Reason::RevNatStale)
+        }
+    }
+}

@@ -1,0 +1,23 @@
+//! The kernel side of ebpf-proxy: socket-level load balancing at the cgroup hooks.
+//!
+//! - `maps`: every map, with its purpose (sizes in `proxy_common::limits`);
+//! - `lb`: frontend lookup, equal-weight backend selection and the reverse path,
+//!   written once over an address family trait and instantiated for v4 and v6;
+//! - `sock`: the eight cgroup `sock_addr` hooks, each a thin shell around `lb`.
+#![no_std]
+#![no_main]
+
+mod lb;
+mod maps;
+mod sock;
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+/// GPL-compatible so GPL-only helpers stay available.
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

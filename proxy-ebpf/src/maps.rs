@@ -1,0 +1,83 @@
+//! Every map the programs use. All are pinned by name under the agent's pin directory, so
+//! the datapath keeps its state while the agent restarts. Sizes: `proxy_common::limits`.
+
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    macros::map,
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
+};
+use proxy_common::{
+    limits::*, Backend4, Backend6, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat4Key,
+    SockRevNat6, SockRevNat6Key, Svc4Key, Svc6Key, SvcValue,
+};
+
+/// IPv4 frontends (slot 0) and their backend slots (1..=count).
+#[map]
+pub static SVC4: HashMap<Svc4Key, SvcValue> =
+    HashMap::pinned(MAX_SVC_ENTRIES, BPF_F_NO_PREALLOC);
+
+/// IPv6 frontends and their backend slots.
+#[map]
+pub static SVC6: HashMap<Svc6Key, SvcValue> =
+    HashMap::pinned(MAX_SVC_ENTRIES, BPF_F_NO_PREALLOC);
+
+/// Backend id -> IPv4 endpoint, shared by all frontends that use it.
+#[map]
+pub static BACKEND4: HashMap<u32, Backend4> = HashMap::pinned(MAX_BACKENDS, BPF_F_NO_PREALLOC);
+
+/// Backend id -> IPv6 endpoint.
+#[map]
+pub static BACKEND6: HashMap<u32, Backend6> = HashMap::pinned(MAX_BACKENDS, BPF_F_NO_PREALLOC);
+
+/// Service id -> IPv4 frontend (reply translation, CLI).
+#[map]
+pub static REVNAT4: HashMap<u32, RevNat4> = HashMap::pinned(MAX_REVNAT, BPF_F_NO_PREALLOC);
+
+/// Service id -> IPv6 frontend.
+#[map]
+pub static REVNAT6: HashMap<u32, RevNat6> = HashMap::pinned(MAX_REVNAT, BPF_F_NO_PREALLOC);
+
+/// Which frontend a socket asked for when it was sent to a given IPv4 backend.
+#[map]
+pub static SOCK_REVNAT4: LruHashMap<SockRevNat4Key, SockRevNat4> =
+    LruHashMap::pinned(MAX_SOCK_REVNAT, 0);
+
+/// Which frontend a socket asked for when it was sent to a given IPv6 backend.
+#[map]
+pub static SOCK_REVNAT6: LruHashMap<SockRevNat6Key, SockRevNat6> =
+    LruHashMap::pinned(MAX_SOCK_REVNAT, 0);
+
+/// Outcome counters, indexed by `Reason`.
+#[map]
+pub static STATS: PerCpuArray<u64> = PerCpuArray::pinned(Reason::COUNT, 0);
+
+/// Selections per backend id (connections for TCP and connected UDP, datagrams for
+/// unconnected UDP). The writer deletes the entry when it frees the id.
+#[map]
+pub static BACKEND_CONNS: PerCpuHashMap<u32, u64> =
+    PerCpuHashMap::pinned(MAX_BACKENDS, BPF_F_NO_PREALLOC);
+
+/// `[ABI_VERSION, ..]`, written by the loader; unused by the programs.
+#[map]
+pub static META: Array<u32> = Array::pinned(META_ENTRIES, 0);
+
+/// Counts one outcome.
+#[inline(always)]
+pub fn count(reason: Reason) {
+    if let Some(c) = STATS.get_ptr_mut(reason as u32) {
+        // SAFETY: per-CPU slot, this program is not preempted on its CPU.
+        unsafe { *c += 1 };
+    }
+}
+
+/// Counts one selection of `backend_id`.
+#[inline(always)]
+pub fn count_backend(backend_id: u32) {
+    match BACKEND_CONNS.get_ptr_mut(backend_id) {
+        // SAFETY: per-CPU value.
+        Some(c) => unsafe { *c += 1 },
+        None => {
+            let _ = BACKEND_CONNS.insert(backend_id, 1, 0);
+        }
+    }
+}

@@ -1,0 +1,252 @@
+//! The cgroup `sock_addr` hooks. Each is a shell around one worker that reads the
+//! destination from the context, runs `lb::xlate_fwd`/`xlate_rev` and writes the result
+//! back. The syscall always proceeds (return 1) except for a frontend with no backends,
+//! which is refused with ECONNREFUSED, as kube-proxy's REJECT rule does.
+//!
+//! Context fields are read and written with 4-byte volatile accesses: the verifier
+//! rejects narrower loads of `user_port` ("invalid bpf_context access") and LLVM would
+//! otherwise merge or split them.
+
+use aya_ebpf::{
+    bindings::bpf_sock_addr,
+    helpers::{bpf_get_socket_cookie, generated::bpf_set_retval},
+    macros::cgroup_sock_addr,
+    programs::SockAddrContext,
+    EbpfContext,
+};
+use core::ptr::{read_volatile, write_volatile};
+use proxy_common::{proto, Reason};
+
+use crate::{
+    lb::{xlate_fwd, xlate_rev, Fwd, V4, V6},
+    maps::count,
+};
+
+/// What the hook returns to the kernel.
+const ALLOW: i32 = 1;
+const REJECT: i32 = 0;
+const ECONNREFUSED: i32 = 111;
+
+/// `::ffff:0:0/96` as the third network-order word of `user_ip6`.
+const V4_MAPPED_WORD: u32 = u32::from_be(0x0000_ffff);
+
+#[cgroup_sock_addr(connect4)]
+pub fn sock4_connect(ctx: SockAddrContext) -> i32 {
+    fwd4(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sock4_sendmsg(ctx: SockAddrContext) -> i32 {
+    fwd4(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn sock4_recvmsg(ctx: SockAddrContext) -> i32 {
+    rev4(&ctx);
+    ALLOW
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn sock4_getpeer(ctx: SockAddrContext) -> i32 {
+    rev4(&ctx);
+    ALLOW
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn sock6_connect(ctx: SockAddrContext) -> i32 {
+    fwd6(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sock6_sendmsg(ctx: SockAddrContext) -> i32 {
+    fwd6(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn sock6_recvmsg(ctx: SockAddrContext) -> i32 {
+    rev6(&ctx);
+    ALLOW
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn sock6_getpeer(ctx: SockAddrContext) -> i32 {
+    rev6(&ctx);
+    ALLOW
+}
+
+/// The socket's L4 protocol, if it is one we balance.
+#[inline(always)]
+fn l4_proto(sa: *mut bpf_sock_addr) -> Option<u8> {
+    // SAFETY: ctx pointer from the kernel; 4-byte field.
+    let p = unsafe { read_volatile(&raw const (*sa).protocol) };
+    match p as u8 {
+        proto::TCP | proto::UDP => Some(p as u8),
+        _ => None,
+    }
+}
+
+#[inline(always)]
+fn cookie(ctx: &SockAddrContext) -> u64 {
+    // SAFETY: valid for sock_addr programs.
+    unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
+}
+
+#[inline(always)]
+fn read_port(sa: *mut bpf_sock_addr) -> u16 {
+    // SAFETY: 4-byte access; the network-order port is in the low 16 bits.
+    unsafe { read_volatile(&raw const (*sa).user_port) as u16 }
+}
+
+#[inline(always)]
+fn write_port(sa: *mut bpf_sock_addr, port: u16) {
+    // SAFETY: 4-byte access.
+    unsafe { write_volatile(&raw mut (*sa).user_port, u32::from(port)) }
+}
+
+#[inline(always)]
+fn read_ip6(sa: *mut bpf_sock_addr) -> [u32; 4] {
+    // SAFETY: four 4-byte accesses (the verifier allows no wider one).
+    unsafe {
+        [
+            read_volatile(&raw const (*sa).user_ip6[0]),
+            read_volatile(&raw const (*sa).user_ip6[1]),
+            read_volatile(&raw const (*sa).user_ip6[2]),
+            read_volatile(&raw const (*sa).user_ip6[3]),
+        ]
+    }
+}
+
+#[inline(always)]
+fn write_ip6(sa: *mut bpf_sock_addr, a: [u32; 4]) {
+    // SAFETY: four 4-byte accesses.
+    unsafe {
+        write_volatile(&raw mut (*sa).user_ip6[0], a[0]);
+        write_volatile(&raw mut (*sa).user_ip6[1], a[1]);
+        write_volatile(&raw mut (*sa).user_ip6[2], a[2]);
+        write_volatile(&raw mut (*sa).user_ip6[3], a[3]);
+    }
+}
+
+#[inline(always)]
+fn is_v4_mapped(a: &[u32; 4]) -> bool {
+    a[0] == 0 && a[1] == 0 && a[2] == V4_MAPPED_WORD
+}
+
+/// Maps a forward result to the hook's return value, counting the outcome.
+#[inline(always)]
+fn fwd_verdict<A>(r: Result<Option<Fwd<A>>, Reason>, write: impl FnOnce(Fwd<A>)) -> i32 {
+    match r {
+        Ok(Some(to)) => {
+            write(to);
+            count(Reason::Translated);
+            ALLOW
+        }
+        Ok(None) => {
+            count(Reason::NoService);
+            ALLOW
+        }
+        Err(Reason::NoBackend) => {
+            count(Reason::NoBackend);
+            // SAFETY: cgroup hook; makes connect()/sendmsg() return -ECONNREFUSED
+            // instead of the default -EPERM for a rejected call.
+            unsafe { bpf_set_retval(-ECONNREFUSED) };
+            REJECT
+        }
+        Err(other) => {
+            count(other);
+            ALLOW
+        }
+    }
+}
+
+/// Maps a reverse result, counting the outcome.
+#[inline(always)]
+fn rev_apply<A>(r: Result<Option<Fwd<A>>, Reason>, write: impl FnOnce(Fwd<A>)) {
+    match r {
+        Ok(Some(front)) => {
+            write(front);
+            count(Reason::RevTranslated);
+        }
+        Ok(None) => {}
+        Err(reason) => count(reason),
+    }
+}
+
+#[inline(always)]
+fn fwd4(ctx: &SockAddrContext) -> i32 {
+    let sa = ctx.sock_addr;
+    let Some(proto) = l4_proto(sa) else {
+        count(Reason::UnsupportedProto);
+        return ALLOW;
+    };
+    // SAFETY: 4-byte ctx field.
+    let addr = unsafe { read_volatile(&raw const (*sa).user_ip4) };
+    let r = xlate_fwd::<V4>(addr, read_port(sa), proto, cookie(ctx));
+    fwd_verdict(r, |to| {
+        // SAFETY: 4-byte ctx field.
+        unsafe { write_volatile(&raw mut (*sa).user_ip4, to.addr) };
+        write_port(sa, to.port);
+    })
+}
+
+#[inline(always)]
+fn rev4(ctx: &SockAddrContext) {
+    let sa = ctx.sock_addr;
+    let Some(proto) = l4_proto(sa) else { return };
+    // SAFETY: 4-byte ctx field.
+    let addr = unsafe { read_volatile(&raw const (*sa).user_ip4) };
+    let r = xlate_rev::<V4>(addr, read_port(sa), proto, cookie(ctx));
+    rev_apply(r, |front| {
+        // SAFETY: 4-byte ctx field.
+        unsafe { write_volatile(&raw mut (*sa).user_ip4, front.addr) };
+        write_port(sa, front.port);
+    })
+}
+
+/// IPv6 sockets; a v4-mapped destination (`::ffff:a.b.c.d` on a dual-stack socket)
+/// takes the IPv4 maps and is written back v4-mapped.
+#[inline(always)]
+fn fwd6(ctx: &SockAddrContext) -> i32 {
+    let sa = ctx.sock_addr;
+    let Some(proto) = l4_proto(sa) else {
+        count(Reason::UnsupportedProto);
+        return ALLOW;
+    };
+    let addr = read_ip6(sa);
+    let port = read_port(sa);
+    let cookie = cookie(ctx);
+    if is_v4_mapped(&addr) {
+        let r = xlate_fwd::<V4>(addr[3], port, proto, cookie);
+        return fwd_verdict(r, |to| {
+            write_ip6(sa, [0, 0, V4_MAPPED_WORD, to.addr]);
+            write_port(sa, to.port);
+        });
+    }
+    let r = xlate_fwd::<V6>(addr, port, proto, cookie);
+    fwd_verdict(r, |to| {
+        write_ip6(sa, to.addr);
+        write_port(sa, to.port);
+    })
+}
+
+#[inline(always)]
+fn rev6(ctx: &SockAddrContext) {
+    let sa = ctx.sock_addr;
+    let Some(proto) = l4_proto(sa) else { return };
+    let addr = read_ip6(sa);
+    let port = read_port(sa);
+    let cookie = cookie(ctx);
+    if is_v4_mapped(&addr) {
+        let r = xlate_rev::<V4>(addr[3], port, proto, cookie);
+        return rev_apply(r, |front| {
+            write_ip6(sa, [0, 0, V4_MAPPED_WORD, front.addr]);
+            write_port(sa, front.port);
+        });
+    }
+    let r = xlate_rev::<V6>(addr, port, proto, cookie);
+    rev_apply(r, |front| {
+        write_ip6(sa, front.addr);
+        write_port(sa, front.port);
+    })
+}
+

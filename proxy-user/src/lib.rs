@@ -1,0 +1,18 @@
+//! User space of ebpf-proxy: the model of what the maps hold, the writer that keeps them
+//! in step, the store over the pinned BPF maps, and the loader. Used by `proxy-agent`,
+//! `proxyctl` and the integration tests.
+
+pub mod bpf;
+pub mod cgroup;
+pub mod loader;
+pub mod model;
+pub mod store;
+pub mod writer;
+
+pub(crate) use loader::fs_magic;
+
+pub use bpf::BpfMaps;
+pub use loader::{install, uninstall, InstallOptions, DEFAULT_PIN_PATH};
+pub use model::{Backend, Frontend, Proto, ServiceEntry};
+pub use store::{MapStore, MemStore};
+pub use writer::Writer;

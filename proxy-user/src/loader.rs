@@ -1,0 +1,322 @@
+//! Loading, attaching, pinning, adopting and removing the datapath.
+//!
+//! Layout under the pin directory (default `/sys/fs/bpf/ebpf-proxy`):
+//! - one file per map (`SVC4`, `BACKEND4`, ... see `proxy_common::map_names`);
+//! - `links/<program>`: one pinned link per cgroup hook, which keeps the hook attached
+//!   while no agent runs.
+//!
+//! A second [`install`] adopts: hooks whose link is pinned are left exactly as they are
+//! (no reload, no gap in service); only missing ones are loaded and attached, sharing
+//! the pinned maps.
+
+use std::{
+    fs, io,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    maps::{Array, MapData},
+    programs::{links::FdLink, links::PinnedLink, CgroupAttachMode, CgroupSockAddr},
+    EbpfLoader,
+};
+use proxy_common::{map_names, meta, ABI_VERSION};
+use tracing::{debug, info, warn};
+
+use crate::{bpf, cgroup};
+
+/// Default pin directory.
+pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/ebpf-proxy";
+
+/// The eBPF object built by `build.rs` (empty when built with the stub switch).
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
+
+/// The cgroup hooks, by program name (the function names in `proxy-ebpf/src/sock.rs`).
+pub const SOCK_PROGRAMS: [&str; 8] = [
+    "sock4_connect",
+    "sock4_sendmsg",
+    "sock4_recvmsg",
+    "sock4_getpeer",
+    "sock6_connect",
+    "sock6_sendmsg",
+    "sock6_recvmsg",
+    "sock6_getpeer",
+];
+
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Loading or removing the datapath failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("{path} is not on a bpf filesystem: mount one with `mount -t bpf bpf /sys/fs/bpf` \
+             (or run `cargo xtask setup`)")]
+    NotBpffs { path: PathBuf },
+    #[error("this binary was built without the eBPF object (bpf-linker was missing): \
+             run `cargo xtask build`")]
+    NoObject,
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    Open(#[from] bpf::OpenError),
+    #[error("loading the eBPF object: {0}")]
+    Ebpf(#[from] aya::EbpfError),
+    #[error("program {name}: {source}")]
+    Program {
+        name: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("map {name}: {source}")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("pinning {path}: {source}")]
+    Pin {
+        path: PathBuf,
+        #[source]
+        source: aya::pin::PinError,
+    },
+    #[error("pinned link {path}: {source}")]
+    Link {
+        path: PathBuf,
+        #[source]
+        source: aya::programs::links::LinkError,
+    },
+}
+
+fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> LoadError {
+    let path = path.to_owned();
+    move |source| LoadError::Io { what, path, source }
+}
+
+/// Where to install.
+#[derive(Clone, Debug)]
+pub struct InstallOptions {
+    /// bpffs directory for the pins.
+    pub pin_path: PathBuf,
+    /// cgroup v2 directory the socket hooks attach to; `None`: the root of the host's
+    /// cgroup2 mount.
+    pub cgroup: Option<PathBuf>,
+}
+
+/// What [`install`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InstallReport {
+    /// Hooks found pinned and left running.
+    pub adopted: Vec<&'static str>,
+    /// Hooks loaded and attached now.
+    pub attached: Vec<&'static str>,
+    /// The cgroup the new hooks were attached to.
+    pub cgroup: Option<PathBuf>,
+}
+
+/// What [`uninstall`] removed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UninstallReport {
+    pub links: Vec<String>,
+    pub maps: Vec<String>,
+}
+
+/// The filesystem magic of `path` (statfs `f_type`).
+pub(crate) fn fs_magic(path: &Path) -> io::Result<i64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: statfs on a NUL-terminated path into a zeroed struct.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    #[allow(clippy::unnecessary_cast, reason = "f_type's width differs by target")]
+    Ok(st.f_type as i64)
+}
+
+fn link_dir(pin_path: &Path) -> PathBuf {
+    pin_path.join("links")
+}
+
+/// Loads and attaches whatever is not already pinned, and pins it.
+pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
+    let pin_path = &opts.pin_path;
+    let parent = pin_path.parent().unwrap_or(Path::new("/"));
+    let on_bpffs = fs_magic(if pin_path.exists() { pin_path } else { parent })
+        .map_err(io_err("checking", parent))?;
+    if on_bpffs != BPF_FS_MAGIC {
+        return Err(LoadError::NotBpffs {
+            path: pin_path.clone(),
+        });
+    }
+    fs::create_dir_all(link_dir(pin_path)).map_err(io_err("creating", pin_path))?;
+
+    // Maps of another ABI would be misread by the new programs: refuse.
+    if pin_path.join(map_names::META).exists() {
+        let found = bpf::read_abi_version(pin_path)?;
+        if found != ABI_VERSION {
+            return Err(bpf::OpenError::Abi {
+                dir: pin_path.clone(),
+                found,
+                expected: ABI_VERSION,
+            }
+            .into());
+        }
+    }
+
+    let mut report = InstallReport::default();
+    let missing: Vec<&'static str> = SOCK_PROGRAMS
+        .iter()
+        .copied()
+        .filter(|name| {
+            let pinned = link_dir(pin_path).join(name).exists();
+            if pinned {
+                report.adopted.push(*name);
+            }
+            !pinned
+        })
+        .collect();
+    if missing.is_empty() {
+        info!(pin_path = %pin_path.display(), "adopted the pinned datapath");
+        return Ok(report);
+    }
+    if EBPF_OBJECT.is_empty() {
+        return Err(LoadError::NoObject);
+    }
+    bump_memlock_rlimit();
+
+    let cgroup_dir = match &opts.cgroup {
+        Some(dir) => dir.clone(),
+        None => cgroup::cgroup2_mount().map_err(io_err("finding cgroup2", Path::new("/proc/self/mountinfo")))?,
+    };
+    cgroup::check_cgroup2_dir(&cgroup_dir).map_err(io_err("checking", &cgroup_dir))?;
+
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(pin_path)
+        .load(EBPF_OBJECT)?;
+    {
+        let map = ebpf.map_mut(map_names::META).ok_or(LoadError::Map {
+            name: map_names::META,
+            source: aya::maps::MapError::InvalidName {
+                name: map_names::META.into(),
+            },
+        })?;
+        let mut meta: Array<&mut MapData, u32> =
+            Array::try_from(map).map_err(|source| LoadError::Map {
+                name: map_names::META,
+                source,
+            })?;
+        meta.set(meta::ABI_VERSION, ABI_VERSION, 0)
+            .map_err(|source| LoadError::Map {
+                name: map_names::META,
+                source,
+            })?;
+    }
+
+    let mut pinned_now: Vec<PathBuf> = Vec::new();
+    let result = (|| {
+        for name in &missing {
+            let prog_err = |source| LoadError::Program { name, source };
+            let cgroup_file =
+                fs::File::open(&cgroup_dir).map_err(io_err("opening cgroup", &cgroup_dir))?;
+            let prog: &mut CgroupSockAddr = ebpf
+                .program_mut(name)
+                .ok_or(LoadError::Program {
+                    name,
+                    source: aya::programs::ProgramError::UnexpectedProgramType,
+                })?
+                .try_into()
+                .map_err(prog_err)?;
+            prog.load().map_err(prog_err)?;
+            let link_id = prog
+                .attach(cgroup_file, CgroupAttachMode::AllowMultiple)
+                .map_err(prog_err)?;
+            let link = prog.take_link(link_id).map_err(prog_err)?;
+            let fd_link: FdLink = link.try_into().map_err(|source| LoadError::Link {
+                path: cgroup_dir.clone(),
+                source,
+            })?;
+            let path = link_dir(pin_path).join(name);
+            fd_link.pin(&path).map_err(|source| LoadError::Pin {
+                path: path.clone(),
+                source,
+            })?;
+            pinned_now.push(path);
+            debug!(program = name, cgroup = %cgroup_dir.display(), "attached");
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        // Leave no half-installed hook set behind from this call.
+        for path in pinned_now {
+            if let Ok(link) = PinnedLink::from_pin(&path) {
+                let _ = link.unpin();
+            }
+        }
+        return Err(e);
+    }
+    report.attached = missing;
+    report.cgroup = Some(cgroup_dir);
+    info!(
+        pin_path = %pin_path.display(),
+        attached = report.attached.len(),
+        adopted = report.adopted.len(),
+        "datapath installed"
+    );
+    Ok(report)
+}
+
+/// Detaches every hook and removes every pin this project made under `pin_path`.
+/// Files it does not know are left alone (and reported as an error).
+pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
+    let mut report = UninstallReport::default();
+    if !pin_path.exists() {
+        return Ok(report);
+    }
+    let links = link_dir(pin_path);
+    for name in SOCK_PROGRAMS {
+        let path = links.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let link = PinnedLink::from_pin(&path).map_err(|source| LoadError::Link {
+            path: path.clone(),
+            source,
+        })?;
+        // Unpinning drops the last reference once the returned fd closes: detached.
+        drop(link.unpin().map_err(io_err("unpinning", &path))?);
+        report.links.push(name.to_string());
+    }
+    if links.exists() {
+        fs::remove_dir(&links).map_err(io_err("removing (unknown files left?)", &links))?;
+    }
+    for name in map_names::ALL {
+        let path = pin_path.join(name);
+        if path.exists() {
+            fs::remove_file(&path).map_err(io_err("unpinning", &path))?;
+            report.maps.push(name.to_string());
+        }
+    }
+    fs::remove_dir(pin_path).map_err(io_err("removing (unknown files left?)", pin_path))?;
+    info!(pin_path = %pin_path.display(), links = report.links.len(), maps = report.maps.len(), "datapath removed");
+    Ok(report)
+}
+
+/// Raises RLIMIT_MEMLOCK for kernels that still charge BPF memory to it (< 5.11).
+/// Newer kernels use memcg accounting; failing here is then harmless.
+fn bump_memlock_rlimit() {
+    let rlim = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: plain syscall with a valid struct.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &rlim) } != 0 {
+        warn!(
+            error = %io::Error::last_os_error(),
+            "could not raise RLIMIT_MEMLOCK (fine on kernels >= 5.11)"
+        );
+    }
+}
