@@ -231,8 +231,11 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
                 .try_into()
                 .map_err(prog_err)?;
             prog.load().map_err(prog_err)?;
+            // With BPF links (kernel >= 5.7) the kernel requires flags == 0 (`Single`)
+            // and still lets other programs' links share the hook ("Invalid argument"
+            // otherwise).
             let link_id = prog
-                .attach(cgroup_file, CgroupAttachMode::AllowMultiple)
+                .attach(cgroup_file, CgroupAttachMode::Single)
                 .map_err(prog_err)?;
             let link = prog.take_link(link_id).map_err(prog_err)?;
             let fd_link: FdLink = link.try_into().map_err(|source| LoadError::Link {

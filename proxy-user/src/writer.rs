@@ -73,32 +73,50 @@ struct Programmed {
     slots: Vec<u32>,
 }
 
-/// Allocates the lowest free id, starting at 1 (0 means "none" in the maps).
-#[derive(Debug, Default)]
+/// Allocates the lowest free id, starting at 1 (0 means "none" in the maps), in
+/// O(log n): ids below `next` that were freed wait in `free`.
+#[derive(Debug)]
 struct IdAlloc {
-    used: BTreeSet<u32>,
+    next: u32,
+    free: BTreeSet<u32>,
+}
+
+impl Default for IdAlloc {
+    fn default() -> Self {
+        Self {
+            next: 1,
+            free: BTreeSet::new(),
+        }
+    }
 }
 
 impl IdAlloc {
     fn alloc(&mut self) -> u32 {
-        // Ids are dense: the first gap below len+1 is the lowest free one.
-        let mut candidate = 1;
-        for &id in &self.used {
-            if id != candidate {
-                break;
-            }
-            candidate += 1;
-        }
-        self.used.insert(candidate);
-        candidate
+        self.free.pop_first().unwrap_or_else(|| {
+            self.next += 1;
+            self.next - 1
+        })
     }
 
     fn free(&mut self, id: u32) {
-        self.used.remove(&id);
+        if id + 1 == self.next {
+            self.next -= 1;
+            while self.next > 1 && self.free.remove(&(self.next - 1)) {
+                self.next -= 1;
+            }
+        } else if id < self.next {
+            self.free.insert(id);
+        }
     }
 
+    /// Marks an id found in use (adoption).
     fn mark(&mut self, id: u32) {
-        self.used.insert(id);
+        if id >= self.next {
+            self.free.extend(self.next..id);
+            self.next = id + 1;
+        } else {
+            self.free.remove(&id);
+        }
     }
 }
 

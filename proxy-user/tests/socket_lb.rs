@@ -1,0 +1,361 @@
+//! Privileged integration tests of the socket-level load balancer: the real programs in
+//! the real kernel, attached to a child cgroup holding this test process, real TCP/UDP
+//! servers in pod namespaces, a client in its own namespace (see `support`).
+//!
+//! Needs root; fails (never skips) without it. Serialized by the fixture's lock.
+
+mod support;
+
+use std::{
+    collections::BTreeMap,
+    io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpStream, UdpSocket},
+    time::{Duration, Instant},
+};
+
+use proxy_common::Reason;
+use proxy_user::{loader, BpfMaps, Frontend, MapStore, Proto, ServiceEntry, Writer};
+use support::{attached_programs, tcp_ask, udp_ask, TestEnv, Topology, SOCK_ATTACH_TYPES};
+
+const PORT: u16 = 8080;
+const VIP4: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+
+fn vip6() -> Ipv6Addr {
+    "fd00:96::10".parse().expect("v6")
+}
+
+fn pods_v4(n: usize) -> Vec<SocketAddr> {
+    (1..=n)
+        .map(|i| SocketAddr::new(IpAddr::V4(Topology::pod_v4(i)), PORT))
+        .collect()
+}
+
+fn pods_v6(n: usize) -> Vec<SocketAddr> {
+    (1..=n)
+        .map(|i| SocketAddr::new(IpAddr::V6(Topology::pod_v6(i)), PORT))
+        .collect()
+}
+
+fn install_service(env: &mut TestEnv, fe: Frontend, backends: Vec<SocketAddr>) {
+    env.writer()
+        .upsert(&ServiceEntry::new(fe, backends))
+        .expect("upsert");
+}
+
+/// Connects `n` times to `addr` and counts the answers per pod.
+fn spread(addr: SocketAddr, n: usize) -> BTreeMap<String, usize> {
+    let mut hits = BTreeMap::new();
+    for _ in 0..n {
+        let (pod, peer) = tcp_ask(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+        assert_eq!(peer, addr, "getpeername must show the service address");
+        *hits.entry(pod).or_insert(0) += 1;
+    }
+    hits
+}
+
+fn counter(maps: &BpfMaps, reason: Reason) -> u64 {
+    maps.stats()
+        .expect("stats")
+        .into_iter()
+        .find(|(r, _)| *r == reason)
+        .map(|(_, v)| v)
+        .expect("reason")
+}
+
+#[test]
+fn tcp_clusterip_spreads_evenly_over_three_backends() {
+    let mut env = TestEnv::new(3);
+    env.serve_all(PORT);
+    let fe = Frontend::new(VIP4, 80, Proto::Tcp);
+    install_service(&mut env, fe, pods_v4(3));
+
+    const N: usize = 3000;
+    let hits = env.in_client(|| spread(fe.socket_addr(), N));
+    assert_eq!(hits.keys().collect::<Vec<_>>(), ["pod1", "pod2", "pod3"]);
+    // Chi-square goodness of fit against equal weights, 2 degrees of freedom:
+    // p > 0.001 <=> chi2 < 13.816.
+    let expected = N as f64 / 3.0;
+    let chi2: f64 = hits
+        .values()
+        .map(|&o| (o as f64 - expected).powi(2) / expected)
+        .sum();
+    eprintln!("spread over {N} connections: {hits:?}, chi2 = {chi2:.3}");
+    assert!(chi2 < 13.816, "not equal-weight: {hits:?}, chi2 = {chi2:.3}");
+
+    // The datapath counted every decision: per backend and per outcome.
+    let maps = env.writer().store();
+    let per_backend: u64 = maps.backend_conns().expect("conns").values().sum();
+    assert_eq!(per_backend, N as u64);
+    let mut counts: Vec<u64> = maps.backend_conns().expect("conns").into_values().collect();
+    counts.sort_unstable();
+    let mut observed: Vec<u64> = hits.values().map(|&v| v as u64).collect();
+    observed.sort_unstable();
+    assert_eq!(counts, observed, "per-backend counters match what the clients saw");
+    assert!(counter(maps, Reason::Translated) >= N as u64);
+}
+
+#[test]
+fn udp_unconnected_replies_come_from_the_vip() {
+    let mut env = TestEnv::new(3);
+    env.serve_all(PORT);
+    let fe = Frontend::new(VIP4, 53, Proto::Udp);
+    install_service(&mut env, fe, pods_v4(3));
+
+    let pods = env.in_client(|| {
+        let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        sock.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
+        let mut pods = BTreeMap::new();
+        for _ in 0..60 {
+            let (pod, from) = udp_ask(&sock, fe.socket_addr()).expect("udp exchange");
+            assert_eq!(from, fe.socket_addr(), "the reply's source must be the VIP");
+            *pods.entry(pod).or_insert(0) += 1;
+        }
+        pods
+    });
+    // Each datagram is balanced on its own (sendmsg hook).
+    assert!(pods.len() >= 2, "datagrams all went to one pod: {pods:?}");
+    assert!(counter(env.writer().store(), Reason::RevTranslated) >= 60);
+}
+
+#[test]
+fn connected_udp_and_tcp_getpeername_show_the_vip() {
+    let mut env = TestEnv::new(2);
+    env.serve_all(PORT);
+    let udp = Frontend::new(VIP4, 53, Proto::Udp);
+    let tcp = Frontend::new(VIP4, 80, Proto::Tcp);
+    install_service(&mut env, udp, pods_v4(2));
+    install_service(&mut env, tcp, pods_v4(2));
+
+    env.in_client(|| {
+        let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        sock.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
+        sock.connect(udp.socket_addr()).expect("connect udp");
+        assert_eq!(sock.peer_addr().expect("peer"), udp.socket_addr());
+        // A connected socket keeps its backend: every answer comes from the same pod.
+        let mut answers = Vec::new();
+        for _ in 0..10 {
+            sock.send(b"who?").expect("send");
+            let mut buf = [0u8; 64];
+            let n = sock.recv(&mut buf).expect("recv");
+            answers.push(String::from_utf8_lossy(&buf[..n]).trim().to_string());
+        }
+        answers.dedup();
+        assert_eq!(answers.len(), 1, "connected UDP changed backend: {answers:?}");
+
+        let (_, peer) = tcp_ask(tcp.socket_addr()).expect("tcp");
+        assert_eq!(peer, tcp.socket_addr());
+    });
+}
+
+#[test]
+fn ipv6_clusterip_tcp_and_udp() {
+    let mut env = TestEnv::new(3);
+    env.serve_all(PORT);
+    let tcp = Frontend::new(vip6(), 80, Proto::Tcp);
+    let udp = Frontend::new(vip6(), 53, Proto::Udp);
+    install_service(&mut env, tcp, pods_v6(3));
+    install_service(&mut env, udp, pods_v6(3));
+
+    env.in_client(|| {
+        let hits = spread(tcp.socket_addr(), 300);
+        assert_eq!(hits.len(), 3, "all three v6 backends used: {hits:?}");
+        let sock = UdpSocket::bind("[::]:0").expect("bind");
+        sock.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
+        for _ in 0..20 {
+            let (_, from) = udp_ask(&sock, udp.socket_addr()).expect("udp6");
+            assert_eq!(from, udp.socket_addr());
+        }
+    });
+}
+
+#[test]
+fn v4_mapped_addresses_on_dual_stack_sockets_take_the_v4_path() {
+    let mut env = TestEnv::new(2);
+    env.serve_all(PORT);
+    let tcp = Frontend::new(VIP4, 80, Proto::Tcp);
+    let udp = Frontend::new(VIP4, 53, Proto::Udp);
+    install_service(&mut env, tcp, pods_v4(2));
+    install_service(&mut env, udp, pods_v4(2));
+
+    let mapped = |port| SocketAddr::V6(SocketAddrV6::new(VIP4.to_ipv6_mapped(), port, 0, 0));
+    env.in_client(|| {
+        for _ in 0..20 {
+            let (pod, peer) = tcp_ask(mapped(80)).expect("tcp over v4-mapped");
+            assert!(pod.starts_with("pod"), "{pod}");
+            assert_eq!(peer, mapped(80), "getpeername6 shows the v4-mapped VIP");
+        }
+        let sock = UdpSocket::bind("[::]:0").expect("dual-stack bind");
+        sock.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
+        for _ in 0..20 {
+            let (_, from) = udp_ask(&sock, mapped(53)).expect("udp over v4-mapped");
+            assert_eq!(from, mapped(53), "recvmsg6 shows the v4-mapped VIP");
+        }
+    });
+}
+
+#[test]
+fn zero_backends_refuse_at_once_and_unknown_vips_stay_unreachable() {
+    let mut env = TestEnv::new(1);
+    env.serve_all(PORT);
+    let tcp = Frontend::new(VIP4, 80, Proto::Tcp);
+    let udp = Frontend::new(VIP4, 53, Proto::Udp);
+    let tcp6 = Frontend::new(vip6(), 80, Proto::Tcp);
+    install_service(&mut env, tcp, vec![]);
+    install_service(&mut env, udp, vec![]);
+    install_service(&mut env, tcp6, vec![]);
+
+    env.in_client(|| {
+        for addr in [tcp.socket_addr(), tcp6.socket_addr()] {
+            let start = Instant::now();
+            let err = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+                .expect_err("no backends: refused");
+            assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{addr}: {err}");
+            assert!(start.elapsed() < Duration::from_millis(500), "refused at once, not a hang");
+        }
+        let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        let err = sock.send_to(b"x", udp.socket_addr()).expect_err("refused");
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+
+        // Safety net of the test topology: an address that is no service is never
+        // rewritten and has no route out of the client namespace.
+        let other = SocketAddr::from(([10, 96, 0, 99], 80));
+        let err = TcpStream::connect_timeout(&other, Duration::from_secs(2)).expect_err("no route");
+        assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
+    });
+    assert!(counter(env.writer().store(), Reason::NoBackend) >= 3);
+}
+
+#[test]
+fn backend_changes_apply_to_the_next_connection() {
+    let mut env = TestEnv::new(3);
+    env.serve_all(PORT);
+    let fe = Frontend::new(VIP4, 80, Proto::Tcp);
+    let pods = pods_v4(3);
+    install_service(&mut env, fe, pods.clone());
+
+    // Scale down to pod2 only: every next connection lands there.
+    install_service(&mut env, fe, vec![pods[1]]);
+    let hits = env.in_client(|| spread(fe.socket_addr(), 50));
+    assert_eq!(hits, BTreeMap::from([("pod2".to_string(), 50)]));
+
+    // Replace it with pod3.
+    install_service(&mut env, fe, vec![pods[2]]);
+    let hits = env.in_client(|| spread(fe.socket_addr(), 50));
+    assert_eq!(hits, BTreeMap::from([("pod3".to_string(), 50)]));
+
+    // Scale up to all three: all are used again.
+    install_service(&mut env, fe, pods.clone());
+    let hits = env.in_client(|| spread(fe.socket_addr(), 300));
+    assert_eq!(hits.len(), 3, "{hits:?}");
+
+    // Removing the service: the VIP is no longer rewritten (and unreachable).
+    env.writer().remove(&fe).expect("remove");
+    env.in_client(|| {
+        let err = TcpStream::connect_timeout(&fe.socket_addr(), Duration::from_secs(2))
+            .expect_err("service gone");
+        assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
+    });
+}
+
+#[test]
+fn pinned_datapath_survives_the_agent_and_is_adopted() {
+    let mut env = TestEnv::new(3);
+    env.serve_all(PORT);
+    let fe = Frontend::new(VIP4, 80, Proto::Tcp);
+    install_service(&mut env, fe, pods_v4(3));
+    let map_id = |env: &TestEnv| {
+        aya::maps::MapData::from_pin(env.pins.path.join("SVC4"))
+            .expect("pin")
+            .info()
+            .expect("info")
+            .id()
+    };
+    let svc4_id = map_id(&env);
+    let progs_before: Vec<Vec<u32>> = SOCK_ATTACH_TYPES
+        .iter()
+        .map(|t| attached_programs(&env.cgroup.path, *t))
+        .collect();
+    assert!(progs_before.iter().all(|ids| ids.len() == 1), "{progs_before:?}");
+
+    // The "agent" goes away: no writer, no map handles, no program handles.
+    env.writer = None;
+    let hits = env.in_client(|| spread(fe.socket_addr(), 150));
+    assert_eq!(hits.len(), 3, "still balanced with no agent: {hits:?}");
+
+    // A new agent adopts: nothing reloaded or reattached, same maps, same programs.
+    let report = env.install();
+    assert_eq!(report.adopted.len(), 8);
+    assert!(report.attached.is_empty());
+    assert_eq!(map_id(&env), svc4_id);
+    let progs_after: Vec<Vec<u32>> = SOCK_ATTACH_TYPES
+        .iter()
+        .map(|t| attached_programs(&env.cgroup.path, *t))
+        .collect();
+    assert_eq!(progs_after, progs_before);
+    let (mut writer, adopted) =
+        Writer::adopt(BpfMaps::open(&env.pins.path).expect("open")).expect("adopt");
+    assert_eq!((adopted.frontends, adopted.backends), (1, 3));
+    assert_eq!(adopted.orphans_deleted, 0);
+    // The adopted model matches the maps: the same desired state writes nothing.
+    assert_eq!(writer.upsert(&ServiceEntry::new(fe, pods_v4(3))).expect("upsert"), 0);
+    assert_eq!(writer.store().dump().expect("dump"), writer.expected_dump());
+    // And it can change them.
+    writer
+        .upsert(&ServiceEntry::new(fe, vec![pods_v4(3)[0]]))
+        .expect("upsert");
+    let hits = env.in_client(|| spread(fe.socket_addr(), 20));
+    assert_eq!(hits, BTreeMap::from([("pod1".to_string(), 20)]));
+}
+
+#[test]
+fn uninstall_leaves_nothing_behind() {
+    let mut env = TestEnv::new(1);
+    env.serve_all(PORT);
+    let fe = Frontend::new(VIP4, 80, Proto::Tcp);
+    install_service(&mut env, fe, pods_v4(1));
+    env.in_client(|| tcp_ask(fe.socket_addr()).expect("works before uninstall"));
+    env.writer = None;
+
+    let report = loader::uninstall(&env.pins.path).expect("uninstall");
+    assert_eq!(report.links.len(), 8);
+    assert_eq!(report.maps.len(), proxy_common::map_names::ALL.len());
+    assert!(!env.pins.path.exists(), "pin directory removed");
+    for t in SOCK_ATTACH_TYPES {
+        assert_eq!(attached_programs(&env.cgroup.path, t), Vec::<u32>::new(), "attach type {t}");
+    }
+    env.in_client(|| {
+        let err = TcpStream::connect_timeout(&fe.socket_addr(), Duration::from_secs(2))
+            .expect_err("no hooks: the VIP is just an unroutable address");
+        assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
+    });
+    // Uninstalling again is harmless.
+    assert_eq!(loader::uninstall(&env.pins.path).expect("again"), Default::default());
+}
+
+#[test]
+fn full_service_map_is_refused_cleanly() {
+    // The kernel's own "map full" answer (E2BIG) reaches the writer as a clear error
+    // naming the frontend, and the frontend is not half-written. REVNAT4 is the smallest
+    // map, so fill it up to its limit through the writer's store.
+    let mut env = TestEnv::new(1);
+    let limit = proxy_common::limits::MAX_REVNAT as usize;
+    let mut errors = Vec::new();
+    for i in 0..=limit {
+        let fe = Frontend::new(
+            Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 0)) + i as u32),
+            80,
+            Proto::Tcp,
+        );
+        // Zero backends keeps each frontend at two entries (slot 0 and revnat).
+        if let Err(e) = env.writer().upsert(&ServiceEntry::new(fe, vec![])) {
+            errors.push((fe, e));
+        }
+    }
+    assert_eq!(errors.len(), 1, "exactly the one frontend over the limit fails");
+    let (fe, err) = &errors[0];
+    assert_eq!(err.reason(), "map_full");
+    assert!(err.to_string().contains(&fe.to_string()), "{err}");
+    assert!(err.to_string().contains("REVNAT4"), "{err}");
+    let w = env.writer();
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+}
