@@ -4,13 +4,10 @@
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
-    Reason, SockRevNat4, SockRevNat4Key, SockRevNat6, SockRevNat6Key, Svc4Key, Svc6Key,
-    SvcValue,
+    Reason, SockRevNat4, SockRevNat4Key, SockRevNat6, SockRevNat6Key, Svc4Key, Svc6Key, SvcValue,
 };
 
-use crate::maps::{
-    count_backend, BACKEND4, BACKEND6, SOCK_REVNAT4, SOCK_REVNAT6, SVC4, SVC6,
-};
+use crate::maps::{count_backend, BACKEND4, BACKEND6, SOCK_REVNAT4, SOCK_REVNAT6, SVC4, SVC6};
 
 /// One address family's maps.
 pub trait Family {
@@ -24,8 +21,12 @@ pub trait Family {
     /// `backend`.
     fn rev_get(cookie: u64, addr: Self::Addr, port: u16) -> Option<(Self::Addr, u16, u32)>;
     /// Records (or refreshes) the reverse entry.
-    fn rev_put(cookie: u64, backend: (Self::Addr, u16), front: (Self::Addr, u16), id: u32)
-        -> Result<(), i32>;
+    fn rev_put(
+        cookie: u64,
+        backend: (Self::Addr, u16),
+        front: (Self::Addr, u16),
+        id: u32,
+    ) -> Result<(), i32>;
     /// Deletes a stale reverse entry.
     fn rev_del(cookie: u64, addr: Self::Addr, port: u16);
 }
@@ -50,21 +51,45 @@ impl Family for V4 {
 
     #[inline(always)]
     fn rev_get(cookie: u64, addr: u32, port: u16) -> Option<(u32, u16, u32)> {
-        let key = SockRevNat4Key { cookie, addr, port, _pad: 0 };
+        let key = SockRevNat4Key {
+            cookie,
+            addr,
+            port,
+            _pad: 0,
+        };
         // SAFETY: copied out at once.
-        unsafe { SOCK_REVNAT4.get(&key).map(|v| (v.addr, v.port, v.service_id)) }
+        unsafe {
+            SOCK_REVNAT4
+                .get(&key)
+                .map(|v| (v.addr, v.port, v.service_id))
+        }
     }
 
     #[inline(always)]
     fn rev_put(cookie: u64, b: (u32, u16), f: (u32, u16), id: u32) -> Result<(), i32> {
-        let key = SockRevNat4Key { cookie, addr: b.0, port: b.1, _pad: 0 };
-        let val = SockRevNat4 { addr: f.0, port: f.1, _pad: 0, service_id: id };
+        let key = SockRevNat4Key {
+            cookie,
+            addr: b.0,
+            port: b.1,
+            _pad: 0,
+        };
+        let val = SockRevNat4 {
+            addr: f.0,
+            port: f.1,
+            _pad: 0,
+            service_id: id,
+        };
         SOCK_REVNAT4.insert(&key, &val, 0)
     }
 
     #[inline(always)]
     fn rev_del(cookie: u64, addr: u32, port: u16) {
-        let _ = SOCK_REVNAT4.remove(&SockRevNat4Key { cookie, addr, port, _pad: 0 });
+        let _ = SOCK_REVNAT4.remove(&SockRevNat4Key {
+            cookie,
+            addr,
+            port,
+            _pad: 0,
+        });
     }
 }
 
@@ -85,21 +110,45 @@ impl Family for V6 {
 
     #[inline(always)]
     fn rev_get(cookie: u64, addr: [u32; 4], port: u16) -> Option<([u32; 4], u16, u32)> {
-        let key = SockRevNat6Key { cookie, addr, port, _pad: [0; 6] };
+        let key = SockRevNat6Key {
+            cookie,
+            addr,
+            port,
+            _pad: [0; 6],
+        };
         // SAFETY: copied out at once.
-        unsafe { SOCK_REVNAT6.get(&key).map(|v| (v.addr, v.port, v.service_id)) }
+        unsafe {
+            SOCK_REVNAT6
+                .get(&key)
+                .map(|v| (v.addr, v.port, v.service_id))
+        }
     }
 
     #[inline(always)]
     fn rev_put(cookie: u64, b: ([u32; 4], u16), f: ([u32; 4], u16), id: u32) -> Result<(), i32> {
-        let key = SockRevNat6Key { cookie, addr: b.0, port: b.1, _pad: [0; 6] };
-        let val = SockRevNat6 { addr: f.0, port: f.1, _pad: 0, service_id: id };
+        let key = SockRevNat6Key {
+            cookie,
+            addr: b.0,
+            port: b.1,
+            _pad: [0; 6],
+        };
+        let val = SockRevNat6 {
+            addr: f.0,
+            port: f.1,
+            _pad: 0,
+            service_id: id,
+        };
         SOCK_REVNAT6.insert(&key, &val, 0)
     }
 
     #[inline(always)]
     fn rev_del(cookie: u64, addr: [u32; 4], port: u16) {
-        let _ = SOCK_REVNAT6.remove(&SockRevNat6Key { cookie, addr, port, _pad: [0; 6] });
+        let _ = SOCK_REVNAT6.remove(&SockRevNat6Key {
+            cookie,
+            addr,
+            port,
+            _pad: [0; 6],
+        });
     }
 }
 
@@ -141,7 +190,10 @@ pub fn xlate_fwd<F: Family>(
     if fresh && F::rev_put(cookie, (baddr, bport), (addr, port), front.service_id).is_err() {
         crate::maps::count(Reason::RevNatUpdateFailed);
     }
-    Ok(Some(Fwd { addr: baddr, port: bport }))
+    Ok(Some(Fwd {
+        addr: baddr,
+        port: bport,
+    }))
 }
 
 /// Reverse translation for `recvmsg` (a reply's source) and `getpeername` (a connected
@@ -158,7 +210,10 @@ pub fn xlate_rev<F: Family>(
         return Err(Reason::RevNatMiss);
     };
     match F::svc(faddr, fport, proto, 0) {
-        Some(front) if front.service_id == id => Ok(Some(Fwd { addr: faddr, port: fport })),
+        Some(front) if front.service_id == id => Ok(Some(Fwd {
+            addr: faddr,
+            port: fport,
+        })),
         _ => {
             F::rev_del(cookie, addr, port);
             Err(Reason::RevNatStale)

@@ -13,13 +13,11 @@ use proxy_common::{
 
 /// IPv4 frontends (slot 0) and their backend slots (1..=count).
 #[map]
-pub static SVC4: HashMap<Svc4Key, SvcValue> =
-    HashMap::pinned(MAX_SVC_ENTRIES, BPF_F_NO_PREALLOC);
+pub static SVC4: HashMap<Svc4Key, SvcValue> = HashMap::pinned(MAX_SVC_ENTRIES, BPF_F_NO_PREALLOC);
 
 /// IPv6 frontends and their backend slots.
 #[map]
-pub static SVC6: HashMap<Svc6Key, SvcValue> =
-    HashMap::pinned(MAX_SVC_ENTRIES, BPF_F_NO_PREALLOC);
+pub static SVC6: HashMap<Svc6Key, SvcValue> = HashMap::pinned(MAX_SVC_ENTRIES, BPF_F_NO_PREALLOC);
 
 /// Backend id -> IPv4 endpoint, shared by all frontends that use it.
 #[map]

@@ -249,4 +249,3 @@ fn rev6(ctx: &SockAddrContext) {
         write_port(sa, front.port);
     })
 }
-

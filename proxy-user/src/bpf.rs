@@ -9,8 +9,7 @@ use std::{
 
 use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
 use proxy_common::{
-    map_names as names, Backend4, Backend6, Reason, RevNat4, RevNat6, Svc4Key, Svc6Key,
-    SvcValue,
+    map_names as names, Backend4, Backend6, Reason, RevNat4, RevNat6, Svc4Key, Svc6Key, SvcValue,
 };
 
 use crate::{
@@ -34,8 +33,10 @@ pub enum OpenError {
         #[source]
         source: MapError,
     },
-    #[error("pinned maps at {dir} have ABI version {found}, this binary speaks {expected}: \
-             uninstall the old datapath first (proxy-agent uninstall)")]
+    #[error(
+        "pinned maps at {dir} have ABI version {found}, this binary speaks {expected}: \
+             uninstall the old datapath first (proxy-agent uninstall)"
+    )]
     Abi {
         dir: PathBuf,
         found: u32,
@@ -181,9 +182,7 @@ fn map_err(map: &'static str) -> impl Fn(MapError) -> StoreError {
 fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
     match r {
         Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => Ok(()),
-        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
-            Ok(())
-        }
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         other => other,
     }
 }
@@ -328,12 +327,14 @@ impl MapStore for BpfMaps {
                         .map_err(map_err(names::REVNAT6))
                 }
             },
-            Op::DelRevNat { service_id, family } => match family {
-                Family::V4 => ignore_missing(self.revnat4.remove(service_id))
-                    .map_err(map_err(names::REVNAT4)),
-                Family::V6 => ignore_missing(self.revnat6.remove(service_id))
-                    .map_err(map_err(names::REVNAT6)),
-            },
+            Op::DelRevNat { service_id, family } => {
+                match family {
+                    Family::V4 => ignore_missing(self.revnat4.remove(service_id))
+                        .map_err(map_err(names::REVNAT4)),
+                    Family::V6 => ignore_missing(self.revnat6.remove(service_id))
+                        .map_err(map_err(names::REVNAT6)),
+                }
+            }
         }
     }
 
@@ -343,8 +344,9 @@ impl MapStore for BpfMaps {
 
         for item in self.backend4.iter() {
             let (id, b) = item.map_err(map_err(names::BACKEND4))?;
-            let proto = Proto::from_number(b.proto)
-                .ok_or_else(|| corrupt(names::BACKEND4, format!("backend {id}: proto {}", b.proto)))?;
+            let proto = Proto::from_number(b.proto).ok_or_else(|| {
+                corrupt(names::BACKEND4, format!("backend {id}: proto {}", b.proto))
+            })?;
             let addr = SocketAddr::from((v4_from_word(b.addr), port_host(b.port)));
             d.backends.insert(
                 id,
@@ -359,8 +361,9 @@ impl MapStore for BpfMaps {
         }
         for item in self.backend6.iter() {
             let (id, b) = item.map_err(map_err(names::BACKEND6))?;
-            let proto = Proto::from_number(b.proto)
-                .ok_or_else(|| corrupt(names::BACKEND6, format!("backend {id}: proto {}", b.proto)))?;
+            let proto = Proto::from_number(b.proto).ok_or_else(|| {
+                corrupt(names::BACKEND6, format!("backend {id}: proto {}", b.proto))
+            })?;
             let addr = SocketAddr::from((v6_from_words(b.addr), port_host(b.port)));
             d.backends.insert(
                 id,
@@ -392,25 +395,39 @@ impl MapStore for BpfMaps {
             let (k, v) = item.map_err(map_err(names::SVC4))?;
             let proto = Proto::from_number(k.proto)
                 .ok_or_else(|| corrupt(names::SVC4, format!("proto {}", k.proto)))?;
-            put_svc(Frontend::new(v4_from_word(k.addr), port_host(k.port), proto), k.slot, v);
+            put_svc(
+                Frontend::new(v4_from_word(k.addr), port_host(k.port), proto),
+                k.slot,
+                v,
+            );
         }
         for item in self.svc6.iter() {
             let (k, v) = item.map_err(map_err(names::SVC6))?;
             let proto = Proto::from_number(k.proto)
                 .ok_or_else(|| corrupt(names::SVC6, format!("proto {}", k.proto)))?;
-            put_svc(Frontend::new(v6_from_words(k.addr), port_host(k.port), proto), k.slot, v);
+            put_svc(
+                Frontend::new(v6_from_words(k.addr), port_host(k.port), proto),
+                k.slot,
+                v,
+            );
         }
         for item in self.revnat4.iter() {
             let (id, r) = item.map_err(map_err(names::REVNAT4))?;
             let proto = Proto::from_number(r.proto)
                 .ok_or_else(|| corrupt(names::REVNAT4, format!("proto {}", r.proto)))?;
-            d.revnat.insert(id, Frontend::new(v4_from_word(r.addr), port_host(r.port), proto));
+            d.revnat.insert(
+                id,
+                Frontend::new(v4_from_word(r.addr), port_host(r.port), proto),
+            );
         }
         for item in self.revnat6.iter() {
             let (id, r) = item.map_err(map_err(names::REVNAT6))?;
             let proto = Proto::from_number(r.proto)
                 .ok_or_else(|| corrupt(names::REVNAT6, format!("proto {}", r.proto)))?;
-            d.revnat.insert(id, Frontend::new(v6_from_words(r.addr), port_host(r.port), proto));
+            d.revnat.insert(
+                id,
+                Frontend::new(v6_from_words(r.addr), port_host(r.port), proto),
+            );
         }
         Ok(d)
     }

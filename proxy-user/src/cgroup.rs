@@ -38,9 +38,8 @@ fn unescape(s: &str) -> String {
 /// Checks that `path` is a directory of a cgroup v2 hierarchy.
 pub fn check_cgroup2_dir(path: &Path) -> io::Result<()> {
     const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
-    let magic = crate::fs_magic(path).map_err(|e| {
-        io::Error::new(e.kind(), format!("cgroup {}: {e}", path.display()))
-    })?;
+    let magic = crate::fs_magic(path)
+        .map_err(|e| io::Error::new(e.kind(), format!("cgroup {}: {e}", path.display())))?;
     if magic != CGROUP2_SUPER_MAGIC {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -65,10 +64,20 @@ mod tests {
             parse_cgroup2_mount(hybrid),
             Some(PathBuf::from("/sys/fs/cgroup/unified"))
         );
-        let unified = "30 1 0:26 / /sys/fs/cgroup rw,nosuid shared:9 - cgroup2 cgroup2 rw,nsdelegate\n";
-        assert_eq!(parse_cgroup2_mount(unified), Some(PathBuf::from("/sys/fs/cgroup")));
-        assert_eq!(parse_cgroup2_mount("1 0 0:1 / / rw - ext4 /dev/vda rw\n"), None);
+        let unified =
+            "30 1 0:26 / /sys/fs/cgroup rw,nosuid shared:9 - cgroup2 cgroup2 rw,nsdelegate\n";
+        assert_eq!(
+            parse_cgroup2_mount(unified),
+            Some(PathBuf::from("/sys/fs/cgroup"))
+        );
+        assert_eq!(
+            parse_cgroup2_mount("1 0 0:1 / / rw - ext4 /dev/vda rw\n"),
+            None
+        );
         let escaped = "30 1 0:26 / /mnt/my\\040cg rw - cgroup2 none rw\n";
-        assert_eq!(parse_cgroup2_mount(escaped), Some(PathBuf::from("/mnt/my cg")));
+        assert_eq!(
+            parse_cgroup2_mount(escaped),
+            Some(PathBuf::from("/mnt/my cg"))
+        );
     }
 }

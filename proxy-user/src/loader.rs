@@ -47,11 +47,15 @@ const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 /// Loading or removing the datapath failed.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("{path} is not on a bpf filesystem: mount one with `mount -t bpf bpf /sys/fs/bpf` \
-             (or run `cargo xtask setup`)")]
+    #[error(
+        "{path} is not on a bpf filesystem: mount one with `mount -t bpf bpf /sys/fs/bpf` \
+             (or run `cargo xtask setup`)"
+    )]
     NotBpffs { path: PathBuf },
-    #[error("this binary was built without the eBPF object (bpf-linker was missing): \
-             run `cargo xtask build`")]
+    #[error(
+        "this binary was built without the eBPF object (bpf-linker was missing): \
+             run `cargo xtask build`"
+    )]
     NoObject,
     #[error("{what} {path}: {source}")]
     Io {
@@ -190,7 +194,8 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
 
     let cgroup_dir = match &opts.cgroup {
         Some(dir) => dir.clone(),
-        None => cgroup::cgroup2_mount().map_err(io_err("finding cgroup2", Path::new("/proc/self/mountinfo")))?,
+        None => cgroup::cgroup2_mount()
+            .map_err(io_err("finding cgroup2", Path::new("/proc/self/mountinfo")))?,
     };
     cgroup::check_cgroup2_dir(&cgroup_dir).map_err(io_err("checking", &cgroup_dir))?;
 

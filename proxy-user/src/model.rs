@@ -60,7 +60,9 @@ impl FromStr for Proto {
             "tcp" => Ok(Proto::Tcp),
             "udp" => Ok(Proto::Udp),
             "sctp" => Ok(Proto::Sctp),
-            other => Err(format!("unknown protocol {other:?} (expected tcp, udp or sctp)")),
+            other => Err(format!(
+                "unknown protocol {other:?} (expected tcp, udp or sctp)"
+            )),
         }
     }
 }
@@ -178,7 +180,9 @@ pub fn v4_from_word(w: u32) -> Ipv4Addr {
 /// An IPv6 address as four network-order words (`user_ip6`).
 pub fn v6_words(a: Ipv6Addr) -> [u32; 4] {
     let o = a.octets();
-    std::array::from_fn(|i| u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]))
+    std::array::from_fn(|i| {
+        u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+    })
 }
 
 pub fn v6_from_words(w: [u32; 4]) -> Ipv6Addr {

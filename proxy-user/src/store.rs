@@ -10,7 +10,11 @@ use crate::model::{Backend, Family, Frontend, Proto};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
     /// `BACKEND{4,6}[id] = backend`.
-    PutBackend { id: u32, backend: Backend, proto: Proto },
+    PutBackend {
+        id: u32,
+        backend: Backend,
+        proto: Proto,
+    },
     /// Delete `BACKEND{4,6}[id]` (and its connection counters).
     DelBackend { id: u32, family: Family },
     /// `SVC{4,6}[frontend, slot] = backend_id` (slot >= 1).
@@ -21,7 +25,10 @@ pub enum Op {
         service_id: u32,
     },
     /// `SVC{4,6}[frontend, 0] = {count, service_id, flags, affinity}`.
-    PutFrontend { frontend: Frontend, value: FrontendValue },
+    PutFrontend {
+        frontend: Frontend,
+        value: FrontendValue,
+    },
     /// Delete `SVC{4,6}[frontend, slot]` (slot 0 deletes the frontend itself).
     DelSlot { frontend: Frontend, slot: u16 },
     /// `REVNAT{4,6}[service_id] = frontend`.

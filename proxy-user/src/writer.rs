@@ -32,11 +32,17 @@ use crate::{
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
     #[error("frontend {frontend}: backend {backend} is not of the frontend's address family")]
-    FamilyMismatch { frontend: Frontend, backend: Backend },
+    FamilyMismatch {
+        frontend: Frontend,
+        backend: Backend,
+    },
     #[error("frontend {frontend}: port 0 is not a valid service port")]
     ZeroPort { frontend: Frontend },
     #[error("frontend {frontend}: backend {backend} has port 0")]
-    ZeroBackendPort { frontend: Frontend, backend: Backend },
+    ZeroBackendPort {
+        frontend: Frontend,
+        backend: Backend,
+    },
     #[error("frontend {frontend}: {count} backends, at most {MAX_BACKENDS_PER_SERVICE} allowed")]
     TooManyBackends { frontend: Frontend, count: usize },
     #[error("frontend {frontend}: {source} (changes for this frontend rolled back{})",
@@ -214,7 +220,7 @@ impl<S: MapStore> Writer<S> {
                 },
             );
         }
-        for ((fe, slot), _) in &dump.slots {
+        for (fe, slot) in dump.slots.keys() {
             let live = w
                 .services
                 .get(fe)
@@ -299,10 +305,8 @@ impl<S: MapStore> Writer<S> {
     /// changed ones. A frontend that fails is reported and left as it was; the rest are
     /// still written.
     pub fn sync(&mut self, desired: impl IntoIterator<Item = ServiceEntry>) -> SyncReport {
-        let desired: BTreeMap<Frontend, ServiceEntry> = desired
-            .into_iter()
-            .map(|e| (e.frontend, e))
-            .collect();
+        let desired: BTreeMap<Frontend, ServiceEntry> =
+            desired.into_iter().map(|e| (e.frontend, e)).collect();
         let mut report = SyncReport::default();
         // Removals first: they free map room for the additions.
         let gone: Vec<Frontend> = self
@@ -413,23 +417,29 @@ impl<S: MapStore> Writer<S> {
             affinity_timeout: entry.affinity_timeout,
         };
         if old.as_ref().map(|p| p.value) != Some(value) {
-            ops.push(Op::PutFrontend { frontend: fe, value });
+            ops.push(Op::PutFrontend {
+                frontend: fe,
+                value,
+            });
             undo.push(match &old {
                 Some(p) => Op::PutFrontend {
                     frontend: fe,
                     value: p.value,
                 },
-                None => Op::DelSlot { frontend: fe, slot: 0 },
+                None => Op::DelSlot {
+                    frontend: fe,
+                    slot: 0,
+                },
             });
         }
 
-        for i in layout.len()..old_slots.len() {
+        for (i, old_id) in old_slots.iter().enumerate().skip(layout.len()) {
             let slot = slot_no(i);
             ops.push(Op::DelSlot { frontend: fe, slot });
             undo.push(Op::PutSlot {
                 frontend: fe,
                 slot,
-                backend_id: old_slots[i],
+                backend_id: *old_id,
                 service_id,
             });
         }
@@ -489,7 +499,9 @@ impl<S: MapStore> Writer<S> {
                 self.unref_backend(id);
             }
         }
-        debug_assert!(released.iter().all(|id| !self.backend_refs.contains_key(id)));
+        debug_assert!(released
+            .iter()
+            .all(|id| !self.backend_refs.contains_key(id)));
         self.services.insert(
             fe,
             Programmed {

@@ -80,7 +80,10 @@ fn tcp_clusterip_spreads_evenly_over_three_backends() {
         .map(|&o| (o as f64 - expected).powi(2) / expected)
         .sum();
     eprintln!("spread over {N} connections: {hits:?}, chi2 = {chi2:.3}");
-    assert!(chi2 < 13.816, "not equal-weight: {hits:?}, chi2 = {chi2:.3}");
+    assert!(
+        chi2 < 13.816,
+        "not equal-weight: {hits:?}, chi2 = {chi2:.3}"
+    );
 
     // The datapath counted every decision: per backend and per outcome.
     let maps = env.writer().store();
@@ -90,7 +93,10 @@ fn tcp_clusterip_spreads_evenly_over_three_backends() {
     counts.sort_unstable();
     let mut observed: Vec<u64> = hits.values().map(|&v| v as u64).collect();
     observed.sort_unstable();
-    assert_eq!(counts, observed, "per-backend counters match what the clients saw");
+    assert_eq!(
+        counts, observed,
+        "per-backend counters match what the clients saw"
+    );
     assert!(counter(maps, Reason::Translated) >= N as u64);
 }
 
@@ -103,7 +109,8 @@ fn udp_unconnected_replies_come_from_the_vip() {
 
     let pods = env.in_client(|| {
         let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
-        sock.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
+        sock.set_read_timeout(Some(Duration::from_secs(2)))
+            .expect("timeout");
         let mut pods = BTreeMap::new();
         for _ in 0..60 {
             let (pod, from) = udp_ask(&sock, fe.socket_addr()).expect("udp exchange");
@@ -128,7 +135,8 @@ fn connected_udp_and_tcp_getpeername_show_the_vip() {
 
     env.in_client(|| {
         let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
-        sock.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
+        sock.set_read_timeout(Some(Duration::from_secs(2)))
+            .expect("timeout");
         sock.connect(udp.socket_addr()).expect("connect udp");
         assert_eq!(sock.peer_addr().expect("peer"), udp.socket_addr());
         // A connected socket keeps its backend: every answer comes from the same pod.
@@ -140,7 +148,11 @@ fn connected_udp_and_tcp_getpeername_show_the_vip() {
             answers.push(String::from_utf8_lossy(&buf[..n]).trim().to_string());
         }
         answers.dedup();
-        assert_eq!(answers.len(), 1, "connected UDP changed backend: {answers:?}");
+        assert_eq!(
+            answers.len(),
+            1,
+            "connected UDP changed backend: {answers:?}"
+        );
 
         let (_, peer) = tcp_ask(tcp.socket_addr()).expect("tcp");
         assert_eq!(peer, tcp.socket_addr());
@@ -160,7 +172,8 @@ fn ipv6_clusterip_tcp_and_udp() {
         let hits = spread(tcp.socket_addr(), 300);
         assert_eq!(hits.len(), 3, "all three v6 backends used: {hits:?}");
         let sock = UdpSocket::bind("[::]:0").expect("bind");
-        sock.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
+        sock.set_read_timeout(Some(Duration::from_secs(2)))
+            .expect("timeout");
         for _ in 0..20 {
             let (_, from) = udp_ask(&sock, udp.socket_addr()).expect("udp6");
             assert_eq!(from, udp.socket_addr());
@@ -185,7 +198,8 @@ fn v4_mapped_addresses_on_dual_stack_sockets_take_the_v4_path() {
             assert_eq!(peer, mapped(80), "getpeername6 shows the v4-mapped VIP");
         }
         let sock = UdpSocket::bind("[::]:0").expect("dual-stack bind");
-        sock.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
+        sock.set_read_timeout(Some(Duration::from_secs(2)))
+            .expect("timeout");
         for _ in 0..20 {
             let (_, from) = udp_ask(&sock, mapped(53)).expect("udp over v4-mapped");
             assert_eq!(from, mapped(53), "recvmsg6 shows the v4-mapped VIP");
@@ -209,8 +223,15 @@ fn zero_backends_refuse_at_once_and_unknown_vips_stay_unreachable() {
             let start = Instant::now();
             let err = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
                 .expect_err("no backends: refused");
-            assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{addr}: {err}");
-            assert!(start.elapsed() < Duration::from_millis(500), "refused at once, not a hang");
+            assert_eq!(
+                err.kind(),
+                io::ErrorKind::ConnectionRefused,
+                "{addr}: {err}"
+            );
+            assert!(
+                start.elapsed() < Duration::from_millis(500),
+                "refused at once, not a hang"
+            );
         }
         let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
         let err = sock.send_to(b"x", udp.socket_addr()).expect_err("refused");
@@ -275,7 +296,10 @@ fn pinned_datapath_survives_the_agent_and_is_adopted() {
         .iter()
         .map(|t| attached_programs(&env.cgroup.path, *t))
         .collect();
-    assert!(progs_before.iter().all(|ids| ids.len() == 1), "{progs_before:?}");
+    assert!(
+        progs_before.iter().all(|ids| ids.len() == 1),
+        "{progs_before:?}"
+    );
 
     // The "agent" goes away: no writer, no map handles, no program handles.
     env.writer = None;
@@ -297,7 +321,12 @@ fn pinned_datapath_survives_the_agent_and_is_adopted() {
     assert_eq!((adopted.frontends, adopted.backends), (1, 3));
     assert_eq!(adopted.orphans_deleted, 0);
     // The adopted model matches the maps: the same desired state writes nothing.
-    assert_eq!(writer.upsert(&ServiceEntry::new(fe, pods_v4(3))).expect("upsert"), 0);
+    assert_eq!(
+        writer
+            .upsert(&ServiceEntry::new(fe, pods_v4(3)))
+            .expect("upsert"),
+        0
+    );
     assert_eq!(writer.store().dump().expect("dump"), writer.expected_dump());
     // And it can change them.
     writer
@@ -321,7 +350,11 @@ fn uninstall_leaves_nothing_behind() {
     assert_eq!(report.maps.len(), proxy_common::map_names::ALL.len());
     assert!(!env.pins.path.exists(), "pin directory removed");
     for t in SOCK_ATTACH_TYPES {
-        assert_eq!(attached_programs(&env.cgroup.path, t), Vec::<u32>::new(), "attach type {t}");
+        assert_eq!(
+            attached_programs(&env.cgroup.path, t),
+            Vec::<u32>::new(),
+            "attach type {t}"
+        );
     }
     env.in_client(|| {
         let err = TcpStream::connect_timeout(&fe.socket_addr(), Duration::from_secs(2))
@@ -329,7 +362,10 @@ fn uninstall_leaves_nothing_behind() {
         assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
     });
     // Uninstalling again is harmless.
-    assert_eq!(loader::uninstall(&env.pins.path).expect("again"), Default::default());
+    assert_eq!(
+        loader::uninstall(&env.pins.path).expect("again"),
+        Default::default()
+    );
 }
 
 #[test]
@@ -351,7 +387,11 @@ fn full_service_map_is_refused_cleanly() {
             errors.push((fe, e));
         }
     }
-    assert_eq!(errors.len(), 1, "exactly the one frontend over the limit fails");
+    assert_eq!(
+        errors.len(),
+        1,
+        "exactly the one frontend over the limit fails"
+    );
     let (fe, err) = &errors[0];
     assert_eq!(err.reason(), "map_full");
     assert!(err.to_string().contains(&fe.to_string()), "{err}");

@@ -1,1 +1,159 @@
-fn main(){}
+//! `cargo xtask`: everything a person or CI runs.
+//!
+//! - `setup`: installs what is missing (idempotent); every other command runs it first;
+//! - `build`: release binaries `target/release/proxy-agent` and `target/release/proxyctl`;
+//! - `test`: formatting, clippy, unit and privileged integration tests (serially).
+
+mod setup;
+
+use std::process::Command;
+
+use anyhow::{bail, Context as _, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Build, test and demo ebpf-proxy")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what is missing: nightly rust-src, bpf-linker, apt packages, bpffs.
+    Setup,
+    /// Build everything in release mode.
+    Build,
+    /// Run every test: fmt and clippy checks, unit tests, privileged tests (as root).
+    Test {
+        /// Skip `cargo fmt --check` and `cargo clippy`.
+        #[arg(long)]
+        no_lint: bool,
+        /// Extra arguments for `cargo test` (a test name filter, say).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Setup => setup::ensure(),
+        Cmd::Build => {
+            setup::ensure()?;
+            build()
+        }
+        Cmd::Test { no_lint, args } => {
+            setup::ensure()?;
+            test(no_lint, &args)
+        }
+    }
+}
+
+/// `cargo` with the toolchain's bin directory (bpf-linker) on PATH.
+pub fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.env("PATH", setup::path_with_cargo_bin());
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+pub fn workspace_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// Runs a command, failing with its name if it fails.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let args: Vec<_> = cmd.get_args().map(|a| a.to_string_lossy()).collect();
+    eprintln!(
+        "+ {} {}",
+        cmd.get_program().to_string_lossy(),
+        args.join(" ")
+    );
+    let status = cmd.status().with_context(|| format!("starting {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn build() -> Result<()> {
+    run(cargo().args(["build", "--release", "--package", "proxy-user", "--bins"]))?;
+    let root = workspace_root();
+    for bin in ["proxy-agent", "proxyctl"] {
+        let path = root.join("target/release").join(bin);
+        if !path.is_file() {
+            bail!("{} was not built", path.display());
+        }
+        eprintln!("built {}", path.display());
+    }
+    Ok(())
+}
+
+fn test(no_lint: bool, args: &[String]) -> Result<()> {
+    if !no_lint {
+        run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+        run(cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
+    }
+    if !setup::is_root() {
+        eprintln!(
+            "warning: not root: the privileged tests will fail (they need namespaces, cgroups \
+             and BPF); run `sudo -E cargo xtask test`"
+        );
+    }
+    // Privileged tests share kernel state (cgroups, bpffs, namespaces): one at a time.
+    let mut cmd = cargo();
+    cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"]);
+    cmd.args(args);
+    cmd.args(["--", "--test-threads=1"]);
+    run_tests(&mut cmd)
+}
+
+/// Runs `cargo test`, echoing its output, and closes with one summary line over every
+/// test binary (`summary: N passed, N failed`).
+fn run_tests(cmd: &mut Command) -> Result<()> {
+    use std::io::{BufRead as _, BufReader};
+    let args: Vec<_> = cmd.get_args().map(|a| a.to_string_lossy()).collect();
+    eprintln!("+ cargo {}", args.join(" "));
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting cargo test")?;
+    let stdout = child.stdout.take().context("cargo test stdout")?;
+    let (mut passed, mut failed, mut ignored) = (0u64, 0u64, 0u64);
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            for part in rest.split([';', '.']) {
+                let mut words = part.split_whitespace();
+                if let (Some(n), Some(what)) = (words.next(), words.next()) {
+                    let n: u64 = n.parse().unwrap_or(0);
+                    match what {
+                        "passed" => passed += n,
+                        "failed" => failed += n,
+                        "ignored" => ignored += n,
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+    let status = child.wait()?;
+    let skipped = if ignored > 0 {
+        format!(", {ignored} skipped")
+    } else {
+        String::new()
+    };
+    println!("summary: {passed} passed, {failed} failed{skipped}");
+    if !status.success() || failed > 0 {
+        bail!("tests failed: {status}");
+    }
+    if passed == 0 {
+        bail!("no test ran");
+    }
+    Ok(())
+}

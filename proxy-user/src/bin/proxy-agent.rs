@@ -7,7 +7,11 @@ use clap::{Parser, Subcommand};
 use proxy_user::{loader, DEFAULT_PIN_PATH};
 
 #[derive(Parser)]
-#[command(name = "proxy-agent", version, about = "eBPF replacement for kube-proxy")]
+#[command(
+    name = "proxy-agent",
+    version,
+    about = "eBPF replacement for kube-proxy"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

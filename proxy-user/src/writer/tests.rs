@@ -271,7 +271,11 @@ fn bad_entries_are_refused_before_any_write() {
     let mut w = writer();
     let fe = vip("10.96.0.10", 80);
     let cases = [
-        (svc(fe, &[A, "[fd00:10::1]:8080"]), "family_mismatch", "is not of the frontend's address family"),
+        (
+            svc(fe, &[A, "[fd00:10::1]:8080"]),
+            "family_mismatch",
+            "is not of the frontend's address family",
+        ),
         (svc(vip("10.96.0.10", 0), &[A]), "zero_port", "port 0"),
         (svc(fe, &["10.0.1.1:0"]), "zero_port", "has port 0"),
     ];
@@ -280,7 +284,10 @@ fn bad_entries_are_refused_before_any_write() {
         assert_eq!(err.reason(), reason);
         let msg = err.to_string();
         assert!(msg.contains(text), "{msg}");
-        assert!(msg.contains("10.96.0.10:"), "error must name the frontend: {msg}");
+        assert!(
+            msg.contains("10.96.0.10:"),
+            "error must name the frontend: {msg}"
+        );
     }
     assert_eq!(log(&mut w), "");
     let too_many: Vec<SocketAddr> = (0..=u32::from(u16::MAX))
@@ -312,10 +319,16 @@ fn a_failed_write_rolls_back_and_leaves_the_model_unchanged() {
         };
         failures += 1;
         assert_eq!(err.reason(), "map_full");
-        assert!(err.to_string().starts_with("frontend 10.96.0.10:80/tcp: map SVC4 is full"));
+        assert!(err
+            .to_string()
+            .starts_with("frontend 10.96.0.10:80/tcp: map SVC4 is full"));
         assert!(!err.to_string().contains("incompletely"), "{err}");
         assert_eq!(w.store().dump().expect("dump"), before, "fail_at={fail_at}");
-        assert_eq!(w.expected_dump(), before, "model changed, fail_at={fail_at}");
+        assert_eq!(
+            w.expected_dump(),
+            before,
+            "model changed, fail_at={fail_at}"
+        );
         // And the writer still works afterwards.
         w.upsert(&svc(fe, &[A, C, D])).expect("upsert");
         assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
@@ -330,7 +343,8 @@ fn a_full_map_refuses_a_new_frontend_without_leftovers() {
         svc_capacity: Some(4),
         ..MemStore::default()
     });
-    w.upsert(&svc(vip("10.96.0.10", 80), &[A, B])).expect("fits: 3 entries");
+    w.upsert(&svc(vip("10.96.0.10", 80), &[A, B]))
+        .expect("fits: 3 entries");
     let before = w.store().dump().expect("dump");
     let err = w
         .upsert(&svc(vip("10.96.0.11", 80), &[C]))
@@ -340,7 +354,8 @@ fn a_full_map_refuses_a_new_frontend_without_leftovers() {
     assert_eq!(w.store().dump().expect("dump"), before);
     // The service id and backend id it had reserved are free again.
     w.remove(&vip("10.96.0.10", 80)).expect("remove");
-    w.upsert(&svc(vip("10.96.0.11", 80), &[C])).expect("fits now");
+    w.upsert(&svc(vip("10.96.0.11", 80), &[C]))
+        .expect("fits now");
     assert_eq!(
         w.store().state.render(),
         "\
@@ -378,14 +393,28 @@ fn adopt_rebuilds_the_model_and_deletes_orphans_only() {
     let http = vip("10.96.0.10", 80);
     let dns = Frontend::new("10.96.0.53".parse::<IpAddr>().expect("ip"), 53, Proto::Udp);
     first.upsert(&svc(http, &[A, B, C])).expect("upsert");
-    first.upsert(&ServiceEntry::new(dns, [pod("10.0.1.1:53")])).expect("upsert");
+    first
+        .upsert(&ServiceEntry::new(dns, [pod("10.0.1.1:53")]))
+        .expect("upsert");
     let mut store = std::mem::take(first.store_mut());
     // Leftovers of an agent that died mid-update: a slot past the count, a backend and a
     // reverse-NAT entry nothing reaches.
     for op in [
-        Op::PutBackend { id: 9, backend: Backend::new(pod(D)), proto: Proto::Tcp },
-        Op::PutSlot { frontend: http, slot: 4, backend_id: 9, service_id: 1 },
-        Op::PutRevNat { service_id: 7, frontend: vip("10.96.9.9", 80) },
+        Op::PutBackend {
+            id: 9,
+            backend: Backend::new(pod(D)),
+            proto: Proto::Tcp,
+        },
+        Op::PutSlot {
+            frontend: http,
+            slot: 4,
+            backend_id: 9,
+            service_id: 1,
+        },
+        Op::PutRevNat {
+            service_id: 7,
+            frontend: vip("10.96.9.9", 80),
+        },
     ] {
         store.inner.apply(&op).expect("apply");
     }
@@ -393,7 +422,12 @@ fn adopt_rebuilds_the_model_and_deletes_orphans_only() {
     let (mut second, report) = Writer::adopt(store).expect("adopt");
     assert_eq!(
         report,
-        AdoptReport { frontends: 2, backends: 4, orphans_deleted: 3, missing_slots: 0 }
+        AdoptReport {
+            frontends: 2,
+            backends: 4,
+            orphans_deleted: 3,
+            missing_slots: 0
+        }
     );
     assert_eq!(
         log(&mut second),
@@ -407,7 +441,9 @@ del backend 9 (V4)
     // The adopted model is exact: re-applying the same state writes nothing, and ids
     // continue where the first writer stopped.
     assert_eq!(second.upsert(&svc(http, &[A, B, C])).expect("upsert"), 0);
-    second.upsert(&svc(vip("10.96.0.11", 80), &[D])).expect("upsert");
+    second
+        .upsert(&svc(vip("10.96.0.11", 80), &[D]))
+        .expect("upsert");
     assert_eq!(
         log(&mut second),
         "\
@@ -488,7 +524,10 @@ fn random_changes_keep_maps_equal_to_the_model_at_every_step() {
         assert_eq!(actual, w.expected_dump(), "step {step}");
         // No backend is leaked: every backend is in some slot.
         let used: HashSet<u32> = actual.slots.values().copied().collect();
-        assert!(actual.backends.keys().all(|id| used.contains(id)), "step {step}");
+        assert!(
+            actual.backends.keys().all(|id| used.contains(id)),
+            "step {step}"
+        );
     }
     // A second writer adopting the result sees exactly the same state and no orphans.
     let store = std::mem::take(w.store_mut());

@@ -11,7 +11,10 @@
 //! fd00:240:i::1/64) <-> `eth0` in the pod (10.240.i.2, fd00:240:i::2). VIPs live in
 //! 10.96.0.0/16 and fd00:96::/64, which no namespace routes.
 
-#![allow(dead_code, reason = "each test binary uses a different part of the fixtures")]
+#![allow(
+    dead_code,
+    reason = "each test binary uses a different part of the fixtures"
+)]
 
 use std::{
     fs,
@@ -73,7 +76,10 @@ pub fn ensure_bpffs() {
         .lines()
         .any(|l| l.contains(" /sys/fs/bpf ") && l.contains(" - bpf "));
     if !mounted {
-        run("mount", &["-t", "bpf", "bpf", bpffs.to_str().expect("path")]);
+        run(
+            "mount",
+            &["-t", "bpf", "bpf", bpffs.to_str().expect("path")],
+        );
     }
 }
 
@@ -237,15 +243,41 @@ impl Topology {
             run(
                 "ip",
                 &[
-                    "link", "add", &veth, "netns", &client.name, "type", "veth", "peer", "name",
-                    "eth0", "netns", &pod.name,
+                    "link",
+                    "add",
+                    &veth,
+                    "netns",
+                    &client.name,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    &pod.name,
                 ],
             );
             client.ip(&["addr", "add", &format!("10.240.{i}.1/24"), "dev", &veth]);
-            client.ip(&["-6", "addr", "add", &format!("fd00:240:{i}::1/64"), "dev", &veth, "nodad"]);
+            client.ip(&[
+                "-6",
+                "addr",
+                "add",
+                &format!("fd00:240:{i}::1/64"),
+                "dev",
+                &veth,
+                "nodad",
+            ]);
             client.ip(&["link", "set", &veth, "up"]);
             pod.ip(&["addr", "add", &format!("10.240.{i}.2/24"), "dev", "eth0"]);
-            pod.ip(&["-6", "addr", "add", &format!("fd00:240:{i}::2/64"), "dev", "eth0", "nodad"]);
+            pod.ip(&[
+                "-6",
+                "addr",
+                "add",
+                &format!("fd00:240:{i}::2/64"),
+                "dev",
+                "eth0",
+                "nodad",
+            ]);
             pod.ip(&["link", "set", "eth0", "up"]);
             pods.push(pod);
         }
@@ -309,7 +341,8 @@ impl Server {
                 }
             }
         });
-        rx.recv_timeout(Duration::from_secs(5)).expect("server ready");
+        rx.recv_timeout(Duration::from_secs(5))
+            .expect("server ready");
         Self {
             stop,
             handle: Some(handle),
@@ -335,7 +368,8 @@ impl Server {
                 }
             }
         });
-        rx.recv_timeout(Duration::from_secs(5)).expect("server ready");
+        rx.recv_timeout(Duration::from_secs(5))
+            .expect("server ready");
         Self {
             stop,
             handle: Some(handle),
@@ -403,7 +437,9 @@ impl TestEnv {
     /// it and a writer over fresh pinned maps.
     pub fn new(pods: usize) -> Self {
         require_root();
-        let serial = SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let serial = SERIAL
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let topo = Topology::new(pods);
         let cgroup = TestCgroup::new();
         let pins = PinDir::new();
@@ -416,7 +452,9 @@ impl TestEnv {
             _serial: serial,
         };
         env.install();
-        env.writer = Some(Writer::new(BpfMaps::open(&env.pins.path).expect("open maps")));
+        env.writer = Some(Writer::new(
+            BpfMaps::open(&env.pins.path).expect("open maps"),
+        ));
         env
     }
 
@@ -438,7 +476,10 @@ impl TestEnv {
     pub fn serve_all(&mut self, port: u16) {
         for (i, pod) in self.topo.pods.iter().enumerate() {
             let name = format!("pod{}", i + 1);
-            for ip in [IpAddr::V4(Topology::pod_v4(i + 1)), IpAddr::V6(Topology::pod_v6(i + 1))] {
+            for ip in [
+                IpAddr::V4(Topology::pod_v4(i + 1)),
+                IpAddr::V6(Topology::pod_v6(i + 1)),
+            ] {
                 let addr = SocketAddr::new(ip, port);
                 self.servers.push(Server::tcp(pod, addr, &name));
                 self.servers.push(Server::udp(pod, addr, &name));
