@@ -134,11 +134,14 @@ pub enum Reason {
     RevNatStale = 7,
     /// The reverse-NAT entry could not be written (map full is not possible: LRU).
     RevNatUpdateFailed = 8,
+    /// `internalTrafficPolicy: Local` frontend with no endpoint on this node (kube-proxy
+    /// drops): the syscall fails with EHOSTUNREACH at once instead of timing out.
+    NoLocalBackend = 9,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 9;
+    pub const COUNT: u32 = 10;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -150,6 +153,7 @@ impl Reason {
         Reason::RevNatMiss,
         Reason::RevNatStale,
         Reason::RevNatUpdateFailed,
+        Reason::NoLocalBackend,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -164,6 +168,7 @@ impl Reason {
             Reason::RevNatMiss => "rev_nat_miss",
             Reason::RevNatStale => "rev_nat_stale",
             Reason::RevNatUpdateFailed => "rev_nat_update_failed",
+            Reason::NoLocalBackend => "no_local_backend",
         }
     }
 }

@@ -4,7 +4,8 @@
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
-    Reason, SockRevNat4, SockRevNat4Key, SockRevNat6, SockRevNat6Key, Svc4Key, Svc6Key, SvcValue,
+    svc_flags, Reason, SockRevNat4, SockRevNat4Key, SockRevNat6, SockRevNat6Key, Svc4Key, Svc6Key,
+    SvcValue,
 };
 
 use crate::maps::{count_backend, BACKEND4, BACKEND6, SOCK_REVNAT4, SOCK_REVNAT6, SVC4, SVC6};
@@ -160,7 +161,8 @@ pub struct Fwd<A> {
 
 /// Forward translation: frontend -> one of its backends, chosen with equal weight
 /// (slot = 1 + random % count: one lookup where iptables walks a statistic chain).
-/// `Ok(None)`: not a frontend. `Err(NoBackend)`: the caller must refuse the syscall.
+/// `Ok(None)`: not a frontend. `Err(NoBackend | NoLocalBackend)`: the caller must refuse
+/// the syscall.
 #[inline(always)]
 pub fn xlate_fwd<F: Family>(
     addr: F::Addr,
@@ -172,7 +174,11 @@ pub fn xlate_fwd<F: Family>(
         return Ok(None);
     };
     if front.count == 0 {
-        return Err(Reason::NoBackend);
+        return Err(if front.flags & svc_flags::LOCAL_ONLY != 0 {
+            Reason::NoLocalBackend
+        } else {
+            Reason::NoBackend
+        });
     }
     // SAFETY: helper without preconditions.
     let rnd = unsafe { bpf_get_prandom_u32() };

@@ -26,6 +26,7 @@ use crate::{
 const ALLOW: i32 = 1;
 const REJECT: i32 = 0;
 const ECONNREFUSED: i32 = 111;
+const EHOSTUNREACH: i32 = 113;
 
 /// `::ffff:0:0/96` as the third network-order word of `user_ip6`.
 const V4_MAPPED_WORD: u32 = u32::from_be(0x0000_ffff);
@@ -145,11 +146,19 @@ fn fwd_verdict<A>(r: Result<Option<Fwd<A>>, Reason>, write: impl FnOnce(Fwd<A>))
             count(Reason::NoService);
             ALLOW
         }
-        Err(Reason::NoBackend) => {
-            count(Reason::NoBackend);
-            // SAFETY: cgroup hook; makes connect()/sendmsg() return -ECONNREFUSED
-            // instead of the default -EPERM for a rejected call.
-            unsafe { bpf_set_retval(-ECONNREFUSED) };
+        Err(reason @ (Reason::NoBackend | Reason::NoLocalBackend)) => {
+            count(reason);
+            // No endpoints at all: kube-proxy REJECTs (connection refused). Endpoints
+            // only on other nodes under a Local policy: kube-proxy DROPs; failing fast
+            // with "no route to host" beats a connect() that hangs.
+            let errno = if reason == Reason::NoBackend {
+                ECONNREFUSED
+            } else {
+                EHOSTUNREACH
+            };
+            // SAFETY: cgroup hook; makes connect()/sendmsg() return -errno instead of
+            // the default -EPERM for a rejected call.
+            unsafe { bpf_set_retval(-errno) };
             REJECT
         }
         Err(other) => {

@@ -4,6 +4,7 @@
 
 pub mod bpf;
 pub mod cgroup;
+pub mod cluster;
 pub mod loader;
 pub mod model;
 pub mod store;

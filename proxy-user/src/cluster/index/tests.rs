@@ -1,0 +1,486 @@
+//! Rule-by-rule tests of the desired state, with builders for Services and slices and
+//! golden text of the resulting frontends (as kube-proxy's nftables proxier_test.go does).
+//!
+//! IP plan: ClusterIPs 172.30.0.0/16 and fd00:30::/64; endpoints 10.180.0.0/16 and
+//! fd00:180::/64, target port 8080 ("http") unless said otherwise; this node is "node-a"
+//! in zone "zone-a".
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use serde_json::{json, Value};
+
+use super::*;
+use crate::cluster::objects::Skip;
+
+struct Svc(Value);
+
+fn service(ns: &str, name: &str) -> Svc {
+    Svc(json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"namespace": ns, "name": name},
+        "spec": {"type": "ClusterIP", "ports": []}
+    }))
+}
+
+impl Svc {
+    fn cluster_ips(mut self, ips: &[&str]) -> Self {
+        self.0["spec"]["clusterIP"] = json!(ips[0]);
+        self.0["spec"]["clusterIPs"] = json!(ips);
+        self
+    }
+    fn port(mut self, name: &str, port: i64, proto: &str) -> Self {
+        self.0["spec"]["ports"]
+            .as_array_mut()
+            .expect("ports")
+            .push(json!({"name": name, "port": port, "protocol": proto, "targetPort": name}));
+        self
+    }
+    fn set(mut self, path: &str, v: Value) -> Self {
+        self.0["spec"][path] = v;
+        self
+    }
+    fn label(mut self, k: &str, v: &str) -> Self {
+        self.0["metadata"]["labels"][k] = json!(v);
+        self
+    }
+    fn build(self) -> Service {
+        serde_json::from_value(self.0).expect("valid Service")
+    }
+}
+
+struct Slice(Value);
+
+fn slice(ns: &str, name: &str, svc: &str, family: &str) -> Slice {
+    Slice(json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"namespace": ns, "name": name, "labels": {"kubernetes.io/service-name": svc}},
+        "addressType": family, "endpoints": [], "ports": []
+    }))
+}
+
+impl Slice {
+    fn port(mut self, name: &str, port: i64, proto: &str) -> Self {
+        self.0["ports"]
+            .as_array_mut()
+            .expect("ports")
+            .push(json!({"name": name, "port": port, "protocol": proto}));
+        self
+    }
+    /// An endpoint; `extra` is merged in (conditions, nodeName, hints).
+    fn ep(mut self, addr: &str, extra: Value) -> Self {
+        let mut e = json!({"addresses": [addr]});
+        if let Value::Object(m) = extra {
+            for (k, v) in m {
+                e[k] = v;
+            }
+        }
+        self.0["endpoints"]
+            .as_array_mut()
+            .expect("endpoints")
+            .push(e);
+        self
+    }
+    fn build(self) -> EndpointSlice {
+        serde_json::from_value(self.0).expect("valid EndpointSlice")
+    }
+}
+
+fn node() -> NodeInfo {
+    NodeInfo {
+        name: "node-a".into(),
+        zone: Some("zone-a".into()),
+    }
+}
+
+/// Evaluates one Service with its slices and renders the entries, one per line.
+fn golden(svc: Service, slices: Vec<EndpointSlice>) -> String {
+    let info = ServiceInfo::from_k8s(&svc, None)
+        .expect("valid")
+        .expect("selected");
+    let slices: Vec<SliceInfo> = slices
+        .iter()
+        .map(|s| {
+            SliceInfo::from_k8s(s, None)
+                .expect("valid")
+                .expect("selected")
+        })
+        .collect();
+    let refs: Vec<&SliceInfo> = slices.iter().collect();
+    render(&service_entries(&info, &refs, &node()))
+}
+
+fn render(entries: &[ServiceEntry]) -> String {
+    let mut out = String::new();
+    for e in entries {
+        let backends: Vec<String> = e.backends.iter().map(|b| b.to_string()).collect();
+        out += &format!(
+            "{} flags={:#x} affinity={} -> [{}]\n",
+            e.frontend,
+            e.flags,
+            e.affinity_timeout,
+            backends.join(", ")
+        );
+    }
+    out
+}
+
+fn basic() -> Svc {
+    service("default", "web")
+        .cluster_ips(&["172.30.0.10"])
+        .port("http", 80, "TCP")
+}
+
+const READY: fn() -> Value = || json!({});
+fn not_ready() -> Value {
+    json!({"conditions": {"ready": false, "serving": false, "terminating": false}})
+}
+fn terminating(serving: bool) -> Value {
+    json!({"conditions": {"ready": false, "serving": serving, "terminating": true}})
+}
+
+#[test]
+fn ready_endpoints_of_the_matching_port() {
+    let out = golden(
+        basic().build(),
+        vec![slice("default", "web-1", "web", "IPv4")
+            .port("http", 8080, "TCP")
+            .ep("10.180.0.1", READY())
+            .ep("10.180.0.2", json!({"conditions": {"ready": true}}))
+            .ep("10.180.0.3", not_ready())
+            .build()],
+    );
+    assert_eq!(
+        out,
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.1:8080, 10.180.0.2:8080]\n"
+    );
+}
+
+#[test]
+fn multi_port_named_target_ports_and_several_slices() {
+    let svc = basic()
+        .port("dns", 53, "UDP")
+        .port("metrics", 9090, "TCP")
+        .build();
+    let out = golden(
+        svc,
+        vec![
+            slice("default", "web-1", "web", "IPv4")
+                .port("http", 8080, "TCP")
+                .port("dns", 5353, "UDP")
+                .ep("10.180.0.1", READY())
+                .build(),
+            // A second slice, with the named port resolved to another number.
+            slice("default", "web-2", "web", "IPv4")
+                .port("http", 8081, "TCP")
+                .port("dns", 5353, "UDP")
+                .ep("10.180.0.2", READY())
+                .build(),
+        ],
+    );
+    assert_eq!(
+        out,
+        "\
+172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.1:8080, 10.180.0.2:8081]
+172.30.0.10:53/udp flags=0x0 affinity=0 -> [10.180.0.1:5353, 10.180.0.2:5353]
+172.30.0.10:9090/tcp flags=0x0 affinity=0 -> []
+"
+    );
+}
+
+#[test]
+fn dual_stack_takes_each_family_from_its_slices() {
+    let svc = service("default", "web")
+        .cluster_ips(&["172.30.0.10", "fd00:30::10"])
+        .port("http", 80, "TCP")
+        .build();
+    let out = golden(
+        svc,
+        vec![
+            slice("default", "web-v4", "web", "IPv4")
+                .port("http", 8080, "TCP")
+                .ep("10.180.0.1", READY())
+                .build(),
+            slice("default", "web-v6", "web", "IPv6")
+                .port("http", 8080, "TCP")
+                .ep("fd00:180::1", READY())
+                .build(),
+        ],
+    );
+    assert_eq!(
+        out,
+        "\
+172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.1:8080]
+[fd00:30::10]:80/tcp flags=0x0 affinity=0 -> [[fd00:180::1]:8080]
+"
+    );
+}
+
+#[test]
+fn terminating_fallback_only_when_nothing_is_ready() {
+    let with_ready = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.1", READY())
+        .ep("10.180.0.2", terminating(true))
+        .build();
+    assert_eq!(
+        golden(basic().build(), vec![with_ready]),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.1:8080]\n"
+    );
+    // No ready endpoint: serving+terminating ones carry the traffic (flagged); a
+    // terminating endpoint that is not serving never does.
+    let draining = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.2", terminating(true))
+        .ep("10.180.0.3", terminating(false))
+        .ep("10.180.0.4", not_ready())
+        .build();
+    assert_eq!(
+        golden(basic().build(), vec![draining]),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.2:8080 (terminating)]\n"
+    );
+    // "ready: true" together with "terminating: true" is not ready (KEP-1672).
+    let contradictory = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep(
+            "10.180.0.5",
+            json!({"conditions": {"ready": true, "terminating": true}}),
+        )
+        .build();
+    assert_eq!(
+        golden(basic().build(), vec![contradictory]),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.5:8080 (terminating)]\n"
+    );
+}
+
+#[test]
+fn internal_traffic_policy_local() {
+    let svc = || basic().set("internalTrafficPolicy", json!("Local")).build();
+    let slices = || {
+        slice("default", "web-1", "web", "IPv4")
+            .port("http", 8080, "TCP")
+            .ep("10.180.0.1", json!({"nodeName": "node-a"}))
+            .ep("10.180.0.2", json!({"nodeName": "node-b"}))
+            .ep("10.180.0.3", json!({"nodeName": "node-a", "conditions": {"ready": false, "serving": true, "terminating": true}}))
+    };
+    assert_eq!(
+        golden(svc(), vec![slices().build()]),
+        "172.30.0.10:80/tcp flags=0x2 affinity=0 -> [10.180.0.1:8080]\n"
+    );
+    // No ready local endpoint: the local serving+terminating one, even though a remote
+    // endpoint is ready (local and cluster fall back independently).
+    let only_terminating_local = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.2", json!({"nodeName": "node-b"}))
+        .ep("10.180.0.3", json!({"nodeName": "node-a", "conditions": {"ready": false, "serving": true, "terminating": true}}))
+        .build();
+    assert_eq!(
+        golden(svc(), vec![only_terminating_local]),
+        "172.30.0.10:80/tcp flags=0x2 affinity=0 -> [10.180.0.3:8080 (terminating)]\n"
+    );
+    // Nothing local at all: no backends, and the LOCAL_ONLY flag makes the datapath
+    // answer "no route to host" (kube-proxy drops) rather than "refused".
+    let remote_only = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.2", json!({"nodeName": "node-b"}))
+        .build();
+    assert_eq!(
+        golden(svc(), vec![remote_only]),
+        "172.30.0.10:80/tcp flags=0x2 affinity=0 -> []\n"
+    );
+}
+
+#[test]
+fn topology_hints_apply_only_when_every_ready_endpoint_has_them() {
+    let zone = |z: &str| json!({"hints": {"forZones": [{"name": z}]}});
+    let all_hinted = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.1", zone("zone-a"))
+        .ep("10.180.0.2", zone("zone-b"))
+        .ep("10.180.0.3", zone("zone-a"))
+        .build();
+    assert_eq!(
+        golden(basic().build(), vec![all_hinted]),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.1:8080, 10.180.0.3:8080]\n"
+    );
+    let one_unhinted = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.1", zone("zone-a"))
+        .ep("10.180.0.2", READY())
+        .build();
+    assert_eq!(
+        golden(basic().build(), vec![one_unhinted]),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.1:8080, 10.180.0.2:8080]\n"
+    );
+    let no_match = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.1", zone("zone-b"))
+        .ep("10.180.0.2", zone("zone-c"))
+        .build();
+    assert_eq!(
+        golden(basic().build(), vec![no_match]),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.1:8080, 10.180.0.2:8080]\n"
+    );
+    // PreferSameNode: node hints win over zone hints when all carry them.
+    let node_hints = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep(
+            "10.180.0.1",
+            json!({"hints": {"forNodes": [{"name": "node-a"}], "forZones": [{"name": "zone-a"}]}}),
+        )
+        .ep(
+            "10.180.0.2",
+            json!({"hints": {"forNodes": [{"name": "node-b"}], "forZones": [{"name": "zone-a"}]}}),
+        )
+        .build();
+    assert_eq!(
+        golden(basic().build(), vec![node_hints]),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.1:8080]\n"
+    );
+    // Local traffic policy overrides topology.
+    let svc = basic().set("internalTrafficPolicy", json!("Local")).build();
+    let local = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep(
+            "10.180.0.1",
+            json!({"nodeName": "node-a", "hints": {"forZones": [{"name": "zone-b"}]}}),
+        )
+        .ep(
+            "10.180.0.2",
+            json!({"nodeName": "node-b", "hints": {"forZones": [{"name": "zone-a"}]}}),
+        )
+        .build();
+    assert_eq!(
+        golden(svc, vec![local]),
+        "172.30.0.10:80/tcp flags=0x2 affinity=0 -> [10.180.0.1:8080]\n"
+    );
+}
+
+#[test]
+fn session_affinity_is_carried() {
+    let svc = basic().set("sessionAffinity", json!("ClientIP")).build();
+    assert_eq!(
+        golden(svc, vec![]),
+        "172.30.0.10:80/tcp flags=0x1 affinity=10800 -> []\n"
+    );
+    let svc = basic()
+        .set("sessionAffinity", json!("ClientIP"))
+        .set(
+            "sessionAffinityConfig",
+            json!({"clientIP": {"timeoutSeconds": 60}}),
+        )
+        .build();
+    assert_eq!(
+        golden(svc, vec![]),
+        "172.30.0.10:80/tcp flags=0x1 affinity=60 -> []\n"
+    );
+}
+
+#[test]
+fn ignored_services_and_slices() {
+    let external = service("default", "ext")
+        .set("type", json!("ExternalName"))
+        .set("externalName", json!("example.com"))
+        .build();
+    assert_eq!(ServiceInfo::from_k8s(&external, None), Ok(None));
+    let headless = service("default", "hl")
+        .cluster_ips(&["None"])
+        .port("http", 80, "TCP")
+        .build();
+    assert_eq!(ServiceInfo::from_k8s(&headless, None), Ok(None));
+    let other_proxy = basic()
+        .label("service.kubernetes.io/service-proxy-name", "other")
+        .build();
+    assert_eq!(ServiceInfo::from_k8s(&other_proxy, None), Ok(None));
+    let ours = basic()
+        .label("service.kubernetes.io/service-proxy-name", "ebpf")
+        .build();
+    assert!(ServiceInfo::from_k8s(&ours, Some("ebpf"))
+        .expect("ok")
+        .is_some());
+    assert_eq!(
+        ServiceInfo::from_k8s(&basic().build(), Some("ebpf")),
+        Ok(None)
+    );
+    let fqdn = slice("default", "f", "web", "FQDN").build();
+    assert_eq!(SliceInfo::from_k8s(&fqdn, None), Ok(None));
+}
+
+#[test]
+fn malformed_objects_name_the_cause() {
+    let bad_ip = service("default", "x")
+        .cluster_ips(&["10.0.0.300"])
+        .port("a", 80, "TCP")
+        .build();
+    assert_eq!(
+        ServiceInfo::from_k8s(&bad_ip, None),
+        Err(Skip::BadClusterIp("10.0.0.300".into()))
+    );
+    let bad_port = basic().port("big", 70000, "TCP").build();
+    let err = ServiceInfo::from_k8s(&bad_port, None).expect_err("bad port");
+    assert_eq!(err.label(), "bad_port");
+    assert_eq!(
+        err.to_string(),
+        "port 70000 of port \"big\" is out of range 1-65535"
+    );
+    let bad_proto = basic().port("x", 81, "ICMP").build();
+    assert_eq!(
+        ServiceInfo::from_k8s(&bad_proto, None),
+        Err(Skip::UnknownProtocol("ICMP".into()))
+    );
+    let mut no_label = slice("default", "s", "web", "IPv4").build();
+    no_label.metadata.labels = None;
+    assert_eq!(
+        SliceInfo::from_k8s(&no_label, None),
+        Err(Skip::NoServiceLabel)
+    );
+    let wrong_family = slice("default", "s", "web", "IPv4")
+        .ep("fd00::1", READY())
+        .build();
+    assert_eq!(
+        SliceInfo::from_k8s(&wrong_family, None)
+            .expect_err("family")
+            .label(),
+        "bad_endpoint_address"
+    );
+}
+
+#[test]
+fn index_tracks_which_services_an_update_touches() {
+    let mut index = Index::new(node());
+    let web = ObjKey::new("default", "web");
+    let info = ServiceInfo::from_k8s(&basic().build(), None).expect("ok");
+    assert_eq!(index.set_service(web.clone(), info), web);
+    let s = |svc: &str, ip: &str| {
+        SliceInfo::from_k8s(
+            &slice("default", "web-1", svc, "IPv4")
+                .port("http", 8080, "TCP")
+                .ep(ip, READY())
+                .build(),
+            None,
+        )
+        .expect("ok")
+    };
+    let slice_key = ObjKey::new("default", "web-1");
+    assert_eq!(
+        index.set_slice(slice_key.clone(), s("web", "10.180.0.1")),
+        [web.clone()]
+    );
+    assert_eq!(
+        render(&index.entries(&web)),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.1:8080]\n"
+    );
+    // A slice moving to another Service touches both.
+    let other = ObjKey::new("default", "other");
+    assert_eq!(
+        index.set_slice(slice_key.clone(), s("other", "10.180.0.1")),
+        [web.clone(), other.clone()]
+    );
+    assert_eq!(
+        render(&index.entries(&web)),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> []\n"
+    );
+    // A relist replaces everything: services that vanished are touched too.
+    let touched = index.replace_services(vec![]);
+    assert_eq!(touched, [web.clone()]);
+    assert!(index.entries(&web).is_empty());
+    assert_eq!(index.replace_slices(vec![]), [other]);
+}
