@@ -2,6 +2,7 @@
 //! in step, the store over the pinned BPF maps, and the loader. Used by `proxy-agent`,
 //! `proxyctl` and the integration tests.
 
+pub mod agent;
 pub mod bpf;
 pub mod cgroup;
 pub mod cluster;

@@ -1,10 +1,13 @@
 //! `proxy-agent`: installs the eBPF datapath and keeps its maps in step with the cluster.
 
-use std::path::PathBuf;
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
-use proxy_user::{loader, DEFAULT_PIN_PATH};
+use proxy_user::{
+    agent::{self, AgentOptions},
+    loader, DEFAULT_PIN_PATH,
+};
 
 #[derive(Parser)]
 #[command(
@@ -19,6 +22,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the agent: keep the maps in step with Services and EndpointSlices.
+    Run(Box<RunArgs>),
     /// Load and attach the socket hooks (or adopt pinned ones) and exit; the datapath
     /// keeps running from its pins.
     Install {
@@ -37,6 +42,81 @@ enum Command {
     },
 }
 
+#[derive(clap::Args)]
+struct RunArgs {
+    /// kubeconfig file (default: in-cluster config, then $KUBECONFIG / ~/.kube/config).
+    #[arg(long, env = "PROXY_KUBECONFIG", conflicts_with = "manifests")]
+    kubeconfig: Option<PathBuf>,
+    /// Read Services, EndpointSlices and Nodes from YAML/JSON files in this directory
+    /// (multi-document, followed for changes) instead of a cluster.
+    #[arg(long, env = "PROXY_MANIFESTS")]
+    manifests: Option<PathBuf>,
+    /// This node's name (internalTrafficPolicy: Local, topology). Default: $NODE_NAME,
+    /// then the hostname.
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    /// cgroup v2 directory for the socket hooks (default: the host's cgroup2 root).
+    #[arg(long, env = "PROXY_CGROUP")]
+    cgroup: Option<PathBuf>,
+    /// bpffs directory for maps and links.
+    #[arg(long, env = "PROXY_PIN_PATH", default_value = DEFAULT_PIN_PATH)]
+    pin_path: PathBuf,
+    /// Serve only Services labelled service.kubernetes.io/service-proxy-name=<NAME>.
+    #[arg(long, env = "PROXY_SERVICE_PROXY_NAME")]
+    service_proxy_name: Option<String>,
+    /// Address for /metrics.
+    #[arg(long, env = "PROXY_METRICS_ADDR", default_value = "0.0.0.0:10249")]
+    metrics_addr: SocketAddr,
+    /// Address for /healthz and /livez.
+    #[arg(long, env = "PROXY_HEALTHZ_ADDR", default_value = "0.0.0.0:10256")]
+    healthz_addr: SocketAddr,
+    /// Shortest time between two syncs; changes arriving meanwhile are written together.
+    #[arg(long, env = "PROXY_MIN_SYNC_INTERVAL", default_value = "50ms", value_parser = parse_duration)]
+    min_sync_interval: Duration,
+    /// Period of the full re-diff of desired state against the maps.
+    #[arg(long, env = "PROXY_SYNC_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    sync_interval: Duration,
+    /// How often the manifests directory is checked for changes.
+    #[arg(long, env = "PROXY_MANIFESTS_POLL", default_value = "100ms", value_parser = parse_duration)]
+    manifests_poll: Duration,
+}
+
+/// `250ms`, `2s`, `1m`.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map(|i| s.split_at(i))
+        .ok_or_else(|| format!("{s:?}: missing a unit (ms, s or m)"))?;
+    let n: u64 = num.parse().map_err(|_| format!("{s:?}: not a number"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(60 * n)),
+        _ => Err(format!("{s:?}: unknown unit (ms, s or m)")),
+    }
+}
+
+fn node_name(flag: Option<String>) -> String {
+    flag.or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|h| h.trim().to_string())
+    })
+    .unwrap_or_else(|| "localhost".into())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = tokio::signal::ctrl_c() => {},
+    }
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -45,6 +125,27 @@ fn main() -> Result<()> {
         )
         .init();
     match Cli::parse().command {
+        Command::Run(args) => {
+            let args = *args;
+            let opts = AgentOptions {
+                kubeconfig: args.kubeconfig,
+                manifests: args.manifests,
+                node_name: node_name(args.node_name),
+                cgroup: args.cgroup,
+                pin_path: args.pin_path,
+                proxy_name: args.service_proxy_name,
+                metrics_addr: args.metrics_addr,
+                healthz_addr: args.healthz_addr,
+                min_sync_interval: args.min_sync_interval,
+                sync_interval: args.sync_interval,
+                manifests_poll: args.manifests_poll,
+            };
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?
+                .block_on(agent::run(opts, shutdown_signal()))?;
+        }
         Command::Install { pin_path, cgroup } => {
             let r = loader::install(&loader::InstallOptions {
                 pin_path: pin_path.clone(),

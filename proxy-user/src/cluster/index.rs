@@ -208,6 +208,14 @@ impl Index {
         touched.into_iter().collect()
     }
 
+    pub fn service(&self, key: &ObjKey) -> Option<&ServiceInfo> {
+        self.services.get(key)
+    }
+
+    pub fn slice(&self, key: &ObjKey) -> Option<&SliceInfo> {
+        self.slices.get(key)
+    }
+
     /// Whether a Service is known (slices of unknown Services wait for it).
     pub fn has_service(&self, key: &ObjKey) -> bool {
         self.services.contains_key(key)

@@ -1,5 +1,78 @@
 //! The Kubernetes side: objects, the desired-state index, and the two sources of truth
-//! (the API server's watches and a manifests directory) that feed it.
+//! (the API server's watches and a manifests directory) that feed the agent.
 
 pub mod index;
+pub mod kube_source;
+pub mod manifests;
 pub mod objects;
+
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+
+pub use objects::ObjKey;
+
+/// The kinds of object the agent reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    Service,
+    EndpointSlice,
+    Node,
+}
+
+impl Kind {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Kind::Service => "Service",
+            Kind::EndpointSlice => "EndpointSlice",
+            Kind::Node => "Node",
+        }
+    }
+}
+
+/// One object, decoded.
+#[derive(Clone, Debug)]
+pub enum Object {
+    Service(Box<Service>),
+    Slice(Box<EndpointSlice>),
+    Node(Box<Node>),
+}
+
+impl Object {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Object::Service(_) => Kind::Service,
+            Object::Slice(_) => Kind::EndpointSlice,
+            Object::Node(_) => Kind::Node,
+        }
+    }
+
+    pub fn key(&self) -> ObjKey {
+        let meta = match self {
+            Object::Service(o) => &o.metadata,
+            Object::Slice(o) => &o.metadata,
+            Object::Node(o) => &o.metadata,
+        };
+        ObjKey::new(
+            meta.namespace.clone().unwrap_or_default(),
+            meta.name.clone().unwrap_or_default(),
+        )
+    }
+}
+
+/// What a source tells the agent.
+#[derive(Clone, Debug)]
+pub enum Update {
+    /// Every object of one kind (the initial list, or a relist after a watch restart):
+    /// replaces what was known; objects missing from it are deletions.
+    Snapshot {
+        kind: Kind,
+        objects: Vec<Object>,
+        relist: bool,
+    },
+    /// An object was created or changed.
+    Apply(Object),
+    /// An object was deleted.
+    Delete { kind: Kind, key: ObjKey },
+}

@@ -1,0 +1,391 @@
+//! Metrics (kube-proxy's names where one exists) and health, served over plain HTTP:
+//! `/metrics` on the metrics address, `/healthz` and `/livez` on the health address.
+
+use std::{
+    net::SocketAddr,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use prometheus_client::{
+    encoding::{text::encode, EncodeLabelSet},
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{exponential_buckets, Histogram},
+    },
+    registry::Registry,
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpListener,
+};
+use tracing::{debug, warn};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindReason {
+    pub kind: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Resource {
+    pub resource: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: String,
+}
+
+/// Every metric the agent exports.
+pub struct Metrics {
+    registry: Registry,
+    /// `sync_proxy_rules_duration_seconds`: one sync, from start to maps written.
+    pub sync_duration: Histogram,
+    /// `network_programming_duration_seconds`: change received -> maps written.
+    pub network_programming: Histogram,
+    /// `sync_proxy_rules_last_timestamp_seconds`: last successful sync.
+    pub last_sync: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// Frontends (service IP x port) programmed in the maps.
+    pub frontends: Gauge,
+    /// Distinct backends programmed in the maps.
+    pub backends: Gauge,
+    /// Services known (after filtering).
+    pub services: Gauge,
+    /// Watch restarts (relists) per resource.
+    pub watch_restarts: Family<Resource, Counter>,
+    /// Watch stream errors per resource.
+    pub watch_errors: Family<Resource, Counter>,
+    /// Objects not used, by kind and reason.
+    pub objects_skipped: Family<KindReason, Counter>,
+    /// Failed map writes by cause (`map_full`, `family_mismatch`, ...).
+    pub map_write_errors: Family<ReasonLabel, Counter>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("ebpf_proxy");
+        let sync_duration = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
+        let network_programming = Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        let m = Self {
+            sync_duration,
+            network_programming,
+            last_sync: Gauge::default(),
+            frontends: Gauge::default(),
+            backends: Gauge::default(),
+            services: Gauge::default(),
+            watch_restarts: Family::default(),
+            watch_errors: Family::default(),
+            objects_skipped: Family::default(),
+            map_write_errors: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "sync_proxy_rules_duration_seconds",
+            "Time one sync took, from start to the maps written",
+            m.sync_duration.clone(),
+        );
+        registry.register(
+            "network_programming_duration_seconds",
+            "Time from a Service/EndpointSlice change being received to the maps written",
+            m.network_programming.clone(),
+        );
+        registry.register(
+            "sync_proxy_rules_last_timestamp_seconds",
+            "Unix time of the last successful sync",
+            m.last_sync.clone(),
+        );
+        registry.register(
+            "programmed_frontends",
+            "Frontends (service address x port) in the maps",
+            m.frontends.clone(),
+        );
+        registry.register(
+            "programmed_backends",
+            "Distinct backends in the maps",
+            m.backends.clone(),
+        );
+        registry.register(
+            "services",
+            "Services known after filtering",
+            m.services.clone(),
+        );
+        registry.register(
+            "watch_restarts",
+            "Watch relists per resource",
+            m.watch_restarts.clone(),
+        );
+        registry.register(
+            "watch_errors",
+            "Watch stream errors per resource",
+            m.watch_errors.clone(),
+        );
+        registry.register(
+            "objects_skipped",
+            "Objects not used, by kind and reason",
+            m.objects_skipped.clone(),
+        );
+        registry.register(
+            "map_write_errors",
+            "Failed map writes by reason",
+            m.map_write_errors.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    pub fn skipped(&self, kind: &str, reason: &str) {
+        self.objects_skipped
+            .get_or_create(&KindReason {
+                kind: kind.to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    pub fn mark_synced(&self) {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64();
+        self.last_sync.set(now);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if let Err(e) = encode(&mut out, &self.registry) {
+            warn!(error = %e, "encoding metrics");
+        }
+        out
+    }
+}
+
+/// Health in kube-proxy's sense: healthy once the first sync has written the maps and
+/// while the last successful sync is younger than `stale_after` (twice the resync period).
+pub struct Health {
+    synced_once: AtomicBool,
+    last_sync: Mutex<Option<Instant>>,
+    stale_after: Duration,
+}
+
+impl Health {
+    pub fn new(stale_after: Duration) -> Self {
+        Self {
+            synced_once: AtomicBool::new(false),
+            last_sync: Mutex::new(None),
+            stale_after,
+        }
+    }
+
+    pub fn mark_synced(&self) {
+        self.synced_once.store(true, Ordering::Relaxed);
+        *self.last_sync.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+    }
+
+    /// `Ok(detail)` when healthy, `Err(detail)` otherwise.
+    pub fn check(&self) -> Result<String, String> {
+        if !self.synced_once.load(Ordering::Relaxed) {
+            return Err("no sync yet: waiting for the initial lists".into());
+        }
+        let last = *self.last_sync.lock().unwrap_or_else(|p| p.into_inner());
+        let age = last.map(|t| t.elapsed()).unwrap_or(Duration::MAX);
+        if age > self.stale_after {
+            return Err(format!(
+                "last successful sync {:.1} s ago (limit {:.1} s)",
+                age.as_secs_f64(),
+                self.stale_after.as_secs_f64()
+            ));
+        }
+        Ok(format!(
+            "last successful sync {:.3} s ago",
+            age.as_secs_f64()
+        ))
+    }
+}
+
+/// Which endpoints a listener serves.
+#[derive(Clone, Copy, Debug)]
+pub enum Endpoints {
+    Metrics,
+    Health,
+}
+
+/// Serves HTTP/1.x GETs on `listener` until the task is dropped.
+pub async fn serve(
+    listener: TcpListener,
+    what: Endpoints,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+) {
+    loop {
+        let (mut stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(error = %e, "accepting an HTTP connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let (metrics, health) = (metrics.clone(), health.clone());
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            let mut len = 0;
+            // Read the request head (we ignore any body).
+            loop {
+                match tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf[len..]))
+                    .await
+                {
+                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => return,
+                    Ok(Ok(n)) => len += n,
+                }
+                if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") || len == buf.len() {
+                    break;
+                }
+            }
+            let head = String::from_utf8_lossy(&buf[..len]);
+            let path = head
+                .split_whitespace()
+                .nth(1)
+                .unwrap_or("/")
+                .split('?')
+                .next()
+                .unwrap_or("/")
+                .to_string();
+            let (status, ctype, body) = respond(what, &path, &metrics, &health);
+            debug!(%peer, %path, status, "http");
+            let reply = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(reply.as_bytes()).await;
+            let _ = stream.shutdown().await;
+        });
+    }
+}
+
+fn respond(
+    what: Endpoints,
+    path: &str,
+    metrics: &Metrics,
+    health: &Health,
+) -> (&'static str, &'static str, String) {
+    const TEXT: &str = "text/plain; charset=utf-8";
+    match (what, path) {
+        (Endpoints::Metrics, "/metrics") => (
+            "200 OK",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            metrics.render(),
+        ),
+        (_, "/healthz") | (_, "/readyz") => match health.check() {
+            Ok(detail) => ("200 OK", TEXT, format!("ok: {detail}\n")),
+            Err(detail) => (
+                "503 Service Unavailable",
+                TEXT,
+                format!("unhealthy: {detail}\n"),
+            ),
+        },
+        (_, "/livez") => ("200 OK", TEXT, "ok\n".to_string()),
+        _ => ("404 Not Found", TEXT, "not found\n".to_string()),
+    }
+}
+
+/// Binds and serves; returns the bound address (port 0 picks one).
+pub async fn spawn(
+    addr: SocketAddr,
+    what: Endpoints,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    tokio::spawn(serve(listener, what, metrics, health));
+    Ok(local)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_is_503_until_the_first_sync_and_when_stale() {
+        let h = Health::new(Duration::from_millis(50));
+        assert!(h.check().is_err());
+        h.mark_synced();
+        assert!(h.check().is_ok());
+        std::thread::sleep(Duration::from_millis(80));
+        let err = h.check().expect_err("stale");
+        assert!(
+            err.contains("limit 0.1 s") || err.contains("limit 0.0 s") || err.contains("ago"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn metrics_render_with_kube_proxy_names() {
+        let m = Metrics::new();
+        m.sync_duration.observe(0.002);
+        m.skipped("Service", "bad_port");
+        m.frontends.set(3);
+        let text = m.render();
+        for name in [
+            "ebpf_proxy_sync_proxy_rules_duration_seconds_bucket",
+            "ebpf_proxy_network_programming_duration_seconds_count",
+            "ebpf_proxy_objects_skipped_total{kind=\"Service\",reason=\"bad_port\"} 1",
+            "ebpf_proxy_programmed_frontends 3",
+        ] {
+            assert!(text.contains(name), "{name} missing in:\n{text}");
+        }
+    }
+
+    #[tokio::test]
+    async fn http_endpoints_answer() {
+        let m = Arc::new(Metrics::new());
+        let h = Arc::new(Health::new(Duration::from_secs(60)));
+        let addr = spawn(
+            "127.0.0.1:0".parse().expect("addr"),
+            Endpoints::Health,
+            m.clone(),
+            h.clone(),
+        )
+        .await
+        .expect("bind");
+        let get = |path: &'static str| async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+                .await
+                .expect("write");
+            let mut out = String::new();
+            s.read_to_string(&mut out).await.expect("read");
+            out
+        };
+        assert!(get("/healthz").await.starts_with("HTTP/1.1 503"));
+        assert!(get("/livez").await.starts_with("HTTP/1.1 200"));
+        h.mark_synced();
+        let ok = get("/healthz").await;
+        assert!(
+            ok.starts_with("HTTP/1.1 200") && ok.contains("ok: last successful sync"),
+            "{ok}"
+        );
+        assert!(
+            get("/metrics").await.starts_with("HTTP/1.1 404"),
+            "metrics only on the metrics address"
+        );
+    }
+}

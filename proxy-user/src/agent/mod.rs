@@ -1,0 +1,177 @@
+//! The agent (`proxy-agent run`): installs or adopts the datapath, starts a source
+//! (Kubernetes watches or a manifests directory), serves metrics and health, and runs the
+//! rate-limited sync loop until told to stop. Stopping leaves the datapath pinned and
+//! serving; the next agent adopts it.
+
+pub mod metrics;
+pub mod sync;
+
+use std::{
+    future::Future,
+    net::SocketAddr,
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use crate::{
+    cluster::{kube_source, manifests, objects::NodeInfo, Kind, Update},
+    loader, BpfMaps, Writer,
+};
+use metrics::{Endpoints, Health, Metrics};
+use sync::{Backoff, Syncer};
+
+/// Everything `proxy-agent run` takes.
+#[derive(Clone, Debug)]
+pub struct AgentOptions {
+    pub kubeconfig: Option<PathBuf>,
+    pub manifests: Option<PathBuf>,
+    pub node_name: String,
+    pub cgroup: Option<PathBuf>,
+    pub pin_path: PathBuf,
+    pub proxy_name: Option<String>,
+    pub metrics_addr: SocketAddr,
+    pub healthz_addr: SocketAddr,
+    /// Shortest time between two syncs (changes arriving meanwhile are coalesced).
+    pub min_sync_interval: Duration,
+    /// Period of the full re-diff; health turns 503 after twice this without a sync.
+    pub sync_interval: Duration,
+    /// How often the manifests directory is polled.
+    pub manifests_poll: Duration,
+}
+
+/// Runs the agent until `shutdown` completes.
+pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let installed = loader::install(&loader::InstallOptions {
+        pin_path: opts.pin_path.clone(),
+        cgroup: opts.cgroup.clone(),
+    })
+    .with_context(|| format!("installing the datapath at {}", opts.pin_path.display()))?;
+    info!(
+        attached = installed.attached.len(),
+        adopted = installed.adopted.len(),
+        cgroup = ?installed.cgroup,
+        "datapath ready"
+    );
+    let maps = BpfMaps::open(&opts.pin_path)?;
+    let (writer, adopted) = Writer::adopt(maps).context("reading the pinned maps back")?;
+    info!(
+        frontends = adopted.frontends,
+        backends = adopted.backends,
+        orphans_deleted = adopted.orphans_deleted,
+        "adopted the maps' contents"
+    );
+
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::new(opts.sync_interval * 2));
+    let m = metrics::spawn(
+        opts.metrics_addr,
+        Endpoints::Metrics,
+        metrics.clone(),
+        health.clone(),
+    )
+    .await
+    .with_context(|| format!("binding the metrics address {}", opts.metrics_addr))?;
+    let h = metrics::spawn(
+        opts.healthz_addr,
+        Endpoints::Health,
+        metrics.clone(),
+        health.clone(),
+    )
+    .await
+    .with_context(|| format!("binding the health address {}", opts.healthz_addr))?;
+    info!(metrics = %m, healthz = %h, "serving /metrics, /healthz and /livez");
+
+    let (tx, rx) = mpsc::channel(4096);
+    match &opts.manifests {
+        Some(dir) => {
+            info!(dir = %dir.display(), "source: manifests directory");
+            let source = manifests::ManifestsDir::new(dir, metrics.clone());
+            tokio::spawn(manifests::run(source, opts.manifests_poll, tx));
+        }
+        None => {
+            let client = kube_source::client(opts.kubeconfig.as_deref()).await?;
+            info!(node = %opts.node_name, "source: Kubernetes API");
+            kube_source::spawn(
+                client,
+                opts.proxy_name.as_deref(),
+                &opts.node_name,
+                tx,
+                metrics.clone(),
+            );
+        }
+    }
+    let node = NodeInfo {
+        name: opts.node_name.clone(),
+        zone: None,
+    };
+    let syncer = Syncer::new(
+        writer,
+        node,
+        opts.proxy_name.clone(),
+        [Kind::Service, Kind::EndpointSlice, Kind::Node],
+        metrics,
+    );
+    sync_loop(syncer, rx, &opts, &health, shutdown).await;
+    info!("stopping; the datapath stays pinned and keeps serving");
+    Ok(())
+}
+
+/// Applies updates as they come and syncs at most every `min_sync_interval`, fully every
+/// `sync_interval`, retrying failed writes with backoff.
+pub async fn sync_loop<S: crate::MapStore>(
+    mut syncer: Syncer<S>,
+    mut rx: mpsc::Receiver<Update>,
+    opts: &AgentOptions,
+    health: &Health,
+    shutdown: impl Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    let mut last_sync: Option<Instant> = None;
+    let mut retry_at: Option<Instant> = None;
+    let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+    let mut resync = tokio::time::interval(opts.sync_interval);
+    resync.tick().await;
+    let mut sources_open = true;
+    loop {
+        let due = (syncer.ready() && syncer.pending()).then(|| {
+            let earliest = last_sync.map_or(Instant::now(), |t| t + opts.min_sync_interval);
+            retry_at.map_or(earliest, |r| r.max(earliest))
+        });
+        tokio::select! {
+            _ = &mut shutdown => return,
+            u = rx.recv(), if sources_open => match u {
+                Some(u) => {
+                    let now = Instant::now();
+                    syncer.handle(u, now);
+                    // Coalesce whatever else is already queued.
+                    while let Ok(u) = rx.try_recv() {
+                        syncer.handle(u, now);
+                    }
+                }
+                None => {
+                    warn!("every source stopped; keeping the maps as they are");
+                    sources_open = false;
+                }
+            },
+            _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now).into()), if due.is_some() => {
+                let out = syncer.sync(Instant::now());
+                last_sync = Some(Instant::now());
+                if out.failed == 0 {
+                    health.mark_synced();
+                    backoff.reset();
+                    retry_at = None;
+                } else {
+                    let delay = backoff.fail();
+                    warn!(failed = out.failed, retry_in_ms = delay.as_millis() as u64, "sync incomplete; retrying");
+                    retry_at = Some(Instant::now() + delay);
+                }
+            },
+            _ = resync.tick() => syncer.request_full(Instant::now()),
+        }
+    }
+}

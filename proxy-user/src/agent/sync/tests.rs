@@ -1,0 +1,263 @@
+//! Sync-loop logic against the in-memory store, with time passed in.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::*;
+use crate::{cluster::manifests::decode, store::MemStore};
+
+fn svc(name: &str, ip: &str) -> Object {
+    decode(
+        Kind::Service,
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"namespace": "default", "name": name},
+               "spec": {"clusterIP": ip, "ports": [{"name": "http", "port": 80}]}}),
+    )
+    .expect("service")
+}
+
+fn slice(name: &str, svc: &str, ips: &[&str]) -> Object {
+    let eps: Vec<_> = ips.iter().map(|ip| json!({"addresses": [ip]})).collect();
+    decode(
+        Kind::EndpointSlice,
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"namespace": "default", "name": name,
+                            "labels": {"kubernetes.io/service-name": svc}},
+               "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}], "endpoints": eps}),
+    )
+    .expect("slice")
+}
+
+fn snapshot(kind: Kind, objects: Vec<Object>) -> Update {
+    Update::Snapshot {
+        kind,
+        objects,
+        relist: false,
+    }
+}
+
+fn syncer(store: MemStore) -> (Syncer<MemStore>, Arc<Metrics>) {
+    let metrics = Arc::new(Metrics::new());
+    let (writer, _) = Writer::adopt(store).expect("adopt");
+    let s = Syncer::new(
+        writer,
+        NodeInfo {
+            name: "node-a".into(),
+            zone: None,
+        },
+        None,
+        [Kind::Service, Kind::EndpointSlice, Kind::Node],
+        metrics.clone(),
+    );
+    (s, metrics)
+}
+
+fn maps(s: &Syncer<MemStore>) -> String {
+    s.writer().store().state.render()
+}
+
+fn initial(s: &mut Syncer<MemStore>, t: Instant) {
+    s.handle(snapshot(Kind::Service, vec![svc("web", "10.96.0.10")]), t);
+    s.handle(
+        snapshot(
+            Kind::EndpointSlice,
+            vec![slice("web-1", "web", &["10.0.0.1", "10.0.0.2"])],
+        ),
+        t,
+    );
+    s.handle(snapshot(Kind::Node, vec![]), t);
+}
+
+#[test]
+fn nothing_is_written_before_every_initial_list() {
+    let t = Instant::now();
+    let (mut s, _) = syncer(MemStore::default());
+    s.handle(snapshot(Kind::Service, vec![svc("web", "10.96.0.10")]), t);
+    s.handle(snapshot(Kind::EndpointSlice, vec![]), t);
+    assert!(!s.ready());
+    assert!(!s.sync(t).ran);
+    assert_eq!(maps(&s), "");
+    s.handle(snapshot(Kind::Node, vec![]), t);
+    assert!(s.ready() && s.pending());
+    let out = s.sync(t);
+    assert!(out.ran && out.full);
+    assert_eq!(
+        maps(&s),
+        "frontend 10.96.0.10:80/tcp id=1 count=0 flags=0x0 affinity=0\nrevnat 1 = 10.96.0.10:80/tcp\n"
+    );
+}
+
+#[test]
+fn incremental_changes_write_only_the_touched_service() {
+    let t = Instant::now();
+    let (mut s, metrics) = syncer(MemStore::default());
+    initial(&mut s, t);
+    s.handle(Update::Apply(svc("other", "10.96.0.11")), t);
+    s.sync(t);
+    // Scale the web slice: only web's slots change.
+    let t2 = t + Duration::from_secs(1);
+    s.handle(
+        Update::Apply(slice("web-1", "web", &["10.0.0.1", "10.0.0.2", "10.0.0.3"])),
+        t2,
+    );
+    assert!(s.pending());
+    let log_before = s.writer.store_mut().take_log();
+    assert!(!log_before.is_empty());
+    let out = s.sync(t2);
+    assert!(!out.full);
+    assert_eq!(
+        s.writer.store_mut().take_log(),
+        "\
+put backend 3 = 10.0.0.3:8080/tcp
+put slot 10.96.0.10:80/tcp #3 -> backend 3
+put frontend 10.96.0.10:80/tcp id=1 count=3 flags=0x0 affinity=0
+"
+    );
+    // A change that flips back writes nothing.
+    s.handle(Update::Apply(slice("web-1", "web", &["10.0.0.1"])), t2);
+    s.handle(
+        Update::Apply(slice("web-1", "web", &["10.0.0.1", "10.0.0.2", "10.0.0.3"])),
+        t2,
+    );
+    assert_eq!(s.sync(t2).ops, 0);
+    // Deleting the Service removes its frontend, and only that.
+    s.handle(
+        Update::Delete {
+            kind: Kind::Service,
+            key: ObjKey::new("default", "web"),
+        },
+        t2,
+    );
+    s.sync(t2);
+    assert_eq!(
+        maps(&s),
+        "frontend 10.96.0.11:80/tcp id=2 count=0 flags=0x0 affinity=0\nrevnat 2 = 10.96.0.11:80/tcp\n"
+    );
+    let text = metrics.render();
+    assert!(text.contains("ebpf_proxy_programmed_frontends 1"), "{text}");
+    assert!(
+        text.contains("ebpf_proxy_network_programming_duration_seconds_count"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_relist_removes_what_was_deleted_while_disconnected() {
+    let t = Instant::now();
+    let (mut s, _) = syncer(MemStore::default());
+    initial(&mut s, t);
+    s.handle(Update::Apply(svc("gone", "10.96.0.99")), t);
+    s.sync(t);
+    assert!(maps(&s).contains("10.96.0.99"));
+    // The watch restarts; "gone" is not in the new list.
+    s.handle(
+        Update::Snapshot {
+            kind: Kind::Service,
+            objects: vec![svc("web", "10.96.0.10")],
+            relist: true,
+        },
+        t,
+    );
+    assert!(s.sync(t).full);
+    assert!(!maps(&s).contains("10.96.0.99"), "{}", maps(&s));
+    assert!(maps(&s).contains("10.96.0.10:80/tcp id=1 count=2"));
+}
+
+#[test]
+fn the_first_sync_collects_pinned_leftovers_without_flushing() {
+    // A previous agent left "old" and "web" in the maps.
+    let t = Instant::now();
+    let (mut prev, _) = syncer(MemStore::default());
+    initial(&mut prev, t);
+    prev.handle(Update::Apply(svc("old", "10.96.0.50")), t);
+    prev.sync(t);
+    let mut store = std::mem::take(prev.writer.store_mut());
+    store.take_log();
+
+    let (mut s, _) = syncer(store);
+    initial(&mut s, t);
+    s.sync(t);
+    // "web" is untouched (no op rewrote it), "old" is gone.
+    assert_eq!(
+        s.writer.store_mut().take_log(),
+        "\
+del frontend 10.96.0.50:80/tcp
+del revnat 2 (V4)
+"
+    );
+}
+
+#[test]
+fn malformed_objects_are_counted_and_keep_the_last_good_state() {
+    let t = Instant::now();
+    let (mut s, metrics) = syncer(MemStore::default());
+    initial(&mut s, t);
+    s.sync(t);
+    let bad = decode(
+        Kind::Service,
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"namespace": "default", "name": "web"},
+               "spec": {"clusterIP": "not-an-ip", "ports": [{"port": 80}]}}),
+    )
+    .expect("decodes; invalid only semantically");
+    s.handle(Update::Apply(bad), t);
+    s.sync(t);
+    assert!(maps(&s).contains("10.96.0.10:80/tcp id=1 count=2"));
+    let orphan = slice("lonely", "missing", &["10.0.0.9"]);
+    s.handle(Update::Apply(orphan), t);
+    s.sync(t);
+    let text = metrics.render();
+    assert!(
+        text.contains("kind=\"Service\",reason=\"bad_cluster_ip\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kind=\"EndpointSlice\",reason=\"service_missing\"} 1"),
+        "{text}"
+    );
+}
+
+#[test]
+fn two_services_claiming_one_address_do_not_fight() {
+    let t = Instant::now();
+    let (mut s, metrics) = syncer(MemStore::default());
+    initial(&mut s, t);
+    s.sync(t);
+    s.handle(Update::Apply(svc("copy", "10.96.0.10")), t);
+    s.sync(t);
+    assert!(
+        maps(&s).contains("10.96.0.10:80/tcp id=1 count=2"),
+        "web keeps it"
+    );
+    assert!(metrics.render().contains("reason=\"frontend_conflict\"} 1"));
+}
+
+#[test]
+fn failed_writes_stay_dirty_and_succeed_on_retry() {
+    let t = Instant::now();
+    let store = MemStore {
+        svc_capacity: Some(2),
+        ..MemStore::default()
+    };
+    let (mut s, metrics) = syncer(store);
+    initial(&mut s, t);
+    let out = s.sync(t);
+    assert_eq!(out.failed, 1, "web needs 3 SVC entries, 2 fit");
+    assert!(s.pending(), "kept for a retry");
+    assert!(metrics.render().contains("reason=\"map_full\"} 1"));
+    s.writer.store_mut().svc_capacity = None;
+    let out = s.sync(t + Duration::from_secs(1));
+    assert_eq!(out.failed, 0);
+    assert!(maps(&s).contains("10.96.0.10:80/tcp id=1 count=2"));
+    assert!(!s.pending());
+}
+
+#[test]
+fn backoff_doubles_up_to_the_limit() {
+    let mut b = Backoff::new(Duration::from_millis(500), Duration::from_secs(2));
+    let got: Vec<u128> = (0..4).map(|_| b.fail().as_millis()).collect();
+    assert_eq!(got, [500, 1000, 2000, 2000]);
+    b.reset();
+    assert_eq!(b.fail().as_millis(), 500);
+}

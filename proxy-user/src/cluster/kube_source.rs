@@ -1,0 +1,174 @@
+//! The Kubernetes API source: kube-rs watches on Services and EndpointSlices (with
+//! kube-proxy's label selector) and on this node's Node object. Watches restart with
+//! backoff; every (re)list is passed on as one snapshot, so a relist after a `410 Gone`
+//! or a reconnect is a full re-diff in which objects deleted meanwhile disappear.
+//!
+//! Objects are watched untyped and decoded one by one, so a malformed object is logged
+//! with its namespace/name, counted and skipped without stopping the watch.
+
+use std::{path::Path, sync::Arc};
+
+use futures::StreamExt as _;
+use kube::{
+    api::{Api, ApiResource, DynamicObject, GroupVersionKind},
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{watcher, WatchStreamExt as _},
+    Client, Config,
+};
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use super::{manifests::decode, objects::label_selector, Kind, ObjKey, Object, Update};
+use crate::agent::metrics::{Metrics, Resource};
+
+/// A client from `--kubeconfig`, else in-cluster config, else `$KUBECONFIG` /
+/// `~/.kube/config`.
+pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path)
+                .map_err(|e| anyhow::anyhow!("reading kubeconfig {}: {e}", path.display()))?;
+            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?
+        }
+        // In-cluster first (the DaemonSet case), then $KUBECONFIG / ~/.kube/config.
+        None => match Config::incluster() {
+            Ok(c) => c,
+            Err(_) => Config::infer().await?,
+        },
+    };
+    Ok(Client::try_from(config)?)
+}
+
+fn resource(kind: Kind) -> ApiResource {
+    let gvk = match kind {
+        Kind::Service => GroupVersionKind::gvk("", "v1", "Service"),
+        Kind::EndpointSlice => GroupVersionKind::gvk("discovery.k8s.io", "v1", "EndpointSlice"),
+        Kind::Node => GroupVersionKind::gvk("", "v1", "Node"),
+    };
+    ApiResource::from_gvk(&gvk)
+}
+
+/// Starts the three watches; each sends its updates to `tx` until the receiver goes.
+pub fn spawn(
+    client: Client,
+    proxy_name: Option<&str>,
+    node_name: &str,
+    tx: mpsc::Sender<Update>,
+    metrics: Arc<Metrics>,
+) {
+    let selector = label_selector(proxy_name);
+    for (kind, config) in [
+        (Kind::Service, watcher::Config::default().labels(&selector)),
+        (
+            Kind::EndpointSlice,
+            watcher::Config::default().labels(&selector),
+        ),
+        (
+            Kind::Node,
+            watcher::Config::default().fields(&format!("metadata.name={node_name}")),
+        ),
+    ] {
+        tokio::spawn(watch(
+            client.clone(),
+            kind,
+            config,
+            tx.clone(),
+            metrics.clone(),
+        ));
+    }
+}
+
+async fn watch(
+    client: Client,
+    kind: Kind,
+    config: watcher::Config,
+    tx: mpsc::Sender<Update>,
+    metrics: Arc<Metrics>,
+) {
+    let ar = resource(kind);
+    let api: Api<DynamicObject> = Api::all_with(client, &ar);
+    let mut stream = watcher(api, config).default_backoff().boxed();
+    let label = Resource {
+        resource: kind.as_str().to_string(),
+    };
+    let mut buffer: Vec<Object> = Vec::new();
+    let mut listed = false;
+    while let Some(event) = stream.next().await {
+        let update = match event {
+            Ok(watcher::Event::Init) => {
+                buffer.clear();
+                None
+            }
+            Ok(watcher::Event::InitApply(o)) => {
+                buffer.extend(convert(kind, o, &metrics));
+                None
+            }
+            Ok(watcher::Event::InitDone) => {
+                if listed {
+                    metrics.watch_restarts.get_or_create(&label).inc();
+                }
+                info!(
+                    kind = kind.as_str(),
+                    objects = buffer.len(),
+                    relist = listed,
+                    "list complete"
+                );
+                let u = Update::Snapshot {
+                    kind,
+                    objects: std::mem::take(&mut buffer),
+                    relist: listed,
+                };
+                listed = true;
+                Some(u)
+            }
+            Ok(watcher::Event::Apply(o)) => convert(kind, o, &metrics).map(Update::Apply),
+            Ok(watcher::Event::Delete(o)) => Some(Update::Delete {
+                kind,
+                key: ObjKey::new(
+                    o.metadata.namespace.unwrap_or_default(),
+                    o.metadata.name.unwrap_or_default(),
+                ),
+            }),
+            Err(e) => {
+                warn!(
+                    kind = kind.as_str(),
+                    "watch error (retrying with backoff): {e}"
+                );
+                metrics.watch_errors.get_or_create(&label).inc();
+                None
+            }
+        };
+        if let Some(u) = update {
+            if tx.send(u).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Decodes one untyped object; a malformed one is logged, counted and dropped.
+fn convert(kind: Kind, o: DynamicObject, metrics: &Metrics) -> Option<Object> {
+    let key = ObjKey::new(
+        o.metadata.namespace.clone().unwrap_or_default(),
+        o.metadata.name.clone().unwrap_or_default(),
+    );
+    let mut value = match serde_json::to_value(&o) {
+        Ok(v) => v,
+        Err(e) => {
+            warn!(object = %key, "skipping {} {key}: {e}", kind.as_str());
+            metrics.skipped(kind.as_str(), "decode_error");
+            return None;
+        }
+    };
+    let ar = resource(kind);
+    value["apiVersion"] = ar.api_version.clone().into();
+    value["kind"] = ar.kind.clone().into();
+    match decode(kind, value) {
+        Ok(obj) => Some(obj),
+        Err(e) => {
+            warn!(object = %key, reason = "decode_error", "skipping {} {key}: {e}", kind.as_str());
+            metrics.skipped(kind.as_str(), "decode_error");
+            None
+        }
+    }
+}

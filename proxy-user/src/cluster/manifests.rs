@@ -1,0 +1,379 @@
+//! The manifests-directory source: Services, EndpointSlices and Nodes as YAML (or JSON)
+//! files, several documents per file, `kind: List` included; the directory is polled and
+//! only files whose size or modification time changed are read again.
+//!
+//! The first scan yields one [`Update::Snapshot`] per kind (the initial lists); later
+//! scans yield the difference as `Apply`/`Delete`. A file that does not parse is logged
+//! and counted, and the objects it held before stay as they were; a document that does
+//! not decode is skipped alone.
+
+use std::{
+    collections::BTreeMap,
+    fs, io,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use serde::Deserialize as _;
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use super::{Kind, ObjKey, Object, Update};
+use crate::agent::metrics::Metrics;
+
+#[derive(Debug)]
+struct FileState {
+    stamp: (SystemTime, u64),
+    objects: Vec<(Kind, ObjKey, Value)>,
+}
+
+/// The directory's state between scans.
+#[derive(Debug)]
+pub struct ManifestsDir {
+    dir: PathBuf,
+    files: BTreeMap<PathBuf, FileState>,
+    /// What the agent was told, by kind and key (the JSON, to detect changes).
+    current: BTreeMap<(Kind, ObjKey), Value>,
+    scanned: bool,
+    metrics: Arc<Metrics>,
+}
+
+impl ManifestsDir {
+    pub fn new(dir: impl Into<PathBuf>, metrics: Arc<Metrics>) -> Self {
+        Self {
+            dir: dir.into(),
+            files: BTreeMap::new(),
+            current: BTreeMap::new(),
+            scanned: false,
+            metrics,
+        }
+    }
+
+    /// Reads what changed and returns the updates for the agent.
+    pub fn scan(&mut self) -> io::Result<Vec<Update>> {
+        let mut seen = Vec::new();
+        for entry in fs::read_dir(&self.dir)? {
+            let path = entry?.path();
+            let is_manifest = path
+                .extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"));
+            if !is_manifest || !path.is_file() {
+                continue;
+            }
+            seen.push(path.clone());
+            let meta = fs::metadata(&path)?;
+            let stamp = (meta.modified()?, meta.len());
+            if self.files.get(&path).is_some_and(|f| f.stamp == stamp) {
+                continue;
+            }
+            let text = match fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) => {
+                    warn!(file = %path.display(), "reading manifest {}: {e}", path.display());
+                    self.metrics.skipped("file", "read_error");
+                    continue;
+                }
+            };
+            match parse_file(&path, &text, &self.metrics) {
+                Ok(objects) => {
+                    self.files.insert(path, FileState { stamp, objects });
+                }
+                Err(e) => {
+                    // Keep the file's previous objects: a half-saved file must not
+                    // delete services.
+                    warn!(file = %path.display(), "manifest {} does not parse, keeping its previous objects: {e}", path.display());
+                    self.metrics.skipped("file", "parse_error");
+                    if let Some(f) = self.files.get_mut(&path) {
+                        f.stamp = stamp;
+                    } else {
+                        self.files.insert(
+                            path,
+                            FileState {
+                                stamp,
+                                objects: Vec::new(),
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        self.files.retain(|p, _| seen.contains(p));
+
+        let mut desired: BTreeMap<(Kind, ObjKey), Value> = BTreeMap::new();
+        for (path, f) in &self.files {
+            for (kind, key, value) in &f.objects {
+                if desired
+                    .insert((*kind, key.clone()), value.clone())
+                    .is_some()
+                {
+                    warn!(file = %path.display(), "{} {key} defined twice; the one in {} wins", kind.as_str(), path.display());
+                }
+            }
+        }
+        let updates = if !self.scanned {
+            self.scanned = true;
+            [Kind::Service, Kind::EndpointSlice, Kind::Node]
+                .into_iter()
+                .map(|kind| Update::Snapshot {
+                    kind,
+                    objects: desired
+                        .iter()
+                        .filter(|((k, _), _)| *k == kind)
+                        .filter_map(|((k, _), v)| decode(*k, v.clone()).ok())
+                        .collect(),
+                    relist: false,
+                })
+                .collect()
+        } else {
+            let mut ups = Vec::new();
+            for ((kind, key), _) in self.current.iter() {
+                if !desired.contains_key(&(*kind, key.clone())) {
+                    ups.push(Update::Delete {
+                        kind: *kind,
+                        key: key.clone(),
+                    });
+                }
+            }
+            for ((kind, key), value) in &desired {
+                if self.current.get(&(*kind, key.clone())) != Some(value) {
+                    if let Ok(obj) = decode(*kind, value.clone()) {
+                        ups.push(Update::Apply(obj));
+                    }
+                }
+            }
+            ups
+        };
+        self.current = desired;
+        Ok(updates)
+    }
+}
+
+/// Parses every document of a file into `(kind, key, json)`; documents of other kinds
+/// are ignored, documents that do not decode are logged, counted and skipped.
+fn parse_file(
+    path: &Path,
+    text: &str,
+    metrics: &Metrics,
+) -> Result<Vec<(Kind, ObjKey, Value)>, String> {
+    let mut docs: Vec<Value> = Vec::new();
+    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let yaml =
+            serde_yaml::Value::deserialize(doc).map_err(|e| format!("document {}: {e}", i + 1))?;
+        if yaml.is_null() {
+            continue;
+        }
+        let json = serde_json::to_value(&yaml).map_err(|e| format!("document {}: {e}", i + 1))?;
+        docs.push(json);
+    }
+    let mut out = Vec::new();
+    let mut stack: Vec<Value> = docs.into_iter().rev().collect();
+    while let Some(doc) = stack.pop() {
+        let kind = doc.get("kind").and_then(Value::as_str).unwrap_or("");
+        let kind = match kind {
+            "Service" => Kind::Service,
+            "EndpointSlice" => Kind::EndpointSlice,
+            "Node" => Kind::Node,
+            "List" | "ServiceList" | "EndpointSliceList" | "NodeList" => {
+                if let Some(items) = doc.get("items").and_then(Value::as_array) {
+                    stack.extend(items.iter().rev().cloned());
+                }
+                continue;
+            }
+            other => {
+                debug!(file = %path.display(), kind = other, "ignoring a document of another kind");
+                continue;
+            }
+        };
+        let meta = doc.get("metadata");
+        let name = meta
+            .and_then(|m| m.get("name"))
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let namespace = match kind {
+            Kind::Node => "",
+            _ => meta
+                .and_then(|m| m.get("namespace"))
+                .and_then(Value::as_str)
+                .unwrap_or("default"),
+        };
+        let key = ObjKey::new(namespace, name);
+        let mut doc = doc.clone();
+        if kind != Kind::Node {
+            doc["metadata"]["namespace"] = Value::from(namespace);
+        }
+        if let Err(e) = decode(kind, doc.clone()) {
+            warn!(file = %path.display(), object = %key, "skipping {} {key} in {}: {e}", kind.as_str(), path.display());
+            metrics.skipped(kind.as_str(), "decode_error");
+            continue;
+        }
+        if name.is_empty() {
+            warn!(file = %path.display(), "skipping a {} without metadata.name in {}", kind.as_str(), path.display());
+            metrics.skipped(kind.as_str(), "no_name");
+            continue;
+        }
+        out.push((kind, key, doc));
+    }
+    Ok(out)
+}
+
+/// Decodes a JSON object into the typed object of its kind.
+pub fn decode(kind: Kind, v: Value) -> Result<Object, serde_json::Error> {
+    Ok(match kind {
+        Kind::Service => Object::Service(Box::new(serde_json::from_value(v)?)),
+        Kind::EndpointSlice => Object::Slice(Box::new(serde_json::from_value(v)?)),
+        Kind::Node => Object::Node(Box::new(serde_json::from_value(v)?)),
+    })
+}
+
+/// Polls the directory every `interval` and sends what changed, until the receiver goes.
+pub async fn run(mut dir: ManifestsDir, interval: Duration, tx: mpsc::Sender<Update>) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match dir.scan() {
+            Ok(updates) => {
+                for u in updates {
+                    if tx.send(u).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(e) => {
+                warn!(dir = %dir.dir.display(), "scanning the manifests directory: {e}");
+                dir.metrics.skipped("file", "read_error");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, name: &str, text: &str) {
+        fs::write(dir.join(name), text).expect("write");
+        // Make sure the stamp changes even within the same mtime tick.
+    }
+
+    fn names(updates: &[Update]) -> Vec<String> {
+        updates
+            .iter()
+            .map(|u| match u {
+                Update::Snapshot { kind, objects, .. } => format!(
+                    "snapshot {} [{}]",
+                    kind.as_str(),
+                    objects
+                        .iter()
+                        .map(|o| o.key().to_string())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                ),
+                Update::Apply(o) => format!("apply {} {}", o.kind().as_str(), o.key()),
+                Update::Delete { kind, key } => format!("delete {} {key}", kind.as_str()),
+            })
+            .collect()
+    }
+
+    const SVC: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec:\n  clusterIP: 10.96.0.10\n  ports: [{name: http, port: 80}]\n";
+    const SLICE: &str = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: default, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: [10.0.0.1]}]\n";
+
+    #[test]
+    fn first_scan_snapshots_then_diffs() {
+        let tmp = tempdir();
+        let metrics = Arc::new(Metrics::new());
+        write(&tmp, "web.yaml", &format!("{SVC}---\n{SLICE}"));
+        write(&tmp, "notes.txt", "not a manifest");
+        let mut dir = ManifestsDir::new(&tmp, metrics.clone());
+        assert_eq!(
+            names(&dir.scan().expect("scan")),
+            [
+                "snapshot Service [default/web]",
+                "snapshot EndpointSlice [default/web-1]",
+                "snapshot Node []"
+            ]
+        );
+        assert!(dir.scan().expect("scan").is_empty(), "nothing changed");
+
+        // Change the slice, add a second service in a new file as a List.
+        write(
+            &tmp,
+            "web.yaml",
+            &format!("{SVC}---\n{}", SLICE.replace("10.0.0.1", "10.0.0.2")),
+        );
+        write(
+            &tmp,
+            "more.json",
+            r#"{"kind":"List","items":[{"apiVersion":"v1","kind":"Service","metadata":{"name":"dns","namespace":"kube-system"},"spec":{"clusterIP":"10.96.0.53","ports":[{"port":53,"protocol":"UDP"}]}}]}"#,
+        );
+        bump(&tmp.join("web.yaml"));
+        let mut got = names(&dir.scan().expect("scan"));
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                "apply EndpointSlice default/web-1",
+                "apply Service kube-system/dns"
+            ]
+        );
+
+        // A broken file keeps its objects; fixing it later works.
+        write(&tmp, "web.yaml", "kind: Service\nmetadata: [broken\n");
+        bump(&tmp.join("web.yaml"));
+        assert!(dir.scan().expect("scan").is_empty());
+        assert!(metrics
+            .render()
+            .contains("kind=\"file\",reason=\"parse_error\"} 1"));
+
+        // Deleting the file deletes its objects.
+        fs::remove_file(tmp.join("web.yaml")).expect("rm");
+        let mut got = names(&dir.scan().expect("scan"));
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                "delete EndpointSlice default/web-1",
+                "delete Service default/web"
+            ]
+        );
+        fs::remove_dir_all(&tmp).expect("cleanup");
+    }
+
+    #[test]
+    fn a_document_that_does_not_decode_is_skipped_alone() {
+        let tmp = tempdir();
+        let metrics = Arc::new(Metrics::new());
+        let bad = "apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec:\n  ports: [{port: eighty}]\n";
+        write(&tmp, "mixed.yaml", &format!("{bad}---\n{SVC}"));
+        let mut dir = ManifestsDir::new(&tmp, metrics.clone());
+        let ups = names(&dir.scan().expect("scan"));
+        assert_eq!(ups[0], "snapshot Service [default/web]");
+        assert!(metrics
+            .render()
+            .contains("kind=\"Service\",reason=\"decode_error\"} 1"));
+        fs::remove_dir_all(&tmp).expect("cleanup");
+    }
+
+    fn tempdir() -> PathBuf {
+        let p = std::env::temp_dir().join(format!(
+            "ebpf-proxy-manifests-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0)
+        ));
+        fs::create_dir_all(&p).expect("mkdir");
+        p
+    }
+
+    /// Moves the mtime forward so a rewrite within the same clock tick is seen.
+    fn bump(path: &Path) {
+        let f = fs::File::options().append(true).open(path).expect("open");
+        let later = SystemTime::now() + Duration::from_secs(5);
+        f.set_modified(later).expect("set mtime");
+    }
+}

@@ -1,0 +1,753 @@
+//! Self-tests of the fake kube-apiserver in `support/apiserver.rs`: kube-rs's real client
+//! and `kube::runtime::watcher` must see it as a kube-apiserver (initial list, live events,
+//! label selectors, reconnects, 410 relists, server restarts), and the wire format must
+//! hold up to a raw HTTP client. Unprivileged; everything binds to 127.0.0.1 only.
+
+#[path = "support/apiserver.rs"]
+mod apiserver;
+
+use std::{
+    collections::BTreeSet,
+    fmt::Debug,
+    io::{BufRead, BufReader, Read, Write},
+    net::TcpStream,
+    sync::atomic::{AtomicUsize, Ordering},
+    time::Duration,
+};
+
+use apiserver::FakeApiServer;
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
+use kube::{
+    api::{Api, ListParams, WatchEvent, WatchParams},
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{
+        watcher::{self, Event},
+        WatchStreamExt,
+    },
+    Client, Resource, ResourceExt,
+};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+use tokio::{sync::mpsc, task::JoinHandle, time::timeout};
+
+/// The selector kube-proxy uses for Services.
+const SERVICE_SELECTOR: &str =
+    "!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name";
+/// Longest wait for any single watcher event.
+const STEP: Duration = Duration::from_secs(10);
+
+static KUBECONFIGS: AtomicUsize = AtomicUsize::new(0);
+
+/// A kube client configured the way a user would: from a kubeconfig file.
+async fn client_for(server: &FakeApiServer) -> Client {
+    let path = std::env::temp_dir().join(format!(
+        "fake-apiserver-{}-{}.kubeconfig",
+        std::process::id(),
+        KUBECONFIGS.fetch_add(1, Ordering::Relaxed)
+    ));
+    server.write_kubeconfig(&path);
+    let kubeconfig = Kubeconfig::read_from(&path).expect("read the written kubeconfig");
+    let _ = std::fs::remove_file(&path);
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .expect("kube config from the fake kubeconfig");
+    assert_eq!(config.default_namespace, "default");
+    Client::try_from(config).expect("kube client for the fake apiserver")
+}
+
+fn service(name: &str, labels: Value) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "default", "labels": labels},
+        "spec": {
+            "type": "ClusterIP",
+            "clusterIP": "10.96.0.10",
+            "clusterIPs": ["10.96.0.10"],
+            "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
+        },
+    })
+}
+
+fn endpoint_slice(name: &str, service: &str, ip: &str) -> Value {
+    json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": true}}],
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+    })
+}
+
+fn node(name: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+}
+
+/// Runs a watcher stream in a task (so it keeps its watch connected while the test waits)
+/// and mirrors what it reports, like a reflector store would.
+struct Observed<K> {
+    events: mpsc::UnboundedReceiver<Result<Event<K>, watcher::Error>>,
+    task: JoinHandle<()>,
+    /// `namespace/name` of every object the watcher currently reports.
+    state: BTreeSet<String>,
+    /// Objects of a relist in progress (between Init and InitDone).
+    relist: Option<BTreeSet<String>>,
+    /// Every event seen, as text (see [`Observed::next`]).
+    log: Vec<String>,
+}
+
+impl<K> Observed<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    fn spawn(
+        stream: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send + 'static,
+    ) -> Self {
+        let (tx, events) = mpsc::unbounded_channel();
+        let task = tokio::spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            while let Some(item) = stream.next().await {
+                if tx.send(item).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            events,
+            task,
+            state: BTreeSet::new(),
+            relist: None,
+            log: Vec::new(),
+        }
+    }
+
+    fn key(obj: &K) -> String {
+        format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())
+    }
+
+    /// The next event as text: `Init`, `InitApply ns/name`, `InitDone`, `Apply ns/name`,
+    /// `Delete ns/name` or `Error: ...`.
+    async fn next(&mut self) -> String {
+        let item = timeout(STEP, self.events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no watcher event within {STEP:?}; so far: {:?}", self.log))
+            .expect("the watcher stream ended");
+        let text = match item {
+            Ok(Event::Init) => {
+                self.relist = Some(BTreeSet::new());
+                "Init".to_owned()
+            }
+            Ok(Event::InitApply(obj)) => {
+                let key = Self::key(&obj);
+                self.relist
+                    .as_mut()
+                    .expect("InitApply outside Init..InitDone")
+                    .insert(key.clone());
+                format!("InitApply {key}")
+            }
+            Ok(Event::InitDone) => {
+                self.state = self.relist.take().expect("InitDone without Init");
+                "InitDone".to_owned()
+            }
+            Ok(Event::Apply(obj)) => {
+                let key = Self::key(&obj);
+                self.state.insert(key.clone());
+                format!("Apply {key}")
+            }
+            Ok(Event::Delete(obj)) => {
+                let key = Self::key(&obj);
+                self.state.remove(&key);
+                format!("Delete {key}")
+            }
+            Err(e) => format!("Error: {e}"),
+        };
+        self.log.push(text.clone());
+        text
+    }
+
+    /// The next event that is not an error.
+    async fn next_ok(&mut self) -> String {
+        loop {
+            let event = self.next().await;
+            if !event.starts_with("Error") {
+                return event;
+            }
+        }
+    }
+
+    /// The next non-error events must be exactly these.
+    async fn expect(&mut self, expected: &[&str]) {
+        for want in expected {
+            let got = self.next_ok().await;
+            assert_eq!(&got, want, "unexpected watcher event; log: {:?}", self.log);
+        }
+    }
+
+    /// Consumes events until the mirrored state is `expected` and no relist is in progress.
+    async fn converge(&mut self, expected: &[&str], within: Duration) {
+        let expected: BTreeSet<String> = expected.iter().map(|s| s.to_string()).collect();
+        timeout(within, async {
+            while self.state != expected || self.relist.is_some() {
+                self.next().await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "watcher state {:?} is not {expected:?} after {within:?}; log: {:?}",
+                self.state, self.log
+            )
+        });
+    }
+
+    /// No event arrives for `quiet`.
+    async fn expect_quiet(&mut self, quiet: Duration) {
+        if let Ok(item) = timeout(quiet, self.events.recv()).await {
+            panic!(
+                "unexpected watcher event {:?}; log: {:?}",
+                item.map(|r| r.map(|e| format!("{e:?}"))),
+                self.log
+            );
+        }
+    }
+}
+
+impl<K> Drop for Observed<K> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Waits (asynchronously, so the watcher task can run) until `n` watches are open.
+async fn wait_for_watches(server: &FakeApiServer, n: usize) {
+    timeout(STEP, async {
+        while server.open_watches() < n {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "fewer than {n} watches open; requests: {:#?}",
+            server.requests()
+        )
+    });
+}
+
+fn service_watcher(client: Client) -> Observed<Service> {
+    Observed::spawn(watcher(
+        Api::<Service>::all(client),
+        watcher::Config::default().labels(SERVICE_SELECTOR),
+    ))
+}
+
+fn watcher<K>(
+    api: Api<K>,
+    config: watcher::Config,
+) -> impl Stream<Item = Result<Event<K>, watcher::Error>> + Send
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    kube::runtime::watcher(api, config)
+}
+
+#[tokio::test]
+async fn initial_list_then_apply_delete_and_label_selector() {
+    let server = FakeApiServer::start();
+    server.apply(service("a", json!({"app": "a"})));
+    server.apply(service(
+        "headless",
+        json!({"service.kubernetes.io/headless": ""}),
+    ));
+    server.apply(service(
+        "other-proxy",
+        json!({"service.kubernetes.io/service-proxy-name": "x"}),
+    ));
+    let mut services = service_watcher(client_for(&server).await);
+
+    services
+        .expect(&["Init", "InitApply default/a", "InitDone"])
+        .await;
+
+    server.apply(service("b", json!({})));
+    services.expect(&["Apply default/b"]).await;
+    server.apply(service("a", json!({"app": "a", "version": "2"})));
+    services.expect(&["Apply default/a"]).await;
+    server.delete("Service", "default", "b");
+    services.expect(&["Delete default/b"]).await;
+
+    // Filtered out: never seen. The next visible change proves nothing came before it.
+    server.apply(service(
+        "headless-2",
+        json!({"service.kubernetes.io/headless": ""}),
+    ));
+    services.expect_quiet(Duration::from_millis(300)).await;
+    server.apply(service("c", json!({})));
+    services.expect(&["Apply default/c"]).await;
+
+    // Stops matching -> DELETED; matches again -> ADDED (an Apply).
+    server.apply(service("c", json!({"service.kubernetes.io/headless": ""})));
+    services.expect(&["Delete default/c"]).await;
+    server.apply(service("c", json!({})));
+    services.expect(&["Apply default/c"]).await;
+    assert_eq!(
+        services.state,
+        BTreeSet::from(["default/a".to_owned(), "default/c".to_owned()])
+    );
+
+    // Objects got what the apiserver sets.
+    let stored = server.get("Service", "default", "c").expect("c is stored");
+    assert_eq!(
+        stored["metadata"]["resourceVersion"],
+        server.resource_version().to_string()
+    );
+    assert!(
+        stored["metadata"]["uid"].is_string()
+            && stored["metadata"]["creationTimestamp"].is_string()
+    );
+
+    // kube-rs 5 sends exactly these (note the empty first parameter: "?&").
+    assert_eq!(
+        server.decoded_requests(),
+        [
+            format!("GET /api/v1/services?&labelSelector={SERVICE_SELECTOR}&limit=500 HTTP/1.1"),
+            format!(
+                "GET /api/v1/services?&watch=true&timeoutSeconds=290&labelSelector={SERVICE_SELECTOR}\
+                 &allowWatchBookmarks=true&resourceVersion=3 HTTP/1.1"
+            ),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn endpointslice_watcher() {
+    let server = FakeApiServer::start();
+    server.apply(endpoint_slice("a-1", "a", "10.0.0.1"));
+    server.apply(endpoint_slice("b-1", "b", "10.0.0.2"));
+    server.apply(service("a", json!({}))); // another kind: must not show up
+    let client = client_for(&server).await;
+    let mut slices: Observed<EndpointSlice> = Observed::spawn(watcher(
+        Api::<EndpointSlice>::all(client.clone()),
+        watcher::Config::default().labels("kubernetes.io/service-name"),
+    ));
+    slices
+        .expect(&[
+            "Init",
+            "InitApply default/a-1",
+            "InitApply default/b-1",
+            "InitDone",
+        ])
+        .await;
+
+    server.apply(endpoint_slice("a-1", "a", "10.0.0.3"));
+    slices.expect(&["Apply default/a-1"]).await;
+    server.delete("EndpointSlice", "default", "b-1");
+    slices.expect(&["Delete default/b-1"]).await;
+
+    // What arrives deserializes into the k8s-openapi type with its fields.
+    let api = Api::<EndpointSlice>::namespaced(client, "default");
+    let slice = api.get("a-1").await.expect("get a-1");
+    assert_eq!(slice.endpoints[0].addresses, ["10.0.0.3"]);
+    assert_eq!(slice.address_type, "IPv4");
+}
+
+#[tokio::test]
+async fn drop_watches_resumes_from_last_version() {
+    let server = FakeApiServer::start();
+    server.apply(service("a", json!({})));
+    let mut services = service_watcher(client_for(&server).await);
+    services
+        .expect(&["Init", "InitApply default/a", "InitDone"])
+        .await;
+    wait_for_watches(&server, 1).await;
+    let rv = server.resource_version();
+
+    server.drop_watches();
+    assert_eq!(server.open_watches(), 0);
+    wait_for_watches(&server, 1).await;
+    server.apply(service("b", json!({})));
+    // Resumed, not relisted: the very next event is the change.
+    services.expect(&["Apply default/b"]).await;
+
+    let watches: Vec<String> = server
+        .decoded_requests()
+        .into_iter()
+        .filter(|r| r.contains("watch=true"))
+        .collect();
+    assert_eq!(watches.len(), 2, "{watches:#?}");
+    assert!(
+        watches
+            .iter()
+            .all(|w| w.contains(&format!("resourceVersion={rv} "))),
+        "{watches:#?}"
+    );
+    let lists = server
+        .requests()
+        .iter()
+        .filter(|r| !r.contains("watch=true"))
+        .count();
+    assert_eq!(lists, 1);
+
+    // A change made while the watch is down is replayed from history on reconnect.
+    server.drop_watches();
+    server.apply(service("c", json!({})));
+    services.expect(&["Apply default/c"]).await;
+}
+
+#[tokio::test]
+async fn expired_history_forces_relist() {
+    let server = FakeApiServer::start();
+    server.apply(service("a", json!({})));
+    server.apply(service("b", json!({})));
+    let mut services = service_watcher(client_for(&server).await);
+    services
+        .expect(&[
+            "Init",
+            "InitApply default/a",
+            "InitApply default/b",
+            "InitDone",
+        ])
+        .await;
+    wait_for_watches(&server, 1).await;
+
+    // No await in between: on this single-threaded test runtime the watcher cannot
+    // reconnect before b is gone, so it never sees b's DELETED event.
+    server.drop_watches();
+    server.delete("Service", "default", "b");
+    server.expire_history();
+
+    let error = services.next().await;
+    assert!(
+        error.contains("410") || error.contains("too old"),
+        "expected a 410 error, got {error}"
+    );
+    services
+        .expect(&["Init", "InitApply default/a", "InitDone"])
+        .await;
+    assert!(!services
+        .log
+        .iter()
+        .any(|e| e.contains("default/b") && e.starts_with("Delete")));
+
+    // Even with nothing changed, expiring then dropping the watch makes the watcher relist.
+    wait_for_watches(&server, 1).await;
+    server.expire_history();
+    server.drop_watches();
+    let error = services.next().await;
+    assert!(
+        error.starts_with("Error"),
+        "expected a 410 error, got {error}"
+    );
+    services
+        .expect(&["Init", "InitApply default/a", "InitDone"])
+        .await;
+    // And it works afterwards.
+    server.apply(service("d", json!({})));
+    services.expect(&["Apply default/d"]).await;
+}
+
+#[tokio::test]
+async fn stop_and_restart_converge_with_default_backoff() {
+    let server = FakeApiServer::start();
+    server.apply(service("a", json!({})));
+    server.apply(service("b", json!({})));
+    let mut services = Observed::spawn(
+        watcher(
+            Api::<Service>::all(client_for(&server).await),
+            watcher::Config::default().labels(SERVICE_SELECTOR),
+        )
+        .default_backoff(),
+    );
+    services
+        .expect(&[
+            "Init",
+            "InitApply default/a",
+            "InitApply default/b",
+            "InitDone",
+        ])
+        .await;
+    wait_for_watches(&server, 1).await;
+
+    server.stop();
+    assert!(
+        TcpStream::connect(server.url().trim_start_matches("http://")).is_err(),
+        "stopped server accepts connections"
+    );
+    server.delete("Service", "default", "a");
+    server.apply(service("c", json!({})));
+    // Let the watcher notice: it gets connection errors and backs off.
+    let error = services.next().await;
+    assert!(
+        error.starts_with("Error"),
+        "expected a connection error, got {error}"
+    );
+
+    server.restart();
+    services
+        .converge(&["default/b", "default/c"], Duration::from_secs(25))
+        .await;
+    println!("log: {:?}", services.log);
+    // It converged by relisting (old resourceVersions are gone after a restart).
+    assert_eq!(services.log.iter().filter(|e| *e == "Init").count(), 2);
+
+    wait_for_watches(&server, 1).await;
+    server.apply(service("d", json!({})));
+    services.expect(&["Apply default/d"]).await;
+}
+
+#[tokio::test]
+async fn api_calls_selectors_and_errors() {
+    let server = FakeApiServer::start();
+    server.apply(node("n1"));
+    server.apply(node("n2"));
+    server.apply(service("a", json!({"tier": "web"})));
+    server.apply(json!({"kind": "Service", "metadata": {"name": "a", "namespace": "other", "labels": {"tier": "db"}}}));
+    let client = client_for(&server).await;
+
+    let nodes = Api::<Node>::all(client.clone());
+    let listed = nodes
+        .list(&ListParams::default())
+        .await
+        .expect("list nodes");
+    assert_eq!(
+        listed
+            .items
+            .iter()
+            .map(|n| n.name_any())
+            .collect::<Vec<_>>(),
+        ["n1", "n2"]
+    );
+    assert_eq!(
+        listed.metadata.resource_version,
+        Some(server.resource_version().to_string())
+    );
+    let one = nodes
+        .list(&ListParams::default().fields("metadata.name=n2"))
+        .await
+        .expect("list n2");
+    assert_eq!(one.items.len(), 1);
+    assert_eq!(one.items[0].name_any(), "n2");
+
+    let services = Api::<Service>::all(client.clone());
+    let names = |list: kube::core::ObjectList<Service>| {
+        list.items
+            .iter()
+            .map(|s| format!("{}/{}", s.namespace().unwrap_or_default(), s.name_any()))
+            .collect::<Vec<_>>()
+    };
+    let all = services
+        .list(&ListParams::default())
+        .await
+        .expect("list services");
+    assert_eq!(names(all), ["default/a", "other/a"]);
+    let db = services
+        .list(&ListParams::default().labels("tier in (db,cache)"))
+        .await
+        .expect("list db");
+    assert_eq!(names(db), ["other/a"]);
+    let not_web = services
+        .list(&ListParams::default().labels("tier!=web"))
+        .await
+        .expect("list !web");
+    assert_eq!(names(not_web), ["other/a"]);
+    let in_other = Api::<Service>::namespaced(client.clone(), "other")
+        .list(&ListParams::default())
+        .await
+        .expect("list other");
+    assert_eq!(names(in_other), ["other/a"]);
+    let by_ns = services
+        .list(&ListParams::default().fields("metadata.namespace==default"))
+        .await
+        .expect("list by ns");
+    assert_eq!(names(by_ns), ["default/a"]);
+
+    // Errors come back as Status objects.
+    let missing = Api::<Service>::namespaced(client.clone(), "default")
+        .get("nope")
+        .await;
+    assert!(
+        matches!(missing, Err(kube::Error::Api(ref s)) if s.code == 404 && s.reason == "NotFound"),
+        "{missing:?}"
+    );
+    let configmaps = Api::<k8s_openapi::api::core::v1::ConfigMap>::all(client.clone());
+    let unknown = configmaps.list(&ListParams::default()).await;
+    assert!(
+        matches!(unknown, Err(kube::Error::Api(ref s)) if s.code == 404),
+        "{unknown:?}"
+    );
+    let bad = services
+        .list(&ListParams::default().fields("spec.clusterIP=1.2.3.4"))
+        .await;
+    assert!(
+        matches!(bad, Err(kube::Error::Api(ref s)) if s.code == 400),
+        "{bad:?}"
+    );
+
+    // A raw watch: replay after a version, then an expired version gets a 410 ERROR event.
+    let rv_before_b = server.resource_version();
+    server.apply(service("b", json!({})));
+    let mut stream = services
+        .watch(&WatchParams::default().timeout(2), &rv_before_b.to_string())
+        .await
+        .expect("watch services")
+        .boxed();
+    let first = timeout(STEP, stream.next())
+        .await
+        .expect("replayed event")
+        .expect("stream open");
+    assert!(
+        matches!(first, Ok(WatchEvent::Added(ref s)) if s.name_any() == "b"),
+        "{first:?}"
+    );
+    // A bookmark within ~1 s, then the end of the stream after timeoutSeconds=2.
+    let second = timeout(STEP, stream.next())
+        .await
+        .expect("bookmark")
+        .expect("stream open");
+    assert!(
+        matches!(second, Ok(WatchEvent::Bookmark(ref b)) if b.metadata.resource_version == server.resource_version().to_string()),
+        "{second:?}"
+    );
+    let end = timeout(STEP, async {
+        while let Some(event) = stream.next().await {
+            assert!(matches!(event, Ok(WatchEvent::Bookmark(_))), "{event:?}");
+        }
+    });
+    end.await.expect("the watch ends after timeoutSeconds");
+
+    server.expire_history();
+    let mut stream = services
+        .watch(&WatchParams::default(), &rv_before_b.to_string())
+        .await
+        .expect("watch services")
+        .boxed();
+    let gone = timeout(STEP, stream.next())
+        .await
+        .expect("error event")
+        .expect("stream open");
+    assert!(
+        matches!(gone, Ok(WatchEvent::Error(ref s)) if s.code == 410 && s.reason == "Expired"),
+        "{gone:?}"
+    );
+    assert!(timeout(STEP, stream.next())
+        .await
+        .expect("end of stream")
+        .is_none());
+}
+
+/// One HTTP/1.1 response read off a raw connection: status line, headers, decoded body.
+fn read_response(reader: &mut BufReader<TcpStream>) -> (String, Vec<String>, String) {
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("status line");
+    let status = line.trim_end().to_owned();
+    let mut headers = Vec::new();
+    loop {
+        let mut header = String::new();
+        reader.read_line(&mut header).expect("header line");
+        let header = header.trim_end().to_owned();
+        if header.is_empty() {
+            break;
+        }
+        headers.push(header.to_ascii_lowercase());
+    }
+    let mut body = Vec::new();
+    if let Some(length) = headers
+        .iter()
+        .find_map(|h| h.strip_prefix("content-length: "))
+    {
+        body.resize(length.parse().expect("numeric content-length"), 0);
+        reader.read_exact(&mut body).expect("body");
+    } else {
+        assert!(
+            headers.contains(&"transfer-encoding: chunked".to_owned()),
+            "{headers:?}"
+        );
+        loop {
+            let mut size = String::new();
+            reader.read_line(&mut size).expect("chunk size");
+            let size = usize::from_str_radix(size.trim_end(), 16).expect("hex chunk size");
+            let mut chunk = vec![0; size + 2];
+            reader.read_exact(&mut chunk).expect("chunk");
+            if size == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..size]);
+        }
+    }
+    (
+        status,
+        headers,
+        String::from_utf8(body).expect("utf-8 body"),
+    )
+}
+
+#[test]
+fn raw_http_from_sync_code() {
+    let server = FakeApiServer::start();
+    server.apply(node("n1"));
+    let stream = TcpStream::connect(server.url().trim_start_matches("http://")).expect("connect");
+    stream.set_read_timeout(Some(STEP)).expect("read timeout");
+    let mut writer = stream.try_clone().expect("clone stream");
+    let mut reader = BufReader::new(stream);
+
+    // Several requests on one keep-alive connection.
+    writer
+        .write_all(b"GET /api/v1/nodes?limit=500&continue= HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("send list");
+    let (status, headers, body) = read_response(&mut reader);
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert!(headers.contains(&"content-type: application/json".to_owned()));
+    let list: Value = serde_json::from_str(&body).expect("list JSON");
+    assert_eq!(list["kind"], "NodeList");
+    assert_eq!(list["apiVersion"], "v1");
+    assert_eq!(list["metadata"]["resourceVersion"], "1");
+    assert_eq!(list["items"][0]["metadata"]["name"], "n1");
+    assert!(list["metadata"].get("continue").is_none());
+
+    writer
+        .write_all(b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("send unknown");
+    let (status, _, body) = read_response(&mut reader);
+    assert!(status.starts_with("HTTP/1.1 404"), "{status}");
+    let not_found: Value = serde_json::from_str(&body).expect("Status JSON");
+    assert_eq!(not_found["kind"], "Status");
+    assert_eq!(not_found["code"], 404);
+
+    // A watch from "0" starts with the current state, then bookmarks, then ends cleanly.
+    writer
+        .write_all(b"GET /api/v1/nodes?watch=1&resourceVersion=0&allowWatchBookmarks=true&timeoutSeconds=2 HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("send watch");
+    let (status, headers, body) = read_response(&mut reader);
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert!(headers.contains(&"content-type: application/json".to_owned()));
+    let events: Vec<Value> = body
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("event JSON"))
+        .collect();
+    assert_eq!(events[0]["type"], "ADDED");
+    assert_eq!(events[0]["object"]["kind"], "Node");
+    assert!(
+        events[1..]
+            .iter()
+            .all(|e| e["type"] == "BOOKMARK" && e["object"]["kind"] == "Node"),
+        "{events:?}"
+    );
+    assert!(events.len() >= 2, "no bookmark in 2 s: {events:?}");
+
+    // The connection is still usable after the watch ended.
+    writer
+        .write_all(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("send version");
+    let (status, _, body) = read_response(&mut reader);
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert!(body.contains("gitVersion"));
+
+    assert_eq!(server.requests().len(), 4);
+    assert!(server.requests()[2].starts_with("GET /api/v1/nodes?watch=1&"));
+}
