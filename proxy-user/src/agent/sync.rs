@@ -58,6 +58,8 @@ pub struct Syncer<S> {
     /// Which initial lists have arrived.
     listed: BTreeSet<Kind>,
     needs: BTreeSet<Kind>,
+    /// Slices already reported as waiting for a missing Service (logged once each).
+    orphans_reported: BTreeSet<ObjKey>,
 }
 
 impl<S: MapStore> Syncer<S> {
@@ -80,6 +82,7 @@ impl<S: MapStore> Syncer<S> {
             owner: HashMap::new(),
             listed: BTreeSet::new(),
             needs: needs.into_iter().collect(),
+            orphans_reported: BTreeSet::new(),
         }
     }
 
@@ -228,15 +231,8 @@ impl<S: MapStore> Syncer<S> {
             Object::Slice(s) => {
                 let key = obj_key(&s.metadata);
                 if let Ok(info) = self.slice_info(&s) {
-                    if let Some(i) = &info {
-                        if !self.index.has_service(&i.service) {
-                            info!(
-                                endpointslice = %key, service = %i.service,
-                                "EndpointSlice {key}: Service {} not found (yet); its endpoints wait for it",
-                                i.service
-                            );
-                            self.metrics.skipped("EndpointSlice", "service_missing");
-                        }
+                    if self.listed.contains(&Kind::Service) {
+                        self.report_orphan(&key, info.as_ref());
                     }
                     let touched = self.index.set_slice(key, info);
                     self.touch(touched, now);
@@ -244,6 +240,44 @@ impl<S: MapStore> Syncer<S> {
             }
             Object::Node(n) => self.set_node(Some(&n), now),
         }
+    }
+
+    /// Logs (once per slice) an EndpointSlice whose Service is not known.
+    fn report_orphan(&mut self, key: &ObjKey, info: Option<&SliceInfo>) {
+        match info {
+            Some(i) if !self.index.has_service(&i.service) => {
+                if self.orphans_reported.insert(key.clone()) {
+                    self.log_orphan(key, &i.service);
+                }
+            }
+            _ => {
+                self.orphans_reported.remove(key);
+            }
+        }
+    }
+
+    /// The same over every slice (full syncs).
+    fn report_orphans(&mut self) {
+        let orphans: BTreeMap<ObjKey, ObjKey> = self
+            .index
+            .slices()
+            .filter(|(_, s)| !self.index.has_service(&s.service))
+            .map(|(k, s)| (k.clone(), s.service.clone()))
+            .collect();
+        self.orphans_reported.retain(|k| orphans.contains_key(k));
+        for (key, service) in orphans {
+            if self.orphans_reported.insert(key.clone()) {
+                self.log_orphan(&key, &service);
+            }
+        }
+    }
+
+    fn log_orphan(&self, key: &ObjKey, service: &ObjKey) {
+        info!(
+            endpointslice = %key, service = %service,
+            "EndpointSlice {key}: Service {service} not found (yet); its endpoints wait for it"
+        );
+        self.metrics.skipped("EndpointSlice", "service_missing");
     }
 
     fn set_node(&mut self, node: Option<&Node>, now: Instant) {
@@ -343,6 +377,7 @@ impl<S: MapStore> Syncer<S> {
                 desired.push(entry);
             }
         }
+        self.report_orphans();
         let report = self.writer.sync(desired);
         outcome.ops += report.ops;
         let mut failed_keys = BTreeSet::new();

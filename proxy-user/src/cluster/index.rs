@@ -212,6 +212,10 @@ impl Index {
         self.services.get(key)
     }
 
+    pub fn slices(&self) -> impl Iterator<Item = (&ObjKey, &SliceInfo)> {
+        self.slices.iter()
+    }
+
     pub fn slice(&self, key: &ObjKey) -> Option<&SliceInfo> {
         self.slices.get(key)
     }

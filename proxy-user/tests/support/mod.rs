@@ -377,6 +377,36 @@ impl Server {
     }
 }
 
+/// `N` distinct free loopback ports (all bound at once, then released).
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let listeners: Vec<TcpListener> = (0..N)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect();
+    std::array::from_fn(|i| listeners[i].local_addr().expect("addr").port())
+}
+
+/// `GET path` on 127.0.0.1:port; returns (status code, body).
+pub fn http_get(port: u16, path: &str) -> io::Result<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((code, body))
+}
+
 /// Connects to `addr` (from the current thread's namespace) and returns the server's
 /// one-line answer and the peer address the socket reports.
 pub fn tcp_ask(addr: SocketAddr) -> io::Result<(String, SocketAddr)> {
@@ -458,6 +488,26 @@ impl TestEnv {
         env
     }
 
+    /// Namespaces, cgroup and a pin path, but no datapath: for tests where the real
+    /// `proxy-agent` binary installs it.
+    pub fn without_datapath(pods: usize) -> Self {
+        require_root();
+        let serial = SERIAL
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let topo = Topology::new(pods);
+        let cgroup = TestCgroup::new();
+        let pins = PinDir::new();
+        Self {
+            servers: Vec::new(),
+            writer: None,
+            pins,
+            cgroup,
+            topo,
+            _serial: serial,
+        }
+    }
+
     /// Installs (or adopts) the datapath at the env's pin path and cgroup.
     pub fn install(&self) -> loader::InstallReport {
         loader::install(&loader::InstallOptions {
@@ -491,5 +541,139 @@ impl TestEnv {
     pub fn in_client<T>(&self, f: impl FnOnce() -> T) -> T {
         let _ns = self.topo.client.enter();
         f()
+    }
+}
+
+/// A running `proxy-agent` process (the real binary), stopped with SIGTERM on drop.
+pub struct AgentProcess {
+    pub child: std::process::Child,
+    pub healthz_port: u16,
+    pub metrics_port: u16,
+    pub log: PathBuf,
+}
+
+impl AgentProcess {
+    /// `proxy-agent run` with the env's pin path and cgroup and the given source args
+    /// (`--manifests DIR` or `--kubeconfig FILE`).
+    pub fn start(env: &TestEnv, source: &[&str]) -> Self {
+        let [healthz_port, metrics_port] = free_ports();
+        let log = std::env::temp_dir().join(unique("ebpf-proxy-agent-log-"));
+        let log_file = fs::File::create(&log).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_proxy-agent"))
+            .arg("run")
+            .args(source)
+            .args(["--pin-path", env.pins.path.to_str().expect("utf-8")])
+            .args(["--cgroup", env.cgroup.path.to_str().expect("utf-8")])
+            .args(["--node-name", "node-a"])
+            .args(["--healthz-addr", &format!("127.0.0.1:{healthz_port}")])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .args(["--min-sync-interval", "10ms", "--manifests-poll", "20ms"])
+            .env("RUST_LOG", "info,proxy_user=debug")
+            .stdout(log_file.try_clone().expect("log"))
+            .stderr(log_file)
+            .spawn()
+            .expect("start proxy-agent");
+        Self {
+            child,
+            healthz_port,
+            metrics_port,
+            log,
+        }
+    }
+
+    /// Waits until /healthz answers 200 (first sync done).
+    pub fn wait_healthy(&mut self, timeout: Duration) {
+        let start = std::time::Instant::now();
+        while start.elapsed() < timeout {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                panic!("proxy-agent exited with {status}:\n{}", self.logs());
+            }
+            if matches!(http_get(self.healthz_port, "/healthz"), Ok((200, _))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "proxy-agent not healthy after {timeout:?}:\n{}",
+            self.logs()
+        );
+    }
+
+    pub fn metrics(&self) -> String {
+        http_get(self.metrics_port, "/metrics").expect("metrics").1
+    }
+
+    pub fn logs(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM and wait (the datapath stays pinned).
+    pub fn stop(mut self) -> String {
+        self.terminate();
+        self.logs()
+    }
+
+    fn terminate(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            // SAFETY: signalling our own child by pid.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let start = std::time::Instant::now();
+            while self.child.try_wait().ok().flatten().is_none() {
+                if start.elapsed() > Duration::from_secs(5) {
+                    let _ = self.child.kill();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        self.terminate();
+        if std::thread::panicking() {
+            eprintln!("--- proxy-agent log ---\n{}", self.logs());
+        }
+        let _ = fs::remove_file(&self.log);
+    }
+}
+
+/// Manifests for tests: a Service and its EndpointSlice as YAML.
+pub mod manifests {
+    /// A ClusterIP Service with one TCP port named "http" and one UDP port "dns".
+    pub fn service(name: &str, vip: &str, port: u16) -> String {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\n\
+             spec:\n  clusterIP: {vip}\n  clusterIPs: [{vip}]\n  ports:\n  - name: http\n    port: {port}\n    protocol: TCP\n    targetPort: http\n"
+        )
+    }
+
+    /// One endpoint: (address, ready, serving, terminating).
+    pub type Ep<'a> = (&'a str, bool, bool, bool);
+
+    pub fn ready(addr: &str) -> Ep<'_> {
+        (addr, true, true, false)
+    }
+
+    pub fn terminating(addr: &str) -> Ep<'_> {
+        (addr, false, true, true)
+    }
+
+    /// An EndpointSlice for `service` with the given endpoints on port `target`.
+    pub fn slice(name: &str, service: &str, target: u16, eps: &[Ep<'_>]) -> String {
+        let mut y = format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: IPv4\nports:\n- name: http\n  port: {target}\n  protocol: TCP\nendpoints:\n"
+        );
+        if eps.is_empty() {
+            y = y.replace("endpoints:\n", "endpoints: []\n");
+        }
+        for (addr, ready, serving, terminating) in eps {
+            y += &format!(
+                "- addresses: [\"{addr}\"]\n  nodeName: node-a\n  conditions: {{ready: {ready}, serving: {serving}, terminating: {terminating}}}\n"
+            );
+        }
+        y
     }
 }

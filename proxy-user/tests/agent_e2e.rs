@@ -1,0 +1,415 @@
+//! End to end: the real `proxy-agent` binary with a manifests directory, pods as network
+//! namespaces running TCP servers, a client namespace in the test cgroup (see `support`).
+//! Needs root; fails without it.
+
+mod support;
+
+use std::{
+    fs, io,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use support::{
+    manifests::{ready, service, slice, terminating},
+    tcp_ask, unique, AgentProcess, TestEnv, Topology,
+};
+
+const TARGET: u16 = 8080;
+const VIP: &str = "10.96.0.10";
+
+fn vip() -> SocketAddr {
+    SocketAddr::from(([10, 96, 0, 10], 80))
+}
+
+fn pod(i: usize) -> String {
+    Topology::pod_v4(i).to_string()
+}
+
+/// A manifests directory, removed on drop. Files are replaced atomically (write + rename),
+/// as a config-management tool should.
+struct Manifests(PathBuf);
+
+impl Manifests {
+    fn new() -> Self {
+        let p = std::env::temp_dir().join(unique("ebpf-proxy-manifests-"));
+        fs::create_dir_all(&p).expect("mkdir");
+        Self(p)
+    }
+    fn write(&self, name: &str, text: &str) {
+        let tmp = self.0.join(format!(".{name}.tmp"));
+        fs::write(&tmp, text).expect("write");
+        fs::rename(&tmp, self.0.join(name)).expect("rename");
+    }
+    fn remove(&self, name: &str) {
+        fs::remove_file(self.0.join(name)).expect("rm");
+    }
+    fn arg(&self) -> [&str; 2] {
+        ["--manifests", self.0.to_str().expect("utf-8")]
+    }
+}
+
+impl Drop for Manifests {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Connects until `done(answer)` holds for `streak` connections in a row; returns the
+/// time from `since` to the first connection of that streak.
+fn until(
+    since: Instant,
+    streak: usize,
+    done: impl Fn(&io::Result<(String, SocketAddr)>) -> bool,
+) -> Duration {
+    let mut run = 0;
+    let mut first_ok = None;
+    while since.elapsed() < Duration::from_secs(5) {
+        let at = Instant::now();
+        let r = tcp_ask(vip());
+        if done(&r) {
+            first_ok.get_or_insert(at);
+            run += 1;
+            if run == streak {
+                return first_ok.expect("set").duration_since(since);
+            }
+        } else {
+            run = 0;
+            first_ok = None;
+        }
+    }
+    panic!("condition not reached within 5 s");
+}
+
+fn answer_is(r: &io::Result<(String, SocketAddr)>, pods: &[&str]) -> bool {
+    matches!(r, Ok((p, _)) if pods.contains(&p.as_str()))
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+#[test]
+fn agent_follows_the_manifests_directory() {
+    let mut env = TestEnv::without_datapath(3);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &service("web", VIP, 80));
+    dir.write(
+        "web-slice.yaml",
+        &slice("web-1", "web", TARGET, &[ready(&pod(1)), ready(&pod(2))]),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+
+    let mut latencies = Vec::new();
+    env.in_client(|| {
+        // Created: reachable, both pods used.
+        until(Instant::now(), 20, |r| answer_is(r, &["pod1", "pod2"]));
+
+        // Scale up: pod3 gets traffic.
+        let t0 = Instant::now();
+        dir.write(
+            "web-slice.yaml",
+            &slice(
+                "web-1",
+                "web",
+                TARGET,
+                &[ready(&pod(1)), ready(&pod(2)), ready(&pod(3))],
+            ),
+        );
+        latencies.push(until(t0, 1, |r| answer_is(r, &["pod3"])));
+
+        // Scale down: pod1 gets no new connection.
+        let t0 = Instant::now();
+        dir.write(
+            "web-slice.yaml",
+            &slice("web-1", "web", TARGET, &[ready(&pod(2)), ready(&pod(3))]),
+        );
+        latencies.push(until(t0, 40, |r| answer_is(r, &["pod2", "pod3"])));
+
+        // pod3 terminating (still serving) while pod2 is ready: only pod2 gets new ones.
+        let t0 = Instant::now();
+        dir.write(
+            "web-slice.yaml",
+            &slice(
+                "web-1",
+                "web",
+                TARGET,
+                &[ready(&pod(2)), terminating(&pod(3))],
+            ),
+        );
+        latencies.push(until(t0, 40, |r| answer_is(r, &["pod2"])));
+
+        // More changes, to measure the latency distribution: alternate pod1 and pod3.
+        for i in 0..16 {
+            let (p, name) = if i % 2 == 0 { (1, "pod1") } else { (3, "pod3") };
+            let t0 = Instant::now();
+            dir.write(
+                "web-slice.yaml",
+                &slice("web-1", "web", TARGET, &[ready(&pod(p))]),
+            );
+            latencies.push(until(t0, 10, |r| answer_is(r, &[name])));
+        }
+
+        // Endpoints gone: the Service refuses at once (kube-proxy's REJECT).
+        let t0 = Instant::now();
+        dir.write("web-slice.yaml", &slice("web-1", "web", TARGET, &[]));
+        latencies.push(until(
+            t0,
+            5,
+            |r| matches!(r, Err(e) if e.kind() == io::ErrorKind::ConnectionRefused),
+        ));
+
+        // Service deleted: the VIP is not translated any more (no route in the test net).
+        let t0 = Instant::now();
+        dir.remove("web.yaml");
+        let d = until(
+            t0,
+            5,
+            |r| matches!(r, Err(e) if e.raw_os_error() == Some(libc::ENETUNREACH)),
+        );
+        latencies.push(d);
+    });
+
+    let mut sorted = latencies.clone();
+    sorted.sort();
+    eprintln!(
+        "change -> traffic follows (incl. 20 ms polling): n={} p50={:?} p99={:?} max={:?}",
+        sorted.len(),
+        percentile(&sorted, 0.5),
+        percentile(&sorted, 0.99),
+        sorted.last().expect("some")
+    );
+    assert!(
+        *sorted.last().expect("some") < Duration::from_secs(1),
+        "traffic must follow within one second: {latencies:?}"
+    );
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("ebpf_proxy_network_programming_duration_seconds_count"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("ebpf_proxy_programmed_frontends 0"),
+        "{metrics}"
+    );
+    for line in metrics
+        .lines()
+        .filter(|l| l.contains("network_programming_duration_seconds_"))
+    {
+        if line.contains("_sum") || line.contains("_count") {
+            eprintln!("agent: {line}");
+        }
+    }
+}
+
+#[test]
+fn restarting_the_agent_drops_no_connection() {
+    let mut env = TestEnv::without_datapath(3);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &service("web", VIP, 80));
+    dir.write(
+        "web-slice.yaml",
+        &slice("web-1", "web", TARGET, &[ready(&pod(1)), ready(&pod(2))]),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+
+    // A client hammers the VIP from its own thread for the whole test.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let client_ns = env.topo.client.path();
+    let client = {
+        let (stop, ok, failed) = (stop.clone(), ok.clone(), failed.clone());
+        std::thread::spawn(move || {
+            let _ns = support::NetnsGuard::enter(&client_ns);
+            let mut errors = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                match tcp_ask(vip()) {
+                    Ok(_) => ok.fetch_add(1, Ordering::Relaxed),
+                    Err(e) => {
+                        errors.push(e.to_string());
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+            }
+            errors
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let before_stop = ok.load(Ordering::Relaxed);
+    agent.stop();
+    // No agent: the pinned datapath keeps serving. Edit the manifests meanwhile.
+    std::thread::sleep(Duration::from_millis(500));
+    let during = ok.load(Ordering::Relaxed) - before_stop;
+    dir.write(
+        "web-slice.yaml",
+        &slice("web-1", "web", TARGET, &[ready(&pod(2)), ready(&pod(3))]),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    let errors = client.join().expect("client");
+    eprintln!(
+        "connections: {} ok ({during} while no agent ran), {} failed",
+        ok.load(Ordering::Relaxed),
+        failed.load(Ordering::Relaxed)
+    );
+    assert!(
+        errors.is_empty(),
+        "failed connections across the restart: {errors:?}"
+    );
+    assert!(during > 10, "the client kept connecting while no agent ran");
+    let logs = agent.logs();
+    assert!(
+        logs.contains("adopted the pinned datapath") || logs.contains("adopted=8"),
+        "{logs}"
+    );
+    // The edit made while no agent ran is applied by the new one.
+    env.in_client(|| until(Instant::now(), 40, |r| answer_is(r, &["pod2", "pod3"])));
+}
+
+#[test]
+fn bad_manifests_are_reported_and_the_rest_keeps_working() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write(
+        "good.yaml",
+        &format!(
+            "{}---\n{}",
+            service("web", VIP, 80),
+            slice("web-1", "web", TARGET, &[ready(&pod(1))])
+        ),
+    );
+    dir.write("broken.yaml", "kind: Service\nmetadata: {name: broken\n");
+    dir.write("bad-ip.yaml", &service("bad-ip", "10.96.0.300", 80));
+    dir.write(
+        "bad-port.yaml",
+        &service("bad-port", "10.96.0.21", 80).replace("port: 80", "port: 70000"),
+    );
+    dir.write(
+        "bad-proto.yaml",
+        &service("bad-proto", "10.96.0.22", 80).replace("TCP", "ICMP"),
+    );
+    dir.write(
+        "orphan.yaml",
+        &slice("orphan-1", "no-such-service", TARGET, &[ready(&pod(1))]),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    env.in_client(|| until(Instant::now(), 10, |r| answer_is(r, &["pod1"])));
+
+    let metrics = agent.metrics();
+    for want in [
+        "kind=\"file\",reason=\"parse_error\"} 1",
+        "kind=\"Service\",reason=\"bad_cluster_ip\"} 1",
+        "kind=\"Service\",reason=\"bad_port\"} 1",
+        "kind=\"Service\",reason=\"unknown_protocol\"} 1",
+        "kind=\"EndpointSlice\",reason=\"service_missing\"} 1",
+        "ebpf_proxy_programmed_frontends 1",
+    ] {
+        assert!(metrics.contains(want), "{want} missing:\n{metrics}");
+    }
+    let logs = agent.stop();
+    for want in [
+        "broken.yaml does not parse",
+        "skipping Service default/bad-ip: clusterIP \"10.96.0.300\" is not an IP address",
+        "skipping Service default/bad-port: port 70000 of port \"http\" is out of range",
+        "skipping Service default/bad-proto: unknown protocol \"ICMP\"",
+        "EndpointSlice default/orphan-1: Service default/no-such-service not found",
+    ] {
+        assert!(logs.contains(want), "log line {want:?} missing:\n{logs}");
+    }
+}
+
+fn big_manifest(path: &Path, services: usize, endpoints: usize) {
+    let mut y = String::new();
+    for s in 0..services {
+        let vip = format!("10.97.{}.{}", s / 256, s % 256);
+        y += &service(&format!("svc-{s}"), &vip, 80);
+        y += "---\n";
+        let eps: Vec<String> = (0..endpoints)
+            .map(|e| {
+                format!(
+                    "10.{}.{}.{}",
+                    128 + s / 4096,
+                    (s / 16) % 256,
+                    (s % 16) * 16 + e
+                )
+            })
+            .collect();
+        let eps: Vec<_> = eps.iter().map(|a| ready(a)).collect();
+        y += &slice(&format!("svc-{s}-1"), &format!("svc-{s}"), TARGET, &eps);
+        y += "---\n";
+    }
+    fs::write(path, y).expect("write");
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .expect("status")
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmRSS")
+}
+
+#[test]
+fn a_thousand_services_with_ten_endpoints_each() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    big_manifest(&dir.0.join("big.yaml"), 1000, 10);
+    dir.write(
+        "web.yaml",
+        &format!(
+            "{}---\n{}",
+            service("web", VIP, 80),
+            slice("web-1", "web", TARGET, &[ready(&pod(1))])
+        ),
+    );
+    let start = Instant::now();
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(60));
+    let programmed = start.elapsed();
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("ebpf_proxy_programmed_frontends 1001"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("ebpf_proxy_programmed_backends 10001"),
+        "{metrics}"
+    );
+    let rss = rss_kib(agent.child.id());
+    eprintln!("1,000 services x 10 endpoints: programmed in {programmed:?} (from process start), agent RSS {} MiB", rss / 1024);
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    // One endpoint change among 1,001 services is applied as a delta.
+    let t0 = Instant::now();
+    dir.write(
+        "web.yaml",
+        &format!(
+            "{}---\n{}",
+            service("web", VIP, 80),
+            slice("web-1", "web", TARGET, &[])
+        ),
+    );
+    let d = env.in_client(|| {
+        until(
+            t0,
+            3,
+            |r| matches!(r, Err(e) if e.kind() == io::ErrorKind::ConnectionRefused),
+        )
+    });
+    eprintln!("one endpoint change at 1,001 services took effect in {d:?}");
+    assert!(d < Duration::from_secs(1));
+}
