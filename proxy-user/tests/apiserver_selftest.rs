@@ -241,20 +241,10 @@ async fn wait_for_watches(server: &FakeApiServer, n: usize) {
 }
 
 fn service_watcher(client: Client) -> Observed<Service> {
-    Observed::spawn(watcher(
+    Observed::spawn(watcher::watcher(
         Api::<Service>::all(client),
         watcher::Config::default().labels(SERVICE_SELECTOR),
     ))
-}
-
-fn watcher<K>(
-    api: Api<K>,
-    config: watcher::Config,
-) -> impl Stream<Item = Result<Event<K>, watcher::Error>> + Send
-where
-    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
-{
-    kube::runtime::watcher(api, config)
 }
 
 #[tokio::test]
@@ -332,7 +322,7 @@ async fn endpointslice_watcher() {
     server.apply(endpoint_slice("b-1", "b", "10.0.0.2"));
     server.apply(service("a", json!({}))); // another kind: must not show up
     let client = client_for(&server).await;
-    let mut slices: Observed<EndpointSlice> = Observed::spawn(watcher(
+    let mut slices: Observed<EndpointSlice> = Observed::spawn(watcher::watcher(
         Api::<EndpointSlice>::all(client.clone()),
         watcher::Config::default().labels("kubernetes.io/service-name"),
     ));
@@ -355,6 +345,35 @@ async fn endpointslice_watcher() {
     let slice = api.get("a-1").await.expect("get a-1");
     assert_eq!(slice.endpoints[0].addresses, ["10.0.0.3"]);
     assert_eq!(slice.address_type, "IPv4");
+}
+
+#[tokio::test]
+async fn streaming_lists_work_too() {
+    let server = FakeApiServer::start();
+    server.apply(service("a", json!({})));
+    server.apply(service(
+        "headless",
+        json!({"service.kubernetes.io/headless": ""}),
+    ));
+    let mut services = Observed::spawn(watcher::watcher(
+        Api::<Service>::all(client_for(&server).await),
+        watcher::Config::default()
+            .labels(SERVICE_SELECTOR)
+            .streaming_lists(),
+    ));
+    services
+        .expect(&["Init", "InitApply default/a", "InitDone"])
+        .await;
+    server.apply(service("b", json!({})));
+    services.expect(&["Apply default/b"]).await;
+    let requests = server.decoded_requests();
+    assert_eq!(requests.len(), 1, "{requests:#?}");
+    assert!(
+        requests[0].contains(
+            "sendInitialEvents=true&resourceVersionMatch=NotOlderThan&resourceVersion=0 "
+        ),
+        "{requests:#?}"
+    );
 }
 
 #[tokio::test]
@@ -398,6 +417,17 @@ async fn drop_watches_resumes_from_last_version() {
     server.drop_watches();
     server.apply(service("c", json!({})));
     services.expect(&["Apply default/c"]).await;
+    // kube-rs takes the cut-off chunked body as a resumable end of stream, not an error.
+    assert_eq!(
+        services.log,
+        [
+            "Init",
+            "InitApply default/a",
+            "InitDone",
+            "Apply default/b",
+            "Apply default/c"
+        ]
+    );
 }
 
 #[tokio::test]
@@ -458,7 +488,7 @@ async fn stop_and_restart_converge_with_default_backoff() {
     server.apply(service("a", json!({})));
     server.apply(service("b", json!({})));
     let mut services = Observed::spawn(
-        watcher(
+        watcher::watcher(
             Api::<Service>::all(client_for(&server).await),
             watcher::Config::default().labels(SERVICE_SELECTOR),
         )
@@ -750,4 +780,29 @@ fn raw_http_from_sync_code() {
 
     assert_eq!(server.requests().len(), 4);
     assert!(server.requests()[2].starts_with("GET /api/v1/nodes?watch=1&"));
+
+    // drop_watches() cuts a watch off mid-stream: no terminating chunk, just EOF.
+    server.apply(node("n2"));
+    writer
+        .write_all(b"GET /api/v1/nodes?watch=true&resourceVersion=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("send watch");
+    let mut head = String::new();
+    while !head.ends_with("\r\n\r\n") {
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("watch response head");
+        assert!(!line.is_empty(), "EOF in the response head: {head}");
+        head.push_str(&line);
+    }
+    let mut size = String::new();
+    reader.read_line(&mut size).expect("chunk size");
+    let mut event = String::new();
+    reader.read_line(&mut event).expect("replayed event");
+    assert!(
+        event.contains(r#""type":"ADDED""#) && event.contains("n2"),
+        "{event}"
+    );
+    server.drop_watches();
+    let mut rest = String::new();
+    reader.read_to_string(&mut rest).expect("read until EOF");
+    assert_eq!(rest, "\r\n", "only the end of the event's chunk");
 }

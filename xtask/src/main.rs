@@ -2,8 +2,10 @@
 //!
 //! - `setup`: installs what is missing (idempotent); every other command runs it first;
 //! - `build`: release binaries `target/release/proxy-agent` and `target/release/proxyctl`;
+//! - `demo`: the seed article's example live (see `demo.rs`);
 //! - `test`: formatting, clippy, unit and privileged integration tests (serially).
 
+mod demo;
 mod setup;
 
 use std::process::Command;
@@ -24,6 +26,13 @@ enum Cmd {
     Setup,
     /// Build everything in release mode.
     Build,
+    /// The seed article's nginx-service, live: 3 pods, requests to the ClusterIP, the
+    /// spread next to kube-proxy's iptables probabilities, then a scale to 4 (as root).
+    Demo {
+        /// Requests per pod in each round.
+        #[arg(long, default_value_t = 100)]
+        requests_per_pod: usize,
+    },
     /// Run every test: fmt and clippy checks, unit tests, privileged tests (as root).
     Test {
         /// Skip `cargo fmt --check` and `cargo clippy`.
@@ -42,6 +51,11 @@ fn main() -> Result<()> {
         Cmd::Build => {
             setup::ensure()?;
             build()
+        }
+        Cmd::Demo { requests_per_pod } => {
+            setup::ensure()?;
+            build()?;
+            demo::run(&workspace_root().join("target/release"), requests_per_pod)
         }
         Cmd::Test { no_lint, args } => {
             setup::ensure()?;

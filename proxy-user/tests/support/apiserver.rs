@@ -1165,7 +1165,9 @@ async fn serve_watch(
                     events: events_tx,
                     _kill: kill_tx,
                 });
-                Ok((initial, store.rv, events, kill))
+                // Bookmarks never go back behind what the client asked for.
+                let cursor = store.rv.max(since.unwrap_or_default());
+                Ok((initial, cursor, events, kill))
             }
         }
     };
