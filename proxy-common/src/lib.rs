@@ -109,6 +109,9 @@ pub mod backend_flags {
 pub mod meta {
     /// The `ABI_VERSION` the pinned maps were created with.
     pub const ABI_VERSION: u32 = 0;
+    /// Kernel id of a loaded hook program, so a later agent can read the programs'
+    /// aya-log records (`EbpfLogger::init_from_id`).
+    pub const LOG_PROGRAM_ID: u32 = 1;
 }
 
 /// Every outcome of a datapath decision: the index into the per-CPU `STATS` array.

@@ -14,6 +14,7 @@ use aya_ebpf::{
     programs::SockAddrContext,
     EbpfContext,
 };
+use aya_log_ebpf::warn;
 use core::ptr::{read_volatile, write_volatile};
 use proxy_common::{proto, Reason};
 
@@ -135,7 +136,11 @@ fn is_v4_mapped(a: &[u32; 4]) -> bool {
 
 /// Maps a forward result to the hook's return value, counting the outcome.
 #[inline(always)]
-fn fwd_verdict<A>(r: Result<Option<Fwd<A>>, Reason>, write: impl FnOnce(Fwd<A>)) -> i32 {
+fn fwd_verdict<A>(
+    ctx: &SockAddrContext,
+    r: Result<Option<Fwd<A>>, Reason>,
+    write: impl FnOnce(Fwd<A>),
+) -> i32 {
     match r {
         Ok(Some(to)) => {
             write(to);
@@ -163,6 +168,13 @@ fn fwd_verdict<A>(r: Result<Option<Fwd<A>>, Reason>, write: impl FnOnce(Fwd<A>))
         }
         Err(other) => {
             count(other);
+            if other == Reason::BackendMissing {
+                // Rare: the writer's update order makes this a bug or a racing delete.
+                warn!(
+                    ctx,
+                    "frontend slot or backend entry missing; connection left alone"
+                );
+            }
             ALLOW
         }
     }
@@ -191,7 +203,7 @@ fn fwd4(ctx: &SockAddrContext) -> i32 {
     // SAFETY: 4-byte ctx field.
     let addr = unsafe { read_volatile(&raw const (*sa).user_ip4) };
     let r = xlate_fwd::<V4>(addr, read_port(sa), proto, cookie(ctx));
-    fwd_verdict(r, |to| {
+    fwd_verdict(ctx, r, |to| {
         // SAFETY: 4-byte ctx field.
         unsafe { write_volatile(&raw mut (*sa).user_ip4, to.addr) };
         write_port(sa, to.port);
@@ -226,13 +238,13 @@ fn fwd6(ctx: &SockAddrContext) -> i32 {
     let cookie = cookie(ctx);
     if is_v4_mapped(&addr) {
         let r = xlate_fwd::<V4>(addr[3], port, proto, cookie);
-        return fwd_verdict(r, |to| {
+        return fwd_verdict(ctx, r, |to| {
             write_ip6(sa, [0, 0, V4_MAPPED_WORD, to.addr]);
             write_port(sa, to.port);
         });
     }
     let r = xlate_fwd::<V6>(addr, port, proto, cookie);
-    fwd_verdict(r, |to| {
+    fwd_verdict(ctx, r, |to| {
         write_ip6(sa, to.addr);
         write_port(sa, to.port);
     })

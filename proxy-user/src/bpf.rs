@@ -159,9 +159,14 @@ impl BpfMaps {
 
 /// Reads `META[ABI_VERSION]` from the pin directory.
 pub fn read_abi_version(dir: &Path) -> Result<u32, OpenError> {
+    read_meta(dir, proxy_common::meta::ABI_VERSION)
+}
+
+/// Reads one `META` entry from the pin directory.
+pub fn read_meta(dir: &Path, index: u32) -> Result<u32, OpenError> {
     let path = dir.join(names::META);
     let meta: Array<MapData, u32> = typed!(dir, names::META);
-    meta.get(&proxy_common::meta::ABI_VERSION, 0)
+    meta.get(&index, 0)
         .map_err(|source| OpenError::Map { path, source })
 }
 

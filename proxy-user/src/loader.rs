@@ -202,26 +202,10 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(pin_path)
         .load(EBPF_OBJECT)?;
-    {
-        let map = ebpf.map_mut(map_names::META).ok_or(LoadError::Map {
-            name: map_names::META,
-            source: aya::maps::MapError::InvalidName {
-                name: map_names::META.into(),
-            },
-        })?;
-        let mut meta: Array<&mut MapData, u32> =
-            Array::try_from(map).map_err(|source| LoadError::Map {
-                name: map_names::META,
-                source,
-            })?;
-        meta.set(meta::ABI_VERSION, ABI_VERSION, 0)
-            .map_err(|source| LoadError::Map {
-                name: map_names::META,
-                source,
-            })?;
-    }
+    write_meta(&mut ebpf, meta::ABI_VERSION, ABI_VERSION)?;
 
     let mut pinned_now: Vec<PathBuf> = Vec::new();
+    let mut log_program_id = None;
     let result = (|| {
         for name in &missing {
             let prog_err = |source| LoadError::Program { name, source };
@@ -236,6 +220,9 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
                 .try_into()
                 .map_err(prog_err)?;
             prog.load().map_err(prog_err)?;
+            if let Ok(info) = prog.info() {
+                log_program_id.get_or_insert(info.id());
+            }
             // With BPF links (kernel >= 5.7) the kernel requires flags == 0 (`Single`)
             // and still lets other programs' links share the hook ("Invalid argument"
             // otherwise).
@@ -266,6 +253,9 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
         }
         return Err(e);
     }
+    if let Some(id) = log_program_id {
+        let _ = write_meta(&mut ebpf, meta::LOG_PROGRAM_ID, id);
+    }
     report.attached = missing;
     report.cgroup = Some(cgroup_dir);
     info!(
@@ -275,6 +265,57 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
         "datapath installed"
     );
     Ok(report)
+}
+
+fn write_meta(ebpf: &mut aya::Ebpf, index: u32, value: u32) -> Result<(), LoadError> {
+    let err = |source| LoadError::Map {
+        name: map_names::META,
+        source,
+    };
+    let map = ebpf.map_mut(map_names::META).ok_or_else(|| {
+        err(aya::maps::MapError::InvalidName {
+            name: map_names::META.into(),
+        })
+    })?;
+    let mut meta: Array<&mut MapData, u32> = Array::try_from(map).map_err(err)?;
+    meta.set(index, value, 0).map_err(err)
+}
+
+/// Forwards the kernel programs' aya-log records (rare warnings) to this process's
+/// `log`/`tracing` output until the returned task is dropped. Works for adopted programs
+/// too: it finds their ring buffer through the program id the loader recorded.
+pub fn spawn_kernel_logger(pin_path: &Path) -> Option<tokio::task::JoinHandle<()>> {
+    let id = bpf::read_meta(pin_path, meta::LOG_PROGRAM_ID)
+        .ok()
+        .filter(|id| *id != 0)?;
+    let logger = match aya_log::EbpfLogger::init_from_id(id) {
+        Ok(l) => l,
+        Err(e) => {
+            warn!(program_id = id, "kernel log records unavailable: {e}");
+            return None;
+        }
+    };
+    // SAFETY: the logger owns its ring buffer's fd for its whole life, and the AsyncFd
+    // owns the logger.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
+    };
+    let mut fd = match registered {
+        Ok(fd) => fd,
+        Err(e) => {
+            warn!("kernel log records unavailable: {e}");
+            return None;
+        }
+    };
+    Some(tokio::spawn(async move {
+        loop {
+            let Ok(mut guard) = fd.readable_mut().await else {
+                return;
+            };
+            guard.get_inner_mut().flush();
+            guard.clear_ready();
+        }
+    }))
 }
 
 /// Detaches every hook and removes every pin this project made under `pin_path`.

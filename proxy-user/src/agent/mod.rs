@@ -57,6 +57,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         cgroup = ?installed.cgroup,
         "datapath ready"
     );
+    let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     let maps = BpfMaps::open(&opts.pin_path)?;
     let (writer, adopted) = Writer::adopt(maps).context("reading the pinned maps back")?;
     info!(

@@ -9,6 +9,7 @@
     reason = "each test binary uses a different part of the fixtures"
 )]
 
+pub mod apiserver;
 pub mod testbed;
 
 pub use testbed::*;

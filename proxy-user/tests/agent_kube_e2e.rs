@@ -1,0 +1,227 @@
+//! End to end over the Kubernetes API path: the real `proxy-agent` binary with
+//! `--kubeconfig` pointing at the fake kube-apiserver (`support/apiserver.rs`, which
+//! speaks the real list/watch protocol over HTTP on loopback), pods as network
+//! namespaces, a client namespace in the test cgroup. Needs root; fails without it.
+
+mod support;
+
+use std::{
+    io,
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use serde_json::{json, Value};
+use support::{apiserver::FakeApiServer, tcp_ask, unique, AgentProcess, TestEnv, Topology};
+
+const TARGET: u16 = 8080;
+
+fn vip(last: u8) -> SocketAddr {
+    SocketAddr::from(([10, 96, 0, last], 80))
+}
+
+fn service(name: &str, last: u8) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"namespace": "default", "name": name},
+        "spec": {"type": "ClusterIP", "clusterIP": format!("10.96.0.{last}"),
+                 "clusterIPs": [format!("10.96.0.{last}")],
+                 "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": "http"}]}
+    })
+}
+
+fn slice(name: &str, service: &str, pods: &[usize]) -> Value {
+    let eps: Vec<Value> = pods
+        .iter()
+        .map(|i| json!({"addresses": [Topology::pod_v4(*i).to_string()], "conditions": {"ready": true}, "nodeName": "node-a"}))
+        .collect();
+    json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"namespace": "default", "name": name,
+                     "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": TARGET, "protocol": "TCP"}],
+        "endpoints": eps
+    })
+}
+
+/// Polls `addr` from the client namespace until `want` holds 10 times in a row.
+fn until(
+    env: &TestEnv,
+    addr: SocketAddr,
+    limit: Duration,
+    want: impl Fn(&io::Result<(String, SocketAddr)>) -> bool,
+) -> Duration {
+    until_n(env, addr, limit, 10, want)
+}
+
+/// Polls until `want` holds `n` times in a row; returns the time to the first of them.
+fn until_n(
+    env: &TestEnv,
+    addr: SocketAddr,
+    limit: Duration,
+    n: usize,
+    want: impl Fn(&io::Result<(String, SocketAddr)>) -> bool,
+) -> Duration {
+    env.in_client(|| {
+        let start = Instant::now();
+        let mut streak = 0;
+        let mut first = Duration::ZERO;
+        while start.elapsed() < limit {
+            let at = start.elapsed();
+            if want(&tcp_ask(addr)) {
+                if streak == 0 {
+                    first = at;
+                }
+                streak += 1;
+                if streak == n {
+                    return first;
+                }
+            } else {
+                streak = 0;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        panic!("{addr}: condition not reached within {limit:?}");
+    })
+}
+
+fn from(pods: &'static [&'static str]) -> impl Fn(&io::Result<(String, SocketAddr)>) -> bool {
+    move |r| matches!(r, Ok((p, _)) if pods.contains(&p.as_str()))
+}
+
+fn unreachable(r: &io::Result<(String, SocketAddr)>) -> bool {
+    matches!(r, Err(e) if e.raw_os_error() == Some(libc::ENETUNREACH))
+}
+
+fn start_agent(env: &TestEnv, api: &FakeApiServer) -> (AgentProcess, std::path::PathBuf) {
+    let kubeconfig = std::env::temp_dir().join(unique("ebpf-proxy-kubeconfig-"));
+    api.write_kubeconfig(&kubeconfig);
+    let agent = AgentProcess::start(env, &["--kubeconfig", kubeconfig.to_str().expect("utf-8")]);
+    (agent, kubeconfig)
+}
+
+#[test]
+fn agent_follows_the_api_server() {
+    let mut env = TestEnv::without_datapath(3);
+    env.serve_all(TARGET);
+    let api = FakeApiServer::start();
+    api.apply(service("web", 10));
+    api.apply(slice("web-1", "web", &[1]));
+    // Ignored by kube-proxy's selector: another proxy's Service, a headless one.
+    let mut other = service("other-proxy", 11);
+    other["metadata"]["labels"] =
+        json!({"service.kubernetes.io/service-proxy-name": "someone-else"});
+    api.apply(other);
+    api.apply(node());
+    let (mut agent, kubeconfig) = start_agent(&env, &api);
+    agent.wait_healthy(Duration::from_secs(20));
+
+    until(&env, vip(10), Duration::from_secs(5), from(&["pod1"]));
+    until(&env, vip(11), Duration::from_secs(2), unreachable);
+    let reqs = api.decoded_requests();
+    assert!(
+        reqs.iter().any(|r| r.contains("/api/v1/services?") && r.contains("labelSelector=!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless")),
+        "the Service watch uses kube-proxy's selector: {reqs:#?}"
+    );
+    assert!(reqs
+        .iter()
+        .any(|r| r.contains("/apis/discovery.k8s.io/v1/endpointslices?")));
+    assert!(reqs
+        .iter()
+        .any(|r| r.contains("/api/v1/nodes?") && r.contains("fieldSelector=metadata.name=node-a")));
+
+    // Scale up and down through the API.
+    api.apply(slice("web-1", "web", &[1, 2, 3]));
+    let up = until_n(&env, vip(10), Duration::from_secs(2), 1, from(&["pod3"]));
+    api.apply(slice("web-1", "web", &[2]));
+    let down = until(&env, vip(10), Duration::from_secs(2), from(&["pod2"]));
+    eprintln!("API change -> traffic: scale up {up:?}, scale down {down:?}");
+    assert!(up < Duration::from_secs(1) && down < Duration::from_secs(1));
+
+    // A malformed object is skipped; the watch goes on.
+    let mut bad = service("bad-port", 12);
+    bad["spec"]["ports"][0]["port"] = json!(70000);
+    api.apply(bad);
+    let mut undecodable = service("bad-type", 13);
+    undecodable["spec"]["ports"][0]["port"] = json!("eighty");
+    api.apply(undecodable);
+    api.apply(service("after", 14));
+    api.apply(slice("after-1", "after", &[3]));
+    until(&env, vip(14), Duration::from_secs(2), from(&["pod3"]));
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("kind=\"Service\",reason=\"bad_port\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kind=\"Service\",reason=\"decode_error\"} 1"),
+        "{metrics}"
+    );
+
+    // The connection drops mid-watch: later changes still arrive.
+    api.drop_watches();
+    api.apply(slice("web-1", "web", &[1]));
+    until(&env, vip(10), Duration::from_secs(3), from(&["pod1"]));
+
+    // Deleting a Service removes its frontend.
+    api.delete("Service", "default", "after");
+    until(&env, vip(14), Duration::from_secs(2), unreachable);
+    drop(agent);
+    let _ = std::fs::remove_file(kubeconfig);
+}
+
+fn node() -> Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "zone-a"}}})
+}
+
+#[test]
+fn agent_converges_after_relists_and_server_restarts() {
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let api = FakeApiServer::start();
+    api.apply(node());
+    for (name, last, pods) in [
+        ("a", 20, &[1][..]),
+        ("b", 21, &[2][..]),
+        ("c", 22, &[1, 2][..]),
+    ] {
+        api.apply(service(name, last));
+        api.apply(slice(&format!("{name}-1"), name, pods));
+    }
+    let (mut agent, kubeconfig) = start_agent(&env, &api);
+    agent.wait_healthy(Duration::from_secs(20));
+    until(&env, vip(20), Duration::from_secs(5), from(&["pod1"]));
+    until(&env, vip(21), Duration::from_secs(5), from(&["pod2"]));
+
+    // 410 Gone: the history expires while the watches are cut; "a" is deleted in the
+    // gap, so only the relist can tell. It must disappear from the maps.
+    let wait_watches = |n: usize| {
+        let start = Instant::now();
+        while api.open_watches() < n && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    wait_watches(3);
+    api.drop_watches();
+    api.delete("Service", "default", "a");
+    api.expire_history();
+    until(&env, vip(20), Duration::from_secs(10), unreachable);
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("ebpf_proxy_watch_restarts_total{resource=\"Service\"}"),
+        "{metrics}"
+    );
+
+    // The API server restarts; meanwhile "b" is deleted and "c" rescaled.
+    api.stop();
+    std::thread::sleep(Duration::from_millis(300));
+    api.delete("Service", "default", "b");
+    api.apply(slice("c-1", "c", &[2]));
+    api.restart();
+    until(&env, vip(21), Duration::from_secs(20), unreachable);
+    until(&env, vip(22), Duration::from_secs(20), from(&["pod2"]));
+    let logs = agent.stop();
+    assert!(logs.contains("relist: full re-diff"), "{logs}");
+    let _ = std::fs::remove_file(kubeconfig);
+}
