@@ -15,8 +15,12 @@ use crate::run;
 /// bpf-linker version known to build here.
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
-/// Debian packages the tests and the demo use.
-const APT_PACKAGES: &[&str] = &["iproute2", "bpftool", "procps"];
+/// Debian packages the tests, the demo and the benchmarks use: iproute2 (namespaces,
+/// veth, tc), bpftool (debugging), iptables/nftables/ipvsadm/ipset (kube-proxy's modes,
+/// reproduced in namespaces by the cleanup tests and the benchmarks), kmod (modprobe).
+const APT_PACKAGES: &[&str] = &[
+    "iproute2", "bpftool", "procps", "iptables", "nftables", "ipvsadm", "ipset", "kmod",
+];
 
 pub fn ensure() -> Result<()> {
     rust_src()?;
