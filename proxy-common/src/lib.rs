@@ -95,15 +95,42 @@ pub mod proto {
 pub mod svc_flags {
     /// `sessionAffinity: ClientIP` (datapath support comes later; carried for the CLI).
     pub const AFFINITY: u16 = 1 << 0;
-    /// `internalTrafficPolicy: Local`: the slots hold only node-local endpoints.
+    /// The slots hold only node-local endpoints because of a Local traffic policy
+    /// (`internalTrafficPolicy` for a ClusterIP, `externalTrafficPolicy` for the
+    /// external scope); zero of them means "drop", not "reject".
     pub const LOCAL_ONLY: u16 = 1 << 1;
+    /// A NodePort frontend (address 0: any of the node's addresses).
+    pub const NODE_PORT: u16 = 1 << 2;
+    /// A `spec.externalIPs` frontend.
+    pub const EXTERNAL_IP: u16 = 1 << 3;
+    /// A `status.loadBalancer.ingress[].ip` frontend.
+    pub const LOAD_BALANCER: u16 = 1 << 4;
+    /// `externalTrafficPolicy: Local`: traffic from outside the node uses the
+    /// `scope::EXTERNAL_LOCAL` entry of the same frontend (local endpoints, client address
+    /// preserved).
+    pub const ETP_LOCAL: u16 = 1 << 5;
+    /// `loadBalancerSourceRanges`: only sources in `SRC_RANGE4/6` for this service id.
+    pub const SOURCE_RANGES: u16 = 1 << 6;
+}
+
+/// `Svc4Key::scope` / `Svc6Key::scope`.
+pub mod scope {
+    /// The frontend for every client: cluster-wide (or iTP-local) endpoints.
+    pub const ALL: u8 = 0;
+    /// For traffic from outside the node to a frontend with `ETP_LOCAL`.
+    pub const EXTERNAL_LOCAL: u8 = 1;
 }
 
 /// Backend flags.
 pub mod backend_flags {
     /// The endpoint is terminating (it is only in a slot as serving fallback).
     pub const TERMINATING: u8 = 1 << 0;
+    /// The endpoint runs on this node (TC: no SNAT needed for it).
+    pub const LOCAL: u8 = 1 << 1;
 }
+
+/// Bytes of a service name kept in `REVNAT` values (`namespace/name:port`, truncated).
+pub const NAME_LEN: usize = 64;
 
 /// `META` indices.
 pub mod meta {
@@ -185,7 +212,9 @@ pub struct Svc4Key {
     /// 0 for the frontend entry, `1..=count` for backend slots.
     pub slot: u16,
     pub proto: u8,
-    pub _pad: [u8; 3],
+    /// `scope::ALL` or `scope::EXTERNAL_LOCAL`.
+    pub scope: u8,
+    pub _pad: [u8; 2],
 }
 
 /// `SVC6` key; the address as four network-order words, as in `bpf_sock_addr.user_ip6`.
@@ -196,7 +225,8 @@ pub struct Svc6Key {
     pub port: u16,
     pub slot: u16,
     pub proto: u8,
-    pub _pad: [u8; 3],
+    pub scope: u8,
+    pub _pad: [u8; 2],
 }
 
 /// `SVC4`/`SVC6` value. In slot 0: `count`, `service_id`, `flags`, `affinity_timeout`.
@@ -232,14 +262,16 @@ pub struct Backend6 {
     pub flags: u8,
 }
 
-/// `REVNAT4` value (key: service id).
+/// `REVNAT4` value (key: service id): the frontend and, for the CLI, the Service's
+/// name (`namespace/name:port`, NUL-padded).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RevNat4 {
     pub addr: u32,
     pub port: u16,
     pub proto: u8,
-    pub _pad: u8,
+    pub scope: u8,
+    pub name: [u8; NAME_LEN],
 }
 
 /// `REVNAT6` value (key: service id).
@@ -249,7 +281,8 @@ pub struct RevNat6 {
     pub addr: [u32; 4],
     pub port: u16,
     pub proto: u8,
-    pub _pad: u8,
+    pub scope: u8,
+    pub name: [u8; NAME_LEN],
 }
 
 /// `SOCK_REVNAT4` key: which socket talked to which backend.
@@ -293,27 +326,29 @@ pub struct SockRevNat6 {
 }
 
 impl Svc4Key {
-    /// The key of slot `slot` of frontend `addr:port/proto`.
-    pub const fn new(addr: u32, port: u16, proto: u8, slot: u16) -> Self {
+    /// The key of slot `slot` of frontend `addr:port/proto` in `scope`.
+    pub const fn new(addr: u32, port: u16, proto: u8, scope: u8, slot: u16) -> Self {
         Self {
             addr,
             port,
             slot,
             proto,
-            _pad: [0; 3],
+            scope,
+            _pad: [0; 2],
         }
     }
 }
 
 impl Svc6Key {
-    /// The key of slot `slot` of frontend `addr:port/proto`.
-    pub const fn new(addr: [u32; 4], port: u16, proto: u8, slot: u16) -> Self {
+    /// The key of slot `slot` of frontend `addr:port/proto` in `scope`.
+    pub const fn new(addr: [u32; 4], port: u16, proto: u8, scope: u8, slot: u16) -> Self {
         Self {
             addr,
             port,
             slot,
             proto,
-            _pad: [0; 3],
+            scope,
+            _pad: [0; 2],
         }
     }
 }
@@ -364,13 +399,13 @@ mod tests {
 
     #[test]
     fn abi_sizes_and_no_implicit_padding() {
-        assert_layout!(Svc4Key, size 12, align 4, fields [u32, u16, u16, u8, [u8; 3]]);
-        assert_layout!(Svc6Key, size 24, align 4, fields [[u32; 4], u16, u16, u8, [u8; 3]]);
+        assert_layout!(Svc4Key, size 12, align 4, fields [u32, u16, u16, u8, u8, [u8; 2]]);
+        assert_layout!(Svc6Key, size 24, align 4, fields [[u32; 4], u16, u16, u8, u8, [u8; 2]]);
         assert_layout!(SvcValue, size 16, align 4, fields [u32, u32, u16, u16, u32]);
         assert_layout!(Backend4, size 8, align 4, fields [u32, u16, u8, u8]);
         assert_layout!(Backend6, size 20, align 4, fields [[u32; 4], u16, u8, u8]);
-        assert_layout!(RevNat4, size 8, align 4, fields [u32, u16, u8, u8]);
-        assert_layout!(RevNat6, size 20, align 4, fields [[u32; 4], u16, u8, u8]);
+        assert_layout!(RevNat4, size 72, align 4, fields [u32, u16, u8, u8, [u8; NAME_LEN]]);
+        assert_layout!(RevNat6, size 84, align 4, fields [[u32; 4], u16, u8, u8, [u8; NAME_LEN]]);
         assert_layout!(SockRevNat4Key, size 16, align 8, fields [u64, u32, u16, u16]);
         assert_layout!(SockRevNat6Key, size 32, align 8, fields [u64, [u32; 4], u16, [u8; 6]]);
         assert_layout!(SockRevNat4, size 12, align 4, fields [u32, u16, u16, u32]);

@@ -4,8 +4,8 @@
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
-    svc_flags, Reason, SockRevNat4, SockRevNat4Key, SockRevNat6, SockRevNat6Key, Svc4Key, Svc6Key,
-    SvcValue,
+    scope, svc_flags, Reason, SockRevNat4, SockRevNat4Key, SockRevNat6, SockRevNat6Key, Svc4Key,
+    Svc6Key, SvcValue,
 };
 
 use crate::maps::{count_backend, BACKEND4, BACKEND6, SOCK_REVNAT4, SOCK_REVNAT6, SVC4, SVC6};
@@ -41,7 +41,10 @@ impl Family for V4 {
     #[inline(always)]
     fn svc(addr: u32, port: u16, proto: u8, slot: u16) -> Option<SvcValue> {
         // SAFETY: the value is copied out at once.
-        unsafe { SVC4.get(&Svc4Key::new(addr, port, proto, slot)).copied() }
+        unsafe {
+            SVC4.get(&Svc4Key::new(addr, port, proto, scope::ALL, slot))
+                .copied()
+        }
     }
 
     #[inline(always)]
@@ -100,7 +103,10 @@ impl Family for V6 {
     #[inline(always)]
     fn svc(addr: [u32; 4], port: u16, proto: u8, slot: u16) -> Option<SvcValue> {
         // SAFETY: copied out at once.
-        unsafe { SVC6.get(&Svc6Key::new(addr, port, proto, slot)).copied() }
+        unsafe {
+            SVC6.get(&Svc6Key::new(addr, port, proto, scope::ALL, slot))
+                .copied()
+        }
     }
 
     #[inline(always)]

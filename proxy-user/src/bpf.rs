@@ -14,8 +14,8 @@ use proxy_common::{
 
 use crate::{
     model::{
-        port_host, port_net, v4_from_word, v4_word, v6_from_words, v6_words, Backend, Family,
-        Frontend, Proto,
+        name_bytes, name_from_bytes, port_host, port_net, v4_from_word, v4_word, v6_from_words,
+        v6_words, Backend, Family, Frontend, Proto,
     },
     store::{Dump, FrontendValue, MapStore, Op, StoreError},
 };
@@ -198,6 +198,7 @@ fn svc4_key(fe: &Frontend, slot: u16) -> Option<Svc4Key> {
             v4_word(a),
             port_net(fe.port),
             fe.proto.number(),
+            fe.scope,
             slot,
         )),
         IpAddr::V6(_) => None,
@@ -210,6 +211,7 @@ fn svc6_key(fe: &Frontend, slot: u16) -> Option<Svc6Key> {
             v6_words(a),
             port_net(fe.port),
             fe.proto.number(),
+            fe.scope,
             slot,
         )),
         IpAddr::V4(_) => None,
@@ -308,13 +310,15 @@ impl MapStore for BpfMaps {
             Op::PutRevNat {
                 service_id,
                 frontend,
+                name,
             } => match frontend.addr {
                 IpAddr::V4(a) => {
                     let v = RevNat4 {
                         addr: v4_word(a),
                         port: port_net(frontend.port),
                         proto: frontend.proto.number(),
-                        _pad: 0,
+                        scope: frontend.scope,
+                        name: name_bytes(name),
                     };
                     self.revnat4
                         .insert(service_id, v, 0)
@@ -325,7 +329,8 @@ impl MapStore for BpfMaps {
                         addr: v6_words(a),
                         port: port_net(frontend.port),
                         proto: frontend.proto.number(),
-                        _pad: 0,
+                        scope: frontend.scope,
+                        name: name_bytes(name),
                     };
                     self.revnat6
                         .insert(service_id, v, 0)
@@ -400,39 +405,31 @@ impl MapStore for BpfMaps {
             let (k, v) = item.map_err(map_err(names::SVC4))?;
             let proto = Proto::from_number(k.proto)
                 .ok_or_else(|| corrupt(names::SVC4, format!("proto {}", k.proto)))?;
-            put_svc(
-                Frontend::new(v4_from_word(k.addr), port_host(k.port), proto),
-                k.slot,
-                v,
-            );
+            let fe = Frontend::new(v4_from_word(k.addr), port_host(k.port), proto);
+            put_svc(fe.with_scope(k.scope), k.slot, v);
         }
         for item in self.svc6.iter() {
             let (k, v) = item.map_err(map_err(names::SVC6))?;
             let proto = Proto::from_number(k.proto)
                 .ok_or_else(|| corrupt(names::SVC6, format!("proto {}", k.proto)))?;
-            put_svc(
-                Frontend::new(v6_from_words(k.addr), port_host(k.port), proto),
-                k.slot,
-                v,
-            );
+            let fe = Frontend::new(v6_from_words(k.addr), port_host(k.port), proto);
+            put_svc(fe.with_scope(k.scope), k.slot, v);
         }
         for item in self.revnat4.iter() {
             let (id, r) = item.map_err(map_err(names::REVNAT4))?;
             let proto = Proto::from_number(r.proto)
                 .ok_or_else(|| corrupt(names::REVNAT4, format!("proto {}", r.proto)))?;
-            d.revnat.insert(
-                id,
-                Frontend::new(v4_from_word(r.addr), port_host(r.port), proto),
-            );
+            let fe = Frontend::new(v4_from_word(r.addr), port_host(r.port), proto);
+            d.revnat
+                .insert(id, (fe.with_scope(r.scope), name_from_bytes(&r.name)));
         }
         for item in self.revnat6.iter() {
             let (id, r) = item.map_err(map_err(names::REVNAT6))?;
             let proto = Proto::from_number(r.proto)
                 .ok_or_else(|| corrupt(names::REVNAT6, format!("proto {}", r.proto)))?;
-            d.revnat.insert(
-                id,
-                Frontend::new(v6_from_words(r.addr), port_host(r.port), proto),
-            );
+            let fe = Frontend::new(v6_from_words(r.addr), port_host(r.port), proto);
+            d.revnat
+                .insert(id, (fe.with_scope(r.scope), name_from_bytes(&r.name)));
         }
         Ok(d)
     }

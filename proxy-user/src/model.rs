@@ -89,6 +89,9 @@ pub struct Frontend {
     pub addr: IpAddr,
     pub port: u16,
     pub proto: Proto,
+    /// `proxy_common::scope`: 0 for every client, `EXTERNAL_LOCAL` for the local-only
+    /// twin of an `externalTrafficPolicy: Local` frontend.
+    pub scope: u8,
 }
 
 impl Frontend {
@@ -97,7 +100,13 @@ impl Frontend {
             addr: addr.into(),
             port,
             proto,
+            scope: proxy_common::scope::ALL,
         }
+    }
+
+    /// The same frontend in another scope.
+    pub fn with_scope(self, scope: u8) -> Self {
+        Self { scope, ..self }
     }
 
     pub fn family(&self) -> Family {
@@ -111,7 +120,11 @@ impl Frontend {
 
 impl fmt::Display for Frontend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.socket_addr(), self.proto)
+        write!(f, "{}/{}", self.socket_addr(), self.proto)?;
+        if self.scope == proxy_common::scope::EXTERNAL_LOCAL {
+            f.write_str("/ext-local")?;
+        }
+        Ok(())
     }
 }
 
@@ -155,6 +168,8 @@ pub struct ServiceEntry {
     pub flags: u16,
     /// Session affinity timeout in seconds (0: none).
     pub affinity_timeout: u32,
+    /// The Service port it comes from (`namespace/name:port`), for the CLI; may be empty.
+    pub name: String,
 }
 
 impl ServiceEntry {
@@ -164,8 +179,26 @@ impl ServiceEntry {
             backends: backends.into_iter().map(Backend::new).collect(),
             flags: 0,
             affinity_timeout: 0,
+            name: String::new(),
         }
     }
+}
+
+/// A name as the `REVNAT` maps store it: truncated to `NAME_LEN` bytes (on a character
+/// boundary), NUL-padded.
+pub fn name_bytes(name: &str) -> [u8; proxy_common::NAME_LEN] {
+    let mut out = [0u8; proxy_common::NAME_LEN];
+    let mut end = name.len().min(out.len());
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    out[..end].copy_from_slice(&name.as_bytes()[..end]);
+    out
+}
+
+pub fn name_from_bytes(b: &[u8]) -> String {
+    let end = b.iter().position(|c| *c == 0).unwrap_or(b.len());
+    String::from_utf8_lossy(&b[..end]).into_owned()
 }
 
 /// The 4 bytes of an IPv4 address as the kernel stores `user_ip4` (network order).

@@ -31,8 +31,12 @@ pub enum Op {
     },
     /// Delete `SVC{4,6}[frontend, slot]` (slot 0 deletes the frontend itself).
     DelSlot { frontend: Frontend, slot: u16 },
-    /// `REVNAT{4,6}[service_id] = frontend`.
-    PutRevNat { service_id: u32, frontend: Frontend },
+    /// `REVNAT{4,6}[service_id] = frontend` (with the Service's name).
+    PutRevNat {
+        service_id: u32,
+        frontend: Frontend,
+        name: String,
+    },
     /// Delete `REVNAT{4,6}[service_id]`.
     DelRevNat { service_id: u32, family: Family },
 }
@@ -73,7 +77,14 @@ impl fmt::Display for Op {
             Op::PutRevNat {
                 service_id,
                 frontend,
-            } => write!(f, "put revnat {service_id} = {frontend}"),
+                name,
+            } => {
+                write!(f, "put revnat {service_id} = {frontend}")?;
+                if !name.is_empty() {
+                    write!(f, " {name:?}")?;
+                }
+                Ok(())
+            }
             Op::DelRevNat { service_id, family } => {
                 write!(f, "del revnat {service_id} ({family:?})")
             }
@@ -105,8 +116,8 @@ pub struct Dump {
     pub slots: BTreeMap<(Frontend, u16), u32>,
     /// Backend id -> backend and protocol.
     pub backends: BTreeMap<u32, (Backend, Proto)>,
-    /// Service id -> frontend.
-    pub revnat: BTreeMap<u32, Frontend>,
+    /// Service id -> frontend and Service name.
+    pub revnat: BTreeMap<u32, (Frontend, String)>,
 }
 
 impl Dump {
@@ -134,8 +145,12 @@ impl Dump {
         for (id, (b, proto)) in &self.backends {
             out += &format!("backend {id} = {}/{proto} flags={:#x}\n", b.addr, b.flags);
         }
-        for (id, fe) in &self.revnat {
-            out += &format!("revnat {id} = {fe}\n");
+        for (id, (fe, name)) in &self.revnat {
+            if name.is_empty() {
+                out += &format!("revnat {id} = {fe}\n");
+            } else {
+                out += &format!("revnat {id} = {fe} {name:?}\n");
+            }
         }
         out
     }
@@ -213,8 +228,9 @@ impl MapStore for MemStore {
             Op::PutRevNat {
                 service_id,
                 frontend,
+                name,
             } => {
-                s.revnat.insert(*service_id, *frontend);
+                s.revnat.insert(*service_id, (*frontend, name.clone()));
             }
             Op::DelRevNat { service_id, .. } => {
                 s.revnat.remove(service_id);

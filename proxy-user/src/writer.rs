@@ -75,6 +75,8 @@ impl WriteError {
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Programmed {
     value: FrontendValue,
+    /// The Service name written in the reverse-NAT entry.
+    name: String,
     /// Backend id of slot `i + 1`; 0 marks a slot found missing when adopting.
     slots: Vec<u32>,
 }
@@ -216,6 +218,7 @@ impl<S: MapStore> Writer<S> {
                 *fe,
                 Programmed {
                     value: *value,
+                    name: String::new(),
                     slots,
                 },
             );
@@ -232,7 +235,7 @@ impl<S: MapStore> Writer<S> {
                 });
             }
         }
-        for (id, fe) in &dump.revnat {
+        for (id, (fe, _)) in &dump.revnat {
             let live = w
                 .services
                 .get(fe)
@@ -245,12 +248,14 @@ impl<S: MapStore> Writer<S> {
             }
         }
         // A frontend whose reverse-NAT entry is missing gets it back.
-        for (fe, p) in &w.services {
-            if dump.revnat.get(&p.value.service_id) != Some(fe) {
-                orphans.push(Op::PutRevNat {
+        for (fe, p) in w.services.iter_mut() {
+            match dump.revnat.get(&p.value.service_id) {
+                Some((f, name)) if f == fe => p.name = name.clone(),
+                _ => orphans.push(Op::PutRevNat {
                     service_id: p.value.service_id,
                     frontend: *fe,
-                });
+                    name: String::new(),
+                }),
             }
         }
         let unreferenced: Vec<(u32, BackendKey)> = w
@@ -375,15 +380,31 @@ impl<S: MapStore> Writer<S> {
             Some(p) => (p.value.service_id, false),
             None => (self.service_alloc.alloc(), true),
         };
-        if new_service_id {
-            ops.push(Op::PutRevNat {
-                service_id,
-                frontend: fe,
-            });
-            undo.push(Op::DelRevNat {
-                service_id,
-                family: fe.family(),
-            });
+        match &old {
+            None => {
+                ops.push(Op::PutRevNat {
+                    service_id,
+                    frontend: fe,
+                    name: entry.name.clone(),
+                });
+                undo.push(Op::DelRevNat {
+                    service_id,
+                    family: fe.family(),
+                });
+            }
+            Some(p) if p.name != entry.name => {
+                ops.push(Op::PutRevNat {
+                    service_id,
+                    frontend: fe,
+                    name: entry.name.clone(),
+                });
+                undo.push(Op::PutRevNat {
+                    service_id,
+                    frontend: fe,
+                    name: p.name.clone(),
+                });
+            }
+            Some(_) => {}
         }
 
         let layout = stable_layout(old_slots, &ids);
@@ -506,6 +527,7 @@ impl<S: MapStore> Writer<S> {
             fe,
             Programmed {
                 value,
+                name: entry.name.clone(),
                 slots: layout,
             },
         );
@@ -545,6 +567,7 @@ impl<S: MapStore> Writer<S> {
         undo.push(Op::PutRevNat {
             service_id: sid,
             frontend: *fe,
+            name: old.name.clone(),
         });
         for id in unique(&old.slots) {
             if let Some((key, 1)) = self.backend_refs.get(&id) {
@@ -581,7 +604,7 @@ impl<S: MapStore> Writer<S> {
         let mut d = Dump::default();
         for (fe, p) in &self.services {
             d.frontends.insert(*fe, p.value);
-            d.revnat.insert(p.value.service_id, *fe);
+            d.revnat.insert(p.value.service_id, (*fe, p.name.clone()));
             for (i, id) in p.slots.iter().enumerate() {
                 d.slots.insert((*fe, slot_no(i)), *id);
             }

@@ -70,11 +70,17 @@ pub fn service_entries(
             if svc.affinity_timeout.is_some() {
                 flags |= svc_flags::AFFINITY;
             }
+            let name = if port.name.is_empty() {
+                svc.key.to_string()
+            } else {
+                format!("{}:{}", svc.key, port.name)
+            };
             out.push(ServiceEntry {
                 frontend: Frontend::new(*ip, port.port, port.proto),
                 backends,
                 flags,
                 affinity_timeout: svc.affinity_timeout.unwrap_or(0),
+                name,
             });
         }
     }

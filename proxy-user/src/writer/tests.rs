@@ -414,6 +414,7 @@ fn adopt_rebuilds_the_model_and_deletes_orphans_only() {
         Op::PutRevNat {
             service_id: 7,
             frontend: vip("10.96.9.9", 80),
+            name: "default/old".into(),
         },
     ] {
         store.inner.apply(&op).expect("apply");

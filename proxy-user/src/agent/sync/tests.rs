@@ -84,7 +84,7 @@ fn nothing_is_written_before_every_initial_list() {
     assert!(out.ran && out.full);
     assert_eq!(
         maps(&s),
-        "frontend 10.96.0.10:80/tcp id=1 count=0 flags=0x0 affinity=0\nrevnat 1 = 10.96.0.10:80/tcp\n"
+        "frontend 10.96.0.10:80/tcp id=1 count=0 flags=0x0 affinity=0\nrevnat 1 = 10.96.0.10:80/tcp \"default/web:http\"\n"
     );
 }
 
@@ -132,7 +132,7 @@ put frontend 10.96.0.10:80/tcp id=1 count=3 flags=0x0 affinity=0
     s.sync(t2);
     assert_eq!(
         maps(&s),
-        "frontend 10.96.0.11:80/tcp id=2 count=0 flags=0x0 affinity=0\nrevnat 2 = 10.96.0.11:80/tcp\n"
+        "frontend 10.96.0.11:80/tcp id=2 count=0 flags=0x0 affinity=0\nrevnat 2 = 10.96.0.11:80/tcp \"default/other:http\"\n"
     );
     let text = metrics.render();
     assert!(text.contains("ebpf_proxy_programmed_frontends 1"), "{text}");
