@@ -46,9 +46,23 @@ pub mod map_names {
     pub const BACKEND_CONNS: &str = "BACKEND_CONNS";
     /// `[ABI_VERSION]`, written by the loader.
     pub const META: &str = "META";
+    /// TC connection tracking, IPv4 (LRU).
+    pub const CT4: &str = "CT4";
+    /// TC connection tracking, IPv6 (LRU).
+    pub const CT6: &str = "CT6";
+    /// The node's own IPv4 addresses (NodePort frontends answer on them).
+    pub const NODE_ADDRS4: &str = "NODE_ADDRS4";
+    /// The node's own IPv6 addresses.
+    pub const NODE_ADDRS6: &str = "NODE_ADDRS6";
+    /// `[NodeConfig]`: SNAT addresses, written by the agent.
+    pub const NODE_CONFIG: &str = "NODE_CONFIG";
+    /// `loadBalancerSourceRanges` allow-lists, IPv4 (LPM trie keyed by service id + prefix).
+    pub const SRC_RANGE4: &str = "SRC_RANGE4";
+    /// `loadBalancerSourceRanges` allow-lists, IPv6.
+    pub const SRC_RANGE6: &str = "SRC_RANGE6";
 
     /// Every pinned map.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 18] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -60,6 +74,13 @@ pub mod map_names {
         STATS,
         BACKEND_CONNS,
         META,
+        CT4,
+        CT6,
+        NODE_ADDRS4,
+        NODE_ADDRS6,
+        NODE_CONFIG,
+        SRC_RANGE4,
+        SRC_RANGE6,
     ];
 }
 
@@ -79,6 +100,37 @@ pub mod limits {
     pub const MAX_BACKENDS_PER_SERVICE: u32 = u16::MAX as u32;
     /// Entries in `META`.
     pub const META_ENTRIES: u32 = 4;
+    /// TC connection-tracking entries per family (two per flow: original and reply).
+    /// LRU: a full table evicts the least recently used flows instead of refusing new ones.
+    pub const MAX_CT: u32 = 1 << 18;
+    /// Node addresses per family.
+    pub const MAX_NODE_ADDRS: u32 = 256;
+    /// Source-range prefixes per family, all services together.
+    pub const MAX_SRC_RANGES: u32 = 1 << 14;
+}
+
+/// TC connection-tracking timeouts (nanoseconds), after kube-proxy's conntrack settings.
+pub mod ct_timeouts {
+    const S: u64 = 1_000_000_000;
+    /// A TCP flow that has seen its handshake's first packet only.
+    pub const TCP_SYN: u64 = 60 * S;
+    /// An established TCP flow (kube-proxy sets nf_conntrack_tcp_timeout_established
+    /// to 24 h).
+    pub const TCP_ESTABLISHED: u64 = 24 * 3600 * S;
+    /// After a FIN or RST: closing flows go quickly.
+    pub const TCP_CLOSING: u64 = 10 * S;
+    /// UDP (and other) flows: idle time.
+    pub const UDP: u64 = 60 * S;
+}
+
+/// `CtValue::flags`.
+pub mod ct_flags {
+    /// This entry belongs to a flow that was source-NATed to the node.
+    pub const SNAT: u32 = 1 << 0;
+    /// A FIN or RST was seen: the flow times out after `TCP_CLOSING`.
+    pub const CLOSING: u32 = 1 << 1;
+    /// A packet of the reply direction was seen (TCP: the handshake completed).
+    pub const SEEN_REPLY: u32 = 1 << 2;
 }
 
 /// IP protocol numbers as they appear in `bpf_sock_addr.protocol` and in IP headers.
@@ -285,6 +337,96 @@ pub struct RevNat6 {
     pub name: [u8; NAME_LEN],
 }
 
+/// `CT4` key: a flow's 5-tuple as it appears on the wire in one direction.
+/// `dir` 0: the original direction (client -> frontend, before DNAT); 1: the reply
+/// direction (backend -> client or node SNAT address, before reverse NAT).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Ct4Key {
+    pub saddr: u32,
+    pub daddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub dir: u8,
+    pub _pad: [u8; 2],
+}
+
+/// `CT6` key.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Ct6Key {
+    pub saddr: [u32; 4],
+    pub daddr: [u32; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub dir: u8,
+    pub _pad: [u8; 2],
+}
+
+/// `CT4` value: how to rewrite a packet of this direction. A zero address means "leave
+/// it". Original direction: destination := the backend, source := the node's SNAT
+/// address and port (eTP=Cluster to a remote backend). Reply direction: source := the
+/// frontend, destination := the client (when the flow was SNATed).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ct4Value {
+    pub dnat_addr: u32,
+    pub snat_addr: u32,
+    pub dnat_port: u16,
+    pub snat_port: u16,
+    pub service_id: u32,
+    pub backend_id: u32,
+    /// `ct_flags`.
+    pub flags: u32,
+    /// `bpf_ktime_get_ns()` of the last packet.
+    pub last_seen: u64,
+    /// Packets seen in this direction.
+    pub packets: u64,
+}
+
+/// `CT6` value (see [`Ct4Value`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ct6Value {
+    pub dnat_addr: [u32; 4],
+    pub snat_addr: [u32; 4],
+    pub dnat_port: u16,
+    pub snat_port: u16,
+    pub service_id: u32,
+    pub backend_id: u32,
+    pub flags: u32,
+    pub last_seen: u64,
+    pub packets: u64,
+}
+
+/// `NODE_CONFIG[0]`: addresses the TC path source-NATs to (the node's primary address
+/// per family; zero: no SNAT possible for that family).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct NodeConfig {
+    pub snat4: u32,
+    pub snat6: [u32; 4],
+}
+
+/// `SRC_RANGE4` LPM key data (after the 4-byte prefix length): service id, then the
+/// address; the prefix length counts 32 bits of service id plus the address prefix.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SrcRange4 {
+    pub service_id: u32,
+    pub addr: u32,
+}
+
+/// `SRC_RANGE6` LPM key data.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SrcRange6 {
+    pub service_id: u32,
+    pub addr: [u32; 4],
+}
+
 /// `SOCK_REVNAT4` key: which socket talked to which backend.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -379,6 +521,13 @@ mod user {
         SockRevNat6Key,
         SockRevNat4,
         SockRevNat6,
+        Ct4Key,
+        Ct6Key,
+        Ct4Value,
+        Ct6Value,
+        NodeConfig,
+        SrcRange4,
+        SrcRange6,
     );
 }
 
@@ -410,6 +559,13 @@ mod tests {
         assert_layout!(SockRevNat6Key, size 32, align 8, fields [u64, [u32; 4], u16, [u8; 6]]);
         assert_layout!(SockRevNat4, size 12, align 4, fields [u32, u16, u16, u32]);
         assert_layout!(SockRevNat6, size 24, align 4, fields [[u32; 4], u16, u16, u32]);
+        assert_layout!(Ct4Key, size 16, align 4, fields [u32, u32, u16, u16, u8, u8, [u8; 2]]);
+        assert_layout!(Ct6Key, size 40, align 4, fields [[u32; 4], [u32; 4], u16, u16, u8, u8, [u8; 2]]);
+        assert_layout!(Ct4Value, size 40, align 8, fields [u32, u32, u16, u16, u32, u32, u32, u64, u64]);
+        assert_layout!(Ct6Value, size 64, align 8, fields [[u32; 4], [u32; 4], u16, u16, u32, u32, u32, u64, u64]);
+        assert_layout!(NodeConfig, size 20, align 4, fields [u32, [u32; 4]]);
+        assert_layout!(SrcRange4, size 8, align 4, fields [u32, u32]);
+        assert_layout!(SrcRange6, size 20, align 4, fields [u32, [u32; 4]]);
     }
 
     #[test]

@@ -4,11 +4,12 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
+    maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
 };
 use proxy_common::{
-    limits::*, Backend4, Backend6, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat4Key,
-    SockRevNat6, SockRevNat6Key, Svc4Key, Svc6Key, SvcValue,
+    limits::*, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, NodeConfig, Reason, RevNat4,
+    RevNat6, SockRevNat4, SockRevNat4Key, SockRevNat6, SockRevNat6Key, SrcRange4, SrcRange6,
+    Svc4Key, Svc6Key, SvcValue,
 };
 
 /// IPv4 frontends (slot 0) and their backend slots (1..=count).
@@ -58,6 +59,35 @@ pub static BACKEND_CONNS: PerCpuHashMap<u32, u64> =
 /// `[ABI_VERSION, ..]`, written by the loader; unused by the programs.
 #[map]
 pub static META: Array<u32> = Array::pinned(META_ENTRIES, 0);
+
+/// TC connection tracking, IPv4: both directions of every NATed flow (LRU, so a full
+/// table evicts old flows rather than refusing new ones).
+#[map]
+pub static CT4: LruHashMap<Ct4Key, Ct4Value> = LruHashMap::pinned(MAX_CT, 0);
+
+/// TC connection tracking, IPv6.
+#[map]
+pub static CT6: LruHashMap<Ct6Key, Ct6Value> = LruHashMap::pinned(MAX_CT, 0);
+
+/// The node's IPv4 addresses: NodePort frontends answer on these.
+#[map]
+pub static NODE_ADDRS4: HashMap<u32, u8> = HashMap::pinned(MAX_NODE_ADDRS, 0);
+
+/// The node's IPv6 addresses.
+#[map]
+pub static NODE_ADDRS6: HashMap<[u32; 4], u8> = HashMap::pinned(MAX_NODE_ADDRS, 0);
+
+/// `[NodeConfig]`: where the TC path source-NATs to.
+#[map]
+pub static NODE_CONFIG: Array<NodeConfig> = Array::pinned(1, 0);
+
+/// `loadBalancerSourceRanges`, IPv4: `{service id, prefix}` -> allowed.
+#[map]
+pub static SRC_RANGE4: LpmTrie<SrcRange4, u8> = LpmTrie::pinned(MAX_SRC_RANGES, 0);
+
+/// `loadBalancerSourceRanges`, IPv6.
+#[map]
+pub static SRC_RANGE6: LpmTrie<SrcRange6, u8> = LpmTrie::pinned(MAX_SRC_RANGES, 0);
 
 /// Counts one outcome.
 #[inline(always)]
