@@ -219,11 +219,27 @@ pub enum Reason {
     /// `internalTrafficPolicy: Local` frontend with no endpoint on this node (kube-proxy
     /// drops): the syscall fails with EHOSTUNREACH at once instead of timing out.
     NoLocalBackend = 9,
+    /// TC: a new flow to a frontend, DNATed (and SNATed when needed).
+    TcNewFlow = 10,
+    /// TC: a packet of a known flow, translated from its conntrack entry.
+    TcFlow = 11,
+    /// TC: a reply, reverse-translated from its conntrack entry.
+    TcReply = 12,
+    /// TC: a frontend with no endpoints: TCP answered with RST, other packets dropped.
+    TcNoBackend = 13,
+    /// TC: a source outside `loadBalancerSourceRanges`: dropped.
+    TcSourceDenied = 14,
+    /// TC: no free SNAT port or no SNAT address: dropped.
+    TcSnatFailed = 15,
+    /// TC: `externalTrafficPolicy: Local` with no local endpoint: dropped.
+    TcNoLocalBackend = 16,
+    /// TC: the FIB had no route for a translated packet; handed to the stack.
+    TcFibMiss = 17,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 10;
+    pub const COUNT: u32 = 18;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -236,6 +252,14 @@ impl Reason {
         Reason::RevNatStale,
         Reason::RevNatUpdateFailed,
         Reason::NoLocalBackend,
+        Reason::TcNewFlow,
+        Reason::TcFlow,
+        Reason::TcReply,
+        Reason::TcNoBackend,
+        Reason::TcSourceDenied,
+        Reason::TcSnatFailed,
+        Reason::TcNoLocalBackend,
+        Reason::TcFibMiss,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -251,6 +275,14 @@ impl Reason {
             Reason::RevNatStale => "rev_nat_stale",
             Reason::RevNatUpdateFailed => "rev_nat_update_failed",
             Reason::NoLocalBackend => "no_local_backend",
+            Reason::TcNewFlow => "tc_new_flow",
+            Reason::TcFlow => "tc_flow",
+            Reason::TcReply => "tc_reply",
+            Reason::TcNoBackend => "tc_no_backend",
+            Reason::TcSourceDenied => "tc_source_denied",
+            Reason::TcSnatFailed => "tc_snat_failed",
+            Reason::TcNoLocalBackend => "tc_no_local_backend",
+            Reason::TcFibMiss => "tc_fib_miss",
         }
     }
 }

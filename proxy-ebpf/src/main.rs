@@ -10,6 +10,7 @@
 mod lb;
 mod maps;
 mod sock;
+mod tc;
 
 #[cfg(not(test))]
 #[panic_handler]

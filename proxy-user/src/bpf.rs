@@ -7,9 +7,13 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
+use aya::maps::{
+    lpm_trie::{Key as LpmKey, LpmTrie},
+    Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap,
+};
 use proxy_common::{
-    map_names as names, Backend4, Backend6, Reason, RevNat4, RevNat6, Svc4Key, Svc6Key, SvcValue,
+    map_names as names, Backend4, Backend6, Reason, RevNat4, RevNat6, SrcRange4, SrcRange6,
+    Svc4Key, Svc6Key, SvcValue,
 };
 
 use crate::{
@@ -89,6 +93,8 @@ pub struct BpfMaps {
     revnat6: HashMap<MapData, u32, RevNat6>,
     backend_conns: PerCpuHashMap<MapData, u32, u64>,
     stats: PerCpuArray<MapData, u64>,
+    src_range4: LpmTrie<MapData, SrcRange4, u8>,
+    src_range6: LpmTrie<MapData, SrcRange6, u8>,
 }
 
 impl std::fmt::Debug for BpfMaps {
@@ -118,6 +124,8 @@ impl BpfMaps {
             revnat6: typed!(dir, names::REVNAT6),
             backend_conns: typed!(dir, names::BACKEND_CONNS),
             stats: typed!(dir, names::STATS),
+            src_range4: typed!(dir, names::SRC_RANGE4),
+            src_range6: typed!(dir, names::SRC_RANGE6),
         })
     }
 
@@ -155,6 +163,60 @@ impl BpfMaps {
         }
         Ok(out)
     }
+}
+
+/// Writes the node's addresses (`NODE_ADDRS4/6`, replacing what was there) and the SNAT
+/// addresses (`NODE_CONFIG`: the first address of each family).
+pub fn set_node_addresses(dir: &Path, addrs: &[IpAddr]) -> Result<(), OpenError> {
+    use proxy_common::NodeConfig;
+    let mut n4: HashMap<MapData, u32, u8> = typed!(dir, names::NODE_ADDRS4);
+    let mut n6: HashMap<MapData, [u32; 4], u8> = typed!(dir, names::NODE_ADDRS6);
+    let mut cfg: Array<MapData, NodeConfig> = typed!(dir, names::NODE_CONFIG);
+    let err = |name: &str| {
+        let path = dir.join(name);
+        move |source| OpenError::Map { path, source }
+    };
+    let want4: Vec<u32> = addrs
+        .iter()
+        .filter_map(|a| match a {
+            IpAddr::V4(v) => Some(v4_word(*v)),
+            _ => None,
+        })
+        .collect();
+    let want6: Vec<[u32; 4]> = addrs
+        .iter()
+        .filter_map(|a| match a {
+            IpAddr::V6(v) => Some(v6_words(*v)),
+            _ => None,
+        })
+        .collect();
+    for a in &want4 {
+        n4.insert(a, 1, 0).map_err(err(names::NODE_ADDRS4))?;
+    }
+    for a in &want6 {
+        n6.insert(a, 1, 0).map_err(err(names::NODE_ADDRS6))?;
+    }
+    let stale4: Vec<u32> = n4
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| !want4.contains(k))
+        .collect();
+    for k in stale4 {
+        let _ = n4.remove(&k);
+    }
+    let stale6: Vec<[u32; 4]> = n6
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| !want6.contains(k))
+        .collect();
+    for k in stale6 {
+        let _ = n6.remove(&k);
+    }
+    let config = NodeConfig {
+        snat4: want4.first().copied().unwrap_or(0),
+        snat6: want6.first().copied().unwrap_or([0; 4]),
+    };
+    cfg.set(0, config, 0).map_err(err(names::NODE_CONFIG))
 }
 
 /// Reads `META[ABI_VERSION]` from the pin directory.
@@ -258,9 +320,62 @@ impl BpfMaps {
     }
 }
 
+impl BpfMaps {
+    fn src_range(
+        &mut self,
+        put: bool,
+        service_id: u32,
+        addr: IpAddr,
+        prefix: u8,
+    ) -> Result<(), StoreError> {
+        match addr {
+            IpAddr::V4(a) => {
+                let key = LpmKey::new(
+                    32 + u32::from(prefix),
+                    SrcRange4 {
+                        service_id,
+                        addr: v4_word(a),
+                    },
+                );
+                let r = if put {
+                    self.src_range4.insert(&key, 1, 0)
+                } else {
+                    ignore_missing(self.src_range4.remove(&key))
+                };
+                r.map_err(map_err(names::SRC_RANGE4))
+            }
+            IpAddr::V6(a) => {
+                let key = LpmKey::new(
+                    32 + u32::from(prefix),
+                    SrcRange6 {
+                        service_id,
+                        addr: v6_words(a),
+                    },
+                );
+                let r = if put {
+                    self.src_range6.insert(&key, 1, 0)
+                } else {
+                    ignore_missing(self.src_range6.remove(&key))
+                };
+                r.map_err(map_err(names::SRC_RANGE6))
+            }
+        }
+    }
+}
+
 impl MapStore for BpfMaps {
     fn apply(&mut self, op: &Op) -> Result<(), StoreError> {
         match op {
+            Op::PutSrcRange {
+                service_id,
+                addr,
+                prefix,
+            } => self.src_range(true, *service_id, *addr, *prefix),
+            Op::DelSrcRange {
+                service_id,
+                addr,
+                prefix,
+            } => self.src_range(false, *service_id, *addr, *prefix),
             Op::PutBackend { id, backend, proto } => {
                 // A fresh id starts with fresh counters.
                 ignore_missing(self.backend_conns.remove(id))
@@ -430,6 +545,23 @@ impl MapStore for BpfMaps {
             let fe = Frontend::new(v6_from_words(r.addr), port_host(r.port), proto);
             d.revnat
                 .insert(id, (fe.with_scope(r.scope), name_from_bytes(&r.name)));
+        }
+        for item in self.src_range4.iter() {
+            let (k, _) = item.map_err(map_err(names::SRC_RANGE4))?;
+            let data = k.data();
+            let prefix = k.prefix_len().saturating_sub(32) as u8;
+            d.src_ranges
+                .insert((data.service_id, IpAddr::V4(v4_from_word(data.addr)), prefix));
+        }
+        for item in self.src_range6.iter() {
+            let (k, _) = item.map_err(map_err(names::SRC_RANGE6))?;
+            let data = k.data();
+            let prefix = k.prefix_len().saturating_sub(32) as u8;
+            d.src_ranges.insert((
+                data.service_id,
+                IpAddr::V6(v6_from_words(data.addr)),
+                prefix,
+            ));
         }
         Ok(d)
     }

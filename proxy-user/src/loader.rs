@@ -16,7 +16,10 @@ use std::{
 
 use aya::{
     maps::{Array, MapData},
-    programs::{links::FdLink, links::PinnedLink, CgroupAttachMode, CgroupSockAddr},
+    programs::{
+        links::FdLink, links::PinnedLink, CgroupAttachMode, CgroupSockAddr, SchedClassifier,
+        TcAttachType,
+    },
     EbpfLoader,
 };
 use proxy_common::{map_names, meta, ABI_VERSION};
@@ -86,6 +89,14 @@ pub enum LoadError {
         #[source]
         source: aya::pin::PinError,
     },
+    #[error("attaching {what}: {source}")]
+    Attach {
+        what: String,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("the TC datapath needs TCX (kernel >= 6.6) so its links can be pinned")]
+    TcxUnsupported,
     #[error("pinned link {path}: {source}")]
     Link {
         path: PathBuf,
@@ -107,15 +118,44 @@ pub struct InstallOptions {
     /// cgroup v2 directory the socket hooks attach to; `None`: the root of the host's
     /// cgroup2 mount.
     pub cgroup: Option<PathBuf>,
+    /// Interfaces (in the caller's network namespace) for the TC programs, ingress and
+    /// egress (TCX: kernel >= 6.6).
+    pub interfaces: Vec<String>,
+}
+
+/// One attachment of a program, and the name of its pinned link under `links/`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Hook {
+    Sock(&'static str),
+    Tc { iface: String, ingress: bool },
+}
+
+impl Hook {
+    fn program(&self) -> &'static str {
+        match self {
+            Hook::Sock(name) => name,
+            Hook::Tc { ingress: true, .. } => "tc_ingress",
+            Hook::Tc { ingress: false, .. } => "tc_egress",
+        }
+    }
+
+    fn pin_name(&self) -> String {
+        match self {
+            Hook::Sock(name) => name.to_string(),
+            Hook::Tc { iface, ingress } => {
+                format!("tc-{iface}-{}", if *ingress { "ingress" } else { "egress" })
+            }
+        }
+    }
 }
 
 /// What [`install`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct InstallReport {
-    /// Hooks found pinned and left running.
-    pub adopted: Vec<&'static str>,
+    /// Hooks found pinned and left running (their link names under `links/`).
+    pub adopted: Vec<String>,
     /// Hooks loaded and attached now.
-    pub attached: Vec<&'static str>,
+    pub attached: Vec<String>,
     /// The cgroup the new hooks were attached to.
     pub cgroup: Option<PathBuf>,
 }
@@ -172,13 +212,21 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     }
 
     let mut report = InstallReport::default();
-    let missing: Vec<&'static str> = SOCK_PROGRAMS
-        .iter()
-        .copied()
-        .filter(|name| {
-            let pinned = link_dir(pin_path).join(name).exists();
+    let mut hooks: Vec<Hook> = SOCK_PROGRAMS.iter().map(|p| Hook::Sock(p)).collect();
+    for iface in &opts.interfaces {
+        for ingress in [true, false] {
+            hooks.push(Hook::Tc {
+                iface: iface.clone(),
+                ingress,
+            });
+        }
+    }
+    let missing: Vec<Hook> = hooks
+        .into_iter()
+        .filter(|hook| {
+            let pinned = link_dir(pin_path).join(hook.pin_name()).exists();
             if pinned {
-                report.adopted.push(*name);
+                report.adopted.push(hook.pin_name());
             }
             !pinned
         })
@@ -207,40 +255,69 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     let mut pinned_now: Vec<PathBuf> = Vec::new();
     let mut log_program_id = None;
     let result = (|| {
-        for name in &missing {
+        for hook in &missing {
+            let name = hook.program();
             let prog_err = |source| LoadError::Program { name, source };
-            let cgroup_file =
-                fs::File::open(&cgroup_dir).map_err(io_err("opening cgroup", &cgroup_dir))?;
-            let prog: &mut CgroupSockAddr = ebpf
-                .program_mut(name)
-                .ok_or(LoadError::Program {
-                    name,
-                    source: aya::programs::ProgramError::UnexpectedProgramType,
-                })?
-                .try_into()
-                .map_err(prog_err)?;
-            prog.load().map_err(prog_err)?;
-            if let Ok(info) = prog.info() {
-                log_program_id.get_or_insert(info.id());
-            }
-            // With BPF links (kernel >= 5.7) the kernel requires flags == 0 (`Single`)
-            // and still lets other programs' links share the hook ("Invalid argument"
-            // otherwise).
-            let link_id = prog
-                .attach(cgroup_file, CgroupAttachMode::Single)
-                .map_err(prog_err)?;
-            let link = prog.take_link(link_id).map_err(prog_err)?;
-            let fd_link: FdLink = link.try_into().map_err(|source| LoadError::Link {
-                path: cgroup_dir.clone(),
-                source,
+            let program = ebpf.program_mut(name).ok_or(LoadError::Program {
+                name,
+                source: aya::programs::ProgramError::UnexpectedProgramType,
             })?;
-            let path = link_dir(pin_path).join(name);
+            let fd_link: FdLink = match hook {
+                Hook::Sock(_) => {
+                    let cgroup_file = fs::File::open(&cgroup_dir)
+                        .map_err(io_err("opening cgroup", &cgroup_dir))?;
+                    let prog: &mut CgroupSockAddr = program.try_into().map_err(prog_err)?;
+                    prog.load().map_err(prog_err)?;
+                    if let Ok(info) = prog.info() {
+                        log_program_id.get_or_insert(info.id());
+                    }
+                    // With BPF links (kernel >= 5.7) the kernel requires flags == 0
+                    // (`Single`) and still lets other programs' links share the hook
+                    // ("Invalid argument" otherwise).
+                    let link_id = prog
+                        .attach(cgroup_file, CgroupAttachMode::Single)
+                        .map_err(prog_err)?;
+                    let link = prog.take_link(link_id).map_err(prog_err)?;
+                    link.try_into().map_err(|source| LoadError::Link {
+                        path: cgroup_dir.clone(),
+                        source,
+                    })?
+                }
+                Hook::Tc { iface, ingress } => {
+                    let tcx = aya::util::KernelVersion::new(6, 6, 0);
+                    if !aya::util::KernelVersion::current().is_ok_and(|v| v >= tcx) {
+                        return Err(LoadError::TcxUnsupported);
+                    }
+                    let prog: &mut SchedClassifier = program.try_into().map_err(prog_err)?;
+                    // Loaded once, attached to every interface.
+                    if prog.fd().is_err() {
+                        prog.load().map_err(prog_err)?;
+                    }
+                    let kind = if *ingress {
+                        TcAttachType::Ingress
+                    } else {
+                        TcAttachType::Egress
+                    };
+                    let link_id = prog
+                        .attach(iface, kind)
+                        .map_err(|source| LoadError::Attach {
+                            what: format!("{name} to interface {iface}"),
+                            source,
+                        })?;
+                    let link = prog.take_link(link_id).map_err(prog_err)?;
+                    link.try_into().map_err(|source| LoadError::Link {
+                        path: PathBuf::from(iface),
+                        source,
+                    })?
+                }
+            };
+            let path = link_dir(pin_path).join(hook.pin_name());
             fd_link.pin(&path).map_err(|source| LoadError::Pin {
                 path: path.clone(),
                 source,
             })?;
             pinned_now.push(path);
-            debug!(program = name, cgroup = %cgroup_dir.display(), "attached");
+            debug!(hook = hook.pin_name(), "attached");
         }
         Ok(())
     })();
@@ -256,7 +333,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     if let Some(id) = log_program_id {
         let _ = write_meta(&mut ebpf, meta::LOG_PROGRAM_ID, id);
     }
-    report.attached = missing;
+    report.attached = missing.iter().map(Hook::pin_name).collect();
     report.cgroup = Some(cgroup_dir);
     info!(
         pin_path = %pin_path.display(),
@@ -326,8 +403,17 @@ pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
         return Ok(report);
     }
     let links = link_dir(pin_path);
-    for name in SOCK_PROGRAMS {
-        let path = links.join(name);
+    let mut names: Vec<String> = SOCK_PROGRAMS.iter().map(|n| n.to_string()).collect();
+    if let Ok(entries) = fs::read_dir(&links) {
+        for e in entries.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if n.starts_with("tc-") {
+                names.push(n);
+            }
+        }
+    }
+    for name in names {
+        let path = links.join(&name);
         if !path.exists() {
             continue;
         }
@@ -337,7 +423,7 @@ pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
         })?;
         // Unpinning drops the last reference once the returned fd closes: detached.
         drop(link.unpin().map_err(io_err("unpinning", &path))?);
-        report.links.push(name.to_string());
+        report.links.push(name);
     }
     if links.exists() {
         fs::remove_dir(&links).map_err(io_err("removing (unknown files left?)", &links))?;

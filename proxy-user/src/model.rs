@@ -170,6 +170,8 @@ pub struct ServiceEntry {
     pub affinity_timeout: u32,
     /// The Service port it comes from (`namespace/name:port`), for the CLI; may be empty.
     pub name: String,
+    /// Allowed sources `(address, prefix length)` when `svc_flags::SOURCE_RANGES` is set.
+    pub source_ranges: Vec<(IpAddr, u8)>,
 }
 
 impl ServiceEntry {
@@ -180,6 +182,7 @@ impl ServiceEntry {
             flags: 0,
             affinity_timeout: 0,
             name: String::new(),
+            source_ranges: Vec::new(),
         }
     }
 }

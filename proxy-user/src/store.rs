@@ -39,6 +39,19 @@ pub enum Op {
     },
     /// Delete `REVNAT{4,6}[service_id]`.
     DelRevNat { service_id: u32, family: Family },
+    /// Allow `addr/prefix` as a source for the frontend with this service id
+    /// (`loadBalancerSourceRanges`).
+    PutSrcRange {
+        service_id: u32,
+        addr: std::net::IpAddr,
+        prefix: u8,
+    },
+    /// Remove one allowed source range.
+    DelSrcRange {
+        service_id: u32,
+        addr: std::net::IpAddr,
+        prefix: u8,
+    },
 }
 
 /// What slot 0 holds.
@@ -88,6 +101,16 @@ impl fmt::Display for Op {
             Op::DelRevNat { service_id, family } => {
                 write!(f, "del revnat {service_id} ({family:?})")
             }
+            Op::PutSrcRange {
+                service_id,
+                addr,
+                prefix,
+            } => write!(f, "put source range {service_id} {addr}/{prefix}"),
+            Op::DelSrcRange {
+                service_id,
+                addr,
+                prefix,
+            } => write!(f, "del source range {service_id} {addr}/{prefix}"),
         }
     }
 }
@@ -118,6 +141,8 @@ pub struct Dump {
     pub backends: BTreeMap<u32, (Backend, Proto)>,
     /// Service id -> frontend and Service name.
     pub revnat: BTreeMap<u32, (Frontend, String)>,
+    /// Allowed source ranges: (service id, address, prefix length).
+    pub src_ranges: std::collections::BTreeSet<(u32, std::net::IpAddr, u8)>,
 }
 
 impl Dump {
@@ -144,6 +169,9 @@ impl Dump {
         }
         for (id, (b, proto)) in &self.backends {
             out += &format!("backend {id} = {}/{proto} flags={:#x}\n", b.addr, b.flags);
+        }
+        for (id, addr, prefix) in &self.src_ranges {
+            out += &format!("source range {id} {addr}/{prefix}\n");
         }
         for (id, (fe, name)) in &self.revnat {
             if name.is_empty() {
@@ -234,6 +262,20 @@ impl MapStore for MemStore {
             }
             Op::DelRevNat { service_id, .. } => {
                 s.revnat.remove(service_id);
+            }
+            Op::PutSrcRange {
+                service_id,
+                addr,
+                prefix,
+            } => {
+                s.src_ranges.insert((*service_id, *addr, *prefix));
+            }
+            Op::DelSrcRange {
+                service_id,
+                addr,
+                prefix,
+            } => {
+                s.src_ranges.remove(&(*service_id, *addr, *prefix));
             }
         }
         self.log.push(op.clone());

@@ -19,7 +19,10 @@
 //! undone in reverse order, the in-memory model is left as it was, and the error names
 //! the frontend: a frontend is either fully programmed or left as before.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    net::IpAddr,
+};
 
 use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
 
@@ -77,6 +80,8 @@ struct Programmed {
     value: FrontendValue,
     /// The Service name written in the reverse-NAT entry.
     name: String,
+    /// Allowed source ranges written for this frontend's service id.
+    source_ranges: BTreeSet<(IpAddr, u8)>,
     /// Backend id of slot `i + 1`; 0 marks a slot found missing when adopting.
     slots: Vec<u32>,
 }
@@ -219,6 +224,12 @@ impl<S: MapStore> Writer<S> {
                 Programmed {
                     value: *value,
                     name: String::new(),
+                    source_ranges: dump
+                        .src_ranges
+                        .iter()
+                        .filter(|(id, _, _)| *id == value.service_id)
+                        .map(|(_, a, p)| (*a, *p))
+                        .collect(),
                     slots,
                 },
             );
@@ -244,6 +255,16 @@ impl<S: MapStore> Writer<S> {
                 orphans.push(Op::DelRevNat {
                     service_id: *id,
                     family: fe.family(),
+                });
+            }
+        }
+        let live_ids: HashSet<u32> = w.services.values().map(|p| p.value.service_id).collect();
+        for (id, addr, prefix) in &dump.src_ranges {
+            if !live_ids.contains(id) {
+                orphans.push(Op::DelSrcRange {
+                    service_id: *id,
+                    addr: *addr,
+                    prefix: *prefix,
                 });
             }
         }
@@ -407,6 +428,24 @@ impl<S: MapStore> Writer<S> {
             Some(_) => {}
         }
 
+        let want_ranges: BTreeSet<(IpAddr, u8)> = entry.source_ranges.iter().copied().collect();
+        let old_ranges = old
+            .as_ref()
+            .map(|p| p.source_ranges.clone())
+            .unwrap_or_default();
+        for (addr, prefix) in want_ranges.difference(&old_ranges) {
+            ops.push(Op::PutSrcRange {
+                service_id,
+                addr: *addr,
+                prefix: *prefix,
+            });
+            undo.push(Op::DelSrcRange {
+                service_id,
+                addr: *addr,
+                prefix: *prefix,
+            });
+        }
+
         let layout = stable_layout(old_slots, &ids);
         for (i, id) in layout.iter().enumerate() {
             let slot = slot_no(i);
@@ -462,6 +501,19 @@ impl<S: MapStore> Writer<S> {
                 slot,
                 backend_id: *old_id,
                 service_id,
+            });
+        }
+
+        for (addr, prefix) in old_ranges.difference(&want_ranges) {
+            ops.push(Op::DelSrcRange {
+                service_id,
+                addr: *addr,
+                prefix: *prefix,
+            });
+            undo.push(Op::PutSrcRange {
+                service_id,
+                addr: *addr,
+                prefix: *prefix,
             });
         }
 
@@ -528,6 +580,7 @@ impl<S: MapStore> Writer<S> {
             Programmed {
                 value,
                 name: entry.name.clone(),
+                source_ranges: want_ranges,
                 slots: layout,
             },
         );
@@ -558,6 +611,18 @@ impl<S: MapStore> Writer<S> {
                 slot: slot_no(i),
                 backend_id: *id,
                 service_id: sid,
+            });
+        }
+        for (addr, prefix) in &old.source_ranges {
+            ops.push(Op::DelSrcRange {
+                service_id: sid,
+                addr: *addr,
+                prefix: *prefix,
+            });
+            undo.push(Op::PutSrcRange {
+                service_id: sid,
+                addr: *addr,
+                prefix: *prefix,
             });
         }
         ops.push(Op::DelRevNat {
@@ -605,6 +670,9 @@ impl<S: MapStore> Writer<S> {
         for (fe, p) in &self.services {
             d.frontends.insert(*fe, p.value);
             d.revnat.insert(p.value.service_id, (*fe, p.name.clone()));
+            for (a, pfx) in &p.source_ranges {
+                d.src_ranges.insert((p.value.service_id, *a, *pfx));
+            }
             for (i, id) in p.slots.iter().enumerate() {
                 d.slots.insert((*fe, slot_no(i)), *id);
             }

@@ -197,6 +197,8 @@ pub fn run(bin_dir: &Path, requests_per_pod: usize) -> Result<()> {
         .arg("--cgroup")
         .arg(&cgroup.path)
         .args(["--node-name", "demo-node"])
+        // The demo must never touch this machine's iptables/nftables/IPVS.
+        .arg("--cleanup-kube-proxy=false")
         .args(["--healthz-addr", &format!("127.0.0.1:{healthz}")])
         .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
         .stdout(fs::File::create(&log)?)
@@ -239,14 +241,26 @@ pub fn run(bin_dir: &Path, requests_per_pod: usize) -> Result<()> {
     println!("\n  {n} requests to http://{CLUSTER_IP}/ from the client namespace:");
     print_spread(&hits, 3, n);
 
-    println!("\n  proxyctl dump:");
-    let dump = Command::new(bin_dir.join("proxyctl"))
-        .arg("--pin-path")
-        .arg(&pin_path)
-        .arg("dump")
-        .output()?;
-    for line in String::from_utf8_lossy(&dump.stdout).lines() {
-        println!("    {line}");
+    // What the maps hold and how traffic to the ClusterIP is handled, read back
+    // (read-only) from the running agent's pins.
+    let explain = format!("{CLUSTER_IP}:80");
+    for args in [vec!["services"], vec!["explain", explain.as_str()]] {
+        println!("\n  $ proxyctl {}", args.join(" "));
+        let out = Command::new(bin_dir.join("proxyctl"))
+            .arg("--pin-path")
+            .arg(&pin_path)
+            .args(&args)
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "proxyctl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            println!("    {line}");
+        }
     }
 
     println!("\n-- scale to 4 pods (the EndpointSlice file is rewritten) --");

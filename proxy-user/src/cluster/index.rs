@@ -5,23 +5,33 @@
 //! [`service_entries`] is the rule book, one Service at a time; [`Index`] stores the
 //! validated objects, tells which Services an update touched, and evaluates the rules.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
 
 use proxy_common::{backend_flags, svc_flags};
 
 use super::objects::{EndpointInfo, NodeInfo, ObjKey, ServiceInfo, SliceInfo};
 use crate::model::{Backend, Family, Frontend, ServiceEntry};
 
-/// Every frontend of one Service with its backends: one entry per cluster IP x port.
+/// Every frontend of one Service with its backends: per cluster IP x port, and for the
+/// external addresses (NodePort on any node address, `externalIPs`, LoadBalancer ingress
+/// IPs) of each port, with the `EXTERNAL_LOCAL` twin under `externalTrafficPolicy: Local`.
 /// `slices` are the Service's slices (any family; each frontend takes its own family).
 pub fn service_entries(
     svc: &ServiceInfo,
     slices: &[&SliceInfo],
     node: &NodeInfo,
 ) -> Vec<ServiceEntry> {
-    let mut out = Vec::new();
+    let mut families: Vec<Family> = Vec::new();
     for ip in &svc.cluster_ips {
-        let family = Family::of(ip);
+        if !families.contains(&Family::of(ip)) {
+            families.push(Family::of(ip));
+        }
+    }
+    let mut out = Vec::new();
+    for family in families {
         for port in &svc.ports {
             // Endpoints serving this port: slices of this family whose port of the same
             // name (the service port's targetPort, resolved) has the same protocol.
@@ -45,46 +55,110 @@ pub fn service_entries(
                 }
             }
             let eps: Vec<&EndpointInfo> = candidates.iter().map(|(e, _)| e).collect();
-            let chosen = if svc.internal_local {
-                local_endpoints(&eps, node)
-            } else {
-                cluster_endpoints(&eps, node)
+            // Keeps the order of `candidates` (the chosen endpoints are references into it).
+            let backends = |chosen: &[&EndpointInfo]| -> Vec<Backend> {
+                let mut b: Vec<Backend> = candidates
+                    .iter()
+                    .filter(|(e, _)| chosen.iter().any(|c| std::ptr::eq(*c, e)))
+                    .map(|(e, p)| backend(e, *p, node))
+                    .collect();
+                b.sort();
+                b
             };
-            let mut backends: Vec<Backend> = candidates
-                .iter()
-                .filter(|(e, _)| chosen.iter().any(|c| std::ptr::eq(*c, e)))
-                .map(|(e, p)| Backend {
-                    addr: std::net::SocketAddr::new(e.addr, *p),
-                    flags: if e.terminating {
-                        backend_flags::TERMINATING
-                    } else {
-                        0
-                    },
-                })
-                .collect();
-            backends.sort();
-            let mut flags = 0;
-            if svc.internal_local {
-                flags |= svc_flags::LOCAL_ONLY;
-            }
-            if svc.affinity_timeout.is_some() {
-                flags |= svc_flags::AFFINITY;
-            }
+            let cluster = backends(&cluster_endpoints(&eps, node));
+            let local = || backends(&local_endpoints(&eps, node));
             let name = if port.name.is_empty() {
                 svc.key.to_string()
             } else {
                 format!("{}:{}", svc.key, port.name)
             };
-            out.push(ServiceEntry {
-                frontend: Frontend::new(*ip, port.port, port.proto),
+            let mut base = 0;
+            if svc.affinity_timeout.is_some() {
+                base |= svc_flags::AFFINITY;
+            }
+            let entry = |frontend: Frontend, backends: Vec<Backend>, flags: u16| ServiceEntry {
+                frontend,
                 backends,
-                flags,
+                flags: base | flags,
                 affinity_timeout: svc.affinity_timeout.unwrap_or(0),
-                name,
-            });
+                name: name.clone(),
+                source_ranges: if flags & svc_flags::SOURCE_RANGES != 0 {
+                    svc.source_ranges.clone()
+                } else {
+                    Vec::new()
+                },
+            };
+            for ip in svc.cluster_ips.iter().filter(|ip| Family::of(ip) == family) {
+                let fe = Frontend::new(*ip, port.port, port.proto);
+                out.push(if svc.internal_local {
+                    entry(fe, local(), svc_flags::LOCAL_ONLY)
+                } else {
+                    entry(fe, cluster.clone(), 0)
+                });
+            }
+            // External frontends: cluster endpoints for every client the socket hooks
+            // see (pods, the node), and the local-only twin for traffic from outside
+            // when externalTrafficPolicy is Local.
+            let mut external: Vec<(Frontend, u16)> = Vec::new();
+            if let Some(np) = port.node_port {
+                external.push((
+                    Frontend::new(unspecified(family), np, port.proto),
+                    svc_flags::NODE_PORT,
+                ));
+            }
+            for ip in svc
+                .external_ips
+                .iter()
+                .filter(|ip| Family::of(ip) == family)
+            {
+                external.push((
+                    Frontend::new(*ip, port.port, port.proto),
+                    svc_flags::EXTERNAL_IP,
+                ));
+            }
+            for ip in svc.lb_ips.iter().filter(|ip| Family::of(ip) == family) {
+                let mut f = svc_flags::LOAD_BALANCER;
+                if !svc.source_ranges.is_empty() {
+                    f |= svc_flags::SOURCE_RANGES;
+                }
+                external.push((Frontend::new(*ip, port.port, port.proto), f));
+            }
+            for (fe, kind) in external {
+                if svc.external_local {
+                    out.push(entry(fe, cluster.clone(), kind | svc_flags::ETP_LOCAL));
+                    out.push(entry(
+                        fe.with_scope(proxy_common::scope::EXTERNAL_LOCAL),
+                        local(),
+                        kind | svc_flags::LOCAL_ONLY,
+                    ));
+                } else {
+                    out.push(entry(fe, cluster.clone(), kind));
+                }
+            }
         }
     }
     out
+}
+
+fn unspecified(family: Family) -> IpAddr {
+    match family {
+        Family::V4 => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        Family::V6 => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
+}
+
+fn backend(e: &EndpointInfo, port: u16, node: &NodeInfo) -> Backend {
+    let mut flags = 0;
+    if e.terminating {
+        flags |= backend_flags::TERMINATING;
+    }
+    if e.node.as_deref() == Some(node.name.as_str()) {
+        flags |= backend_flags::LOCAL;
+    }
+    Backend {
+        addr: std::net::SocketAddr::new(e.addr, port),
+        flags,
+    }
 }
 
 /// Cluster-wide traffic: the ready endpoints (narrowed by topology hints when they

@@ -77,6 +77,10 @@ pub enum Skip {
     Decode(String),
     #[error("no metadata.name")]
     NoName,
+    #[error("externalIPs entry {0:?} is not an IP address")]
+    BadExternalIp(String),
+    #[error("loadBalancerSourceRanges entry {0:?} is not a CIDR")]
+    BadSourceRange(String),
 }
 
 impl Skip {
@@ -92,6 +96,8 @@ impl Skip {
             Skip::BadEndpointAddress(..) => "bad_endpoint_address",
             Skip::Decode(_) => "decode_error",
             Skip::NoName => "no_name",
+            Skip::BadExternalIp(_) => "bad_external_ip",
+            Skip::BadSourceRange(_) => "bad_source_range",
         }
     }
 }
@@ -125,6 +131,8 @@ pub struct ServicePortInfo {
     pub name: String,
     pub port: u16,
     pub proto: Proto,
+    /// `nodePort` (NodePort and LoadBalancer Services).
+    pub node_port: Option<u16>,
 }
 
 /// A Service reduced to what the datapath needs.
@@ -138,6 +146,16 @@ pub struct ServiceInfo {
     pub internal_local: bool,
     /// `sessionAffinity: ClientIP` timeout in seconds.
     pub affinity_timeout: Option<u32>,
+    /// `spec.externalIPs`.
+    pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip` (hostname-only entries are ignored).
+    pub lb_ips: Vec<IpAddr>,
+    /// `externalTrafficPolicy: Local` (NodePort/LoadBalancer Services).
+    pub external_local: bool,
+    /// `loadBalancerSourceRanges` as (address, prefix length).
+    pub source_ranges: Vec<(IpAddr, u8)>,
+    /// `healthCheckNodePort` (eTP=Local LoadBalancer Services).
+    pub health_check_node_port: Option<u16>,
 }
 
 impl ServiceInfo {
@@ -179,12 +197,59 @@ impl ServiceInfo {
                     name: name.clone(),
                     port: i64::from(p.port),
                 })?;
+            let node_port = match p.node_port {
+                None | Some(0) => None,
+                Some(np) => Some(u16::try_from(np).ok().ok_or(Skip::BadPort {
+                    name: format!("{name} (nodePort)"),
+                    port: i64::from(np),
+                })?),
+            };
             ports.push(ServicePortInfo {
                 name,
                 port,
                 proto: parse_proto(p.protocol.as_deref())?,
+                node_port: node_port.filter(|_| {
+                    matches!(
+                        spec.type_.as_deref(),
+                        Some("NodePort") | Some("LoadBalancer")
+                    )
+                }),
             });
         }
+        let external_ips = spec
+            .external_ips
+            .iter()
+            .flatten()
+            .map(|ip| ip.parse().map_err(|_| Skip::BadExternalIp(ip.clone())))
+            .collect::<Result<Vec<IpAddr>, _>>()?;
+        let is_lb = spec.type_.as_deref() == Some("LoadBalancer");
+        let lb_ips: Vec<IpAddr> = if is_lb {
+            svc.status
+                .as_ref()
+                .and_then(|s| s.load_balancer.as_ref())
+                .and_then(|lb| lb.ingress.as_ref())
+                .into_iter()
+                .flatten()
+                .filter_map(|i| i.ip.as_ref()?.parse().ok())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let source_ranges = spec
+            .load_balancer_source_ranges
+            .iter()
+            .flatten()
+            .map(|r| parse_cidr(r).ok_or_else(|| Skip::BadSourceRange(r.clone())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let external_local = spec.external_traffic_policy.as_deref() == Some("Local")
+            && matches!(
+                spec.type_.as_deref(),
+                Some("NodePort") | Some("LoadBalancer")
+            );
+        let health_check_node_port = spec
+            .health_check_node_port
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0 && external_local && is_lb);
         let affinity_timeout = if spec.session_affinity.as_deref() == Some("ClientIP") {
             let t = spec
                 .session_affinity_config
@@ -205,8 +270,26 @@ impl ServiceInfo {
             ports,
             internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             affinity_timeout,
+            external_ips,
+            lb_ips,
+            external_local,
+            source_ranges,
+            health_check_node_port,
         }))
     }
+}
+
+/// `10.0.0.0/8`, `2001:db8::/32`, or a bare address (a /32 or /128).
+pub fn parse_cidr(s: &str) -> Option<(IpAddr, u8)> {
+    let (addr, len) = match s.trim().split_once('/') {
+        Some((a, l)) => (a.parse::<IpAddr>().ok()?, l.parse::<u8>().ok()?),
+        None => {
+            let a: IpAddr = s.trim().parse().ok()?;
+            (a, if a.is_ipv4() { 32 } else { 128 })
+        }
+    };
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    (len <= max).then_some((addr, len))
 }
 
 fn parse_proto(p: Option<&str>) -> Result<Proto, Skip> {

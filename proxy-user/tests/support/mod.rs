@@ -161,11 +161,29 @@ impl TestEnv {
         }
     }
 
+    /// Like [`Self::without_datapath`], but this process stays out of the cgroup, so
+    /// its clients play machines outside the node (TC tests).
+    pub fn outside_cgroup() -> Self {
+        require_root();
+        let serial = SERIAL
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        Self {
+            servers: Vec::new(),
+            writer: None,
+            pins: PinDir::new(),
+            cgroup: TestCgroup::empty(),
+            topo: Topology::new(0),
+            _serial: serial,
+        }
+    }
+
     /// Installs (or adopts) the datapath at the env's pin path and cgroup.
     pub fn install(&self) -> loader::InstallReport {
         loader::install(&loader::InstallOptions {
             pin_path: self.pins.path.clone(),
             cgroup: Some(self.cgroup.path.clone()),
+            interfaces: Vec::new(),
         })
         .expect("install")
     }
@@ -203,16 +221,39 @@ pub struct AgentProcess {
     pub healthz_port: u16,
     pub metrics_port: u16,
     pub log: PathBuf,
+    /// The network namespace it runs in (None: this process's).
+    pub netns: Option<PathBuf>,
 }
 
 impl AgentProcess {
     /// `proxy-agent run` with the env's pin path and cgroup and the given source args
     /// (`--manifests DIR` or `--kubeconfig FILE`).
     pub fn start(env: &TestEnv, source: &[&str]) -> Self {
-        let [healthz_port, metrics_port] = free_ports();
+        Self::start_in(env, None, source)
+    }
+
+    /// The same, inside the network namespace `netns` (through nsenter, which keeps
+    /// /sys/fs/bpf visible), for the TC datapath on that namespace's interfaces.
+    pub fn start_in(env: &TestEnv, netns: Option<&Netns>, args: &[&str]) -> Self {
+        let [healthz_port, metrics_port] = match netns {
+            // Inside a fresh namespace every loopback port is free.
+            Some(_) => [10256, 10249],
+            None => free_ports(),
+        };
         let log = std::env::temp_dir().join(unique("ebpf-proxy-agent-log-"));
         let log_file = fs::File::create(&log).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_proxy-agent"))
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net={}", ns.path().display()))
+                    .arg("--")
+                    .arg(env!("CARGO_BIN_EXE_proxy-agent"));
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_proxy-agent")),
+        };
+        let source = args;
+        let child = cmd
             .arg("run")
             .args(source)
             .args(["--pin-path", env.pins.path.to_str().expect("utf-8")])
@@ -221,6 +262,8 @@ impl AgentProcess {
             .args(["--healthz-addr", &format!("127.0.0.1:{healthz_port}")])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             .args(["--min-sync-interval", "10ms", "--manifests-poll", "20ms"])
+            // Never touch the test machine's iptables/nftables/IPVS.
+            .arg("--cleanup-kube-proxy=false")
             .env("RUST_LOG", "info,proxy_user=debug")
             .stdout(log_file.try_clone().expect("log"))
             .stderr(log_file)
@@ -231,7 +274,13 @@ impl AgentProcess {
             healthz_port,
             metrics_port,
             log,
+            netns: netns.map(Netns::path),
         }
+    }
+
+    fn get(&self, port: u16, path: &str) -> io::Result<(u16, String)> {
+        let _ns = self.netns.as_ref().map(|p| NetnsGuard::enter(p));
+        http_get(port, path)
     }
 
     /// Waits until /healthz answers 200 (first sync done).
@@ -241,7 +290,7 @@ impl AgentProcess {
             if let Some(status) = self.child.try_wait().expect("wait") {
                 panic!("proxy-agent exited with {status}:\n{}", self.logs());
             }
-            if matches!(http_get(self.healthz_port, "/healthz"), Ok((200, _))) {
+            if matches!(self.get(self.healthz_port, "/healthz"), Ok((200, _))) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -253,7 +302,7 @@ impl AgentProcess {
     }
 
     pub fn metrics(&self) -> String {
-        http_get(self.metrics_port, "/metrics").expect("metrics").1
+        self.get(self.metrics_port, "/metrics").expect("metrics").1
     }
 
     pub fn logs(&self) -> String {

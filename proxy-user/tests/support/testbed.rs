@@ -138,9 +138,23 @@ fn setns(fd: i32) {
 pub struct TestCgroup {
     pub path: PathBuf,
     original: PathBuf,
+    joined: bool,
 }
 
 impl TestCgroup {
+    /// A child cgroup that this process does not join (hooks there see no test traffic
+    /// unless a process is moved in).
+    pub fn empty() -> Self {
+        let mount = cgroup2_mount();
+        let path = mount.join(unique("ebpf-proxy-test-"));
+        fs::create_dir(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        Self {
+            original: path.clone(),
+            path,
+            joined: false,
+        }
+    }
+
     pub fn new() -> Self {
         let mount = cgroup2_mount();
         let path = mount.join(unique("ebpf-proxy-test-"));
@@ -151,7 +165,11 @@ impl TestCgroup {
             .find_map(|l| l.strip_prefix("0::"))
             .expect("a cgroup v2 entry in /proc/self/cgroup");
         let original = mount.join(rel.trim_start_matches('/'));
-        let cg = Self { path, original };
+        let cg = Self {
+            path,
+            original,
+            joined: true,
+        };
         move_self(&cg.path);
         cg
     }
@@ -159,7 +177,9 @@ impl TestCgroup {
 
 impl Drop for TestCgroup {
     fn drop(&mut self) {
-        move_self(&self.original);
+        if self.joined {
+            move_self(&self.original);
+        }
         let _ = fs::remove_dir(&self.path);
     }
 }
@@ -324,6 +344,88 @@ impl Server {
                     "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                     body.len()
                 );
+            }
+        });
+        rx.recv_timeout(Duration::from_secs(5))
+            .expect("server ready");
+        Self {
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    /// A TCP server in `ns` at `addr` that keeps each connection open and answers every
+    /// line it receives with `name peer-address\n` (one thread per connection), so a test
+    /// sees which pod answered, from which client address, over a long-lived connection.
+    pub fn tcp_echo(ns: &Netns, addr: SocketAddr, name: &str) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (path, name, flag) = (ns.path(), name.to_string(), stop.clone());
+        let handle = std::thread::spawn(move || {
+            let _ns = NetnsGuard::enter(&path);
+            let listener = TcpListener::bind(addr).expect("bind tcp");
+            tx.send(()).expect("ready");
+            while !flag.load(Ordering::Relaxed) {
+                if !readable(listener.as_raw_fd()) {
+                    continue;
+                }
+                let Ok((s, peer)) = listener.accept() else {
+                    continue;
+                };
+                let (name, flag) = (name.clone(), flag.clone());
+                std::thread::spawn(move || {
+                    let _ = s.set_read_timeout(Some(Duration::from_millis(100)));
+                    let mut reader = io::BufReader::new(match s.try_clone() {
+                        Ok(r) => r,
+                        Err(_) => return,
+                    });
+                    let mut s = s;
+                    let mut line = String::new();
+                    while !flag.load(Ordering::Relaxed) {
+                        line.clear();
+                        match io::BufRead::read_line(&mut reader, &mut line) {
+                            Ok(0) => return,
+                            Ok(_) => {
+                                if writeln!(s, "{name} {}", peer.ip()).is_err() {
+                                    return;
+                                }
+                            }
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                                ) => {}
+                            Err(_) => return,
+                        }
+                    }
+                });
+            }
+        });
+        rx.recv_timeout(Duration::from_secs(5))
+            .expect("server ready");
+        Self {
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    /// A UDP server in `ns` at `addr` answering every datagram with `name peer-address\n`.
+    pub fn udp_peer(ns: &Netns, addr: SocketAddr, name: &str) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (path, name, flag) = (ns.path(), name.to_string(), stop.clone());
+        let handle = std::thread::spawn(move || {
+            let _ns = NetnsGuard::enter(&path);
+            let sock = UdpSocket::bind(addr).expect("bind udp");
+            tx.send(()).expect("ready");
+            let mut buf = [0u8; 1500];
+            while !flag.load(Ordering::Relaxed) {
+                if !readable(sock.as_raw_fd()) {
+                    continue;
+                }
+                if let Ok((_, from)) = sock.recv_from(&mut buf) {
+                    let _ = sock.send_to(format!("{name} {}\n", from.ip()).as_bytes(), from);
+                }
             }
         });
         rx.recv_timeout(Duration::from_secs(5))

@@ -1,0 +1,412 @@
+//! The per-packet TC datapath in a two-node topology made of network namespaces, with the
+//! real `proxy-agent` running inside node 1 (TC on node 1's interfaces). Needs root.
+//!
+//! ```text
+//!  ext 10.100.0.1 ──── 10.100.0.2 [node-a] 10.100.1.1 ──── 10.100.1.2 [node-b]
+//!                        │ 10.1.1.1   │ 10.1.2.1               │ 10.2.1.1
+//!                      pod1 .2      pod2 .2                  pod3 10.2.1.2
+//! ```
+//! The external client reaches only node 1 (and, through it, the LoadBalancer/external
+//! addresses 10.100.50.0/24 routed to node 1); VIPs are never routed anywhere else.
+//! IPv6 mirrors it: fd00:100::/64 ext<->node-a, fd00:101::/64 node-a<->node-b, pods
+//! fd00:1:1::2, fd00:1:2::2, fd00:2:1::2.
+
+mod support;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs,
+    io::{BufRead, BufReader, Write},
+    net::{SocketAddr, TcpStream, UdpSocket},
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use support::{run, unique, AgentProcess, Netns, Server, TestEnv};
+
+const NODEPORT: u16 = 30080;
+
+struct Cluster {
+    ext: Netns,
+    node_a: Netns,
+    node_b: Netns,
+    pods: Vec<Netns>,
+    _servers: Vec<Server>,
+}
+
+fn sysctl(ns: &Netns, key: &str) {
+    run("ip", &["netns", "exec", &ns.name, "sysctl", "-qw", key]);
+}
+
+fn link(a: &Netns, a_if: &str, a_addrs: &[&str], b: &Netns, b_if: &str, b_addrs: &[&str]) {
+    run(
+        "ip",
+        &[
+            "link", "add", a_if, "netns", &a.name, "type", "veth", "peer", "name", b_if, "netns",
+            &b.name,
+        ],
+    );
+    for (ns, ifn, addrs) in [(a, a_if, a_addrs), (b, b_if, b_addrs)] {
+        for addr in addrs {
+            if addr.contains(':') {
+                ns.ip(&["-6", "addr", "add", addr, "dev", ifn, "nodad"]);
+            } else {
+                ns.ip(&["addr", "add", addr, "dev", ifn]);
+            }
+        }
+        ns.ip(&["link", "set", ifn, "up"]);
+    }
+}
+
+impl Cluster {
+    fn new() -> Self {
+        let ext = Netns::new(unique("ebp-ext-"));
+        let node_a = Netns::new(unique("ebp-na-"));
+        let node_b = Netns::new(unique("ebp-nb-"));
+        link(
+            &ext,
+            "eth0",
+            &["10.100.0.1/24", "fd00:100::1/64"],
+            &node_a,
+            "ext0",
+            &["10.100.0.2/24", "fd00:100::2/64"],
+        );
+        link(
+            &node_a,
+            "nb0",
+            &["10.100.1.1/24", "fd00:101::1/64"],
+            &node_b,
+            "na0",
+            &["10.100.1.2/24", "fd00:101::2/64"],
+        );
+        // The client routes only the LoadBalancer/external range to node 1.
+        ext.ip(&["route", "add", "10.100.50.0/24", "via", "10.100.0.2"]);
+        ext.ip(&["-6", "route", "add", "fd00:150::/64", "via", "fd00:100::2"]);
+        node_a.ip(&["route", "add", "10.2.0.0/16", "via", "10.100.1.2"]);
+        node_a.ip(&["-6", "route", "add", "fd00:2::/32", "via", "fd00:101::2"]);
+        node_b.ip(&["route", "add", "10.100.0.0/24", "via", "10.100.1.1"]);
+        node_b.ip(&["-6", "route", "add", "fd00:100::/64", "via", "fd00:101::1"]);
+        for n in [&node_a, &node_b] {
+            sysctl(n, "net.ipv4.ip_forward=1");
+            sysctl(n, "net.ipv6.conf.all.forwarding=1");
+        }
+        let mut pods = Vec::new();
+        let mut servers = Vec::new();
+        for (i, (node, net4, net6)) in [
+            (&node_a, "10.1.1", "fd00:1:1"),
+            (&node_a, "10.1.2", "fd00:1:2"),
+            (&node_b, "10.2.1", "fd00:2:1"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let pod = Netns::new(unique("ebp-pod-"));
+            let ifn = format!("pod{}", i + 1);
+            link(
+                node,
+                &ifn,
+                &[&format!("{net4}.1/24"), &format!("{net6}::1/64")],
+                &pod,
+                "eth0",
+                &[&format!("{net4}.2/24"), &format!("{net6}::2/64")],
+            );
+            pod.ip(&["route", "add", "default", "via", &format!("{net4}.1")]);
+            pod.ip(&[
+                "-6",
+                "route",
+                "add",
+                "default",
+                "via",
+                &format!("{net6}::1"),
+            ]);
+            let name = format!("pod{}", i + 1);
+            for ip in [format!("{net4}.2"), format!("{net6}::2")] {
+                let addr = SocketAddr::new(ip.parse().expect("ip"), 8080);
+                servers.push(Server::tcp_echo(&pod, addr, &name));
+                servers.push(Server::udp_peer(&pod, addr, &name));
+            }
+            pods.push(pod);
+        }
+        Self {
+            ext,
+            node_a,
+            node_b,
+            pods,
+            _servers: servers,
+        }
+    }
+}
+
+fn manifests_dir() -> PathBuf {
+    let p = std::env::temp_dir().join(unique("ebpf-proxy-tc-"));
+    fs::create_dir_all(&p).expect("mkdir");
+    p
+}
+
+/// A NodePort Service `name` (TCP and UDP on `port`, nodePort NODEPORT and NODEPORT+1)
+/// with extra spec fields, and its slices over the three pods.
+fn service(name: &str, ip: &str, etp: &str, extra: &str, pods: &[usize]) -> String {
+    let mut y = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  type: LoadBalancer\n  clusterIP: {ip}\n  clusterIPs: [{ip}, \"fd00:96::10\"]\n  externalTrafficPolicy: {etp}\n  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: {NODEPORT}, protocol: TCP}}\n  - {{name: dns, port: 53, targetPort: 8080, nodePort: {}, protocol: UDP}}\n{extra}",
+        NODEPORT + 1
+    );
+    for (family, addrs) in [
+        ("IPv4", ["10.1.1.2", "10.1.2.2", "10.2.1.2"]),
+        ("IPv6", ["fd00:1:1::2", "fd00:1:2::2", "fd00:2:1::2"]),
+    ] {
+        y += &format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-{}, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: {family}\nports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: dns, port: 8080, protocol: UDP}}\nendpoints:\n",
+            family.to_lowercase()
+        );
+        if pods.is_empty() {
+            y = y.trim_end_matches("endpoints:\n").to_string() + "endpoints: []\n";
+        }
+        for p in pods {
+            let node = if *p == 3 { "node-b" } else { "node-a" };
+            y += &format!(
+                "- {{addresses: [\"{}\"], nodeName: {node}}}\n",
+                addrs[p - 1]
+            );
+        }
+    }
+    y
+}
+
+fn write(dir: &PathBuf, name: &str, text: &str) {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    fs::write(&tmp, text).expect("write");
+    fs::rename(&tmp, dir.join(name)).expect("rename");
+}
+
+/// One request over a new TCP connection from the external client: (pod, client address
+/// the pod saw).
+fn ask_tcp(addr: SocketAddr) -> std::io::Result<(String, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(700))?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.write_all(b"hi\n")?;
+    let mut line = String::new();
+    BufReader::new(&s).read_line(&mut line)?;
+    let mut parts = line.split_whitespace();
+    Ok((
+        parts.next().unwrap_or_default().to_string(),
+        parts.next().unwrap_or_default().to_string(),
+    ))
+}
+
+fn ask_udp(addr: SocketAddr) -> std::io::Result<(String, String)> {
+    let bind = if addr.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    };
+    let sock = UdpSocket::bind(bind)?;
+    sock.set_read_timeout(Some(Duration::from_millis(700)))?;
+    sock.send_to(b"hi", addr)?;
+    let mut buf = [0u8; 256];
+    let (n, from) = sock.recv_from(&mut buf)?;
+    assert_eq!(
+        from, addr,
+        "the reply comes from the address the client used"
+    );
+    let text = String::from_utf8_lossy(&buf[..n]).to_string();
+    let mut parts = text.split_whitespace();
+    Ok((
+        parts.next().unwrap_or_default().to_string(),
+        parts.next().unwrap_or_default().to_string(),
+    ))
+}
+
+/// Asks `n` times and returns, per pod, the client addresses it saw.
+fn spread(
+    ns: &Netns,
+    n: usize,
+    ask: impl Fn() -> std::io::Result<(String, String)>,
+) -> BTreeMap<String, BTreeSet<String>> {
+    let _g = ns.enter();
+    let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for _ in 0..n {
+        let (pod, client) = ask().unwrap_or_else(|e| panic!("request failed: {e}"));
+        out.entry(pod).or_default().insert(client);
+    }
+    out
+}
+
+fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn expect_pods(got: &BTreeMap<String, BTreeSet<String>>, want: &[(&str, &str)]) {
+    let want: BTreeMap<String, BTreeSet<String>> = want
+        .iter()
+        .map(|(p, c)| (p.to_string(), BTreeSet::from([c.to_string()])))
+        .collect();
+    assert_eq!(got, &want);
+}
+
+#[test]
+fn nodeport_lb_and_external_ips_through_tc_with_both_traffic_policies() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::new();
+    let dir = manifests_dir();
+    // eTP=Cluster NodePort/LB service, and an eTP=Local one on other ports.
+    write(&dir, "web.yaml", &service("web", "10.96.0.10", "Cluster", "  externalIPs: [10.100.50.2]\nstatus: {loadBalancer: {ingress: [{ip: 10.100.50.1}]}}\n", &[1, 2, 3]));
+    let mut agent = AgentProcess::start_in(
+        &env,
+        Some(&c.node_a),
+        &[
+            "--manifests",
+            dir.to_str().expect("utf-8"),
+            "--interfaces",
+            "ext0,nb0",
+        ],
+    );
+    agent.wait_healthy(Duration::from_secs(20));
+    let nodeport = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
+
+    // eTP=Cluster: every pod; the local ones see the client, the remote one sees node 1
+    // (SNAT, so its replies come back through node 1).
+    let got = spread(&c.ext, 90, || ask_tcp(nodeport));
+    expect_pods(
+        &got,
+        &[
+            ("pod1", "10.100.0.1"),
+            ("pod2", "10.100.0.1"),
+            ("pod3", "10.100.0.2"),
+        ],
+    );
+    let got = spread(&c.ext, 90, || {
+        ask_udp(SocketAddr::from(([10, 100, 0, 2], NODEPORT + 1)))
+    });
+    expect_pods(
+        &got,
+        &[
+            ("pod1", "10.100.0.1"),
+            ("pod2", "10.100.0.1"),
+            ("pod3", "10.100.0.2"),
+        ],
+    );
+    // LoadBalancer IP and externalIP, TCP.
+    for addr in [
+        SocketAddr::from(([10, 100, 50, 1], 80)),
+        SocketAddr::from(([10, 100, 50, 2], 80)),
+    ] {
+        let got = spread(&c.ext, 60, || ask_tcp(addr));
+        assert_eq!(got.len(), 3, "{addr}: {got:?}");
+    }
+    // IPv6 NodePort.
+    let nodeport6: SocketAddr = format!("[fd00:100::2]:{NODEPORT}").parse().expect("v6");
+    // IPv6 neighbour discovery on fresh links (link-local DAD) can take a moment.
+    wait_for("IPv6 path ready", Duration::from_secs(5), || {
+        let _g = c.ext.enter();
+        ask_tcp(nodeport6).is_ok()
+    });
+    let got = spread(&c.ext, 90, || ask_tcp(nodeport6));
+    expect_pods(
+        &got,
+        &[
+            ("pod1", "fd00:100::1"),
+            ("pod2", "fd00:100::1"),
+            ("pod3", "fd00:100::2"),
+        ],
+    );
+
+    // A long-lived connection keeps its backend while the backend set changes.
+    let long = {
+        let _g = c.ext.enter();
+        TcpStream::connect_timeout(&nodeport, Duration::from_secs(1)).expect("connect")
+    };
+    long.set_read_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+    let mut reader = BufReader::new(long.try_clone().expect("clone"));
+    let mut exchange = || {
+        (&long).write_all(b"again\n").expect("write");
+        let mut l = String::new();
+        reader.read_line(&mut l).expect("read");
+        l.split_whitespace().next().unwrap_or_default().to_string()
+    };
+    let first = exchange();
+    let others: Vec<usize> = [1, 2, 3]
+        .into_iter()
+        .filter(|p| format!("pod{p}") != first)
+        .collect();
+    write(
+        &dir,
+        "web.yaml",
+        &service("web", "10.96.0.10", "Cluster", "", &others),
+    );
+    wait_for(
+        "new connections avoid the old pod",
+        Duration::from_secs(3),
+        || {
+            let got = spread(&c.ext, 20, || ask_tcp(nodeport));
+            !got.contains_key(&first)
+        },
+    );
+    for _ in 0..5 {
+        assert_eq!(
+            exchange(),
+            first,
+            "the established flow stays on its backend"
+        );
+    }
+
+    // eTP=Local: only node 1's pods, client address preserved; none local: dropped.
+    write(
+        &dir,
+        "web.yaml",
+        &service("web", "10.96.0.10", "Local", "", &[1, 2, 3]),
+    );
+    wait_for("eTP=Local applied", Duration::from_secs(3), || {
+        let got = spread(&c.ext, 30, || ask_tcp(nodeport));
+        !got.contains_key("pod3")
+    });
+    let got = spread(&c.ext, 60, || ask_tcp(nodeport));
+    expect_pods(&got, &[("pod1", "10.100.0.1"), ("pod2", "10.100.0.1")]);
+    write(
+        &dir,
+        "web.yaml",
+        &service("web", "10.96.0.10", "Local", "", &[3]),
+    );
+    wait_for("no local endpoint: dropped", Duration::from_secs(3), || {
+        let _g = c.ext.enter();
+        matches!(ask_tcp(nodeport), Err(e) if e.kind() == std::io::ErrorKind::TimedOut || e.kind() == std::io::ErrorKind::WouldBlock)
+    });
+
+    // No endpoints at all: TCP is refused at once (RST from the TC program).
+    write(
+        &dir,
+        "web.yaml",
+        &service("web", "10.96.0.10", "Cluster", "", &[]),
+    );
+    wait_for("no endpoints: refused", Duration::from_secs(3), || {
+        let _g = c.ext.enter();
+        matches!(ask_tcp(nodeport), Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused)
+    });
+
+    // loadBalancerSourceRanges: an allow-list on the LoadBalancer address.
+    let lb = SocketAddr::from(([10, 100, 50, 1], 80));
+    write(&dir, "web.yaml", &service("web", "10.96.0.10", "Cluster", "  loadBalancerSourceRanges: [10.100.0.0/24]\nstatus: {loadBalancer: {ingress: [{ip: 10.100.50.1}]}}\n", &[1]));
+    wait_for("allowed source", Duration::from_secs(3), || {
+        let _g = c.ext.enter();
+        ask_tcp(lb).is_ok()
+    });
+    write(&dir, "web.yaml", &service("web", "10.96.0.10", "Cluster", "  loadBalancerSourceRanges: [192.0.2.0/24]\nstatus: {loadBalancer: {ingress: [{ip: 10.100.50.1}]}}\n", &[1]));
+    wait_for("denied source", Duration::from_secs(3), || {
+        let _g = c.ext.enter();
+        ask_tcp(lb).is_err()
+    });
+
+    let metrics = agent.metrics();
+    drop(agent);
+    let _ = fs::remove_dir_all(&dir);
+    drop(c);
+    assert!(
+        metrics.contains("ebpf_proxy_programmed_frontends"),
+        "{metrics}"
+    );
+    drop(env);
+}
