@@ -313,6 +313,33 @@ impl Index {
         self.services.len()
     }
 
+    /// `healthCheckNodePort` -> (Service, ready endpoints on this node), for every
+    /// Service that has one (eTP=Local LoadBalancer Services).
+    pub fn health_check_ports(&self) -> BTreeMap<u16, (ObjKey, usize)> {
+        let mut out = BTreeMap::new();
+        for (key, svc) in &self.services {
+            let Some(port) = svc.health_check_node_port else {
+                continue;
+            };
+            let mut local: BTreeSet<IpAddr> = BTreeSet::new();
+            for slice in self
+                .slices_by_service
+                .get(key)
+                .into_iter()
+                .flatten()
+                .filter_map(|k| self.slices.get(k))
+            {
+                for ep in &slice.endpoints {
+                    if ep.ready && ep.node.as_deref() == Some(self.node.name.as_str()) {
+                        local.insert(ep.addr);
+                    }
+                }
+            }
+            out.insert(port, (key.clone(), local.len()));
+        }
+        out
+    }
+
     /// What the maps must hold for one Service (empty when it is gone).
     pub fn entries(&self, key: &ObjKey) -> Vec<ServiceEntry> {
         let Some(svc) = self.services.get(key) else {
