@@ -247,10 +247,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     };
     cgroup::check_cgroup2_dir(&cgroup_dir).map_err(io_err("checking", &cgroup_dir))?;
 
-    let mut ebpf = EbpfLoader::new()
-        .default_map_pin_directory(pin_path)
-        .load(EBPF_OBJECT)?;
-    write_meta(&mut ebpf, meta::ABI_VERSION, ABI_VERSION)?;
+    let mut ebpf = load_object(pin_path)?;
 
     let mut pinned_now: Vec<PathBuf> = Vec::new();
     let mut log_program_id = None;
@@ -342,6 +339,21 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
         "datapath installed"
     );
     Ok(report)
+}
+
+/// Loads the eBPF object with its maps pinned (or reused) under `pin_path` and records
+/// the ABI version; programs are not loaded into the kernel yet. For `install`, and for
+/// tests that run a program with `BPF_PROG_TEST_RUN`.
+pub fn load_object(pin_path: &Path) -> Result<aya::Ebpf, LoadError> {
+    if EBPF_OBJECT.is_empty() {
+        return Err(LoadError::NoObject);
+    }
+    fs::create_dir_all(pin_path).map_err(io_err("creating", pin_path))?;
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(pin_path)
+        .load(EBPF_OBJECT)?;
+    write_meta(&mut ebpf, meta::ABI_VERSION, ABI_VERSION)?;
+    Ok(ebpf)
 }
 
 fn write_meta(ebpf: &mut aya::Ebpf, index: u32, value: u32) -> Result<(), LoadError> {
