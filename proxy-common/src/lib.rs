@@ -20,7 +20,7 @@
 
 /// Bumped whenever a key, value or map definition changes incompatibly. The loader stores
 /// it in the `META` map; a new agent refuses to adopt pins of another version.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 
 /// Map names, as they appear in the object file, under the pin directory and in bpftool.
 pub mod map_names {
@@ -235,11 +235,13 @@ pub enum Reason {
     TcNoLocalBackend = 16,
     /// TC: the FIB had no route for a translated packet; handed to the stack.
     TcFibMiss = 17,
+    /// TC: an ICMP error about a NATed flow, translated for its backend or client.
+    TcIcmpError = 18,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 18;
+    pub const COUNT: u32 = 19;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -260,6 +262,7 @@ impl Reason {
         Reason::TcSnatFailed,
         Reason::TcNoLocalBackend,
         Reason::TcFibMiss,
+        Reason::TcIcmpError,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -283,6 +286,7 @@ impl Reason {
             Reason::TcSnatFailed => "tc_snat_failed",
             Reason::TcNoLocalBackend => "tc_no_local_backend",
             Reason::TcFibMiss => "tc_fib_miss",
+            Reason::TcIcmpError => "tc_icmp_error",
         }
     }
 }

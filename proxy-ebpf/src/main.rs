@@ -7,6 +7,7 @@
 #![no_std]
 #![no_main]
 
+mod icmp;
 mod lb;
 mod maps;
 mod sock;

@@ -528,8 +528,14 @@ impl Fam for V6 {
 fn try_tc(ctx: &TcContext, ingress: bool) -> Result<i32, ()> {
     let eth_proto = u16::from_be(ctx.load::<u16>(12).map_err(|_| ())?);
     match eth_proto {
-        ETH_P_IP => flow::<V4>(ctx, ingress),
-        ETH_P_IPV6 => flow::<V6>(ctx, ingress),
+        ETH_P_IP => match ingress.then(|| crate::icmp::icmp4(ctx)).flatten() {
+            Some(v) => Ok(v),
+            None => flow::<V4>(ctx, ingress),
+        },
+        ETH_P_IPV6 => match ingress.then(|| crate::icmp::icmp6(ctx)).flatten() {
+            Some(v) => Ok(v),
+            None => flow::<V6>(ctx, ingress),
+        },
         _ => Ok(TC_ACT_OK as i32),
     }
 }

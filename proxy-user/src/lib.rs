@@ -5,9 +5,12 @@
 pub mod agent;
 pub mod bpf;
 pub mod cgroup;
+pub mod cleanup;
 pub mod cluster;
+pub mod ctl;
 pub mod loader;
 pub mod model;
+pub mod node;
 pub mod store;
 pub mod writer;
 

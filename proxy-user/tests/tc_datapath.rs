@@ -18,7 +18,7 @@ use std::{
     fs,
     io::{BufRead, BufReader, Write},
     net::{SocketAddr, TcpStream, UdpSocket},
-    path::PathBuf,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -26,12 +26,13 @@ use support::{run, unique, AgentProcess, Netns, Server, TestEnv};
 
 const NODEPORT: u16 = 30080;
 
+/// Field order is drop order: servers stop before their namespaces go.
 struct Cluster {
+    _servers: Vec<Server>,
     ext: Netns,
     node_a: Netns,
-    node_b: Netns,
-    pods: Vec<Netns>,
-    _servers: Vec<Server>,
+    _node_b: Netns,
+    _pods: Vec<Netns>,
 }
 
 fn sysctl(ns: &Netns, key: &str) {
@@ -128,11 +129,11 @@ impl Cluster {
             pods.push(pod);
         }
         Self {
+            _servers: servers,
             ext,
             node_a,
-            node_b,
-            pods,
-            _servers: servers,
+            _node_b: node_b,
+            _pods: pods,
         }
     }
 }
@@ -172,7 +173,7 @@ fn service(name: &str, ip: &str, etp: &str, extra: &str, pods: &[usize]) -> Stri
     y
 }
 
-fn write(dir: &PathBuf, name: &str, text: &str) {
+fn write(dir: &Path, name: &str, text: &str) {
     let tmp = dir.join(format!(".{name}.tmp"));
     fs::write(&tmp, text).expect("write");
     fs::rename(&tmp, dir.join(name)).expect("rename");

@@ -3,6 +3,7 @@
 //! rate-limited sync loop until told to stop. Stopping leaves the datapath pinned and
 //! serving; the next agent adopts it.
 
+pub mod healthcheck;
 pub mod metrics;
 pub mod sync;
 
@@ -42,13 +43,26 @@ pub struct AgentOptions {
     pub sync_interval: Duration,
     /// How often the manifests directory is polled.
     pub manifests_poll: Duration,
+    /// Remove kube-proxy's leftovers once the first sync has written the maps.
+    pub cleanup_kube_proxy: bool,
+    /// Interfaces for the TC datapath: `None` for none, `Some(empty)` for the node's
+    /// interfaces found automatically, or the given names.
+    pub interfaces: Option<Vec<String>>,
 }
 
 /// Runs the agent until `shutdown` completes.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let (interfaces, node_addrs) = match &opts.interfaces {
+        None => (Vec::new(), Vec::new()),
+        Some(wanted) => {
+            let all = crate::node::interface_addresses().context("listing the node's addresses")?;
+            crate::node::node_interfaces(&all, wanted)
+        }
+    };
     let installed = loader::install(&loader::InstallOptions {
         pin_path: opts.pin_path.clone(),
         cgroup: opts.cgroup.clone(),
+        interfaces: interfaces.clone(),
     })
     .with_context(|| format!("installing the datapath at {}", opts.pin_path.display()))?;
     info!(
@@ -57,6 +71,10 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         cgroup = ?installed.cgroup,
         "datapath ready"
     );
+    if !interfaces.is_empty() {
+        crate::bpf::set_node_addresses(&opts.pin_path, &node_addrs)?;
+        info!(?interfaces, addresses = ?node_addrs, "TC datapath on the node's interfaces");
+    }
     let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     let maps = BpfMaps::open(&opts.pin_path)?;
     let (writer, adopted) = Writer::adopt(maps).context("reading the pinned maps back")?;
@@ -117,9 +135,26 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         [Kind::Service, Kind::EndpointSlice, Kind::Node],
         metrics,
     );
+    if opts.cleanup_kube_proxy {
+        tokio::spawn(cleanup_kube_proxy_when_synced(health.clone()));
+    }
     sync_loop(syncer, rx, &opts, &health, shutdown).await;
     info!("stopping; the datapath stays pinned and keeps serving");
     Ok(())
+}
+
+/// `--cleanup-kube-proxy`: waits for the first successful sync (from then on the hooks
+/// serve new connections) and removes kube-proxy's leftovers once; never fatal. Without a
+/// sync (no API server, say) nothing of kube-proxy's is touched.
+async fn cleanup_kube_proxy_when_synced(health: Arc<Health>) {
+    while health.check().is_err() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let opts = crate::cleanup::CleanupOptions::default();
+    match tokio::task::spawn_blocking(move || crate::cleanup::cleanup_kube_proxy(&opts)).await {
+        Ok(report) => report.log(),
+        Err(e) => warn!(error = %e, "the kube-proxy cleanup task failed"),
+    }
 }
 
 /// Applies updates as they come and syncs at most every `min_sync_interval`, fully every
@@ -135,6 +170,7 @@ pub async fn sync_loop<S: crate::MapStore>(
     let mut last_sync: Option<Instant> = None;
     let mut retry_at: Option<Instant> = None;
     let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+    let mut health_checks = healthcheck::HealthChecks::default();
     let mut resync = tokio::time::interval(opts.sync_interval);
     resync.tick().await;
     let mut sources_open = true;
@@ -162,6 +198,7 @@ pub async fn sync_loop<S: crate::MapStore>(
             _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now).into()), if due.is_some() => {
                 let out = syncer.sync(Instant::now());
                 last_sync = Some(Instant::now());
+                health_checks.update(syncer.index().health_check_ports()).await;
                 if out.failed == 0 {
                     health.mark_synced();
                     backoff.reset();

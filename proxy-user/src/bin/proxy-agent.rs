@@ -6,7 +6,7 @@ use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use proxy_user::{
     agent::{self, AgentOptions},
-    loader, DEFAULT_PIN_PATH,
+    cleanup, loader, DEFAULT_PIN_PATH,
 };
 
 #[derive(Parser)]
@@ -34,6 +34,17 @@ enum Command {
         /// host's cgroup2 mount).
         #[arg(long, env = "PROXY_CGROUP")]
         cgroup: Option<PathBuf>,
+        /// Interfaces for the TC datapath (comma-separated; none by default here).
+        #[arg(long, env = "PROXY_INTERFACES", value_delimiter = ',')]
+        interfaces: Vec<String>,
+    },
+    /// Remove what kube-proxy left in this network namespace (its iptables chains and
+    /// the jumps into them, its nftables tables, IPVS services, kube-ipvs0, ipsets) and
+    /// nothing else. Exits non-zero if a step failed (the others still run).
+    CleanupKubeProxy {
+        /// Print what would be removed; change nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Detach every hook and remove every pin under the pin path.
     Uninstall {
@@ -76,6 +87,19 @@ struct RunArgs {
     /// Period of the full re-diff of desired state against the maps.
     #[arg(long, env = "PROXY_SYNC_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     sync_interval: Duration,
+    /// Once the first sync has written the maps, remove kube-proxy's leftovers
+    /// (`cleanup-kube-proxy`); a failure is logged, never fatal. Set to false while
+    /// kube-proxy still runs on the node.
+    #[arg(long, env = "PROXY_CLEANUP_KUBE_PROXY", default_value_t = true,
+          action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true",
+          value_parser = clap::builder::BoolishValueParser::new())]
+    cleanup_kube_proxy: bool,
+    /// Interfaces for the TC datapath (NodePort, externalIPs, LoadBalancer IPs from
+    /// outside): `auto` (the node's interfaces that carry its addresses), `none`, or a
+    /// comma-separated list. The binary's default is `none` so that starting it by hand
+    /// never grabs a workstation's interfaces; the DaemonSet sets `auto`.
+    #[arg(long, env = "PROXY_INTERFACES", default_value = "none")]
+    interfaces: String,
     /// How often the manifests directory is checked for changes.
     #[arg(long, env = "PROXY_MANIFESTS_POLL", default_value = "100ms", value_parser = parse_duration)]
     manifests_poll: Duration,
@@ -142,6 +166,12 @@ fn main() -> Result<()> {
                 min_sync_interval: args.min_sync_interval,
                 sync_interval: args.sync_interval,
                 manifests_poll: args.manifests_poll,
+                cleanup_kube_proxy: args.cleanup_kube_proxy,
+                interfaces: match args.interfaces.as_str() {
+                    "none" | "" => None,
+                    "auto" => Some(Vec::new()),
+                    list => Some(list.split(',').map(|s| s.trim().to_string()).collect()),
+                },
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -149,10 +179,15 @@ fn main() -> Result<()> {
                 .build()?
                 .block_on(agent::run(opts, shutdown_signal()))?;
         }
-        Command::Install { pin_path, cgroup } => {
+        Command::Install {
+            pin_path,
+            cgroup,
+            interfaces,
+        } => {
             let r = loader::install(&loader::InstallOptions {
                 pin_path: pin_path.clone(),
                 cgroup,
+                interfaces,
             })
             .with_context(|| format!("installing the datapath at {}", pin_path.display()))?;
             println!(
@@ -161,6 +196,16 @@ fn main() -> Result<()> {
                 r.adopted.len(),
                 pin_path.display()
             );
+        }
+        Command::CleanupKubeProxy { dry_run } => {
+            let report = cleanup::cleanup_kube_proxy(&cleanup::CleanupOptions { dry_run });
+            print!("{report}");
+            if !report.errors.is_empty() {
+                anyhow::bail!(
+                    "{} step(s) of the kube-proxy cleanup failed (see above)",
+                    report.errors.len()
+                );
+            }
         }
         Command::Uninstall { pin_path } => {
             let r = loader::uninstall(&pin_path)

@@ -1,0 +1,627 @@
+//! The iptables rules kube-proxy (iptables mode) would have written for one Service
+//! port, in `iptables-save` form, with the chain names kube-proxy computes
+//! (`pkg/proxy/iptables/proxier.go`):
+//!
+//! - `portProtoHash(servicePortName, protocol)` = the first 16 characters of
+//!   `base32(sha256(servicePortName + protocol))`, where `servicePortName` is
+//!   `namespace/name` plus `:portName` when the port has a name, and `protocol` the
+//!   lower-case protocol (`tcp`): `KUBE-SVC-`, `KUBE-SVL-`, `KUBE-EXT-`, `KUBE-FW-` + hash;
+//! - `servicePortEndpointChainName` = `KUBE-SEP-` + the first 16 characters of
+//!   `base32(sha256(servicePortName + protocol + endpoint))`, `endpoint` being
+//!   `ip:port` (`[ip]:port` for IPv6).
+//!
+//! The rule shapes follow `syncProxyRules` and `writeServiceToEndpointRules`: endpoints
+//! sorted by their `ip:port` string, a `statistic` rule with probability 1/(n-i) for all
+//! but the last endpoint, `recent` rules first for ClientIP affinity, REJECT (no
+//! endpoints) or DROP (no local endpoints) in the filter table. Probabilities are printed
+//! as `iptables-save` prints them: kube-proxy writes `%0.10f`, iptables keeps a 31-bit
+//! fraction and prints it with 11 decimals (`0.3333333333` comes back as `0.33333333349`,
+//! the value in `iptables -L` listings). Rules that depend on kube-proxy flags this node
+//! does not know (`--cluster-cidr` masquerading, localhost NodePorts) are left out.
+
+use std::net::{IpAddr, SocketAddr};
+
+use super::{
+    sha256::{base32, sha256},
+    snapshot::{Cidr, Kind},
+};
+use crate::model::Proto;
+
+/// The 16-character hash kube-proxy derives chain names from.
+pub fn port_proto_hash(service_port_name: &str, protocol: &str) -> String {
+    let digest = sha256(format!("{service_port_name}{protocol}").as_bytes());
+    base32(&digest)[..16].to_string()
+}
+
+/// `KUBE-SVC-*`: the Cluster-policy chain.
+pub fn service_chain(service_port_name: &str, protocol: &str) -> String {
+    format!("KUBE-SVC-{}", port_proto_hash(service_port_name, protocol))
+}
+
+/// `KUBE-SVL-*`: the Local-policy chain.
+pub fn local_chain(service_port_name: &str, protocol: &str) -> String {
+    format!("KUBE-SVL-{}", port_proto_hash(service_port_name, protocol))
+}
+
+/// `KUBE-EXT-*`: external destinations (NodePort, externalIPs, LoadBalancer IPs).
+pub fn external_chain(service_port_name: &str, protocol: &str) -> String {
+    format!("KUBE-EXT-{}", port_proto_hash(service_port_name, protocol))
+}
+
+/// `KUBE-FW-*`: `loadBalancerSourceRanges`.
+pub fn firewall_chain(service_port_name: &str, protocol: &str) -> String {
+    format!("KUBE-FW-{}", port_proto_hash(service_port_name, protocol))
+}
+
+/// `KUBE-SEP-*`: one endpoint of one Service port (`endpoint` as `ip:port`).
+pub fn endpoint_chain(service_port_name: &str, protocol: &str, endpoint: &str) -> String {
+    let digest = sha256(format!("{service_port_name}{protocol}{endpoint}").as_bytes());
+    format!("KUBE-SEP-{}", &base32(&digest)[..16])
+}
+
+/// kube-proxy's `--probability` for rule `i` of `n` (1/(n-i)), as `iptables-save` prints
+/// it back: `%0.10f`, stored as `lround(p * 2^31)`, printed `%.11f`.
+pub fn listed_probability(n_left: usize) -> String {
+    let written: f64 = format!("{:.10}", 1.0 / n_left as f64)
+        .parse()
+        .unwrap_or(0.0);
+    let stored = (written * 2_147_483_648.0).round();
+    format!("{:.11}", stored / 2_147_483_648.0)
+}
+
+/// A comment argument as `iptables-save` quotes it (`xtables_save_string`): bare when it
+/// is only `[A-Za-z0-9_-]`, else in double quotes with `"`, `\` and `'` escaped.
+pub fn save_string(s: &str) -> String {
+    let bare = !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if bare {
+        return s.to_string();
+    }
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        if matches!(c, '"' | '\\' | '\'') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
+}
+
+/// One Service port as kube-proxy would see it on this node, rebuilt from a frontend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePort {
+    /// `namespace/name[:port]` (the `REVNAT` name).
+    pub name: String,
+    pub proto: Proto,
+    pub kind: Kind,
+    /// The cluster IP, external IP or load-balancer IP; unspecified for a NodePort.
+    pub address: IpAddr,
+    /// The service port, or the node port.
+    pub port: u16,
+    /// Endpoints for Cluster policy (the frontend's slots).
+    pub cluster_endpoints: Vec<SocketAddr>,
+    /// Endpoints for Local policy: the slots of an iTP=Local cluster IP, or of the
+    /// ext-local twin of an eTP=Local external frontend.
+    pub local_endpoints: Vec<SocketAddr>,
+    /// `internalTrafficPolicy: Local` (a cluster IP with `LOCAL_ONLY`).
+    pub internal_local: bool,
+    /// `externalTrafficPolicy: Local`.
+    pub external_local: bool,
+    /// ClientIP affinity timeout in seconds.
+    pub affinity: Option<u32>,
+    pub source_ranges: Vec<Cidr>,
+}
+
+/// Rules for the nat and filter tables, in `iptables-save` form.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Rules {
+    /// `ip6tables-save` instead of `iptables-save`.
+    pub ipv6: bool,
+    pub nat: Vec<String>,
+    pub filter: Vec<String>,
+}
+
+impl Rules {
+    /// The rules as `iptables-save` sections (`*nat`, `*filter`), indented.
+    pub fn render(&self, indent: &str) -> String {
+        let mut out = String::new();
+        for (table, rules) in [("nat", &self.nat), ("filter", &self.filter)] {
+            if rules.is_empty() {
+                continue;
+            }
+            out.push_str(&format!("{indent}*{table}\n"));
+            for r in rules {
+                out.push_str(&format!("{indent}{r}\n"));
+            }
+        }
+        out
+    }
+}
+
+fn host_cidr(a: IpAddr) -> String {
+    match a {
+        IpAddr::V4(_) => format!("{a}/32"),
+        IpAddr::V6(_) => format!("{a}/128"),
+    }
+}
+
+fn recent_mask(a: IpAddr) -> &'static str {
+    match a {
+        IpAddr::V4(_) => "255.255.255.255",
+        IpAddr::V6(_) => "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+    }
+}
+
+fn reject(a: IpAddr) -> &'static str {
+    match a {
+        IpAddr::V4(_) => "REJECT --reject-with icmp-port-unreachable",
+        IpAddr::V6(_) => "REJECT --reject-with icmp6-port-unreachable",
+    }
+}
+
+fn sorted(endpoints: &[SocketAddr]) -> Vec<SocketAddr> {
+    let mut v = endpoints.to_vec();
+    v.sort_by_key(|e| e.to_string());
+    v.dedup();
+    v
+}
+
+/// The rules kube-proxy would write for `sp`.
+pub fn rules(sp: &ServicePort) -> Rules {
+    let n = &sp.name;
+    let p = sp.proto.as_str();
+    let c = |s: &str| save_string(s);
+    let svc = service_chain(n, p);
+    let svl = local_chain(n, p);
+    let ext = external_chain(n, p);
+    let fw = firewall_chain(n, p);
+    let dport = format!("-m {p} --dport {}", sp.port);
+    let mut r = Rules {
+        ipv6: sp.address.is_ipv6(),
+        ..Rules::default()
+    };
+
+    let cluster = sorted(&sp.cluster_endpoints);
+    let local = sorted(&sp.local_endpoints);
+    let has_endpoints = !cluster.is_empty() || !local.is_empty();
+    let (uses_cluster, uses_local);
+    let mut sep_endpoints: Vec<SocketAddr> = Vec::new();
+
+    if sp.kind == Kind::ClusterIP {
+        let (chain, has_internal) = if sp.internal_local {
+            (&svl, !local.is_empty())
+        } else {
+            (&svc, !cluster.is_empty())
+        };
+        uses_cluster = !sp.internal_local && !cluster.is_empty();
+        uses_local = sp.internal_local && !local.is_empty();
+        let dst = format!("-d {} -p {p}", host_cidr(sp.address));
+        if has_internal {
+            r.nat.push(format!(
+                "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {chain}",
+                c(&format!("{n} cluster IP"))
+            ));
+        } else {
+            let (comment, target) = if sp.internal_local {
+                (format!("{n} has no local endpoints"), "DROP")
+            } else {
+                (format!("{n} has no endpoints"), reject(sp.address))
+            };
+            r.filter.push(format!(
+                "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {target}",
+                c(&comment)
+            ));
+        }
+    } else {
+        // External destinations: Cluster endpoints are always used (short-circuiting
+        // local traffic needs them); Local ones with externalTrafficPolicy: Local.
+        uses_cluster = !cluster.is_empty();
+        uses_local = sp.external_local && !local.is_empty();
+        let has_external = if sp.external_local {
+            !local.is_empty()
+        } else {
+            has_endpoints
+        };
+        let uses_fw =
+            has_endpoints && sp.kind == Kind::LoadBalancer && !sp.source_ranges.is_empty();
+        let filter_comment = if !has_endpoints {
+            format!("{n} has no endpoints")
+        } else {
+            format!("{n} has no local endpoints")
+        };
+        let filter_target = if has_endpoints {
+            "DROP"
+        } else {
+            reject(sp.address)
+        };
+        match sp.kind {
+            Kind::NodePort => {
+                r.nat.push(
+                    "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; \
+                     NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL \
+                     -j KUBE-NODEPORTS"
+                        .to_string(),
+                );
+                if has_endpoints {
+                    r.nat.push(format!(
+                        "-A KUBE-NODEPORTS -p {p} -m comment --comment {} {dport} -j {ext}",
+                        c(n)
+                    ));
+                }
+                if !has_external {
+                    r.filter.push(format!(
+                        "-A KUBE-EXTERNAL-SERVICES -p {p} -m comment --comment {} -m addrtype \
+                         --dst-type LOCAL {dport} -j {filter_target}",
+                        c(&filter_comment)
+                    ));
+                }
+            }
+            Kind::ExternalIP | Kind::LoadBalancer => {
+                let (what, target) = if sp.kind == Kind::ExternalIP {
+                    ("external IP", &ext)
+                } else if uses_fw {
+                    ("loadbalancer IP", &fw)
+                } else {
+                    ("loadbalancer IP", &ext)
+                };
+                let dst = format!("-d {} -p {p}", host_cidr(sp.address));
+                if has_endpoints {
+                    r.nat.push(format!(
+                        "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {target}",
+                        c(&format!("{n} {what}"))
+                    ));
+                }
+                if uses_fw {
+                    r.filter.push(format!(
+                        "-A KUBE-PROXY-FIREWALL {dst} -m comment --comment {} {dport} -j DROP",
+                        c(&format!("{n} traffic not accepted by {fw}"))
+                    ));
+                }
+                if !has_external {
+                    r.filter.push(format!(
+                        "-A KUBE-EXTERNAL-SERVICES {dst} -m comment --comment {} {dport} -j {filter_target}",
+                        c(&filter_comment)
+                    ));
+                }
+            }
+            Kind::ClusterIP => unreachable!("handled above"),
+        }
+        if has_endpoints {
+            if sp.external_local {
+                r.nat.push(format!(
+                    "-A {ext} -m comment --comment {} -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ",
+                    c(&format!("masquerade LOCAL traffic for {n} external destinations"))
+                ));
+                r.nat.push(format!(
+                    "-A {ext} -m comment --comment {} -m addrtype --src-type LOCAL -j {svc}",
+                    c(&format!(
+                        "route LOCAL traffic for {n} external destinations"
+                    ))
+                ));
+            } else {
+                r.nat.push(format!(
+                    "-A {ext} -m comment --comment {} -j KUBE-MARK-MASQ",
+                    c(&format!("masquerade traffic for {n} external destinations"))
+                ));
+            }
+            if has_external {
+                let policy = if sp.external_local { &svl } else { &svc };
+                r.nat.push(format!("-A {ext} -j {policy}"));
+            }
+        }
+        if uses_fw {
+            for range in &sp.source_ranges {
+                r.nat.push(format!(
+                    "-A {fw} -s {range} -m comment --comment {} -j {ext}",
+                    c(&format!("{n} loadbalancer IP"))
+                ));
+            }
+            r.nat.push(format!(
+                "-A {fw} -m comment --comment {}",
+                c(&format!(
+                    "other traffic to {n} will be dropped by KUBE-PROXY-FIREWALL"
+                ))
+            ));
+        }
+    }
+
+    if uses_cluster {
+        endpoint_rules(&mut r, sp, &svc, &cluster);
+        sep_endpoints.extend(&cluster);
+    }
+    if uses_local {
+        endpoint_rules(&mut r, sp, &svl, &local);
+        sep_endpoints.extend(&local);
+    }
+    for ep in sorted(&sep_endpoints) {
+        let sep = endpoint_chain(n, p, &ep.to_string());
+        r.nat.push(format!(
+            "-A {sep} -s {} -m comment --comment {} -j KUBE-MARK-MASQ",
+            host_cidr(ep.ip()),
+            c(n)
+        ));
+        let recent = match sp.affinity {
+            Some(_) => format!(
+                " -m recent --set --name {sep} --mask {} --rsource",
+                recent_mask(ep.ip())
+            ),
+            None => String::new(),
+        };
+        r.nat.push(format!(
+            "-A {sep} -p {p} -m comment --comment {}{recent} -m {p} -j DNAT --to-destination {ep}",
+            c(n)
+        ));
+    }
+    r
+}
+
+/// `writeServiceToEndpointRules`: affinity checks, then the statistic rules.
+fn endpoint_rules(r: &mut Rules, sp: &ServicePort, chain: &str, endpoints: &[SocketAddr]) {
+    let n = &sp.name;
+    let p = sp.proto.as_str();
+    if let Some(timeout) = sp.affinity {
+        for ep in endpoints {
+            let sep = endpoint_chain(n, p, &ep.to_string());
+            r.nat.push(format!(
+                "-A {chain} -m comment --comment {} -m recent --rcheck --seconds {timeout} --reap \
+                 --name {sep} --mask {} --rsource -j {sep}",
+                save_string(&format!("{n} -> {ep}")),
+                recent_mask(ep.ip())
+            ));
+        }
+    }
+    let count = endpoints.len();
+    for (i, ep) in endpoints.iter().enumerate() {
+        let sep = endpoint_chain(n, p, &ep.to_string());
+        let comment = save_string(&format!("{n} -> {ep}"));
+        if i + 1 < count {
+            r.nat.push(format!(
+                "-A {chain} -m comment --comment {comment} -m statistic --mode random \
+                 --probability {} -j {sep}",
+                listed_probability(count - i)
+            ));
+        } else {
+            r.nat.push(format!(
+                "-A {chain} -m comment --comment {comment} -j {sep}"
+            ));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chain_names_match_the_seed_article_and_kube_proxy() {
+        // The seed article: Service default/nginx-service, one unnamed TCP port. An
+        // unnamed port adds nothing to the name (ServicePortName.String() appends
+        // ":port" only for a named port), and the protocol is lower-case.
+        assert_eq!(
+            service_chain("default/nginx-service", "tcp"),
+            "KUBE-SVC-V2OKYYMBY3REGZOG"
+        );
+        // Its three KUBE-SEP chains and the endpoints of `kubectl get endpoints`.
+        for (ep, sep) in [
+            ("192.168.104.146:80", "KUBE-SEP-X7WBOA4PTAJA3GNK"),
+            ("192.168.104.147:80", "KUBE-SEP-I53TFYWHN2OKR6FH"),
+            ("192.168.238.78:80", "KUBE-SEP-WU6475GP2VYJZBGF"),
+        ] {
+            assert_eq!(endpoint_chain("default/nginx-service", "tcp", ep), sep);
+        }
+        // Wrong inputs give other names: a trailing ':' (pre-1.9 kube-proxy) or "TCP".
+        assert_ne!(
+            service_chain("default/nginx-service:", "tcp"),
+            "KUBE-SVC-V2OKYYMBY3REGZOG"
+        );
+        assert_ne!(
+            service_chain("default/nginx-service", "TCP"),
+            "KUBE-SVC-V2OKYYMBY3REGZOG"
+        );
+        // Names every cluster has.
+        assert_eq!(
+            service_chain("default/kubernetes:https", "tcp"),
+            "KUBE-SVC-NPX46M4PTMTKRN6Y"
+        );
+        assert_eq!(
+            service_chain("kube-system/kube-dns:dns", "udp"),
+            "KUBE-SVC-TCOU7JCQXEZGVUNU"
+        );
+        assert_eq!(
+            service_chain("kube-system/kube-dns:dns-tcp", "tcp"),
+            "KUBE-SVC-ERIFXISQEP7F7OF4"
+        );
+    }
+
+    #[test]
+    fn probabilities_print_as_iptables_lists_them() {
+        // The article's listing: 0.33333333349 and 0.50000000000.
+        assert_eq!(listed_probability(3), "0.33333333349");
+        assert_eq!(listed_probability(2), "0.50000000000");
+        assert_eq!(listed_probability(4), "0.25000000000");
+    }
+
+    #[test]
+    fn comments_are_quoted_like_iptables_save() {
+        assert_eq!(save_string("plain-word_1"), "plain-word_1");
+        assert_eq!(save_string("default/web"), "\"default/web\"");
+        assert_eq!(save_string("a \"b\""), "\"a \\\"b\\\"\"");
+    }
+
+    fn article() -> ServicePort {
+        ServicePort {
+            name: "default/nginx-service".into(),
+            proto: Proto::Tcp,
+            kind: Kind::ClusterIP,
+            address: "10.96.0.100".parse().unwrap_or(IpAddr::from([0, 0, 0, 0])),
+            port: 80,
+            cluster_endpoints: [
+                "192.168.238.78:80",
+                "192.168.104.147:80",
+                "192.168.104.146:80",
+            ]
+            .iter()
+            .filter_map(|s| s.parse().ok())
+            .collect(),
+            local_endpoints: Vec::new(),
+            internal_local: false,
+            external_local: false,
+            affinity: None,
+            source_ranges: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_article_service_golden() {
+        let r = rules(&article());
+        assert_eq!(
+            r.render(""),
+            r#"*nat
+-A KUBE-SERVICES -d 10.96.0.100/32 -p tcp -m comment --comment "default/nginx-service cluster IP" -m tcp --dport 80 -j KUBE-SVC-V2OKYYMBY3REGZOG
+-A KUBE-SVC-V2OKYYMBY3REGZOG -m comment --comment "default/nginx-service -> 192.168.104.146:80" -m statistic --mode random --probability 0.33333333349 -j KUBE-SEP-X7WBOA4PTAJA3GNK
+-A KUBE-SVC-V2OKYYMBY3REGZOG -m comment --comment "default/nginx-service -> 192.168.104.147:80" -m statistic --mode random --probability 0.50000000000 -j KUBE-SEP-I53TFYWHN2OKR6FH
+-A KUBE-SVC-V2OKYYMBY3REGZOG -m comment --comment "default/nginx-service -> 192.168.238.78:80" -j KUBE-SEP-WU6475GP2VYJZBGF
+-A KUBE-SEP-X7WBOA4PTAJA3GNK -s 192.168.104.146/32 -m comment --comment "default/nginx-service" -j KUBE-MARK-MASQ
+-A KUBE-SEP-X7WBOA4PTAJA3GNK -p tcp -m comment --comment "default/nginx-service" -m tcp -j DNAT --to-destination 192.168.104.146:80
+-A KUBE-SEP-I53TFYWHN2OKR6FH -s 192.168.104.147/32 -m comment --comment "default/nginx-service" -j KUBE-MARK-MASQ
+-A KUBE-SEP-I53TFYWHN2OKR6FH -p tcp -m comment --comment "default/nginx-service" -m tcp -j DNAT --to-destination 192.168.104.147:80
+-A KUBE-SEP-WU6475GP2VYJZBGF -s 192.168.238.78/32 -m comment --comment "default/nginx-service" -j KUBE-MARK-MASQ
+-A KUBE-SEP-WU6475GP2VYJZBGF -p tcp -m comment --comment "default/nginx-service" -m tcp -j DNAT --to-destination 192.168.238.78:80
+"#
+        );
+    }
+
+    #[test]
+    fn no_endpoints_reject_and_local_drop() {
+        let mut sp = article();
+        sp.cluster_endpoints.clear();
+        assert_eq!(
+            rules(&sp).render(""),
+            "*filter\n-A KUBE-SERVICES -d 10.96.0.100/32 -p tcp -m comment --comment \
+             \"default/nginx-service has no endpoints\" -m tcp --dport 80 -j REJECT \
+             --reject-with icmp-port-unreachable\n"
+        );
+        sp.internal_local = true;
+        assert_eq!(
+            rules(&sp).render(""),
+            "*filter\n-A KUBE-SERVICES -d 10.96.0.100/32 -p tcp -m comment --comment \
+             \"default/nginx-service has no local endpoints\" -m tcp --dport 80 -j DROP\n"
+        );
+    }
+
+    #[test]
+    fn affinity_nodeport_with_local_policy_and_ipv6() {
+        let ep = |s: &str| s.parse::<SocketAddr>().ok();
+        let sp = ServicePort {
+            name: "default/web:http".into(),
+            proto: Proto::Tcp,
+            kind: Kind::NodePort,
+            address: IpAddr::from([0, 0, 0, 0]),
+            port: 30080,
+            cluster_endpoints: [ep("10.244.2.7:8080"), ep("10.244.1.5:8080")]
+                .into_iter()
+                .flatten()
+                .collect(),
+            local_endpoints: ep("10.244.1.5:8080").into_iter().collect(),
+            internal_local: false,
+            external_local: true,
+            affinity: Some(10800),
+            source_ranges: Vec::new(),
+        };
+        let svc = service_chain("default/web:http", "tcp");
+        let svl = local_chain("default/web:http", "tcp");
+        let ext = external_chain("default/web:http", "tcp");
+        let sep1 = endpoint_chain("default/web:http", "tcp", "10.244.1.5:8080");
+        let sep2 = endpoint_chain("default/web:http", "tcp", "10.244.2.7:8080");
+        let want = format!(
+            r#"*nat
+-A KUBE-SERVICES -m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS
+-A KUBE-NODEPORTS -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j {ext}
+-A {ext} -m comment --comment "masquerade LOCAL traffic for default/web:http external destinations" -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ
+-A {ext} -m comment --comment "route LOCAL traffic for default/web:http external destinations" -m addrtype --src-type LOCAL -j {svc}
+-A {ext} -j {svl}
+-A {svc} -m comment --comment "default/web:http -> 10.244.1.5:8080" -m recent --rcheck --seconds 10800 --reap --name {sep1} --mask 255.255.255.255 --rsource -j {sep1}
+-A {svc} -m comment --comment "default/web:http -> 10.244.2.7:8080" -m recent --rcheck --seconds 10800 --reap --name {sep2} --mask 255.255.255.255 --rsource -j {sep2}
+-A {svc} -m comment --comment "default/web:http -> 10.244.1.5:8080" -m statistic --mode random --probability 0.50000000000 -j {sep1}
+-A {svc} -m comment --comment "default/web:http -> 10.244.2.7:8080" -j {sep2}
+-A {svl} -m comment --comment "default/web:http -> 10.244.1.5:8080" -m recent --rcheck --seconds 10800 --reap --name {sep1} --mask 255.255.255.255 --rsource -j {sep1}
+-A {svl} -m comment --comment "default/web:http -> 10.244.1.5:8080" -j {sep1}
+-A {sep1} -s 10.244.1.5/32 -m comment --comment "default/web:http" -j KUBE-MARK-MASQ
+-A {sep1} -p tcp -m comment --comment "default/web:http" -m recent --set --name {sep1} --mask 255.255.255.255 --rsource -m tcp -j DNAT --to-destination 10.244.1.5:8080
+-A {sep2} -s 10.244.2.7/32 -m comment --comment "default/web:http" -j KUBE-MARK-MASQ
+-A {sep2} -p tcp -m comment --comment "default/web:http" -m recent --set --name {sep2} --mask 255.255.255.255 --rsource -m tcp -j DNAT --to-destination 10.244.2.7:8080
+"#
+        );
+        assert_eq!(rules(&sp).render(""), want);
+
+        let v6 = ServicePort {
+            name: "default/web6".into(),
+            proto: Proto::Udp,
+            kind: Kind::ClusterIP,
+            address: "fd00:96::10".parse().unwrap_or(IpAddr::from([0u8; 16])),
+            port: 53,
+            cluster_endpoints: ep("[fd00:244::5]:5353").into_iter().collect(),
+            local_endpoints: Vec::new(),
+            internal_local: false,
+            external_local: false,
+            affinity: None,
+            source_ranges: Vec::new(),
+        };
+        let r = rules(&v6);
+        assert!(r.ipv6);
+        let svc6 = service_chain("default/web6", "udp");
+        let sep6 = endpoint_chain("default/web6", "udp", "[fd00:244::5]:5353");
+        assert_eq!(
+            r.render(""),
+            format!(
+                r#"*nat
+-A KUBE-SERVICES -d fd00:96::10/128 -p udp -m comment --comment "default/web6 cluster IP" -m udp --dport 53 -j {svc6}
+-A {svc6} -m comment --comment "default/web6 -> [fd00:244::5]:5353" -j {sep6}
+-A {sep6} -s fd00:244::5/128 -m comment --comment "default/web6" -j KUBE-MARK-MASQ
+-A {sep6} -p udp -m comment --comment "default/web6" -m udp -j DNAT --to-destination [fd00:244::5]:5353
+"#
+            )
+        );
+    }
+
+    #[test]
+    fn load_balancer_with_source_ranges() {
+        let sp = ServicePort {
+            name: "default/lb".into(),
+            proto: Proto::Tcp,
+            kind: Kind::LoadBalancer,
+            address: IpAddr::from([192, 0, 2, 10]),
+            port: 443,
+            cluster_endpoints: "10.244.1.9:8443".parse().into_iter().collect(),
+            local_endpoints: Vec::new(),
+            internal_local: false,
+            external_local: false,
+            affinity: None,
+            source_ranges: vec![Cidr {
+                addr: IpAddr::from([203, 0, 113, 0]),
+                len: 24,
+            }],
+        };
+        let h = port_proto_hash("default/lb", "tcp");
+        let sep = endpoint_chain("default/lb", "tcp", "10.244.1.9:8443");
+        assert_eq!(
+            rules(&sp).render(""),
+            format!(
+                r#"*nat
+-A KUBE-SERVICES -d 192.0.2.10/32 -p tcp -m comment --comment "default/lb loadbalancer IP" -m tcp --dport 443 -j KUBE-FW-{h}
+-A KUBE-EXT-{h} -m comment --comment "masquerade traffic for default/lb external destinations" -j KUBE-MARK-MASQ
+-A KUBE-EXT-{h} -j KUBE-SVC-{h}
+-A KUBE-FW-{h} -s 203.0.113.0/24 -m comment --comment "default/lb loadbalancer IP" -j KUBE-EXT-{h}
+-A KUBE-FW-{h} -m comment --comment "other traffic to default/lb will be dropped by KUBE-PROXY-FIREWALL"
+-A KUBE-SVC-{h} -m comment --comment "default/lb -> 10.244.1.9:8443" -j {sep}
+-A {sep} -s 10.244.1.9/32 -m comment --comment "default/lb" -j KUBE-MARK-MASQ
+-A {sep} -p tcp -m comment --comment "default/lb" -m tcp -j DNAT --to-destination 10.244.1.9:8443
+*filter
+-A KUBE-PROXY-FIREWALL -d 192.0.2.10/32 -p tcp -m comment --comment "default/lb traffic not accepted by KUBE-FW-{h}" -m tcp --dport 443 -j DROP
+"#
+            )
+        );
+    }
+}

@@ -1,0 +1,126 @@
+//! `proxyctl stats`: every `Reason` counter of `STATS` summed over CPUs, each with what it
+//! means, and the connections counted per backend (`BACKEND_CONNS`).
+
+use serde::Serialize;
+
+use proxy_common::Reason;
+
+use super::{snapshot::Snapshot, table::Table};
+
+/// One line on what a counter counts (every variant, so a new `Reason` must be described
+/// here before this compiles).
+pub fn meaning(r: Reason) -> &'static str {
+    match r {
+        Reason::Translated => "destination rewritten from a frontend to one of its backends",
+        Reason::NoService => "destination is not a frontend: left alone",
+        Reason::NoBackend => {
+            "frontend without backends: connect()/sendmsg() failed with ECONNREFUSED"
+        }
+        Reason::BackendMissing => {
+            "slot or backend entry missing (racing delete or writer bug): left alone"
+        }
+        Reason::UnsupportedProto => "socket protocol other than TCP/UDP: left alone",
+        Reason::RevTranslated => {
+            "reply source (recvmsg) or peer (getpeername) shown as the frontend again"
+        }
+        Reason::RevNatMiss => "no reverse-NAT entry for this socket and peer: left alone",
+        Reason::RevNatStale => "reverse-NAT entry of a frontend that is gone or reused: deleted",
+        Reason::RevNatUpdateFailed => "the socket's reverse-NAT entry could not be written",
+        Reason::NoLocalBackend => {
+            "Local traffic policy, no endpoint on this node: failed with EHOSTUNREACH"
+        }
+        Reason::TcNewFlow => {
+            "TC: new flow to a frontend, DNATed (SNATed when the backend is remote)"
+        }
+        Reason::TcFlow => "TC: packet of a known flow, translated from its conntrack entry",
+        Reason::TcReply => "TC: reply reverse-translated from its conntrack entry",
+        Reason::TcNoBackend => {
+            "TC: frontend without endpoints: TCP answered with RST, others dropped"
+        }
+        Reason::TcSourceDenied => "TC: source outside loadBalancerSourceRanges: dropped",
+        Reason::TcSnatFailed => "TC: no SNAT address or free SNAT port: dropped",
+        Reason::TcNoLocalBackend => {
+            "TC: externalTrafficPolicy Local, no endpoint on this node: dropped"
+        }
+        Reason::TcFibMiss => "TC: no FIB route for a translated packet: handed to the stack",
+        Reason::TcIcmpError => "TC: ICMP error about a NATed flow, translated for its backend or client",
+    }
+}
+
+/// The `stats` JSON document.
+#[derive(Debug, Serialize)]
+pub struct StatsDoc {
+    pub schema: u32,
+    pub counters: Vec<CounterView>,
+    pub backends: Vec<BackendConnsView>,
+}
+
+/// One outcome counter.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct CounterView {
+    pub reason: &'static str,
+    pub count: u64,
+    pub meaning: &'static str,
+}
+
+/// Connections counted for one backend id.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct BackendConnsView {
+    pub id: u32,
+    /// `address:port`, null when the id has counters but no `BACKEND` entry any more.
+    pub endpoint: Option<String>,
+    pub connections: u64,
+}
+
+/// The counters and per-backend connections of a snapshot.
+pub fn build(s: &Snapshot) -> StatsDoc {
+    let counters = Reason::ALL
+        .iter()
+        .map(|r| CounterView {
+            reason: r.name(),
+            count: s.counter(*r),
+            meaning: meaning(*r),
+        })
+        .collect();
+    let mut ids: Vec<u32> = s.conns.keys().copied().collect();
+    ids.extend(s.services.backends.keys().copied());
+    ids.sort_unstable();
+    ids.dedup();
+    let backends = ids
+        .into_iter()
+        .map(|id| BackendConnsView {
+            id,
+            endpoint: s.backend(id).map(|(b, _)| b.addr.to_string()),
+            connections: s.conns_of(id),
+        })
+        .collect();
+    StatsDoc {
+        schema: super::SCHEMA,
+        counters,
+        backends,
+    }
+}
+
+/// The `table` / `wide` text (`wide` adds nothing: every column fits).
+pub fn render(doc: &StatsDoc) -> String {
+    let mut t = Table::new(&["COUNTER", "COUNT", "MEANING"]);
+    for c in &doc.counters {
+        t.row(vec![c.reason.into(), c.count.to_string(), c.meaning.into()]);
+    }
+    let mut out = t.render("");
+    out.push('\n');
+    if doc.backends.is_empty() {
+        out.push_str("no backends\n");
+        return out;
+    }
+    let mut b = Table::new(&["BACKEND", "ID", "CONNS"]);
+    for v in &doc.backends {
+        b.row(vec![
+            v.endpoint.clone().unwrap_or_else(|| "(deleted)".into()),
+            v.id.to_string(),
+            v.connections.to_string(),
+        ]);
+    }
+    out.push_str(&b.render(""));
+    out
+}

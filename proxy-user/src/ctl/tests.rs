@@ -1,0 +1,507 @@
+//! Golden tests of every view and rendering over one in-memory [`Snapshot`]: the seed
+//! article's nginx-service (with its real endpoints, so `explain` must reproduce the
+//! article's chain names), a Local-policy DNS service, a Service without endpoints, a
+//! NodePort with `externalTrafficPolicy: Local` and affinity, a LoadBalancer with source
+//! ranges, an IPv6 Service, a broken frontend, two node addresses and conntrack flows.
+
+use std::{
+    collections::BTreeSet,
+    fs,
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    time::Duration,
+};
+
+use proxy_common::{backend_flags, ct_flags, scope, svc_flags, Reason};
+
+use super::{
+    backends, conntrack, explain, services,
+    snapshot::{Cidr, CtEntry, Snapshot},
+    stats, watch,
+};
+use crate::{
+    model::{Backend, Frontend, Proto},
+    store::FrontendValue,
+};
+
+const S: u64 = 1_000_000_000;
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("test address")
+}
+
+fn sa(s: &str) -> SocketAddr {
+    s.parse().expect("test socket address")
+}
+
+struct Fixture(Snapshot);
+
+impl Fixture {
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "a test builder mirroring the map fields"
+    )]
+    fn frontend(
+        &mut self,
+        fe: Frontend,
+        id: u32,
+        name: &str,
+        flags: u16,
+        affinity: u32,
+        backends: &[u32],
+    ) -> &mut Self {
+        let d = &mut self.0.services;
+        d.frontends.insert(
+            fe,
+            FrontendValue {
+                service_id: id,
+                count: backends.len() as u16,
+                flags,
+                affinity_timeout: affinity,
+            },
+        );
+        for (i, b) in backends.iter().enumerate() {
+            d.slots.insert((fe, i as u16 + 1), *b);
+        }
+        d.revnat.insert(id, (fe, name.to_string()));
+        self
+    }
+
+    fn backend(&mut self, id: u32, addr: &str, proto: Proto, flags: u8, conns: u64) -> &mut Self {
+        self.0.services.backends.insert(
+            id,
+            (
+                Backend {
+                    addr: sa(addr),
+                    flags,
+                },
+                proto,
+            ),
+        );
+        if conns > 0 {
+            self.0.conns.insert(id, conns);
+        }
+        self
+    }
+}
+
+fn tcp(addr: &str, port: u16) -> Frontend {
+    Frontend::new(ip(addr), port, Proto::Tcp)
+}
+
+fn fixture() -> Snapshot {
+    let mut f = Fixture(Snapshot::default());
+    // The seed article: default/nginx-service, 10.96.0.100:80, three pods.
+    f.frontend(
+        tcp("10.96.0.100", 80),
+        1,
+        "default/nginx-service",
+        0,
+        0,
+        &[2, 1, 3],
+    )
+    .backend(1, "192.168.104.146:80", Proto::Tcp, 0, 34)
+    .backend(2, "192.168.104.147:80", Proto::Tcp, 0, 33)
+    .backend(3, "192.168.238.78:80", Proto::Tcp, 0, 33);
+    // internalTrafficPolicy: Local DNS with its one local endpoint.
+    f.frontend(
+        Frontend::new(ip("10.96.0.10"), 53, Proto::Udp),
+        2,
+        "kube-system/kube-dns:dns",
+        svc_flags::LOCAL_ONLY,
+        0,
+        &[4],
+    )
+    .backend(4, "10.244.0.5:53", Proto::Udp, backend_flags::LOCAL, 7);
+    // No endpoints at all.
+    f.frontend(tcp("10.96.0.200", 80), 3, "default/empty", 0, 0, &[]);
+    // NodePort 30080, externalTrafficPolicy: Local, ClientIP affinity: cluster-wide
+    // slots (one terminating) and the ext-local twin with the local endpoint.
+    let np = tcp("0.0.0.0", 30080);
+    f.frontend(
+        np,
+        4,
+        "default/web:http",
+        svc_flags::NODE_PORT | svc_flags::ETP_LOCAL | svc_flags::AFFINITY,
+        10800,
+        &[5, 6],
+    )
+    .frontend(
+        np.with_scope(scope::EXTERNAL_LOCAL),
+        5,
+        "default/web:http",
+        svc_flags::NODE_PORT | svc_flags::LOCAL_ONLY,
+        0,
+        &[6],
+    )
+    .backend(
+        5,
+        "10.244.2.7:8080",
+        Proto::Tcp,
+        backend_flags::TERMINATING,
+        2,
+    )
+    .backend(6, "10.244.0.9:8080", Proto::Tcp, backend_flags::LOCAL, 5);
+    // A LoadBalancer IP with loadBalancerSourceRanges.
+    f.frontend(
+        tcp("192.0.2.10", 443),
+        6,
+        "default/lb:https",
+        svc_flags::LOAD_BALANCER | svc_flags::SOURCE_RANGES,
+        0,
+        &[7],
+    )
+    .backend(7, "10.244.1.9:8443", Proto::Tcp, 0, 0);
+    // IPv6.
+    f.frontend(tcp("fd00:96::10", 80), 7, "default/web6", 0, 0, &[8])
+        .backend(8, "[fd00:244::5]:8080", Proto::Tcp, 0, 1);
+    // Broken: count 2, slot 2 missing, no REVNAT entry.
+    let broken = tcp("10.96.0.250", 80);
+    f.0.services.frontends.insert(
+        broken,
+        FrontendValue {
+            service_id: 8,
+            count: 2,
+            flags: 0,
+            affinity_timeout: 0,
+        },
+    );
+    f.0.services.slots.insert((broken, 1), 1);
+    // An orphan backend id with leftover counters.
+    f.0.conns.insert(9, 4);
+
+    let mut s = f.0;
+    s.src_ranges.insert(
+        6,
+        vec![Cidr {
+            addr: ip("203.0.113.0"),
+            len: 24,
+        }],
+    );
+    s.node_addrs = Some(BTreeSet::from([ip("192.168.50.1"), ip("fd00:50::1")]));
+    s.stats = Reason::ALL
+        .iter()
+        .map(|r| {
+            let v = match r {
+                Reason::Translated => 120,
+                Reason::NoService => 4021,
+                Reason::NoBackend => 3,
+                Reason::RevTranslated => 118,
+                Reason::TcNewFlow => 2,
+                _ => 0,
+            };
+            (*r, v)
+        })
+        .collect();
+    s.now_ns = 1000 * S;
+    // A SNATed NodePort flow (both directions) and a reply whose original is gone.
+    s.flows = Some(vec![
+        CtEntry {
+            proto: proxy_common::proto::TCP,
+            dir: 1,
+            src: sa("10.244.2.7:8080"),
+            dst: sa("192.168.50.1:40000"),
+            dnat: Some(sa("198.51.100.7:51000")),
+            snat: Some(sa("192.168.50.1:30080")),
+            service_id: 4,
+            backend_id: 5,
+            flags: ct_flags::SNAT | ct_flags::SEEN_REPLY,
+            last_seen_ns: 995 * S,
+            packets: 6,
+        },
+        CtEntry {
+            proto: proxy_common::proto::TCP,
+            dir: 0,
+            src: sa("198.51.100.7:51000"),
+            dst: sa("192.168.50.1:30080"),
+            dnat: Some(sa("10.244.2.7:8080")),
+            snat: Some(sa("192.168.50.1:40000")),
+            service_id: 4,
+            backend_id: 5,
+            flags: ct_flags::SNAT | ct_flags::SEEN_REPLY,
+            last_seen_ns: 995 * S,
+            packets: 7,
+        },
+        CtEntry {
+            proto: proxy_common::proto::UDP,
+            dir: 1,
+            src: sa("10.244.0.9:8080"),
+            dst: sa("198.51.100.8:5353"),
+            dnat: None,
+            snat: Some(sa("192.168.50.1:30080")),
+            service_id: 5,
+            backend_id: 6,
+            flags: 0,
+            last_seen_ns: 870 * S,
+            packets: 1,
+        },
+    ]);
+    s
+}
+
+/// Compares `got` with `testdata/NAME`; `UPDATE_GOLDEN=1` rewrites the file instead.
+fn golden(name: &str, got: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("src/ctl/testdata")
+        .join(name);
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        fs::write(&path, got).expect("write golden file");
+        return;
+    }
+    let want = fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_GOLDEN=1 writes it)", path.display()));
+    if got != want {
+        let line = got
+            .lines()
+            .zip(want.lines())
+            .position(|(g, w)| g != w)
+            .unwrap_or_else(|| got.lines().count().min(want.lines().count()));
+        panic!(
+            "{name} differs from the golden file at line {}:\n got: {:?}\nwant: {:?}\n\
+             (UPDATE_GOLDEN=1 accepts the new output)\n--- got ---\n{got}",
+            line + 1,
+            got.lines().nth(line),
+            want.lines().nth(line)
+        );
+    }
+}
+
+const QUERIES: [&str; 10] = [
+    "10.96.0.100:80",
+    "192.168.50.1:30080",
+    "10.96.0.200:80",
+    "10.96.0.10:53/udp",
+    "[fd00:96::10]:80",
+    "192.0.2.10:443",
+    "10.96.0.100:81",
+    "192.168.50.2:30080",
+    "10.96.0.250:80",
+    "[::ffff:10.96.0.100]:80",
+];
+
+fn explain_doc(s: &Snapshot, q: &str) -> explain::ExplainDoc {
+    explain::explain(s, &explain::parse_query(q).expect("query"))
+}
+
+#[test]
+fn services_golden() {
+    let s = fixture();
+    let v = services::build(&s);
+    golden("services.txt", &services::render(&v, false));
+    golden("services-wide.txt", &services::render(&v, true));
+    let doc = services::ServicesDoc {
+        schema: super::SCHEMA,
+        services: v,
+    };
+    golden(
+        "services.json",
+        &(serde_json::to_string_pretty(&doc).expect("json") + "\n"),
+    );
+    assert_eq!(
+        services::render(&[], false),
+        "no frontends programmed\n",
+        "an empty node says so"
+    );
+}
+
+#[test]
+fn services_report_gaps_as_problems() {
+    let s = fixture();
+    let broken = services::view(&s, &tcp("10.96.0.250", 80)).expect("broken frontend");
+    assert_eq!(
+        broken.problems,
+        ["slot 2 missing", "no REVNAT entry for service id 8"]
+    );
+    assert_eq!(broken.backends[1].state, "missing");
+    assert_eq!(broken.service, None);
+    let nginx = services::view(&s, &tcp("10.96.0.100", 80)).expect("nginx");
+    assert!(nginx.problems.is_empty());
+    let conns: u64 = nginx.backends.iter().map(|b| b.connections).sum();
+    assert_eq!(conns, 100);
+}
+
+#[test]
+fn backends_golden() {
+    let s = fixture();
+    let b = backends::build(&s);
+    golden("backends.txt", &backends::render(&b, false));
+    golden("backends-wide.txt", &backends::render(&b, true));
+    // Backend 6 serves the NodePort and its ext-local twin; backend 1 the article's
+    // service and the broken frontend.
+    let six = b.iter().find(|v| v.id == 6).expect("backend 6");
+    assert_eq!(six.frontends, 2);
+    assert!(six.local);
+}
+
+#[test]
+fn stats_golden() {
+    let s = fixture();
+    let doc = stats::build(&s);
+    golden("stats.txt", &stats::render(&doc));
+    assert_eq!(doc.counters.len(), Reason::ALL.len());
+    assert!(doc.counters.iter().all(|c| !c.meaning.is_empty()));
+    assert_eq!(
+        doc.backends
+            .iter()
+            .find(|b| b.id == 9)
+            .map(|b| b.endpoint.clone()),
+        Some(None),
+        "counters of a deleted backend id are still shown"
+    );
+}
+
+#[test]
+fn conntrack_golden_pairs_directions_and_filters() {
+    let s = fixture();
+    let doc = conntrack::build(&s, None);
+    golden("conntrack.txt", &conntrack::render(&doc, false));
+    golden("conntrack-wide.txt", &conntrack::render(&doc, true));
+    // The original direction is followed by its reply, the lone reply comes last.
+    let dirs: Vec<&str> = doc.flows.iter().map(|f| f.direction).collect();
+    assert_eq!(dirs, ["original", "reply", "reply"]);
+    assert!(
+        doc.flows[2].expired,
+        "130 s idle UDP is past its 60 s timeout"
+    );
+    let only = conntrack::build(&s, Some(ip("198.51.100.8")));
+    assert_eq!(only.flows.len(), 1);
+    let by_backend = conntrack::build(&s, Some(ip("10.244.2.7")));
+    assert_eq!(by_backend.flows.len(), 2, "a rewrite target matches too");
+    let mut none = s.clone();
+    none.flows = None;
+    assert!(conntrack::render(&conntrack::build(&none, None), false)
+        .starts_with("no conntrack maps pinned"));
+}
+
+#[test]
+fn ages_and_intervals() {
+    assert_eq!(conntrack::format_age(59 * S + S / 2), "59s");
+    assert_eq!(conntrack::format_age(125 * S), "2m05s");
+    assert_eq!(conntrack::format_age(3 * 3600 * S + 240 * S), "3h04m");
+    assert_eq!(conntrack::format_age(50 * 3600 * S), "2d02h");
+    assert_eq!(
+        watch::parse_interval("250ms"),
+        Ok(Duration::from_millis(250))
+    );
+    assert_eq!(watch::parse_interval("2"), Ok(Duration::from_secs(2)));
+    assert_eq!(
+        watch::parse_interval("1.5s"),
+        Ok(Duration::from_millis(1500))
+    );
+    assert_eq!(watch::parse_interval("1m"), Ok(Duration::from_secs(60)));
+    assert!(watch::parse_interval("0s").is_err());
+    assert!(watch::parse_interval("1h").is_err());
+    assert_eq!(watch::format_interval(Duration::from_millis(250)), "250ms");
+    assert_eq!(watch::format_interval(Duration::from_secs(1)), "1s");
+}
+
+#[test]
+fn explain_golden() {
+    let s = fixture();
+    let mut out = String::new();
+    for q in QUERIES {
+        out.push_str(&format!("$ proxyctl explain {q}\n"));
+        out.push_str(&explain::render(&explain_doc(&s, q), false));
+        out.push('\n');
+    }
+    golden("explain.txt", &out);
+    golden(
+        "explain-nodeport.json",
+        &(serde_json::to_string_pretty(&explain_doc(&s, "192.168.50.1:30080")).expect("json")
+            + "\n"),
+    );
+}
+
+#[test]
+fn explain_reproduces_the_article_chains() {
+    let s = fixture();
+    let doc = explain_doc(&s, "10.96.0.100:80");
+    assert!(doc.matched);
+    assert_eq!(doc.service.as_deref(), Some("default/nginx-service"));
+    let rules = doc.iptables.expect("rules");
+    let nat = rules.nat.join("\n");
+    for name in [
+        "KUBE-SVC-V2OKYYMBY3REGZOG",
+        "KUBE-SEP-X7WBOA4PTAJA3GNK",
+        "KUBE-SEP-I53TFYWHN2OKR6FH",
+        "KUBE-SEP-WU6475GP2VYJZBGF",
+        "--probability 0.33333333349",
+        "--probability 0.50000000000",
+    ] {
+        assert!(nat.contains(name), "{name} missing from\n{nat}");
+    }
+    let probs: Vec<f64> = doc.paths[0]
+        .backends
+        .iter()
+        .map(|b| b.probability)
+        .collect();
+    assert_eq!(probs, [1.0 / 3.0; 3]);
+    assert_eq!(
+        doc.paths.iter().map(|p| p.path).collect::<Vec<_>>(),
+        ["socket", "tc"]
+    );
+}
+
+#[test]
+fn explain_outcomes_and_matches() {
+    let s = fixture();
+    let np = explain_doc(&s, "192.168.50.1:30080");
+    assert!(np.via_node_port && np.node_address == Some(true));
+    assert_eq!(np.paths.len(), 1, "a NodePort is served by TC only");
+    assert_eq!(np.paths[0].frontend, "0.0.0.0:30080/tcp/ext-local");
+    assert_eq!(np.frontends.len(), 2, "the frontend and its ext-local twin");
+
+    assert_eq!(
+        explain_doc(&s, "10.96.0.200:80").paths[0].outcome,
+        "rejected"
+    );
+
+    let mut local = s.clone();
+    let dns = Frontend::new(ip("10.96.0.10"), 53, Proto::Udp);
+    local.services.frontends.get_mut(&dns).expect("dns").count = 0;
+    let d = explain_doc(&local, "10.96.0.10:53/udp");
+    assert_eq!(
+        d.paths[0].outcome, "dropped",
+        "Local policy, no local endpoint"
+    );
+    assert!(d.iptables.expect("rules").filter[0].ends_with("-j DROP"));
+
+    let miss = explain_doc(&s, "10.96.0.100:81");
+    assert!(!miss.matched && miss.paths.is_empty() && miss.iptables.is_none());
+    let other = explain_doc(&s, "192.168.50.2:30080");
+    assert_eq!(other.node_address, Some(false));
+    assert!(other.notes[0].contains("not one of this node's addresses"));
+
+    let mut no_nodes = s.clone();
+    no_nodes.node_addrs = None;
+    let unknown = explain_doc(&no_nodes, "192.168.50.1:30080");
+    assert!(!unknown.matched && unknown.node_address.is_none());
+    assert!(unknown.notes[0].contains("not pinned"));
+
+    let mapped = explain_doc(&s, "[::ffff:10.96.0.100]:80");
+    assert!(mapped.matched && mapped.notes[0].contains("v4-mapped"));
+}
+
+#[test]
+fn watch_golden_and_rates() {
+    let s = fixture();
+    let first = watch::frame(1, None, &s);
+    let mut later = s.clone();
+    later.conns.insert(1, 44);
+    later.conns.insert(9, 1); // reused id: counters restarted
+    later.stats[0].1 += 10;
+    let second = watch::frame(2, Some((&s, Duration::from_secs(2))), &later);
+    let text = watch::render(&first, Duration::from_secs(2), Some(2))
+        + "\n"
+        + &watch::render(&second, Duration::from_secs(2), Some(2));
+    golden("watch.txt", &text);
+    assert_eq!(first.backends[0].delta, None);
+    let busiest = &second.backends[0];
+    assert_eq!(
+        (busiest.id, busiest.delta, busiest.rate),
+        (1, Some(10), Some(5.0))
+    );
+    let reused = second.backends.iter().find(|b| b.id == 9).expect("id 9");
+    assert_eq!(reused.delta, Some(1));
+    assert_eq!(second.counters[0].rate, Some(5.0));
+}
