@@ -426,3 +426,208 @@ fn no_endpoints_reject_and_source_ranges_deny() {
     );
     assert_eq!(verdict, TC_ACT_SHOT);
 }
+
+/// An ICMP(v6) error from `router` to `to` quoting the first bytes of `inner` (its IP
+/// header and 8 bytes of L4), with valid checksums.
+fn icmp_error(router: IpAddr, to: IpAddr, kind: u8, inner: &Pkt) -> Vec<u8> {
+    let frame = inner.build();
+    let quoted_len = if inner.src.is_ipv4() { 20 + 8 } else { 40 + 8 };
+    let quoted = &frame[14..14 + quoted_len];
+    let mut icmp = vec![kind, 4, 0, 0, 0, 0, 0x05, 0xdc];
+    icmp.extend(quoted);
+    let mut out = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2];
+    match (router, to) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let c = fold(sum16(&icmp));
+            icmp[2..4].copy_from_slice(&c.to_be_bytes());
+            out.extend([0x08, 0x00]);
+            let mut ip = vec![0x45, 0];
+            ip.extend(((20 + icmp.len()) as u16).to_be_bytes());
+            ip.extend([0, 1, 0, 0, 64, 1, 0, 0]);
+            ip.extend(s.octets());
+            ip.extend(d.octets());
+            let c = fold(sum16(&ip));
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            out.extend(ip);
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let mut all = pseudo(router, to, 58, icmp.len());
+            all.extend(&icmp);
+            let c = fold(sum16(&all));
+            icmp[2..4].copy_from_slice(&c.to_be_bytes());
+            out.extend([0x86, 0xdd, 0x60, 0, 0, 0]);
+            out.extend((icmp.len() as u16).to_be_bytes());
+            out.extend([58, 64]);
+            out.extend(s.octets());
+            out.extend(d.octets());
+        }
+        _ => panic!("mixed families"),
+    }
+    out.extend(icmp);
+    out
+}
+
+/// Parses an ICMP(v6) error, checking the outer, ICMP and inner IPv4 header checksums:
+/// (outer source, outer destination, inner source, inner destination).
+fn parse_icmp_error(frame: &[u8]) -> (IpAddr, IpAddr, SocketAddr, SocketAddr) {
+    let v4 = frame[12..14] == [0x08, 0x00];
+    let (outer_src, outer_dst, icmp): (IpAddr, IpAddr, &[u8]) = if v4 {
+        let ip = &frame[14..34];
+        assert_eq!(fold(sum16(ip)), 0, "outer IPv4 checksum");
+        let s: [u8; 4] = ip[12..16].try_into().expect("4");
+        let d: [u8; 4] = ip[16..20].try_into().expect("4");
+        (
+            Ipv4Addr::from(s).into(),
+            Ipv4Addr::from(d).into(),
+            &frame[34..],
+        )
+    } else {
+        let s: [u8; 16] = frame[22..38].try_into().expect("16");
+        let d: [u8; 16] = frame[38..54].try_into().expect("16");
+        (
+            Ipv6Addr::from(s).into(),
+            Ipv6Addr::from(d).into(),
+            &frame[54..],
+        )
+    };
+    if v4 {
+        assert_eq!(fold(sum16(icmp)), 0, "ICMP checksum");
+        let inner = &icmp[8..28];
+        assert_eq!(fold(sum16(inner)), 0, "inner IPv4 header checksum");
+        let s: [u8; 4] = inner[12..16].try_into().expect("4");
+        let d: [u8; 4] = inner[16..20].try_into().expect("4");
+        let l4 = &icmp[28..];
+        let port = |o: usize| u16::from_be_bytes([l4[o], l4[o + 1]]);
+        (
+            outer_src,
+            outer_dst,
+            SocketAddr::new(Ipv4Addr::from(s).into(), port(0)),
+            SocketAddr::new(Ipv4Addr::from(d).into(), port(2)),
+        )
+    } else {
+        let mut all = pseudo(outer_src, outer_dst, 58, icmp.len());
+        all.extend(icmp);
+        assert_eq!(fold(sum16(&all)), 0, "ICMPv6 checksum");
+        let inner = &icmp[8..];
+        let s: [u8; 16] = inner[8..24].try_into().expect("16");
+        let d: [u8; 16] = inner[24..40].try_into().expect("16");
+        let port = |o: usize| u16::from_be_bytes([inner[40 + o], inner[41 + o]]);
+        (
+            outer_src,
+            outer_dst,
+            SocketAddr::new(Ipv6Addr::from(s).into(), port(0)),
+            SocketAddr::new(Ipv6Addr::from(d).into(), port(2)),
+        )
+    }
+}
+
+impl Bed {
+    fn run_raw(&self, prog: &str, data: &[u8]) -> (u32, Vec<u8>) {
+        let p: &SchedClassifier = self
+            .ebpf
+            .program(prog)
+            .expect("program")
+            .try_into()
+            .expect("classifier");
+        let mut out = vec![0u8; 512];
+        let res = p
+            .test_run(TestRunOptions {
+                data_in: Some(data),
+                data_out: Some(&mut out),
+                ..TestRunOptions::new()
+            })
+            .expect("test run");
+        out.truncate(res.data_size_out as usize);
+        (res.return_value, out)
+    }
+}
+
+#[test]
+fn icmp_errors_about_nated_flows_are_translated() {
+    let mut bed = Bed::new();
+    let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+    // Local backend: a router on the client's path says "fragmentation needed" about our
+    // reply (frontend -> client): it is for the backend.
+    let fe = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], 0))
+        .expect("upsert");
+    bed.run(
+        "tc_ingress",
+        &Pkt::tcp("198.51.100.7:40000", "10.96.0.10:80", SYN),
+    );
+    let quoted = Pkt::tcp("10.96.0.10:80", "198.51.100.7:40000", ACK);
+    let (verdict, out) = bed.run_raw(
+        "tc_ingress",
+        &icmp_error(ip("192.0.2.254"), ip("10.96.0.10"), 3, &quoted),
+    );
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        parse_icmp_error(&out),
+        (
+            ip("192.0.2.254"),
+            ip("10.1.1.2"),
+            sa("10.1.1.2:8080"),
+            sa("198.51.100.7:40000")
+        )
+    );
+
+    // Remote backend, SNATed: an error about our SNATed packet (node -> backend) is for
+    // the client, about the frontend it used.
+    let np = Frontend::new(Ipv4Addr::UNSPECIFIED, 30080, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(np, &[("10.2.1.2:8080", 0)], svc_flags::NODE_PORT))
+        .expect("upsert");
+    let (_, fwd) = bed.run(
+        "tc_ingress",
+        &Pkt::tcp("198.51.100.7:40001", "192.0.2.1:30080", SYN),
+    );
+    let quoted = Pkt::tcp(&fwd.src.to_string(), "10.2.1.2:8080", SYN);
+    let (_, out) = bed.run_raw(
+        "tc_ingress",
+        &icmp_error(ip("10.9.9.9"), ip("192.0.2.1"), 3, &quoted),
+    );
+    assert_eq!(
+        parse_icmp_error(&out),
+        (
+            ip("10.9.9.9"),
+            ip("198.51.100.7"),
+            sa("198.51.100.7:40001"),
+            sa("192.0.2.1:30080")
+        )
+    );
+
+    // IPv6 "packet too big" about our reply.
+    let fe6 = Frontend::new(ip("2001:db8:96::10"), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(fe6, &[("[2001:db8:2::2]:8080", LOCAL)], 0))
+        .expect("upsert");
+    bed.run(
+        "tc_ingress",
+        &Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:96::10]:80", SYN),
+    );
+    let quoted = Pkt::tcp("[2001:db8:96::10]:80", "[2001:db8::7]:40000", ACK);
+    let (verdict, out) = bed.run_raw(
+        "tc_ingress",
+        &icmp_error(ip("2001:db8:ffff::1"), ip("2001:db8:96::10"), 2, &quoted),
+    );
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        parse_icmp_error(&out),
+        (
+            ip("2001:db8:ffff::1"),
+            ip("2001:db8:2::2"),
+            sa("[2001:db8:2::2]:8080"),
+            sa("[2001:db8::7]:40000")
+        )
+    );
+
+    // An error about a flow we do not know is left alone.
+    let stray = icmp_error(
+        ip("192.0.2.254"),
+        ip("10.96.0.10"),
+        3,
+        &Pkt::tcp("10.96.0.10:80", "198.51.100.8:1", ACK),
+    );
+    assert_eq!(bed.run_raw("tc_ingress", &stray), (TC_ACT_OK, stray));
+}
