@@ -54,51 +54,79 @@ pub fn icmp4(ctx: &TcContext) -> Option<i32> {
     let idport: u16 = ctx.load(il4 + 2).ok()?;
 
     // Inner reversed = the tuple the peer of the inner packet sends on.
-    let (new_src, new_dst, outer_to) = if let Some(v) = CT4.get_ptr(&key4(idst, isrc, idport, isport, iproto, 0)) {
-        // SAFETY: copied out of a live entry.
-        let v = unsafe { *v };
-        // An error about our reply: for the backend.
-        let dst = if v.snat_addr != 0 { (v.snat_addr, v.snat_port) } else { (idst, idport) };
-        ((v.dnat_addr, v.dnat_port), dst, v.dnat_addr)
-    } else if let Some(v) = CT4.get_ptr(&key4(idst, isrc, idport, isport, iproto, 1)) {
-        // SAFETY: copied out of a live entry.
-        let v = unsafe { *v };
-        if v.dnat_addr == 0 {
+    let (new_src, new_dst, outer_to) =
+        if let Some(v) = CT4.get_ptr(&key4(idst, isrc, idport, isport, iproto, 0)) {
+            // SAFETY: copied out of a live entry.
+            let v = unsafe { *v };
+            // An error about our reply: for the backend.
+            let dst = if v.snat_addr != 0 {
+                (v.snat_addr, v.snat_port)
+            } else {
+                (idst, idport)
+            };
+            ((v.dnat_addr, v.dnat_port), dst, v.dnat_addr)
+        } else if let Some(v) = CT4.get_ptr(&key4(idst, isrc, idport, isport, iproto, 1)) {
+            // SAFETY: copied out of a live entry.
+            let v = unsafe { *v };
+            if v.dnat_addr == 0 {
+                return None;
+            }
+            // An error about a packet we SNATed: for the client.
+            (
+                (v.dnat_addr, v.dnat_port),
+                (v.snat_addr, v.snat_port),
+                v.dnat_addr,
+            )
+        } else {
             return None;
-        }
-        // An error about a packet we SNATed: for the client.
-        ((v.dnat_addr, v.dnat_port), (v.snat_addr, v.snat_port), v.dnat_addr)
-    } else {
-        return None;
-    };
+        };
     let icsum = icmp + 2;
     let odst: u32 = ctx.load(ETH_HLEN + 16).ok()?;
     rewrite_inner4(ctx, inner, icsum, 12, isrc, new_src.0)?;
     rewrite_inner4(ctx, inner, icsum, 16, idst, new_dst.0)?;
     port(ctx, icsum, il4, isport, new_src.1)?;
     port(ctx, icsum, il4 + 2, idport, new_dst.1)?;
-    ctx.l3_csum_replace(ETH_HLEN + 10, u64::from(odst), u64::from(outer_to), 4).ok()?;
+    ctx.l3_csum_replace(ETH_HLEN + 10, u64::from(odst), u64::from(outer_to), 4)
+        .ok()?;
     ctx.store(ETH_HLEN + 16, &outer_to, 0).ok()?;
     count(Reason::TcIcmpError);
     Some(TC_ACT_OK as i32)
 }
 
 fn key4(s: u32, d: u32, sport: u16, dport: u16, proto: u8, dir: u8) -> Ct4Key {
-    Ct4Key { saddr: s, daddr: d, sport, dport, proto, dir, _pad: [0; 2] }
+    Ct4Key {
+        saddr: s,
+        daddr: d,
+        sport,
+        dport,
+        proto,
+        dir,
+        _pad: [0; 2],
+    }
 }
 
 /// Changes one inner IPv4 address, keeping the inner header checksum and the ICMP
 /// checksum (which covers both) right.
 #[inline(always)]
-fn rewrite_inner4(ctx: &TcContext, inner: usize, icsum: usize, off: usize, old: u32, new: u32) -> Option<()> {
+fn rewrite_inner4(
+    ctx: &TcContext,
+    inner: usize,
+    icsum: usize,
+    off: usize,
+    old: u32,
+    new: u32,
+) -> Option<()> {
     if old == new {
         return Some(());
     }
     let c_old: u16 = ctx.load(inner + 10).ok()?;
-    ctx.l3_csum_replace(inner + 10, u64::from(old), u64::from(new), 4).ok()?;
+    ctx.l3_csum_replace(inner + 10, u64::from(old), u64::from(new), 4)
+        .ok()?;
     let c_new: u16 = ctx.load(inner + 10).ok()?;
-    ctx.l4_csum_replace(icsum, u64::from(old), u64::from(new), 4).ok()?;
-    ctx.l4_csum_replace(icsum, u64::from(c_old), u64::from(c_new), 2).ok()?;
+    ctx.l4_csum_replace(icsum, u64::from(old), u64::from(new), 4)
+        .ok()?;
+    ctx.l4_csum_replace(icsum, u64::from(c_old), u64::from(c_new), 2)
+        .ok()?;
     ctx.store(inner + off, &new, 0).ok()
 }
 
@@ -108,7 +136,8 @@ fn port(ctx: &TcContext, icsum: usize, off: usize, old: u16, new: u16) -> Option
     if old == new {
         return Some(());
     }
-    ctx.l4_csum_replace(icsum, u64::from(old), u64::from(new), 2).ok()?;
+    ctx.l4_csum_replace(icsum, u64::from(old), u64::from(new), 2)
+        .ok()?;
     ctx.store(off, &new, 0).ok()
 }
 
@@ -134,34 +163,58 @@ pub fn icmp6(ctx: &TcContext) -> Option<i32> {
     let idst: [u32; 4] = ctx.load(inner + 24).ok()?;
     let isport: u16 = ctx.load(il4).ok()?;
     let idport: u16 = ctx.load(il4 + 2).ok()?;
-    let (new_src, new_dst, outer_to) = if let Some(v) = CT6.get_ptr(&key6(idst, isrc, idport, isport, iproto, 0)) {
-        // SAFETY: copied out of a live entry.
-        let v = unsafe { *v };
-        let dst = if !zero6(&v.snat_addr) { (v.snat_addr, v.snat_port) } else { (idst, idport) };
-        ((v.dnat_addr, v.dnat_port), dst, v.dnat_addr)
-    } else if let Some(v) = CT6.get_ptr(&key6(idst, isrc, idport, isport, iproto, 1)) {
-        // SAFETY: copied out of a live entry.
-        let v = unsafe { *v };
-        if zero6(&v.dnat_addr) {
+    let (new_src, new_dst, outer_to) =
+        if let Some(v) = CT6.get_ptr(&key6(idst, isrc, idport, isport, iproto, 0)) {
+            // SAFETY: copied out of a live entry.
+            let v = unsafe { *v };
+            let dst = if !zero6(&v.snat_addr) {
+                (v.snat_addr, v.snat_port)
+            } else {
+                (idst, idport)
+            };
+            ((v.dnat_addr, v.dnat_port), dst, v.dnat_addr)
+        } else if let Some(v) = CT6.get_ptr(&key6(idst, isrc, idport, isport, iproto, 1)) {
+            // SAFETY: copied out of a live entry.
+            let v = unsafe { *v };
+            if zero6(&v.dnat_addr) {
+                return None;
+            }
+            (
+                (v.dnat_addr, v.dnat_port),
+                (v.snat_addr, v.snat_port),
+                v.dnat_addr,
+            )
+        } else {
             return None;
-        }
-        ((v.dnat_addr, v.dnat_port), (v.snat_addr, v.snat_port), v.dnat_addr)
-    } else {
-        return None;
-    };
+        };
     let icsum = icmp + 2;
     let odst: [u32; 4] = ctx.load(ETH_HLEN + 24).ok()?;
     addr6(ctx, icsum, inner + 8, isrc, new_src.0, 0)?;
     addr6(ctx, icsum, inner + 24, idst, new_dst.0, 0)?;
     port(ctx, icsum, il4, isport, new_src.1)?;
     port(ctx, icsum, il4 + 2, idport, new_dst.1)?;
-    addr6(ctx, icsum, ETH_HLEN + 24, odst, outer_to, u64::from(BPF_F_PSEUDO_HDR))?;
+    addr6(
+        ctx,
+        icsum,
+        ETH_HLEN + 24,
+        odst,
+        outer_to,
+        u64::from(BPF_F_PSEUDO_HDR),
+    )?;
     count(Reason::TcIcmpError);
     Some(TC_ACT_OK as i32)
 }
 
 fn key6(s: [u32; 4], d: [u32; 4], sport: u16, dport: u16, proto: u8, dir: u8) -> Ct6Key {
-    Ct6Key { saddr: s, daddr: d, sport, dport, proto, dir, _pad: [0; 2] }
+    Ct6Key {
+        saddr: s,
+        daddr: d,
+        sport,
+        dport,
+        proto,
+        dir,
+        _pad: [0; 2],
+    }
 }
 
 fn zero6(a: &[u32; 4]) -> bool {
@@ -171,8 +224,20 @@ fn zero6(a: &[u32; 4]) -> bool {
 /// Changes 16 address bytes at `off`, folding the difference into the ICMPv6 checksum
 /// (`BPF_F_PSEUDO_HDR` for the outer destination, which its pseudo-header covers).
 #[inline(always)]
-fn addr6(ctx: &TcContext, icsum: usize, off: usize, old: [u32; 4], new: [u32; 4], flags: u64) -> Option<()> {
-    if zero6(&[old[0] ^ new[0], old[1] ^ new[1], old[2] ^ new[2], old[3] ^ new[3]]) {
+fn addr6(
+    ctx: &TcContext,
+    icsum: usize,
+    off: usize,
+    old: [u32; 4],
+    new: [u32; 4],
+    flags: u64,
+) -> Option<()> {
+    if zero6(&[
+        old[0] ^ new[0],
+        old[1] ^ new[1],
+        old[2] ^ new[2],
+        old[3] ^ new[3],
+    ]) {
         return Some(());
     }
     let mut from = old;

@@ -865,6 +865,7 @@ tc_source_denied       0      TC: source outside loadBalancerSourceRanges: dropp
 tc_snat_failed         0      TC: no SNAT address or free SNAT port: dropped
 tc_no_local_backend    0      TC: externalTrafficPolicy Local, no endpoint on this node: dropped
 tc_fib_miss            0      TC: no FIB route for a translated packet: handed to the stack
+tc_icmp_error          0      TC: ICMP error about a NATed flow, translated for its backend or client
 
 BACKEND               ID  CONNS
 10.240.1.2:8080       1   4
@@ -1109,6 +1110,7 @@ tc_source_denied       0      -      -
 tc_snat_failed         0      -      -
 tc_no_local_backend    0      -      -
 tc_fib_miss            0      -      -
+tc_icmp_error          0      -      -
 
 proxyctl watch: every 100ms, frame 2 of 2
 
@@ -1141,6 +1143,7 @@ tc_source_denied       0      +0     0.0
 tc_snat_failed         0      +0     0.0
 tc_no_local_backend    0      +0     0.0
 tc_fib_miss            0      +0     0.0
+tc_icmp_error          0      +0     0.0
 
 $ proxyctl dump
 frontend 0.0.0.0:30080/tcp id=6 count=2 flags=0x24 affinity=0

@@ -43,7 +43,9 @@ pub fn meaning(r: Reason) -> &'static str {
             "TC: externalTrafficPolicy Local, no endpoint on this node: dropped"
         }
         Reason::TcFibMiss => "TC: no FIB route for a translated packet: handed to the stack",
-        Reason::TcIcmpError => "TC: ICMP error about a NATed flow, translated for its backend or client",
+        Reason::TcIcmpError => {
+            "TC: ICMP error about a NATed flow, translated for its backend or client"
+        }
     }
 }
 
