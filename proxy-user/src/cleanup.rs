@@ -193,6 +193,18 @@ impl CleanupError {
     fn is_missing_tool(&self) -> bool {
         matches!(self, Self::Spawn { source, .. } if source.kind() == io::ErrorKind::NotFound)
     }
+
+    /// A read failed because the kernel lacks the feature (IPv6 disabled, no nf_tables,
+    /// no ip_set): there is nothing of kube-proxy's there either.
+    fn is_unavailable_backend(&self) -> bool {
+        const SIGNS: &[&str] = &[
+            "Address family not supported",
+            "Protocol not supported",
+            "Operation not supported",
+            "Cannot open session to kernel",
+        ];
+        matches!(self, Self::Failed { stderr, .. } if SIGNS.iter().any(|s| stderr.contains(s)))
+    }
 }
 
 /// One object: where it lives (`iptables-nft nat`, `nft`, `ipvs`, ...) and what it is.
@@ -378,9 +390,10 @@ fn run(
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Records a failed read: a missing tool is a note, anything else an error.
+/// Records a failed read: a missing tool or kernel feature is a note, anything else an
+/// error.
 fn skip_or_fail(report: &mut Report, e: CleanupError, what_is_skipped: &str) {
-    if e.is_missing_tool() {
+    if e.is_missing_tool() || e.is_unavailable_backend() {
         report
             .notes
             .push(format!("{what_is_skipped} not checked: {e}"));
@@ -696,9 +709,9 @@ fn clean_iptables(
         let text = match run(&scope, &save, &["-t", table], None) {
             Ok(t) => t,
             Err(e) => {
-                let missing = e.is_missing_tool();
+                let skip_backend = e.is_missing_tool() || e.is_unavailable_backend();
                 skip_or_fail(report, e, &name);
-                if missing {
+                if skip_backend {
                     return;
                 }
                 continue;

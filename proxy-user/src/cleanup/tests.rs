@@ -383,3 +383,39 @@ fn report_says_what_it_did() {
     r.dry_run = false;
     assert!(r.to_string().contains("removed: nft: table ip kube-proxy"));
 }
+
+#[test]
+fn missing_tools_and_kernel_features_are_notes_not_errors() {
+    let failed = |stderr: &str| CleanupError::Failed {
+        scope: "ip6tables-nft nat".into(),
+        command: "ip6tables-nft-save -t nat".into(),
+        status: "exit status: 1".into(),
+        stderr: stderr.into(),
+    };
+    let mut r = Report::default();
+    skip_or_fail(
+        &mut r,
+        failed("ip6tables-nft-save: Could not fetch rule set generation id: Address family not supported by protocol"),
+        "ip6tables-nft",
+    );
+    skip_or_fail(
+        &mut r,
+        CleanupError::Spawn {
+            scope: "nft".into(),
+            command: "nft list tables".into(),
+            source: io::Error::from(io::ErrorKind::NotFound),
+        },
+        "nftables",
+    );
+    assert_eq!(r.notes.len(), 2, "{:?}", r.notes);
+    assert!(r.errors.is_empty());
+    skip_or_fail(
+        &mut r,
+        failed("iptables-restore: line 3 failed"),
+        "iptables-nft",
+    );
+    assert_eq!(r.errors.len(), 1);
+    assert!(r.errors[0]
+        .to_string()
+        .contains("ip6tables-nft nat: `ip6tables-nft-save -t nat` failed"));
+}

@@ -285,22 +285,23 @@ fn readable(fd: i32) -> bool {
 }
 
 impl Server {
-    /// A TCP server in `ns` at `addr` that answers every connection with `name\n` and
-    /// closes it (a one-line HTTP-like exchange).
-    pub fn tcp(ns: &Netns, addr: SocketAddr, name: &str) -> Self {
+    /// Runs a server thread inside `ns`: `bind` makes its socket there, then `handle` is
+    /// called whenever the socket is readable, until the server is dropped.
+    fn spawn<T: AsRawFd + 'static>(
+        ns: &Netns,
+        bind: impl FnOnce() -> T + Send + 'static,
+        mut handle: impl FnMut(&T, &Arc<AtomicBool>) + Send + 'static,
+    ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = std::sync::mpsc::channel();
-        let (path, name, flag) = (ns.path(), name.to_string(), stop.clone());
+        let (path, flag) = (ns.path(), stop.clone());
         let handle = std::thread::spawn(move || {
             let _ns = NetnsGuard::enter(&path);
-            let listener = TcpListener::bind(addr).expect("bind tcp");
+            let sock = bind();
             tx.send(()).expect("ready");
             while !flag.load(Ordering::Relaxed) {
-                if !readable(listener.as_raw_fd()) {
-                    continue;
-                }
-                if let Ok((mut s, _)) = listener.accept() {
-                    let _ = s.write_all(format!("{name}\n").as_bytes());
+                if readable(sock.as_raw_fd()) {
+                    handle(&sock, &flag);
                 }
             }
         });
@@ -312,23 +313,30 @@ impl Server {
         }
     }
 
+    /// A TCP server in `ns` at `addr` that answers every connection with `name\n` and
+    /// closes it (a one-line HTTP-like exchange).
+    pub fn tcp(ns: &Netns, addr: SocketAddr, name: &str) -> Self {
+        let name = name.to_string();
+        Self::spawn(
+            ns,
+            move || TcpListener::bind(addr).expect("bind tcp"),
+            move |l, _| {
+                if let Ok((mut s, _)) = l.accept() {
+                    let _ = s.write_all(format!("{name}\n").as_bytes());
+                }
+            },
+        )
+    }
+
     /// A minimal HTTP server in `ns` at `addr`: every request gets `200 OK` with body
     /// `name\n` (like the article's nginx pods, but telling which pod answered).
     pub fn http(ns: &Netns, addr: SocketAddr, name: &str) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (path, name, flag) = (ns.path(), name.to_string(), stop.clone());
-        let handle = std::thread::spawn(move || {
-            let _ns = NetnsGuard::enter(&path);
-            let listener = TcpListener::bind(addr).expect("bind http");
-            tx.send(()).expect("ready");
-            while !flag.load(Ordering::Relaxed) {
-                if !readable(listener.as_raw_fd()) {
-                    continue;
-                }
-                let Ok((mut s, _)) = listener.accept() else {
-                    continue;
-                };
+        let name = name.to_string();
+        Self::spawn(
+            ns,
+            move || TcpListener::bind(addr).expect("bind http"),
+            move |l, _| {
+                let Ok((mut s, _)) = l.accept() else { return };
                 let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
                 let mut head = Vec::new();
                 let mut buf = [0u8; 1024];
@@ -344,44 +352,28 @@ impl Server {
                     "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                     body.len()
                 );
-            }
-        });
-        rx.recv_timeout(Duration::from_secs(5))
-            .expect("server ready");
-        Self {
-            stop,
-            handle: Some(handle),
-        }
+            },
+        )
     }
 
     /// A TCP server in `ns` at `addr` that keeps each connection open and answers every
     /// line it receives with `name peer-address\n` (one thread per connection), so a test
     /// sees which pod answered, from which client address, over a long-lived connection.
     pub fn tcp_echo(ns: &Netns, addr: SocketAddr, name: &str) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (path, name, flag) = (ns.path(), name.to_string(), stop.clone());
-        let handle = std::thread::spawn(move || {
-            let _ns = NetnsGuard::enter(&path);
-            let listener = TcpListener::bind(addr).expect("bind tcp");
-            tx.send(()).expect("ready");
-            while !flag.load(Ordering::Relaxed) {
-                if !readable(listener.as_raw_fd()) {
-                    continue;
-                }
-                let Ok((s, peer)) = listener.accept() else {
-                    continue;
-                };
-                let (name, flag) = (name.clone(), flag.clone());
+        let name = name.to_string();
+        Self::spawn(
+            ns,
+            move || TcpListener::bind(addr).expect("bind tcp"),
+            move |l, stop| {
+                let Ok((s, peer)) = l.accept() else { return };
+                let (name, stop) = (name.clone(), stop.clone());
                 std::thread::spawn(move || {
                     let _ = s.set_read_timeout(Some(Duration::from_millis(100)));
-                    let mut reader = io::BufReader::new(match s.try_clone() {
-                        Ok(r) => r,
-                        Err(_) => return,
-                    });
+                    let Ok(r) = s.try_clone() else { return };
+                    let mut reader = io::BufReader::new(r);
                     let mut s = s;
                     let mut line = String::new();
-                    while !flag.load(Ordering::Relaxed) {
+                    while !stop.load(Ordering::Relaxed) {
                         line.clear();
                         match io::BufRead::read_line(&mut reader, &mut line) {
                             Ok(0) => return,
@@ -399,68 +391,38 @@ impl Server {
                         }
                     }
                 });
-            }
-        });
-        rx.recv_timeout(Duration::from_secs(5))
-            .expect("server ready");
-        Self {
-            stop,
-            handle: Some(handle),
-        }
+            },
+        )
     }
 
     /// A UDP server in `ns` at `addr` answering every datagram with `name peer-address\n`.
     pub fn udp_peer(ns: &Netns, addr: SocketAddr, name: &str) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (path, name, flag) = (ns.path(), name.to_string(), stop.clone());
-        let handle = std::thread::spawn(move || {
-            let _ns = NetnsGuard::enter(&path);
-            let sock = UdpSocket::bind(addr).expect("bind udp");
-            tx.send(()).expect("ready");
-            let mut buf = [0u8; 1500];
-            while !flag.load(Ordering::Relaxed) {
-                if !readable(sock.as_raw_fd()) {
-                    continue;
-                }
+        let name = name.to_string();
+        Self::spawn(
+            ns,
+            move || UdpSocket::bind(addr).expect("bind udp"),
+            move |sock, _| {
+                let mut buf = [0u8; 1500];
                 if let Ok((_, from)) = sock.recv_from(&mut buf) {
                     let _ = sock.send_to(format!("{name} {}\n", from.ip()).as_bytes(), from);
                 }
-            }
-        });
-        rx.recv_timeout(Duration::from_secs(5))
-            .expect("server ready");
-        Self {
-            stop,
-            handle: Some(handle),
-        }
+            },
+        )
     }
 
     /// A UDP server in `ns` at `addr` answering every datagram with `name\n`.
     pub fn udp(ns: &Netns, addr: SocketAddr, name: &str) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (path, name, flag) = (ns.path(), name.to_string(), stop.clone());
-        let handle = std::thread::spawn(move || {
-            let _ns = NetnsGuard::enter(&path);
-            let sock = UdpSocket::bind(addr).expect("bind udp");
-            tx.send(()).expect("ready");
-            let mut buf = [0u8; 1500];
-            while !flag.load(Ordering::Relaxed) {
-                if !readable(sock.as_raw_fd()) {
-                    continue;
-                }
+        let name = name.to_string();
+        Self::spawn(
+            ns,
+            move || UdpSocket::bind(addr).expect("bind udp"),
+            move |sock, _| {
+                let mut buf = [0u8; 1500];
                 if let Ok((_, from)) = sock.recv_from(&mut buf) {
                     let _ = sock.send_to(format!("{name}\n").as_bytes(), from);
                 }
-            }
-        });
-        rx.recv_timeout(Duration::from_secs(5))
-            .expect("server ready");
-        Self {
-            stop,
-            handle: Some(handle),
-        }
+            },
+        )
     }
 }
 
