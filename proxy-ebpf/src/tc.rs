@@ -801,17 +801,17 @@ fn pick<F: Fam>(
         return Ok(Some(Action::Verdict(TC_ACT_SHOT as i32)));
     }
     let mut slot_scope = scope::ALL;
+    // The local-only twin. While a policy change is being written the flag and the twin
+    // can disagree for a moment; without a twin the frontend's own entry serves.
     if front.flags & svc_flags::ETP_LOCAL != 0 {
-        let Some(local) = F::svc(fe_addr, p.dport, p.proto, scope::EXTERNAL_LOCAL, 0) else {
-            count(Reason::TcNoLocalBackend);
-            return Ok(Some(Action::Verdict(TC_ACT_SHOT as i32)));
-        };
-        if local.count == 0 {
-            count(Reason::TcNoLocalBackend);
-            return Ok(Some(Action::Verdict(TC_ACT_SHOT as i32)));
+        if let Some(local) = F::svc(fe_addr, p.dport, p.proto, scope::EXTERNAL_LOCAL, 0) {
+            if local.count == 0 {
+                count(Reason::TcNoLocalBackend);
+                return Ok(Some(Action::Verdict(TC_ACT_SHOT as i32)));
+            }
+            front = local;
+            slot_scope = scope::EXTERNAL_LOCAL;
         }
-        front = local;
-        slot_scope = scope::EXTERNAL_LOCAL;
     }
     if front.count == 0 {
         count(Reason::TcNoBackend);

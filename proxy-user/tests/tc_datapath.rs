@@ -39,6 +39,11 @@ fn sysctl(ns: &Netns, key: &str) {
     run("ip", &["netns", "exec", &ns.name, "sysctl", "-qw", key]);
 }
 
+fn no_dad(ns: &Netns) {
+    sysctl(ns, "net.ipv6.conf.all.accept_dad=0");
+    sysctl(ns, "net.ipv6.conf.default.accept_dad=0");
+}
+
 fn link(a: &Netns, a_if: &str, a_addrs: &[&str], b: &Netns, b_if: &str, b_addrs: &[&str]) {
     run(
         "ip",
@@ -64,6 +69,11 @@ impl Cluster {
         let ext = Netns::new(unique("ebp-ext-"));
         let node_a = Netns::new(unique("ebp-na-"));
         let node_b = Netns::new(unique("ebp-nb-"));
+        // No duplicate address detection on the links made below: link-local addresses
+        // would stay tentative for a second and IPv6 neighbour discovery with them.
+        for n in [&ext, &node_a, &node_b] {
+            no_dad(n);
+        }
         link(
             &ext,
             "eth0",
@@ -102,6 +112,7 @@ impl Cluster {
         .enumerate()
         {
             let pod = Netns::new(unique("ebp-pod-"));
+            no_dad(&pod);
             let ifn = format!("pod{}", i + 1);
             link(
                 node,

@@ -406,7 +406,10 @@ impl<S: MapStore> Syncer<S> {
 
     /// One Service. Returns false if a write failed (to be retried).
     fn sync_service(&mut self, key: &ObjKey, outcome: &mut SyncOutcome) -> bool {
-        let entries = self.index.entries(key);
+        let mut entries = self.index.entries(key);
+        // Local-only twins first, so a frontend never carries `ETP_LOCAL` before its twin
+        // exists (the datapath also falls back to the frontend itself meanwhile).
+        entries.sort_by_key(|e| std::cmp::Reverse(e.frontend.scope));
         let wanted: BTreeSet<Frontend> = entries.iter().map(|e| e.frontend).collect();
         let mut ok = true;
         let before = self.owned.remove(key).unwrap_or_default();
