@@ -3,8 +3,10 @@
 //! - `setup`: installs what is missing (idempotent); every other command runs it first;
 //! - `build`: release binaries `target/release/proxy-agent` and `target/release/proxyctl`;
 //! - `demo`: the seed article's example live (see `demo.rs`);
+//! - `bench`: the datapath and control plane against kube-proxy's modes (see `bench/`);
 //! - `test`: formatting, clippy, unit and privileged integration tests (serially).
 
+mod bench;
 mod demo;
 mod setup;
 
@@ -33,6 +35,9 @@ enum Cmd {
         #[arg(long, default_value_t = 100)]
         requests_per_pod: usize,
     },
+    /// Benchmark the eBPF datapath and control plane against kube-proxy's iptables,
+    /// nftables and IPVS modes at 1 to 50,000 services (as root; docs/benchmarks.md).
+    Bench(bench::Args),
     /// Run every test: fmt and clippy checks, unit tests, privileged tests (as root).
     Test {
         /// Skip `cargo fmt --check` and `cargo clippy`.
@@ -57,6 +62,7 @@ fn main() -> Result<()> {
             build()?;
             demo::run(&workspace_root().join("target/release"), requests_per_pod)
         }
+        Cmd::Bench(args) => bench::main(args),
         Cmd::Test { no_lint, args } => {
             setup::ensure()?;
             test(no_lint, &args)

@@ -17,9 +17,18 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 
 /// Debian packages the tests, the demo and the benchmarks use: iproute2 (namespaces,
 /// veth, tc), bpftool (debugging), iptables/nftables/ipvsadm/ipset (kube-proxy's modes,
-/// reproduced in namespaces by the cleanup tests and the benchmarks), kmod (modprobe).
+/// reproduced in namespaces by the cleanup tests and the benchmarks), kmod (modprobe),
+/// fonts-dejavu-core (the font the benchmark's plots are drawn with).
 const APT_PACKAGES: &[&str] = &[
-    "iproute2", "bpftool", "procps", "iptables", "nftables", "ipvsadm", "ipset", "kmod",
+    "iproute2",
+    "bpftool",
+    "procps",
+    "iptables",
+    "nftables",
+    "ipvsadm",
+    "ipset",
+    "kmod",
+    "fonts-dejavu-core",
 ];
 
 pub fn ensure() -> Result<()> {

@@ -1,0 +1,989 @@
+//! The modes the bench compares. A mode is one entry in [`all`]: it owns its stack of
+//! namespaces (see `topo.rs`), says where its clients send and from which cgroup, and
+//! knows how to program N services from nothing, apply one endpoint change and clear
+//! everything. Adding a datapath (the TC one, say) is one more [`Mode`] in that list.
+//!
+//! Only the kernel-programming commands of kube-proxy's modes are timed (the rule text is
+//! generated beforehand): kube-proxy's own work before those commands (watching,
+//! computing the rules in Go) comes on top, so their figures are lower bounds. Our
+//! agent is timed end to end, from the manifest file changing to the maps written (seen
+//! from outside through its metrics and through traffic).
+
+use std::{
+    net::SocketAddrV4,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _, Result};
+use serde::{Deserialize, Serialize};
+
+use super::{
+    iptables, ipvs, nftables,
+    plan::{self, Service, TARGET_VIP},
+    topo::{self, http_get, in_ns, ns_run, run_bounded, write_atomic, Stack},
+};
+
+/// What programming took: the total and its steps (seconds).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Timing {
+    pub seconds: f64,
+    pub steps: Vec<(String, f64)>,
+}
+
+impl Timing {
+    fn step(&mut self, name: &str, d: Duration) {
+        self.seconds += d.as_secs_f64();
+        self.steps.push((name.into(), d.as_secs_f64()));
+    }
+}
+
+/// What a mode's control plane reports about itself (our agent only).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct AgentFigures {
+    /// Resident memory after programming (VmRSS), MiB.
+    pub rss_mib: Option<f64>,
+    /// The agent's own `sync_proxy_rules_duration_seconds` for the programming sync.
+    pub sync_seconds: Option<f64>,
+    /// Time from starting the process to healthy (hooks loaded and attached).
+    pub start_seconds: Option<f64>,
+}
+
+/// Shared by all modes: where binaries and the bench's own kernel objects are.
+pub struct Ctx {
+    /// The xtask binary (clients run as `xtask bench client`).
+    pub exe: PathBuf,
+    /// `target/release` (proxy-agent, proxyctl).
+    pub bin_dir: PathBuf,
+    /// The run's child cgroup.
+    pub cgroup: PathBuf,
+    /// The run's bpffs directory (`/sys/fs/bpf/ebpf-proxy-bench-<pid>-<n>`).
+    pub pin_path: PathBuf,
+    /// The agent's manifests directory.
+    pub manifests: PathBuf,
+}
+
+pub trait Mode {
+    fn name(&self) -> &'static str;
+    fn describe(&self) -> &'static str;
+    /// Makes the mode's stack and checks its tools; `Err` = not available here (why).
+    fn setup(&mut self, ctx: &Ctx) -> Result<(), String>;
+    fn stack(&self) -> Option<&Stack>;
+    /// The cgroup its clients must join.
+    fn client_cgroup(&self, _ctx: &Ctx) -> Option<PathBuf> {
+        None
+    }
+    /// Where clients send for `port` (the ClusterIP, or the endpoints themselves).
+    fn targets(&self, port: u16, endpoints: &[std::net::Ipv4Addr]) -> Vec<SocketAddrV4> {
+        let _ = endpoints;
+        vec![SocketAddrV4::new(TARGET_VIP, port)]
+    }
+    /// Whether services are programmed at all (not for `direct`).
+    fn programs(&self) -> bool {
+        true
+    }
+    /// Programs `services` from nothing; `Ok(None)` when it did not finish in `limit`.
+    fn program(
+        &mut self,
+        ctx: &Ctx,
+        services: &[Service],
+        limit: Duration,
+    ) -> Result<Option<Timing>>;
+    /// Applies the target's endpoint change (`services` holds the new state, the target
+    /// last; `old` is the target before). Returns the command's time (`Ok(None)` when it
+    /// did not finish in `limit`).
+    fn change(
+        &mut self,
+        ctx: &Ctx,
+        services: &[Service],
+        old: &Service,
+        limit: Duration,
+    ) -> Result<Option<Timing>>;
+    /// After a change became visible: the mode's own account of it (seconds).
+    fn change_reported(&mut self) -> Option<f64> {
+        None
+    }
+    /// Removes every service (the next scale programs from nothing).
+    fn clear(&mut self, ctx: &Ctx) -> Result<()>;
+    fn agent(&self) -> Option<AgentFigures> {
+        None
+    }
+    /// CPU time (s) the mode's control-plane process has used so far.
+    fn cpu_seconds(&self) -> Option<f64> {
+        None
+    }
+    /// Pauses (`true`) or resumes the mode's control-plane process. The datapath rounds
+    /// run with it paused: kube-proxy's modes have no process at all in the bench, and
+    /// our datapath needs none (the hooks and maps are pinned), so no mode's traffic
+    /// competes with a control plane for the two CPUs.
+    fn pause(&mut self, _paused: bool) {}
+}
+
+/// Every mode, in the order of the tables: `tc` is listed and not yet available.
+pub fn all() -> Vec<Box<dyn Mode>> {
+    vec![
+        Box::new(Direct::default()),
+        Box::new(Socket::default()),
+        Box::new(Tc),
+        Box::new(Iptables::new(Backend::Legacy)),
+        Box::new(Iptables::new(Backend::Nft)),
+        Box::new(Nftables::default()),
+        Box::new(Ipvs::default()),
+    ]
+}
+
+fn new_stack() -> Result<Stack, String> {
+    Stack::new().map_err(|e| format!("making the namespaces: {e:#}"))
+}
+
+// ---------------------------------------------------------------------------------
+
+/// The client talks to the pod IPs itself: the physical limit.
+#[derive(Default)]
+pub struct Direct {
+    stack: Option<Stack>,
+}
+
+impl Mode for Direct {
+    fn name(&self) -> &'static str {
+        "direct"
+    }
+    fn describe(&self) -> &'static str {
+        "client connects to the pod IPs (no service proxy): the physical limit"
+    }
+    fn setup(&mut self, _: &Ctx) -> Result<(), String> {
+        self.stack = Some(new_stack()?);
+        Ok(())
+    }
+    fn stack(&self) -> Option<&Stack> {
+        self.stack.as_ref()
+    }
+    fn targets(&self, port: u16, endpoints: &[std::net::Ipv4Addr]) -> Vec<SocketAddrV4> {
+        topo::endpoint_targets(endpoints, port)
+    }
+    fn programs(&self) -> bool {
+        false
+    }
+    fn program(&mut self, _: &Ctx, _: &[Service], _: Duration) -> Result<Option<Timing>> {
+        Ok(Some(Timing::default()))
+    }
+    fn change(
+        &mut self,
+        _: &Ctx,
+        _: &[Service],
+        _: &Service,
+        _: Duration,
+    ) -> Result<Option<Timing>> {
+        bail!("direct has no services")
+    }
+    fn clear(&mut self, _: &Ctx) -> Result<()> {
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------
+
+/// Our TC datapath: a later issue.
+pub struct Tc;
+
+impl Mode for Tc {
+    fn name(&self) -> &'static str {
+        "tc"
+    }
+    fn describe(&self) -> &'static str {
+        "ebpf-proxy's per-packet TC datapath"
+    }
+    fn setup(&mut self, _: &Ctx) -> Result<(), String> {
+        Err("not yet available: the TC datapath is a later issue".into())
+    }
+    fn stack(&self) -> Option<&Stack> {
+        None
+    }
+    fn program(&mut self, _: &Ctx, _: &[Service], _: Duration) -> Result<Option<Timing>> {
+        bail!("not available")
+    }
+    fn change(
+        &mut self,
+        _: &Ctx,
+        _: &[Service],
+        _: &Service,
+        _: Duration,
+    ) -> Result<Option<Timing>> {
+        bail!("not available")
+    }
+    fn clear(&mut self, _: &Ctx) -> Result<()> {
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------
+
+/// ebpf-proxy's socket hooks, programmed by the real `proxy-agent run --manifests`.
+#[derive(Default)]
+pub struct Socket {
+    stack: Option<Stack>,
+    agent: Option<Agent>,
+    figures: AgentFigures,
+    before_change: Option<(f64, f64)>,
+}
+
+/// A running `proxy-agent`; stopped and its pins removed on drop.
+struct Agent {
+    child: Child,
+    bin_dir: PathBuf,
+    pin_path: PathBuf,
+    metrics_port: u16,
+    log: PathBuf,
+}
+
+impl Agent {
+    fn start(ctx: &Ctx) -> Result<(Self, f64)> {
+        let [healthz, metrics] = topo::free_ports();
+        // Inside the manifests directory (removed with it); the agent reads only
+        // .yaml/.yml/.json files there.
+        let log = ctx.manifests.join("agent.log");
+        let out = std::fs::File::create(&log)?;
+        let start = Instant::now();
+        let child = Command::new(ctx.bin_dir.join("proxy-agent"))
+            .arg("run")
+            .arg("--manifests")
+            .arg(&ctx.manifests)
+            .arg("--pin-path")
+            .arg(&ctx.pin_path)
+            .arg("--cgroup")
+            .arg(&ctx.cgroup)
+            .args(["--node-name", "bench-node"])
+            .args(["--healthz-addr", &format!("127.0.0.1:{healthz}")])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
+            .env("RUST_LOG", "warn")
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .context("starting proxy-agent")?;
+        let mut agent = Self {
+            child,
+            bin_dir: ctx.bin_dir.clone(),
+            pin_path: ctx.pin_path.clone(),
+            metrics_port: metrics,
+            log,
+        };
+        while !matches!(http_get(healthz, "/healthz"), Ok((200, _))) {
+            if let Some(status) = agent.child.try_wait()? {
+                bail!("proxy-agent exited ({status}):\n{}", agent.log_tail());
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                bail!("proxy-agent not healthy after 60 s:\n{}", agent.log_tail());
+            }
+            topo::check_interrupt()?;
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok((agent, start.elapsed().as_secs_f64()))
+    }
+
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    /// `/metrics`. A busy agent may not answer at once (at 50,000 services both threads
+    /// of its runtime can be parsing or syncing): retried for a minute while it lives.
+    fn metrics(&mut self) -> Result<String> {
+        let start = Instant::now();
+        loop {
+            let err = match http_get(self.metrics_port, "/metrics") {
+                Ok((200, body)) => return Ok(body),
+                Ok((code, _)) => format!("answered {code}"),
+                Err(e) => e.to_string(),
+            };
+            if let Some(status) = self.child.try_wait()? {
+                bail!("proxy-agent exited ({status}):\n{}", self.log_tail());
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                bail!("proxy-agent /metrics: {err} for 60 s:\n{}", self.log_tail());
+            }
+            topo::check_interrupt()?;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn rss_mib(&self) -> Option<f64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        let kib: f64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()?;
+        Some(kib / 1024.0)
+    }
+
+    fn cpu_seconds(&self) -> Option<f64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).ok()?;
+        // Fields after the command name (which may hold spaces): utime is the 14th
+        // field, stime the 15th, in clock ticks.
+        let rest = stat.rsplit_once(')')?.1;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+        // SAFETY: plain sysconf query.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        Some(ticks / hz)
+    }
+}
+
+impl Agent {
+    fn signal(&self, sig: i32) {
+        // SAFETY: signalling our own child by pid.
+        unsafe { libc::kill(self.child.id() as i32, sig) };
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // A paused agent must run again to handle SIGTERM.
+        self.signal(libc::SIGCONT);
+        self.signal(libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = Command::new(self.bin_dir.join("proxy-agent"))
+            .args(["uninstall", "--pin-path"])
+            .arg(&self.pin_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// A metric's value from Prometheus text (the first sample with that exact name).
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (n, v) = l.rsplit_once(' ')?;
+        (n == name).then(|| v.parse().ok()).flatten()
+    })
+}
+
+const FILLERS_FILE: &str = "services.json";
+const TARGET_FILE: &str = "target.json";
+
+fn service_json(s: &Service) -> String {
+    let ports: Vec<String> = s
+        .ports
+        .iter()
+        .map(|p| {
+            format!(
+                r#"{{"name":"{}","protocol":"{}","port":{},"targetPort":{}}}"#,
+                p.name,
+                p.proto.upper(),
+                p.port,
+                p.target_port
+            )
+        })
+        .collect();
+    let slice_ports: Vec<String> = s
+        .ports
+        .iter()
+        .map(|p| {
+            format!(
+                r#"{{"name":"{}","protocol":"{}","port":{}}}"#,
+                p.name,
+                p.proto.upper(),
+                p.target_port
+            )
+        })
+        .collect();
+    let endpoints: Vec<String> = s
+        .endpoints
+        .iter()
+        .map(|e| format!(r#"{{"addresses":["{e}"],"conditions":{{"ready":true}}}}"#))
+        .collect();
+    format!(
+        concat!(
+            r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}","namespace":"{ns}"}},"#,
+            r#""spec":{{"type":"ClusterIP","clusterIP":"{vip}","clusterIPs":["{vip}"],"ports":[{ports}]}}}},"#,
+            r#"{{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{{"name":"{name}-abcde","namespace":"{ns}","#,
+            r#""labels":{{"kubernetes.io/service-name":"{name}"}}}},"addressType":"IPv4","ports":[{sports}],"endpoints":[{eps}]}}"#
+        ),
+        name = s.name,
+        ns = plan::NAMESPACE,
+        vip = s.vip,
+        ports = ports.join(","),
+        sports = slice_ports.join(","),
+        eps = endpoints.join(",")
+    )
+}
+
+/// Services and their EndpointSlices as one `kind: List` JSON document (the agent reads
+/// JSON and YAML; JSON is what the API server sends).
+pub fn manifests_json(services: &[Service]) -> String {
+    let items: Vec<String> = services.iter().map(service_json).collect();
+    format!(
+        "{{\"apiVersion\":\"v1\",\"kind\":\"List\",\"items\":[\n{}\n]}}\n",
+        items.join(",\n")
+    )
+}
+
+fn frontends(services: &[Service]) -> usize {
+    services.iter().map(|s| s.ports.len()).sum()
+}
+
+impl Socket {
+    fn agent_mut(&mut self) -> Result<&mut Agent> {
+        self.agent.as_mut().context("proxy-agent is not running")
+    }
+
+    /// Polls `/metrics` until `name` satisfies `done`.
+    fn wait_metric(
+        &mut self,
+        name: &str,
+        done: impl Fn(f64) -> bool,
+        limit: Duration,
+    ) -> Result<bool> {
+        let start = Instant::now();
+        loop {
+            let m = self.agent_mut()?.metrics()?;
+            if metric(&m, name).is_some_and(&done) {
+                return Ok(true);
+            }
+            if start.elapsed() > limit {
+                return Ok(false);
+            }
+            topo::check_interrupt()?;
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+impl Mode for Socket {
+    fn name(&self) -> &'static str {
+        "socket"
+    }
+    fn describe(&self) -> &'static str {
+        "ebpf-proxy: cgroup connect4/sendmsg4/recvmsg4 hooks, maps written by proxy-agent"
+    }
+    fn setup(&mut self, ctx: &Ctx) -> Result<(), String> {
+        let agent = ctx.bin_dir.join("proxy-agent");
+        if !agent.is_file() {
+            return Err(format!(
+                "{} is missing (cargo xtask build)",
+                agent.display()
+            ));
+        }
+        self.stack = Some(new_stack()?);
+        Ok(())
+    }
+    fn stack(&self) -> Option<&Stack> {
+        self.stack.as_ref()
+    }
+    fn client_cgroup(&self, ctx: &Ctx) -> Option<PathBuf> {
+        Some(ctx.cgroup.clone())
+    }
+    fn program(
+        &mut self,
+        ctx: &Ctx,
+        services: &[Service],
+        limit: Duration,
+    ) -> Result<Option<Timing>> {
+        // From nothing: a fresh agent on an empty directory (hooks attached, maps empty),
+        // then the manifests appear.
+        self.agent = None;
+        for f in [FILLERS_FILE, TARGET_FILE] {
+            let _ = std::fs::remove_file(ctx.manifests.join(f));
+        }
+        let (agent, start_secs) = Agent::start(ctx)?;
+        self.agent = Some(agent);
+        self.figures = AgentFigures {
+            start_seconds: Some(start_secs),
+            ..AgentFigures::default()
+        };
+        let sync_before = metric(
+            &self.agent_mut()?.metrics()?,
+            "ebpf_proxy_sync_proxy_rules_duration_seconds_sum",
+        )
+        .unwrap_or(0.0);
+        let (fillers, target) = services.split_at(services.len() - 1);
+        let fillers_text = (!fillers.is_empty()).then(|| manifests_json(fillers));
+        let target_text = manifests_json(target);
+        let want = frontends(services) as f64;
+        let t = Instant::now();
+        if let Some(text) = &fillers_text {
+            write_atomic(&ctx.manifests.join(FILLERS_FILE), text)?;
+        }
+        write_atomic(&ctx.manifests.join(TARGET_FILE), &target_text)?;
+        let done = self.wait_metric("ebpf_proxy_programmed_frontends", |v| v >= want, limit)?;
+        let took = t.elapsed();
+        if !done {
+            return Ok(None);
+        }
+        let mut timing = Timing::default();
+        timing.step("manifests written -> all frontends in the maps", took);
+        // Let the sync's allocations settle before reading the resident memory.
+        std::thread::sleep(Duration::from_millis(200));
+        let agent = self.agent_mut()?;
+        let m = agent.metrics()?;
+        let rss = agent.rss_mib();
+        self.figures.sync_seconds =
+            metric(&m, "ebpf_proxy_sync_proxy_rules_duration_seconds_sum").map(|s| s - sync_before);
+        self.figures.rss_mib = rss;
+        Ok(Some(timing))
+    }
+    fn change(
+        &mut self,
+        ctx: &Ctx,
+        services: &[Service],
+        _old: &Service,
+        _: Duration,
+    ) -> Result<Option<Timing>> {
+        let m = self.agent_mut()?.metrics()?;
+        let name = "ebpf_proxy_network_programming_duration_seconds";
+        self.before_change = Some((
+            metric(&m, &format!("{name}_sum")).unwrap_or(0.0),
+            metric(&m, &format!("{name}_count")).unwrap_or(0.0),
+        ));
+        let t = Instant::now();
+        let target = &services[services.len() - 1..];
+        write_atomic(&ctx.manifests.join(TARGET_FILE), &manifests_json(target))?;
+        let mut timing = Timing::default();
+        timing.step("manifest written", t.elapsed());
+        Ok(Some(timing))
+    }
+    fn change_reported(&mut self) -> Option<f64> {
+        let (sum0, count0) = self.before_change.take()?;
+        let name = "ebpf_proxy_network_programming_duration_seconds";
+        // The sync has happened (the change is visible); its metric follows at once.
+        let count_name = format!("{name}_count");
+        self.wait_metric(&count_name, |c| c > count0, Duration::from_secs(30))
+            .ok()?;
+        let m = self.agent_mut().ok()?.metrics().ok()?;
+        let sum = metric(&m, &format!("{name}_sum"))?;
+        let count = metric(&m, &count_name)?;
+        // Exactly one observation: the target service's. More means a periodic full
+        // resync (one observation per service) landed in between: not attributable.
+        (count == count0 + 1.0).then_some(sum - sum0)
+    }
+    fn clear(&mut self, ctx: &Ctx) -> Result<()> {
+        self.agent = None;
+        for f in [FILLERS_FILE, TARGET_FILE] {
+            let _ = std::fs::remove_file(ctx.manifests.join(f));
+        }
+        Ok(())
+    }
+    fn agent(&self) -> Option<AgentFigures> {
+        Some(self.figures.clone())
+    }
+    fn cpu_seconds(&self) -> Option<f64> {
+        self.agent.as_ref()?.cpu_seconds()
+    }
+    fn pause(&mut self, paused: bool) {
+        if let Some(a) = &self.agent {
+            a.signal(if paused { libc::SIGSTOP } else { libc::SIGCONT });
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Legacy,
+    Nft,
+}
+
+/// kube-proxy's iptables mode, with the legacy (x_tables) or the nft backend.
+pub struct Iptables {
+    backend: Backend,
+    stack: Option<Stack>,
+}
+
+impl Iptables {
+    pub fn new(backend: Backend) -> Self {
+        Self {
+            backend,
+            stack: None,
+        }
+    }
+
+    fn tool(&self, what: &str) -> String {
+        match self.backend {
+            Backend::Legacy => format!("iptables-legacy{what}"),
+            Backend::Nft => format!("iptables-nft{what}"),
+        }
+    }
+
+    fn node(&self) -> Result<&topo::Netns> {
+        Ok(&self.stack.as_ref().context("no stack")?.node)
+    }
+
+    /// `iptables-restore -w 5 --noflush --counters`, as kube-proxy runs it.
+    fn restore(&self, input: &str, limit: Duration) -> Result<Option<Duration>> {
+        let tool = self.tool("-restore");
+        let t = Instant::now();
+        let done = run_bounded(
+            &mut in_ns(self.node()?, &tool, &["-w", "5", "--noflush", "--counters"]),
+            input,
+            limit,
+        )?;
+        Ok(done.map(|_| t.elapsed()))
+    }
+
+    fn save_nat(&self, limit: Duration) -> Result<Option<(String, Duration)>> {
+        let tool = self.tool("-save");
+        let t = Instant::now();
+        let out = run_bounded(&mut in_ns(self.node()?, &tool, &["-t", "nat"]), "", limit)?;
+        Ok(out.map(|o| (o, t.elapsed())))
+    }
+
+    fn jump_rules(&self) -> Result<()> {
+        self.restore(&iptables::jump_rules_restore(), Duration::from_secs(30))?
+            .context("installing the jump rules took more than 30 s")?;
+        Ok(())
+    }
+}
+
+impl Mode for Iptables {
+    fn name(&self) -> &'static str {
+        match self.backend {
+            Backend::Legacy => "iptables-legacy",
+            Backend::Nft => "iptables-nft",
+        }
+    }
+    fn describe(&self) -> &'static str {
+        match self.backend {
+            Backend::Legacy => {
+                "kube-proxy iptables mode, legacy x_tables backend (iptables-legacy-restore)"
+            }
+            Backend::Nft => "kube-proxy iptables mode, nf_tables backend (iptables-nft-restore)",
+        }
+    }
+    fn setup(&mut self, _: &Ctx) -> Result<(), String> {
+        self.stack = Some(new_stack()?);
+        self.jump_rules().map_err(|e| format!("{e:#}"))
+    }
+    fn stack(&self) -> Option<&Stack> {
+        self.stack.as_ref()
+    }
+    fn program(
+        &mut self,
+        _: &Ctx,
+        services: &[Service],
+        limit: Duration,
+    ) -> Result<Option<Timing>> {
+        let rules = iptables::Rules::for_services(services);
+        let text = rules.full(services);
+        let mut timing = Timing::default();
+        if !rules.large_cluster {
+            // Outside large cluster mode every sync reads the nat table back first, to
+            // find stale chains.
+            let Some((_, d)) = self.save_nat(limit)? else {
+                return Ok(None);
+            };
+            timing.step("iptables-save -t nat", d);
+        }
+        let Some(d) = self.restore(&text, limit)? else {
+            return Ok(None);
+        };
+        timing.step("iptables-restore --noflush (full sync)", d);
+        Ok(Some(timing))
+    }
+    fn change(
+        &mut self,
+        _: &Ctx,
+        services: &[Service],
+        _old: &Service,
+        limit: Duration,
+    ) -> Result<Option<Timing>> {
+        let rules = iptables::Rules::for_services(services);
+        let mut timing = Timing::default();
+        let mut stale = Vec::new();
+        if !rules.large_cluster {
+            let Some((save, d)) = self.save_nat(limit)? else {
+                return Ok(None);
+            };
+            timing.step("iptables-save -t nat", d);
+            stale = iptables::stale_chains(&save, services);
+        }
+        let changed = &services[services.len() - 1];
+        let text = rules.partial(services, changed, &stale);
+        let Some(d) = self.restore(&text, limit)? else {
+            return Ok(None);
+        };
+        timing.step("iptables-restore --noflush (partial sync)", d);
+        Ok(Some(timing))
+    }
+    fn clear(&mut self, _: &Ctx) -> Result<()> {
+        let node = self.node()?;
+        let tool = self.tool("");
+        for table in ["nat", "filter"] {
+            for op in ["-F", "-X"] {
+                run_bounded(
+                    &mut in_ns(node, &tool, &["-w", "5", "-t", table, op]),
+                    "",
+                    Duration::from_secs(600),
+                )?
+                .with_context(|| format!("{tool} -t {table} {op} took more than 600 s"))?;
+            }
+        }
+        self.jump_rules()
+    }
+}
+
+// ---------------------------------------------------------------------------------
+
+/// kube-proxy's nftables mode.
+#[derive(Default)]
+pub struct Nftables {
+    stack: Option<Stack>,
+}
+
+impl Nftables {
+    fn nft(&self, input: &str, limit: Duration) -> Result<Option<Duration>> {
+        let node = &self.stack.as_ref().context("no stack")?.node;
+        let t = Instant::now();
+        let done = run_bounded(&mut in_ns(node, "nft", &["-f", "-"]), input, limit)?;
+        Ok(done.map(|_| t.elapsed()))
+    }
+}
+
+impl Mode for Nftables {
+    fn name(&self) -> &'static str {
+        "nftables"
+    }
+    fn describe(&self) -> &'static str {
+        "kube-proxy nftables mode (one nft -f transaction per sync)"
+    }
+    fn setup(&mut self, _: &Ctx) -> Result<(), String> {
+        let stack = new_stack()?;
+        ns_run(&stack.node, "nft", &["list", "tables"], "").map_err(|e| format!("{e:#}"))?;
+        self.stack = Some(stack);
+        Ok(())
+    }
+    fn stack(&self) -> Option<&Stack> {
+        self.stack.as_ref()
+    }
+    fn program(
+        &mut self,
+        _: &Ctx,
+        services: &[Service],
+        limit: Duration,
+    ) -> Result<Option<Timing>> {
+        let text = nftables::full(services);
+        let Some(d) = self.nft(&text, limit)? else {
+            return Ok(None);
+        };
+        let mut timing = Timing::default();
+        timing.step("nft -f (full sync)", d);
+        Ok(Some(timing))
+    }
+    fn change(
+        &mut self,
+        _: &Ctx,
+        services: &[Service],
+        old: &Service,
+        limit: Duration,
+    ) -> Result<Option<Timing>> {
+        let text = nftables::partial(&services[services.len() - 1], old);
+        let Some(d) = self.nft(&text, limit)? else {
+            return Ok(None);
+        };
+        let mut timing = Timing::default();
+        timing.step("nft -f (partial sync)", d);
+        Ok(Some(timing))
+    }
+    fn clear(&mut self, _: &Ctx) -> Result<()> {
+        // Only kube-proxy's table lives in this (our) node namespace.
+        let node = &self.stack.as_ref().context("no stack")?.node;
+        run_bounded(
+            &mut in_ns(node, "nft", &["flush", "ruleset"]),
+            "",
+            Duration::from_secs(600),
+        )?
+        .context("nft flush ruleset took more than 600 s")?;
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------
+
+/// kube-proxy's IPVS mode.
+#[derive(Default)]
+pub struct Ipvs {
+    stack: Option<Stack>,
+}
+
+impl Ipvs {
+    fn node(&self) -> Result<&topo::Netns> {
+        Ok(&self.stack.as_ref().context("no stack")?.node)
+    }
+
+    fn timed(
+        &self,
+        timing: &mut Timing,
+        name: &str,
+        program: &str,
+        args: &[&str],
+        input: &str,
+        limit: Duration,
+    ) -> Result<bool> {
+        let t = Instant::now();
+        let done = run_bounded(&mut in_ns(self.node()?, program, args), input, limit)?;
+        timing.step(name, t.elapsed());
+        Ok(done.is_some())
+    }
+}
+
+impl Mode for Ipvs {
+    fn name(&self) -> &'static str {
+        "ipvs"
+    }
+    fn describe(&self) -> &'static str {
+        "kube-proxy IPVS mode (kube-ipvs0 dummy, rr virtual services, ipsets)"
+    }
+    fn setup(&mut self, _: &Ctx) -> Result<(), String> {
+        let stack = new_stack()?;
+        if let Err(e) = ns_run(&stack.node, "ipvsadm", &["-Ln"], "") {
+            let e = format!("{e:#}");
+            let kernel = std::fs::read("/proc/config.gz").ok().and_then(|_| {
+                let out = Command::new("sh")
+                    .args([
+                        "-c",
+                        "zcat /proc/config.gz | grep -E '^(# )?CONFIG_IP_VS( |=)'",
+                    ])
+                    .output()
+                    .ok()?;
+                Some(String::from_utf8_lossy(&out.stdout).trim().to_string())
+            });
+            return Err(match kernel {
+                Some(k) if k.contains("is not set") => {
+                    format!(
+                        "the kernel has no IPVS ({k}); ipvsadm: {}",
+                        e.lines().last().unwrap_or("")
+                    )
+                }
+                _ => format!("IPVS does not work here: {e}"),
+            });
+        }
+        let setup = || -> Result<()> {
+            stack
+                .node
+                .ip(&["link", "add", "kube-ipvs0", "type", "dummy"]);
+            for (k, v) in ipvs::SYSCTLS {
+                ns_run(&stack.node, "sysctl", &["-qw", &format!("{k}={v}")], "")?;
+            }
+            ns_run(
+                &stack.node,
+                "iptables-restore",
+                &["-w", "5", "--noflush"],
+                &ipvs::iptables_rules(),
+            )?;
+            Ok(())
+        };
+        setup().map_err(|e| format!("{e:#}"))?;
+        self.stack = Some(stack);
+        Ok(())
+    }
+    fn stack(&self) -> Option<&Stack> {
+        self.stack.as_ref()
+    }
+    fn program(
+        &mut self,
+        _: &Ctx,
+        services: &[Service],
+        limit: Duration,
+    ) -> Result<Option<Timing>> {
+        let mut timing = Timing::default();
+        let steps: [(&str, &str, Vec<&str>, String); 3] = [
+            (
+                "ClusterIPs on kube-ipvs0 (ip -batch)",
+                "ip",
+                vec!["-batch", "-"],
+                ipvs::addresses(services),
+            ),
+            (
+                "ipsets (ipset restore)",
+                "ipset",
+                vec!["restore"],
+                ipvs::ipsets(services),
+            ),
+            (
+                "virtual servers (ipvsadm -R)",
+                "ipvsadm",
+                vec!["-R"],
+                ipvs::virtual_servers(services),
+            ),
+        ];
+        for (name, program, args, input) in steps {
+            let left = limit.saturating_sub(Duration::from_secs_f64(timing.seconds));
+            if !self.timed(&mut timing, name, program, &args, &input, left)? {
+                return Ok(None);
+            }
+        }
+        Ok(Some(timing))
+    }
+    fn change(
+        &mut self,
+        _: &Ctx,
+        services: &[Service],
+        old: &Service,
+        limit: Duration,
+    ) -> Result<Option<Timing>> {
+        let new = &services[services.len() - 1];
+        let mut timing = Timing::default();
+        let done = self.timed(
+            &mut timing,
+            "ipvsadm -R (real servers)",
+            "ipvsadm",
+            &["-R"],
+            &ipvs::change(old, new),
+            limit,
+        )?;
+        Ok(done.then_some(timing))
+    }
+    fn clear(&mut self, _: &Ctx) -> Result<()> {
+        let node = self.node()?;
+        ns_run(node, "ipvsadm", &["-C"], "")?;
+        ns_run(node, "ip", &["addr", "flush", "dev", "kube-ipvs0"], "")?;
+        for set in ["KUBE-CLUSTER-IP", "KUBE-LOOP-BACK", "KUBE-IPVS-IPS"] {
+            ns_run(node, "ipset", &["flush", set], "")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_are_read_by_exact_name() {
+        let text = "# HELP x\nebpf_proxy_programmed_frontends 12\nebpf_proxy_network_programming_duration_seconds_sum 0.25\nebpf_proxy_network_programming_duration_seconds_count 3\n";
+        assert_eq!(metric(text, "ebpf_proxy_programmed_frontends"), Some(12.0));
+        assert_eq!(
+            metric(
+                text,
+                "ebpf_proxy_network_programming_duration_seconds_count"
+            ),
+            Some(3.0)
+        );
+        assert_eq!(metric(text, "ebpf_proxy_programmed"), None);
+    }
+
+    #[test]
+    fn manifests_are_json_lists_the_agent_reads() {
+        let text = manifests_json(&plan::services(2, false));
+        let v: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+        let items = v["items"].as_array().expect("items");
+        assert_eq!(items.len(), 4, "a Service and a slice per service");
+        assert_eq!(items[2]["spec"]["clusterIP"], "10.96.0.10");
+        assert_eq!(items[3]["endpoints"].as_array().map(Vec::len), Some(10));
+        assert_eq!(items[3]["ports"][1]["protocol"], "UDP");
+        assert_eq!(
+            items[1]["metadata"]["labels"]["kubernetes.io/service-name"],
+            "svc-0"
+        );
+    }
+}

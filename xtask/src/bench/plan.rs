@@ -1,0 +1,263 @@
+//! The benchmark's services and IP plan, and kube-proxy's names for them. Pure: every
+//! mode (our agent's manifests, kube-proxy's iptables/nftables/IPVS rules) is generated
+//! from the same [`Service`] list, so all modes hold exactly the same services.
+//!
+//! IP plan (inside the bench's own network namespaces only, see `topo.rs`):
+//! - service CIDR 10.96.0.0/12: the target service's ClusterIP is 10.96.0.10, filler
+//!   service `i` has 10.97.0.0 + i;
+//! - cluster (pod) CIDR 10.224.0.0/12: the client pod is 10.224.0.2 (its node side
+//!   10.224.0.1), the target's endpoints are 10.224.1.1 ..= 10.224.1.11 (node side
+//!   10.224.1.254), filler endpoints are 10.228.0.0 + 10 * i + e (never answered: only
+//!   the target service gets traffic).
+//!
+//! With `n` services, `n - 1` fillers come first and the target comes last, in every
+//! chain and map order: the worst case for a linear walk such as `KUBE-SERVICES`.
+
+use std::net::Ipv4Addr;
+
+use sha2::{Digest as _, Sha256};
+
+/// The namespace every benchmark Service lives in.
+pub const NAMESPACE: &str = "bench";
+/// Name of the one service that gets traffic.
+pub const TARGET: &str = "target";
+/// ClusterIP of the target service.
+pub const TARGET_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+/// kube-proxy's `--cluster-cidr` (its local-traffic detector): traffic from outside is
+/// masqueraded, pod traffic is not.
+pub const CLUSTER_CIDR: &str = "10.224.0.0/12";
+/// The service CIDR (nftables mode drops traffic to unallocated addresses in it).
+pub const SERVICE_CIDR: &str = "10.96.0.0/12";
+/// The client pod's address (namespace `client`, interface `eth0`).
+pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 224, 0, 2);
+/// The node's address on the client link (the client's default gateway).
+pub const NODE_CLIENT_SIDE: Ipv4Addr = Ipv4Addr::new(10, 224, 0, 1);
+/// The node's address on the pods link.
+pub const NODE_PODS_SIDE: Ipv4Addr = Ipv4Addr::new(10, 224, 1, 254);
+/// Endpoints per service.
+pub const ENDPOINTS: usize = 10;
+/// How many target endpoint addresses the pods namespace holds: 10 in use, plus the one
+/// an endpoint change swaps in.
+pub const TARGET_ADDRESSES: usize = ENDPOINTS + 1;
+
+/// TCP port answered with the endpoint's address (connect + one request/response).
+pub const HTTP_PORT: u16 = 80;
+/// UDP port answered with the endpoint's address.
+pub const DNS_PORT: u16 = 53;
+/// TCP port that swallows a bulk stream.
+pub const BULK_PORT: u16 = 5201;
+
+/// The most services the address plan holds (filler VIPs and endpoints stay in their
+/// ranges).
+pub const MAX_SERVICES: usize = 70_000;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    /// Lower case, as kube-proxy writes it in chain names and rules.
+    pub fn lower(self) -> &'static str {
+        match self {
+            Proto::Tcp => "tcp",
+            Proto::Udp => "udp",
+        }
+    }
+
+    /// As the Kubernetes API writes it.
+    pub fn upper(self) -> &'static str {
+        match self {
+            Proto::Tcp => "TCP",
+            Proto::Udp => "UDP",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Port {
+    pub name: &'static str,
+    pub proto: Proto,
+    pub port: u16,
+    pub target_port: u16,
+}
+
+/// One Service with its endpoints (all ready), as every mode programs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Service {
+    pub name: String,
+    pub vip: Ipv4Addr,
+    pub ports: Vec<Port>,
+    pub endpoints: Vec<Ipv4Addr>,
+}
+
+impl Service {
+    /// `namespace/name`.
+    pub fn namespaced(&self) -> String {
+        format!("{NAMESPACE}/{}", self.name)
+    }
+
+    /// kube-proxy's `ServicePortName.String()`: `ns/name:port` (`ns/name` for an unnamed
+    /// port).
+    pub fn port_name(&self, port: &Port) -> String {
+        if port.name.is_empty() {
+            self.namespaced()
+        } else {
+            format!("{}:{}", self.namespaced(), port.name)
+        }
+    }
+}
+
+fn http() -> Port {
+    Port {
+        name: "http",
+        proto: Proto::Tcp,
+        port: HTTP_PORT,
+        target_port: HTTP_PORT,
+    }
+}
+
+/// Target endpoint `i` (1-based, 1 ..= [`TARGET_ADDRESSES`]).
+pub fn target_endpoint(i: usize) -> Ipv4Addr {
+    assert!((1..=TARGET_ADDRESSES).contains(&i), "target endpoint {i}");
+    Ipv4Addr::new(10, 224, 1, i as u8)
+}
+
+/// The target's endpoints in state `swapped`: 1..=9 and either 10 (not swapped) or 11.
+/// An endpoint change toggles the state: one endpoint leaves, another arrives.
+pub fn target_endpoints(swapped: bool) -> Vec<Ipv4Addr> {
+    let last = if swapped { ENDPOINTS + 1 } else { ENDPOINTS };
+    (1..ENDPOINTS)
+        .chain(std::iter::once(last))
+        .map(target_endpoint)
+        .collect()
+}
+
+/// The target service: HTTP-like TCP, DNS-like UDP and a bulk TCP port.
+pub fn target(swapped: bool) -> Service {
+    Service {
+        name: TARGET.into(),
+        vip: TARGET_VIP,
+        ports: vec![
+            http(),
+            Port {
+                name: "dns",
+                proto: Proto::Udp,
+                port: DNS_PORT,
+                target_port: DNS_PORT,
+            },
+            Port {
+                name: "bulk",
+                proto: Proto::Tcp,
+                port: BULK_PORT,
+                target_port: BULK_PORT,
+            },
+        ],
+        endpoints: target_endpoints(swapped),
+    }
+}
+
+/// Filler service `i` (0-based): one TCP port, ten endpoints nobody talks to.
+pub fn filler(i: usize) -> Service {
+    assert!(i < MAX_SERVICES, "filler {i} is outside the address plan");
+    let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 97, 0, 0)) + i as u32);
+    let base = u32::from(Ipv4Addr::new(10, 228, 0, 0)) + (i * ENDPOINTS) as u32;
+    Service {
+        name: format!("svc-{i}"),
+        vip,
+        ports: vec![http()],
+        endpoints: (0..ENDPOINTS as u32)
+            .map(|e| Ipv4Addr::from(base + e))
+            .collect(),
+    }
+}
+
+/// All `n` services: `n - 1` fillers, then the target.
+pub fn services(n: usize, swapped: bool) -> Vec<Service> {
+    assert!(n >= 1, "at least the target service");
+    (0..n - 1)
+        .map(filler)
+        .chain(std::iter::once(target(swapped)))
+        .collect()
+}
+
+/// Number of (service port, endpoint) pairs: kube-proxy's iptables mode switches to its
+/// "large cluster mode" (no per-endpoint comments, lazy stale-chain cleanup) above 1,000.
+pub fn endpoint_count(services: &[Service]) -> usize {
+    services
+        .iter()
+        .map(|s| s.ports.len() * s.endpoints.len())
+        .sum()
+}
+
+/// RFC 4648 base32 (upper case, with padding), as Go's `base32.StdEncoding`.
+pub fn base32(data: &[u8]) -> String {
+    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+    let mut out = String::with_capacity(data.len().div_ceil(5) * 8);
+    for chunk in data.chunks(5) {
+        let mut buf = [0u8; 5];
+        buf[..chunk.len()].copy_from_slice(chunk);
+        let bits = buf.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b));
+        let symbols = (chunk.len() * 8).div_ceil(5);
+        for i in 0..8 {
+            if i < symbols {
+                let idx = (bits >> (35 - 5 * i)) & 31;
+                out.push(ALPHABET[idx as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// The first `len` characters of base32(sha256(text)): kube-proxy's chain-name hash
+/// (16 characters in iptables mode, 8 in nftables mode).
+pub fn hash_prefix(text: &str, len: usize) -> String {
+    let digest = Sha256::digest(text.as_bytes());
+    base32(&digest)[..len].to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base32_matches_rfc4648_vectors() {
+        for (input, want) in [
+            ("", ""),
+            ("f", "MY======"),
+            ("fo", "MZXQ===="),
+            ("foo", "MZXW6==="),
+            ("foob", "MZXW6YQ="),
+            ("fooba", "MZXW6YTB"),
+            ("foobar", "MZXW6YTBOI======"),
+        ] {
+            assert_eq!(base32(input.as_bytes()), want, "{input:?}");
+        }
+    }
+
+    #[test]
+    fn services_put_the_target_last_and_stay_in_their_ranges() {
+        let all = services(3, false);
+        assert_eq!(all.len(), 3);
+        assert_eq!(all[2].name, TARGET);
+        assert_eq!(all[0].vip, Ipv4Addr::new(10, 97, 0, 0));
+        assert_eq!(all[1].endpoints[0], Ipv4Addr::new(10, 228, 0, 10));
+        let last = filler(MAX_SERVICES - 1);
+        assert!(
+            last.vip < Ipv4Addr::new(10, 112, 0, 0),
+            "inside 10.96.0.0/12"
+        );
+        assert!(
+            *last.endpoints.last().expect("endpoints") < Ipv4Addr::new(10, 240, 0, 0),
+            "inside 10.224.0.0/12"
+        );
+        assert_eq!(
+            target_endpoints(true).last(),
+            Some(&Ipv4Addr::new(10, 224, 1, 11))
+        );
+        assert_eq!(endpoint_count(&services(1, false)), 30);
+    }
+}
