@@ -54,6 +54,7 @@ impl ManifestsDir {
     /// Reads what changed and returns the updates for the agent.
     pub fn scan(&mut self) -> io::Result<Vec<Update>> {
         let mut seen = Vec::new();
+        let mut changed = false;
         for entry in fs::read_dir(&self.dir)? {
             let path = entry?.path();
             let is_manifest = path
@@ -77,6 +78,7 @@ impl ManifestsDir {
                     continue;
                 }
             };
+            changed = true;
             match parse_file(&path, &text, &self.metrics) {
                 Ok(objects) => {
                     self.files.insert(path, FileState { stamp, objects });
@@ -100,7 +102,14 @@ impl ManifestsDir {
                 }
             }
         }
+        let before = self.files.len();
         self.files.retain(|p, _| seen.contains(p));
+        changed |= self.files.len() != before;
+        // Nothing was read again and nothing went away: nothing to diff (the common case,
+        // every poll; rebuilding the union of thousands of objects would cost a core).
+        if self.scanned && !changed {
+            return Ok(Vec::new());
+        }
 
         let mut desired: BTreeMap<(Kind, ObjKey), Value> = BTreeMap::new();
         for (path, f) in &self.files {

@@ -120,12 +120,12 @@ pub trait Mode {
     fn pause(&mut self, _paused: bool) {}
 }
 
-/// Every mode, in the order of the tables: `tc` is listed and not yet available.
+/// Every mode, in the order of the tables.
 pub fn all() -> Vec<Box<dyn Mode>> {
     vec![
         Box::new(Direct::default()),
         Box::new(Socket::default()),
-        Box::new(Tc),
+        Box::new(Socket::tc()),
         Box::new(Iptables::new(Backend::Legacy)),
         Box::new(Iptables::new(Backend::Nft)),
         Box::new(Nftables::default()),
@@ -184,48 +184,31 @@ impl Mode for Direct {
 
 // ---------------------------------------------------------------------------------
 
-/// Our TC datapath: a later issue.
-pub struct Tc;
-
-impl Mode for Tc {
-    fn name(&self) -> &'static str {
-        "tc"
-    }
-    fn describe(&self) -> &'static str {
-        "ebpf-proxy's per-packet TC datapath"
-    }
-    fn setup(&mut self, _: &Ctx) -> Result<(), String> {
-        Err("not yet available: the TC datapath is a later issue".into())
-    }
-    fn stack(&self) -> Option<&Stack> {
-        None
-    }
-    fn program(&mut self, _: &Ctx, _: &[Service], _: Duration) -> Result<Option<Timing>> {
-        bail!("not available")
-    }
-    fn change(
-        &mut self,
-        _: &Ctx,
-        _: &[Service],
-        _: &Service,
-        _: Duration,
-    ) -> Result<Option<Timing>> {
-        bail!("not available")
-    }
-    fn clear(&mut self, _: &Ctx) -> Result<()> {
-        Ok(())
-    }
-}
-
-// ---------------------------------------------------------------------------------
-
 /// ebpf-proxy's socket hooks, programmed by the real `proxy-agent run --manifests`.
 #[derive(Default)]
 pub struct Socket {
-    stack: Option<Stack>,
+    // The agent goes before the namespaces it may run in (field order is drop order).
     agent: Option<Agent>,
+    stack: Option<Stack>,
     figures: AgentFigures,
     before_change: Option<(f64, f64)>,
+    /// The TC variant: its own manifests directory and empty cgroup (dropped after the
+    /// agent: field order).
+    tc: Option<TcDirs>,
+    is_tc: bool,
+}
+
+/// The TC mode's own directories, removed on drop.
+struct TcDirs {
+    manifests: PathBuf,
+    cgroup: PathBuf,
+}
+
+impl Drop for TcDirs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.manifests);
+        let _ = std::fs::remove_dir(&self.cgroup);
+    }
 }
 
 /// A running `proxy-agent`; stopped and its pins removed on drop.
@@ -235,25 +218,57 @@ struct Agent {
     pin_path: PathBuf,
     metrics_port: u16,
     log: PathBuf,
+    netns: Option<PathBuf>,
+}
+
+/// Where an agent runs and what it owns: the socket mode's is the run's own; the TC
+/// mode's agent runs inside the node namespace, with the TC programs on the node's
+/// client-facing interface and its socket hooks on an empty cgroup of its own.
+struct Place {
+    manifests: PathBuf,
+    pin_path: PathBuf,
+    cgroup: PathBuf,
+    netns: Option<PathBuf>,
+    interfaces: Option<&'static str>,
 }
 
 impl Agent {
-    fn start(ctx: &Ctx) -> Result<(Self, f64)> {
-        let [healthz, metrics] = topo::free_ports();
+    fn start(ctx: &Ctx, place: &Place) -> Result<(Self, f64)> {
+        let [healthz, metrics] = match place.netns {
+            // Inside a fresh namespace every loopback port is free.
+            Some(_) => [10256, 10249],
+            None => topo::free_ports(),
+        };
         // Inside the manifests directory (removed with it); the agent reads only
         // .yaml/.yml/.json files there.
-        let log = ctx.manifests.join("agent.log");
+        let log = place.manifests.join("agent.log");
         let out = std::fs::File::create(&log)?;
         let start = Instant::now();
-        let child = Command::new(ctx.bin_dir.join("proxy-agent"))
-            .arg("run")
+        let mut cmd = match &place.netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net={}", ns.display()))
+                    .arg("--")
+                    .arg(ctx.bin_dir.join("proxy-agent"));
+                c
+            }
+            None => Command::new(ctx.bin_dir.join("proxy-agent")),
+        };
+        if let Some(ifs) = place.interfaces {
+            cmd.args(["run", "--interfaces", ifs]);
+        } else {
+            cmd.arg("run");
+        }
+        let child = cmd
             .arg("--manifests")
-            .arg(&ctx.manifests)
+            .arg(&place.manifests)
             .arg("--pin-path")
-            .arg(&ctx.pin_path)
+            .arg(&place.pin_path)
             .arg("--cgroup")
-            .arg(&ctx.cgroup)
+            .arg(&place.cgroup)
             .args(["--node-name", "bench-node"])
+            // Never touch this machine's iptables/nftables/IPVS.
+            .arg("--cleanup-kube-proxy=false")
             .args(["--healthz-addr", &format!("127.0.0.1:{healthz}")])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
             .env("RUST_LOG", "warn")
@@ -264,11 +279,12 @@ impl Agent {
         let mut agent = Self {
             child,
             bin_dir: ctx.bin_dir.clone(),
-            pin_path: ctx.pin_path.clone(),
+            pin_path: place.pin_path.clone(),
             metrics_port: metrics,
             log,
+            netns: place.netns.clone(),
         };
-        while !matches!(http_get(healthz, "/healthz"), Ok((200, _))) {
+        while !matches!(agent.get(healthz, "/healthz"), Ok((200, _))) {
             if let Some(status) = agent.child.try_wait()? {
                 bail!("proxy-agent exited ({status}):\n{}", agent.log_tail());
             }
@@ -279,6 +295,12 @@ impl Agent {
             std::thread::sleep(Duration::from_millis(10));
         }
         Ok((agent, start.elapsed().as_secs_f64()))
+    }
+
+    /// `GET` on the agent's loopback address, from inside its namespace.
+    fn get(&self, port: u16, path: &str) -> std::io::Result<(u16, String)> {
+        let _ns = self.netns.as_ref().map(|p| topo::NetnsGuard::enter(p));
+        http_get(port, path)
     }
 
     fn log_tail(&self) -> String {
@@ -292,7 +314,7 @@ impl Agent {
     fn metrics(&mut self) -> Result<String> {
         let start = Instant::now();
         loop {
-            let err = match http_get(self.metrics_port, "/metrics") {
+            let err = match self.get(self.metrics_port, "/metrics") {
                 Ok((200, body)) => return Ok(body),
                 Ok((code, _)) => format!("answered {code}"),
                 Err(e) => e.to_string(),
@@ -400,7 +422,13 @@ fn service_json(s: &Service) -> String {
     let endpoints: Vec<String> = s
         .endpoints
         .iter()
-        .map(|e| format!(r#"{{"addresses":["{e}"],"conditions":{{"ready":true}}}}"#))
+        // On this node (the agent runs with --node-name bench-node): no SNAT on the TC path,
+        // like iptables' DNAT for pod-to-service traffic.
+        .map(|e| {
+            format!(
+                r#"{{"addresses":["{e}"],"conditions":{{"ready":true}},"nodeName":"bench-node"}}"#
+            )
+        })
         .collect();
     format!(
         concat!(
@@ -433,6 +461,34 @@ fn frontends(services: &[Service]) -> usize {
 }
 
 impl Socket {
+    /// ebpf-proxy's per-packet TC datapath: the same agent and manifests, but the client
+    /// outside any hooked cgroup, so its traffic is translated at TC on the node.
+    pub fn tc() -> Self {
+        Self {
+            is_tc: true,
+            ..Self::default()
+        }
+    }
+
+    fn place(&self, ctx: &Ctx) -> Result<Place> {
+        Ok(match &self.tc {
+            Some(dirs) => Place {
+                manifests: dirs.manifests.clone(),
+                pin_path: PathBuf::from(format!("{}-tc", ctx.pin_path.display())),
+                cgroup: dirs.cgroup.clone(),
+                netns: Some(self.stack.as_ref().context("no stack")?.node.path()),
+                interfaces: Some("cli0"),
+            },
+            None => Place {
+                manifests: ctx.manifests.clone(),
+                pin_path: ctx.pin_path.clone(),
+                cgroup: ctx.cgroup.clone(),
+                netns: None,
+                interfaces: None,
+            },
+        })
+    }
+
     fn agent_mut(&mut self) -> Result<&mut Agent> {
         self.agent.as_mut().context("proxy-agent is not running")
     }
@@ -461,10 +517,18 @@ impl Socket {
 
 impl Mode for Socket {
     fn name(&self) -> &'static str {
-        "socket"
+        if self.is_tc {
+            "tc"
+        } else {
+            "socket"
+        }
     }
     fn describe(&self) -> &'static str {
-        "ebpf-proxy: cgroup connect4/sendmsg4/recvmsg4 hooks, maps written by proxy-agent"
+        if self.is_tc {
+            "ebpf-proxy: per-packet TC datapath on the node's client-facing interface (DNAT, conntrack, reverse NAT), client outside the hooked cgroup"
+        } else {
+            "ebpf-proxy: cgroup connect4/sendmsg4/recvmsg4 hooks, maps written by proxy-agent"
+        }
     }
     fn setup(&mut self, ctx: &Ctx) -> Result<(), String> {
         let agent = ctx.bin_dir.join("proxy-agent");
@@ -475,13 +539,21 @@ impl Mode for Socket {
             ));
         }
         self.stack = Some(new_stack()?);
+        if self.is_tc {
+            let manifests = PathBuf::from(format!("{}-tc", ctx.manifests.display()));
+            let cgroup = PathBuf::from(format!("{}-tc", ctx.cgroup.display()));
+            std::fs::create_dir_all(&manifests)
+                .map_err(|e| format!("{}: {e}", manifests.display()))?;
+            std::fs::create_dir_all(&cgroup).map_err(|e| format!("{}: {e}", cgroup.display()))?;
+            self.tc = Some(TcDirs { manifests, cgroup });
+        }
         Ok(())
     }
     fn stack(&self) -> Option<&Stack> {
         self.stack.as_ref()
     }
     fn client_cgroup(&self, ctx: &Ctx) -> Option<PathBuf> {
-        Some(ctx.cgroup.clone())
+        (!self.is_tc).then(|| ctx.cgroup.clone())
     }
     fn program(
         &mut self,
@@ -492,10 +564,11 @@ impl Mode for Socket {
         // From nothing: a fresh agent on an empty directory (hooks attached, maps empty),
         // then the manifests appear.
         self.agent = None;
+        let place = self.place(ctx)?;
         for f in [FILLERS_FILE, TARGET_FILE] {
-            let _ = std::fs::remove_file(ctx.manifests.join(f));
+            let _ = std::fs::remove_file(place.manifests.join(f));
         }
-        let (agent, start_secs) = Agent::start(ctx)?;
+        let (agent, start_secs) = Agent::start(ctx, &place)?;
         self.agent = Some(agent);
         self.figures = AgentFigures {
             start_seconds: Some(start_secs),
@@ -512,9 +585,9 @@ impl Mode for Socket {
         let want = frontends(services) as f64;
         let t = Instant::now();
         if let Some(text) = &fillers_text {
-            write_atomic(&ctx.manifests.join(FILLERS_FILE), text)?;
+            write_atomic(&place.manifests.join(FILLERS_FILE), text)?;
         }
-        write_atomic(&ctx.manifests.join(TARGET_FILE), &target_text)?;
+        write_atomic(&place.manifests.join(TARGET_FILE), &target_text)?;
         let done = self.wait_metric("ebpf_proxy_programmed_frontends", |v| v >= want, limit)?;
         let took = t.elapsed();
         if !done {
@@ -547,7 +620,8 @@ impl Mode for Socket {
         ));
         let t = Instant::now();
         let target = &services[services.len() - 1..];
-        write_atomic(&ctx.manifests.join(TARGET_FILE), &manifests_json(target))?;
+        let place = self.place(ctx)?;
+        write_atomic(&place.manifests.join(TARGET_FILE), &manifests_json(target))?;
         let mut timing = Timing::default();
         timing.step("manifest written", t.elapsed());
         Ok(Some(timing))
@@ -568,8 +642,9 @@ impl Mode for Socket {
     }
     fn clear(&mut self, ctx: &Ctx) -> Result<()> {
         self.agent = None;
+        let place = self.place(ctx)?;
         for f in [FILLERS_FILE, TARGET_FILE] {
-            let _ = std::fs::remove_file(ctx.manifests.join(f));
+            let _ = std::fs::remove_file(place.manifests.join(f));
         }
         Ok(())
     }
