@@ -43,6 +43,10 @@ enum Cmd {
         /// Skip `cargo fmt --check` and `cargo clippy`.
         #[arg(long)]
         no_lint: bool,
+        /// Skip the quick benchmark run (`cargo xtask bench --quick`, no thresholds: it
+        /// only keeps the benchmark from rotting).
+        #[arg(long)]
+        no_bench: bool,
         /// Extra arguments for `cargo test` (a test name filter, say).
         #[arg(last = true)]
         args: Vec<String>,
@@ -63,9 +67,13 @@ fn main() -> Result<()> {
             demo::run(&workspace_root().join("target/release"), requests_per_pod)
         }
         Cmd::Bench(args) => bench::main(args),
-        Cmd::Test { no_lint, args } => {
+        Cmd::Test {
+            no_lint,
+            no_bench,
+            args,
+        } => {
             setup::ensure()?;
-            test(no_lint, &args)
+            test(no_lint, no_bench, &args)
         }
     }
 }
@@ -113,10 +121,25 @@ fn build() -> Result<()> {
     Ok(())
 }
 
-fn test(no_lint: bool, args: &[String]) -> Result<()> {
+fn test(no_lint: bool, no_bench: bool, args: &[String]) -> Result<()> {
     if !no_lint {
         run(cargo().args(["fmt", "--all", "--", "--check"]))?;
         run(cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
+    }
+    // Before the tests, so their summary stays the last line.
+    if !no_bench && setup::is_root() && args.is_empty() {
+        build()?;
+        run(cargo()
+            .args([
+                "run",
+                "--quiet",
+                "--package",
+                "xtask",
+                "--",
+                "bench",
+                "--quick",
+            ])
+            .args(["--out", "target/bench-quick"]))?;
     }
     if !setup::is_root() {
         eprintln!(
