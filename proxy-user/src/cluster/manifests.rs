@@ -124,7 +124,7 @@ impl ManifestsDir {
         }
         let updates = if !self.scanned {
             self.scanned = true;
-            let mut sorted: Vec<(&(Kind, &ObjKey), &(&Value, u64))> = desired.iter().collect();
+            let mut sorted: Vec<_> = desired.iter().collect();
             sorted.sort_by(|a, b| a.0.cmp(b.0));
             [Kind::Service, Kind::EndpointSlice, Kind::Node]
                 .into_iter()
