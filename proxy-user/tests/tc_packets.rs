@@ -218,24 +218,11 @@ impl Bed {
         Self { ebpf, writer, pins }
     }
 
+    /// Runs `prog` on `pkt`; returns the verdict and the packet out, parsed (which checks
+    /// every checksum).
     fn run(&self, prog: &str, pkt: &Pkt) -> (u32, Pkt) {
-        let p: &SchedClassifier = self
-            .ebpf
-            .program(prog)
-            .expect("program")
-            .try_into()
-            .expect("classifier");
-        let data = pkt.build();
-        let mut out = vec![0u8; 512];
-        let res = p
-            .test_run(TestRunOptions {
-                data_in: Some(&data),
-                data_out: Some(&mut out),
-                ..TestRunOptions::new()
-            })
-            .expect("test run");
-        out.truncate(res.data_size_out as usize);
-        (res.return_value, Pkt::parse(&out))
+        let (verdict, out) = self.run_raw(prog, &pkt.build());
+        (verdict, Pkt::parse(&out))
     }
 }
 
