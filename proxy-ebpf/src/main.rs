@@ -3,7 +3,10 @@
 //! - `maps`: every map, with its purpose (sizes in `proxy_common::limits`);
 //! - `lb`: frontend lookup, equal-weight backend selection and the reverse path,
 //!   written once over an address family trait and instantiated for v4 and v6;
-//! - `sock`: the eight cgroup `sock_addr` hooks, each a thin shell around `lb`.
+//! - `sock`: the eight cgroup `sock_addr` hooks, each a thin shell around `lb`;
+//! - `tc`: the per-packet datapath at TC (NodePort, external and LB addresses);
+//! - `icmp`: ICMP errors about NATed flows, translated;
+//! - `unreach`: ICMP port unreachable for UDP to a frontend without endpoints.
 #![no_std]
 #![no_main]
 
@@ -12,6 +15,7 @@ mod lb;
 mod maps;
 mod sock;
 mod tc;
+mod unreach;
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -10,7 +10,9 @@
 //! 3. otherwise a packet to a frontend (or to a node address on a NodePort) starts a
 //!    flow: source ranges checked, the local-only twin used under
 //!    `externalTrafficPolicy: Local`, a backend chosen with equal weight, DNAT, SNAT to the
-//!    node's address when the backend is on another node, both conntrack entries written.
+//!    node's address when the backend is on another node, both conntrack entries written;
+//!    a frontend without endpoints answers a TCP SYN with RST and a UDP datagram with
+//!    ICMP port unreachable (`unreach`), as kube-proxy's REJECT does.
 //!
 //! Packets whose source became one of the node's own addresses (SNATed flows, and replies
 //! restored to a node-address frontend) are forwarded with a FIB lookup and redirect,
@@ -146,6 +148,8 @@ trait Fam {
     /// Per-CPU scratch space for the parsed packet and a new flow's choice: kept off the
     /// stack, whose 512 bytes the verifier counts over the whole call chain.
     fn scratch() -> Option<*mut Scratch<Self::Addr>>;
+    /// Answers the UDP datagram at `ctx` with an ICMP port unreachable.
+    fn reject_udp(ctx: &TcContext) -> i32;
 }
 
 /// Per-CPU scratch (one entry per family).
@@ -338,6 +342,10 @@ impl Fam for V4 {
     }
 
     #[inline(always)]
+    fn reject_udp(ctx: &TcContext) -> i32 {
+        crate::unreach::udp4(ctx)
+    }
+
     fn fib_set(p: &mut FibParams, src: u32, dst: u32) {
         p.__bindgen_anon_3.ipv4_src = src;
         p.__bindgen_anon_4.ipv4_dst = dst;
@@ -518,6 +526,10 @@ impl Fam for V6 {
     }
 
     #[inline(always)]
+    fn reject_udp(ctx: &TcContext) -> i32 {
+        crate::unreach::udp6(ctx)
+    }
+
     fn fib_set(p: &mut FibParams, src: [u32; 4], dst: [u32; 4]) {
         p.__bindgen_anon_3.ipv6_src = src;
         p.__bindgen_anon_4.ipv6_dst = dst;
@@ -817,6 +829,9 @@ fn pick<F: Fam>(
         count(Reason::TcNoBackend);
         if p.proto == proto::TCP && p.tcp_flags & TCP_SYN != 0 && p.tcp_flags & TCP_ACK == 0 {
             return Ok(Some(Action::Verdict(reject_tcp::<F>(ctx, p))));
+        }
+        if p.proto == proto::UDP {
+            return Ok(Some(Action::Verdict(F::reject_udp(ctx))));
         }
         return Ok(Some(Action::Verdict(TC_ACT_SHOT as i32)));
     }

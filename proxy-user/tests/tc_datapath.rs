@@ -228,6 +228,22 @@ fn ask_udp(addr: SocketAddr) -> std::io::Result<(String, String)> {
     ))
 }
 
+/// One datagram over a connected UDP socket; an ICMP port unreachable in answer makes
+/// the receive fail with `ECONNREFUSED`.
+fn udp_connected(addr: SocketAddr) -> std::io::Result<Vec<u8>> {
+    let sock = UdpSocket::bind(if addr.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    })?;
+    sock.connect(addr)?;
+    sock.set_read_timeout(Some(Duration::from_millis(700)))?;
+    sock.send(b"hi")?;
+    let mut buf = [0u8; 256];
+    let n = sock.recv(&mut buf)?;
+    Ok(buf[..n].to_vec())
+}
+
 /// Asks `n` times and returns, per pod, the client addresses it saw.
 fn spread(
     ns: &Netns,
@@ -398,6 +414,22 @@ fn nodeport_lb_and_external_ips_through_tc_with_both_traffic_policies() {
         let _g = c.ext.enter();
         matches!(ask_tcp(nodeport), Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused)
     });
+    // ...and UDP gets ICMP port unreachable, which a connected socket reports as
+    // ECONNREFUSED, over IPv4 and IPv6.
+    for addr in [
+        SocketAddr::from(([10, 100, 0, 2], NODEPORT + 1)),
+        format!("[fd00:100::2]:{}", NODEPORT + 1)
+            .parse()
+            .expect("v6"),
+    ] {
+        let _g = c.ext.enter();
+        let err = udp_connected(addr).expect_err("no endpoints: no reply");
+        assert_eq!(
+            err.kind(),
+            std::io::ErrorKind::ConnectionRefused,
+            "{addr}: {err}"
+        );
+    }
 
     // loadBalancerSourceRanges: an allow-list on the LoadBalancer address.
     let lb = SocketAddr::from(([10, 100, 50, 1], 80));

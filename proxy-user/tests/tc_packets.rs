@@ -385,13 +385,40 @@ fn no_endpoints_reject_and_source_ranges_deny() {
     assert_eq!(verdict, TC_ACT_REDIRECT);
     assert_eq!((out.src, out.dst), (syn.dst, syn.src));
     assert_eq!(out.flags, RST | ACK);
-    let udp = Frontend::new(Ipv4Addr::new(10, 96, 0, 20), 53, Proto::Udp);
-    bed.writer.upsert(&entry(udp, &[], 0)).expect("upsert");
-    let (verdict, _) = bed.run(
-        "tc_ingress",
-        &Pkt::udp("198.51.100.7:5000", "10.96.0.20:53"),
-    );
-    assert_eq!(verdict, TC_ACT_SHOT);
+    // UDP: answered with ICMP (v6) port unreachable from the frontend, quoting the
+    // datagram's IP and UDP headers (so the client's stack finds its socket), every
+    // checksum valid, MAC addresses swapped.
+    let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+    for (fe, client, frontend) in [
+        (ip("10.96.0.20"), "198.51.100.7:5000", "10.96.0.20:53"),
+        (
+            ip("2001:db8:96::20"),
+            "[2001:db8::7]:5000",
+            "[2001:db8:96::20]:53",
+        ),
+    ] {
+        let udp = Frontend::new(fe, 53, Proto::Udp);
+        bed.writer.upsert(&entry(udp, &[], 0)).expect("upsert");
+        let dgram = Pkt::udp(client, frontend);
+        let frame = dgram.build();
+        let (verdict, out) = bed.run_raw("tc_ingress", &frame);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{frontend}");
+        assert_eq!((&out[..6], &out[6..12]), (&frame[6..12], &frame[..6]));
+        let v4 = fe.is_ipv4();
+        let icmp_at = if v4 { 34 } else { 54 };
+        let (kind, code) = if v4 { (3, 3) } else { (1, 4) };
+        assert_eq!((out[icmp_at], out[icmp_at + 1]), (kind, code), "{frontend}");
+        assert_eq!(
+            out.len(),
+            icmp_at + 8 + if v4 { 28 } else { 48 },
+            "{frontend}: the quote is the IP header and 8 bytes"
+        );
+        assert_eq!(
+            parse_icmp_error(&out),
+            (fe, sa(client).ip(), sa(client), sa(frontend)),
+            "{frontend}"
+        );
+    }
 
     // loadBalancerSourceRanges: 198.51.100.0/24 allowed, others dropped.
     let lb = Frontend::new(Ipv4Addr::new(203, 0, 113, 10), 443, Proto::Tcp);
