@@ -100,9 +100,13 @@ pub mod limits {
     pub const MAX_BACKENDS_PER_SERVICE: u32 = u16::MAX as u32;
     /// Entries in `META`.
     pub const META_ENTRIES: u32 = 4;
-    /// TC connection-tracking entries per family (two per flow: original and reply).
+    /// TC connection-tracking entries per family (two per flow: original and reply),
+    /// as compiled; the agent sizes the tables at load time (`--conntrack-max`).
     /// LRU: a full table evicts the least recently used flows instead of refusing new ones.
     pub const MAX_CT: u32 = 1 << 18;
+    /// The smallest and largest table the agent accepts, in flows per family.
+    pub const CT_FLOWS_MIN: u32 = 64;
+    pub const CT_FLOWS_MAX: u32 = 1 << 23;
     /// Node addresses per family.
     pub const MAX_NODE_ADDRS: u32 = 256;
     /// Source-range prefixes per family, all services together.

@@ -95,6 +95,12 @@ pub enum LoadError {
         #[source]
         source: aya::programs::ProgramError,
     },
+    #[error(
+        "conntrack size {flows} flows is out of range ({}..={} flows per address family)",
+        proxy_common::limits::CT_FLOWS_MIN,
+        proxy_common::limits::CT_FLOWS_MAX
+    )]
+    ConntrackSize { flows: u32 },
     #[error("the TC datapath needs TCX (kernel >= 6.6) so its links can be pinned")]
     TcxUnsupported,
     #[error("pinned link {path}: {source}")]
@@ -121,6 +127,27 @@ pub struct InstallOptions {
     /// Interfaces (in the caller's network namespace) for the TC programs, ingress and
     /// egress (TCX: kernel >= 6.6).
     pub interfaces: Vec<String>,
+    /// Size of each conntrack table (CT4, CT6) in flows; a flow takes two entries. Used
+    /// when the tables are created: pinned tables keep the size they were made with.
+    pub conntrack_flows: u32,
+}
+
+/// Default conntrack size in flows per family (`--conntrack-max`).
+pub const DEFAULT_CONNTRACK_FLOWS: u32 = proxy_common::limits::MAX_CT / 2;
+
+/// Map entries for `flows` conntrack flows, checked against the accepted range.
+pub fn conntrack_entries(flows: u32) -> Result<u32, LoadError> {
+    use proxy_common::limits::{CT_FLOWS_MAX, CT_FLOWS_MIN};
+    if !(CT_FLOWS_MIN..=CT_FLOWS_MAX).contains(&flows) {
+        return Err(LoadError::ConntrackSize { flows });
+    }
+    Ok(flows * 2)
+}
+
+/// `max_entries` of the pinned map at `path`, if there is one.
+fn pinned_max_entries(path: &Path) -> Option<u32> {
+    let map = aya::maps::MapData::from_pin(path).ok()?;
+    map.info().ok().map(|i| i.max_entries())
 }
 
 /// One attachment of a program, and the name of its pinned link under `links/`.
@@ -158,6 +185,8 @@ pub struct InstallReport {
     pub attached: Vec<String>,
     /// The cgroup the new hooks were attached to.
     pub cgroup: Option<PathBuf>,
+    /// `max_entries` of each conntrack table: the pinned one's when adopted.
+    pub conntrack_entries: u32,
 }
 
 /// What [`uninstall`] removed.
@@ -212,6 +241,19 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     }
 
     let mut report = InstallReport::default();
+    let ct_entries = conntrack_entries(opts.conntrack_flows)?;
+    report.conntrack_entries = ct_entries;
+    if let Some(pinned) = pinned_max_entries(&pin_path.join(map_names::CT4)) {
+        if pinned != ct_entries {
+            warn!(
+                pinned_flows = pinned / 2,
+                wanted_flows = ct_entries / 2,
+                "the pinned conntrack tables keep their size (resizing would drop every \
+                 tracked flow); `proxy-agent uninstall` and a restart apply the new size"
+            );
+        }
+        report.conntrack_entries = pinned;
+    }
     let mut hooks: Vec<Hook> = SOCK_PROGRAMS.iter().map(|p| Hook::Sock(p)).collect();
     for iface in &opts.interfaces {
         for ingress in [true, false] {
@@ -247,7 +289,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     };
     cgroup::check_cgroup2_dir(&cgroup_dir).map_err(io_err("checking", &cgroup_dir))?;
 
-    let mut ebpf = load_object(pin_path)?;
+    let mut ebpf = load_object(pin_path, ct_entries)?;
 
     let mut pinned_now: Vec<PathBuf> = Vec::new();
     let mut log_program_id = None;
@@ -344,13 +386,17 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
 /// Loads the eBPF object with its maps pinned (or reused) under `pin_path` and records
 /// the ABI version; programs are not loaded into the kernel yet. For `install`, and for
 /// tests that run a program with `BPF_PROG_TEST_RUN`.
-pub fn load_object(pin_path: &Path) -> Result<aya::Ebpf, LoadError> {
+///
+/// `ct_entries` sizes the conntrack tables when they are created here (not when pinned).
+pub fn load_object(pin_path: &Path, ct_entries: u32) -> Result<aya::Ebpf, LoadError> {
     if EBPF_OBJECT.is_empty() {
         return Err(LoadError::NoObject);
     }
     fs::create_dir_all(pin_path).map_err(io_err("creating", pin_path))?;
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(pin_path)
+        .map_max_entries(map_names::CT4, ct_entries)
+        .map_max_entries(map_names::CT6, ct_entries)
         .load(EBPF_OBJECT)?;
     write_meta(&mut ebpf, meta::ABI_VERSION, ABI_VERSION)?;
     Ok(ebpf)
@@ -465,5 +511,29 @@ fn bump_memlock_rlimit() {
             error = %io::Error::last_os_error(),
             "could not raise RLIMIT_MEMLOCK (fine on kernels >= 5.11)"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conntrack_size_is_two_entries_per_flow_within_range() {
+        assert_eq!(
+            conntrack_entries(DEFAULT_CONNTRACK_FLOWS).ok(),
+            Some(1 << 18)
+        );
+        assert_eq!(conntrack_entries(64).ok(), Some(128));
+        for bad in [0, 63, (1 << 23) + 1] {
+            let err = conntrack_entries(bad).expect_err("out of range");
+            assert_eq!(
+                err.to_string(),
+                format!(
+                    "conntrack size {bad} flows is out of range (64..=8388608 flows per \
+                     address family)"
+                )
+            );
+        }
     }
 }

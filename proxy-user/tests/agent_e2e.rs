@@ -219,8 +219,13 @@ fn restarting_the_agent_drops_no_connection() {
         "web-slice.yaml",
         &slice("web-1", "web", TARGET, &[ready(&pod(1)), ready(&pod(2))]),
     );
-    let mut agent = AgentProcess::start(&env, &dir.arg());
+    let [m, d] = dir.arg();
+    let mut agent = AgentProcess::start(&env, &[m, d, "--conntrack-max", "1000"]);
     agent.wait_healthy(Duration::from_secs(20));
+    assert!(
+        agent.metrics().contains("ebpf_proxy_conntrack_max 1000\n"),
+        "the conntrack tables have the size asked for"
+    );
 
     // A client hammers the VIP from its own thread for the whole test.
     let stop = Arc::new(AtomicBool::new(false));
@@ -253,10 +258,16 @@ fn restarting_the_agent_drops_no_connection() {
         "web-slice.yaml",
         &slice("web-1", "web", TARGET, &[ready(&pod(2)), ready(&pod(3))]),
     );
-    let mut agent = AgentProcess::start(&env, &dir.arg());
+    // Another size: the pinned tables (and their flows) are kept, with a warning.
+    let mut agent = AgentProcess::start(&env, &[m, d, "--conntrack-max", "2000"]);
     agent.wait_healthy(Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, Ordering::Relaxed);
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("ebpf_proxy_conntrack_max 1000\n"),
+        "pinned tables keep their size: {metrics}"
+    );
     let errors = client.join().expect("client");
     eprintln!(
         "connections: {} ok ({during} while no agent ran), {} failed",
@@ -271,6 +282,10 @@ fn restarting_the_agent_drops_no_connection() {
     let logs = agent.logs();
     assert!(
         logs.contains("adopted the pinned datapath") || logs.contains("adopted=8"),
+        "{logs}"
+    );
+    assert!(
+        logs.contains("the pinned conntrack tables keep their size"),
         "{logs}"
     );
     // The edit made while no agent ran is applied by the new one.

@@ -1026,6 +1026,7 @@ impl Agent {
             .args(["--metrics-addr", "127.0.0.1:10249"])
             .args(["--min-sync-interval", "10ms", "--manifests-poll", "20ms"])
             .arg(format!("--cleanup-kube-proxy={cleanup}"))
+            .args(["--interfaces", "none"])
             .env("RUST_LOG", "info")
             .stdout(file.try_clone().expect("log"))
             .stderr(file)

@@ -11,7 +11,7 @@ mod support;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
-use proxy_common::{backend_flags, svc_flags};
+use proxy_common::{backend_flags, map_names, svc_flags, Ct4Key, Ct4Value};
 use proxy_user::{bpf, loader, model::Backend, BpfMaps, Frontend, Proto, ServiceEntry, Writer};
 use support::{require_root, PinDir};
 
@@ -198,9 +198,15 @@ struct Bed {
 
 impl Bed {
     fn new() -> Self {
+        Self::with_conntrack(loader::DEFAULT_CONNTRACK_FLOWS)
+    }
+
+    /// With conntrack tables of `flows` flows per family.
+    fn with_conntrack(flows: u32) -> Self {
         require_root();
         let pins = PinDir::new();
-        let mut ebpf = loader::load_object(&pins.path).expect("load object");
+        let entries = loader::conntrack_entries(flows).expect("size");
+        let mut ebpf = loader::load_object(&pins.path, entries).expect("load object");
         for name in ["tc_ingress", "tc_egress"] {
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(name)
@@ -644,4 +650,53 @@ fn icmp_errors_about_nated_flows_are_translated() {
         &Pkt::tcp("10.96.0.10:80", "198.51.100.8:1", ACK),
     );
     assert_eq!(bed.run_raw("tc_ingress", &stray), (TC_ACT_OK, stray));
+}
+
+#[test]
+fn a_full_conntrack_table_evicts_old_flows_and_never_refuses_new_ones() {
+    let flows = 128;
+    let mut bed = Bed::with_conntrack(flows);
+    let fe = Frontend::new(Ipv4Addr::new(10, 96, 0, 30), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], 0))
+        .expect("upsert");
+    let ct: aya::maps::HashMap<_, Ct4Key, Ct4Value> =
+        aya::maps::HashMap::try_from(bed.ebpf.map(map_names::CT4).expect("CT4")).expect("map");
+    assert_eq!(
+        aya::maps::MapInfo::from_pin(bed.pins.path.join(map_names::CT4))
+            .expect("pinned CT4")
+            .max_entries(),
+        2 * flows,
+        "the table has the size asked for"
+    );
+    // Sixteen times as many flows as the table holds: every one is translated.
+    let total = 16 * flows as u16;
+    for i in 0..total {
+        let syn = Pkt::tcp(&format!("198.51.100.7:{}", 10000 + i), "10.96.0.30:80", SYN);
+        let (verdict, out) = bed.run("tc_ingress", &syn);
+        assert_eq!(
+            (verdict, out.dst),
+            (TC_ACT_OK, sa("10.1.1.2:8080")),
+            "flow {i} with the table full"
+        );
+    }
+    let keys: Vec<Ct4Key> = ct.keys().map(|k| k.expect("key")).collect();
+    assert!(
+        keys.len() <= 2 * flows as usize,
+        "{} entries in a table of {}",
+        keys.len(),
+        2 * flows
+    );
+    let port = |k: &Ct4Key| u16::from_be(k.sport);
+    // The newest flow is tracked, the oldest were evicted.
+    let orig: Vec<u16> = keys.iter().filter(|k| k.dir == 0).map(port).collect();
+    assert!(orig.contains(&(10000 + total - 1)), "newest flow tracked");
+    assert!(!orig.contains(&10000), "oldest flow evicted");
+    // A later packet of the newest flow follows its entry.
+    let ack = Pkt::tcp(
+        &format!("198.51.100.7:{}", 10000 + total - 1),
+        "10.96.0.30:80",
+        ACK,
+    );
+    assert_eq!(bed.run("tc_ingress", &ack).1.dst, sa("10.1.1.2:8080"));
 }

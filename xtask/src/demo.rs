@@ -199,6 +199,8 @@ pub fn run(bin_dir: &Path, requests_per_pod: usize) -> Result<()> {
         .args(["--node-name", "demo-node"])
         // The demo must never touch this machine's iptables/nftables/IPVS.
         .arg("--cleanup-kube-proxy=false")
+        // ...nor attach TC programs to its interfaces (the demo is socket-level).
+        .args(["--interfaces", "none"])
         .args(["--healthz-addr", &format!("127.0.0.1:{healthz}")])
         .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
         .stdout(fs::File::create(&log)?)

@@ -57,6 +57,8 @@ pub struct Metrics {
     pub backends: Gauge,
     /// Services known (after filtering).
     pub services: Gauge,
+    /// Size of each conntrack table in flows (the pinned tables' size).
+    pub conntrack_max: Gauge,
     /// Watch restarts (relists) per resource.
     pub watch_restarts: Family<Resource, Counter>,
     /// Watch stream errors per resource.
@@ -91,6 +93,7 @@ impl Metrics {
             frontends: Gauge::default(),
             backends: Gauge::default(),
             services: Gauge::default(),
+            conntrack_max: Gauge::default(),
             watch_restarts: Family::default(),
             watch_errors: Family::default(),
             objects_skipped: Family::default(),
@@ -126,6 +129,11 @@ impl Metrics {
             "services",
             "Services known after filtering",
             m.services.clone(),
+        );
+        registry.register(
+            "conntrack_max",
+            "Size of each conntrack table (CT4, CT6) in flows; LRU when full",
+            m.conntrack_max.clone(),
         );
         registry.register(
             "watch_restarts",

@@ -48,6 +48,8 @@ pub struct AgentOptions {
     /// Interfaces for the TC datapath: `None` for none, `Some(empty)` for the node's
     /// interfaces found automatically, or the given names.
     pub interfaces: Option<Vec<String>>,
+    /// Conntrack table size in flows per address family (`--conntrack-max`).
+    pub conntrack_flows: u32,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -63,12 +65,14 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         pin_path: opts.pin_path.clone(),
         cgroup: opts.cgroup.clone(),
         interfaces: interfaces.clone(),
+        conntrack_flows: opts.conntrack_flows,
     })
     .with_context(|| format!("installing the datapath at {}", opts.pin_path.display()))?;
     info!(
         attached = installed.attached.len(),
         adopted = installed.adopted.len(),
         cgroup = ?installed.cgroup,
+        conntrack_flows = installed.conntrack_entries / 2,
         "datapath ready"
     );
     if !interfaces.is_empty() {
@@ -86,6 +90,9 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     );
 
     let metrics = Arc::new(Metrics::new());
+    metrics
+        .conntrack_max
+        .set(i64::from(installed.conntrack_entries / 2));
     let health = Arc::new(Health::new(opts.sync_interval * 2));
     let m = metrics::spawn(
         opts.metrics_addr,

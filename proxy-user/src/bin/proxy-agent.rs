@@ -37,6 +37,9 @@ enum Command {
         /// Interfaces for the TC datapath (comma-separated; none by default here).
         #[arg(long, env = "PROXY_INTERFACES", value_delimiter = ',')]
         interfaces: Vec<String>,
+        /// Conntrack table size in flows per address family (see `run --help`).
+        #[arg(long, env = "PROXY_CONNTRACK_MAX", default_value_t = loader::DEFAULT_CONNTRACK_FLOWS)]
+        conntrack_max: u32,
     },
     /// Remove what kube-proxy left in this network namespace (its iptables chains and
     /// the jumps into them, its nftables tables, IPVS services, kube-ipvs0, ipsets) and
@@ -95,11 +98,17 @@ struct RunArgs {
           value_parser = clap::builder::BoolishValueParser::new())]
     cleanup_kube_proxy: bool,
     /// Interfaces for the TC datapath (NodePort, externalIPs, LoadBalancer IPs from
-    /// outside): `auto` (the node's interfaces that carry its addresses), `none`, or a
-    /// comma-separated list. The binary's default is `none` so that starting it by hand
-    /// never grabs a workstation's interfaces; the DaemonSet sets `auto`.
-    #[arg(long, env = "PROXY_INTERFACES", default_value = "none")]
+    /// outside): `auto` (the node's interfaces that carry its addresses: every interface
+    /// with a global address, not loopback, not a veth, bridge or tunnel), `none`, or a
+    /// comma-separated list. Use `none` when running it by hand on a workstation.
+    #[arg(long, env = "PROXY_INTERFACES", default_value = "auto")]
     interfaces: String,
+    /// Size of the TC datapath's conntrack tables, in flows per address family (each
+    /// flow takes two entries). LRU: when full, the least recently used flows are
+    /// evicted; new flows are never refused. Applies when the tables are created: pinned
+    /// tables keep their size until `proxy-agent uninstall`.
+    #[arg(long, env = "PROXY_CONNTRACK_MAX", default_value_t = loader::DEFAULT_CONNTRACK_FLOWS)]
+    conntrack_max: u32,
     /// How often the manifests directory is checked for changes.
     #[arg(long, env = "PROXY_MANIFESTS_POLL", default_value = "100ms", value_parser = parse_duration)]
     manifests_poll: Duration,
@@ -172,6 +181,7 @@ fn main() -> Result<()> {
                     "auto" => Some(Vec::new()),
                     list => Some(list.split(',').map(|s| s.trim().to_string()).collect()),
                 },
+                conntrack_flows: args.conntrack_max,
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -183,11 +193,13 @@ fn main() -> Result<()> {
             pin_path,
             cgroup,
             interfaces,
+            conntrack_max,
         } => {
             let r = loader::install(&loader::InstallOptions {
                 pin_path: pin_path.clone(),
                 cgroup,
                 interfaces,
+                conntrack_flows: conntrack_max,
             })
             .with_context(|| format!("installing the datapath at {}", pin_path.display()))?;
             println!(

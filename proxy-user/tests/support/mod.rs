@@ -184,6 +184,7 @@ impl TestEnv {
             pin_path: self.pins.path.clone(),
             cgroup: Some(self.cgroup.path.clone()),
             interfaces: Vec::new(),
+            conntrack_flows: loader::DEFAULT_CONNTRACK_FLOWS,
         })
         .expect("install")
     }
@@ -264,6 +265,12 @@ impl AgentProcess {
             .args(["--min-sync-interval", "10ms", "--manifests-poll", "20ms"])
             // Never touch the test machine's iptables/nftables/IPVS.
             .arg("--cleanup-kube-proxy=false")
+            // TC programs only on interfaces a test names (inside its own namespaces).
+            .args(if args.contains(&"--interfaces") {
+                &[][..]
+            } else {
+                &["--interfaces", "none"][..]
+            })
             .env("RUST_LOG", "info,proxy_user=debug")
             .stdout(log_file.try_clone().expect("log"))
             .stderr(log_file)

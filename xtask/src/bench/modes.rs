@@ -254,11 +254,8 @@ impl Agent {
             }
             None => Command::new(ctx.bin_dir.join("proxy-agent")),
         };
-        if let Some(ifs) = place.interfaces {
-            cmd.args(["run", "--interfaces", ifs]);
-        } else {
-            cmd.arg("run");
-        }
+        // TC programs only on the bench's own interfaces, never on this machine's.
+        cmd.args(["run", "--interfaces", place.interfaces.unwrap_or("none")]);
         let child = cmd
             .arg("--manifests")
             .arg(&place.manifests)
