@@ -342,6 +342,41 @@ fn nodeport_lb_and_external_ips_through_tc_with_both_traffic_policies() {
         ],
     );
 
+    // NodePorts are served on the Node object's addresses too: an ExternalIP that no
+    // interface carries (routed to node 1 by the client), and no longer once it is gone.
+    c.ext
+        .ip(&["route", "add", "10.100.60.0/24", "via", "10.100.0.2"]);
+    let node = |external: &str| {
+        format!(
+            "apiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus:\n  addresses:\n  - {{type: InternalIP, address: 10.100.0.2}}\n{external}"
+        )
+    };
+    let on_node_ip = SocketAddr::from(([10, 100, 60, 1], NODEPORT));
+    write(
+        &dir,
+        "node.yaml",
+        &node("  - {type: ExternalIP, address: 10.100.60.1}\n"),
+    );
+    wait_for(
+        "NodePort on the Node's ExternalIP",
+        Duration::from_secs(3),
+        || {
+            let _g = c.ext.enter();
+            ask_tcp(on_node_ip).is_ok()
+        },
+    );
+    let got = spread(&c.ext, 60, || ask_tcp(on_node_ip));
+    assert_eq!(got.len(), 3, "{got:?}");
+    write(&dir, "node.yaml", &node(""));
+    wait_for(
+        "address removed from the Node",
+        Duration::from_secs(3),
+        || {
+            let _g = c.ext.enter();
+            ask_tcp(on_node_ip).is_err()
+        },
+    );
+
     // A long-lived connection keeps its backend while the backend set changes.
     let long = {
         let _g = c.ext.enter();

@@ -75,9 +75,12 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         conntrack_flows = installed.conntrack_entries / 2,
         "datapath ready"
     );
+    let mut node_addresses = None;
     if !interfaces.is_empty() {
-        crate::bpf::set_node_addresses(&opts.pin_path, &node_addrs)?;
         info!(?interfaces, addresses = ?node_addrs, "TC datapath on the node's interfaces");
+        let mut n = NodeAddresses::new(opts.pin_path.clone(), node_addrs);
+        n.update(&[])?;
+        node_addresses = Some(n);
     }
     let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     let maps = BpfMaps::open(&opts.pin_path)?;
@@ -133,7 +136,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     }
     let node = NodeInfo {
         name: opts.node_name.clone(),
-        zone: None,
+        ..NodeInfo::default()
     };
     let syncer = Syncer::new(
         writer,
@@ -145,9 +148,47 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     if opts.cleanup_kube_proxy {
         tokio::spawn(cleanup_kube_proxy_when_synced(health.clone()));
     }
-    sync_loop(syncer, rx, &opts, &health, shutdown).await;
+    sync_loop(syncer, rx, &opts, &health, node_addresses, shutdown).await;
     info!("stopping; the datapath stays pinned and keeps serving");
     Ok(())
+}
+
+/// The node's addresses in `NODE_ADDRS4/6` (NodePorts are served on them): those of the
+/// TC interfaces, then the Node object's `InternalIP`/`ExternalIP` ones not among them.
+/// The first IPv4 and IPv6 address of the list is the SNAT address, so an interface's
+/// address always wins.
+#[derive(Debug)]
+pub struct NodeAddresses {
+    pin_path: PathBuf,
+    from_interfaces: Vec<std::net::IpAddr>,
+    written: Option<Vec<std::net::IpAddr>>,
+}
+
+impl NodeAddresses {
+    pub fn new(pin_path: PathBuf, from_interfaces: Vec<std::net::IpAddr>) -> Self {
+        Self {
+            pin_path,
+            from_interfaces,
+            written: None,
+        }
+    }
+
+    /// Writes the union with `from_node` if it changed.
+    pub fn update(&mut self, from_node: &[std::net::IpAddr]) -> Result<(), crate::bpf::OpenError> {
+        let mut all = self.from_interfaces.clone();
+        for a in from_node {
+            if !all.contains(a) {
+                all.push(*a);
+            }
+        }
+        if self.written.as_ref() == Some(&all) {
+            return Ok(());
+        }
+        crate::bpf::set_node_addresses(&self.pin_path, &all)?;
+        info!(addresses = ?all, "node addresses for NodePorts written");
+        self.written = Some(all);
+        Ok(())
+    }
 }
 
 /// `--cleanup-kube-proxy`: waits for the first successful sync (from then on the hooks
@@ -171,6 +212,7 @@ pub async fn sync_loop<S: crate::MapStore>(
     mut rx: mpsc::Receiver<Update>,
     opts: &AgentOptions,
     health: &Health,
+    mut node_addresses: Option<NodeAddresses>,
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
@@ -206,6 +248,14 @@ pub async fn sync_loop<S: crate::MapStore>(
                 let out = syncer.sync(Instant::now());
                 last_sync = Some(Instant::now());
                 health_checks.update(syncer.index().health_check_ports()).await;
+                if let Some(n) = node_addresses.as_mut() {
+                    if let Err(e) = n.update(&syncer.index().node.addresses) {
+                        warn!(error = %e, "writing the node's addresses failed; kept the previous ones");
+                        syncer.metrics().map_write_errors.get_or_create(&metrics::ReasonLabel {
+                            reason: "node_addresses".into(),
+                        }).inc();
+                    }
+                }
                 if out.failed == 0 {
                     health.mark_synced();
                     backoff.reset();

@@ -94,6 +94,10 @@ impl<S: MapStore> Syncer<S> {
         &self.index
     }
 
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
     /// Every initial list has arrived.
     pub fn ready(&self) -> bool {
         self.needs.is_subset(&self.listed)
@@ -285,7 +289,7 @@ impl<S: MapStore> Syncer<S> {
         let node = node.filter(|n| n.metadata.name.as_deref() == Some(name.as_str()));
         let info = NodeInfo::with_node(&name, node);
         if info != self.index.node {
-            info!(node = %name, zone = ?info.zone, "node topology changed");
+            info!(node = %name, zone = ?info.zone, addresses = ?info.addresses, "node changed");
             self.index.node = info;
             self.full_due.get_or_insert(now);
         }

@@ -422,16 +422,31 @@ pub struct NodeInfo {
     pub name: String,
     /// `topology.kubernetes.io/zone`, from the Node object.
     pub zone: Option<String>,
+    /// The Node object's `InternalIP` and `ExternalIP` addresses (sorted, unique; unusable
+    /// ones such as loopback or link-local left out): NodePorts are served on them too.
+    pub addresses: Vec<IpAddr>,
 }
 
 impl NodeInfo {
     pub fn with_node(name: &str, node: Option<&Node>) -> Self {
+        let mut addresses: Vec<IpAddr> = node
+            .and_then(|n| n.status.as_ref())
+            .and_then(|s| s.addresses.as_ref())
+            .into_iter()
+            .flatten()
+            .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+            .filter_map(|a| a.address.trim().parse::<IpAddr>().ok())
+            .filter(crate::node::is_node_address)
+            .collect();
+        addresses.sort();
+        addresses.dedup();
         Self {
             name: name.to_string(),
             zone: node
                 .and_then(|n| n.metadata.labels.as_ref())
                 .and_then(|l| l.get(LABEL_ZONE))
                 .cloned(),
+            addresses,
         }
     }
 }

@@ -44,7 +44,7 @@ fn syncer(store: MemStore) -> (Syncer<MemStore>, Arc<Metrics>) {
         writer,
         NodeInfo {
             name: "node-a".into(),
-            zone: None,
+            ..NodeInfo::default()
         },
         None,
         [Kind::Service, Kind::EndpointSlice, Kind::Node],

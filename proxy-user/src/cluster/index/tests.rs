@@ -88,6 +88,7 @@ fn node() -> NodeInfo {
     NodeInfo {
         name: "node-a".into(),
         zone: Some("zone-a".into()),
+        addresses: Vec::new(),
     }
 }
 
@@ -483,4 +484,31 @@ fn index_tracks_which_services_an_update_touches() {
     assert_eq!(touched, std::slice::from_ref(&web));
     assert!(index.entries(&web).is_empty());
     assert_eq!(index.replace_slices(vec![]), [other]);
+}
+
+#[test]
+fn node_addresses_come_from_internal_and_external_ips() {
+    let node: k8s_openapi::api::core::v1::Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "zone-a"}},
+        "status": {"addresses": [
+            {"type": "Hostname", "address": "node-a"},
+            {"type": "InternalIP", "address": "10.0.0.5"},
+            {"type": "InternalIP", "address": "fd00::5"},
+            {"type": "ExternalIP", "address": "203.0.113.5"},
+            {"type": "ExternalIP", "address": "10.0.0.5"},
+            {"type": "InternalIP", "address": "not-an-ip"},
+            {"type": "InternalIP", "address": "127.0.0.1"},
+            {"type": "InternalDNS", "address": "node-a.internal"}
+        ]}
+    }))
+    .expect("node");
+    let info = NodeInfo::with_node("node-a", Some(&node));
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
+    assert_eq!(
+        info.addresses,
+        vec![ip("10.0.0.5"), ip("203.0.113.5"), ip("fd00::5")]
+    );
+    assert_eq!(info.zone.as_deref(), Some("zone-a"));
+    assert!(NodeInfo::with_node("node-a", None).addresses.is_empty());
 }
