@@ -25,6 +25,7 @@ use std::{
 use support::{run, unique, AgentProcess, Netns, Server, TestEnv};
 
 const NODEPORT: u16 = 30080;
+const HEALTH_CHECK_PORT: u16 = 32000;
 
 /// Field order is drop order: servers stop before their namespaces go.
 struct Cluster {
@@ -162,6 +163,9 @@ fn service(name: &str, ip: &str, etp: &str, extra: &str, pods: &[usize]) -> Stri
         "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  type: LoadBalancer\n  clusterIP: {ip}\n  clusterIPs: [{ip}, \"fd00:96::10\"]\n  externalTrafficPolicy: {etp}\n  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: {NODEPORT}, protocol: TCP}}\n  - {{name: dns, port: 53, targetPort: 8080, nodePort: {}, protocol: UDP}}\n{extra}",
         NODEPORT + 1
     );
+    if etp == "Local" {
+        y += &format!("  healthCheckNodePort: {HEALTH_CHECK_PORT}\n");
+    }
     for (family, addrs) in [
         ("IPv4", ["10.1.1.2", "10.1.2.2", "10.2.1.2"]),
         ("IPv6", ["fd00:1:1::2", "fd00:1:2::2", "fd00:2:1::2"]),
@@ -188,6 +192,26 @@ fn write(dir: &Path, name: &str, text: &str) {
     let tmp = dir.join(format!(".{name}.tmp"));
     fs::write(&tmp, text).expect("write");
     fs::rename(&tmp, dir.join(name)).expect("rename");
+}
+
+/// `GET /` on a health-check node port: (status code, body).
+fn health_check(addr: SocketAddr) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(700))?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.write_all(b"GET / HTTP/1.1\r\nHost: lb-probe\r\nConnection: close\r\n\r\n")?;
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut s, &mut text)?;
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
+    Ok((code, body))
 }
 
 /// One request over a new TCP connection from the external client: (pod, client address
@@ -317,12 +341,16 @@ fn nodeport_lb_and_external_ips_through_tc_with_both_traffic_policies() {
             ("pod3", "10.100.0.2"),
         ],
     );
-    // LoadBalancer IP and externalIP, TCP.
-    for addr in [
-        SocketAddr::from(([10, 100, 50, 1], 80)),
-        SocketAddr::from(([10, 100, 50, 2], 80)),
-    ] {
+    // LoadBalancer IP, externalIP and the ClusterIP (traffic routed through the node by
+    // a client outside the cgroup tree), TCP and UDP.
+    c.ext
+        .ip(&["route", "add", "10.96.0.0/16", "via", "10.100.0.2"]);
+    for ip in [[10, 100, 50, 1], [10, 100, 50, 2], [10, 96, 0, 10]] {
+        let addr = SocketAddr::from((ip, 80));
         let got = spread(&c.ext, 60, || ask_tcp(addr));
+        assert_eq!(got.len(), 3, "{addr}: {got:?}");
+        let addr = SocketAddr::from((ip, 53));
+        let got = spread(&c.ext, 60, || ask_udp(addr));
         assert_eq!(got.len(), 3, "{addr}: {got:?}");
     }
     // IPv6 NodePort.
@@ -333,6 +361,18 @@ fn nodeport_lb_and_external_ips_through_tc_with_both_traffic_policies() {
         ask_tcp(nodeport6).is_ok()
     });
     let got = spread(&c.ext, 90, || ask_tcp(nodeport6));
+    expect_pods(
+        &got,
+        &[
+            ("pod1", "fd00:100::1"),
+            ("pod2", "fd00:100::1"),
+            ("pod3", "fd00:100::2"),
+        ],
+    );
+    let udp6: SocketAddr = format!("[fd00:100::2]:{}", NODEPORT + 1)
+        .parse()
+        .expect("v6");
+    let got = spread(&c.ext, 90, || ask_udp(udp6));
     expect_pods(
         &got,
         &[
@@ -429,6 +469,20 @@ fn nodeport_lb_and_external_ips_through_tc_with_both_traffic_policies() {
     });
     let got = spread(&c.ext, 60, || ask_tcp(nodeport));
     expect_pods(&got, &[("pod1", "10.100.0.1"), ("pod2", "10.100.0.1")]);
+    // The health-check node port, probed from outside as a cloud load balancer does:
+    // 200 and the count while this node has local endpoints.
+    let probe = SocketAddr::from(([10, 100, 0, 2], HEALTH_CHECK_PORT));
+    let answer = || {
+        let _g = c.ext.enter();
+        health_check(probe)
+    };
+    wait_for("health check open", Duration::from_secs(3), || {
+        answer().is_ok()
+    });
+    let (code, body) = answer().expect("health check");
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"localEndpoints\":2"), "{body}");
+    assert!(body.contains("\"name\":\"web\""), "{body}");
     write(
         &dir,
         "web.yaml",
@@ -438,6 +492,10 @@ fn nodeport_lb_and_external_ips_through_tc_with_both_traffic_policies() {
         let _g = c.ext.enter();
         matches!(ask_tcp(nodeport), Err(e) if e.kind() == std::io::ErrorKind::TimedOut || e.kind() == std::io::ErrorKind::WouldBlock)
     });
+    // ...and the health check says 503 with no local endpoint.
+    let (code, body) = answer().expect("health check");
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("\"localEndpoints\":0"), "{body}");
 
     // No endpoints at all: TCP is refused at once (RST from the TC program).
     write(

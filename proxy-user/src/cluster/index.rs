@@ -313,7 +313,8 @@ impl Index {
         self.services.len()
     }
 
-    /// `healthCheckNodePort` -> (Service, ready endpoints on this node), for every
+    /// `healthCheckNodePort` -> (Service, ready endpoints on this node, per address
+    /// family), for every
     /// Service that has one (eTP=Local LoadBalancer Services).
     pub fn health_check_ports(&self) -> BTreeMap<u16, (ObjKey, usize)> {
         let mut out = BTreeMap::new();
@@ -335,7 +336,10 @@ impl Index {
                     }
                 }
             }
-            out.insert(port, (key.clone(), local.len()));
+            // Endpoints, not addresses: a dual-stack pod is in an IPv4 and an IPv6 slice.
+            // kube-proxy reports one family's count; the larger one here.
+            let v4 = local.iter().filter(|a| a.is_ipv4()).count();
+            out.insert(port, (key.clone(), v4.max(local.len() - v4)));
         }
         out
     }
