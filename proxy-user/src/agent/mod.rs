@@ -48,6 +48,8 @@ pub struct AgentOptions {
     /// Interfaces for the TC datapath: `None` for none, `Some(empty)` for the node's
     /// interfaces found automatically, or the given names.
     pub interfaces: Option<Vec<String>>,
+    /// How the TC programs are attached (`auto`: TCX on kernels >= 6.6, clsact otherwise).
+    pub tc_attach: loader::TcAttachMode,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -63,6 +65,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         pin_path: opts.pin_path.clone(),
         cgroup: opts.cgroup.clone(),
         interfaces: interfaces.clone(),
+        tc_attach: opts.tc_attach,
     })
     .with_context(|| format!("installing the datapath at {}", opts.pin_path.display()))?;
     info!(

@@ -6,7 +6,7 @@ use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use proxy_user::{
     agent::{self, AgentOptions},
-    cleanup, loader, DEFAULT_PIN_PATH,
+    cleanup, loader, TcAttachMode, DEFAULT_PIN_PATH,
 };
 
 #[derive(Parser)]
@@ -37,6 +37,10 @@ enum Command {
         /// Interfaces for the TC datapath (comma-separated; none by default here).
         #[arg(long, env = "PROXY_INTERFACES", value_delimiter = ',')]
         interfaces: Vec<String>,
+        /// How the TC programs are attached: `auto` (TCX on kernels >= 6.6, clsact
+        /// otherwise), `tcx` or `clsact`.
+        #[arg(long, env = "PROXY_TC_ATTACH", value_enum, default_value_t = TcAttachMode::Auto)]
+        tc_attach: TcAttachMode,
     },
     /// Remove what kube-proxy left in this network namespace (its iptables chains and
     /// the jumps into them, its nftables tables, IPVS services, kube-ipvs0, ipsets) and
@@ -46,7 +50,8 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
     },
-    /// Detach every hook and remove every pin under the pin path.
+    /// Detach every hook and remove every pin under the pin path. Run it in the network
+    /// namespace of the TC interfaces: clsact filters are found by interface name.
     Uninstall {
         #[arg(long, env = "PROXY_PIN_PATH", default_value = DEFAULT_PIN_PATH)]
         pin_path: PathBuf,
@@ -100,6 +105,11 @@ struct RunArgs {
     /// never grabs a workstation's interfaces; the DaemonSet sets `auto`.
     #[arg(long, env = "PROXY_INTERFACES", default_value = "none")]
     interfaces: String,
+    /// How the TC programs are attached: `auto` (TCX links on kernels >= 6.6, clsact
+    /// netlink filters otherwise), `tcx` or `clsact`. Hooks already pinned are adopted
+    /// whatever mode attached them.
+    #[arg(long, env = "PROXY_TC_ATTACH", value_enum, default_value_t = TcAttachMode::Auto)]
+    tc_attach: TcAttachMode,
     /// How often the manifests directory is checked for changes.
     #[arg(long, env = "PROXY_MANIFESTS_POLL", default_value = "100ms", value_parser = parse_duration)]
     manifests_poll: Duration,
@@ -172,6 +182,7 @@ fn main() -> Result<()> {
                     "auto" => Some(Vec::new()),
                     list => Some(list.split(',').map(|s| s.trim().to_string()).collect()),
                 },
+                tc_attach: args.tc_attach,
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -183,11 +194,13 @@ fn main() -> Result<()> {
             pin_path,
             cgroup,
             interfaces,
+            tc_attach,
         } => {
             let r = loader::install(&loader::InstallOptions {
                 pin_path: pin_path.clone(),
                 cgroup,
                 interfaces,
+                tc_attach,
             })
             .with_context(|| format!("installing the datapath at {}", pin_path.display()))?;
             println!(

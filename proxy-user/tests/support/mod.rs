@@ -10,6 +10,7 @@
 )]
 
 pub mod apiserver;
+pub mod tc;
 pub mod testbed;
 
 pub use testbed::*;
@@ -184,6 +185,7 @@ impl TestEnv {
             pin_path: self.pins.path.clone(),
             cgroup: Some(self.cgroup.path.clone()),
             interfaces: Vec::new(),
+            tc_attach: loader::TcAttachMode::Auto,
         })
         .expect("install")
     }
