@@ -17,7 +17,7 @@ pub mod writer;
 pub(crate) use loader::fs_magic;
 
 pub use bpf::BpfMaps;
-pub use loader::{install, uninstall, InstallOptions, DEFAULT_PIN_PATH};
+pub use loader::{install, uninstall, InstallOptions, TcAttachMode, DEFAULT_PIN_PATH};
 pub use model::{Backend, Frontend, Proto, ServiceEntry};
 pub use store::{MapStore, MemStore};
 pub use writer::Writer;

@@ -3,11 +3,22 @@
 //! Layout under the pin directory (default `/sys/fs/bpf/ebpf-proxy`):
 //! - one file per map (`SVC4`, `BACKEND4`, ... see `proxy_common::map_names`);
 //! - `links/<program>`: one pinned link per cgroup hook, which keeps the hook attached
-//!   while no agent runs.
+//!   while no agent runs;
+//! - `links/tc-<iface>-ingress`, `links/tc-<iface>-egress`: the pinned TCX link of each TC
+//!   hook (attach mode `tcx`, the default on kernels >= 6.6);
+//! - `links/tc-<iface>-ingress-clsact`, `links/tc-<iface>-egress-clsact`: in attach mode
+//!   `clsact` (kernels < 6.6, or forced), the TC program is a netlink filter in the
+//!   interface's clsact qdisc, which is no BPF link and cannot be pinned: the loaded
+//!   *program* is pinned there instead, as the record that the filter exists. The filter
+//!   always has the priority [`CLSACT_PRIORITY`] and handle [`CLSACT_HANDLE`], reserved for
+//!   this project, so that re-attaching replaces our own filter in place and detaching
+//!   never touches anyone else's. See [`TcAttachMode`].
 //!
-//! A second [`install`] adopts: hooks whose link is pinned are left exactly as they are
-//! (no reload, no gap in service); only missing ones are loaded and attached, sharing
-//! the pinned maps.
+//! A second [`install`] adopts: hooks whose link (or clsact record) is pinned are left
+//! exactly as they are (no reload, no gap in service); only missing ones are loaded and
+//! attached, sharing the pinned maps. [`uninstall`] detaches and unpins everything; a
+//! clsact filter is found by interface name, so uninstall runs in the network namespace of
+//! those interfaces (an interface that is gone is skipped: its filters went with it).
 
 use std::{
     fs, io,
@@ -17,7 +28,10 @@ use std::{
 use aya::{
     maps::{Array, MapData},
     programs::{
-        links::FdLink, links::PinnedLink, CgroupAttachMode, CgroupSockAddr, SchedClassifier,
+        links::FdLink,
+        links::PinnedLink,
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcError, TcHandle},
+        CgroupAttachMode, CgroupSockAddr, Link as _, LinkOrder, ProgramError, SchedClassifier,
         TcAttachType,
     },
     EbpfLoader,
@@ -46,6 +60,59 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
 ];
 
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Priority (`tc` "pref") of the clsact filters this project attaches: 19280, `0x4b50`
+/// (ASCII "KP"). Reserved for ebpf-proxy: a filter at this priority and [`CLSACT_HANDLE`]
+/// on `clsact` ingress/egress is taken to be ours (replaced by a re-attach, deleted by
+/// uninstall); filters at any other priority or handle are never touched. It runs before
+/// filters added without a priority (the kernel starts those at 49152).
+pub const CLSACT_PRIORITY: u16 = 0x4b50;
+
+/// Handle of the clsact filters this project attaches (`tc` shows `handle 0x4b50`).
+pub const CLSACT_HANDLE: TcHandle = TcHandle::new(0, 0x4b50);
+
+/// Suffix of the pin that records a clsact filter (`links/tc-<iface>-<dir>-clsact`; not
+/// `.clsact`: bpffs refuses names with a dot).
+const CLSACT_SUFFIX: &str = "-clsact";
+
+/// How the TC programs are attached to the interfaces.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TcAttachMode {
+    /// TCX when the kernel is >= 6.6, clsact otherwise.
+    #[default]
+    Auto,
+    /// TCX links (kernel >= 6.6), pinned as `links/tc-<iface>-<dir>`.
+    Tcx,
+    /// Netlink filters in the interface's clsact qdisc (added if missing), with the
+    /// reserved priority/handle; recorded by the program pinned as
+    /// `links/tc-<iface>-<dir>-clsact`.
+    Clsact,
+}
+
+impl TcAttachMode {
+    /// `Tcx` or `Clsact`: what `Auto` means on this kernel.
+    pub fn resolve(self) -> Self {
+        match self {
+            Self::Auto if tcx_supported() => Self::Tcx,
+            Self::Auto => Self::Clsact,
+            other => other,
+        }
+    }
+}
+
+impl std::fmt::Display for TcAttachMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Tcx => "tcx",
+            Self::Clsact => "clsact",
+        })
+    }
+}
+
+fn tcx_supported() -> bool {
+    aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0))
+}
 
 /// Loading or removing the datapath failed.
 #[derive(Debug, thiserror::Error)]
@@ -101,7 +168,9 @@ pub enum LoadError {
         proxy_common::limits::CT_FLOWS_MAX
     )]
     ConntrackSize { flows: u32 },
-    #[error("the TC datapath needs TCX (kernel >= 6.6) so its links can be pinned")]
+    #[error(
+        "TC attach mode tcx needs kernel >= 6.6: use `--tc-attach auto` or `--tc-attach clsact`"
+    )]
     TcxUnsupported,
     #[error("pinned link {path}: {source}")]
     Link {
@@ -125,11 +194,14 @@ pub struct InstallOptions {
     /// cgroup2 mount.
     pub cgroup: Option<PathBuf>,
     /// Interfaces (in the caller's network namespace) for the TC programs, ingress and
-    /// egress (TCX: kernel >= 6.6).
+    /// egress.
     pub interfaces: Vec<String>,
     /// Size of each conntrack table (CT4, CT6) in flows; a flow takes two entries. Used
     /// when the tables are created: pinned tables keep the size they were made with.
     pub conntrack_flows: u32,
+    /// How the TC programs are attached (hooks already pinned are adopted whatever the
+    /// mode they were attached with).
+    pub tc_attach: TcAttachMode,
 }
 
 /// Default conntrack size in flows per family (`--conntrack-max`).
@@ -166,6 +238,8 @@ impl Hook {
         }
     }
 
+    /// The name of its pin under `links/` (TC hooks: the TCX link's; the clsact record
+    /// adds [`CLSACT_SUFFIX`]).
     fn pin_name(&self) -> String {
         match self {
             Hook::Sock(name) => name.to_string(),
@@ -173,6 +247,150 @@ impl Hook {
                 format!("tc-{iface}-{}", if *ingress { "ingress" } else { "egress" })
             }
         }
+    }
+
+    /// The pin that exists for this hook under `links`, if any.
+    fn existing_pin(&self, links: &Path) -> Option<String> {
+        let name = self.pin_name();
+        let clsact = format!("{name}{CLSACT_SUFFIX}");
+        if links.join(&name).exists() {
+            Some(name)
+        } else if matches!(self, Hook::Tc { .. }) && links.join(&clsact).exists() {
+            Some(clsact)
+        } else {
+            None
+        }
+    }
+}
+
+/// Ingress or egress, as aya names it.
+fn tc_kind(ingress: bool) -> TcAttachType {
+    if ingress {
+        TcAttachType::Ingress
+    } else {
+        TcAttachType::Egress
+    }
+}
+
+/// `tc-<iface>-<dir>-clsact` -> (iface, ingress).
+fn parse_clsact_pin(name: &str) -> Option<(&str, bool)> {
+    let rest = name.strip_prefix("tc-")?.strip_suffix(CLSACT_SUFFIX)?;
+    if let Some(iface) = rest.strip_suffix("-ingress") {
+        Some((iface, true))
+    } else {
+        rest.strip_suffix("-egress").map(|iface| (iface, false))
+    }
+}
+
+fn netlink_errno(e: &ProgramError) -> Option<i32> {
+    match e {
+        ProgramError::TcError(TcError::NetlinkError(e)) | ProgramError::NetlinkError(e) => {
+            e.raw_os_error()
+        }
+        ProgramError::TcError(TcError::IoError(e)) => e.raw_os_error(),
+        _ => None,
+    }
+}
+
+/// Attaches the loaded `prog` as our clsact filter on `iface` (adding the qdisc if
+/// missing) and leaves it attached after this process exits.
+fn attach_clsact(
+    prog: &mut SchedClassifier,
+    name: &'static str,
+    iface: &str,
+    ingress: bool,
+) -> Result<(), LoadError> {
+    let what = || format!("{name} to interface {iface} (clsact)");
+    match tc::qdisc_add_clsact(iface) {
+        Ok(()) => {}
+        Err(TcError::NetlinkError(e)) if e.raw_os_error() == Some(libc::EEXIST) => {}
+        Err(e) => {
+            return Err(LoadError::Attach {
+                what: what(),
+                source: e.into(),
+            })
+        }
+    }
+    let kind = tc_kind(ingress);
+    let options = || {
+        TcAttachOptions::Netlink(NlOptions {
+            priority: CLSACT_PRIORITY,
+            handle: CLSACT_HANDLE,
+            classid: None,
+        })
+    };
+    let link_id = match prog.attach_with_options(iface, kind, options()) {
+        Ok(id) => id,
+        Err(e) if netlink_errno(&e) == Some(libc::EEXIST) => {
+            // Our priority/handle is taken: a filter of ours whose record was lost (the
+            // pin directory removed by hand, say). Replace its program in place: no gap.
+            debug!(iface, ?kind, "replacing our earlier clsact filter");
+            let old =
+                SchedClassifierLink::attached(iface, kind, CLSACT_PRIORITY, CLSACT_HANDLE, None)
+                    .map_err(|e| LoadError::Attach {
+                        what: what(),
+                        source: TcError::IoError(e).into(),
+                    })?;
+            prog.attach_to_link(old)
+                .map_err(|source| LoadError::Attach {
+                    what: what(),
+                    source,
+                })?
+        }
+        Err(source) => {
+            return Err(LoadError::Attach {
+                what: what(),
+                source,
+            })
+        }
+    };
+    let link = prog
+        .take_link(link_id)
+        .map_err(|source| LoadError::Program { name, source })?;
+    // A netlink filter lives in the qdisc, not in a file descriptor; dropping aya's link
+    // object would delete it. Forgetting it leaves the filter attached (the object holds
+    // no fd or memory of its own: nothing leaks).
+    std::mem::forget(link);
+    Ok(())
+}
+
+/// Deletes our clsact filter (reserved priority/handle) from `iface`. An interface or
+/// filter that is gone is fine (Ok(false)).
+fn detach_clsact(iface: &str, ingress: bool) -> Result<bool, LoadError> {
+    let kind = tc_kind(ingress);
+    let link =
+        match SchedClassifierLink::attached(iface, kind, CLSACT_PRIORITY, CLSACT_HANDLE, None) {
+            Ok(link) => link,
+            // No such interface (here): its qdisc and filters went with it.
+            Err(e)
+                if e.raw_os_error() == Some(libc::ENODEV)
+                    || e.kind() == io::ErrorKind::NotFound =>
+            {
+                return Ok(false)
+            }
+            Err(e) => {
+                return Err(LoadError::Attach {
+                    what: format!("finding interface {iface}"),
+                    source: TcError::IoError(e).into(),
+                })
+            }
+        };
+    match link.detach() {
+        Ok(()) => Ok(true),
+        // No filter (ENOENT) or no clsact qdisc any more (EINVAL: no such chain).
+        Err(e)
+            if matches!(
+                netlink_errno(&e),
+                Some(libc::ENOENT | libc::EINVAL | libc::ENODEV)
+            ) =>
+        {
+            debug!(iface, ?kind, "nothing to detach: {e}");
+            Ok(false)
+        }
+        Err(source) => Err(LoadError::Attach {
+            what: format!("detaching the clsact filter from {iface} ({kind:?})"),
+            source,
+        }),
     }
 }
 
@@ -263,14 +481,15 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
             });
         }
     }
+    let links = link_dir(pin_path);
     let missing: Vec<Hook> = hooks
         .into_iter()
-        .filter(|hook| {
-            let pinned = link_dir(pin_path).join(hook.pin_name()).exists();
-            if pinned {
-                report.adopted.push(hook.pin_name());
+        .filter(|hook| match hook.existing_pin(&links) {
+            Some(name) => {
+                report.adopted.push(name);
+                false
             }
-            !pinned
+            None => true,
         })
         .collect();
     if missing.is_empty() {
@@ -279,6 +498,13 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     }
     if EBPF_OBJECT.is_empty() {
         return Err(LoadError::NoObject);
+    }
+    let tc_mode = opts.tc_attach.resolve();
+    if tc_mode == TcAttachMode::Tcx
+        && missing.iter().any(|h| matches!(h, Hook::Tc { .. }))
+        && !tcx_supported()
+    {
+        return Err(LoadError::TcxUnsupported);
     }
     bump_memlock_rlimit();
 
@@ -291,7 +517,8 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
 
     let mut ebpf = load_object(pin_path, ct_entries)?;
 
-    let mut pinned_now: Vec<PathBuf> = Vec::new();
+    // What this call made, for the rollback and the report: pin names.
+    let mut made: Vec<String> = Vec::new();
     let mut log_program_id = None;
     let result = (|| {
         for hook in &missing {
@@ -301,7 +528,11 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
                 name,
                 source: aya::programs::ProgramError::UnexpectedProgramType,
             })?;
-            let fd_link: FdLink = match hook {
+            let pin_err = |path: &Path| {
+                let path = path.to_owned();
+                move |source| LoadError::Pin { path, source }
+            };
+            match hook {
                 Hook::Sock(_) => {
                     let cgroup_file = fs::File::open(&cgroup_dir)
                         .map_err(io_err("opening cgroup", &cgroup_dir))?;
@@ -317,54 +548,57 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
                         .attach(cgroup_file, CgroupAttachMode::Single)
                         .map_err(prog_err)?;
                     let link = prog.take_link(link_id).map_err(prog_err)?;
-                    link.try_into().map_err(|source| LoadError::Link {
+                    let fd_link: FdLink = link.try_into().map_err(|source| LoadError::Link {
                         path: cgroup_dir.clone(),
                         source,
-                    })?
+                    })?;
+                    let path = links.join(hook.pin_name());
+                    fd_link.pin(&path).map_err(pin_err(&path))?;
+                    made.push(hook.pin_name());
                 }
                 Hook::Tc { iface, ingress } => {
-                    let tcx = aya::util::KernelVersion::new(6, 6, 0);
-                    if !aya::util::KernelVersion::current().is_ok_and(|v| v >= tcx) {
-                        return Err(LoadError::TcxUnsupported);
-                    }
                     let prog: &mut SchedClassifier = program.try_into().map_err(prog_err)?;
                     // Loaded once, attached to every interface.
                     if prog.fd().is_err() {
                         prog.load().map_err(prog_err)?;
                     }
-                    let kind = if *ingress {
-                        TcAttachType::Ingress
+                    if tc_mode == TcAttachMode::Clsact {
+                        let pin = format!("{}{CLSACT_SUFFIX}", hook.pin_name());
+                        attach_clsact(prog, name, iface, *ingress)?;
+                        // Recorded (for the rollback) before the pin exists: the filter
+                        // is there already.
+                        made.push(pin.clone());
+                        let path = links.join(&pin);
+                        prog.pin(&path).map_err(pin_err(&path))?;
                     } else {
-                        TcAttachType::Egress
-                    };
-                    let link_id = prog
-                        .attach(iface, kind)
-                        .map_err(|source| LoadError::Attach {
-                            what: format!("{name} to interface {iface}"),
-                            source,
-                        })?;
-                    let link = prog.take_link(link_id).map_err(prog_err)?;
-                    link.try_into().map_err(|source| LoadError::Link {
-                        path: PathBuf::from(iface),
-                        source,
-                    })?
+                        let tcx = TcAttachOptions::TcxOrder(LinkOrder::default());
+                        let link_id = prog
+                            .attach_with_options(iface, tc_kind(*ingress), tcx)
+                            .map_err(|source| LoadError::Attach {
+                                what: format!("{name} to interface {iface}"),
+                                source,
+                            })?;
+                        let link = prog.take_link(link_id).map_err(prog_err)?;
+                        let fd_link: FdLink =
+                            link.try_into().map_err(|source| LoadError::Link {
+                                path: PathBuf::from(iface),
+                                source,
+                            })?;
+                        let path = links.join(hook.pin_name());
+                        fd_link.pin(&path).map_err(pin_err(&path))?;
+                        made.push(hook.pin_name());
+                    }
                 }
-            };
-            let path = link_dir(pin_path).join(hook.pin_name());
-            fd_link.pin(&path).map_err(|source| LoadError::Pin {
-                path: path.clone(),
-                source,
-            })?;
-            pinned_now.push(path);
-            debug!(hook = hook.pin_name(), "attached");
+            }
+            debug!(hook = made.last().map(String::as_str), "attached");
         }
         Ok(())
     })();
     if let Err(e) = result {
         // Leave no half-installed hook set behind from this call.
-        for path in pinned_now {
-            if let Ok(link) = PinnedLink::from_pin(&path) {
-                let _ = link.unpin();
+        for pin in &made {
+            if let Err(e) = remove_pin(&links, pin) {
+                warn!(pin, "rolling back: {e}");
             }
         }
         return Err(e);
@@ -372,7 +606,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     if let Some(id) = log_program_id {
         let _ = write_meta(&mut ebpf, meta::LOG_PROGRAM_ID, id);
     }
-    report.attached = missing.iter().map(Hook::pin_name).collect();
+    report.attached = made;
     report.cgroup = Some(cgroup_dir);
     info!(
         pin_path = %pin_path.display(),
@@ -454,7 +688,8 @@ pub fn spawn_kernel_logger(pin_path: &Path) -> Option<tokio::task::JoinHandle<()
 }
 
 /// Detaches every hook and removes every pin this project made under `pin_path`.
-/// Files it does not know are left alone (and reported as an error).
+/// Files it does not know are left alone (and reported as an error). Clsact filters are
+/// deleted from the interfaces of this thread's network namespace (see the module doc).
 pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
     let mut report = UninstallReport::default();
     if !pin_path.exists() {
@@ -471,16 +706,10 @@ pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
         }
     }
     for name in names {
-        let path = links.join(&name);
-        if !path.exists() {
+        if !links.join(&name).exists() {
             continue;
         }
-        let link = PinnedLink::from_pin(&path).map_err(|source| LoadError::Link {
-            path: path.clone(),
-            source,
-        })?;
-        // Unpinning drops the last reference once the returned fd closes: detached.
-        drop(link.unpin().map_err(io_err("unpinning", &path))?);
+        remove_pin(&links, &name)?;
         report.links.push(name);
     }
     if links.exists() {
@@ -496,6 +725,30 @@ pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
     fs::remove_dir(pin_path).map_err(io_err("removing (unknown files left?)", pin_path))?;
     info!(pin_path = %pin_path.display(), links = report.links.len(), maps = report.maps.len(), "datapath removed");
     Ok(report)
+}
+
+/// Detaches the hook pinned as `links/<name>` and removes the pin. A clsact record
+/// (`tc-<iface>-<dir>-clsact`) is a pinned program: its filter is deleted by the reserved
+/// priority/handle (in this thread's network namespace), then the pin removed (the pin may
+/// already be missing). Any other pin is a BPF link: unpinning it detaches the hook.
+fn remove_pin(links: &Path, name: &str) -> Result<(), LoadError> {
+    let path = links.join(name);
+    if let Some((iface, ingress)) = parse_clsact_pin(name) {
+        if !detach_clsact(iface, ingress)? {
+            debug!(iface, ingress, "no clsact filter of ours to detach");
+        }
+        return match fs::remove_file(&path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err("unpinning", &path)(e)),
+            _ => Ok(()),
+        };
+    }
+    let link = PinnedLink::from_pin(&path).map_err(|source| LoadError::Link {
+        path: path.clone(),
+        source,
+    })?;
+    // Unpinning drops the last reference once the returned fd closes: detached.
+    drop(link.unpin().map_err(io_err("unpinning", &path))?);
+    Ok(())
 }
 
 /// Raises RLIMIT_MEMLOCK for kernels that still charge BPF memory to it (< 5.11).
@@ -535,5 +788,38 @@ mod tests {
                 )
             );
         }
+    }
+
+    #[test]
+    fn clsact_pin_names_parse_back() {
+        for (iface, ingress) in [("eth0", true), ("eth0", false), ("br-ex-egress", true)] {
+            let hook = Hook::Tc {
+                iface: iface.into(),
+                ingress,
+            };
+            let pin = format!("{}{CLSACT_SUFFIX}", hook.pin_name());
+            assert!(!pin.contains('.'), "bpffs refuses dots: {pin}");
+            assert_eq!(parse_clsact_pin(&pin), Some((iface, ingress)));
+            // A TCX link's pin is never taken for a clsact record.
+            assert_eq!(parse_clsact_pin(&hook.pin_name()), None);
+        }
+        assert_eq!(parse_clsact_pin("sock4_connect"), None);
+        assert_eq!(parse_clsact_pin("tc-eth0-sideways-clsact"), None);
+    }
+
+    #[test]
+    fn attach_mode_resolves_to_tcx_or_clsact() {
+        assert_eq!(TcAttachMode::Tcx.resolve(), TcAttachMode::Tcx);
+        assert_eq!(TcAttachMode::Clsact.resolve(), TcAttachMode::Clsact);
+        let auto = TcAttachMode::Auto.resolve();
+        assert_eq!(
+            auto,
+            if tcx_supported() {
+                TcAttachMode::Tcx
+            } else {
+                TcAttachMode::Clsact
+            }
+        );
+        assert_eq!(TcAttachMode::default(), TcAttachMode::Auto);
     }
 }

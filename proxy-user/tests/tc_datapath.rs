@@ -10,6 +10,9 @@
 //! addresses 10.100.50.0/24 routed to node 1); VIPs are never routed anywhere else.
 //! IPv6 mirrors it: fd00:100::/64 ext<->node-a, fd00:101::/64 node-a<->node-b, pods
 //! fd00:1:1::2, fd00:1:2::2, fd00:2:1::2.
+//!
+//! The first test runs with the default TC attach mode (TCX on this kernel); the second
+//! forces `--tc-attach clsact` (netlink filters, the fallback for kernels < 6.6).
 
 mod support;
 
@@ -22,7 +25,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use support::{run, unique, AgentProcess, Netns, Server, TestEnv};
+use support::{
+    run,
+    tc::{clsact_pin, our_one_filter, program_loaded, tc_filters, tcx_programs, UninstallIn},
+    unique, AgentProcess, Netns, Server, TestEnv,
+};
 
 const NODEPORT: u16 = 30080;
 const HEALTH_CHECK_PORT: u16 = 32000;
@@ -546,4 +553,107 @@ fn nodeport_lb_and_external_ips_through_tc_with_both_traffic_policies() {
         "{metrics}"
     );
     drop(env);
+}
+
+/// The same datapath with `--tc-attach clsact`: NodePort traffic DNATed to local pods
+/// (reverse NAT at egress) and SNATed to the remote one (reply restored at ingress), by
+/// programs that are clsact filters (ours, one per hook, nothing on TCX); the datapath
+/// serves while no agent runs, a restarted agent adopts the filters without reloading,
+/// and uninstall removes them (the NodePort is then refused by the node itself).
+#[test]
+fn nodeport_through_clsact_filters_with_restart_and_uninstall() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::new();
+    let _cleanup = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests_dir();
+    write(
+        &dir,
+        "web.yaml",
+        &service("web", "10.96.0.10", "Cluster", "", &[1, 2, 3]),
+    );
+    let args = [
+        "--manifests",
+        dir.to_str().expect("utf-8"),
+        "--interfaces",
+        "ext0,nb0",
+        "--tc-attach",
+        "clsact",
+    ];
+    let mut agent = AgentProcess::start_in(&env, Some(&c.node_a), &args);
+    agent.wait_healthy(Duration::from_secs(20));
+
+    let hooks = [
+        ("ext0", true),
+        ("ext0", false),
+        ("nb0", true),
+        ("nb0", false),
+    ];
+    let filters = || -> Vec<u32> {
+        hooks
+            .iter()
+            .map(|(iface, ingress)| {
+                assert_eq!(tcx_programs(&c.node_a, iface, *ingress), Vec::<u32>::new());
+                our_one_filter(&c.node_a, iface, *ingress)
+            })
+            .collect()
+    };
+    let ids = filters();
+
+    let nodeport = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
+    let all_pods = [
+        ("pod1", "10.100.0.1"),
+        ("pod2", "10.100.0.1"),
+        ("pod3", "10.100.0.2"),
+    ];
+    expect_pods(&spread(&c.ext, 90, || ask_tcp(nodeport)), &all_pods);
+    expect_pods(
+        &spread(&c.ext, 90, || {
+            ask_udp(SocketAddr::from(([10, 100, 0, 2], NODEPORT + 1)))
+        }),
+        &all_pods,
+    );
+
+    // No agent: the filters stay and keep serving.
+    agent.stop();
+    for (iface, ingress) in hooks {
+        assert!(clsact_pin(&env.pins.path, iface, ingress).exists());
+    }
+    assert_eq!(filters(), ids, "the filters outlive the agent");
+    expect_pods(&spread(&c.ext, 60, || ask_tcp(nodeport)), &all_pods);
+
+    // A restarted agent adopts them: same programs, still one filter each.
+    let mut agent = AgentProcess::start_in(&env, Some(&c.node_a), &args);
+    agent.wait_healthy(Duration::from_secs(20));
+    assert!(
+        agent.logs().contains("adopted the pinned datapath"),
+        "{}",
+        agent.logs()
+    );
+    assert_eq!(filters(), ids, "adopted without reloading");
+    expect_pods(&spread(&c.ext, 60, || ask_tcp(nodeport)), &all_pods);
+    drop(agent);
+
+    // Uninstall (in node 1's namespace, where the interfaces are): no filter left, the
+    // programs unloaded, and the NodePort is no longer translated.
+    {
+        let _g = c.node_a.enter();
+        proxy_user::loader::uninstall(&env.pins.path).expect("uninstall");
+    }
+    assert!(!env.pins.path.exists());
+    for (iface, ingress) in hooks {
+        let left: Vec<_> = tc_filters(&c.node_a, iface, ingress)
+            .into_iter()
+            .filter(|f| f.kind == "bpf")
+            .collect();
+        assert!(left.is_empty(), "{iface}: {left:?}");
+    }
+    wait_for("programs unloaded", Duration::from_secs(5), || {
+        !ids.iter().any(|id| program_loaded(*id))
+    });
+    {
+        let _g = c.ext.enter();
+        let e = ask_tcp(nodeport).expect_err("no NodePort without the datapath");
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+    }
+    let _ = fs::remove_dir_all(&dir);
 }

@@ -50,6 +50,8 @@ pub struct AgentOptions {
     pub interfaces: Option<Vec<String>>,
     /// Conntrack table size in flows per address family (`--conntrack-max`).
     pub conntrack_flows: u32,
+    /// How the TC programs are attached (`auto`: TCX on kernels >= 6.6, clsact otherwise).
+    pub tc_attach: loader::TcAttachMode,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -66,6 +68,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         cgroup: opts.cgroup.clone(),
         interfaces: interfaces.clone(),
         conntrack_flows: opts.conntrack_flows,
+        tc_attach: opts.tc_attach,
     })
     .with_context(|| format!("installing the datapath at {}", opts.pin_path.display()))?;
     info!(

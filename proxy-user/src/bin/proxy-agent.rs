@@ -6,7 +6,7 @@ use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use proxy_user::{
     agent::{self, AgentOptions},
-    cleanup, loader, DEFAULT_PIN_PATH,
+    cleanup, loader, TcAttachMode, DEFAULT_PIN_PATH,
 };
 
 #[derive(Parser)]
@@ -40,6 +40,10 @@ enum Command {
         /// Conntrack table size in flows per address family (see `run --help`).
         #[arg(long, env = "PROXY_CONNTRACK_MAX", default_value_t = loader::DEFAULT_CONNTRACK_FLOWS)]
         conntrack_max: u32,
+        /// How the TC programs are attached: `auto` (TCX on kernels >= 6.6, clsact
+        /// otherwise), `tcx` or `clsact`.
+        #[arg(long, env = "PROXY_TC_ATTACH", value_enum, default_value_t = TcAttachMode::Auto)]
+        tc_attach: TcAttachMode,
     },
     /// Remove what kube-proxy left in this network namespace (its iptables chains and
     /// the jumps into them, its nftables tables, IPVS services, kube-ipvs0, ipsets) and
@@ -49,7 +53,8 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
     },
-    /// Detach every hook and remove every pin under the pin path.
+    /// Detach every hook and remove every pin under the pin path. Run it in the network
+    /// namespace of the TC interfaces: clsact filters are found by interface name.
     Uninstall {
         #[arg(long, env = "PROXY_PIN_PATH", default_value = DEFAULT_PIN_PATH)]
         pin_path: PathBuf,
@@ -109,6 +114,11 @@ struct RunArgs {
     /// tables keep their size until `proxy-agent uninstall`.
     #[arg(long, env = "PROXY_CONNTRACK_MAX", default_value_t = loader::DEFAULT_CONNTRACK_FLOWS)]
     conntrack_max: u32,
+    /// How the TC programs are attached: `auto` (TCX links on kernels >= 6.6, clsact
+    /// netlink filters otherwise), `tcx` or `clsact`. Hooks already pinned are adopted
+    /// whatever mode attached them.
+    #[arg(long, env = "PROXY_TC_ATTACH", value_enum, default_value_t = TcAttachMode::Auto)]
+    tc_attach: TcAttachMode,
     /// How often the manifests directory is checked for changes.
     #[arg(long, env = "PROXY_MANIFESTS_POLL", default_value = "100ms", value_parser = parse_duration)]
     manifests_poll: Duration,
@@ -182,6 +192,7 @@ fn main() -> Result<()> {
                     list => Some(list.split(',').map(|s| s.trim().to_string()).collect()),
                 },
                 conntrack_flows: args.conntrack_max,
+                tc_attach: args.tc_attach,
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -194,12 +205,14 @@ fn main() -> Result<()> {
             cgroup,
             interfaces,
             conntrack_max,
+            tc_attach,
         } => {
             let r = loader::install(&loader::InstallOptions {
                 pin_path: pin_path.clone(),
                 cgroup,
                 interfaces,
                 conntrack_flows: conntrack_max,
+                tc_attach,
             })
             .with_context(|| format!("installing the datapath at {}", pin_path.display()))?;
             println!(

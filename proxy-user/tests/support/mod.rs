@@ -10,6 +10,7 @@
 )]
 
 pub mod apiserver;
+pub mod tc;
 pub mod testbed;
 
 pub use testbed::*;
@@ -185,6 +186,7 @@ impl TestEnv {
             cgroup: Some(self.cgroup.path.clone()),
             interfaces: Vec::new(),
             conntrack_flows: loader::DEFAULT_CONNTRACK_FLOWS,
+            tc_attach: loader::TcAttachMode::Auto,
         })
         .expect("install")
     }
