@@ -16,11 +16,13 @@
 //!   `recvmsg`/`getpeername` can show the VIP to the application.
 //! - `STATS` (per-CPU array indexed by [`Reason`]) and `BACKEND_CONNS` (per-CPU hash,
 //!   backend id -> selections).
+//! - `AFFINITY` (LRU): `{client, service id}` -> the backend (and its slot) the client
+//!   last used, for `sessionAffinity: ClientIP`.
 #![no_std]
 
 /// Bumped whenever a key, value or map definition changes incompatibly. The loader stores
 /// it in the `META` map; a new agent refuses to adopt pins of another version.
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 
 /// Map names, as they appear in the object file, under the pin directory and in bpftool.
 pub mod map_names {
@@ -60,9 +62,11 @@ pub mod map_names {
     pub const SRC_RANGE4: &str = "SRC_RANGE4";
     /// `loadBalancerSourceRanges` allow-lists, IPv6.
     pub const SRC_RANGE6: &str = "SRC_RANGE6";
+    /// `sessionAffinity: ClientIP`: client + service id -> backend (LRU).
+    pub const AFFINITY: &str = "AFFINITY";
 
     /// Every pinned map.
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 19] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -81,6 +85,7 @@ pub mod map_names {
         NODE_CONFIG,
         SRC_RANGE4,
         SRC_RANGE6,
+        AFFINITY,
     ];
 }
 
@@ -111,6 +116,9 @@ pub mod limits {
     pub const MAX_NODE_ADDRS: u32 = 256;
     /// Source-range prefixes per family, all services together.
     pub const MAX_SRC_RANGES: u32 = 1 << 14;
+    /// Session-affinity entries (client x service), both families (LRU: an evicted
+    /// client is balanced afresh on its next connection).
+    pub const MAX_AFFINITY: u32 = 1 << 16;
 }
 
 /// TC connection-tracking timeouts (nanoseconds), after kube-proxy's conntrack settings.
@@ -229,7 +237,8 @@ pub enum Reason {
     TcFlow = 11,
     /// TC: a reply, reverse-translated from its conntrack entry.
     TcReply = 12,
-    /// TC: a frontend with no endpoints: TCP answered with RST, other packets dropped.
+    /// TC: a frontend with no endpoints: TCP answered with RST, UDP with ICMP port
+    /// unreachable, other packets dropped.
     TcNoBackend = 13,
     /// TC: a source outside `loadBalancerSourceRanges`: dropped.
     TcSourceDenied = 14,
@@ -241,11 +250,13 @@ pub enum Reason {
     TcFibMiss = 17,
     /// TC: an ICMP error about a NATed flow, translated for its backend or client.
     TcIcmpError = 18,
+    /// `sessionAffinity: ClientIP`: the client's previous backend was chosen again.
+    AffinityHit = 19,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 19;
+    pub const COUNT: u32 = 20;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -267,6 +278,7 @@ impl Reason {
         Reason::TcNoLocalBackend,
         Reason::TcFibMiss,
         Reason::TcIcmpError,
+        Reason::AffinityHit,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -291,6 +303,7 @@ impl Reason {
             Reason::TcNoLocalBackend => "tc_no_local_backend",
             Reason::TcFibMiss => "tc_fib_miss",
             Reason::TcIcmpError => "tc_icmp_error",
+            Reason::AffinityHit => "affinity_hit",
         }
     }
 }
@@ -441,6 +454,41 @@ pub struct Ct6Value {
     pub packets: u64,
 }
 
+/// `AffinityKey::kind`: what identifies the client.
+pub mod affinity_kind {
+    /// The client's network namespace cookie (socket hooks: the source address is not
+    /// known at `connect()`; one pod, one namespace).
+    pub const NETNS: u8 = 0;
+    /// An IPv4 source address (TC), in `client[0]`.
+    pub const V4: u8 = 4;
+    /// An IPv6 source address (TC).
+    pub const V6: u8 = 6;
+}
+
+/// `AFFINITY` key.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AffinityKey {
+    /// The client: a namespace cookie in words 0-1 (native order), or its address.
+    pub client: [u32; 4],
+    pub service_id: u32,
+    /// One of [`affinity_kind`].
+    pub kind: u8,
+    pub _pad: [u8; 3],
+}
+
+/// `AFFINITY` value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AffinityValue {
+    pub backend_id: u32,
+    /// The slot the backend had: a hit is used only while that slot still names it.
+    pub slot: u16,
+    pub _pad: u16,
+    /// `bpf_ktime_get_ns` of the last selection through this entry.
+    pub last_used_ns: u64,
+}
+
 /// `NODE_CONFIG[0]`: addresses the TC path source-NATs to (the node's primary address
 /// per family; zero: no SNAT possible for that family).
 #[repr(C)]
@@ -568,6 +616,8 @@ mod user {
         NodeConfig,
         SrcRange4,
         SrcRange6,
+        AffinityKey,
+        AffinityValue,
     );
 }
 
@@ -604,6 +654,8 @@ mod tests {
         assert_layout!(Ct4Value, size 40, align 8, fields [u32, u32, u16, u16, u32, u32, u32, u64, u64]);
         assert_layout!(Ct6Value, size 64, align 8, fields [[u32; 4], [u32; 4], u16, u16, u32, u32, u32, u64, u64]);
         assert_layout!(NodeConfig, size 20, align 4, fields [u32, [u32; 4]]);
+        assert_layout!(AffinityKey, size 24, align 4, fields [[u32; 4], u32, u8, [u8; 3]]);
+        assert_layout!(AffinityValue, size 16, align 8, fields [u32, u16, u16, u64]);
         assert_layout!(SrcRange4, size 8, align 4, fields [u32, u32]);
         assert_layout!(SrcRange6, size 20, align 4, fields [u32, [u32; 4]]);
     }

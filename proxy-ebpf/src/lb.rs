@@ -2,12 +2,12 @@
 //! [`Family`] and instantiated for IPv4 ([`V4`]) and IPv6 ([`V6`]) (cilium's `lb4_*`/`lb6_*`,
 //! without the copy). Addresses and ports stay in network byte order throughout.
 
-use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
-    scope, svc_flags, Reason, SockRevNat4, SockRevNat4Key, SockRevNat6, SockRevNat6Key, Svc4Key,
-    Svc6Key, SvcValue,
+    affinity_kind, scope, svc_flags, Reason, SockRevNat4, SockRevNat4Key, SockRevNat6,
+    SockRevNat6Key, Svc4Key, Svc6Key, SvcValue,
 };
 
+use crate::affinity;
 use crate::maps::{count_backend, BACKEND4, BACKEND6, SOCK_REVNAT4, SOCK_REVNAT6, SVC4, SVC6};
 
 /// One address family's maps.
@@ -168,13 +168,15 @@ pub struct Fwd<A> {
 /// Forward translation: frontend -> one of its backends, chosen with equal weight
 /// (slot = 1 + random % count: one lookup where iptables walks a statistic chain).
 /// `Ok(None)`: not a frontend. `Err(NoBackend | NoLocalBackend)`: the caller must refuse
-/// the syscall.
+/// the syscall. `netns()` identifies the client for session affinity (called only for a
+/// frontend that has it).
 #[inline(always)]
 pub fn xlate_fwd<F: Family>(
     addr: F::Addr,
     port: u16,
     proto: u8,
     cookie: u64,
+    netns: impl Fn() -> u64,
 ) -> Result<Option<Fwd<F::Addr>>, Reason> {
     let Some(front) = F::svc(addr, port, proto, 0) else {
         return Ok(None);
@@ -186,12 +188,19 @@ pub fn xlate_fwd<F: Family>(
             Reason::NoBackend
         });
     }
-    // SAFETY: helper without preconditions.
-    let rnd = unsafe { bpf_get_prandom_u32() };
-    let slot = (rnd % u32::from(front.count)) as u16 + 1;
-    let slot_entry = F::svc(addr, port, proto, slot).ok_or(Reason::BackendMissing)?;
-    let (baddr, bport) = F::backend(slot_entry.backend_id).ok_or(Reason::BackendMissing)?;
-    count_backend(slot_entry.backend_id);
+    let slot_backend = |s: u16| F::svc(addr, port, proto, s).map(|e| e.backend_id);
+    let client = || {
+        let n = netns();
+        affinity::key(
+            &front,
+            [n as u32, (n >> 32) as u32, 0, 0],
+            affinity_kind::NETNS,
+        )
+    };
+    let backend_id =
+        affinity::choose(&front, client, slot_backend).ok_or(Reason::BackendMissing)?;
+    let (baddr, bport) = F::backend(backend_id).ok_or(Reason::BackendMissing)?;
+    count_backend(backend_id);
 
     // Remember the frontend for recvmsg/getpeername; write only when it changed (a UDP
     // socket sending many datagrams to the same backend writes once).

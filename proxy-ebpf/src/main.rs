@@ -3,6 +3,7 @@
 //! - `maps`: every map, with its purpose (sizes in `proxy_common::limits`);
 //! - `lb`: frontend lookup, equal-weight backend selection and the reverse path,
 //!   written once over an address family trait and instantiated for v4 and v6;
+//! - `affinity`: `sessionAffinity: ClientIP`, shared by both paths;
 //! - `sock`: the eight cgroup `sock_addr` hooks, each a thin shell around `lb`;
 //! - `tc`: the per-packet datapath at TC (NodePort, external and LB addresses);
 //! - `icmp`: ICMP errors about NATed flows, translated;
@@ -10,6 +11,7 @@
 #![no_std]
 #![no_main]
 
+mod affinity;
 mod icmp;
 mod lb;
 mod maps;

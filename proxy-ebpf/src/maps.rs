@@ -7,9 +7,9 @@ use aya_ebpf::{
     maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
 };
 use proxy_common::{
-    limits::*, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, NodeConfig, Reason, RevNat4,
-    RevNat6, SockRevNat4, SockRevNat4Key, SockRevNat6, SockRevNat6Key, SrcRange4, SrcRange6,
-    Svc4Key, Svc6Key, SvcValue,
+    limits::*, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
+    NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat4Key, SockRevNat6, SockRevNat6Key,
+    SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
 };
 
 /// IPv4 frontends (slot 0) and their backend slots (1..=count).
@@ -88,6 +88,10 @@ pub static SRC_RANGE4: LpmTrie<SrcRange4, u8> = LpmTrie::pinned(MAX_SRC_RANGES, 
 /// `loadBalancerSourceRanges`, IPv6.
 #[map]
 pub static SRC_RANGE6: LpmTrie<SrcRange6, u8> = LpmTrie::pinned(MAX_SRC_RANGES, 0);
+
+/// `sessionAffinity: ClientIP`: the backend each client last used, per service.
+#[map]
+pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(MAX_AFFINITY, 0);
 
 /// Counts one outcome.
 #[inline(always)]

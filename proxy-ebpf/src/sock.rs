@@ -9,7 +9,10 @@
 
 use aya_ebpf::{
     bindings::bpf_sock_addr,
-    helpers::{bpf_get_socket_cookie, generated::bpf_set_retval},
+    helpers::{
+        bpf_get_socket_cookie,
+        generated::{bpf_get_netns_cookie, bpf_set_retval},
+    },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
     EbpfContext,
@@ -91,6 +94,13 @@ fn l4_proto(sa: *mut bpf_sock_addr) -> Option<u8> {
 fn cookie(ctx: &SockAddrContext) -> u64 {
     // SAFETY: valid for sock_addr programs.
     unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
+}
+
+/// The client's network namespace, for session affinity (one pod, one namespace).
+#[inline(always)]
+fn netns(ctx: &SockAddrContext) -> u64 {
+    // SAFETY: valid for sock_addr programs (kernel >= 5.8).
+    unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }
 }
 
 #[inline(always)]
@@ -202,7 +212,7 @@ fn fwd4(ctx: &SockAddrContext) -> i32 {
     };
     // SAFETY: 4-byte ctx field.
     let addr = unsafe { read_volatile(&raw const (*sa).user_ip4) };
-    let r = xlate_fwd::<V4>(addr, read_port(sa), proto, cookie(ctx));
+    let r = xlate_fwd::<V4>(addr, read_port(sa), proto, cookie(ctx), || netns(ctx));
     fwd_verdict(ctx, r, |to| {
         // SAFETY: 4-byte ctx field.
         unsafe { write_volatile(&raw mut (*sa).user_ip4, to.addr) };
@@ -237,13 +247,13 @@ fn fwd6(ctx: &SockAddrContext) -> i32 {
     let port = read_port(sa);
     let cookie = cookie(ctx);
     if is_v4_mapped(&addr) {
-        let r = xlate_fwd::<V4>(addr[3], port, proto, cookie);
+        let r = xlate_fwd::<V4>(addr[3], port, proto, cookie, || netns(ctx));
         return fwd_verdict(ctx, r, |to| {
             write_ip6(sa, [0, 0, V4_MAPPED_WORD, to.addr]);
             write_port(sa, to.port);
         });
     }
-    let r = xlate_fwd::<V6>(addr, port, proto, cookie);
+    let r = xlate_fwd::<V6>(addr, port, proto, cookie, || netns(ctx));
     fwd_verdict(ctx, r, |to| {
         write_ip6(sa, to.addr);
         write_port(sa, to.port);

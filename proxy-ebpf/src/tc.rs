@@ -38,10 +38,11 @@ use aya_ebpf::{
     EbpfContext,
 };
 use proxy_common::{
-    backend_flags, ct_flags, ct_timeouts, proto, scope, svc_flags, Ct4Key, Ct4Value, Ct6Key,
-    Ct6Value, Reason, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
+    affinity_kind, backend_flags, ct_flags, ct_timeouts, proto, scope, svc_flags, Ct4Key, Ct4Value,
+    Ct6Key, Ct6Value, Reason, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
 };
 
+use crate::affinity;
 use crate::maps::{
     count, count_backend, BACKEND4, BACKEND6, CT4, CT6, NODE_ADDRS4, NODE_ADDRS6, NODE_CONFIG,
     SRC_RANGE4, SRC_RANGE6, SVC4, SVC6,
@@ -150,6 +151,8 @@ trait Fam {
     fn scratch() -> Option<*mut Scratch<Self::Addr>>;
     /// Answers the UDP datagram at `ctx` with an ICMP port unreachable.
     fn reject_udp(ctx: &TcContext) -> i32;
+    /// A source address as a session-affinity client.
+    fn client(a: Self::Addr) -> ([u32; 4], u8);
 }
 
 /// Per-CPU scratch (one entry per family).
@@ -346,6 +349,10 @@ impl Fam for V4 {
         crate::unreach::udp4(ctx)
     }
 
+    fn client(a: u32) -> ([u32; 4], u8) {
+        ([a, 0, 0, 0], affinity_kind::V4)
+    }
+
     fn fib_set(p: &mut FibParams, src: u32, dst: u32) {
         p.__bindgen_anon_3.ipv4_src = src;
         p.__bindgen_anon_4.ipv4_dst = dst;
@@ -528,6 +535,10 @@ impl Fam for V6 {
     #[inline(always)]
     fn reject_udp(ctx: &TcContext) -> i32 {
         crate::unreach::udp6(ctx)
+    }
+
+    fn client(a: [u32; 4]) -> ([u32; 4], u8) {
+        (a, affinity_kind::V6)
     }
 
     fn fib_set(p: &mut FibParams, src: [u32; 4], dst: [u32; 4]) {
@@ -835,14 +846,11 @@ fn pick<F: Fam>(
         }
         return Ok(Some(Action::Verdict(TC_ACT_SHOT as i32)));
     }
-    // SAFETY: no preconditions.
-    let rnd = unsafe { bpf_get_prandom_u32() };
-    let slot = (rnd % u32::from(front.count)) as u16 + 1;
-    let Some(slot_entry) = F::svc(fe_addr, p.dport, p.proto, slot_scope, slot) else {
+    let Some(backend_id) = choose::<F>(p, &front, fe_addr, slot_scope) else {
         count(Reason::BackendMissing);
         return Ok(Some(Action::Verdict(TC_ACT_OK as i32)));
     };
-    let Some((baddr, bport, bflags)) = F::backend(slot_entry.backend_id) else {
+    let Some((baddr, bport, bflags)) = F::backend(backend_id) else {
         count(Reason::BackendMissing);
         return Ok(Some(Action::Verdict(TC_ACT_OK as i32)));
     };
@@ -868,10 +876,22 @@ fn pick<F: Fam>(
         backend: (baddr, bport),
         snat,
         service_id: front.service_id,
-        backend_id: slot_entry.backend_id,
+        backend_id,
         flags,
     };
     Ok(None)
+}
+
+/// The backend for a new flow: the client's previous one under session affinity (the
+/// client is its source address), else one at random with equal weight.
+#[inline(never)]
+fn choose<F: Fam>(p: &Pkt<F::Addr>, front: &SvcValue, fe_addr: F::Addr, sc: u8) -> Option<u32> {
+    let slot_backend = |s: u16| F::svc(fe_addr, p.dport, p.proto, sc, s).map(|e| e.backend_id);
+    let client = || {
+        let (addr, kind) = F::client(p.saddr);
+        affinity::key(front, addr, kind)
+    };
+    affinity::choose(front, client, slot_backend)
 }
 
 /// A free SNAT source port towards `backend` (its reply-direction entry is unused).

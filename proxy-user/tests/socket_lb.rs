@@ -399,3 +399,52 @@ fn full_service_map_is_refused_cleanly() {
     let w = env.writer();
     assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
 }
+
+#[test]
+fn session_affinity_keeps_a_client_on_its_backend() {
+    let mut env = TestEnv::new(3);
+    env.serve_all(PORT);
+    let fe = Frontend::new(VIP4, 80, Proto::Tcp);
+    let pods = pods_v4(3);
+    let affine = |backends: Vec<SocketAddr>| ServiceEntry {
+        flags: proxy_common::svc_flags::AFFINITY,
+        affinity_timeout: 10800,
+        ..ServiceEntry::new(fe, backends)
+    };
+    env.writer().upsert(&affine(pods.clone())).expect("upsert");
+    let before = counter(env.writer().store(), Reason::AffinityHit);
+
+    // Every connection of the client (its network namespace) goes to one pod.
+    let hits = env.in_client(|| spread(fe.socket_addr(), 60));
+    assert_eq!(hits.len(), 1, "{hits:?}");
+    let first = hits.keys().next().expect("one pod").clone();
+    assert_eq!(
+        counter(env.writer().store(), Reason::AffinityHit) - before,
+        59,
+        "every connection after the first follows the affinity entry"
+    );
+
+    // A scale-up keeps it there (slots of surviving backends do not move).
+    let mut more = pods.clone();
+    more.push(SocketAddr::new(IpAddr::V4(Topology::pod_v4(9)), PORT));
+    env.writer().upsert(&affine(more)).expect("upsert");
+    let hits = env.in_client(|| spread(fe.socket_addr(), 20));
+    assert_eq!(hits, BTreeMap::from([(first.clone(), 20)]));
+
+    // Its pod removed: the client moves to another one and stays there.
+    let rest: Vec<SocketAddr> = pods
+        .iter()
+        .zip(["pod1", "pod2", "pod3"])
+        .filter(|(_, name)| *name != first)
+        .map(|(a, _)| *a)
+        .collect();
+    env.writer().upsert(&affine(rest)).expect("upsert");
+    let hits = env.in_client(|| spread(fe.socket_addr(), 40));
+    assert_eq!(hits.len(), 1, "{hits:?}");
+    assert!(!hits.contains_key(&first), "{hits:?}");
+
+    // Without affinity the same client is spread again.
+    install_service(&mut env, fe, pods.clone());
+    let hits = env.in_client(|| spread(fe.socket_addr(), 120));
+    assert_eq!(hits.len(), 3, "{hits:?}");
+}

@@ -700,3 +700,67 @@ fn a_full_conntrack_table_evicts_old_flows_and_never_refuses_new_ones() {
     );
     assert_eq!(bed.run("tc_ingress", &ack).1.dst, sa("10.1.1.2:8080"));
 }
+
+#[test]
+fn session_affinity_by_client_address_until_the_timeout() {
+    let mut bed = Bed::new();
+    let fe = Frontend::new(Ipv4Addr::new(10, 96, 0, 40), 80, Proto::Tcp);
+    let backends = [
+        ("10.1.1.2:8080", LOCAL),
+        ("10.1.1.3:8080", LOCAL),
+        ("10.1.1.4:8080", LOCAL),
+    ];
+    let mut e = entry(fe, &backends, svc_flags::AFFINITY);
+    e.affinity_timeout = 1;
+    bed.writer.upsert(&e).expect("upsert");
+    let syn = |client: &str, port: u16| {
+        let pkt = Pkt::tcp(&format!("{client}:{port}"), "10.96.0.40:80", SYN);
+        let (verdict, out) = bed.run("tc_ingress", &pkt);
+        assert_eq!(verdict, TC_ACT_OK);
+        out.dst
+    };
+    // One client: every new flow to the same backend.
+    let first = syn("198.51.100.7", 20000);
+    for port in 20001..20030 {
+        assert_eq!(syn("198.51.100.7", port), first);
+    }
+    // Different clients are still spread.
+    let clients: Vec<String> = (10..40).map(|i| format!("198.51.100.{i}")).collect();
+    let chosen: Vec<SocketAddr> = clients.iter().map(|c| syn(c, 20000)).collect();
+    let distinct: std::collections::BTreeSet<_> = chosen.iter().collect();
+    assert_eq!(distinct.len(), 3, "{chosen:?}");
+    // Each keeps its backend within the timeout...
+    for (c, b) in clients.iter().zip(&chosen) {
+        assert_eq!(syn(c, 20001), *b, "{c}");
+    }
+    // ...and is balanced afresh after it: over 30 clients some land elsewhere.
+    std::thread::sleep(std::time::Duration::from_millis(1300));
+    let after: Vec<SocketAddr> = clients.iter().map(|c| syn(c, 20002)).collect();
+    let moved = after.iter().zip(&chosen).filter(|(a, b)| a != b).count();
+    assert!(moved > 0, "no client was re-balanced after the timeout");
+    // The IPv6 path keys by the source address too.
+    let fe6 = Frontend::new(
+        "2001:db8:96::40".parse::<IpAddr>().expect("ip"),
+        80,
+        Proto::Udp,
+    );
+    let mut e = entry(
+        fe6,
+        &[
+            ("[2001:db8:2::2]:53", LOCAL),
+            ("[2001:db8:2::3]:53", LOCAL),
+            ("[2001:db8:2::4]:53", LOCAL),
+        ],
+        svc_flags::AFFINITY,
+    );
+    e.affinity_timeout = 10800;
+    bed.writer.upsert(&e).expect("upsert");
+    let dgram = |port: u16| {
+        let pkt = Pkt::udp(&format!("[2001:db8::7]:{port}"), "[2001:db8:96::40]:80");
+        bed.run("tc_ingress", &pkt).1.dst
+    };
+    let first = dgram(5000);
+    for port in 5001..5020 {
+        assert_eq!(dgram(port), first);
+    }
+}

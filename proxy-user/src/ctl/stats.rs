@@ -35,7 +35,8 @@ pub fn meaning(r: Reason) -> &'static str {
         Reason::TcFlow => "TC: packet of a known flow, translated from its conntrack entry",
         Reason::TcReply => "TC: reply reverse-translated from its conntrack entry",
         Reason::TcNoBackend => {
-            "TC: frontend without endpoints: TCP answered with RST, others dropped"
+            "TC: frontend without endpoints: TCP answered with RST, UDP with ICMP port \
+             unreachable, others dropped"
         }
         Reason::TcSourceDenied => "TC: source outside loadBalancerSourceRanges: dropped",
         Reason::TcSnatFailed => "TC: no SNAT address or free SNAT port: dropped",
@@ -46,6 +47,7 @@ pub fn meaning(r: Reason) -> &'static str {
         Reason::TcIcmpError => {
             "TC: ICMP error about a NATed flow, translated for its backend or client"
         }
+        Reason::AffinityHit => "sessionAffinity ClientIP: the client's previous backend again",
     }
 }
 
