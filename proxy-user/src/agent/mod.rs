@@ -50,6 +50,8 @@ pub struct AgentOptions {
     pub interfaces: Option<Vec<String>>,
     /// Conntrack table size in flows per address family (`--conntrack-max`).
     pub conntrack_flows: u32,
+    /// `--external-ip-cidrs`: prefixes `spec.externalIPs` must be in (`None`: any).
+    pub external_ip_cidrs: Option<Vec<(std::net::IpAddr, u8)>>,
     /// How the TC programs are attached (`auto`: TCX on kernels >= 6.6, clsact otherwise).
     pub tc_attach: loader::TcAttachMode,
 }
@@ -147,7 +149,8 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         opts.proxy_name.clone(),
         [Kind::Service, Kind::EndpointSlice, Kind::Node],
         metrics,
-    );
+    )
+    .with_external_ip_cidrs(opts.external_ip_cidrs.clone());
     if opts.cleanup_kube_proxy {
         tokio::spawn(cleanup_kube_proxy_when_synced(health.clone()));
     }

@@ -9,6 +9,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
+    net::IpAddr,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -46,6 +47,9 @@ pub struct Syncer<S> {
     writer: Writer<S>,
     index: Index,
     proxy_name: Option<String>,
+    /// `--external-ip-cidrs`: `spec.externalIPs` are programmed only inside these
+    /// prefixes (CVE-2020-8554); `None`: all are.
+    external_ip_cidrs: Option<Vec<(IpAddr, u8)>>,
     metrics: Arc<Metrics>,
     /// Services whose frontends may differ from the maps, with the time the first
     /// unsynced change to them was received.
@@ -75,6 +79,7 @@ impl<S: MapStore> Syncer<S> {
             writer,
             index: Index::new(node),
             proxy_name,
+            external_ip_cidrs: None,
             metrics,
             dirty: HashMap::new(),
             full_due: None,
@@ -84,6 +89,12 @@ impl<S: MapStore> Syncer<S> {
             needs: needs.into_iter().collect(),
             orphans_reported: BTreeSet::new(),
         }
+    }
+
+    /// Programs `spec.externalIPs` only inside `cidrs` (`None`: all).
+    pub fn with_external_ip_cidrs(mut self, cidrs: Option<Vec<(IpAddr, u8)>>) -> Self {
+        self.external_ip_cidrs = cidrs;
+        self
     }
 
     pub fn writer(&self) -> &Writer<S> {
@@ -155,11 +166,26 @@ impl<S: MapStore> Syncer<S> {
         &self,
         svc: &k8s_openapi::api::core::v1::Service,
     ) -> Result<Option<ServiceInfo>, ()> {
-        ServiceInfo::from_k8s(svc, self.proxy_name.as_deref()).map_err(|skip| {
+        let mut info = ServiceInfo::from_k8s(svc, self.proxy_name.as_deref()).map_err(|skip| {
             let key = display_key(&svc.metadata);
             warn!(service = %key, reason = skip.label(), "skipping Service {key}: {skip}");
             self.metrics.skipped("Service", skip.label());
-        })
+        })?;
+        if let (Some(info), Some(allowed)) = (info.as_mut(), &self.external_ip_cidrs) {
+            info.external_ips.retain(|ip| {
+                let ok = allowed.iter().any(|c| crate::cluster::objects::cidr_contains(*c, *ip));
+                if !ok {
+                    let key = display_key(&svc.metadata);
+                    warn!(
+                        service = %key, external_ip = %ip,
+                        "Service {key}: externalIP {ip} is outside --external-ip-cidrs; not programmed"
+                    );
+                    self.metrics.skipped("Service", "external_ip_not_allowed");
+                }
+                ok
+            });
+        }
+        Ok(info)
     }
 
     fn slice_info(

@@ -119,9 +119,34 @@ struct RunArgs {
     /// whatever mode attached them.
     #[arg(long, env = "PROXY_TC_ATTACH", value_enum, default_value_t = TcAttachMode::Auto)]
     tc_attach: TcAttachMode,
+    /// Program `spec.externalIPs` only inside these prefixes (comma-separated CIDRs, or
+    /// `none` for no externalIPs at all); others are logged, counted and left out.
+    /// Default: every externalIP, as kube-proxy does. Anyone who can create a Service
+    /// can otherwise claim any address with an externalIP (CVE-2020-8554).
+    #[arg(long, env = "PROXY_EXTERNAL_IP_CIDRS", value_parser = parse_cidrs)]
+    external_ip_cidrs: Option<CidrList>,
     /// How often the manifests directory is checked for changes.
     #[arg(long, env = "PROXY_MANIFESTS_POLL", default_value = "100ms", value_parser = parse_duration)]
     manifests_poll: Duration,
+}
+
+/// A parsed `--external-ip-cidrs`.
+#[derive(Clone, Debug)]
+struct CidrList(Vec<(std::net::IpAddr, u8)>);
+
+/// `10.0.0.0/8,2001:db8::/32`, or `none`.
+fn parse_cidrs(s: &str) -> Result<CidrList, String> {
+    if s.trim() == "none" {
+        return Ok(CidrList(Vec::new()));
+    }
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            proxy_user::cluster::objects::parse_cidr(p)
+                .ok_or_else(|| format!("{p:?} is not a CIDR (like 10.0.0.0/8 or 2001:db8::/32)"))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(CidrList)
 }
 
 /// `250ms`, `2s`, `1m`.
@@ -192,6 +217,7 @@ fn main() -> Result<()> {
                     list => Some(list.split(',').map(|s| s.trim().to_string()).collect()),
                 },
                 conntrack_flows: args.conntrack_max,
+                external_ip_cidrs: args.external_ip_cidrs.map(|c| c.0),
                 tc_attach: args.tc_attach,
             };
             tokio::runtime::Builder::new_multi_thread()

@@ -292,6 +292,21 @@ pub fn parse_cidr(s: &str) -> Option<(IpAddr, u8)> {
     (len <= max).then_some((addr, len))
 }
 
+/// `ip` is inside the prefix `net/len` (of the same family).
+pub fn cidr_contains((net, len): (IpAddr, u8), ip: IpAddr) -> bool {
+    match (net, ip) {
+        (IpAddr::V4(n), IpAddr::V4(a)) => {
+            let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
+            u32::from(n) & mask == u32::from(a) & mask
+        }
+        (IpAddr::V6(n), IpAddr::V6(a)) => {
+            let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
+            u128::from(n) & mask == u128::from(a) & mask
+        }
+        _ => false,
+    }
+}
+
 fn parse_proto(p: Option<&str>) -> Result<Proto, Skip> {
     match p {
         None | Some("TCP") => Ok(Proto::Tcp),

@@ -261,3 +261,52 @@ fn backoff_doubles_up_to_the_limit() {
     b.reset();
     assert_eq!(b.fail().as_millis(), 500);
 }
+
+#[test]
+fn external_ips_outside_the_allowed_prefixes_are_left_out_and_counted() {
+    let t = Instant::now();
+    let (s, metrics) = syncer(MemStore::default());
+    let mut s = s.with_external_ip_cidrs(Some(vec![("203.0.113.0".parse().expect("ip"), 24)]));
+    let web = decode(
+        Kind::Service,
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"namespace": "default", "name": "web"},
+               "spec": {"clusterIP": "10.96.0.10", "ports": [{"name": "http", "port": 80}],
+                        "externalIPs": ["203.0.113.5", "198.51.100.5"]}}),
+    )
+    .expect("service");
+    s.handle(snapshot(Kind::Service, vec![web]), t);
+    s.handle(snapshot(Kind::EndpointSlice, vec![]), t);
+    s.handle(snapshot(Kind::Node, vec![]), t);
+    s.sync(t);
+    let state = maps(&s);
+    assert!(state.contains("frontend 203.0.113.5:80/tcp"), "{state}");
+    assert!(state.contains("frontend 10.96.0.10:80/tcp"), "{state}");
+    assert!(!state.contains("198.51.100.5"), "{state}");
+    let text = metrics.render();
+    assert!(
+        text.contains(
+            "ebpf_proxy_objects_skipped_total{kind=\"Service\",reason=\"external_ip_not_allowed\"} 1"
+        ),
+        "{text}"
+    );
+}
+
+#[test]
+fn cidr_containment() {
+    use crate::cluster::objects::{cidr_contains, parse_cidr};
+    let c = |s: &str| parse_cidr(s).expect("cidr");
+    let ip = |s: &str| s.parse().expect("ip");
+    assert!(cidr_contains(c("203.0.113.0/24"), ip("203.0.113.255")));
+    assert!(!cidr_contains(c("203.0.113.0/24"), ip("203.0.114.0")));
+    assert!(cidr_contains(c("0.0.0.0/0"), ip("192.0.2.1")));
+    assert!(cidr_contains(c("192.0.2.7"), ip("192.0.2.7")));
+    assert!(!cidr_contains(c("192.0.2.7"), ip("192.0.2.8")));
+    assert!(cidr_contains(c("2001:db8::/32"), ip("2001:db8:ffff::1")));
+    assert!(!cidr_contains(c("2001:db8::/32"), ip("2001:db9::1")));
+    assert!(cidr_contains(c("::/0"), ip("fd00::1")));
+    assert!(
+        !cidr_contains(c("0.0.0.0/0"), ip("::1")),
+        "families never match"
+    );
+}
