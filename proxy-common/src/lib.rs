@@ -252,11 +252,14 @@ pub enum Reason {
     TcIcmpError = 18,
     /// `sessionAffinity: ClientIP`: the client's previous backend was chosen again.
     AffinityHit = 19,
+    /// TC: a UDP flow whose backend is gone (no longer in the maps): balanced afresh,
+    /// as kube-proxy's conntrack cleanup for removed UDP endpoints does.
+    TcStaleBackend = 20,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 20;
+    pub const COUNT: u32 = 21;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -279,6 +282,7 @@ impl Reason {
         Reason::TcFibMiss,
         Reason::TcIcmpError,
         Reason::AffinityHit,
+        Reason::TcStaleBackend,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -304,6 +308,7 @@ impl Reason {
             Reason::TcFibMiss => "tc_fib_miss",
             Reason::TcIcmpError => "tc_icmp_error",
             Reason::AffinityHit => "affinity_hit",
+            Reason::TcStaleBackend => "tc_stale_backend",
         }
     }
 }

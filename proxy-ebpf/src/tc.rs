@@ -142,6 +142,8 @@ trait Fam {
         flags: u32,
         now: u64,
     ) -> Self::Val;
+    /// The backend id of a value.
+    fn ct_backend_id(v: &Self::Val) -> u32;
     /// `(dnat addr, dnat port, snat addr, snat port)` of a value.
     fn ct_nat(v: &Self::Val) -> ((Self::Addr, u16), (Self::Addr, u16));
     fn ct_meta(v: *mut Self::Val) -> (*mut u32, *mut u64, *mut u64);
@@ -323,6 +325,10 @@ impl Fam for V4 {
     }
 
     #[inline(always)]
+    fn ct_backend_id(v: &Ct4Value) -> u32 {
+        v.backend_id
+    }
+
     fn ct_nat(v: &Ct4Value) -> ((u32, u16), (u32, u16)) {
         ((v.dnat_addr, v.dnat_port), (v.snat_addr, v.snat_port))
     }
@@ -511,6 +517,10 @@ impl Fam for V6 {
     }
 
     #[inline(always)]
+    fn ct_backend_id(v: &Ct6Value) -> u32 {
+        v.backend_id
+    }
+
     fn ct_nat(v: &Ct6Value) -> (([u32; 4], u16), ([u32; 4], u16)) {
         ((v.dnat_addr, v.dnat_port), (v.snat_addr, v.snat_port))
     }
@@ -575,6 +585,14 @@ fn timeout(proto: u8, flags: u32) -> u64 {
     } else {
         ct_timeouts::TCP_SYN
     }
+}
+
+/// The flow's backend id still names the backend it was translated to.
+#[inline(always)]
+fn backend_is<F: Fam>(v: *mut F::Val, dnat: (F::Addr, u16)) -> bool {
+    // SAFETY: a live map value.
+    let id = F::ct_backend_id(unsafe { &*v });
+    matches!(F::backend(id), Some((a, port, _)) if a == dnat.0 && port == dnat.1)
 }
 
 /// Marks a packet on an entry: refreshes it, counts it, notes FIN/RST. Returns false if
@@ -781,6 +799,13 @@ fn known_path<F: Fam>(
     };
     // SAFETY: copied out.
     let (dnat, snat) = F::ct_nat(unsafe { &*v });
+    // A UDP flow whose backend is gone starts over (kube-proxy deletes the UDP conntrack
+    // entries of removed endpoints). TCP keeps its backend: a removed endpoint may still
+    // be draining its connections.
+    if p.proto == proto::UDP && !backend_is::<F>(v, dnat) {
+        count(Reason::TcStaleBackend);
+        return Ok(None);
+    }
     if !touch::<F>(v, p.proto, p.tcp_flags, false, now) {
         return Ok(None);
     }

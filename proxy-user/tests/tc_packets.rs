@@ -764,3 +764,34 @@ fn session_affinity_by_client_address_until_the_timeout() {
         assert_eq!(dgram(port), first);
     }
 }
+
+#[test]
+fn a_udp_flow_whose_backend_is_gone_is_balanced_afresh_tcp_is_not() {
+    let mut bed = Bed::new();
+    let dns = Frontend::new(Ipv4Addr::new(10, 96, 0, 50), 53, Proto::Udp);
+    let web = Frontend::new(Ipv4Addr::new(10, 96, 0, 50), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(dns, &[("10.1.1.2:5353", LOCAL)], 0))
+        .expect("upsert");
+    bed.writer
+        .upsert(&entry(web, &[("10.1.1.2:8080", LOCAL)], 0))
+        .expect("upsert");
+    let q = Pkt::udp("198.51.100.7:5000", "10.96.0.50:53");
+    let syn = Pkt::tcp("198.51.100.7:40000", "10.96.0.50:80", SYN);
+    assert_eq!(bed.run("tc_ingress", &q).1.dst, sa("10.1.1.2:5353"));
+    assert_eq!(bed.run("tc_ingress", &syn).1.dst, sa("10.1.1.2:8080"));
+    // Both endpoints replaced (the old pod is gone from the maps).
+    bed.writer
+        .upsert(&entry(dns, &[("10.1.1.9:5353", LOCAL)], 0))
+        .expect("upsert");
+    bed.writer
+        .upsert(&entry(web, &[("10.1.1.9:8080", LOCAL)], 0))
+        .expect("upsert");
+    // The same UDP flow moves to the live backend, and its replies are restored.
+    assert_eq!(bed.run("tc_ingress", &q).1.dst, sa("10.1.1.9:5353"));
+    let reply = Pkt::udp("10.1.1.9:5353", "198.51.100.7:5000");
+    assert_eq!(bed.run("tc_egress", &reply).1.src, sa("10.96.0.50:53"));
+    // The TCP flow stays where it was (a removed endpoint may still be draining).
+    let ack = Pkt::tcp("198.51.100.7:40000", "10.96.0.50:80", ACK);
+    assert_eq!(bed.run("tc_ingress", &ack).1.dst, sa("10.1.1.2:8080"));
+}

@@ -48,6 +48,7 @@ pub fn meaning(r: Reason) -> &'static str {
             "TC: ICMP error about a NATed flow, translated for its backend or client"
         }
         Reason::AffinityHit => "sessionAffinity ClientIP: the client's previous backend again",
+        Reason::TcStaleBackend => "TC: UDP flow whose backend is gone: balanced afresh",
     }
 }
 
