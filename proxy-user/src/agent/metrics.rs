@@ -191,6 +191,7 @@ pub struct Health {
     synced_once: AtomicBool,
     last_sync: Mutex<Option<Instant>>,
     stale_after: Duration,
+    node_deleting: AtomicBool,
 }
 
 impl Health {
@@ -199,6 +200,7 @@ impl Health {
             synced_once: AtomicBool::new(false),
             last_sync: Mutex::new(None),
             stale_after,
+            node_deleting: AtomicBool::new(false),
         }
     }
 
@@ -207,8 +209,16 @@ impl Health {
         *self.last_sync.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
     }
 
+    /// This node's Node object is being deleted (or the autoscaler is removing it).
+    pub fn set_node_deleting(&self, deleting: bool) {
+        self.node_deleting.store(deleting, Ordering::Relaxed);
+    }
+
     /// `Ok(detail)` when healthy, `Err(detail)` otherwise.
     pub fn check(&self) -> Result<String, String> {
+        if self.node_deleting.load(Ordering::Relaxed) {
+            return Err("the node is being deleted".into());
+        }
         if !self.synced_once.load(Ordering::Relaxed) {
             return Err("no sync yet: waiting for the initial lists".into());
         }
@@ -343,6 +353,16 @@ mod tests {
             err.contains("limit 0.1 s") || err.contains("limit 0.0 s") || err.contains("ago"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn health_is_503_while_the_node_is_being_deleted() {
+        let h = Health::new(Duration::from_secs(60));
+        h.mark_synced();
+        h.set_node_deleting(true);
+        assert_eq!(h.check(), Err("the node is being deleted".to_string()));
+        h.set_node_deleting(false);
+        assert!(h.check().is_ok());
     }
 
     #[test]

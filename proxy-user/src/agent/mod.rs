@@ -254,6 +254,7 @@ pub async fn sync_loop<S: crate::MapStore>(
                 let out = syncer.sync(Instant::now());
                 last_sync = Some(Instant::now());
                 health_checks.update(syncer.index().health_check_ports()).await;
+                health.set_node_deleting(syncer.index().node.deleting);
                 if let Some(n) = node_addresses.as_mut() {
                     if let Err(e) = n.update(&syncer.index().node.addresses) {
                         warn!(error = %e, "writing the node's addresses failed; kept the previous ones");

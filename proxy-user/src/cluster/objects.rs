@@ -18,6 +18,9 @@ pub const LABEL_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
 pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 /// Label linking an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+/// The cluster autoscaler's taint on a node it is removing.
+const TAINT_TO_BE_DELETED: &str = "ToBeDeletedByClusterAutoscaler";
+
 /// Node label with the node's zone.
 pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 /// Default `sessionAffinityConfig.clientIP.timeoutSeconds`.
@@ -440,6 +443,10 @@ pub struct NodeInfo {
     /// The Node object's `InternalIP` and `ExternalIP` addresses (sorted, unique; unusable
     /// ones such as loopback or link-local left out): NodePorts are served on them too.
     pub addresses: Vec<IpAddr>,
+    /// The Node is being deleted (`deletionTimestamp` set) or the cluster autoscaler is
+    /// removing it (taint `ToBeDeletedByClusterAutoscaler`): `/healthz` turns 503 so load
+    /// balancers drain the node first, as kube-proxy does.
+    pub deleting: bool,
 }
 
 impl NodeInfo {
@@ -455,7 +462,15 @@ impl NodeInfo {
             .collect();
         addresses.sort();
         addresses.dedup();
+        let deleting = node.is_some_and(|n| {
+            n.metadata.deletion_timestamp.is_some()
+                || n.spec
+                    .as_ref()
+                    .and_then(|s| s.taints.as_ref())
+                    .is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED))
+        });
         Self {
+            deleting,
             name: name.to_string(),
             zone: node
                 .and_then(|n| n.metadata.labels.as_ref())

@@ -314,6 +314,11 @@ impl AgentProcess {
         self.get(self.metrics_port, "/metrics").expect("metrics").1
     }
 
+    /// `GET /healthz`: (status, body).
+    pub fn healthz(&self) -> (u16, String) {
+        self.get(self.healthz_port, "/healthz").expect("healthz")
+    }
+
     pub fn logs(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }

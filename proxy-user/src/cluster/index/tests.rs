@@ -89,6 +89,7 @@ fn node() -> NodeInfo {
         name: "node-a".into(),
         zone: Some("zone-a".into()),
         addresses: Vec::new(),
+        deleting: false,
     }
 }
 
@@ -511,4 +512,30 @@ fn node_addresses_come_from_internal_and_external_ips() {
     );
     assert_eq!(info.zone.as_deref(), Some("zone-a"));
     assert!(NodeInfo::with_node("node-a", None).addresses.is_empty());
+}
+
+#[test]
+fn a_node_being_deleted_or_scaled_down_is_marked() {
+    let node = |extra: Value| -> k8s_openapi::api::core::v1::Node {
+        let mut v = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}});
+        for (k, x) in extra.as_object().expect("object") {
+            if k == "deletionTimestamp" {
+                v["metadata"][k] = x.clone();
+            } else {
+                v[k] = x.clone();
+            }
+        }
+        serde_json::from_value(v).expect("node")
+    };
+    let deleting = |n| NodeInfo::with_node("node-a", Some(&n)).deleting;
+    assert!(!deleting(node(json!({}))));
+    assert!(deleting(node(
+        json!({"deletionTimestamp": "2026-11-30T12:00:00Z"})
+    )));
+    assert!(deleting(node(json!({"spec": {"taints": [
+        {"key": "ToBeDeletedByClusterAutoscaler", "value": "1732968000", "effect": "NoSchedule"}
+    ]}}))));
+    assert!(!deleting(node(json!({"spec": {"taints": [
+        {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
+    ]}}))));
 }
