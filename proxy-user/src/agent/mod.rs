@@ -263,6 +263,9 @@ pub async fn sync_loop<S: crate::MapStore>(
                         }).inc();
                     }
                 }
+                if out.full || out.ops > 1000 {
+                    release_freed_memory();
+                }
                 if out.failed == 0 {
                     health.mark_synced();
                     backoff.reset();
@@ -275,5 +278,16 @@ pub async fn sync_loop<S: crate::MapStore>(
             },
             _ = resync.tick() => syncer.request_full(Instant::now()),
         }
+    }
+}
+
+/// Hands the heap's free pages back to the kernel after a large sync (the initial one, a
+/// relist, the periodic full re-diff): parsing thousands of objects leaves most of the
+/// peak free but still resident, about half the agent's RSS at 10,000 Services.
+fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: glibc's malloc_trim has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }

@@ -26,9 +26,14 @@ use crate::agent::metrics::Metrics;
 #[derive(Debug)]
 struct FileState {
     stamp: (SystemTime, u64),
-    /// Each object with a hash of its JSON (to detect changes without keeping copies).
-    objects: Vec<(Kind, ObjKey, Value, u64)>,
+    /// Each object's kind, key and a hash of its JSON: changes are detected without
+    /// keeping the objects (at 10,000 Services copies would be most of the agent's
+    /// memory); a file is parsed again when one of its objects is needed.
+    objects: Vec<(Kind, ObjKey, u64)>,
 }
+
+/// Objects parsed during one scan, by kind, key and hash.
+type Parsed = HashMap<(Kind, ObjKey, u64), Object>;
 
 /// The directory's state between scans.
 #[derive(Debug)]
@@ -56,6 +61,7 @@ impl ManifestsDir {
     pub fn scan(&mut self) -> io::Result<Vec<Update>> {
         let mut seen = Vec::new();
         let mut changed = false;
+        let mut parsed: Parsed = HashMap::new();
         for entry in fs::read_dir(&self.dir)? {
             let path = entry?.path();
             let is_manifest = path
@@ -82,7 +88,18 @@ impl ManifestsDir {
             changed = true;
             match parse_file(&path, &text, &self.metrics) {
                 Ok(objects) => {
-                    self.files.insert(path, FileState { stamp, objects });
+                    let mut index = Vec::with_capacity(objects.len());
+                    for (kind, key, obj, hash) in objects {
+                        index.push((kind, key.clone(), hash));
+                        parsed.insert((kind, key, hash), obj);
+                    }
+                    self.files.insert(
+                        path,
+                        FileState {
+                            stamp,
+                            objects: index,
+                        },
+                    );
                 }
                 Err(e) => {
                     // Keep the file's previous objects: a half-saved file must not
@@ -112,28 +129,50 @@ impl ManifestsDir {
             return Ok(Vec::new());
         }
 
-        // The union of every file's objects, borrowed (no copies: at 10,000 Services a
-        // change must not clone them all).
-        let mut desired: HashMap<(Kind, &ObjKey), (&Value, u64)> = HashMap::new();
+        // The union of every file's objects (by reference: kind, key, hash, file).
+        let mut desired: HashMap<(Kind, &ObjKey), (u64, &PathBuf)> = HashMap::new();
         for (path, f) in &self.files {
-            for (kind, key, value, hash) in &f.objects {
-                if desired.insert((*kind, key), (value, *hash)).is_some() {
+            for (kind, key, hash) in &f.objects {
+                if desired.insert((*kind, key), (*hash, path)).is_some() {
                     warn!(file = %path.display(), "{} {key} defined twice; the one in {} wins", kind.as_str(), path.display());
                 }
             }
         }
-        let updates = if !self.scanned {
+        // The objects to send: all at the first scan, else the new and changed ones.
+        let first = !self.scanned;
+        let mut wanted: Vec<(Kind, ObjKey, u64, &PathBuf)> = desired
+            .iter()
+            .filter(|((kind, key), (hash, _))| {
+                first || self.current.get(&(*kind, (*key).clone())) != Some(hash)
+            })
+            .map(|((kind, key), (hash, path))| (*kind, (*key).clone(), *hash, *path))
+            .collect();
+        wanted.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        // A definition that now wins from a file not read in this scan (another file
+        // defining the same object went away): read that file again.
+        for (kind, key, hash, path) in &wanted {
+            if !parsed.contains_key(&(*kind, key.clone(), *hash)) {
+                if let Ok(text) = fs::read_to_string(path) {
+                    if let Ok(objects) = parse_file(path, &text, &self.metrics) {
+                        for (k, key, obj, h) in objects {
+                            parsed.insert((k, key, h), obj);
+                        }
+                    }
+                }
+            }
+        }
+        let mut take =
+            |kind: Kind, key: &ObjKey, hash: u64| parsed.remove(&(kind, key.clone(), hash));
+        let updates = if first {
             self.scanned = true;
-            let mut sorted: Vec<_> = desired.iter().collect();
-            sorted.sort_by(|a, b| a.0.cmp(b.0));
             [Kind::Service, Kind::EndpointSlice, Kind::Node]
                 .into_iter()
-                .map(|kind| Update::Snapshot {
-                    kind,
-                    objects: sorted
+                .map(|k| Update::Snapshot {
+                    kind: k,
+                    objects: wanted
                         .iter()
-                        .filter(|((k, _), _)| *k == kind)
-                        .filter_map(|((k, _), (v, _))| decode(*k, (*v).clone()).ok())
+                        .filter(|(kind, ..)| *kind == k)
+                        .filter_map(|(kind, key, hash, _)| take(*kind, key, *hash))
                         .collect(),
                     relist: false,
                 })
@@ -148,18 +187,16 @@ impl ManifestsDir {
                     });
                 }
             }
-            for ((kind, key), (value, hash)) in &desired {
-                if self.current.get(&(*kind, (*key).clone())) != Some(hash) {
-                    if let Ok(obj) = decode(*kind, (*value).clone()) {
-                        ups.push(Update::Apply(obj));
-                    }
+            for (kind, key, hash, _) in &wanted {
+                if let Some(obj) = take(*kind, key, *hash) {
+                    ups.push(Update::Apply(obj));
                 }
             }
             ups
         };
         self.current = desired
             .iter()
-            .map(|((k, key), (_, h))| ((*k, (*key).clone()), *h))
+            .map(|((k, key), (h, _))| ((*k, (*key).clone()), *h))
             .collect();
         Ok(updates)
     }
@@ -171,8 +208,10 @@ fn parse_file(
     path: &Path,
     text: &str,
     metrics: &Metrics,
-) -> Result<Vec<(Kind, ObjKey, Value, u64)>, String> {
-    let mut docs: Vec<Value> = Vec::new();
+) -> Result<Vec<(Kind, ObjKey, Object, u64)>, String> {
+    // One document at a time: all of a large file's documents as JSON at once would be
+    // most of the agent's peak memory.
+    let mut out = Vec::new();
     for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let yaml =
             serde_yaml::Value::deserialize(doc).map_err(|e| format!("document {}: {e}", i + 1))?;
@@ -180,10 +219,20 @@ fn parse_file(
             continue;
         }
         let json = serde_json::to_value(&yaml).map_err(|e| format!("document {}: {e}", i + 1))?;
-        docs.push(json);
+        drop(yaml);
+        parse_doc(path, json, metrics, &mut out);
     }
-    let mut out = Vec::new();
-    let mut stack: Vec<Value> = docs.into_iter().rev().collect();
+    Ok(out)
+}
+
+/// One document (a `List`'s items in order) into `out`.
+fn parse_doc(
+    path: &Path,
+    doc: Value,
+    metrics: &Metrics,
+    out: &mut Vec<(Kind, ObjKey, Object, u64)>,
+) {
+    let mut stack: Vec<Value> = vec![doc];
     while let Some(doc) = stack.pop() {
         let kind = doc.get("kind").and_then(Value::as_str).unwrap_or("");
         let kind = match kind {
@@ -191,8 +240,8 @@ fn parse_file(
             "EndpointSlice" => Kind::EndpointSlice,
             "Node" => Kind::Node,
             "List" | "ServiceList" | "EndpointSliceList" | "NodeList" => {
-                if let Some(items) = doc.get("items").and_then(Value::as_array) {
-                    stack.extend(items.iter().rev().cloned());
+                if let Some(Value::Array(items)) = doc.get("items").cloned() {
+                    stack.extend(items.into_iter().rev());
                 }
                 continue;
             }
@@ -214,16 +263,12 @@ fn parse_file(
                 .unwrap_or("default"),
         };
         let key = ObjKey::new(namespace, name);
-        let mut doc = doc.clone();
+        let (namespace, unnamed) = (namespace.to_string(), name.is_empty());
+        let mut doc = doc;
         if kind != Kind::Node {
             doc["metadata"]["namespace"] = Value::from(namespace);
         }
-        if let Err(e) = decode(kind, doc.clone()) {
-            warn!(file = %path.display(), object = %key, "skipping {} {key} in {}: {e}", kind.as_str(), path.display());
-            metrics.skipped(kind.as_str(), "decode_error");
-            continue;
-        }
-        if name.is_empty() {
+        if unnamed {
             warn!(file = %path.display(), "skipping a {} without metadata.name in {}", kind.as_str(), path.display());
             metrics.skipped(kind.as_str(), "no_name");
             continue;
@@ -234,9 +279,14 @@ fn parse_file(
             doc.to_string().hash(&mut h);
             h.finish()
         };
-        out.push((kind, key, doc, hash));
+        match decode(kind, doc) {
+            Ok(obj) => out.push((kind, key, obj, hash)),
+            Err(e) => {
+                warn!(file = %path.display(), object = %key, "skipping {} {key} in {}: {e}", kind.as_str(), path.display());
+                metrics.skipped(kind.as_str(), "decode_error");
+            }
+        }
     }
-    Ok(out)
 }
 
 /// Decodes a JSON object into the typed object of its kind.
@@ -374,6 +424,36 @@ mod tests {
         assert!(metrics
             .render()
             .contains("kind=\"Service\",reason=\"decode_error\"} 1"));
+        fs::remove_dir_all(&tmp).expect("cleanup");
+    }
+
+    #[test]
+    fn a_definition_that_wins_again_is_read_back_from_its_file() {
+        let tmp = tempdir();
+        let metrics = Arc::new(Metrics::new());
+        // b.yaml sorts after a.yaml, so its definition wins.
+        write(&tmp, "a.yaml", SVC);
+        write(&tmp, "b.yaml", &SVC.replace("10.96.0.10", "10.96.0.11"));
+        let mut dir = ManifestsDir::new(&tmp, metrics);
+        let first = dir.scan().expect("scan");
+        let Update::Snapshot { objects, .. } = &first[0] else {
+            panic!("snapshot first");
+        };
+        let Object::Service(svc) = &objects[0] else {
+            panic!("a Service");
+        };
+        let ip = |s: &k8s_openapi::api::core::v1::Service| {
+            s.spec.as_ref().and_then(|s| s.cluster_ip.clone())
+        };
+        assert_eq!(ip(svc).as_deref(), Some("10.96.0.11"));
+        // b.yaml goes: a.yaml's definition (not read again by mtime) is sent.
+        fs::remove_file(tmp.join("b.yaml")).expect("rm");
+        let ups = dir.scan().expect("scan");
+        assert_eq!(names(&ups), ["apply Service default/web"]);
+        let Update::Apply(Object::Service(svc)) = &ups[0] else {
+            panic!("apply");
+        };
+        assert_eq!(ip(svc).as_deref(), Some("10.96.0.10"));
         fs::remove_dir_all(&tmp).expect("cleanup");
     }
 
