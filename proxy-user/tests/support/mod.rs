@@ -319,6 +319,22 @@ impl AgentProcess {
         self.get(self.healthz_port, "/healthz").expect("healthz")
     }
 
+    /// Waits until `/healthz` answers `status`; returns the body.
+    pub fn wait_healthz(&self, status: u16, timeout: Duration) -> String {
+        let start = std::time::Instant::now();
+        loop {
+            let (code, body) = self.healthz();
+            if code == status {
+                return body;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "/healthz still {code} after {timeout:?}: {body}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn logs(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
