@@ -21,16 +21,21 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use super::{
-    sha256::{base32, sha256},
-    snapshot::{Cidr, Kind},
-};
+use proxy_common::kube_names::chain_hash;
+
+use super::snapshot::{Cidr, Kind};
 use crate::model::Proto;
 
 /// The 16-character hash kube-proxy derives chain names from.
 pub fn port_proto_hash(service_port_name: &str, protocol: &str) -> String {
-    let digest = sha256(format!("{service_port_name}{protocol}").as_bytes());
-    base32(&digest)[..16].to_string()
+    ascii(&chain_hash::<16>(
+        format!("{service_port_name}{protocol}").as_bytes(),
+    ))
+}
+
+/// The hash's characters (base32: ASCII).
+fn ascii(hash: &[u8]) -> String {
+    hash.iter().map(|&b| char::from(b)).collect()
 }
 
 /// `KUBE-SVC-*`: the Cluster-policy chain.
@@ -55,8 +60,8 @@ pub fn firewall_chain(service_port_name: &str, protocol: &str) -> String {
 
 /// `KUBE-SEP-*`: one endpoint of one Service port (`endpoint` as `ip:port`).
 pub fn endpoint_chain(service_port_name: &str, protocol: &str, endpoint: &str) -> String {
-    let digest = sha256(format!("{service_port_name}{protocol}{endpoint}").as_bytes());
-    format!("KUBE-SEP-{}", &base32(&digest)[..16])
+    let hash = chain_hash::<16>(format!("{service_port_name}{protocol}{endpoint}").as_bytes());
+    format!("KUBE-SEP-{}", ascii(&hash))
 }
 
 /// kube-proxy's `--probability` for rule `i` of `n` (1/(n-i)), as `iptables-save` prints

@@ -16,7 +16,6 @@ pub mod explain;
 pub mod iptables;
 pub mod maps;
 pub mod services;
-pub mod sha256;
 pub mod snapshot;
 pub mod stats;
 pub mod table;

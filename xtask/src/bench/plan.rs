@@ -15,8 +15,6 @@
 
 use std::net::Ipv4Addr;
 
-use sha2::{Digest as _, Sha256};
-
 /// The namespace every benchmark Service lives in.
 pub const NAMESPACE: &str = "bench";
 /// Name of the one service that gets traffic.
@@ -191,52 +189,17 @@ pub fn endpoint_count(services: &[Service]) -> usize {
         .sum()
 }
 
-/// RFC 4648 base32 (upper case, with padding), as Go's `base32.StdEncoding`.
-pub fn base32(data: &[u8]) -> String {
-    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
-    let mut out = String::with_capacity(data.len().div_ceil(5) * 8);
-    for chunk in data.chunks(5) {
-        let mut buf = [0u8; 5];
-        buf[..chunk.len()].copy_from_slice(chunk);
-        let bits = buf.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b));
-        let symbols = (chunk.len() * 8).div_ceil(5);
-        for i in 0..8 {
-            if i < symbols {
-                let idx = (bits >> (35 - 5 * i)) & 31;
-                out.push(ALPHABET[idx as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-/// The first `len` characters of base32(sha256(text)): kube-proxy's chain-name hash
-/// (16 characters in iptables mode, 8 in nftables mode).
+/// The first `len` (8 or 16) characters of base32(sha256(text)): kube-proxy's chain-name
+/// hash (16 characters in iptables mode, 8 in nftables mode), from the same code as
+/// `proxyctl explain`.
 pub fn hash_prefix(text: &str, len: usize) -> String {
-    let digest = Sha256::digest(text.as_bytes());
-    base32(&digest)[..len].to_string()
+    let hash = proxy_common::kube_names::chain_hash::<16>(text.as_bytes());
+    hash[..len].iter().map(|&b| char::from(b)).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn base32_matches_rfc4648_vectors() {
-        for (input, want) in [
-            ("", ""),
-            ("f", "MY======"),
-            ("fo", "MZXQ===="),
-            ("foo", "MZXW6==="),
-            ("foob", "MZXW6YQ="),
-            ("fooba", "MZXW6YTB"),
-            ("foobar", "MZXW6YTBOI======"),
-        ] {
-            assert_eq!(base32(input.as_bytes()), want, "{input:?}");
-        }
-    }
 
     #[test]
     fn services_put_the_target_last_and_stay_in_their_ranges() {
