@@ -284,6 +284,7 @@ const TRANSCRIPT: &[&[&str]] = &[
     &["stats"],
     &["conntrack"],
     &["conntrack", "-o", "wide", "--addr", "2001:db8::7"],
+    &["affinity"],
     &["explain", "10.96.0.20:8080"],
     &["explain", "10.96.0.10:80"],
     &["explain", "192.168.50.1:30080"],
@@ -860,12 +861,14 @@ no_local_backend       0      Local traffic policy, no endpoint on this node: fa
 tc_new_flow            0      TC: new flow to a frontend, DNATed (SNATed when the backend is remote)
 tc_flow                0      TC: packet of a known flow, translated from its conntrack entry
 tc_reply               0      TC: reply reverse-translated from its conntrack entry
-tc_no_backend          0      TC: frontend without endpoints: TCP answered with RST, others dropped
+tc_no_backend          0      TC: frontend without endpoints: TCP answered with RST, UDP with ICMP port unreachable, others dropped
 tc_source_denied       0      TC: source outside loadBalancerSourceRanges: dropped
 tc_snat_failed         0      TC: no SNAT address or free SNAT port: dropped
 tc_no_local_backend    0      TC: externalTrafficPolicy Local, no endpoint on this node: dropped
 tc_fib_miss            0      TC: no FIB route for a translated packet: handed to the stack
 tc_icmp_error          0      TC: ICMP error about a NATed flow, translated for its backend or client
+affinity_hit           0      sessionAffinity ClientIP: the client's previous backend again
+tc_stale_backend       0      TC: UDP flow whose backend is gone: balanced afresh
 
 BACKEND               ID  CONNS
 10.240.1.2:8080       1   4
@@ -888,6 +891,9 @@ $ proxyctl conntrack -o wide --addr 2001:db8::7
 PROTO  DIR    SOURCE               DESTINATION          REWRITE                  SERVICE            SVC-ID  BACKEND                 PACKETS  AGE  TIMEOUT  FLAGS
 tcp    orig   [2001:db8::7]:51000  [fd00:96::10]:80     dst->[fd00:244::7]:8080  default/web6:http  5       [fd00:244::7]:8080 (6)  3        5s   1d00h    seen-reply
 tcp    reply  [fd00:244::7]:8080   [2001:db8::7]:51000  src->[fd00:96::10]:80    default/web6:http  5       [fd00:244::7]:8080 (6)  2        5s   1d00h    seen-reply
+
+$ proxyctl affinity
+no clients held (no Service with sessionAffinity: ClientIP was used)
 
 $ proxyctl explain 10.96.0.20:8080
 10.96.0.20:8080/tcp: Service default/echo, ClusterIP
@@ -1111,6 +1117,8 @@ tc_snat_failed         0      -      -
 tc_no_local_backend    0      -      -
 tc_fib_miss            0      -      -
 tc_icmp_error          0      -      -
+affinity_hit           0      -      -
+tc_stale_backend       0      -      -
 
 proxyctl watch: every 100ms, frame 2 of 2
 
@@ -1144,6 +1152,8 @@ tc_snat_failed         0      +0     0.0
 tc_no_local_backend    0      +0     0.0
 tc_fib_miss            0      +0     0.0
 tc_icmp_error          0      +0     0.0
+affinity_hit           0      +0     0.0
+tc_stale_backend       0      +0     0.0
 
 $ proxyctl dump
 frontend 0.0.0.0:30080/tcp id=6 count=2 flags=0x24 affinity=0

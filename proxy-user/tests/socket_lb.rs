@@ -424,6 +424,31 @@ fn session_affinity_keeps_a_client_on_its_backend() {
         "every connection after the first follows the affinity entry"
     );
 
+    // proxyctl shows the client (its network namespace) held to that pod.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_proxyctl"))
+        .args(["--pin-path", env.pins.path.to_str().expect("utf-8")])
+        .args(["affinity", "-o", "json"])
+        .output()
+        .expect("proxyctl");
+    assert!(out.status.success(), "{out:?}");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let entries = doc["entries"].as_array().expect("entries");
+    assert_eq!(entries.len(), 1, "{doc}");
+    let pod_no: usize = first.trim_start_matches("pod").parse().expect("podN");
+    assert_eq!(
+        entries[0]["backend"].as_str(),
+        Some(
+            SocketAddr::new(IpAddr::V4(Topology::pod_v4(pod_no)), PORT)
+                .to_string()
+                .as_str()
+        ),
+        "{doc}"
+    );
+    assert!(entries[0]["client"]
+        .as_str()
+        .is_some_and(|c| c.starts_with("netns:")));
+    assert_eq!(entries[0]["expired"], false);
+
     // A scale-up keeps it there (slots of surviving backends do not move).
     let mut more = pods.clone();
     more.push(SocketAddr::new(IpAddr::V4(Topology::pod_v4(9)), PORT));

@@ -20,13 +20,14 @@ use aya::maps::{
     Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap,
 };
 use proxy_common::{
-    map_names as names, meta, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, Reason,
-    RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue, ABI_VERSION,
+    affinity_kind, map_names as names, meta, AffinityKey, AffinityValue, Backend4, Backend6,
+    Ct4Key, Ct4Value, Ct6Key, Ct6Value, Reason, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key,
+    Svc6Key, SvcValue, ABI_VERSION,
 };
 
 use super::{
     error::{Error, Result},
-    snapshot::{Cidr, CtEntry, Snapshot},
+    snapshot::{AffinityClient, AffinityEntry, Cidr, CtEntry, Snapshot},
 };
 use crate::{
     model::{
@@ -138,6 +139,7 @@ pub struct Maps {
     ct6: Option<HashMap<MapData, Ct6Key, Ct6Value>>,
     node4: Option<HashMap<MapData, u32, u8>>,
     node6: Option<HashMap<MapData, [u32; 4], u8>>,
+    affinity: Option<HashMap<MapData, AffinityKey, AffinityValue>>,
     src4: Option<LpmTrie<MapData, SrcRange4, u8>>,
     src6: Option<LpmTrie<MapData, SrcRange6, u8>>,
     missing: BTreeSet<&'static str>,
@@ -210,6 +212,7 @@ impl Maps {
         let ct6 = opt!(names::CT6);
         let node4 = opt!(names::NODE_ADDRS4);
         let node6 = opt!(names::NODE_ADDRS6);
+        let affinity = opt!(names::AFFINITY);
         let src4 = opt!(names::SRC_RANGE4);
         let src6 = opt!(names::SRC_RANGE6);
         Ok(Self {
@@ -226,6 +229,7 @@ impl Maps {
             ct6,
             node4,
             node6,
+            affinity,
             src4,
             src6,
             missing,
@@ -267,6 +271,36 @@ impl Maps {
         let mut s = self.snapshot()?;
         s.flows = self.read_flows()?;
         Ok(s)
+    }
+
+    /// The snapshot plus the session-affinity entries.
+    pub fn snapshot_with_affinity(&self) -> Result<Snapshot> {
+        let mut s = self.snapshot()?;
+        s.affinity = self.read_affinity()?;
+        Ok(s)
+    }
+
+    fn read_affinity(&self) -> Result<Option<Vec<AffinityEntry>>> {
+        let Some(m) = &self.affinity else {
+            return Ok(None);
+        };
+        let mut out = Vec::new();
+        for item in m.iter() {
+            let (k, v) = item.map_err(read_err(names::AFFINITY))?;
+            let client = match k.kind {
+                affinity_kind::V4 => AffinityClient::Addr(IpAddr::V4(v4_from_word(k.client[0]))),
+                affinity_kind::V6 => AffinityClient::Addr(IpAddr::V6(v6_from_words(k.client))),
+                _ => AffinityClient::Netns(u64::from(k.client[0]) | (u64::from(k.client[1]) << 32)),
+            };
+            out.push(AffinityEntry {
+                client,
+                service_id: k.service_id,
+                backend_id: v.backend_id,
+                slot: v.slot,
+                last_used_ns: v.last_used_ns,
+            });
+        }
+        Ok(Some(out))
     }
 
     /// Counters and backends only (`watch`, each frame).

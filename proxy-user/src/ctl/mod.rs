@@ -9,6 +9,7 @@
 //!   and chain names kube-proxy would have written), `watch`;
 //! - `error`: the causes and their exit codes.
 
+pub mod affinity;
 pub mod backends;
 pub mod conntrack;
 pub mod error;
@@ -101,6 +102,9 @@ pub enum Command {
         #[arg(long, value_parser = conntrack::parse_addr)]
         addr: Option<IpAddr>,
     },
+    /// Clients held to a backend by `sessionAffinity: ClientIP` (AFFINITY), and for how
+    /// much longer.
+    Affinity,
     /// Every outcome counter with its meaning, and connections per backend.
     Stats,
     /// How traffic to ADDRESS:PORT[/PROTO] is handled, next to kube-proxy's rules for it.
@@ -180,6 +184,16 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 json(out, &doc)?;
             } else {
                 out.write_all(conntrack::render(&doc, wide).as_bytes())?;
+            }
+        }
+        Command::Affinity => {
+            let s = maps.snapshot_with_affinity()?;
+            warn(&s);
+            let doc = affinity::build(&s);
+            if as_json {
+                json(out, &doc)?;
+            } else {
+                out.write_all(affinity::render(&doc, wide).as_bytes())?;
             }
         }
         Command::Stats => {

@@ -31,6 +31,8 @@ pub struct Snapshot {
     pub src_ranges: BTreeMap<u32, Vec<Cidr>>,
     /// `CT4/6` entries; `None` when those maps are not pinned.
     pub flows: Option<Vec<CtEntry>>,
+    /// `AFFINITY` entries; `None` when the map is not pinned.
+    pub affinity: Option<Vec<AffinityEntry>>,
     /// `CLOCK_MONOTONIC` when the snapshot was taken (the clock of `bpf_ktime_get_ns`).
     pub now_ns: u64,
     /// Optional maps that are not pinned (a datapath without the TC part).
@@ -50,6 +52,25 @@ impl fmt::Display for Cidr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.addr, self.len)
     }
+}
+
+/// Who an `AFFINITY` entry is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum AffinityClient {
+    /// A network namespace (socket hooks), by its cookie.
+    Netns(u64),
+    /// A source address (TC).
+    Addr(IpAddr),
+}
+
+/// One `AFFINITY` entry: a client's backend for one service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AffinityEntry {
+    pub client: AffinityClient,
+    pub service_id: u32,
+    pub backend_id: u32,
+    pub slot: u16,
+    pub last_used_ns: u64,
 }
 
 /// One `CT4/CT6` entry: one direction of a TC-translated flow.

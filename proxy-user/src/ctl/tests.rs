@@ -15,7 +15,7 @@ use std::{
 use proxy_common::{backend_flags, ct_flags, scope, svc_flags, Reason};
 
 use super::{
-    backends, conntrack, explain, services,
+    affinity, backends, conntrack, explain, services,
     snapshot::{Cidr, CtEntry, Snapshot},
     stats, watch,
 };
@@ -371,6 +371,59 @@ fn conntrack_golden_pairs_directions_and_filters() {
     none.flows = None;
     assert!(conntrack::render(&conntrack::build(&none, None), false)
         .starts_with("no conntrack maps pinned"));
+}
+
+#[test]
+fn affinity_golden_names_clients_services_and_backends() {
+    use super::snapshot::{AffinityClient, AffinityEntry};
+    let mut s = fixture();
+    s.affinity = Some(vec![
+        // A pod (its network namespace) held to backend 5 of the NodePort Service,
+        // 10 minutes idle of 3 hours.
+        AffinityEntry {
+            client: AffinityClient::Netns(4097),
+            service_id: 4,
+            backend_id: 5,
+            slot: 1,
+            last_used_ns: (1000 - 600) * S,
+        },
+        // An outside client seen at TC, held to backend 6.
+        AffinityEntry {
+            client: AffinityClient::Addr(ip("198.51.100.7")),
+            service_id: 4,
+            backend_id: 6,
+            slot: 2,
+            last_used_ns: 990 * S,
+        },
+        // An entry of a Service without affinity now (nginx-service): expired.
+        AffinityEntry {
+            client: AffinityClient::Addr(ip("2001:db8::7")),
+            service_id: 1,
+            backend_id: 2,
+            slot: 1,
+            last_used_ns: 999 * S,
+        },
+    ]);
+    let doc = affinity::build(&s);
+    golden("affinity.txt", &affinity::render(&doc, false));
+    golden("affinity-wide.txt", &affinity::render(&doc, true));
+    let held: Vec<(&str, bool)> = doc
+        .entries
+        .iter()
+        .map(|e| (e.client.as_str(), e.expired))
+        .collect();
+    assert_eq!(
+        held,
+        [
+            ("2001:db8::7", true),
+            ("netns:4097", false),
+            ("198.51.100.7", false)
+        ]
+    );
+    assert_eq!(doc.entries[1].backend.as_deref(), Some("10.244.2.7:8080"));
+    let mut none = s.clone();
+    none.affinity = None;
+    assert!(affinity::render(&affinity::build(&none), false).starts_with("no AFFINITY map"));
 }
 
 #[test]
