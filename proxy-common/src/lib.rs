@@ -257,11 +257,14 @@ pub enum Reason {
     /// TC: a UDP flow whose backend is gone (no longer in the maps): balanced afresh,
     /// as kube-proxy's conntrack cleanup for removed UDP endpoints does.
     TcStaleBackend = 20,
+    /// TC: an ICMP port unreachable not sent, over the rate limit (1,000/s per CPU after
+    /// a burst of 50, the kernel's defaults for its own ICMP errors): dropped.
+    TcRejectLimited = 21,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 21;
+    pub const COUNT: u32 = 22;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -285,6 +288,7 @@ impl Reason {
         Reason::TcIcmpError,
         Reason::AffinityHit,
         Reason::TcStaleBackend,
+        Reason::TcRejectLimited,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -311,6 +315,7 @@ impl Reason {
             Reason::TcIcmpError => "tc_icmp_error",
             Reason::AffinityHit => "affinity_hit",
             Reason::TcStaleBackend => "tc_stale_backend",
+            Reason::TcRejectLimited => "tc_reject_limited",
         }
     }
 }

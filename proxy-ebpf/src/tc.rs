@@ -867,6 +867,9 @@ fn pick<F: Fam>(
             return Ok(Some(Action::Verdict(reject_tcp::<F>(ctx, p))));
         }
         if p.proto == proto::UDP {
+            if !crate::unreach::allowed() {
+                return Ok(Some(Action::Verdict(TC_ACT_SHOT as i32)));
+            }
             return Ok(Some(Action::Verdict(F::reject_udp(ctx))));
         }
         return Ok(Some(Action::Verdict(TC_ACT_SHOT as i32)));

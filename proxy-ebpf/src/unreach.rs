@@ -8,15 +8,27 @@
 //! needs to find the socket and report `ECONNREFUSED`). The packet is resized with
 //! `bpf_skb_change_tail`; every checksum is computed whole with `bpf_csum_diff`.
 //!
+//! At most 1,000 errors a second per CPU after a burst of 50, the kernel's defaults for
+//! the ICMP errors it sends itself; beyond that the datagram is dropped
+//! (`tc_reject_limited`).
+//!
 //! IPv4 datagrams with IP options are dropped instead (the quote would not fit the fixed
 //! layout), as are datagrams the kernel will not resize (GSO). The caller has counted
 //! the packet (`TcNoBackend`).
 
 use aya_ebpf::{
     bindings::TC_ACT_SHOT,
-    helpers::generated::{bpf_csum_diff, bpf_redirect, bpf_skb_change_tail},
+    helpers::{
+        bpf_ktime_get_ns,
+        generated::{bpf_csum_diff, bpf_redirect, bpf_skb_change_tail},
+    },
+    macros::map,
+    maps::PerCpuArray,
     programs::TcContext,
 };
+use proxy_common::Reason;
+
+use crate::maps::count;
 const ETH_HLEN: usize = 14;
 const TTL: u8 = 64;
 
@@ -46,6 +58,50 @@ fn fold(s: u32) -> [u8; 2] {
     let mut s = (s & 0xffff) + (s >> 16);
     s = (s & 0xffff) + (s >> 16);
     (!(s as u16)).to_ne_bytes()
+}
+
+/// The kernel's own limits for the ICMP errors it sends (`net.ipv4.icmp_msgs_per_sec`,
+/// `icmp_msgs_burst`), here per CPU: a flood of datagrams with forged sources to a
+/// frontend without endpoints is not answered at line rate.
+const RATE_PER_S: u64 = 1000;
+const BURST: u64 = 50;
+/// Credit one error costs, in nanoseconds of refill.
+const COST_NS: u64 = 1_000_000_000 / RATE_PER_S;
+
+/// A token bucket in nanoseconds of credit.
+pub struct Bucket {
+    credit_ns: u64,
+    last_ns: u64,
+}
+
+#[map]
+static UNREACH_BUCKET: PerCpuArray<Bucket> = PerCpuArray::with_max_entries(1, 0);
+
+/// Takes one error's worth of credit, or counts the refusal. Called before `udp4`/`udp6`
+/// (not from them: their frames are large, and the verifier counts the whole call chain's
+/// stack).
+#[inline(never)]
+pub fn allowed() -> bool {
+    let Some(b) = UNREACH_BUCKET.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    // SAFETY: this CPU's entry; the program is not preempted on its CPU.
+    let b = unsafe { &mut *b };
+    let refill = if b.last_ns == 0 {
+        BURST * COST_NS
+    } else {
+        now.saturating_sub(b.last_ns)
+    };
+    b.last_ns = now;
+    b.credit_ns = (b.credit_ns + refill).min(BURST * COST_NS);
+    if b.credit_ns < COST_NS {
+        count(Reason::TcRejectLimited);
+        return false;
+    }
+    b.credit_ns -= COST_NS;
+    true
 }
 
 /// Resizes the packet to `len`, writes the swapped MACs and `frame` after them, and

@@ -869,6 +869,7 @@ tc_fib_miss            0      TC: no FIB route for a translated packet: handed t
 tc_icmp_error          0      TC: ICMP error about a NATed flow, translated for its backend or client
 affinity_hit           0      sessionAffinity ClientIP: the client's previous backend again
 tc_stale_backend       0      TC: UDP flow whose backend is gone: balanced afresh
+tc_reject_limited      0      TC: ICMP port unreachable over the rate limit (1000/s per CPU): dropped
 
 BACKEND               ID  CONNS
 10.240.1.2:8080       1   4
@@ -1119,6 +1120,7 @@ tc_fib_miss            0      -      -
 tc_icmp_error          0      -      -
 affinity_hit           0      -      -
 tc_stale_backend       0      -      -
+tc_reject_limited      0      -      -
 
 proxyctl watch: every 100ms, frame 2 of 2
 
@@ -1154,6 +1156,7 @@ tc_fib_miss            0      +0     0.0
 tc_icmp_error          0      +0     0.0
 affinity_hit           0      +0     0.0
 tc_stale_backend       0      +0     0.0
+tc_reject_limited      0      +0     0.0
 
 $ proxyctl dump
 frontend 0.0.0.0:30080/tcp id=6 count=2 flags=0x24 affinity=0

@@ -795,3 +795,38 @@ fn a_udp_flow_whose_backend_is_gone_is_balanced_afresh_tcp_is_not() {
     let ack = Pkt::tcp("198.51.100.7:40000", "10.96.0.50:80", ACK);
     assert_eq!(bed.run("tc_ingress", &ack).1.dst, sa("10.1.1.2:8080"));
 }
+
+#[test]
+fn icmp_port_unreachable_is_rate_limited() {
+    let mut bed = Bed::new();
+    let udp = Frontend::new(Ipv4Addr::new(10, 96, 0, 60), 53, Proto::Udp);
+    bed.writer.upsert(&entry(udp, &[], 0)).expect("upsert");
+    let frame = Pkt::udp("198.51.100.7:5000", "10.96.0.60:53").build();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let n = 500u64;
+    let start = std::time::Instant::now();
+    let mut answered = 0;
+    for _ in 0..n {
+        match bed.run_raw("tc_ingress", &frame).0 {
+            TC_ACT_REDIRECT => answered += 1,
+            verdict => assert_eq!(verdict, TC_ACT_SHOT),
+        }
+    }
+    let elapsed_ms = start.elapsed().as_millis() as u64;
+    // A burst of 50 per CPU the thread ran on, then 1 per millisecond.
+    assert!(answered >= 50, "{answered} answered");
+    assert!(
+        answered <= cpus * (50 + elapsed_ms + 1),
+        "{answered} answered in {elapsed_ms} ms on {cpus} CPUs"
+    );
+    let limited = bed
+        .writer
+        .store()
+        .stats()
+        .expect("stats")
+        .into_iter()
+        .find(|(r, _)| *r == proxy_common::Reason::TcRejectLimited)
+        .map(|(_, v)| v)
+        .expect("counter");
+    assert_eq!(limited, n - answered, "every refusal is counted");
+}

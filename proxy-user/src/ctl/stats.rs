@@ -49,6 +49,9 @@ pub fn meaning(r: Reason) -> &'static str {
         }
         Reason::AffinityHit => "sessionAffinity ClientIP: the client's previous backend again",
         Reason::TcStaleBackend => "TC: UDP flow whose backend is gone: balanced afresh",
+        Reason::TcRejectLimited => {
+            "TC: ICMP port unreachable over the rate limit (1000/s per CPU): dropped"
+        }
     }
 }
 
