@@ -8,7 +8,10 @@ use proxy_common::{
 };
 
 use crate::affinity;
-use crate::maps::{count_backend, BACKEND4, BACKEND6, SOCK_REVNAT4, SOCK_REVNAT6, SVC4, SVC6};
+use crate::maps::{
+    count_backend, BACKEND4, BACKEND6, NODE_ADDRS4, NODE_ADDRS6, SOCK_REVNAT4, SOCK_REVNAT6, SVC4,
+    SVC6,
+};
 
 /// One address family's maps.
 pub trait Family {
@@ -16,6 +19,10 @@ pub trait Family {
 
     /// The `SVC` entry for `slot` of frontend `addr:port/proto`.
     fn svc(addr: Self::Addr, port: u16, proto: u8, slot: u16) -> Option<SvcValue>;
+    /// The all-zero address: NodePort frontends are keyed by it.
+    fn zero() -> Self::Addr;
+    /// One of the node's addresses (`NODE_ADDRS`): NodePorts answer on it.
+    fn is_node_addr(a: Self::Addr) -> bool;
     /// The backend's address and port.
     fn backend(id: u32) -> Option<(Self::Addr, u16)>;
     /// The frontend `(addr, port, service_id)` this socket asked for when it went to
@@ -45,6 +52,17 @@ impl Family for V4 {
             SVC4.get(&Svc4Key::new(addr, port, proto, scope::ALL, slot))
                 .copied()
         }
+    }
+
+    #[inline(always)]
+    fn zero() -> u32 {
+        0
+    }
+
+    #[inline(always)]
+    fn is_node_addr(a: u32) -> bool {
+        // SAFETY: presence check only.
+        unsafe { NODE_ADDRS4.get(&a).is_some() }
     }
 
     #[inline(always)]
@@ -110,6 +128,17 @@ impl Family for V6 {
     }
 
     #[inline(always)]
+    fn zero() -> [u32; 4] {
+        [0; 4]
+    }
+
+    #[inline(always)]
+    fn is_node_addr(a: [u32; 4]) -> bool {
+        // SAFETY: presence check only.
+        unsafe { NODE_ADDRS6.get(&a).is_some() }
+    }
+
+    #[inline(always)]
     fn backend(id: u32) -> Option<([u32; 4], u16)> {
         // SAFETY: copied out at once.
         unsafe { BACKEND6.get(&id).map(|b| (b.addr, b.port)) }
@@ -159,6 +188,22 @@ impl Family for V6 {
     }
 }
 
+/// The frontend `addr:port/proto` is, and the address its slots are keyed by: the address
+/// itself, or for one of the node's addresses the NodePort entry (address zero), so pods
+/// and the node's own processes reach `<node address>:<nodePort>` too (as kube-proxy's
+/// KUBE-NODEPORTS rules let them). Non-frontends cost one more lookup, in `NODE_ADDRS`.
+#[inline(always)]
+fn frontend<F: Family>(addr: F::Addr, port: u16, proto: u8) -> Option<(SvcValue, F::Addr)> {
+    if let Some(front) = F::svc(addr, port, proto, 0) {
+        return Some((front, addr));
+    }
+    if !F::is_node_addr(addr) {
+        return None;
+    }
+    let zero = F::zero();
+    F::svc(zero, port, proto, 0).map(|front| (front, zero))
+}
+
 /// The outcome of the forward path when the destination was a frontend.
 pub struct Fwd<A> {
     pub addr: A,
@@ -178,7 +223,7 @@ pub fn xlate_fwd<F: Family>(
     cookie: u64,
     netns: impl Fn() -> u64,
 ) -> Result<Option<Fwd<F::Addr>>, Reason> {
-    let Some(front) = F::svc(addr, port, proto, 0) else {
+    let Some((front, key_addr)) = frontend::<F>(addr, port, proto) else {
         return Ok(None);
     };
     if front.count == 0 {
@@ -188,7 +233,7 @@ pub fn xlate_fwd<F: Family>(
             Reason::NoBackend
         });
     }
-    let slot_backend = |s: u16| F::svc(addr, port, proto, s).map(|e| e.backend_id);
+    let slot_backend = |s: u16| F::svc(key_addr, port, proto, s).map(|e| e.backend_id);
     let client = || {
         let n = netns();
         affinity::key(
@@ -230,8 +275,8 @@ pub fn xlate_rev<F: Family>(
     let Some((faddr, fport, id)) = F::rev_get(cookie, addr, port) else {
         return Err(Reason::RevNatMiss);
     };
-    match F::svc(faddr, fport, proto, 0) {
-        Some(front) if front.service_id == id => Ok(Some(Fwd {
+    match frontend::<F>(faddr, fport, proto) {
+        Some((front, _)) if front.service_id == id => Ok(Some(Fwd {
             addr: faddr,
             port: fport,
         })),

@@ -473,3 +473,31 @@ fn session_affinity_keeps_a_client_on_its_backend() {
     let hits = env.in_client(|| spread(fe.socket_addr(), 120));
     assert_eq!(hits.len(), 3, "{hits:?}");
 }
+
+#[test]
+fn nodeports_on_the_node_addresses_are_served_at_connect() {
+    let mut env = TestEnv::new(3);
+    env.serve_all(PORT);
+    let node = Ipv4Addr::new(192, 0, 2, 1);
+    proxy_user::bpf::set_node_addresses(&env.pins.path, &[IpAddr::V4(node)])
+        .expect("node addresses");
+    let np = Frontend::new(Ipv4Addr::UNSPECIFIED, 30080, Proto::Tcp);
+    env.writer()
+        .upsert(&ServiceEntry {
+            flags: proxy_common::svc_flags::NODE_PORT,
+            ..ServiceEntry::new(np, pods_v4(3))
+        })
+        .expect("upsert");
+    // A pod (the client namespace) reaching <node address>:<nodePort>: balanced over the
+    // three pods, and getpeername shows the address it asked for (checked by spread).
+    let target = SocketAddr::new(IpAddr::V4(node), 30080);
+    let hits = env.in_client(|| spread(target, 150));
+    assert_eq!(hits.len(), 3, "{hits:?}");
+    // Any other address on that port is left alone (and is unreachable from there).
+    env.in_client(|| {
+        let other = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 2)), 30080);
+        let err = TcpStream::connect_timeout(&other, Duration::from_secs(2))
+            .expect_err("not a node address");
+        assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
+    });
+}

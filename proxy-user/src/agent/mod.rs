@@ -58,12 +58,13 @@ pub struct AgentOptions {
 
 /// Runs the agent until `shutdown` completes.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    // The node's addresses serve NodePorts at the socket hooks too (pods and the node's
+    // own processes connecting to `<node address>:<nodePort>`): found even without TC,
+    // from the interfaces `auto` would pick.
+    let all = crate::node::interface_addresses().context("listing the node's addresses")?;
     let (interfaces, node_addrs) = match &opts.interfaces {
-        None => (Vec::new(), Vec::new()),
-        Some(wanted) => {
-            let all = crate::node::interface_addresses().context("listing the node's addresses")?;
-            crate::node::node_interfaces(&all, wanted)
-        }
+        None => (Vec::new(), crate::node::node_interfaces(&all, &[]).1),
+        Some(wanted) => crate::node::node_interfaces(&all, wanted),
     };
     let installed = loader::install(&loader::InstallOptions {
         pin_path: opts.pin_path.clone(),
@@ -80,13 +81,11 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         conntrack_flows = installed.conntrack_entries / 2,
         "datapath ready"
     );
-    let mut node_addresses = None;
     if !interfaces.is_empty() {
         info!(?interfaces, addresses = ?node_addrs, "TC datapath on the node's interfaces");
-        let mut n = NodeAddresses::new(opts.pin_path.clone(), node_addrs);
-        n.update(&[])?;
-        node_addresses = Some(n);
     }
+    let mut node_addresses = NodeAddresses::new(opts.pin_path.clone(), node_addrs);
+    node_addresses.update(&[])?;
     let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     let maps = BpfMaps::open(&opts.pin_path)?;
     let (writer, adopted) = Writer::adopt(maps).context("reading the pinned maps back")?;
@@ -218,7 +217,7 @@ pub async fn sync_loop<S: crate::MapStore>(
     mut rx: mpsc::Receiver<Update>,
     opts: &AgentOptions,
     health: &Health,
-    mut node_addresses: Option<NodeAddresses>,
+    mut node_addresses: NodeAddresses,
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
@@ -255,13 +254,11 @@ pub async fn sync_loop<S: crate::MapStore>(
                 last_sync = Some(Instant::now());
                 health_checks.update(syncer.index().health_check_ports()).await;
                 health.set_node_deleting(syncer.index().node.deleting);
-                if let Some(n) = node_addresses.as_mut() {
-                    if let Err(e) = n.update(&syncer.index().node.addresses) {
-                        warn!(error = %e, "writing the node's addresses failed; kept the previous ones");
-                        syncer.metrics().map_write_errors.get_or_create(&metrics::ReasonLabel {
-                            reason: "node_addresses".into(),
-                        }).inc();
-                    }
+                if let Err(e) = node_addresses.update(&syncer.index().node.addresses) {
+                    warn!(error = %e, "writing the node's addresses failed; kept the previous ones");
+                    syncer.metrics().map_write_errors.get_or_create(&metrics::ReasonLabel {
+                        reason: "node_addresses".into(),
+                    }).inc();
                 }
                 if out.full || out.ops > 1000 {
                     release_freed_memory();
