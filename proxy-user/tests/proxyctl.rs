@@ -452,7 +452,20 @@ fn json_reads_back_what_was_written() {
         (np["via_node_port"].clone(), np["kind"].clone()),
         (true.into(), "NodePort".into())
     );
-    assert_eq!(np["paths"][0]["frontend"], "0.0.0.0:30080/tcp/ext-local");
+    assert_eq!(
+        (
+            np["paths"][0]["path"].clone(),
+            np["paths"][0]["frontend"].clone()
+        ),
+        ("socket".into(), "0.0.0.0:30080/tcp".into())
+    );
+    assert_eq!(
+        (
+            np["paths"][1]["path"].clone(),
+            np["paths"][1]["frontend"].clone()
+        ),
+        ("tc".into(), "0.0.0.0:30080/tcp/ext-local".into())
+    );
     let none = parse(&["explain", "10.96.0.99:80"]);
     assert_eq!(none["matched"], false);
 
@@ -953,13 +966,19 @@ kube-proxy (iptables mode) would have written (iptables-save):
   kube-proxy: every new connection walks KUBE-SERVICES rule by rule to this Service's rule, then the statistic rules in order (1/3, then 1/2 of the rest, ..., the last takes what is left): 1/3 each.
   ebpf-proxy: one hash lookup of {10.96.0.10, 80, tcp} (slot 0); slot = 1 + random % 3; then the slot and the backend: a few hash lookups, whatever the number of services.
 
-note: sessionAffinity ClientIP (10800s) is recorded in the maps, but the datapath does not pin clients yet: every connection picks a slot at random
+note: sessionAffinity ClientIP (10800s): a client (its network namespace at the socket hooks, its source address at TC) goes back to the backend it used last while it reconnects within that time (`proxyctl affinity` lists them)
 
 $ proxyctl explain 192.168.50.1:30080
 192.168.50.1:30080/tcp: Service default/web:http, NodePort (node port 30080 on this node's address 192.168.50.1)
   FRONTEND                     KIND      BACKENDS  FLAGS
   0.0.0.0:30080/tcp            NodePort  2         etp-local
   0.0.0.0:30080/tcp/ext-local  NodePort  1         local-only
+
+pods and processes on this node -> 0.0.0.0:30080/tcp via the socket hooks: translated
+  connect4/sendmsg4 rewrite the destination at connect() (TCP, connected UDP) or at each sendmsg() (unconnected UDP) to one of 2 backends, picked at random with equal weight; recvmsg4/getpeername4 show 192.168.50.1:30080 as the peer
+  SLOT  ID  BACKEND          STATE        CHANCE  CONNS
+  1     3   10.244.9.3:8080  ready        1/2     0
+  2     7   10.240.1.2:8080  ready,local  1/2     0
 
 packets arriving from outside the node -> 0.0.0.0:30080/tcp/ext-local via TC: translated
   the first packet of a flow is DNATed to its only backend, the flow is kept in CT4 (both directions) so its packets keep that backend, replies are translated back; externalTrafficPolicy Local: this node's backends only, client address kept
@@ -983,7 +1002,7 @@ kube-proxy (iptables mode) would have written (iptables-save):
   kube-proxy: every new connection walks all of KUBE-SERVICES (the node-port jump is its last rule), then KUBE-NODEPORTS rule by rule to this port's rule, then jumps to the only endpoint.
   ebpf-proxy: {192.168.50.1, 30080, tcp} misses, 192.168.50.1 is in NODE_ADDRS4, {0.0.0.0, 30080, tcp} matches, its ext-local twin holds the slots; slot 1; then the slot and the backend: a few hash lookups, whatever the number of services.
 
-note: a NodePort frontend has address 0.0.0.0: TC matches it on every node address (NODE_ADDRS4) after the exact address missed; the socket hooks match exact addresses only
+note: a NodePort frontend has address 0.0.0.0: TC and the socket hooks match it on every node address (NODE_ADDRS4) after the exact address missed
 
 $ proxyctl explain 10.96.0.30:80
 10.96.0.30:80/tcp: Service default/empty, ClusterIP
@@ -994,7 +1013,7 @@ pods and processes on this node -> 10.96.0.30:80/tcp via the socket hooks: rejec
   no backend: connect()/sendmsg() fail with ECONNREFUSED (kube-proxy: REJECT)
 
 packets routed through this node to the cluster IP -> 10.96.0.30:80/tcp via TC: rejected
-  no backend: a TCP SYN is answered with RST, other packets are dropped (kube-proxy: REJECT)
+  no backend: a TCP SYN is answered with RST, a UDP datagram with ICMP port unreachable, other packets are dropped (kube-proxy: REJECT)
 
 kube-proxy (iptables mode) would have written (iptables-save):
   *filter

@@ -174,7 +174,8 @@ fn which_backend(n: u16) -> String {
     }
 }
 
-fn socket_path(v: &ServiceView, family: &str) -> PathView {
+/// `peer`: the address the application asked for (a node address for a NodePort).
+fn socket_path(v: &ServiceView, family: &str, peer: SocketAddr) -> PathView {
     let n = v.backend_count;
     let detail = match outcome(v) {
         "translated" => format!(
@@ -182,7 +183,7 @@ fn socket_path(v: &ServiceView, family: &str) -> PathView {
              or at each sendmsg() (unconnected UDP) to {}; recvmsg{family}/getpeername{family} \
              show {} as the peer",
             which_backend(n),
-            SocketAddr::new(v.address, v.port)
+            peer
         ),
         "dropped" => "no endpoint on this node (Local traffic policy): connect()/sendmsg() fail at \
                       once with EHOSTUNREACH (kube-proxy: DROP, the client would time out)"
@@ -224,7 +225,7 @@ fn tc_path(v: &ServiceView, local_policy: bool, traffic: &str) -> PathView {
             d
         }
         "dropped" => "no endpoint on this node (externalTrafficPolicy Local): dropped (kube-proxy: DROP)".into(),
-        _ => "no backend: a TCP SYN is answered with RST, other packets are dropped (kube-proxy: REJECT)".into(),
+        _ => "no backend: a TCP SYN is answered with RST, a UDP datagram with ICMP port unreachable, other packets are dropped (kube-proxy: REJECT)".into(),
     };
     PathView {
         path: "tc",
@@ -339,8 +340,12 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
 
     let kind = primary.kind;
     let mut paths = Vec::new();
-    if kind != Kind::NodePort {
-        paths.push(socket_path(&primary, family));
+    if kind != Kind::NodePort || via_node_port {
+        paths.push(socket_path(
+            &primary,
+            family,
+            SocketAddr::new(q.addr, q.port),
+        ));
     }
     if kind.is_external() {
         let etp_local = primary.flags_raw & svc_flags::ETP_LOCAL != 0;
@@ -363,9 +368,8 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
         }
         if kind == Kind::NodePort {
             notes.push(format!(
-                "a NodePort frontend has address {any}: TC matches it on every node address \
-                 (NODE_ADDRS{}) after the exact address missed; the socket hooks match \
-                 exact addresses only",
+                "a NodePort frontend has address {any}: TC and the socket hooks match it on \
+                 every node address (NODE_ADDRS{}) after the exact address missed",
                 if q.addr.is_ipv4() { "4" } else { "6" }
             ));
         }
@@ -378,8 +382,9 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
     }
     if primary.flags_raw & svc_flags::AFFINITY != 0 {
         notes.push(format!(
-            "sessionAffinity ClientIP ({}s) is recorded in the maps, but the datapath does not \
-             pin clients yet: every connection picks a slot at random",
+            "sessionAffinity ClientIP ({}s): a client (its network namespace at the socket \
+             hooks, its source address at TC) goes back to the backend it used last while it \
+             reconnects within that time (`proxyctl affinity` lists them)",
             primary.affinity_timeout_seconds
         ));
     }
@@ -514,10 +519,18 @@ fn fraction(n: usize) -> String {
 /// kube-proxy's rule walk next to ebpf-proxy's lookups, for the path that translates
 /// (TC's under a NodePort, the socket hooks' otherwise).
 fn comparison(doc: &ExplainDoc) -> String {
-    let Some(p) = doc.paths.iter().find(|p| p.outcome == "translated") else {
+    let primary = &doc.frontends[0];
+    let translated = |p: &&PathView| p.outcome == "translated";
+    let tc_first = primary.kind == Kind::NodePort;
+    let Some(p) = doc
+        .paths
+        .iter()
+        .filter(translated)
+        .find(|p| !tc_first || p.path == "tc")
+        .or_else(|| doc.paths.iter().find(translated))
+    else {
         return String::new();
     };
-    let primary = &doc.frontends[0];
     let n = p.backends.len();
     let walk = if primary.kind == Kind::NodePort {
         "walks all of KUBE-SERVICES (the node-port jump is its last rule), then KUBE-NODEPORTS \

@@ -500,8 +500,24 @@ fn explain_outcomes_and_matches() {
     let s = fixture();
     let np = explain_doc(&s, "192.168.50.1:30080");
     assert!(np.via_node_port && np.node_address == Some(true));
-    assert_eq!(np.paths.len(), 1, "a NodePort is served by TC only");
-    assert_eq!(np.paths[0].frontend, "0.0.0.0:30080/tcp/ext-local");
+    // Pods and the node's processes through the socket hooks (cluster-wide slots, the
+    // peer shown as the node address), traffic from outside through TC (the ext-local
+    // twin under externalTrafficPolicy Local).
+    let paths: Vec<(&str, &str)> = np
+        .paths
+        .iter()
+        .map(|p| (p.path, p.frontend.as_str()))
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            ("socket", "0.0.0.0:30080/tcp"),
+            ("tc", "0.0.0.0:30080/tcp/ext-local")
+        ]
+    );
+    assert!(np.paths[0]
+        .detail
+        .contains("show 192.168.50.1:30080 as the peer"));
     assert_eq!(np.frontends.len(), 2, "the frontend and its ext-local twin");
 
     assert_eq!(
