@@ -11,6 +11,7 @@ pub mod ctl;
 pub mod loader;
 pub mod model;
 pub mod node;
+pub mod sockdestroy;
 pub mod store;
 pub mod writer;
 

@@ -171,6 +171,8 @@ pub struct Writer<S> {
     backend_refs: BTreeMap<u32, (BackendKey, u32)>,
     backend_alloc: IdAlloc,
     service_alloc: IdAlloc,
+    /// UDP backends no frontend uses any more, since the last [`Self::take_released_udp`].
+    released_udp: Vec<std::net::SocketAddr>,
 }
 
 impl<S: MapStore> Writer<S> {
@@ -183,7 +185,26 @@ impl<S: MapStore> Writer<S> {
             backend_refs: BTreeMap::new(),
             backend_alloc: IdAlloc::default(),
             service_alloc: IdAlloc::default(),
+            released_udp: Vec::new(),
         }
+    }
+
+    /// The addresses of the UDP backends that left the maps since the last call and are
+    /// not back (connected sockets to them are stale: see `sockdestroy`).
+    pub fn take_released_udp(&mut self) -> Vec<std::net::SocketAddr> {
+        let mut gone = std::mem::take(&mut self.released_udp);
+        gone.sort();
+        gone.dedup();
+        if !gone.is_empty() {
+            let live: HashSet<std::net::SocketAddr> = self
+                .backend_ids
+                .keys()
+                .filter(|(_, p)| *p == Proto::Udp)
+                .map(|(b, _)| b.addr)
+                .collect();
+            gone.retain(|a| !live.contains(a));
+        }
+        gone
     }
 
     /// A writer over maps that may hold a previous agent's state: reads them back,
@@ -690,6 +711,9 @@ impl<S: MapStore> Writer<S> {
         *refs -= 1;
         if *refs == 0 {
             let key = *key;
+            if key.1 == Proto::Udp {
+                self.released_udp.push(key.0.addr);
+            }
             self.backend_refs.remove(&id);
             if self.backend_ids.get(&key) == Some(&id) {
                 self.backend_ids.remove(&key);

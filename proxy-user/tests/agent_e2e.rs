@@ -444,3 +444,87 @@ fn a_thousand_services_with_ten_endpoints_each() {
     eprintln!("one endpoint change at 1,001 services took effect in {d:?}");
     assert!(d < Duration::from_secs(1));
 }
+
+#[test]
+fn connected_udp_sockets_to_a_removed_backend_are_closed() {
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    let udp = |t: String| t.replace("protocol: TCP", "protocol: UDP");
+    dir.write("dns.yaml", &udp(service("dns", VIP, 53)));
+    dir.write(
+        "dns-slice.yaml",
+        &udp(slice("dns-1", "dns", TARGET, &[ready(&pod(1))])),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+
+    // A client thread living in the client namespace (as a pod's process does) with a
+    // connected UDP socket, rewritten to pod1 at connect().
+    let dns = SocketAddr::from(([10, 96, 0, 10], 53));
+    let client_ns = env.topo.client.path();
+    let (tx, rx) = std::sync::mpsc::channel::<&str>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<io::Result<String>>();
+    let client = std::thread::spawn(move || {
+        let _ns = support::NetnsGuard::enter(&client_ns);
+        let sock = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind");
+        sock.connect(dns).expect("connect");
+        sock.set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
+        let ask = |s: &std::net::UdpSocket| -> io::Result<String> {
+            s.send(b"who?")?;
+            let mut buf = [0u8; 64];
+            let n = s.recv(&mut buf)?;
+            Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
+        };
+        done_tx.send(ask(&sock)).expect("report");
+        // Then ask until the socket fails (or the test gives up).
+        while rx.recv().is_ok() {
+            done_tx.send(ask(&sock)).expect("report");
+        }
+    });
+    assert_eq!(done_rx.recv().expect("first").expect("answer"), "pod1");
+
+    // pod1 leaves the Service (its server still runs: without the cleanup the socket
+    // would keep talking to it).
+    dir.write(
+        "dns-slice.yaml",
+        &udp(slice("dns-1", "dns", TARGET, &[ready(&pod(2))])),
+    );
+    let start = Instant::now();
+    let err = loop {
+        tx.send("ask").expect("ask");
+        match done_rx.recv().expect("reply") {
+            Ok(pod) => {
+                assert_eq!(pod, "pod1", "a connected socket keeps its backend");
+                assert!(
+                    start.elapsed() < Duration::from_secs(5),
+                    "the stale socket was not closed:\n{}",
+                    agent.logs()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => break e,
+        }
+    };
+    drop(tx);
+    client.join().expect("client");
+    // The socket is disconnected with ECONNABORTED pending: a recv reports that, a send
+    // fails first with EDESTADDRREQ (no peer any more). Either way the client reconnects.
+    assert!(
+        err.kind() == io::ErrorKind::ConnectionAborted
+            || err.raw_os_error() == Some(libc::EDESTADDRREQ),
+        "{err}"
+    );
+    assert!(agent
+        .metrics()
+        .contains("ebpf_proxy_stale_udp_sockets_destroyed_total 1"));
+    // A new socket goes to the live backend.
+    env.in_client(|| {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind");
+        s.set_read_timeout(Some(Duration::from_secs(1)))
+            .expect("timeout");
+        let (pod, from) = support::udp_ask(&s, dns).expect("ask");
+        assert_eq!((pod.as_str(), from), ("pod2", dns));
+    });
+}

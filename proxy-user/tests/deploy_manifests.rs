@@ -44,7 +44,14 @@ const OTHER_ENV: &[(&str, &str)] = &[
 ];
 
 /// The capabilities the agent container gets, no more (docs/deploy.md says why).
-const CAPABILITIES: &[&str] = &["BPF", "NET_ADMIN", "NET_RAW", "PERFMON", "SYS_ADMIN"];
+const CAPABILITIES: &[&str] = &[
+    "BPF",
+    "NET_ADMIN",
+    "NET_RAW",
+    "PERFMON",
+    "SYS_ADMIN",
+    "SYS_PTRACE",
+];
 
 fn deploy_dir() -> PathBuf {
     normalize(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy"))

@@ -59,6 +59,8 @@ pub struct Metrics {
     pub services: Gauge,
     /// Size of each conntrack table in flows (the pinned tables' size).
     pub conntrack_max: Gauge,
+    /// Connected UDP sockets destroyed because their backend left.
+    pub stale_udp_sockets: Counter,
     /// Watch restarts (relists) per resource.
     pub watch_restarts: Family<Resource, Counter>,
     /// Watch stream errors per resource.
@@ -94,6 +96,7 @@ impl Metrics {
             backends: Gauge::default(),
             services: Gauge::default(),
             conntrack_max: Gauge::default(),
+            stale_udp_sockets: Counter::default(),
             watch_restarts: Family::default(),
             watch_errors: Family::default(),
             objects_skipped: Family::default(),
@@ -134,6 +137,11 @@ impl Metrics {
             "conntrack_max",
             "Size of each conntrack table (CT4, CT6) in flows; LRU when full",
             m.conntrack_max.clone(),
+        );
+        registry.register(
+            "stale_udp_sockets_destroyed",
+            "Connected UDP sockets destroyed because their backend left the maps",
+            m.stale_udp_sockets.clone(),
         );
         registry.register(
             "watch_restarts",

@@ -153,7 +153,17 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     if opts.cleanup_kube_proxy {
         tokio::spawn(cleanup_kube_proxy_when_synced(health.clone()));
     }
-    sync_loop(syncer, rx, &opts, &health, node_addresses, shutdown).await;
+    let hooked_cgroup = installed.cgroup.clone();
+    sync_loop(
+        syncer,
+        rx,
+        &opts,
+        &health,
+        node_addresses,
+        hooked_cgroup,
+        shutdown,
+    )
+    .await;
     info!("stopping; the datapath stays pinned and keeps serving");
     Ok(())
 }
@@ -218,6 +228,7 @@ pub async fn sync_loop<S: crate::MapStore>(
     opts: &AgentOptions,
     health: &Health,
     mut node_addresses: NodeAddresses,
+    hooked_cgroup: Option<PathBuf>,
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
@@ -254,6 +265,19 @@ pub async fn sync_loop<S: crate::MapStore>(
                 last_sync = Some(Instant::now());
                 health_checks.update(syncer.index().health_check_ports()).await;
                 health.set_node_deleting(syncer.index().node.deleting);
+                let gone = syncer.writer_mut().take_released_udp();
+                if let (false, Some(cgroup)) = (gone.is_empty(), hooked_cgroup.clone()) {
+                    let metrics = syncer.metrics_arc();
+                    tokio::task::spawn_blocking(move || {
+                        let r = crate::sockdestroy::destroy_udp_to(&cgroup, &gone);
+                        metrics.stale_udp_sockets.inc_by(r.destroyed as u64);
+                        info!(backends = ?gone, namespaces = r.namespaces, destroyed = r.destroyed,
+                              "connected UDP sockets to removed backends destroyed");
+                        for e in r.errors {
+                            warn!("destroying stale UDP sockets: {e}");
+                        }
+                    });
+                }
                 if let Err(e) = node_addresses.update(&syncer.index().node.addresses) {
                     warn!(error = %e, "writing the node's addresses failed; kept the previous ones");
                     syncer.metrics().map_write_errors.get_or_create(&metrics::ReasonLabel {

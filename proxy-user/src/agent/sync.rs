@@ -105,6 +105,14 @@ impl<S: MapStore> Syncer<S> {
         &self.index
     }
 
+    pub fn writer_mut(&mut self) -> &mut Writer<S> {
+        &mut self.writer
+    }
+
+    pub fn metrics_arc(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
     }

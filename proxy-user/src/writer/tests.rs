@@ -536,3 +536,28 @@ fn random_changes_keep_maps_equal_to_the_model_at_every_step() {
     assert_eq!(report.orphans_deleted, 0);
     assert_eq!(second.store().dump().expect("dump"), second.expected_dump());
 }
+
+#[test]
+fn released_udp_backends_are_those_no_frontend_uses_any_more() {
+    let mut w = writer();
+    let dns = Frontend::new("10.96.0.10".parse::<IpAddr>().expect("ip"), 53, Proto::Udp);
+    let dns2 = Frontend::new("10.96.0.11".parse::<IpAddr>().expect("ip"), 53, Proto::Udp);
+    let web = vip("10.96.0.20", 80);
+    w.upsert(&svc(dns, &[A, B, C])).expect("dns");
+    w.upsert(&svc(dns2, &[C])).expect("dns2");
+    w.upsert(&svc(web, &[A])).expect("web");
+    assert!(w.take_released_udp().is_empty(), "nothing left yet");
+    // A leaves dns (web still uses A over TCP: another backend), C leaves dns but dns2
+    // keeps it: only A is released; B stays.
+    w.upsert(&svc(dns, &[B])).expect("dns");
+    assert_eq!(w.take_released_udp(), [pod(A)]);
+    assert!(w.take_released_udp().is_empty(), "taken once");
+    // A TCP backend leaving is not reported; a UDP frontend removed releases its own.
+    w.remove(&web).expect("web");
+    w.remove(&dns2).expect("dns2");
+    assert_eq!(w.take_released_udp(), [pod(C)]);
+    // Released and back within one batch: not reported.
+    w.upsert(&svc(dns, &[])).expect("dns");
+    w.upsert(&svc(dns, &[B])).expect("dns");
+    assert!(w.take_released_udp().is_empty());
+}
