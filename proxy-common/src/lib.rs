@@ -581,6 +581,43 @@ impl Svc4Key {
     }
 }
 
+impl Ct4Key {
+    /// The key of direction `dir` (0 original, 1 reply) of a flow.
+    pub const fn new(saddr: u32, daddr: u32, sport: u16, dport: u16, proto: u8, dir: u8) -> Self {
+        Self {
+            saddr,
+            daddr,
+            sport,
+            dport,
+            proto,
+            dir,
+            _pad: [0; 2],
+        }
+    }
+}
+
+impl Ct6Key {
+    /// The key of direction `dir` (0 original, 1 reply) of a flow.
+    pub const fn new(
+        saddr: [u32; 4],
+        daddr: [u32; 4],
+        sport: u16,
+        dport: u16,
+        proto: u8,
+        dir: u8,
+    ) -> Self {
+        Self {
+            saddr,
+            daddr,
+            sport,
+            dport,
+            proto,
+            dir,
+            _pad: [0; 2],
+        }
+    }
+}
+
 impl Svc6Key {
     /// The key of slot `slot` of frontend `addr:port/proto` in `scope`.
     pub const fn new(addr: [u32; 4], port: u16, proto: u8, scope: u8, slot: u16) -> Self {

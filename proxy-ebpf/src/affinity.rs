@@ -16,7 +16,7 @@ const NS_PER_S: u64 = 1_000_000_000;
 
 /// The frontend asks for affinity.
 #[inline(always)]
-pub fn wanted(front: &SvcValue) -> bool {
+fn wanted(front: &SvcValue) -> bool {
     front.flags & svc_flags::AFFINITY != 0 && front.affinity_timeout != 0
 }
 
@@ -34,7 +34,7 @@ pub fn key(front: &SvcValue, client: [u32; 4], kind: u8) -> AffinityKey {
 /// The client's previous `(slot, backend id)` if it is still valid (and refreshes it);
 /// `slot_backend(slot)` reads the backend id a slot names now.
 #[inline(always)]
-pub fn lookup(
+fn lookup(
     front: &SvcValue,
     key: &AffinityKey,
     now: u64,
@@ -58,7 +58,7 @@ pub fn lookup(
 
 /// Records the client's new backend.
 #[inline(always)]
-pub fn remember(key: &AffinityKey, slot: u16, backend_id: u32, now: u64) {
+fn remember(key: &AffinityKey, slot: u16, backend_id: u32, now: u64) {
     let v = AffinityValue {
         backend_id,
         slot,
@@ -72,7 +72,7 @@ pub fn remember(key: &AffinityKey, slot: u16, backend_id: u32, now: u64) {
 /// One of the frontend's `count` slots at random (equal weight: one lookup where
 /// iptables walks a statistic chain), and the backend id it names.
 #[inline(always)]
-pub fn random_slot(
+fn random_slot(
     front: &SvcValue,
     slot_backend: impl Fn(u16) -> Option<u32>,
 ) -> Option<(u16, u32)> {
@@ -110,7 +110,7 @@ pub fn choose(
 
 /// Monotonic now, for the entries.
 #[inline(always)]
-pub fn now() -> u64 {
+fn now() -> u64 {
     // SAFETY: no preconditions.
     unsafe { bpf_ktime_get_ns() }
 }

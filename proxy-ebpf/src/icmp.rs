@@ -55,7 +55,7 @@ pub fn icmp4(ctx: &TcContext) -> Option<i32> {
 
     // Inner reversed = the tuple the peer of the inner packet sends on.
     let (new_src, new_dst, outer_to) =
-        if let Some(v) = CT4.get_ptr(&key4(idst, isrc, idport, isport, iproto, 0)) {
+        if let Some(v) = CT4.get_ptr(&Ct4Key::new(idst, isrc, idport, isport, iproto, 0)) {
             // SAFETY: copied out of a live entry.
             let v = unsafe { *v };
             // An error about our reply: for the backend.
@@ -65,7 +65,7 @@ pub fn icmp4(ctx: &TcContext) -> Option<i32> {
                 (idst, idport)
             };
             ((v.dnat_addr, v.dnat_port), dst, v.dnat_addr)
-        } else if let Some(v) = CT4.get_ptr(&key4(idst, isrc, idport, isport, iproto, 1)) {
+        } else if let Some(v) = CT4.get_ptr(&Ct4Key::new(idst, isrc, idport, isport, iproto, 1)) {
             // SAFETY: copied out of a live entry.
             let v = unsafe { *v };
             if v.dnat_addr == 0 {
@@ -91,18 +91,6 @@ pub fn icmp4(ctx: &TcContext) -> Option<i32> {
     ctx.store(ETH_HLEN + 16, &outer_to, 0).ok()?;
     count(Reason::TcIcmpError);
     Some(TC_ACT_OK as i32)
-}
-
-fn key4(s: u32, d: u32, sport: u16, dport: u16, proto: u8, dir: u8) -> Ct4Key {
-    Ct4Key {
-        saddr: s,
-        daddr: d,
-        sport,
-        dport,
-        proto,
-        dir,
-        _pad: [0; 2],
-    }
 }
 
 /// Changes one inner IPv4 address, keeping the inner header checksum and the ICMP
@@ -164,7 +152,7 @@ pub fn icmp6(ctx: &TcContext) -> Option<i32> {
     let isport: u16 = ctx.load(il4).ok()?;
     let idport: u16 = ctx.load(il4 + 2).ok()?;
     let (new_src, new_dst, outer_to) =
-        if let Some(v) = CT6.get_ptr(&key6(idst, isrc, idport, isport, iproto, 0)) {
+        if let Some(v) = CT6.get_ptr(&Ct6Key::new(idst, isrc, idport, isport, iproto, 0)) {
             // SAFETY: copied out of a live entry.
             let v = unsafe { *v };
             let dst = if !zero6(&v.snat_addr) {
@@ -173,7 +161,7 @@ pub fn icmp6(ctx: &TcContext) -> Option<i32> {
                 (idst, idport)
             };
             ((v.dnat_addr, v.dnat_port), dst, v.dnat_addr)
-        } else if let Some(v) = CT6.get_ptr(&key6(idst, isrc, idport, isport, iproto, 1)) {
+        } else if let Some(v) = CT6.get_ptr(&Ct6Key::new(idst, isrc, idport, isport, iproto, 1)) {
             // SAFETY: copied out of a live entry.
             let v = unsafe { *v };
             if zero6(&v.dnat_addr) {
@@ -203,18 +191,6 @@ pub fn icmp6(ctx: &TcContext) -> Option<i32> {
     )?;
     count(Reason::TcIcmpError);
     Some(TC_ACT_OK as i32)
-}
-
-fn key6(s: [u32; 4], d: [u32; 4], sport: u16, dport: u16, proto: u8, dir: u8) -> Ct6Key {
-    Ct6Key {
-        saddr: s,
-        daddr: d,
-        sport,
-        dport,
-        proto,
-        dir,
-        _pad: [0; 2],
-    }
 }
 
 fn zero6(a: &[u32; 4]) -> bool {

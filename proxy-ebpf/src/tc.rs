@@ -281,15 +281,7 @@ impl Fam for V4 {
 
     #[inline(always)]
     fn ct_key(s: u32, d: u32, sport: u16, dport: u16, proto: u8, dir: u8) -> Ct4Key {
-        Ct4Key {
-            saddr: s,
-            daddr: d,
-            sport,
-            dport,
-            proto,
-            dir,
-            _pad: [0; 2],
-        }
+        Ct4Key::new(s, d, sport, dport, proto, dir)
     }
 
     #[inline(always)]
@@ -473,15 +465,7 @@ impl Fam for V6 {
 
     #[inline(always)]
     fn ct_key(s: [u32; 4], d: [u32; 4], sport: u16, dport: u16, proto: u8, dir: u8) -> Ct6Key {
-        Ct6Key {
-            saddr: s,
-            daddr: d,
-            sport,
-            dport,
-            proto,
-            dir,
-            _pad: [0; 2],
-        }
+        Ct6Key::new(s, d, sport, dport, proto, dir)
     }
 
     #[inline(always)]
@@ -1010,12 +994,6 @@ fn refresh_orig<F: Fam>(
 /// ack = seq + 1.
 #[inline(never)]
 fn reject_tcp<F: Fam>(ctx: &TcContext, p: &Pkt<F::Addr>) -> i32 {
-    let Ok(macs) = ctx.load::<[u8; 12]>(0) else {
-        return TC_ACT_SHOT as i32;
-    };
-    let mut swapped = [0u8; 12];
-    swapped[..6].copy_from_slice(&macs[6..]);
-    swapped[6..].copy_from_slice(&macs[..6]);
     let Ok(seq) = ctx.load::<u32>(p.l4 + 4) else {
         return TC_ACT_SHOT as i32;
     };
@@ -1029,23 +1007,23 @@ fn reject_tcp<F: Fam>(ctx: &TcContext, p: &Pkt<F::Addr>) -> i32 {
     // Keep the data offset, set flags to RST|ACK.
     let new_word = ((u16::from_be(old_word) & 0xff00) | u16::from(TCP_RST | TCP_ACK)).to_be();
     let csum = p.csum_off();
-    let ok = ctx.store(0, &swapped, 0).is_ok()
-        // Addresses: swapping keeps the pseudo-header sum; store both.
-        && F::set_addr(ctx, p, true, p.saddr, p.daddr).is_ok()
+    // Addresses: swapping keeps the pseudo-header sum; store both.
+    let ok = F::set_addr(ctx, p, true, p.saddr, p.daddr).is_ok()
         && F::set_addr(ctx, p, false, p.daddr, p.saddr).is_ok()
         && ctx.store(p.l4, &p.dport, 0).is_ok()
         && ctx.store(p.l4 + 2, &p.sport, 0).is_ok()
         && ctx.l4_csum_replace(csum, u64::from(seq), 0, 4).is_ok()
         && ctx.store(p.l4 + 4, &0u32, 0).is_ok()
-        && ctx.l4_csum_replace(csum, u64::from(old_ack), u64::from(ack), 4).is_ok()
+        && ctx
+            .l4_csum_replace(csum, u64::from(old_ack), u64::from(ack), 4)
+            .is_ok()
         && ctx.store(p.l4 + 8, &ack, 0).is_ok()
-        && ctx.l4_csum_replace(csum, u64::from(old_word), u64::from(new_word), 2).is_ok()
+        && ctx
+            .l4_csum_replace(csum, u64::from(old_word), u64::from(new_word), 2)
+            .is_ok()
         && ctx.store(p.l4 + 12, &new_word, 0).is_ok();
     if !ok {
         return TC_ACT_SHOT as i32;
     }
-    // SAFETY: the context's skb; redirect to its own interface's egress.
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    // SAFETY: plain helper.
-    unsafe { bpf_redirect(ifindex, 0) as i32 }
+    crate::unreach::bounce(ctx)
 }

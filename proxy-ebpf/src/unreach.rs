@@ -104,18 +104,18 @@ pub fn allowed() -> bool {
     true
 }
 
-/// Resizes the packet to `len`, writes the swapped MACs and `frame` after them, and
-/// redirects it to the egress of the interface it arrived on.
+/// Sends a packet rewritten into an answer back to its sender: swaps the Ethernet
+/// addresses and redirects it to the egress of the interface it arrived on. Shared by
+/// the TCP RST and the ICMP errors.
 #[inline(always)]
-fn send_back<T>(ctx: &TcContext, macs: [u8; 12], frame: &T, len: usize) -> i32 {
+pub fn bounce(ctx: &TcContext) -> i32 {
+    let Ok(macs) = ctx.load::<[u8; 12]>(0) else {
+        return TC_ACT_SHOT as i32;
+    };
     let mut swapped = [0u8; 12];
     swapped[..6].copy_from_slice(&macs[6..]);
     swapped[6..].copy_from_slice(&macs[..6]);
-    // SAFETY: the context's own skb.
-    if unsafe { bpf_skb_change_tail(ctx.skb.skb, len as u32, 0) } != 0 {
-        return TC_ACT_SHOT as i32;
-    }
-    if ctx.store(0, &swapped, 0).is_err() || ctx.store(ETH_HLEN, frame, 0).is_err() {
+    if ctx.store(0, &swapped, 0).is_err() {
         return TC_ACT_SHOT as i32;
     }
     // SAFETY: the context's skb; redirect to its own interface's egress.
@@ -124,10 +124,23 @@ fn send_back<T>(ctx: &TcContext, macs: [u8; 12], frame: &T, len: usize) -> i32 {
     unsafe { bpf_redirect(ifindex, 0) as i32 }
 }
 
+/// Resizes the packet to `len`, writes `frame` after the Ethernet header and sends it back.
+#[inline(always)]
+fn send_back<T>(ctx: &TcContext, frame: &T, len: usize) -> i32 {
+    // SAFETY: the context's own skb.
+    if unsafe { bpf_skb_change_tail(ctx.skb.skb, len as u32, 0) } != 0 {
+        return TC_ACT_SHOT as i32;
+    }
+    if ctx.store(ETH_HLEN, frame, 0).is_err() {
+        return TC_ACT_SHOT as i32;
+    }
+    bounce(ctx)
+}
+
 /// IPv4: the datagram at `ctx` becomes an ICMP port unreachable back to its sender.
 #[inline(never)]
 pub fn udp4(ctx: &TcContext) -> i32 {
-    let (Ok(macs), Ok(quote)) = (ctx.load::<[u8; 12]>(0), ctx.load::<[u8; 28]>(ETH_HLEN)) else {
+    let Ok(quote) = ctx.load::<[u8; 28]>(ETH_HLEN) else {
         return TC_ACT_SHOT as i32;
     };
     if quote[0] != 0x45 {
@@ -152,13 +165,13 @@ pub fn udp4(ctx: &TcContext) -> i32 {
     };
     f[10..12].copy_from_slice(&fold(ip));
     f[22..24].copy_from_slice(&fold(icmp));
-    send_back(ctx, macs, &b, ETH_HLEN + V4_LEN)
+    send_back(ctx, &b, ETH_HLEN + V4_LEN)
 }
 
 /// IPv6: the datagram at `ctx` becomes an ICMPv6 port unreachable back to its sender.
 #[inline(never)]
 pub fn udp6(ctx: &TcContext) -> i32 {
-    let (Ok(macs), Ok(quote)) = (ctx.load::<[u8; 12]>(0), ctx.load::<[u8; 48]>(ETH_HLEN)) else {
+    let Ok(quote) = ctx.load::<[u8; 48]>(ETH_HLEN) else {
         return TC_ACT_SHOT as i32;
     };
     let mut b = Buf([0u8; V6_LEN]);
@@ -183,5 +196,5 @@ pub fn udp6(ctx: &TcContext) -> i32 {
         return TC_ACT_SHOT as i32;
     };
     f[42..44].copy_from_slice(&fold(s));
-    send_back(ctx, macs, &b, ETH_HLEN + V6_LEN)
+    send_back(ctx, &b, ETH_HLEN + V6_LEN)
 }

@@ -151,14 +151,8 @@ fn put_flows(pin: &Path) {
     let seen = monotonic_ns() - 5_500_000_000;
     let w = |s: &str| v4_word(s.parse().expect("v4"));
     let mut ct4: HashMap<MapData, Ct4Key, Ct4Value> = writable(pin, map_names::CT4);
-    let k4 = |s: &str, d: &str, sp: u16, dp: u16, dir| Ct4Key {
-        saddr: w(s),
-        daddr: w(d),
-        sport: port_net(sp),
-        dport: port_net(dp),
-        proto: proto::TCP,
-        dir,
-        _pad: [0; 2],
+    let k4 = |s: &str, d: &str, sp: u16, dp: u16, dir| {
+        Ct4Key::new(w(s), w(d), port_net(sp), port_net(dp), proto::TCP, dir)
     };
     let v4 = |dn: (&str, u16), sn: (&str, u16), packets| Ct4Value {
         dnat_addr: w(dn.0),
@@ -186,14 +180,8 @@ fn put_flows(pin: &Path) {
 
     let w6 = |s: &str| v6_words(s.parse().expect("v6"));
     let mut ct6: HashMap<MapData, Ct6Key, Ct6Value> = writable(pin, map_names::CT6);
-    let k6 = |s: &str, d: &str, sp: u16, dp: u16, dir| Ct6Key {
-        saddr: w6(s),
-        daddr: w6(d),
-        sport: port_net(sp),
-        dport: port_net(dp),
-        proto: proto::TCP,
-        dir,
-        _pad: [0; 2],
+    let k6 = |s: &str, d: &str, sp: u16, dp: u16, dir| {
+        Ct6Key::new(w6(s), w6(d), port_net(sp), port_net(dp), proto::TCP, dir)
     };
     let v6 = |dn: (&str, u16), sn: (&str, u16), packets| Ct6Value {
         dnat_addr: w6(dn.0),

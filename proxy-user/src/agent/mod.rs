@@ -267,7 +267,7 @@ pub async fn sync_loop<S: crate::MapStore>(
                 health.set_node_deleting(syncer.index().node.deleting);
                 let gone = syncer.writer_mut().take_released_udp();
                 if let (false, Some(cgroup)) = (gone.is_empty(), hooked_cgroup.clone()) {
-                    let metrics = syncer.metrics_arc();
+                    let metrics = syncer.metrics().clone();
                     tokio::task::spawn_blocking(move || {
                         let r = crate::sockdestroy::destroy_udp_to(&cgroup, &gone);
                         metrics.stale_udp_sockets.inc_by(r.destroyed as u64);

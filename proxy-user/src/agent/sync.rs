@@ -109,11 +109,7 @@ impl<S: MapStore> Syncer<S> {
         &mut self.writer
     }
 
-    pub fn metrics_arc(&self) -> Arc<Metrics> {
-        self.metrics.clone()
-    }
-
-    pub fn metrics(&self) -> &Metrics {
+    pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
     }
 

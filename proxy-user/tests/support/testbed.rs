@@ -398,28 +398,28 @@ impl Server {
     /// A UDP server in `ns` at `addr` answering every datagram with `name peer-address\n`.
     pub fn udp_peer(ns: &Netns, addr: SocketAddr, name: &str) -> Self {
         let name = name.to_string();
-        Self::spawn(
-            ns,
-            move || UdpSocket::bind(addr).expect("bind udp"),
-            move |sock, _| {
-                let mut buf = [0u8; 1500];
-                if let Ok((_, from)) = sock.recv_from(&mut buf) {
-                    let _ = sock.send_to(format!("{name} {}\n", from.ip()).as_bytes(), from);
-                }
-            },
-        )
+        Self::udp_with(ns, addr, move |from| format!("{name} {}\n", from.ip()))
     }
 
     /// A UDP server in `ns` at `addr` answering every datagram with `name\n`.
     pub fn udp(ns: &Netns, addr: SocketAddr, name: &str) -> Self {
         let name = name.to_string();
+        Self::udp_with(ns, addr, move |_| format!("{name}\n"))
+    }
+
+    /// A UDP server in `ns` at `addr` answering every datagram with `reply(sender)`.
+    fn udp_with(
+        ns: &Netns,
+        addr: SocketAddr,
+        reply: impl Fn(SocketAddr) -> String + Send + 'static,
+    ) -> Self {
         Self::spawn(
             ns,
             move || UdpSocket::bind(addr).expect("bind udp"),
             move |sock, _| {
                 let mut buf = [0u8; 1500];
                 if let Ok((_, from)) = sock.recv_from(&mut buf) {
-                    let _ = sock.send_to(format!("{name}\n").as_bytes(), from);
+                    let _ = sock.send_to(reply(from).as_bytes(), from);
                 }
             },
         )
