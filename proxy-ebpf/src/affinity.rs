@@ -72,10 +72,7 @@ fn remember(key: &AffinityKey, slot: u16, backend_id: u32, now: u64) {
 /// One of the frontend's `count` slots at random (equal weight: one lookup where
 /// iptables walks a statistic chain), and the backend id it names.
 #[inline(always)]
-fn random_slot(
-    front: &SvcValue,
-    slot_backend: impl Fn(u16) -> Option<u32>,
-) -> Option<(u16, u32)> {
+fn random_slot(front: &SvcValue, slot_backend: impl Fn(u16) -> Option<u32>) -> Option<(u16, u32)> {
     // Callers have refused an empty frontend; the check keeps a division by zero (a
     // panic path, which the verifier rejects) out of the code.
     if front.count == 0 {
