@@ -20,8 +20,6 @@
 //!   last used, for `sessionAffinity: ClientIP`.
 #![no_std]
 
-pub mod kube_names;
-
 /// Bumped whenever a key, value or map definition changes incompatibly. The loader stores
 /// it in the `META` map; a new agent refuses to adopt pins of another version.
 pub const ABI_VERSION: u32 = 3;

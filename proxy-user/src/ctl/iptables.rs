@@ -1,14 +1,8 @@
 //! The iptables rules kube-proxy (iptables mode) would have written for one Service
 //! port, in `iptables-save` form, with the chain names kube-proxy computes
-//! (`pkg/proxy/iptables/proxier.go`):
-//!
-//! - `portProtoHash(servicePortName, protocol)` = the first 16 characters of
-//!   `base32(sha256(servicePortName + protocol))`, where `servicePortName` is
-//!   `namespace/name` plus `:portName` when the port has a name, and `protocol` the
-//!   lower-case protocol (`tcp`): `KUBE-SVC-`, `KUBE-SVL-`, `KUBE-EXT-`, `KUBE-FW-` + hash;
-//! - `servicePortEndpointChainName` = `KUBE-SEP-` + the first 16 characters of
-//!   `base32(sha256(servicePortName + protocol + endpoint))`, `endpoint` being
-//!   `ip:port` (`[ip]:port` for IPv6).
+//! (`pkg/proxy/iptables/proxier.go`)
+//! (the names and the rule text come from the `kube-rules` crate, shared with the
+//! kube-proxy cleanup and the bench).
 //!
 //! The rule shapes follow `syncProxyRules` and `writeServiceToEndpointRules`: endpoints
 //! sorted by their `ip:port` string, a `statistic` rule with probability 1/(n-i) for all
@@ -21,78 +15,15 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use proxy_common::kube_names::chain_hash;
+pub use kube_rules::{
+    chains::{
+        endpoint_chain, external_chain, firewall_chain, local_chain, port_proto_hash, service_chain,
+    },
+    text::{listed_probability, save_string},
+};
 
 use super::snapshot::{Cidr, Kind};
 use crate::model::Proto;
-
-/// The 16-character hash kube-proxy derives chain names from.
-pub fn port_proto_hash(service_port_name: &str, protocol: &str) -> String {
-    ascii(&chain_hash::<16>(
-        format!("{service_port_name}{protocol}").as_bytes(),
-    ))
-}
-
-/// The hash's characters (base32: ASCII).
-fn ascii(hash: &[u8]) -> String {
-    hash.iter().map(|&b| char::from(b)).collect()
-}
-
-/// `KUBE-SVC-*`: the Cluster-policy chain.
-pub fn service_chain(service_port_name: &str, protocol: &str) -> String {
-    format!("KUBE-SVC-{}", port_proto_hash(service_port_name, protocol))
-}
-
-/// `KUBE-SVL-*`: the Local-policy chain.
-pub fn local_chain(service_port_name: &str, protocol: &str) -> String {
-    format!("KUBE-SVL-{}", port_proto_hash(service_port_name, protocol))
-}
-
-/// `KUBE-EXT-*`: external destinations (NodePort, externalIPs, LoadBalancer IPs).
-pub fn external_chain(service_port_name: &str, protocol: &str) -> String {
-    format!("KUBE-EXT-{}", port_proto_hash(service_port_name, protocol))
-}
-
-/// `KUBE-FW-*`: `loadBalancerSourceRanges`.
-pub fn firewall_chain(service_port_name: &str, protocol: &str) -> String {
-    format!("KUBE-FW-{}", port_proto_hash(service_port_name, protocol))
-}
-
-/// `KUBE-SEP-*`: one endpoint of one Service port (`endpoint` as `ip:port`).
-pub fn endpoint_chain(service_port_name: &str, protocol: &str, endpoint: &str) -> String {
-    let hash = chain_hash::<16>(format!("{service_port_name}{protocol}{endpoint}").as_bytes());
-    format!("KUBE-SEP-{}", ascii(&hash))
-}
-
-/// kube-proxy's `--probability` for rule `i` of `n` (1/(n-i)), as `iptables-save` prints
-/// it back: `%0.10f`, stored as `lround(p * 2^31)`, printed `%.11f`.
-pub fn listed_probability(n_left: usize) -> String {
-    let written: f64 = format!("{:.10}", 1.0 / n_left as f64)
-        .parse()
-        .unwrap_or(0.0);
-    let stored = (written * 2_147_483_648.0).round();
-    format!("{:.11}", stored / 2_147_483_648.0)
-}
-
-/// A comment argument as `iptables-save` quotes it (`xtables_save_string`): bare when it
-/// is only `[A-Za-z0-9_-]`, else in double quotes with `"`, `\` and `'` escaped.
-pub fn save_string(s: &str) -> String {
-    let bare = !s.is_empty()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-    if bare {
-        return s.to_string();
-    }
-    let mut out = String::from("\"");
-    for c in s.chars() {
-        if matches!(c, '"' | '\\' | '\'') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out.push('"');
-    out
-}
 
 /// One Service port as kube-proxy would see it on this node, rebuilt from a frontend.
 #[derive(Clone, Debug, PartialEq, Eq)]

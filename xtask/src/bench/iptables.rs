@@ -20,42 +20,22 @@
 
 use std::fmt::Write as _;
 
+use kube_rules::{
+    chains::{self, MASQ_MARK},
+    text::{comment, probability},
+};
+
 use super::plan::{self, Port, Service, CLUSTER_CIDR};
 
 /// kube-proxy's `largeClusterEndpointsThreshold`.
 pub const LARGE_CLUSTER_ENDPOINTS: usize = 1000;
 
-/// The masquerade mark kube-proxy uses by default (`--iptables-masquerade-bit 14`).
-const MASQ_MARK: &str = "0x4000";
-
 pub fn svc_chain(service: &Service, port: &Port) -> String {
-    let spn = service.port_name(port);
-    format!(
-        "KUBE-SVC-{}",
-        plan::hash_prefix(&format!("{spn}{}", port.proto.lower()), 16)
-    )
+    chains::service_chain(&service.port_name(port), port.proto.lower())
 }
 
 pub fn sep_chain(service: &Service, port: &Port, endpoint: &str) -> String {
-    let spn = service.port_name(port);
-    format!(
-        "KUBE-SEP-{}",
-        plan::hash_prefix(&format!("{spn}{}{endpoint}", port.proto.lower()), 16)
-    )
-}
-
-/// kube-proxy's `computeProbability`: `%0.10f` of 1/n.
-pub fn probability(n: usize) -> String {
-    format!("{:.10}", 1.0 / n as f64)
-}
-
-/// A comment argument as kube-proxy writes it: quoted only when it holds a space.
-fn comment(text: &str) -> String {
-    if text.contains(' ') {
-        format!("-m comment --comment \"{text}\"")
-    } else {
-        format!("-m comment --comment {text}")
-    }
+    chains::endpoint_chain(&service.port_name(port), port.proto.lower(), endpoint)
 }
 
 /// The jump rules kube-proxy ensures (`iptables -C` then `-I`) in the built-in chains:
@@ -403,7 +383,7 @@ mod tests {
         assert_eq!(
             format!(
                 "KUBE-SVC-{}",
-                plan::hash_prefix("default/nginx-servicetcp", 16)
+                kube_rules::hash::chain_hash_string("default/nginx-servicetcp", 16)
             ),
             "KUBE-SVC-V2OKYYMBY3REGZOG"
         );
@@ -413,17 +393,26 @@ mod tests {
             ("192.168.238.78:80", "KUBE-SEP-WU6475GP2VYJZBGF"),
         ] {
             let text = format!("default/nginx-servicetcp{ep}");
-            assert_eq!(format!("KUBE-SEP-{}", plan::hash_prefix(&text, 16)), want);
+            assert_eq!(
+                format!(
+                    "KUBE-SEP-{}",
+                    kube_rules::hash::chain_hash_string(&text, 16)
+                ),
+                want
+            );
         }
         // kube-proxy's golden tests: ns1/svc1, port p80.
         assert_eq!(
-            format!("KUBE-SVC-{}", plan::hash_prefix("ns1/svc1:p80tcp", 16)),
+            format!(
+                "KUBE-SVC-{}",
+                kube_rules::hash::chain_hash_string("ns1/svc1:p80tcp", 16)
+            ),
             "KUBE-SVC-XPGD46QRK7WJZT7O"
         );
         assert_eq!(
             format!(
                 "KUBE-SEP-{}",
-                plan::hash_prefix("ns1/svc1:p80tcp10.180.0.1:80", 16)
+                kube_rules::hash::chain_hash_string("ns1/svc1:p80tcp10.180.0.1:80", 16)
             ),
             "KUBE-SEP-SXIVWICOYRO3J4NJ"
         );

@@ -12,7 +12,7 @@
 
 use std::fmt::Write as _;
 
-use super::plan::{self, Port, Service, CLUSTER_CIDR, NODE_CLIENT_SIDE, SERVICE_CIDR};
+use super::plan::{Port, Service, CLUSTER_CIDR, NODE_CLIENT_SIDE, SERVICE_CIDR};
 
 const T: &str = "ip kube-proxy";
 
@@ -28,7 +28,10 @@ fn service_base(service: &Service, port: &Port) -> String {
 
 pub fn service_chain(service: &Service, port: &Port) -> String {
     let base = service_base(service, port);
-    format!("service-{}-{base}", plan::hash_prefix(&base, 8))
+    format!(
+        "service-{}-{base}",
+        kube_rules::hash::chain_hash_string(&base, 8)
+    )
 }
 
 pub fn endpoint_chain(service: &Service, port: &Port, endpoint: &str) -> String {
@@ -37,7 +40,10 @@ pub fn endpoint_chain(service: &Service, port: &Port, endpoint: &str) -> String 
         service_base(service, port),
         endpoint.replace(':', "/")
     );
-    format!("endpoint-{}-{base}", plan::hash_prefix(&base, 8))
+    format!(
+        "endpoint-{}-{base}",
+        kube_rules::hash::chain_hash_string(&base, 8)
+    )
 }
 
 /// The table, sets, maps, base chains and fixed rules, as `setupNFTables` writes them at
@@ -240,7 +246,7 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
-    use crate::bench::plan::Proto;
+    use crate::bench::plan::{self, Proto};
 
     #[test]
     fn chain_names_match_kube_proxys_golden_test() {
@@ -248,12 +254,12 @@ mod tests {
         assert_eq!(
             format!(
                 "service-{}-ns1/svc1/tcp/p80",
-                plan::hash_prefix("ns1/svc1/tcp/p80", 8)
+                kube_rules::hash::chain_hash_string("ns1/svc1/tcp/p80", 8)
             ),
             "service-ULMVA6XW-ns1/svc1/tcp/p80"
         );
         assert_eq!(
-            plan::hash_prefix("ns1/svc1/tcp/p80__10.180.0.1/80", 8),
+            kube_rules::hash::chain_hash_string("ns1/svc1/tcp/p80__10.180.0.1/80", 8),
             "5OJB2KTY"
         );
         let s = plan::target(false);

@@ -189,14 +189,6 @@ pub fn endpoint_count(services: &[Service]) -> usize {
         .sum()
 }
 
-/// The first `len` (8 or 16) characters of base32(sha256(text)): kube-proxy's chain-name
-/// hash (16 characters in iptables mode, 8 in nftables mode), from the same code as
-/// `proxyctl explain`.
-pub fn hash_prefix(text: &str, len: usize) -> String {
-    let hash = proxy_common::kube_names::chain_hash::<16>(text.as_bytes());
-    hash[..len].iter().map(|&b| char::from(b)).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
