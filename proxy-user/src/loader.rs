@@ -222,6 +222,50 @@ fn pinned_max_entries(path: &Path) -> Option<u32> {
     map.info().ok().map(|i| i.max_entries())
 }
 
+/// Kernel memory of one pinned map.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapMemory {
+    /// Its name (`proxy_common::map_names`).
+    pub name: &'static str,
+    /// Its `max_entries`.
+    pub max_entries: u32,
+    /// The `memlock:` figure of its fdinfo: the kernel's own count of the map's memory
+    /// (`bpf_map_memory_usage`). Preallocated maps (the LRU tables, arrays) hold all of
+    /// it from creation; `BPF_F_NO_PREALLOC` hash maps grow with their entries. It is
+    /// charged to the memory cgroup of the process that created the map, for as long as
+    /// the map exists (pinned: until `uninstall`).
+    pub bytes: u64,
+}
+
+/// The memory of every map pinned under `pin_path` (maps that are not there are left
+/// out), read from the kernel: `/proc/self/fdinfo/<fd>`'s `memlock:` line.
+pub fn map_memory(pin_path: &Path) -> Vec<MapMemory> {
+    use std::os::fd::{AsFd, AsRawFd};
+    map_names::ALL
+        .iter()
+        .filter_map(|&name| {
+            let map = MapData::from_pin(pin_path.join(name)).ok()?;
+            let max_entries = map.info().ok()?.max_entries();
+            let fd = map.fd().as_fd().as_raw_fd();
+            let fdinfo = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+            let bytes = fdinfo_memlock(&fdinfo)?;
+            Some(MapMemory {
+                name,
+                max_entries,
+                bytes,
+            })
+        })
+        .collect()
+}
+
+/// The `memlock:` value of a BPF map's fdinfo.
+fn fdinfo_memlock(fdinfo: &str) -> Option<u64> {
+    fdinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("memlock:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 /// One attachment of a program, and the name of its pinned link under `links/`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Hook {
