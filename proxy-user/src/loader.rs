@@ -835,6 +835,17 @@ mod tests {
     }
 
     #[test]
+    fn memlock_is_read_from_a_map_fdinfo() {
+        // As the kernel prints it (kernel/bpf/syscall.c, bpf_map_show_fdinfo).
+        let fdinfo = "pos:\t0\nflags:\t02000002\nmnt_id:\t15\nino:\t1057\n\
+                      map_type:\t9\nkey_size:\t16\nvalue_size:\t40\n\
+                      max_entries:\t262144\nmap_flags:\t0x0\nmap_extra:\t0x0\n\
+                      memlock:\t31458240\nmap_id:\t42\nfrozen:\t0\n";
+        assert_eq!(fdinfo_memlock(fdinfo), Some(31_458_240));
+        assert_eq!(fdinfo_memlock("pos:\t0\n"), None);
+    }
+
+    #[test]
     fn clsact_pin_names_parse_back() {
         for (iface, ingress) in [("eth0", true), ("eth0", false), ("br-ex-egress", true)] {
             let hook = Hook::Tc {

@@ -801,20 +801,38 @@ fn check(objects: &[Object], expect: &Expect, origin: &str) {
         ready.period_seconds.unwrap_or(10) <= 10 && ready.initial_delay_seconds.unwrap_or(0) <= 5,
         "{origin}: readiness {ready:?}"
     );
-    // Liveness must never kill a slow cold start: /livez answers while the process serves,
-    // and its budget (delay + period x threshold) is far above the cold start that
-    // tests/memory_limit.rs measures at 10,000 Services.
-    let live_budget = live.initial_delay_seconds.unwrap_or(0)
-        + live.period_seconds.unwrap_or(10) * live.failure_threshold.unwrap_or(3);
+    // Liveness must never kill a slow start: a startup probe on /livez holds it off for
+    // far longer than the starts tests/memory_limit.rs measures at 10,000 Services (5 s to
+    // 86 s until /livez answers on a restart), and then it gives up only after a minute.
+    let startup = agent.startup_probe.as_ref().expect("startupProbe");
+    let startup_get = startup.http_get.as_ref().expect("startup httpGet");
+    assert_eq!(startup_get.path.as_deref(), Some("/livez"), "{origin}");
+    assert_eq!(
+        resolve_port(agent, &startup_get.port),
+        addr("PROXY_HEALTHZ_ADDR").port(),
+        "{origin}: the startup probe's port is PROXY_HEALTHZ_ADDR's"
+    );
+    let budget = |p: &k8s_openapi::api::core::v1::Probe| {
+        p.initial_delay_seconds.unwrap_or(0)
+            + p.period_seconds.unwrap_or(10) * p.failure_threshold.unwrap_or(3)
+    };
     assert!(
-        live_budget >= 60,
-        "{origin}: liveness gives up after {live_budget} s"
+        budget(startup) >= 240,
+        "{origin}: the startup probe gives up after {} s",
+        budget(startup)
     );
     assert!(
-        live.timeout_seconds.unwrap_or(1) >= 5,
-        "{origin}: liveness timeout {:?}",
-        live.timeout_seconds
+        budget(live) >= 60,
+        "{origin}: liveness gives up after {} s",
+        budget(live)
     );
+    for (what, p) in [("startup", startup), ("liveness", live)] {
+        assert!(
+            p.timeout_seconds.unwrap_or(1) >= 5,
+            "{origin}: {what} timeout {:?}",
+            p.timeout_seconds
+        );
+    }
     // SIGTERM: the agent stops at once (tests/memory_limit.rs measures it at 10,000
     // Services against this grace period); the kubelet's kill comes only after it.
     assert!(
@@ -867,7 +885,10 @@ fn quantity_bytes(q: &str) -> u64 {
 
 /// The agent container's memory limit in deploy/base/daemonset.yaml and
 /// PROXY_CONNTRACK_MAX in deploy/base/configmap.yaml, as tests/memory_limit.rs reads them.
-fn tested_memory() -> (k8s_openapi::apimachinery::pkg::api::resource::Quantity, String) {
+fn tested_memory() -> (
+    k8s_openapi::apimachinery::pkg::api::resource::Quantity,
+    String,
+) {
     let base = deploy_dir().join("base");
     let ds: DaemonSet =
         serde_yaml::from_str(&fs::read_to_string(base.join("daemonset.yaml")).expect("read"))

@@ -42,7 +42,9 @@ const TARGET: u16 = 8080;
 const MIB: u64 = 1 << 20;
 
 fn deploy_file(name: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/base").join(name);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/base")
+        .join(name);
     fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -71,8 +73,9 @@ struct Shipped {
     memory_limit: u64,
     conntrack_max: String,
     grace: Duration,
-    /// Liveness: initialDelaySeconds + periodSeconds x failureThreshold.
-    liveness_budget: Duration,
+    /// The startup probe (on /livez, before the liveness probe runs): initialDelaySeconds +
+    /// periodSeconds x failureThreshold.
+    startup_budget: Duration,
     /// Liveness: periodSeconds x failureThreshold.
     liveness_window: Duration,
 }
@@ -100,11 +103,14 @@ fn shipped() -> Shipped {
             .get("PROXY_CONNTRACK_MAX")
             .expect("PROXY_CONNTRACK_MAX")
             .clone(),
-        liveness_budget: Duration::from_secs(
-            (live.initial_delay_seconds.unwrap_or(0)
-                + live.period_seconds.unwrap_or(10) * live.failure_threshold.unwrap_or(3))
-                as u64,
-        ),
+        startup_budget: {
+            let p = agent.startup_probe.as_ref().expect("startupProbe");
+            Duration::from_secs(
+                (p.initial_delay_seconds.unwrap_or(0)
+                    + p.period_seconds.unwrap_or(10) * p.failure_threshold.unwrap_or(3))
+                    as u64,
+            )
+        },
         liveness_window: Duration::from_secs(
             (live.period_seconds.unwrap_or(10) * live.failure_threshold.unwrap_or(3)) as u64,
         ),
@@ -179,7 +185,9 @@ impl MemCgroup {
             eprintln!(
                 "cgroup v2 ({}) has no memory controller (controllers: {:?}); using the v1 \
                  memory controller at {}",
-                v2_mount.map(|m| m.display().to_string()).unwrap_or_default(),
+                v2_mount
+                    .map(|m| m.display().to_string())
+                    .unwrap_or_default(),
                 v2_controllers.trim(),
                 mount.display()
             );
@@ -414,7 +422,10 @@ fn wait_healthy(
                 tail.into_iter().rev().collect::<Vec<_>>().join("\n")
             );
         }
-        if matches!(support::http_get(agent.healthz_port, "/livez"), Ok((200, _))) {
+        if matches!(
+            support::http_get(agent.healthz_port, "/livez"),
+            Ok((200, _))
+        ) {
             let now = Instant::now();
             match last_live {
                 None => live.first = now - start,
@@ -422,7 +433,10 @@ fn wait_healthy(
             }
             last_live = Some(now);
         }
-        if matches!(support::http_get(agent.healthz_port, "/healthz"), Ok((200, _))) {
+        if matches!(
+            support::http_get(agent.healthz_port, "/healthz"),
+            Ok((200, _))
+        ) {
             return (start.elapsed(), live);
         }
         assert!(
@@ -454,7 +468,10 @@ fn check_programmed(env: &TestEnv, agent: &AgentProcess) -> u64 {
     let backends = metric(&metrics, "ebpf_proxy_programmed_backends");
     assert_eq!(
         frontends,
-        [("ebpf_proxy_programmed_frontends".into(), SERVICES as u64 + 1)],
+        [(
+            "ebpf_proxy_programmed_frontends".into(),
+            SERVICES as u64 + 1
+        )],
         "every frontend programmed"
     );
     assert_eq!(
@@ -536,7 +553,16 @@ fn shipped_memory_limit_survives_cold_start_and_restart_at_10k_services() {
     // No agent runs: what stays charged is the pinned maps.
     std::thread::sleep(Duration::from_millis(500));
     let charged_idle = memcg.usage().saturating_sub(before);
-    let prealloc: u64 = support_map_memory(&env)
+    let filled = support_map_memory(&env);
+    eprintln!(
+        "maps at {SERVICES} x {ENDPOINTS} (fdinfo memlock): {}",
+        filled
+            .iter()
+            .map(|m| format!("{}={}", m.name, m.bytes))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let prealloc: u64 = filled
         .iter()
         .filter(|m| PREALLOCATED.contains(&m.name))
         .map(|m| m.bytes)
@@ -591,14 +617,13 @@ fn shipped_memory_limit_survives_cold_start_and_restart_at_10k_services() {
             limit / MIB
         );
     }
-    // The liveness probe never comes close to killing a start: its first answer comes
-    // well inside initialDelaySeconds + periodSeconds x failureThreshold, and no later
-    // silence lasts periodSeconds x failureThreshold.
+    // The probes never kill a start: /livez first answers well inside the startup
+    // probe's budget, and no later silence comes near the liveness probe's window.
     for (what, l) in [("cold start", &live_cold), ("restart", &live_warm)] {
         assert!(
-            l.first < shipped.liveness_budget / 2 && l.longest_gap < shipped.liveness_window / 2,
-            "{what}: /livez {l:?} against a liveness budget of {:?} (window {:?})",
-            shipped.liveness_budget,
+            l.first < shipped.startup_budget * 3 / 4 && l.longest_gap < shipped.liveness_window / 2,
+            "{what}: /livez {l:?} against a startup budget of {:?} and a liveness window of {:?}",
+            shipped.startup_budget,
             shipped.liveness_window
         );
     }
