@@ -2,7 +2,10 @@
 //! used by a kustomization, and decodes into the Kubernetes types (k8s-openapi) without a
 //! field the types do not know (a typo would otherwise be dropped silently); the objects
 //! say what the agent needs (host network, the capabilities, the probes on the port the
-//! agent serves health on, read-only RBAC on exactly the watched resources, maxSurge 0,
+//! agent serves health on (PROXY_HEALTHZ_ADDR's port; a startup probe that holds the
+//! liveness probe off during slow starts), read-only RBAC on exactly the watched resources,
+//! maxSurge 0, a grace period for SIGTERM, the memory limit and conntrack size that
+//! `tests/memory_limit.rs` runs the real agent under,
 //! the bpffs and cgroup mounts the flags point at); and every environment variable the
 //! manifests set is one `proxy-agent` reads (taken from `src/bin/proxy-agent.rs`, so the
 //! two cannot drift). When `kubectl` is installed, `kubectl kustomize` renders the base and

@@ -193,6 +193,11 @@ impl MemCgroup {
             );
             (mount.join(rel.trim_start_matches('/')), false)
         };
+        if v2 {
+            // The child's memory files exist only if the parent delegates the controller
+            // (refused when the parent holds processes: then memory.max below says so).
+            let _ = fs::write(parent.join("cgroup.subtree_control"), "+memory");
+        }
         let path = parent.join(unique("ebpf-proxy-memtest-"));
         fs::create_dir(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let cg = Self { path, v2 };
