@@ -222,6 +222,50 @@ fn pinned_max_entries(path: &Path) -> Option<u32> {
     map.info().ok().map(|i| i.max_entries())
 }
 
+/// Kernel memory of one pinned map.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapMemory {
+    /// Its name (`proxy_common::map_names`).
+    pub name: &'static str,
+    /// Its `max_entries`.
+    pub max_entries: u32,
+    /// The `memlock:` figure of its fdinfo: the kernel's own count of the map's memory
+    /// (`bpf_map_memory_usage`). Preallocated maps (the LRU tables, arrays) hold all of
+    /// it from creation; `BPF_F_NO_PREALLOC` hash maps grow with their entries. It is
+    /// charged to the memory cgroup of the process that created the map, for as long as
+    /// the map exists (pinned: until `uninstall`).
+    pub bytes: u64,
+}
+
+/// The memory of every map pinned under `pin_path` (maps that are not there are left
+/// out), read from the kernel: `/proc/self/fdinfo/<fd>`'s `memlock:` line.
+pub fn map_memory(pin_path: &Path) -> Vec<MapMemory> {
+    use std::os::fd::{AsFd, AsRawFd};
+    map_names::ALL
+        .iter()
+        .filter_map(|&name| {
+            let map = MapData::from_pin(pin_path.join(name)).ok()?;
+            let max_entries = map.info().ok()?.max_entries();
+            let fd = map.fd().as_fd().as_raw_fd();
+            let fdinfo = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+            let bytes = fdinfo_memlock(&fdinfo)?;
+            Some(MapMemory {
+                name,
+                max_entries,
+                bytes,
+            })
+        })
+        .collect()
+}
+
+/// The `memlock:` value of a BPF map's fdinfo.
+fn fdinfo_memlock(fdinfo: &str) -> Option<u64> {
+    fdinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("memlock:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 /// One attachment of a program, and the name of its pinned link under `links/`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Hook {
@@ -788,6 +832,17 @@ mod tests {
                 )
             );
         }
+    }
+
+    #[test]
+    fn memlock_is_read_from_a_map_fdinfo() {
+        // As the kernel prints it (kernel/bpf/syscall.c, bpf_map_show_fdinfo).
+        let fdinfo = "pos:\t0\nflags:\t02000002\nmnt_id:\t15\nino:\t1057\n\
+                      map_type:\t9\nkey_size:\t16\nvalue_size:\t40\n\
+                      max_entries:\t262144\nmap_flags:\t0x0\nmap_extra:\t0x0\n\
+                      memlock:\t31458240\nmap_id:\t42\nfrozen:\t0\n";
+        assert_eq!(fdinfo_memlock(fdinfo), Some(31_458_240));
+        assert_eq!(fdinfo_memlock("pos:\t0\n"), None);
     }
 
     #[test]

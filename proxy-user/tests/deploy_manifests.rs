@@ -2,7 +2,10 @@
 //! used by a kustomization, and decodes into the Kubernetes types (k8s-openapi) without a
 //! field the types do not know (a typo would otherwise be dropped silently); the objects
 //! say what the agent needs (host network, the capabilities, the probes on the port the
-//! agent serves health on, read-only RBAC on exactly the watched resources, maxSurge 0,
+//! agent serves health on (PROXY_HEALTHZ_ADDR's port; a startup probe that holds the
+//! liveness probe off during slow starts), read-only RBAC on exactly the watched resources,
+//! maxSurge 0, a grace period for SIGTERM, the memory limit and conntrack size that
+//! `tests/memory_limit.rs` runs the real agent under,
 //! the bpffs and cgroup mounts the flags point at); and every environment variable the
 //! manifests set is one `proxy-agent` reads (taken from `src/bin/proxy-agent.rs`, so the
 //! two cannot drift). When `kubectl` is installed, `kubectl kustomize` renders the base and
@@ -786,6 +789,127 @@ fn check(objects: &[Object], expect: &Expect, origin: &str) {
         expect.proxy_name,
         "{origin}"
     );
+
+    // The probes ask the address the ConfigMap gives the agent.
+    for (what, get) in [("readiness", ready_get), ("liveness", live_get)] {
+        assert_eq!(
+            resolve_port(agent, &get.port),
+            addr("PROXY_HEALTHZ_ADDR").port(),
+            "{origin}: the {what} probe's port is PROXY_HEALTHZ_ADDR's"
+        );
+    }
+    // Readiness gates the rollout: asked often, no delay (the agent answers 503 until its
+    // first sync).
+    assert!(
+        ready.period_seconds.unwrap_or(10) <= 10 && ready.initial_delay_seconds.unwrap_or(0) <= 5,
+        "{origin}: readiness {ready:?}"
+    );
+    // Liveness must never kill a slow start: a startup probe on /livez holds it off for
+    // far longer than the starts tests/memory_limit.rs measures at 10,000 Services (5 s to
+    // 86 s until /livez answers on a restart), and then it gives up only after a minute.
+    let startup = agent.startup_probe.as_ref().expect("startupProbe");
+    let startup_get = startup.http_get.as_ref().expect("startup httpGet");
+    assert_eq!(startup_get.path.as_deref(), Some("/livez"), "{origin}");
+    assert_eq!(
+        resolve_port(agent, &startup_get.port),
+        addr("PROXY_HEALTHZ_ADDR").port(),
+        "{origin}: the startup probe's port is PROXY_HEALTHZ_ADDR's"
+    );
+    let budget = |p: &k8s_openapi::api::core::v1::Probe| {
+        p.initial_delay_seconds.unwrap_or(0)
+            + p.period_seconds.unwrap_or(10) * p.failure_threshold.unwrap_or(3)
+    };
+    assert!(
+        budget(startup) >= 240,
+        "{origin}: the startup probe gives up after {} s",
+        budget(startup)
+    );
+    assert!(
+        budget(live) >= 60,
+        "{origin}: liveness gives up after {} s",
+        budget(live)
+    );
+    for (what, p) in [("startup", startup), ("liveness", live)] {
+        assert!(
+            p.timeout_seconds.unwrap_or(1) >= 5,
+            "{origin}: {what} timeout {:?}",
+            p.timeout_seconds
+        );
+    }
+    // SIGTERM: the agent stops at once (tests/memory_limit.rs measures it at 10,000
+    // Services against this grace period); the kubelet's kill comes only after it.
+    assert!(
+        (10..=60).contains(&grace),
+        "{origin}: terminationGracePeriodSeconds {grace}"
+    );
+
+    // Memory: the limit and conntrack size tests/memory_limit.rs runs the real agent
+    // under (read from deploy/base) are what every rendering ships, and the
+    // request covers at least the preallocated maps.
+    let (tested_limit, tested_conntrack) = tested_memory();
+    assert_eq!(
+        limits.get("memory"),
+        Some(&tested_limit),
+        "{origin}: the memory limit must be the one tests/memory_limit.rs measures"
+    );
+    // The request at least covers the maps, charged from the first second (180 MiB with
+    // the base's conntrack size), and never exceeds the limit.
+    let request = requests.get("memory").expect("memory request");
+    assert!(
+        (256 * MIB..=quantity_bytes(&tested_limit.0)).contains(&quantity_bytes(&request.0)),
+        "{origin}: memory request {request:?} (limit {tested_limit:?})"
+    );
+    assert_eq!(
+        get("PROXY_CONNTRACK_MAX"),
+        tested_conntrack,
+        "{origin}: the conntrack size sizes the preallocated maps the memory test measures"
+    );
+}
+
+const MIB: u64 = 1 << 20;
+
+/// A Kubernetes memory quantity in bytes (`256Mi`, `1Gi`, `500M`, `1048576`).
+fn quantity_bytes(q: &str) -> u64 {
+    let units: [(&str, u64); 6] = [
+        ("Ki", 1 << 10),
+        ("Mi", 1 << 20),
+        ("Gi", 1 << 30),
+        ("k", 1_000),
+        ("M", 1_000_000),
+        ("G", 1_000_000_000),
+    ];
+    for (suffix, factor) in units {
+        if let Some(n) = q.strip_suffix(suffix) {
+            return n.parse::<u64>().expect("quantity number") * factor;
+        }
+    }
+    q.parse().unwrap_or_else(|e| panic!("quantity {q:?}: {e}"))
+}
+
+/// The agent container's memory limit in deploy/base/daemonset.yaml and
+/// PROXY_CONNTRACK_MAX in deploy/base/configmap.yaml, as tests/memory_limit.rs reads them.
+fn tested_memory() -> (
+    k8s_openapi::apimachinery::pkg::api::resource::Quantity,
+    String,
+) {
+    let base = deploy_dir().join("base");
+    let ds: DaemonSet =
+        serde_yaml::from_str(&fs::read_to_string(base.join("daemonset.yaml")).expect("read"))
+            .expect("DaemonSet");
+    let limit = ds
+        .spec
+        .and_then(|s| s.template.spec)
+        .and_then(|p| p.containers.into_iter().find(|c| c.name == "agent"))
+        .and_then(|c| c.resources?.limits?.get("memory").cloned())
+        .expect("memory limit");
+    let cm: ConfigMap =
+        serde_yaml::from_str(&fs::read_to_string(base.join("configmap.yaml")).expect("read"))
+            .expect("ConfigMap");
+    let ct = cm
+        .data
+        .and_then(|d| d.get("PROXY_CONNTRACK_MAX").cloned())
+        .expect("PROXY_CONNTRACK_MAX");
+    (limit, ct)
 }
 
 // ---------------------------------------------------------------------------------------

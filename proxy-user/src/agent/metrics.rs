@@ -42,6 +42,11 @@ pub struct ReasonLabel {
     pub reason: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MapLabel {
+    pub map: String,
+}
+
 /// Every metric the agent exports.
 pub struct Metrics {
     registry: Registry,
@@ -69,6 +74,9 @@ pub struct Metrics {
     pub objects_skipped: Family<KindReason, Counter>,
     /// Failed map writes by cause (`map_full`, `family_mismatch`, ...).
     pub map_write_errors: Family<ReasonLabel, Counter>,
+    /// Kernel memory of each pinned map (fdinfo `memlock`), charged to the memory cgroup
+    /// of the agent that created the maps.
+    pub map_memory: Family<MapLabel, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -101,6 +109,7 @@ impl Metrics {
             watch_errors: Family::default(),
             objects_skipped: Family::default(),
             map_write_errors: Family::default(),
+            map_memory: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -162,6 +171,12 @@ impl Metrics {
             "map_write_errors",
             "Failed map writes by reason",
             m.map_write_errors.clone(),
+        );
+        registry.register(
+            "map_memory_bytes",
+            "Kernel memory of each pinned BPF map (fdinfo memlock), charged to the memory \
+             cgroup of the agent that created it",
+            m.map_memory.clone(),
         );
         Self { registry, ..m }
     }

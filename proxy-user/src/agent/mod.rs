@@ -100,6 +100,18 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     metrics
         .conntrack_max
         .set(i64::from(installed.conntrack_entries / 2));
+    let map_memory = loader::map_memory(&opts.pin_path);
+    info!(
+        total_bytes = map_memory.iter().map(|m| m.bytes).sum::<u64>(),
+        maps = %map_memory
+            .iter()
+            .map(|m| format!("{}={}", m.name, m.bytes))
+            .collect::<Vec<_>>()
+            .join(" "),
+        "BPF map memory (charged to the memory cgroup of the agent that created the maps)"
+    );
+    set_map_memory(&metrics, &map_memory);
+    tokio::spawn(refresh_map_memory(opts.pin_path.clone(), metrics.clone()));
     let health = Arc::new(Health::new(opts.sync_interval * 2));
     let m = metrics::spawn(
         opts.metrics_addr,
@@ -166,6 +178,30 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     .await;
     info!("stopping; the datapath stays pinned and keeps serving");
     Ok(())
+}
+
+fn set_map_memory(metrics: &Metrics, maps: &[loader::MapMemory]) {
+    for m in maps {
+        metrics
+            .map_memory
+            .get_or_create(&metrics::MapLabel {
+                map: m.name.to_string(),
+            })
+            .set(i64::try_from(m.bytes).unwrap_or(i64::MAX));
+    }
+}
+
+/// `map_memory_bytes` follows the maps without preallocation as they fill.
+async fn refresh_map_memory(pin_path: PathBuf, metrics: Arc<Metrics>) {
+    let mut every = tokio::time::interval(Duration::from_secs(10));
+    every.tick().await;
+    loop {
+        every.tick().await;
+        let path = pin_path.clone();
+        if let Ok(maps) = tokio::task::spawn_blocking(move || loader::map_memory(&path)).await {
+            set_map_memory(&metrics, &maps);
+        }
+    }
 }
 
 /// The node's addresses in `NODE_ADDRS4/6` (NodePorts are served on them): those of the
