@@ -743,6 +743,12 @@ fn raw_dump(pin: &Path) -> RawMaps {
         )
         .expect("map info");
         let (map_type, key_size, value_size) = (info[0], info[2] as usize, info[3] as usize);
+        // SK_STORAGE (`SOCK_REVNAT4/6`): values live in sockets, keyed by a socket fd of
+        // the caller; the kernel offers no key iteration (ENOTSUPP). Listed, not read.
+        if map_type == 24 {
+            out.insert(name, Vec::new());
+            continue;
+        }
         // PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH: one 8-byte aligned value per CPU.
         let value_len = if matches!(map_type, 5 | 6 | 10) {
             value_size.div_ceil(8) * 8 * cpus
