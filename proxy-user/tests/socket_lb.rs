@@ -311,6 +311,18 @@ fn pinned_datapath_survives_the_agent_and_is_adopted() {
     assert_eq!(report.adopted.len(), 8);
     assert!(report.attached.is_empty());
     assert_eq!(map_id(&env), svc4_id);
+    // It knows where the adopted hooks are (the stale-socket cleanup needs it), from the
+    // kernel's record of the link, even when asked for another cgroup (issue 11 item 7).
+    assert_eq!(report.cgroup.as_ref(), Some(&env.cgroup.path));
+    let elsewhere = loader::install(&loader::InstallOptions {
+        pin_path: env.pins.path.clone(),
+        cgroup: Some(support::cgroup2_mount()),
+        interfaces: Vec::new(),
+        conntrack_flows: loader::DEFAULT_CONNTRACK_FLOWS,
+        tc_attach: loader::TcAttachMode::Auto,
+    })
+    .expect("adopt again");
+    assert_eq!(elsewhere.cgroup.as_ref(), Some(&env.cgroup.path));
     let progs_after: Vec<Vec<u32>> = SOCK_ATTACH_TYPES
         .iter()
         .map(|t| attached_programs(&env.cgroup.path, *t))
