@@ -684,3 +684,111 @@ fn a_udp_backend_removed_while_the_agent_was_down_has_its_sockets_destroyed() {
         .metrics()
         .contains("ebpf_proxy_stale_udp_sockets_destroyed_total 1"));
 }
+
+/// Issue 11, item 7 (related): under endpoint churn, a long-lived *unconnected* UDP socket
+/// (each `sendmsg` is balanced afresh) gets no answer from a pod that left the Service
+/// more than 1 s earlier.
+#[test]
+fn an_unconnected_udp_socket_under_churn_never_reaches_a_pod_removed_1s_earlier() {
+    unconnected_udp_under_churn(false, false);
+}
+
+/// The same after a restart and with `sessionAffinity: ClientIP`: the adopting agent's
+/// model of the pinned maps must let it remove what the previous one wrote, and the
+/// client's remembered backend must not outlive its removal.
+#[test]
+fn an_unconnected_udp_socket_under_churn_after_a_restart_never_reaches_a_removed_pod() {
+    unconnected_udp_under_churn(true, true);
+}
+
+fn unconnected_udp_under_churn(affinity: bool, restart: bool) {
+    let mut env = TestEnv::without_datapath(4);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    let udp = |t: String| t.replace("protocol: TCP", "protocol: UDP");
+    let sets: [[usize; 2]; 4] = [[1, 2], [2, 3], [3, 4], [4, 1]];
+    let write = |set: &[usize; 2]| {
+        let eps: Vec<String> = set.iter().map(|i| pod(*i)).collect();
+        let eps: Vec<_> = eps.iter().map(|a| ready(a)).collect();
+        dir.write("dns-slice.yaml", &udp(slice("dns-1", "dns", TARGET, &eps)));
+    };
+    let mut svc = udp(service("dns", VIP, 53));
+    if affinity {
+        svc = svc.replace("  ports:\n", "  sessionAffinity: ClientIP\n  ports:\n");
+    }
+    dir.write("dns.yaml", &svc);
+    write(&sets[0]);
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    if restart {
+        agent.stop();
+        agent = AgentProcess::start(&env, &dir.arg());
+        agent.wait_healthy(Duration::from_secs(20));
+    }
+
+    let dns = SocketAddr::from(([10, 96, 0, 10], 53));
+    let client_ns = env.topo.client.path();
+    let stop = Arc::new(AtomicBool::new(false));
+    let client = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let _ns = support::NetnsGuard::enter(&client_ns);
+            let sock = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind");
+            sock.set_read_timeout(Some(Duration::from_millis(100)))
+                .expect("timeout");
+            let mut answers = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok((pod, from)) = support::udp_ask(&sock, dns) {
+                    assert_eq!(from, dns, "the reply's source is the VIP");
+                    answers.push((Instant::now(), pod));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            answers
+        })
+    };
+    let mut written = vec![(Instant::now(), sets[0])];
+    for round in 1..=16 {
+        std::thread::sleep(Duration::from_millis(400));
+        let set = sets[round % sets.len()];
+        write(&set);
+        written.push((Instant::now(), set));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, Ordering::Relaxed);
+    let answers = client.join().expect("client");
+
+    // A pod may answer at `t` if it was in the Service at some time in [t - 1 s, t].
+    let in_service_at = |x: Instant| {
+        written
+            .iter()
+            .rev()
+            .find(|(w, _)| *w <= x)
+            .map_or(sets[0], |(_, s)| *s)
+    };
+    let stale: Vec<(Duration, &String)> = answers
+        .iter()
+        .filter(|(t, pod)| {
+            let from = *t - Duration::from_secs(1);
+            let n: usize = pod.trim_start_matches("pod").parse().expect("pod name");
+            let allowed = in_service_at(from).contains(&n)
+                || written
+                    .iter()
+                    .any(|(w, s)| *w > from && *w <= *t && s.contains(&n));
+            !allowed
+        })
+        .map(|(t, p)| (t.duration_since(written[0].0), p))
+        .collect();
+    eprintln!(
+        "{} answers under churn, {} from a pod removed more than 1 s earlier",
+        answers.len(),
+        stale.len()
+    );
+    assert!(answers.len() > 200, "too few answers: {}", answers.len());
+    assert!(
+        stale.is_empty(),
+        "answers from removed pods: {:?}\n{}",
+        &stale[..stale.len().min(20)],
+        agent.logs()
+    );
+}
