@@ -702,11 +702,13 @@ fn an_unconnected_udp_socket_under_churn_after_a_restart_never_reaches_a_removed
 }
 
 fn unconnected_udp_under_churn(affinity: bool, restart: bool) {
-    let mut env = TestEnv::without_datapath(4);
+    let mut env = TestEnv::without_datapath(6);
     env.serve_all(TARGET);
     let dir = Manifests::new();
     let udp = |t: String| t.replace("protocol: TCP", "protocol: UDP");
-    let sets: [[usize; 2]; 4] = [[1, 2], [2, 3], [3, 4], [4, 1]];
+    // Every 500 ms one pod leaves and one joins: each is in the Service for 1 s, then out
+    // for 2 s (1 s in which it must get nothing).
+    let sets: [[usize; 2]; 6] = [[1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 1]];
     let write = |set: &[usize; 2]| {
         let eps: Vec<String> = set.iter().map(|i| pod(*i)).collect();
         let eps: Vec<_> = eps.iter().map(|a| ready(a)).collect();
@@ -748,8 +750,8 @@ fn unconnected_udp_under_churn(affinity: bool, restart: bool) {
         })
     };
     let mut written = vec![(Instant::now(), sets[0])];
-    for round in 1..=16 {
-        std::thread::sleep(Duration::from_millis(400));
+    for round in 1..=12 {
+        std::thread::sleep(Duration::from_millis(500));
         let set = sets[round % sets.len()];
         write(&set);
         written.push((Instant::now(), set));
