@@ -1019,7 +1019,7 @@ $ proxyctl explain 10.96.0.53:53/udp
   10.96.0.53:53/udp  ClusterIP  1         local-only
 
 pods and processes on this node -> 10.96.0.53:53/udp via the socket hooks: translated
-  connect4/sendmsg4 rewrite the destination at connect() (TCP, connected UDP) or at each sendmsg() (unconnected UDP) to its only backend; recvmsg4/getpeername4 show 10.96.0.53:53 as the peer
+  connect4/sendmsg4 rewrite the destination at connect() (TCP, connected UDP) or at each sendmsg() (unconnected UDP) to its only backend; recvmsg4/getpeername4 show 10.96.0.53:53 as the peer; a connected UDP socket keeps its backend: when that backend leaves, the agent destroys the socket (counted in ebpf_proxy_stale_udp_sockets_destroyed_total) and the application's next recv() fails with ECONNABORTED (a send() with EDESTADDRREQ): it must reconnect (kube-proxy instead flushes the conntrack entries and the same socket is re-balanced)
   SLOT  ID  BACKEND        STATE        CHANCE  CONNS
   1     4   10.240.1.2:53  ready,local  1       0
 
