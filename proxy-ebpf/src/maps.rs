@@ -2,15 +2,18 @@
 //! the datapath keeps its state while the agent restarts. Sizes: `proxy_common::limits`.
 
 use aya_ebpf::{
-    bindings::{bpf_map_type::BPF_MAP_TYPE_SK_STORAGE, bpf_sock, BPF_F_NO_PREALLOC, BPF_SK_STORAGE_GET_F_CREATE},
+    bindings::{
+        bpf_map_type::BPF_MAP_TYPE_SK_STORAGE, bpf_sock, BPF_F_NO_PREALLOC,
+        BPF_SK_STORAGE_GET_F_CREATE,
+    },
     helpers::generated::bpf_sk_storage_get,
     macros::{btf_map, map},
     maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
 };
 use proxy_common::{
     limits::*, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
-    NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat6,
-    SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
+    NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat6, SrcRange4, SrcRange6, Svc4Key,
+    Svc6Key, SvcValue,
 };
 
 /// IPv4 frontends (slot 0) and their backend slots (1..=count).

@@ -625,7 +625,9 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
 /// The cgroup the first adopted socket hook's link is attached to; `wanted` (`--cgroup`)
 /// and the cgroup2 root are tried first. `None` (with a warning) if it cannot be found.
 fn adopted_cgroup(links: &Path, adopted: &[String], wanted: Option<&PathBuf>) -> Option<PathBuf> {
-    let name = adopted.iter().find(|n| SOCK_PROGRAMS.contains(&n.as_str()))?;
+    let name = adopted
+        .iter()
+        .find(|n| SOCK_PROGRAMS.contains(&n.as_str()))?;
     let mount = match cgroup::cgroup2_mount() {
         Ok(m) => m,
         Err(e) => {
@@ -637,7 +639,10 @@ fn adopted_cgroup(links: &Path, adopted: &[String], wanted: Option<&PathBuf>) ->
     match crate::sockdestroy::hooked_cgroup(&links.join(name), &mount, &candidates) {
         Ok(dir) => Some(dir),
         Err(e) => {
-            warn!(link = name.as_str(), "the adopted hooks' cgroup: {e}; stale connected UDP sockets will not be destroyed");
+            warn!(
+                link = name.as_str(),
+                "the adopted hooks' cgroup: {e}; stale connected UDP sockets will not be destroyed"
+            );
             None
         }
     }

@@ -637,7 +637,9 @@ fn a_flood_of_short_udp_exchanges_does_not_evict_other_sockets_reverse_entries()
     connected6
         .set_read_timeout(Some(Duration::from_secs(2)))
         .expect("timeout");
-    connected6.connect(udp6.socket_addr()).expect("connect udp6");
+    connected6
+        .connect(udp6.socket_addr())
+        .expect("connect udp6");
     let unconnected = UdpSocket::bind("0.0.0.0:0").expect("bind");
     unconnected
         .set_read_timeout(Some(Duration::from_secs(2)))
@@ -668,10 +670,18 @@ fn a_flood_of_short_udp_exchanges_does_not_evict_other_sockets_reverse_entries()
     );
 
     let (_, from) = unconnected.recv_from(&mut buf).expect("queued answer");
-    assert_eq!(from, udp.socket_addr(), "unconnected UDP: recvfrom after the flood");
+    assert_eq!(
+        from,
+        udp.socket_addr(),
+        "unconnected UDP: recvfrom after the flood"
+    );
     connected.send(b"who?").expect("send");
     let (_, from) = connected.recv_from(&mut buf).expect("answer");
-    assert_eq!(from, udp.socket_addr(), "connected UDP: recvfrom after the flood");
+    assert_eq!(
+        from,
+        udp.socket_addr(),
+        "connected UDP: recvfrom after the flood"
+    );
     assert_eq!(
         connected.peer_addr().expect("peer"),
         udp.socket_addr(),
@@ -679,7 +689,11 @@ fn a_flood_of_short_udp_exchanges_does_not_evict_other_sockets_reverse_entries()
     );
     connected6.send(b"who?").expect("send6");
     let (_, from) = connected6.recv_from(&mut buf).expect("answer6");
-    assert_eq!(from, udp6.socket_addr(), "connected UDP6: recvfrom after the flood");
+    assert_eq!(
+        from,
+        udp6.socket_addr(),
+        "connected UDP6: recvfrom after the flood"
+    );
     assert_eq!(
         stream.peer_addr().expect("peer"),
         tcp.socket_addr(),
@@ -715,7 +729,11 @@ fn an_unconnected_udp_socket_keeps_its_newest_reverse_entries() {
         install_service(&mut env, fe, vec![backend]);
         fronts.push((fe.socket_addr(), backend));
     }
-    assert_eq!(fronts.len(), SOCK_REVNAT_SLOTS + 1, "enough distinct backends");
+    assert_eq!(
+        fronts.len(),
+        SOCK_REVNAT_SLOTS + 1,
+        "enough distinct backends"
+    );
 
     let sources = env.in_client(|| {
         let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
