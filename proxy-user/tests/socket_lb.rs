@@ -735,16 +735,43 @@ fn an_unconnected_udp_socket_keeps_its_newest_reverse_entries() {
         "enough distinct backends"
     );
 
+    // The socket's own storage, read from user space by its descriptor.
+    let storage = aya::maps::Map::from_map_data(
+        aya::maps::MapData::from_pin(env.pins.path.join("SOCK_REVNAT4")).expect("pinned"),
+    )
+    .expect("map");
+    let storage: aya::maps::SkStorage<_, proxy_common::SockRevNat4> =
+        aya::maps::SkStorage::try_from(storage).expect("an SK_STORAGE map");
     let sources = env.in_client(|| {
         let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
         sock.set_read_timeout(Some(Duration::from_secs(2)))
             .expect("timeout");
         // Another socket's traffic in between changes nothing for this one.
         let other = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        assert!(storage.get(&sock, 0).is_err(), "no storage before a VIP");
         for (vip, _) in &fronts {
             sock.send_to(b"who?", vip).expect("send");
             other.send_to(b"who?", vip).expect("send");
         }
+        let v = storage.get(&sock, 0).expect("the socket's entries");
+        assert_eq!(
+            v.next as usize,
+            fronts.len(),
+            "one insertion per new backend"
+        );
+        let held: std::collections::BTreeSet<SocketAddr> = v
+            .entries
+            .iter()
+            .map(|e| {
+                SocketAddr::from((
+                    Ipv4Addr::from(u32::from_be(e.backend_addr)),
+                    u16::from_be(e.backend_port),
+                ))
+            })
+            .collect();
+        let newest: std::collections::BTreeSet<SocketAddr> =
+            fronts[1..].iter().map(|(_, b)| *b).collect();
+        assert_eq!(held, newest, "the oldest entry was replaced");
         let mut buf = [0u8; 64];
         let mut sources = std::collections::BTreeSet::new();
         for _ in 0..fronts.len() {
