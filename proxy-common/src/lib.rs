@@ -12,8 +12,10 @@
 //! - `BACKEND4`/`BACKEND6`: backend id -> address and port; ids are shared by every
 //!   frontend that uses the same endpoint. Id 0 means "none".
 //! - `REVNAT4`/`REVNAT6`: service id -> frontend, for reply translation and the CLI.
-//! - `SOCK_REVNAT4`/`SOCK_REVNAT6` (LRU): `{socket cookie, backend}` -> frontend, so
-//!   `recvmsg`/`getpeername` can show the VIP to the application.
+//! - `SOCK_REVNAT4`/`SOCK_REVNAT6` (socket-local storage, `BPF_MAP_TYPE_SK_STORAGE`):
+//!   per socket, a few `{backend} -> frontend` entries, so `recvmsg`/`getpeername` can
+//!   show the VIP to the application; freed with the socket, so no socket can evict
+//!   another's.
 //! - `STATS` (per-CPU array indexed by [`Reason`]) and `BACKEND_CONNS` (per-CPU hash,
 //!   backend id -> selections).
 //! - `AFFINITY` (LRU): `{client, service id}` -> the backend (and its slot) the client
@@ -38,9 +40,9 @@ pub mod map_names {
     pub const REVNAT4: &str = "REVNAT4";
     /// Service id -> IPv6 frontend.
     pub const REVNAT6: &str = "REVNAT6";
-    /// Socket cookie + IPv4 backend -> frontend (LRU).
+    /// Per socket: IPv4 backend -> frontend (socket-local storage).
     pub const SOCK_REVNAT4: &str = "SOCK_REVNAT4";
-    /// Socket cookie + IPv6 backend -> frontend (LRU).
+    /// Per socket: IPv6 backend -> frontend (socket-local storage).
     pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6";
     /// Per-CPU outcome counters indexed by `Reason`.
     pub const STATS: &str = "STATS";
@@ -98,9 +100,12 @@ pub mod limits {
     pub const MAX_BACKENDS: u32 = 1 << 20;
     /// Frontends (service ids) per family.
     pub const MAX_REVNAT: u32 = 1 << 18;
-    /// Live sockets that talked to a VIP (LRU: preallocated, so kept modest; an evicted
-    /// entry only means `getpeername`/`recvmsg` show the backend instead of the VIP).
-    pub const MAX_SOCK_REVNAT: u32 = 1 << 16;
+    /// Reverse entries per socket (`SOCK_REVNAT4/6`, socket-local storage): a connected
+    /// socket needs one; an unconnected UDP socket one per backend it has been sent to
+    /// recently (its own oldest is replaced: other sockets cannot evict it).
+    pub const SOCK_REVNAT_SLOTS: usize = 8;
+    // The datapath takes `next % SOCK_REVNAT_SLOTS` as a mask.
+    const _: () = assert!(SOCK_REVNAT_SLOTS.is_power_of_two());
     /// The largest number of backends one frontend may have (a slot is a `u16`).
     pub const MAX_BACKENDS_PER_SERVICE: u32 = u16::MAX as u32;
     /// Entries in `META`.
@@ -525,44 +530,49 @@ pub struct SrcRange6 {
     pub addr: [u32; 4],
 }
 
-/// `SOCK_REVNAT4` key: which socket talked to which backend.
+/// One reverse entry of a socket: the frontend it asked for when it was sent to this
+/// IPv4 backend. `backend_port == 0`: an empty entry (no backend has port 0).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SockRevNat4Key {
-    pub cookie: u64,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRevNat4Entry {
+    pub backend_addr: u32,
+    pub backend_port: u16,
+    /// The frontend's port.
+    pub port: u16,
+    /// The frontend's address.
     pub addr: u32,
-    pub port: u16,
-    pub _pad: u16,
+    pub service_id: u32,
 }
 
-/// `SOCK_REVNAT6` key.
+/// `SOCK_REVNAT4` value (socket-local storage): the socket's reverse entries, the oldest
+/// replaced first (`next`, taken modulo [`limits::SOCK_REVNAT_SLOTS`], is where the next
+/// new backend goes).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SockRevNat6Key {
-    pub cookie: u64,
-    pub addr: [u32; 4],
-    pub port: u16,
-    pub _pad: [u8; 6],
-}
-
-/// `SOCK_REVNAT4` value: the frontend the application asked for.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockRevNat4 {
-    pub addr: u32,
+    pub next: u32,
+    pub entries: [SockRevNat4Entry; limits::SOCK_REVNAT_SLOTS],
+}
+
+/// One reverse entry of a socket for an IPv6 backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRevNat6Entry {
+    pub backend_addr: [u32; 4],
+    /// The frontend's address.
+    pub addr: [u32; 4],
+    pub backend_port: u16,
+    /// The frontend's port.
     pub port: u16,
-    pub _pad: u16,
     pub service_id: u32,
 }
 
-/// `SOCK_REVNAT6` value.
+/// `SOCK_REVNAT6` value (socket-local storage).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockRevNat6 {
-    pub addr: [u32; 4],
-    pub port: u16,
-    pub _pad: u16,
-    pub service_id: u32,
+    pub next: u32,
+    pub entries: [SockRevNat6Entry; limits::SOCK_REVNAT_SLOTS],
 }
 
 impl Svc4Key {
@@ -652,8 +662,8 @@ mod user {
         Backend6,
         RevNat4,
         RevNat6,
-        SockRevNat4Key,
-        SockRevNat6Key,
+        SockRevNat4Entry,
+        SockRevNat6Entry,
         SockRevNat4,
         SockRevNat6,
         Ct4Key,
@@ -692,10 +702,10 @@ mod tests {
         assert_layout!(Backend6, size 20, align 4, fields [[u32; 4], u16, u8, u8]);
         assert_layout!(RevNat4, size 72, align 4, fields [u32, u16, u8, u8, [u8; NAME_LEN]]);
         assert_layout!(RevNat6, size 84, align 4, fields [[u32; 4], u16, u8, u8, [u8; NAME_LEN]]);
-        assert_layout!(SockRevNat4Key, size 16, align 8, fields [u64, u32, u16, u16]);
-        assert_layout!(SockRevNat6Key, size 32, align 8, fields [u64, [u32; 4], u16, [u8; 6]]);
-        assert_layout!(SockRevNat4, size 12, align 4, fields [u32, u16, u16, u32]);
-        assert_layout!(SockRevNat6, size 24, align 4, fields [[u32; 4], u16, u16, u32]);
+        assert_layout!(SockRevNat4Entry, size 16, align 4, fields [u32, u16, u16, u32, u32]);
+        assert_layout!(SockRevNat6Entry, size 40, align 4, fields [[u32; 4], [u32; 4], u16, u16, u32]);
+        assert_layout!(SockRevNat4, size 132, align 4, fields [u32, [SockRevNat4Entry; limits::SOCK_REVNAT_SLOTS]]);
+        assert_layout!(SockRevNat6, size 324, align 4, fields [u32, [SockRevNat6Entry; limits::SOCK_REVNAT_SLOTS]]);
         assert_layout!(Ct4Key, size 16, align 4, fields [u32, u32, u16, u16, u8, u8, [u8; 2]]);
         assert_layout!(Ct6Key, size 40, align 4, fields [[u32; 4], [u32; 4], u16, u16, u8, u8, [u8; 2]]);
         assert_layout!(Ct4Value, size 40, align 8, fields [u32, u32, u16, u16, u32, u32, u32, u64, u64]);
@@ -714,7 +724,7 @@ mod tests {
         assert_eq!(core::mem::offset_of!(Svc4Key, proto), 8);
         assert_eq!(core::mem::offset_of!(Svc6Key, port), 16);
         assert_eq!(core::mem::offset_of!(SvcValue, count), 8);
-        assert_eq!(core::mem::offset_of!(SockRevNat6Key, addr), 8);
+        assert_eq!(core::mem::offset_of!(SockRevNat6Entry, backend_port), 32);
     }
 
     #[test]

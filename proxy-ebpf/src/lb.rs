@@ -2,10 +2,13 @@
 //! [`Family`] and instantiated for IPv4 ([`V4`]) and IPv6 ([`V6`]) (cilium's `lb4_*`/`lb6_*`,
 //! without the copy). Addresses and ports stay in network byte order throughout.
 
+use aya_ebpf::bindings::bpf_sock;
 use proxy_common::{
-    affinity_kind, scope, svc_flags, Reason, SockRevNat4, SockRevNat4Key, SockRevNat6,
-    SockRevNat6Key, Svc4Key, Svc6Key, SvcValue,
+    affinity_kind, limits::SOCK_REVNAT_SLOTS, scope, svc_flags, Reason, SockRevNat4Entry,
+    SockRevNat6Entry, Svc4Key, Svc6Key, SvcValue,
 };
+
+use core::ptr::{read_volatile, write_volatile};
 
 use crate::affinity;
 use crate::maps::{
@@ -25,18 +28,151 @@ pub trait Family {
     fn is_node_addr(a: Self::Addr) -> bool;
     /// The backend's address and port.
     fn backend(id: u32) -> Option<(Self::Addr, u16)>;
-    /// The frontend `(addr, port, service_id)` this socket asked for when it went to
-    /// `backend`.
-    fn rev_get(cookie: u64, addr: Self::Addr, port: u16) -> Option<(Self::Addr, u16, u32)>;
-    /// Records (or refreshes) the reverse entry.
-    fn rev_put(
-        cookie: u64,
-        backend: (Self::Addr, u16),
-        front: (Self::Addr, u16),
-        id: u32,
-    ) -> Result<(), i32>;
-    /// Deletes a stale reverse entry.
-    fn rev_del(cookie: u64, addr: Self::Addr, port: u16);
+    /// The socket's reverse table (`SOCK_REVNAT4/6`, socket-local storage), made empty
+    /// first with `create`.
+    fn rev_table(sk: *mut bpf_sock, create: bool) -> Option<RevTable<Self::Entry>>;
+    /// One reverse entry: `backend -> (frontend, service id)`.
+    type Entry: RevEntry<Addr = Self::Addr>;
+}
+
+/// A socket's reverse entries for one family: `[next, entries...]` in its storage.
+pub struct RevTable<E> {
+    next: *mut u32,
+    entries: *mut [E; SOCK_REVNAT_SLOTS],
+}
+
+/// One family's reverse entry (`SockRevNat4Entry`, `SockRevNat6Entry`).
+pub trait RevEntry {
+    type Addr: Copy + PartialEq;
+    /// The backend, `None` for an empty entry.
+    fn backend(&self) -> Option<(Self::Addr, u16)>;
+    /// `(frontend addr, port, service id)`.
+    fn front(&self) -> (Self::Addr, u16, u32);
+    /// Writes the frontend, then the backend; the backend port (the "in use" mark, an
+    /// entry is matched on it) is written last, cleared first.
+    fn set(&mut self, backend: (Self::Addr, u16), front: (Self::Addr, u16), id: u32);
+    fn clear(&mut self);
+}
+
+impl RevEntry for SockRevNat4Entry {
+    type Addr = u32;
+
+    #[inline(always)]
+    fn backend(&self) -> Option<(u32, u16)> {
+        // SAFETY: plain integer fields of a live storage value.
+        let port = unsafe { read_volatile(&self.backend_port) };
+        (port != 0).then(|| (self.backend_addr, port))
+    }
+
+    #[inline(always)]
+    fn front(&self) -> (u32, u16, u32) {
+        (self.addr, self.port, self.service_id)
+    }
+
+    #[inline(always)]
+    fn set(&mut self, b: (u32, u16), f: (u32, u16), id: u32) {
+        // SAFETY: as above; volatile keeps the order.
+        unsafe {
+            write_volatile(&mut self.backend_port, 0);
+            write_volatile(&mut self.addr, f.0);
+            write_volatile(&mut self.port, f.1);
+            write_volatile(&mut self.service_id, id);
+            write_volatile(&mut self.backend_addr, b.0);
+            write_volatile(&mut self.backend_port, b.1);
+        }
+    }
+
+    #[inline(always)]
+    fn clear(&mut self) {
+        // SAFETY: as above.
+        unsafe { write_volatile(&mut self.backend_port, 0) };
+    }
+}
+
+impl RevEntry for SockRevNat6Entry {
+    type Addr = [u32; 4];
+
+    #[inline(always)]
+    fn backend(&self) -> Option<([u32; 4], u16)> {
+        // SAFETY: plain integer fields of a live storage value.
+        let port = unsafe { read_volatile(&self.backend_port) };
+        (port != 0).then(|| (self.backend_addr, port))
+    }
+
+    #[inline(always)]
+    fn front(&self) -> ([u32; 4], u16, u32) {
+        (self.addr, self.port, self.service_id)
+    }
+
+    #[inline(always)]
+    fn set(&mut self, b: ([u32; 4], u16), f: ([u32; 4], u16), id: u32) {
+        // SAFETY: as above; volatile keeps the order.
+        unsafe {
+            write_volatile(&mut self.backend_port, 0);
+            write_volatile(&mut self.addr, f.0);
+            write_volatile(&mut self.port, f.1);
+            write_volatile(&mut self.service_id, id);
+            write_volatile(&mut self.backend_addr, b.0);
+            write_volatile(&mut self.backend_port, b.1);
+        }
+    }
+
+    #[inline(always)]
+    fn clear(&mut self) {
+        // SAFETY: as above.
+        unsafe { write_volatile(&mut self.backend_port, 0) };
+    }
+}
+
+impl<E: RevEntry> RevTable<E> {
+    /// The entry for `backend`, if the socket has one.
+    #[inline(always)]
+    fn find(&self, backend: (E::Addr, u16)) -> Option<&mut E> {
+        for i in 0..SOCK_REVNAT_SLOTS {
+            // SAFETY: `entries` points into the socket's live storage value; `i` is in
+            // bounds.
+            let e = unsafe { &mut (*self.entries)[i] };
+            if e.backend() == Some(backend) {
+                return Some(e);
+            }
+        }
+        None
+    }
+
+    /// The frontend this socket asked for when it went to `backend`.
+    #[inline(always)]
+    fn get(&self, backend: (E::Addr, u16)) -> Option<(E::Addr, u16, u32)> {
+        self.find(backend).map(|e| e.front())
+    }
+
+    /// Records `backend -> front`: rewrites the backend's entry only if it changed (a UDP
+    /// socket sending many datagrams to one backend writes once), else replaces the
+    /// socket's own oldest entry.
+    #[inline(always)]
+    fn put(&self, backend: (E::Addr, u16), front: (E::Addr, u16), id: u32) {
+        if let Some(e) = self.find(backend) {
+            if e.front() != (front.0, front.1, id) {
+                e.set(backend, front, id);
+            }
+            return;
+        }
+        // SAFETY: `next` points into the live storage value. Two threads sending on one
+        // socket at once may pick the same entry: the later write wins.
+        let n = unsafe { read_volatile(self.next) };
+        unsafe { write_volatile(self.next, n.wrapping_add(1)) };
+        let i = n as usize & (SOCK_REVNAT_SLOTS - 1);
+        // SAFETY: in bounds (mask).
+        let e = unsafe { &mut (*self.entries)[i] };
+        e.set(backend, front, id);
+    }
+
+    /// Forgets `backend`'s entry.
+    #[inline(always)]
+    fn del(&self, backend: (E::Addr, u16)) {
+        if let Some(e) = self.find(backend) {
+            e.clear();
+        }
+    }
 }
 
 pub struct V4;
@@ -71,47 +207,18 @@ impl Family for V4 {
         unsafe { BACKEND4.get(&id).map(|b| (b.addr, b.port)) }
     }
 
-    #[inline(always)]
-    fn rev_get(cookie: u64, addr: u32, port: u16) -> Option<(u32, u16, u32)> {
-        let key = SockRevNat4Key {
-            cookie,
-            addr,
-            port,
-            _pad: 0,
-        };
-        // SAFETY: copied out at once.
-        unsafe {
-            SOCK_REVNAT4
-                .get(&key)
-                .map(|v| (v.addr, v.port, v.service_id))
-        }
-    }
+    type Entry = SockRevNat4Entry;
 
     #[inline(always)]
-    fn rev_put(cookie: u64, b: (u32, u16), f: (u32, u16), id: u32) -> Result<(), i32> {
-        let key = SockRevNat4Key {
-            cookie,
-            addr: b.0,
-            port: b.1,
-            _pad: 0,
-        };
-        let val = SockRevNat4 {
-            addr: f.0,
-            port: f.1,
-            _pad: 0,
-            service_id: id,
-        };
-        SOCK_REVNAT4.insert(&key, &val, 0)
-    }
-
-    #[inline(always)]
-    fn rev_del(cookie: u64, addr: u32, port: u16) {
-        let _ = SOCK_REVNAT4.remove(&SockRevNat4Key {
-            cookie,
-            addr,
-            port,
-            _pad: 0,
-        });
+    fn rev_table(sk: *mut bpf_sock, create: bool) -> Option<RevTable<SockRevNat4Entry>> {
+        let v = SOCK_REVNAT4.get(sk, create)?;
+        // SAFETY: a live storage value of this type.
+        Some(unsafe {
+            RevTable {
+                next: &raw mut (*v).next,
+                entries: &raw mut (*v).entries,
+            }
+        })
     }
 }
 
@@ -144,47 +251,18 @@ impl Family for V6 {
         unsafe { BACKEND6.get(&id).map(|b| (b.addr, b.port)) }
     }
 
-    #[inline(always)]
-    fn rev_get(cookie: u64, addr: [u32; 4], port: u16) -> Option<([u32; 4], u16, u32)> {
-        let key = SockRevNat6Key {
-            cookie,
-            addr,
-            port,
-            _pad: [0; 6],
-        };
-        // SAFETY: copied out at once.
-        unsafe {
-            SOCK_REVNAT6
-                .get(&key)
-                .map(|v| (v.addr, v.port, v.service_id))
-        }
-    }
+    type Entry = SockRevNat6Entry;
 
     #[inline(always)]
-    fn rev_put(cookie: u64, b: ([u32; 4], u16), f: ([u32; 4], u16), id: u32) -> Result<(), i32> {
-        let key = SockRevNat6Key {
-            cookie,
-            addr: b.0,
-            port: b.1,
-            _pad: [0; 6],
-        };
-        let val = SockRevNat6 {
-            addr: f.0,
-            port: f.1,
-            _pad: 0,
-            service_id: id,
-        };
-        SOCK_REVNAT6.insert(&key, &val, 0)
-    }
-
-    #[inline(always)]
-    fn rev_del(cookie: u64, addr: [u32; 4], port: u16) {
-        let _ = SOCK_REVNAT6.remove(&SockRevNat6Key {
-            cookie,
-            addr,
-            port,
-            _pad: [0; 6],
-        });
+    fn rev_table(sk: *mut bpf_sock, create: bool) -> Option<RevTable<SockRevNat6Entry>> {
+        let v = SOCK_REVNAT6.get(sk, create)?;
+        // SAFETY: a live storage value of this type.
+        Some(unsafe {
+            RevTable {
+                next: &raw mut (*v).next,
+                entries: &raw mut (*v).entries,
+            }
+        })
     }
 }
 
@@ -220,7 +298,7 @@ pub fn xlate_fwd<F: Family>(
     addr: F::Addr,
     port: u16,
     proto: u8,
-    cookie: u64,
+    sk: *mut bpf_sock,
     netns: impl Fn() -> u64,
 ) -> Result<Option<Fwd<F::Addr>>, Reason> {
     let Some((front, key_addr)) = frontend::<F>(addr, port, proto) else {
@@ -247,14 +325,10 @@ pub fn xlate_fwd<F: Family>(
     let (baddr, bport) = F::backend(backend_id).ok_or(Reason::BackendMissing)?;
     count_backend(backend_id);
 
-    // Remember the frontend for recvmsg/getpeername; write only when it changed (a UDP
-    // socket sending many datagrams to the same backend writes once).
-    let fresh = match F::rev_get(cookie, baddr, bport) {
-        Some((a, p, id)) => !(a == addr && p == port && id == front.service_id),
-        None => true,
-    };
-    if fresh && F::rev_put(cookie, (baddr, bport), (addr, port), front.service_id).is_err() {
-        crate::maps::count(Reason::RevNatUpdateFailed);
+    // Remember the frontend for recvmsg/getpeername, in the socket's own storage.
+    match F::rev_table(sk, true) {
+        Some(t) => t.put((baddr, bport), (addr, port), front.service_id),
+        None => crate::maps::count(Reason::RevNatUpdateFailed),
     }
     Ok(Some(Fwd {
         addr: baddr,
@@ -270,9 +344,12 @@ pub fn xlate_rev<F: Family>(
     addr: F::Addr,
     port: u16,
     proto: u8,
-    cookie: u64,
+    sk: *mut bpf_sock,
 ) -> Result<Option<Fwd<F::Addr>>, Reason> {
-    let Some((faddr, fport, id)) = F::rev_get(cookie, addr, port) else {
+    let Some(table) = F::rev_table(sk, false) else {
+        return Err(Reason::RevNatMiss);
+    };
+    let Some((faddr, fport, id)) = table.get((addr, port)) else {
         return Err(Reason::RevNatMiss);
     };
     match frontend::<F>(faddr, fport, proto) {
@@ -281,7 +358,7 @@ pub fn xlate_rev<F: Family>(
             port: fport,
         })),
         _ => {
-            F::rev_del(cookie, addr, port);
+            table.del((addr, port));
             Err(Reason::RevNatStale)
         }
     }

@@ -2,14 +2,18 @@
 //! the datapath keeps its state while the agent restarts. Sizes: `proxy_common::limits`.
 
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
-    macros::map,
+    bindings::{
+        bpf_map_type::BPF_MAP_TYPE_SK_STORAGE, bpf_sock, BPF_F_NO_PREALLOC,
+        BPF_SK_STORAGE_GET_F_CREATE,
+    },
+    helpers::generated::bpf_sk_storage_get,
+    macros::{btf_map, map},
     maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
 };
 use proxy_common::{
     limits::*, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
-    NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat4Key, SockRevNat6, SockRevNat6Key,
-    SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
+    NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat6, SrcRange4, SrcRange6, Svc4Key,
+    Svc6Key, SvcValue,
 };
 
 /// IPv4 frontends (slot 0) and their backend slots (1..=count).
@@ -36,15 +40,66 @@ pub static REVNAT4: HashMap<u32, RevNat4> = HashMap::pinned(MAX_REVNAT, BPF_F_NO
 #[map]
 pub static REVNAT6: HashMap<u32, RevNat6> = HashMap::pinned(MAX_REVNAT, BPF_F_NO_PREALLOC);
 
-/// Which frontend a socket asked for when it was sent to a given IPv4 backend.
-#[map]
-pub static SOCK_REVNAT4: LruHashMap<SockRevNat4Key, SockRevNat4> =
-    LruHashMap::pinned(MAX_SOCK_REVNAT, 0);
+/// Per socket (socket-local storage, freed with the socket): which frontend it asked for
+/// when it was sent to a given IPv4 backend. No socket can evict another's entries.
+#[btf_map]
+pub static SOCK_REVNAT4: SkStorage<SockRevNat4> = SkStorage::new();
 
-/// Which frontend a socket asked for when it was sent to a given IPv6 backend.
-#[map]
-pub static SOCK_REVNAT6: LruHashMap<SockRevNat6Key, SockRevNat6> =
-    LruHashMap::pinned(MAX_SOCK_REVNAT, 0);
+/// Per socket: which frontend it asked for when it was sent to a given IPv6 backend.
+#[btf_map]
+pub static SOCK_REVNAT6: SkStorage<SockRevNat6> = SkStorage::new();
+
+/// A `BPF_MAP_TYPE_SK_STORAGE` map definition (BTF-defined: the kernel requires BTF for
+/// its value), pinned by name like every other map so that programs loaded later (a
+/// partial re-install) share it with the adopted ones. aya-ebpf's own `SkStorage` has no
+/// `pinning` field.
+#[repr(C)]
+pub struct SkStorage<V> {
+    r#type: *const [i32; BPF_MAP_TYPE_SK_STORAGE as usize],
+    key: *const i32,
+    value: *const V,
+    max_entries: *const [i32; 0],
+    map_flags: *const [i32; BPF_F_NO_PREALLOC as usize],
+    /// `LIBBPF_PIN_BY_NAME`.
+    pinning: *const [i32; 1],
+}
+
+// SAFETY: placeholder pointers patched by the loader, never dereferenced.
+unsafe impl<V> Sync for SkStorage<V> {}
+
+impl<V> SkStorage<V> {
+    pub const fn new() -> Self {
+        Self {
+            r#type: core::ptr::null(),
+            key: core::ptr::null(),
+            value: core::ptr::null(),
+            max_entries: core::ptr::null(),
+            map_flags: core::ptr::null(),
+            pinning: core::ptr::null(),
+        }
+    }
+
+    /// The socket's value; with `create`, a zeroed one is made if there is none (fails
+    /// only under memory pressure or the socket's `optmem_max`).
+    #[inline(always)]
+    pub fn get(&self, sk: *mut bpf_sock, create: bool) -> Option<*mut V> {
+        let flags = if create {
+            u64::from(BPF_SK_STORAGE_GET_F_CREATE)
+        } else {
+            0
+        };
+        // SAFETY: `sk` is the context's socket; the helper checks the map type.
+        let p = unsafe {
+            bpf_sk_storage_get(
+                core::ptr::from_ref(self).cast_mut().cast(),
+                sk.cast(),
+                core::ptr::null_mut(),
+                flags,
+            )
+        };
+        (!p.is_null()).then_some(p.cast())
+    }
+}
 
 /// Outcome counters, indexed by `Reason`.
 #[map]

@@ -8,11 +8,8 @@
 //! otherwise merge or split them.
 
 use aya_ebpf::{
-    bindings::bpf_sock_addr,
-    helpers::{
-        bpf_get_socket_cookie,
-        generated::{bpf_get_netns_cookie, bpf_set_retval},
-    },
+    bindings::{bpf_sock, bpf_sock_addr},
+    helpers::generated::{bpf_get_netns_cookie, bpf_set_retval},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
     EbpfContext,
@@ -90,10 +87,12 @@ fn l4_proto(sa: *mut bpf_sock_addr) -> Option<u8> {
     }
 }
 
+/// The socket (for its local storage: the reverse entries).
 #[inline(always)]
-fn cookie(ctx: &SockAddrContext) -> u64 {
-    // SAFETY: valid for sock_addr programs.
-    unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
+fn sk(sa: *mut bpf_sock_addr) -> *mut bpf_sock {
+    // SAFETY: ctx pointer from the kernel; `sk` is an 8-byte pointer field the verifier
+    // types as a (non-null) socket.
+    unsafe { read_volatile(&raw const (*sa).__bindgen_anon_1.sk) }
 }
 
 /// The client's network namespace, for session affinity (one pod, one namespace).
@@ -212,7 +211,7 @@ fn fwd4(ctx: &SockAddrContext) -> i32 {
     };
     // SAFETY: 4-byte ctx field.
     let addr = unsafe { read_volatile(&raw const (*sa).user_ip4) };
-    let r = xlate_fwd::<V4>(addr, read_port(sa), proto, cookie(ctx), || netns(ctx));
+    let r = xlate_fwd::<V4>(addr, read_port(sa), proto, sk(sa), || netns(ctx));
     fwd_verdict(ctx, r, |to| {
         // SAFETY: 4-byte ctx field.
         unsafe { write_volatile(&raw mut (*sa).user_ip4, to.addr) };
@@ -226,7 +225,7 @@ fn rev4(ctx: &SockAddrContext) {
     let Some(proto) = l4_proto(sa) else { return };
     // SAFETY: 4-byte ctx field.
     let addr = unsafe { read_volatile(&raw const (*sa).user_ip4) };
-    let r = xlate_rev::<V4>(addr, read_port(sa), proto, cookie(ctx));
+    let r = xlate_rev::<V4>(addr, read_port(sa), proto, sk(sa));
     rev_apply(r, |front| {
         // SAFETY: 4-byte ctx field.
         unsafe { write_volatile(&raw mut (*sa).user_ip4, front.addr) };
@@ -245,15 +244,15 @@ fn fwd6(ctx: &SockAddrContext) -> i32 {
     };
     let addr = read_ip6(sa);
     let port = read_port(sa);
-    let cookie = cookie(ctx);
+    let sk = sk(sa);
     if is_v4_mapped(&addr) {
-        let r = xlate_fwd::<V4>(addr[3], port, proto, cookie, || netns(ctx));
+        let r = xlate_fwd::<V4>(addr[3], port, proto, sk, || netns(ctx));
         return fwd_verdict(ctx, r, |to| {
             write_ip6(sa, [0, 0, V4_MAPPED_WORD, to.addr]);
             write_port(sa, to.port);
         });
     }
-    let r = xlate_fwd::<V6>(addr, port, proto, cookie, || netns(ctx));
+    let r = xlate_fwd::<V6>(addr, port, proto, sk, || netns(ctx));
     fwd_verdict(ctx, r, |to| {
         write_ip6(sa, to.addr);
         write_port(sa, to.port);
@@ -266,15 +265,15 @@ fn rev6(ctx: &SockAddrContext) {
     let Some(proto) = l4_proto(sa) else { return };
     let addr = read_ip6(sa);
     let port = read_port(sa);
-    let cookie = cookie(ctx);
+    let sk = sk(sa);
     if is_v4_mapped(&addr) {
-        let r = xlate_rev::<V4>(addr[3], port, proto, cookie);
+        let r = xlate_rev::<V4>(addr[3], port, proto, sk);
         return rev_apply(r, |front| {
             write_ip6(sa, [0, 0, V4_MAPPED_WORD, front.addr]);
             write_port(sa, front.port);
         });
     }
-    let r = xlate_rev::<V6>(addr, port, proto, cookie);
+    let r = xlate_rev::<V6>(addr, port, proto, sk);
     rev_apply(r, |front| {
         write_ip6(sa, front.addr);
         write_port(sa, front.port);

@@ -536,6 +536,9 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
             None => true,
         })
         .collect();
+    // Adopted socket hooks: the cgroup they are attached to, for the stale-socket
+    // cleanup (`sockdestroy`), from the kernel's record of the link.
+    report.cgroup = adopted_cgroup(&links, &report.adopted, opts.cgroup.as_ref());
     if missing.is_empty() {
         info!(pin_path = %pin_path.display(), "adopted the pinned datapath");
         return Ok(report);
@@ -650,8 +653,10 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     if let Some(id) = log_program_id {
         let _ = write_meta(&mut ebpf, meta::LOG_PROGRAM_ID, id);
     }
+    if report.cgroup.is_none() || missing.iter().any(|h| matches!(h, Hook::Sock(_))) {
+        report.cgroup = Some(cgroup_dir);
+    }
     report.attached = made;
-    report.cgroup = Some(cgroup_dir);
     info!(
         pin_path = %pin_path.display(),
         attached = report.attached.len(),
@@ -659,6 +664,32 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
         "datapath installed"
     );
     Ok(report)
+}
+
+/// The cgroup the first adopted socket hook's link is attached to; `wanted` (`--cgroup`)
+/// and the cgroup2 root are tried first. `None` (with a warning) if it cannot be found.
+fn adopted_cgroup(links: &Path, adopted: &[String], wanted: Option<&PathBuf>) -> Option<PathBuf> {
+    let name = adopted
+        .iter()
+        .find(|n| SOCK_PROGRAMS.contains(&n.as_str()))?;
+    let mount = match cgroup::cgroup2_mount() {
+        Ok(m) => m,
+        Err(e) => {
+            warn!("finding cgroup2 for the adopted hooks: {e}");
+            return wanted.cloned();
+        }
+    };
+    let candidates: Vec<PathBuf> = wanted.into_iter().cloned().chain([mount.clone()]).collect();
+    match crate::sockdestroy::hooked_cgroup(&links.join(name), &mount, &candidates) {
+        Ok(dir) => Some(dir),
+        Err(e) => {
+            warn!(
+                link = name.as_str(),
+                "the adopted hooks' cgroup: {e}; stale connected UDP sockets will not be destroyed"
+            );
+            None
+        }
+    }
 }
 
 /// Loads the eBPF object with its maps pinned (or reused) under `pin_path` and records

@@ -528,3 +528,269 @@ fn connected_udp_sockets_to_a_removed_backend_are_closed() {
         assert_eq!((pod.as_str(), from), ("pod2", dns));
     });
 }
+
+/// A client thread in the client namespace with one UDP socket connected to `dns`: asks
+/// every 20 ms until the socket fails or `for_how_long` passes. Returns every answer with
+/// its time, and the error that ended it.
+fn connected_udp_client(
+    env: &TestEnv,
+    dns: SocketAddr,
+    for_how_long: Duration,
+) -> (
+    std::sync::mpsc::Receiver<(Instant, String)>,
+    std::thread::JoinHandle<Option<io::Error>>,
+) {
+    let client_ns = env.topo.client.path();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handle = std::thread::spawn(move || {
+        let _ns = support::NetnsGuard::enter(&client_ns);
+        let sock = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind");
+        sock.connect(dns).expect("connect");
+        sock.set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
+        let start = Instant::now();
+        while start.elapsed() < for_how_long {
+            let r = sock.send(b"who?").and_then(|_| {
+                let mut buf = [0u8; 64];
+                let n = sock.recv(&mut buf)?;
+                Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
+            });
+            match r {
+                Ok(pod) => {
+                    if tx.send((Instant::now(), pod)).is_err() {
+                        return None;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Some(e),
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    });
+    (rx, handle)
+}
+
+/// Waits for the client's first answer, which must come from `pod`.
+fn first_answer(rx: &std::sync::mpsc::Receiver<(Instant, String)>, pod: &str) {
+    let (_, first) = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("first answer");
+    assert_eq!(first, pod);
+}
+
+/// Ends the client and checks it: the socket failed as a destroyed one does, and no
+/// answer came from `removed` later than 1 s after `since`. Returns the late answers'
+/// count (0) and the total from `removed` after `since`, for the log.
+fn assert_destroyed_within_1s(
+    rx: std::sync::mpsc::Receiver<(Instant, String)>,
+    client: std::thread::JoinHandle<Option<io::Error>>,
+    removed: &str,
+    since: Instant,
+    logs: impl Fn() -> String,
+) {
+    let err = client.join().expect("client");
+    let answers: Vec<(Instant, String)> = rx.try_iter().collect();
+    let from_removed: Vec<Duration> = answers
+        .iter()
+        .filter(|(t, p)| p == removed && *t > since)
+        .map(|(t, _)| t.duration_since(since))
+        .collect();
+    let late = from_removed
+        .iter()
+        .filter(|d| **d > Duration::from_secs(1))
+        .count();
+    eprintln!(
+        "{} answers from {removed} after the change (last {:?}), {late} later than 1 s",
+        from_removed.len(),
+        from_removed.last()
+    );
+    assert_eq!(late, 0, "the stale socket kept its backend:\n{}", logs());
+    let err = err.unwrap_or_else(|| panic!("the stale socket was never closed:\n{}", logs()));
+    assert!(
+        err.kind() == io::ErrorKind::ConnectionAborted
+            || err.raw_os_error() == Some(libc::EDESTADDRREQ),
+        "{err}"
+    );
+}
+
+/// Issue 11, item 7: an agent that adopted the pinned hooks after a restart still knows
+/// the hooked cgroup, so a UDP backend that leaves while it runs has its connected
+/// sockets destroyed, as with a fresh agent.
+#[test]
+fn a_restarted_agent_destroys_connected_udp_sockets_to_a_removed_backend() {
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    let udp = |t: String| t.replace("protocol: TCP", "protocol: UDP");
+    dir.write("dns.yaml", &udp(service("dns", VIP, 53)));
+    dir.write(
+        "dns-slice.yaml",
+        &udp(slice("dns-1", "dns", TARGET, &[ready(&pod(1))])),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    agent.stop();
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+
+    let dns = SocketAddr::from(([10, 96, 0, 10], 53));
+    let (rx, client) = connected_udp_client(&env, dns, Duration::from_secs(8));
+    first_answer(&rx, "pod1");
+    dir.write(
+        "dns-slice.yaml",
+        &udp(slice("dns-1", "dns", TARGET, &[ready(&pod(2))])),
+    );
+    let change = Instant::now();
+    assert_destroyed_within_1s(rx, client, "pod1", change, || agent.logs());
+    assert!(agent
+        .metrics()
+        .contains("ebpf_proxy_stale_udp_sockets_destroyed_total 1"));
+    let logs = agent.logs();
+    assert!(logs.contains("adopted the pinned datapath"), "{logs}");
+    assert!(!logs.contains("cgroup=None"), "{logs}");
+}
+
+/// Issue 11, item 7: a UDP backend that left while no agent ran is released by the
+/// adopting agent's first full re-diff, and its connected sockets are destroyed then.
+#[test]
+fn a_udp_backend_removed_while_the_agent_was_down_has_its_sockets_destroyed() {
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    let udp = |t: String| t.replace("protocol: TCP", "protocol: UDP");
+    dir.write("dns.yaml", &udp(service("dns", VIP, 53)));
+    dir.write(
+        "dns-slice.yaml",
+        &udp(slice("dns-1", "dns", TARGET, &[ready(&pod(1))])),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+
+    let dns = SocketAddr::from(([10, 96, 0, 10], 53));
+    let (rx, client) = connected_udp_client(&env, dns, Duration::from_secs(15));
+    first_answer(&rx, "pod1");
+    agent.stop();
+    dir.write(
+        "dns-slice.yaml",
+        &udp(slice("dns-1", "dns", TARGET, &[ready(&pod(2))])),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    let synced = Instant::now();
+    assert_destroyed_within_1s(rx, client, "pod1", synced, || agent.logs());
+    assert!(agent
+        .metrics()
+        .contains("ebpf_proxy_stale_udp_sockets_destroyed_total 1"));
+}
+
+/// Issue 11, item 7 (related): under endpoint churn, a long-lived *unconnected* UDP socket
+/// (each `sendmsg` is balanced afresh) gets no answer from a pod that left the Service
+/// more than 1 s earlier.
+#[test]
+fn an_unconnected_udp_socket_under_churn_never_reaches_a_pod_removed_1s_earlier() {
+    unconnected_udp_under_churn(false, false);
+}
+
+/// The same after a restart and with `sessionAffinity: ClientIP`: the adopting agent's
+/// model of the pinned maps must let it remove what the previous one wrote, and the
+/// client's remembered backend must not outlive its removal.
+#[test]
+fn an_unconnected_udp_socket_under_churn_after_a_restart_never_reaches_a_removed_pod() {
+    unconnected_udp_under_churn(true, true);
+}
+
+fn unconnected_udp_under_churn(affinity: bool, restart: bool) {
+    let mut env = TestEnv::without_datapath(6);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    let udp = |t: String| t.replace("protocol: TCP", "protocol: UDP");
+    // Every 500 ms one pod leaves and one joins: each is in the Service for 1 s, then out
+    // for 2 s (1 s in which it must get nothing).
+    let sets: [[usize; 2]; 6] = [[1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 1]];
+    let write = |set: &[usize; 2]| {
+        let eps: Vec<String> = set.iter().map(|i| pod(*i)).collect();
+        let eps: Vec<_> = eps.iter().map(|a| ready(a)).collect();
+        dir.write("dns-slice.yaml", &udp(slice("dns-1", "dns", TARGET, &eps)));
+    };
+    let mut svc = udp(service("dns", VIP, 53));
+    if affinity {
+        svc = svc.replace("  ports:\n", "  sessionAffinity: ClientIP\n  ports:\n");
+    }
+    dir.write("dns.yaml", &svc);
+    write(&sets[0]);
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    if restart {
+        agent.stop();
+        agent = AgentProcess::start(&env, &dir.arg());
+        agent.wait_healthy(Duration::from_secs(20));
+    }
+
+    let dns = SocketAddr::from(([10, 96, 0, 10], 53));
+    let client_ns = env.topo.client.path();
+    let stop = Arc::new(AtomicBool::new(false));
+    let client = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let _ns = support::NetnsGuard::enter(&client_ns);
+            let sock = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind");
+            sock.set_read_timeout(Some(Duration::from_millis(100)))
+                .expect("timeout");
+            let mut answers = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok((pod, from)) = support::udp_ask(&sock, dns) {
+                    assert_eq!(from, dns, "the reply's source is the VIP");
+                    answers.push((Instant::now(), pod));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            answers
+        })
+    };
+    let mut written = vec![(Instant::now(), sets[0])];
+    for round in 1..=12 {
+        std::thread::sleep(Duration::from_millis(500));
+        let set = sets[round % sets.len()];
+        write(&set);
+        written.push((Instant::now(), set));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, Ordering::Relaxed);
+    let answers = client.join().expect("client");
+
+    // A pod may answer at `t` if it was in the Service at some time in [t - 1 s, t].
+    let in_service_at = |x: Instant| {
+        written
+            .iter()
+            .rev()
+            .find(|(w, _)| *w <= x)
+            .map_or(sets[0], |(_, s)| *s)
+    };
+    let stale: Vec<(Duration, &String)> = answers
+        .iter()
+        .filter(|(t, pod)| {
+            let from = *t - Duration::from_secs(1);
+            let n: usize = pod.trim_start_matches("pod").parse().expect("pod name");
+            let allowed = in_service_at(from).contains(&n)
+                || written
+                    .iter()
+                    .any(|(w, s)| *w > from && *w <= *t && s.contains(&n));
+            !allowed
+        })
+        .map(|(t, p)| (t.duration_since(written[0].0), p))
+        .collect();
+    eprintln!(
+        "{} answers under churn, {} from a pod removed more than 1 s earlier",
+        answers.len(),
+        stale.len()
+    );
+    assert!(answers.len() > 200, "too few answers: {}", answers.len());
+    assert!(
+        stale.is_empty(),
+        "answers from removed pods: {:?}\n{}",
+        &stale[..stale.len().min(20)],
+        agent.logs()
+    );
+}

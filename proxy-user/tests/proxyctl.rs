@@ -743,6 +743,12 @@ fn raw_dump(pin: &Path) -> RawMaps {
         )
         .expect("map info");
         let (map_type, key_size, value_size) = (info[0], info[2] as usize, info[3] as usize);
+        // SK_STORAGE (`SOCK_REVNAT4/6`): values live in sockets, keyed by a socket fd of
+        // the caller; the kernel offers no key iteration (ENOTSUPP). Listed, not read.
+        if map_type == 24 {
+            out.insert(name, Vec::new());
+            continue;
+        }
         // PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH: one 8-byte aligned value per CPU.
         let value_len = if matches!(map_type, 5 | 6 | 10) {
             value_size.div_ceil(8) * 8 * cpus
@@ -1013,7 +1019,7 @@ $ proxyctl explain 10.96.0.53:53/udp
   10.96.0.53:53/udp  ClusterIP  1         local-only
 
 pods and processes on this node -> 10.96.0.53:53/udp via the socket hooks: translated
-  connect4/sendmsg4 rewrite the destination at connect() (TCP, connected UDP) or at each sendmsg() (unconnected UDP) to its only backend; recvmsg4/getpeername4 show 10.96.0.53:53 as the peer
+  connect4/sendmsg4 rewrite the destination at connect() (TCP, connected UDP) or at each sendmsg() (unconnected UDP) to its only backend; recvmsg4/getpeername4 show 10.96.0.53:53 as the peer; a connected UDP socket keeps its backend: when that backend leaves, the agent destroys the socket (counted in ebpf_proxy_stale_udp_sockets_destroyed_total) and the application's next recv() fails with ECONNABORTED (a send() with EDESTADDRREQ): it must reconnect (kube-proxy instead flushes the conntrack entries and the same socket is re-balanced)
   SLOT  ID  BACKEND        STATE        CHANCE  CONNS
   1     4   10.240.1.2:53  ready,local  1       0
 

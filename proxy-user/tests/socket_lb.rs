@@ -311,6 +311,18 @@ fn pinned_datapath_survives_the_agent_and_is_adopted() {
     assert_eq!(report.adopted.len(), 8);
     assert!(report.attached.is_empty());
     assert_eq!(map_id(&env), svc4_id);
+    // It knows where the adopted hooks are (the stale-socket cleanup needs it), from the
+    // kernel's record of the link, even when asked for another cgroup (issue 11 item 7).
+    assert_eq!(report.cgroup.as_ref(), Some(&env.cgroup.path));
+    let elsewhere = loader::install(&loader::InstallOptions {
+        pin_path: env.pins.path.clone(),
+        cgroup: Some(support::cgroup2_mount()),
+        interfaces: Vec::new(),
+        conntrack_flows: loader::DEFAULT_CONNTRACK_FLOWS,
+        tc_attach: loader::TcAttachMode::Auto,
+    })
+    .expect("adopt again");
+    assert_eq!(elsewhere.cgroup.as_ref(), Some(&env.cgroup.path));
     let progs_after: Vec<Vec<u32>> = SOCK_ATTACH_TYPES
         .iter()
         .map(|t| attached_programs(&env.cgroup.path, *t))
@@ -500,4 +512,278 @@ fn nodeports_on_the_node_addresses_are_served_at_connect() {
             .expect_err("not a node address");
         assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
     });
+}
+
+/// Makes `n` short UDP exchanges with `vip`, each on a fresh socket, from a forked child
+/// in the client namespace (the hooked cgroup: a fork stays in its parent's) running as
+/// uid/gid 65534 (nobody): an unprivileged process of any pod. Returns the answers it got.
+fn flood_as_nobody(client_ns: &std::path::Path, vip: SocketAddrV4Raw, n: u32) -> u32 {
+    use std::os::fd::AsRawFd;
+    let ns = std::fs::File::open(client_ns).expect("client netns");
+    let mut pipe = [0i32; 2];
+    // SAFETY: a two-int buffer.
+    assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0, "pipe");
+    // SAFETY: the child only makes raw syscalls (no allocation, no locks) and _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", io::Error::last_os_error());
+    if pid == 0 {
+        // SAFETY (whole block): plain syscalls on our own buffers, then _exit.
+        unsafe {
+            let mut answered: u32 = 0;
+            let ok = libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) == 0
+                && libc::setgroups(0, std::ptr::null()) == 0
+                && libc::setgid(65534) == 0
+                && libc::setuid(65534) == 0
+                && libc::getuid() == 65534;
+            if ok {
+                let sa = libc::sockaddr_in {
+                    sin_family: libc::AF_INET as libc::sa_family_t,
+                    sin_port: vip.port.to_be(),
+                    sin_addr: libc::in_addr {
+                        s_addr: u32::from_ne_bytes(vip.ip),
+                    },
+                    sin_zero: [0; 8],
+                };
+                let tv = libc::timeval {
+                    tv_sec: 0,
+                    tv_usec: 200_000,
+                };
+                let mut buf = [0u8; 64];
+                for _ in 0..n {
+                    let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0);
+                    if fd < 0 {
+                        continue;
+                    }
+                    libc::setsockopt(
+                        fd,
+                        libc::SOL_SOCKET,
+                        libc::SO_RCVTIMEO,
+                        (&raw const tv).cast(),
+                        std::mem::size_of::<libc::timeval>() as u32,
+                    );
+                    let sent = libc::sendto(
+                        fd,
+                        b"who?".as_ptr().cast(),
+                        4,
+                        0,
+                        (&raw const sa).cast(),
+                        std::mem::size_of::<libc::sockaddr_in>() as u32,
+                    );
+                    if sent == 4 && libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0) > 0 {
+                        answered += 1;
+                    }
+                    libc::close(fd);
+                }
+            }
+            let code = if ok { answered } else { u32::MAX };
+            libc::write(pipe[1], (&raw const code).cast(), 4);
+            libc::_exit(0);
+        }
+    }
+    // SAFETY: our end of the pipe.
+    unsafe { libc::close(pipe[1]) };
+    let mut code = 0u32;
+    // SAFETY: reading 4 bytes into a u32.
+    let r = unsafe { libc::read(pipe[0], (&raw mut code).cast(), 4) };
+    let mut status = 0;
+    // SAFETY: our own child, by pid.
+    unsafe {
+        libc::waitpid(pid, &mut status, 0);
+        libc::close(pipe[0]);
+    }
+    assert_eq!(r, 4, "the flood child reported nothing");
+    assert_ne!(code, u32::MAX, "the flood child could not become uid 65534");
+    code
+}
+
+/// A raw IPv4 socket address for the forked child (no allocation there).
+#[derive(Clone, Copy)]
+struct SocketAddrV4Raw {
+    ip: [u8; 4],
+    port: u16,
+}
+
+/// Issue 11, item 6: one process's flood of short UDP exchanges with a VIP (150,000, as
+/// measured in the issue) must not make another process's long-lived sockets show the
+/// backend instead of the VIP: in `recvfrom` (an unconnected socket's queued reply, a
+/// connected socket's reply) and in `getpeername` (connected UDP, TCP v4 and v6). With
+/// the old node-wide LRU of 65,536 `{cookie, backend}` entries the flood evicted them.
+#[test]
+fn a_flood_of_short_udp_exchanges_does_not_evict_other_sockets_reverse_entries() {
+    let mut env = TestEnv::new(2);
+    env.serve_all(PORT);
+    let udp = Frontend::new(VIP4, 53, Proto::Udp);
+    let tcp = Frontend::new(VIP4, 80, Proto::Tcp);
+    let tcp6 = Frontend::new(vip6(), 80, Proto::Tcp);
+    let udp6 = Frontend::new(vip6(), 53, Proto::Udp);
+    install_service(&mut env, udp, pods_v4(2));
+    install_service(&mut env, tcp, pods_v4(2));
+    install_service(&mut env, tcp6, pods_v6(2));
+    install_service(&mut env, udp6, pods_v6(2));
+    let client_ns = env.topo.client.path();
+
+    let _ns = env.topo.client.enter();
+    // The long-lived sockets, set up before the flood.
+    let connected = UdpSocket::bind("0.0.0.0:0").expect("bind");
+    connected
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+    connected.connect(udp.socket_addr()).expect("connect udp");
+    connected.send(b"who?").expect("send");
+    let mut buf = [0u8; 64];
+    let (_, from) = connected.recv_from(&mut buf).expect("first answer");
+    assert_eq!(from, udp.socket_addr());
+    let connected6 = UdpSocket::bind("[::]:0").expect("bind6");
+    connected6
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+    connected6
+        .connect(udp6.socket_addr())
+        .expect("connect udp6");
+    let unconnected = UdpSocket::bind("0.0.0.0:0").expect("bind");
+    unconnected
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+    // Its reply waits in the queue through the flood: recvfrom translates it afterwards.
+    unconnected
+        .send_to(b"who?", udp.socket_addr())
+        .expect("send_to");
+    let stream = std::net::TcpStream::connect(tcp.socket_addr()).expect("tcp");
+    let stream6 = std::net::TcpStream::connect(tcp6.socket_addr()).expect("tcp6");
+    assert_eq!(stream.peer_addr().expect("peer"), tcp.socket_addr());
+    assert_eq!(stream6.peer_addr().expect("peer6"), tcp6.socket_addr());
+
+    const FLOOD: u32 = 150_000;
+    let start = Instant::now();
+    let vip = SocketAddrV4Raw {
+        ip: VIP4.octets(),
+        port: 53,
+    };
+    let answered = flood_as_nobody(&client_ns, vip, FLOOD);
+    eprintln!(
+        "flood: {answered} of {FLOOD} exchanges answered in {:?}",
+        start.elapsed()
+    );
+    assert!(
+        answered > FLOOD * 9 / 10,
+        "the flood itself must get through: {answered} of {FLOOD}"
+    );
+
+    let (_, from) = unconnected.recv_from(&mut buf).expect("queued answer");
+    assert_eq!(
+        from,
+        udp.socket_addr(),
+        "unconnected UDP: recvfrom after the flood"
+    );
+    connected.send(b"who?").expect("send");
+    let (_, from) = connected.recv_from(&mut buf).expect("answer");
+    assert_eq!(
+        from,
+        udp.socket_addr(),
+        "connected UDP: recvfrom after the flood"
+    );
+    assert_eq!(
+        connected.peer_addr().expect("peer"),
+        udp.socket_addr(),
+        "connected UDP: getpeername after the flood"
+    );
+    connected6.send(b"who?").expect("send6");
+    let (_, from) = connected6.recv_from(&mut buf).expect("answer6");
+    assert_eq!(
+        from,
+        udp6.socket_addr(),
+        "connected UDP6: recvfrom after the flood"
+    );
+    assert_eq!(
+        stream.peer_addr().expect("peer"),
+        tcp.socket_addr(),
+        "TCP: getpeername after the flood"
+    );
+    assert_eq!(
+        stream6.peer_addr().expect("peer6"),
+        tcp6.socket_addr(),
+        "TCP6: getpeername after the flood"
+    );
+}
+
+/// One unconnected UDP socket talking to several VIPs keeps one reverse entry per
+/// backend in its own storage (`SOCK_REVNAT_SLOTS` of them); a new backend beyond that
+/// replaces the socket's own oldest entry, never another socket's.
+#[test]
+fn an_unconnected_udp_socket_keeps_its_newest_reverse_entries() {
+    use proxy_common::limits::SOCK_REVNAT_SLOTS;
+    let mut env = TestEnv::new(3);
+    let ports = [PORT, PORT + 1, PORT + 2];
+    for p in ports {
+        env.serve_all(p);
+    }
+    // SOCK_REVNAT_SLOTS + 1 frontends, each with its own backend (pod x port).
+    let mut fronts = Vec::new();
+    for (i, (pod, port)) in (1..=3)
+        .flat_map(|pod| ports.iter().map(move |p| (pod, *p)))
+        .take(SOCK_REVNAT_SLOTS + 1)
+        .enumerate()
+    {
+        let fe = Frontend::new(Ipv4Addr::new(10, 96, 1, i as u8 + 1), 53, Proto::Udp);
+        let backend = SocketAddr::new(IpAddr::V4(Topology::pod_v4(pod)), port);
+        install_service(&mut env, fe, vec![backend]);
+        fronts.push((fe.socket_addr(), backend));
+    }
+    assert_eq!(
+        fronts.len(),
+        SOCK_REVNAT_SLOTS + 1,
+        "enough distinct backends"
+    );
+
+    // The socket's own storage, read from user space by its descriptor.
+    let storage = aya::maps::Map::from_map_data(
+        aya::maps::MapData::from_pin(env.pins.path.join("SOCK_REVNAT4")).expect("pinned"),
+    )
+    .expect("map");
+    let storage: aya::maps::SkStorage<_, proxy_common::SockRevNat4> =
+        aya::maps::SkStorage::try_from(storage).expect("an SK_STORAGE map");
+    let sources = env.in_client(|| {
+        let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        sock.set_read_timeout(Some(Duration::from_secs(2)))
+            .expect("timeout");
+        // Another socket's traffic in between changes nothing for this one.
+        let other = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        assert!(storage.get(&sock, 0).is_err(), "no storage before a VIP");
+        for (vip, _) in &fronts {
+            sock.send_to(b"who?", vip).expect("send");
+            other.send_to(b"who?", vip).expect("send");
+        }
+        let v = storage.get(&sock, 0).expect("the socket's entries");
+        assert_eq!(
+            v.next as usize,
+            fronts.len(),
+            "one insertion per new backend"
+        );
+        let held: std::collections::BTreeSet<SocketAddr> = v
+            .entries
+            .iter()
+            .map(|e| {
+                SocketAddr::from((
+                    Ipv4Addr::from(u32::from_be(e.backend_addr)),
+                    u16::from_be(e.backend_port),
+                ))
+            })
+            .collect();
+        let newest: std::collections::BTreeSet<SocketAddr> =
+            fronts[1..].iter().map(|(_, b)| *b).collect();
+        assert_eq!(held, newest, "the oldest entry was replaced");
+        let mut buf = [0u8; 64];
+        let mut sources = std::collections::BTreeSet::new();
+        for _ in 0..fronts.len() {
+            let (_, from) = sock.recv_from(&mut buf).expect("answer");
+            sources.insert(from);
+        }
+        sources
+    });
+    // The oldest backend's entry was replaced by the newest: its reply shows the backend;
+    // every other reply shows its VIP.
+    let mut want: std::collections::BTreeSet<SocketAddr> =
+        fronts[1..].iter().map(|(vip, _)| *vip).collect();
+    want.insert(fronts[0].1);
+    assert_eq!(sources, want);
 }

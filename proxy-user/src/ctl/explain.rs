@@ -174,6 +174,13 @@ fn which_backend(n: u16) -> String {
     }
 }
 
+/// Appended for UDP frontends: what a connected socket sees when its backend leaves.
+const UDP_CONNECTED_NOTE: &str = "; a connected UDP socket keeps its backend: when that \
+     backend leaves, the agent destroys the socket (counted in \
+     ebpf_proxy_stale_udp_sockets_destroyed_total) and the application's next recv() fails \
+     with ECONNABORTED (a send() with EDESTADDRREQ): it must reconnect (kube-proxy instead \
+     flushes the conntrack entries and the same socket is re-balanced)";
+
 /// `peer`: the address the application asked for (a node address for a NodePort).
 fn socket_path(v: &ServiceView, family: &str, peer: SocketAddr) -> PathView {
     let n = v.backend_count;
@@ -181,9 +188,10 @@ fn socket_path(v: &ServiceView, family: &str, peer: SocketAddr) -> PathView {
         "translated" => format!(
             "connect{family}/sendmsg{family} rewrite the destination at connect() (TCP, connected UDP) \
              or at each sendmsg() (unconnected UDP) to {}; recvmsg{family}/getpeername{family} \
-             show {} as the peer",
+             show {} as the peer{}",
             which_backend(n),
-            peer
+            peer,
+            if v.protocol == "udp" { UDP_CONNECTED_NOTE } else { "" }
         ),
         "dropped" => "no endpoint on this node (Local traffic policy): connect()/sendmsg() fail at \
                       once with EHOSTUNREACH (kube-proxy: DROP, the client would time out)"
