@@ -45,12 +45,17 @@ pub fn service_entries(
                     continue;
                 };
                 for ep in &slice.endpoints {
-                    // The same endpoint can sit in two slices while they are rebalanced.
-                    if !candidates
-                        .iter()
-                        .any(|(c, p)| c.addr == ep.addr && *p == sp.port)
+                    // The same endpoint can sit in two slices while they are rebalanced:
+                    // one endpoint, and a non-terminating copy replaces a terminating one
+                    // whatever the order of the slices (endpointslicecache.go
+                    // addEndpoints: `if !exists || !terminating`).
+                    match candidates
+                        .iter_mut()
+                        .find(|(c, p)| c.addr == ep.addr && *p == sp.port)
                     {
-                        candidates.push((ep.clone(), sp.port));
+                        None => candidates.push((ep.clone(), sp.port)),
+                        Some(existing) if !ep.terminating => existing.0 = ep.clone(),
+                        Some(_) => {}
                     }
                 }
             }
@@ -67,6 +72,17 @@ pub fn service_entries(
             };
             let cluster = backends(&cluster_endpoints(&eps, node));
             let local = || backends(&local_endpoints(&eps, node));
+            // kube-proxy's `hasEndpoints`: a usable (ready, or serving and terminating)
+            // endpoint anywhere. A Local policy without a local endpoint DROPs only then;
+            // with no endpoint at all it REJECTs like any Service without endpoints
+            // (iptables proxier: `!hasEndpoints` -> REJECT), so LOCAL_ONLY (the datapath's
+            // "drop, do not refuse") is left off.
+            let has_endpoints = has_any_endpoints(&eps);
+            let local_only = if has_endpoints {
+                svc_flags::LOCAL_ONLY
+            } else {
+                0
+            };
             let name = if port.name.is_empty() {
                 svc.key.to_string()
             } else {
@@ -91,7 +107,7 @@ pub fn service_entries(
             for ip in svc.cluster_ips.iter().filter(|ip| Family::of(ip) == family) {
                 let fe = Frontend::new(*ip, port.port, port.proto);
                 out.push(if svc.internal_local {
-                    entry(fe, local(), svc_flags::LOCAL_ONLY)
+                    entry(fe, local(), local_only)
                 } else {
                     entry(fe, cluster.clone(), 0)
                 });
@@ -129,7 +145,7 @@ pub fn service_entries(
                     out.push(entry(
                         fe.with_scope(proxy_common::scope::EXTERNAL_LOCAL),
                         local(),
-                        kind | svc_flags::LOCAL_ONLY,
+                        kind | local_only,
                     ));
                 } else {
                     out.push(entry(fe, cluster.clone(), kind));
@@ -159,6 +175,12 @@ fn backend(e: &EndpointInfo, port: u16, node: &NodeInfo) -> Backend {
         addr: std::net::SocketAddr::new(e.addr, port),
         flags,
     }
+}
+
+/// Whether any endpoint is usable anywhere: ready, or serving and terminating
+/// (kube-proxy's `hasAnyEndpoints` from `CategorizeEndpoints`).
+pub fn has_any_endpoints(eps: &[&EndpointInfo]) -> bool {
+    eps.iter().any(|e| e.ready || (e.serving && e.terminating))
 }
 
 /// Cluster-wide traffic: the ready endpoints (narrowed by topology hints when they

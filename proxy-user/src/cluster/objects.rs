@@ -84,6 +84,12 @@ pub enum Skip {
     BadExternalIp(String),
     #[error("loadBalancerSourceRanges entry {0:?} is not a CIDR")]
     BadSourceRange(String),
+    #[error("clusterIPs[{index}] {ip} is not of ipFamilies[{index}] {family}")]
+    FamilyMismatch {
+        index: usize,
+        ip: IpAddr,
+        family: String,
+    },
 }
 
 impl Skip {
@@ -101,6 +107,7 @@ impl Skip {
             Skip::NoName => "no_name",
             Skip::BadExternalIp(_) => "bad_external_ip",
             Skip::BadSourceRange(_) => "bad_source_range",
+            Skip::FamilyMismatch { .. } => "family_mismatch",
         }
     }
 }
@@ -151,8 +158,13 @@ pub struct ServiceInfo {
     pub affinity_timeout: Option<u32>,
     /// `spec.externalIPs`.
     pub external_ips: Vec<IpAddr>,
-    /// `status.loadBalancer.ingress[].ip` (hostname-only entries are ignored).
+    /// `status.loadBalancer.ingress[].ip` whose `ipMode` is `VIP` or unset (hostname-only
+    /// entries are ignored).
     pub lb_ips: Vec<IpAddr>,
+    /// Ingress IPs with `ipMode: Proxy` (KEP-1860): the load balancer proxies to the
+    /// NodePort, so the IP is *not* programmed (traffic to it from the cluster goes out to
+    /// the load balancer, as with kube-proxy's `IsVIPMode`). Kept for `proxyctl`/logs.
+    pub lb_proxy_ips: Vec<IpAddr>,
     /// `externalTrafficPolicy: Local` (NodePort/LoadBalancer Services).
     pub external_local: bool,
     /// `loadBalancerSourceRanges` as (address, prefix length).
@@ -190,6 +202,27 @@ impl ServiceInfo {
             .iter()
             .map(|ip| ip.parse().map_err(|_| Skip::BadClusterIp(ip.to_string())))
             .collect::<Result<Vec<IpAddr>, _>>()?;
+        // `ipFamilies[i]` is the family of `clusterIPs[i]` (the API server enforces it;
+        // kube-proxy's per-family proxiers pick the cluster IP by its family there). A
+        // Service that breaks it is not programmed in either family.
+        for (index, (ip, family)) in cluster_ips
+            .iter()
+            .zip(spec.ip_families.iter().flatten())
+            .enumerate()
+        {
+            let want = match family.as_str() {
+                "IPv4" => Family::V4,
+                "IPv6" => Family::V6,
+                _ => continue,
+            };
+            if Family::of(ip) != want {
+                return Err(Skip::FamilyMismatch {
+                    index,
+                    ip: *ip,
+                    family: family.clone(),
+                });
+            }
+        }
         let mut ports = Vec::new();
         for p in spec.ports.iter().flatten() {
             let name = p.name.clone().unwrap_or_default();
@@ -226,18 +259,28 @@ impl ServiceInfo {
             .map(|ip| ip.parse().map_err(|_| Skip::BadExternalIp(ip.clone())))
             .collect::<Result<Vec<IpAddr>, _>>()?;
         let is_lb = spec.type_.as_deref() == Some("LoadBalancer");
-        let lb_ips: Vec<IpAddr> = if is_lb {
-            svc.status
+        // kube-proxy (pkg/proxy/serviceport.go) takes an ingress IP as a VIP only when
+        // `proxyutil.IsVIPMode`: `ipMode` unset or `VIP`.
+        let mut lb_ips: Vec<IpAddr> = Vec::new();
+        let mut lb_proxy_ips: Vec<IpAddr> = Vec::new();
+        if is_lb {
+            for ing in svc
+                .status
                 .as_ref()
                 .and_then(|s| s.load_balancer.as_ref())
                 .and_then(|lb| lb.ingress.as_ref())
                 .into_iter()
                 .flatten()
-                .filter_map(|i| i.ip.as_ref()?.parse().ok())
-                .collect()
-        } else {
-            Vec::new()
-        };
+            {
+                let Some(ip) = ing.ip.as_ref().and_then(|ip| ip.parse::<IpAddr>().ok()) else {
+                    continue;
+                };
+                match ing.ip_mode.as_deref() {
+                    None | Some("VIP") => lb_ips.push(ip),
+                    Some(_) => lb_proxy_ips.push(ip),
+                }
+            }
+        }
         let source_ranges = spec
             .load_balancer_source_ranges
             .iter()
@@ -275,6 +318,7 @@ impl ServiceInfo {
             affinity_timeout,
             external_ips,
             lb_ips,
+            lb_proxy_ips,
             external_local,
             source_ranges,
             health_check_node_port,
@@ -409,8 +453,10 @@ impl SliceInfo {
             let hints = ep.hints.as_ref();
             endpoints.push(EndpointInfo {
                 addr,
-                // A terminating endpoint is never ready (KEP-1672), whatever it says.
-                ready: ready && !terminating,
+                // Taken as written: with publishNotReadyAddresses the controller writes
+                // ready=true for a terminating pod, and kube-proxy selects on IsReady()
+                // alone (topology.go CategorizeEndpoints).
+                ready,
                 serving,
                 terminating,
                 node: ep.node_name.clone(),

@@ -185,10 +185,13 @@ fn socket_path(v: &ServiceView, family: &str, peer: SocketAddr) -> PathView {
             which_backend(n),
             peer
         ),
-        "dropped" => "no endpoint on this node (Local traffic policy): connect()/sendmsg() fail at \
-                      once with EHOSTUNREACH (kube-proxy: DROP, the client would time out)"
+        "dropped" => "endpoints exist, but none on this node (Local traffic policy): \
+                      connect()/sendmsg() fail at once with EHOSTUNREACH (kube-proxy: DROP, the \
+                      client would time out)"
             .into(),
-        _ => "no backend: connect()/sendmsg() fail with ECONNREFUSED (kube-proxy: REJECT)".into(),
+        _ => "no usable endpoint anywhere (whatever the traffic policy): connect()/sendmsg() \
+              fail with ECONNREFUSED (kube-proxy: REJECT)"
+            .into(),
     };
     PathView {
         path: "socket",
@@ -224,7 +227,8 @@ fn tc_path(v: &ServiceView, local_policy: bool, traffic: &str) -> PathView {
             }
             d
         }
-        "dropped" => "no endpoint on this node (externalTrafficPolicy Local): dropped (kube-proxy: DROP)".into(),
+        "dropped" if v.flags_raw & svc_flags::LOCAL_ONLY != 0 => "endpoints exist, but none on this node (externalTrafficPolicy Local): dropped (kube-proxy: DROP)".into(),
+        "dropped" => "no usable endpoint anywhere (externalTrafficPolicy Local): TC drops it (kube-proxy: REJECT; the socket hooks refuse)".into(),
         _ => "no backend: a TCP SYN is answered with RST, a UDP datagram with ICMP port unreachable, other packets are dropped (kube-proxy: REJECT)".into(),
     };
     PathView {

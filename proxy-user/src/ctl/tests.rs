@@ -574,3 +574,30 @@ fn watch_golden_and_rates() {
     assert_eq!(reused.delta, Some(1));
     assert_eq!(second.counters[0].rate, Some(5.0));
 }
+
+/// docs/proxyctl.md lists every `stats` reason, in index order: the list cannot drift
+/// from `proxy_common::Reason::ALL` again (it once lacked four of them).
+#[test]
+fn stats_reasons_in_the_docs_are_every_reason() {
+    let doc = include_str!("../../../docs/proxyctl.md");
+    let row = doc
+        .lines()
+        .find(|l| l.starts_with("| `.reason` |"))
+        .expect("docs/proxyctl.md has the `.reason` row of the stats table");
+    let list = row
+        .split_once("`Reason::name()`:")
+        .expect("the row lists Reason::name() values")
+        .1;
+    let list = list.split(" (").next().expect("list");
+    let documented: Vec<&str> = list
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|n| !n.is_empty())
+        .collect();
+    let all: Vec<&str> = Reason::ALL.iter().map(|r| r.name()).collect();
+    assert_eq!(
+        documented, all,
+        "docs/proxyctl.md stats reasons vs Reason::ALL"
+    );
+}
