@@ -485,7 +485,6 @@ fn load_balancer_ingress_ip_mode_proxy_is_not_programmed() {
         .expect("selected");
     let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
     assert_eq!(info.lb_ips, vec![ip("203.0.113.1"), ip("203.0.113.2")]);
-    assert_eq!(info.lb_proxy_ips, vec![ip("203.0.113.3")]);
     let s = slice("default", "web-1", "web", "IPv4")
         .port("http", 8080, "TCP")
         .ep("10.180.0.1", READY())
@@ -831,4 +830,37 @@ fn a_node_being_deleted_or_scaled_down_is_marked() {
     assert!(!deleting(node(json!({"spec": {"taints": [
         {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
     ]}}))));
+}
+
+/// The compact layout of the desired state (issue 14 item 2): fixed sizes that the
+/// memory measurement in tests/desired_state_memory.rs relies on.
+#[test]
+fn desired_state_types_stay_compact() {
+    use std::mem::size_of;
+    assert_eq!(size_of::<ObjKey>(), 32);
+    assert!(
+        size_of::<EndpointInfo>() <= 48,
+        "{}",
+        size_of::<EndpointInfo>()
+    );
+    // Interned strings are shared: the same node name twice is one allocation.
+    let s = SliceInfo::from_k8s(
+        &slice("default", "web-1", "web", "IPv4")
+            .port("http", 8080, "TCP")
+            .ep("10.180.0.1", json!({"nodeName": "node-z"}))
+            .ep("10.180.0.2", json!({"nodeName": "node-z"}))
+            .build(),
+        None,
+    )
+    .expect("valid")
+    .expect("selected");
+    let (a, b) = (&s.endpoints[0].node, &s.endpoints[1].node);
+    assert!(std::sync::Arc::ptr_eq(
+        a.as_ref().expect("node"),
+        b.as_ref().expect("node")
+    ));
+    assert!(std::sync::Arc::ptr_eq(
+        &s.key.namespace,
+        &s.service.namespace
+    ));
 }
