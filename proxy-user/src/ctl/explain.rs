@@ -205,9 +205,11 @@ fn socket_path(v: &ServiceView, family: &str, peer: SocketAddr) -> PathView {
 
 fn tc_path(v: &ServiceView, local_policy: bool, traffic: &str) -> PathView {
     let n = v.backend_count;
+    // An empty ext-local twin drops only with LOCAL_ONLY (endpoints elsewhere); without
+    // it there is no endpoint anywhere and TC rejects, as kube-proxy does.
     let outcome = if n > 0 {
         "translated"
-    } else if local_policy {
+    } else if local_policy && v.flags_raw & svc_flags::LOCAL_ONLY != 0 {
         "dropped"
     } else {
         "rejected"
@@ -227,8 +229,7 @@ fn tc_path(v: &ServiceView, local_policy: bool, traffic: &str) -> PathView {
             }
             d
         }
-        "dropped" if v.flags_raw & svc_flags::LOCAL_ONLY != 0 => "endpoints exist, but none on this node (externalTrafficPolicy Local): dropped (kube-proxy: DROP)".into(),
-        "dropped" => "no usable endpoint anywhere (externalTrafficPolicy Local): TC drops it (kube-proxy: REJECT; the socket hooks refuse)".into(),
+        "dropped" => "endpoints exist, but none on this node (externalTrafficPolicy Local): dropped (kube-proxy: DROP)".into(),
         _ => "no backend: a TCP SYN is answered with RST, a UDP datagram with ICMP port unreachable, other packets are dropped (kube-proxy: REJECT)".into(),
     };
     PathView {
