@@ -837,7 +837,10 @@ fn pick<F: Fam>(
     // can disagree for a moment; without a twin the frontend's own entry serves.
     if front.flags & svc_flags::ETP_LOCAL != 0 {
         if let Some(local) = F::svc(fe_addr, p.dport, p.proto, scope::EXTERNAL_LOCAL, 0) {
-            if local.count == 0 {
+            // Endpoints elsewhere but none here: DROP. A twin without LOCAL_ONLY and
+            // without backends means no endpoint anywhere: REJECT below, like any
+            // Service without endpoints (kube-proxy: `!hasEndpoints` -> REJECT).
+            if local.count == 0 && local.flags & svc_flags::LOCAL_ONLY != 0 {
                 count(Reason::TcNoLocalBackend);
                 return Ok(Some(Action::Verdict(TC_ACT_SHOT as i32)));
             }

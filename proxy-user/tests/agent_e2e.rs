@@ -794,3 +794,167 @@ fn unconnected_udp_under_churn(affinity: bool, restart: bool) {
         agent.logs()
     );
 }
+
+/// Like [`until`], for any destination.
+fn until_at(
+    dest: SocketAddr,
+    streak: usize,
+    done: impl Fn(&io::Result<(String, SocketAddr)>) -> bool,
+) {
+    let since = Instant::now();
+    let mut run = 0;
+    let mut last = None;
+    while since.elapsed() < Duration::from_secs(5) {
+        let r = tcp_ask(dest);
+        if done(&r) {
+            run += 1;
+            if run == streak {
+                return;
+            }
+        } else {
+            run = 0;
+        }
+        last = Some(r);
+    }
+    panic!("{dest}: condition not reached within 5 s (last answer {last:?})");
+}
+
+fn refused(r: &io::Result<(String, SocketAddr)>) -> bool {
+    matches!(r, Err(e) if e.kind() == io::ErrorKind::ConnectionRefused)
+}
+
+fn no_route_to_host(r: &io::Result<(String, SocketAddr)>) -> bool {
+    matches!(r, Err(e) if e.raw_os_error() == Some(libc::EHOSTUNREACH))
+}
+
+/// One endpoint as YAML with its node and conditions (for slices the helper cannot make).
+fn ep_yaml(addr: &str, node: &str, ready: bool, serving: bool, terminating: bool) -> String {
+    format!(
+        "- addresses: [\"{addr}\"]\n  nodeName: {node}\n  conditions: {{ready: {ready}, serving: {serving}, terminating: {terminating}}}\n"
+    )
+}
+
+/// Issue 11 items 2-4 through the real agent and socket hooks (upstream rules: topology.go
+/// CategorizeEndpoints selects on IsReady(); endpointslicecache.go keeps the
+/// non-terminating copy of a duplicate; the iptables proxier REJECTs a Local-policy
+/// Service without any endpoint and DROPs one whose endpoints are all elsewhere).
+#[test]
+fn endpoint_conditions_duplicates_and_local_policy_without_endpoints() {
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    // A slice head without endpoints; `ep_yaml` lines follow.
+    let named = |slice_name: &str, svc: &str| {
+        slice(slice_name, svc, TARGET, &[]).replace("endpoints: []\n", "endpoints:\n")
+    };
+    // 11.2: publishNotReadyAddresses writes ready=true for a terminating, not serving pod.
+    dir.write("pnra.yaml", &service("pnra", "10.96.0.31", 80));
+    dir.write(
+        "pnra-slice.yaml",
+        &(named("pnra-1", "pnra") + &ep_yaml(&pod(1), "node-a", true, false, true)),
+    );
+    // 11.3: pod2 terminating (not serving) in the first slice, live in the second.
+    dir.write("dup.yaml", &service("dup", "10.96.0.32", 80));
+    dir.write(
+        "dup-slices.yaml",
+        &format!(
+            "{}---\n{}",
+            named("dup-a", "dup") + &ep_yaml(&pod(2), "node-a", false, false, true),
+            named("dup-b", "dup") + &ep_yaml(&pod(2), "node-a", true, true, false)
+        ),
+    );
+    // 11.4: internalTrafficPolicy Local, no endpoints at all; and one with endpoints on
+    // another node only.
+    let itp = |name: &str, vip: &str| {
+        service(name, vip, 80).replace("spec:\n", "spec:\n  internalTrafficPolicy: Local\n")
+    };
+    dir.write("itp-none.yaml", &itp("itp-none", "10.96.0.33"));
+    dir.write(
+        "itp-remote.yaml",
+        &(itp("itp-remote", "10.96.0.34")
+            + "---\n"
+            + &named("itp-remote-1", "itp-remote")
+            + &ep_yaml(&pod(1), "node-b", true, true, false)),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    let at = |vip: [u8; 4]| SocketAddr::from((vip, 80));
+    env.in_client(|| {
+        until_at(at([10, 96, 0, 31]), 10, |r| answer_is(r, &["pod1"]));
+        until_at(at([10, 96, 0, 32]), 10, |r| answer_is(r, &["pod2"]));
+        until_at(at([10, 96, 0, 33]), 5, refused);
+        until_at(at([10, 96, 0, 34]), 5, no_route_to_host);
+        // A plain ready pod next to the ready+terminating one: both get traffic.
+        dir.write(
+            "pnra-slice.yaml",
+            &(named("pnra-1", "pnra")
+                + &ep_yaml(&pod(1), "node-a", true, false, true)
+                + &ep_yaml(&pod(2), "node-a", true, true, false)),
+        );
+        let mut seen = std::collections::BTreeSet::new();
+        let since = Instant::now();
+        while seen.len() < 2 && since.elapsed() < Duration::from_secs(5) {
+            if let Ok((p, _)) = tcp_ask(at([10, 96, 0, 31])) {
+                seen.insert(p);
+            }
+        }
+        assert_eq!(
+            seen.into_iter().collect::<Vec<_>>(),
+            ["pod1", "pod2"],
+            "both ready endpoints get traffic"
+        );
+    });
+    let logs = agent.stop();
+    assert!(!logs.contains("panicked"), "{logs}");
+}
+
+/// Issue 12 item 5: `ipFamilies: [IPv6]` with an IPv4 clusterIP is skipped with
+/// `family_mismatch`, counted and logged; the VIP is not programmed.
+#[test]
+fn a_cluster_ip_of_the_wrong_family_is_skipped_counted_and_logged() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write(
+        "good.yaml",
+        &format!(
+            "{}---\n{}",
+            service("web", VIP, 80),
+            slice("web-1", "web", TARGET, &[ready(&pod(1))])
+        ),
+    );
+    dir.write(
+        "v6.yaml",
+        &format!(
+            "{}---\n{}",
+            service("v6", "10.96.79.15", 80).replace("spec:\n", "spec:\n  ipFamilies: [IPv6]\n"),
+            slice("v6-1", "v6", TARGET, &[ready(&pod(1))])
+        ),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    env.in_client(|| {
+        until(Instant::now(), 5, |r| answer_is(r, &["pod1"]));
+        until_at(
+            SocketAddr::from(([10, 96, 79, 15], 80)),
+            5,
+            |r| matches!(r, Err(e) if e.raw_os_error() == Some(libc::ENETUNREACH)),
+        );
+    });
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("kind=\"Service\",reason=\"family_mismatch\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("ebpf_proxy_programmed_frontends 1"),
+        "{metrics}"
+    );
+    let logs = agent.stop();
+    assert!(
+        logs.contains(
+            "skipping Service default/v6: clusterIPs[0] 10.96.79.15 is not of ipFamilies[0] IPv6"
+        ),
+        "{logs}"
+    );
+}

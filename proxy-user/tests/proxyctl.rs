@@ -601,6 +601,45 @@ fn errors_are_clear_and_have_exit_codes() {
     assert!(ok(&pin, &["services"]).starts_with("no frontends programmed"));
 }
 
+/// Root gets EACCES from `BPF_OBJ_GET` for a path that is not a pinned BPF object (a
+/// regular file outside bpffs, a directory on bpffs): proxyctl names that cause (exit 3),
+/// not "run as root".
+#[test]
+fn a_pin_path_that_is_not_a_bpf_object_names_the_cause() {
+    support::require_root();
+    // A regular file named META outside bpffs (tmpfs or ext4 under /tmp).
+    let dir = std::env::temp_dir().join(support::unique("proxyctl-not-bpffs-"));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::write(dir.join(map_names::META), b"not a map").expect("write META");
+    let r = run(proxyctl_cmd(&dir, &["services"]));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(r.code, 3, "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("META: not on a bpffs mount (filesystem magic 0x")
+            && r.stderr.contains("not a pinned BPF object")
+            && !r.stderr.contains("run as root"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stdout.is_empty());
+
+    // A directory named META on bpffs.
+    let dir = Path::new("/sys/fs/bpf").join(support::unique("proxyctl-dir-meta-"));
+    std::fs::create_dir_all(dir.join(map_names::META)).expect("mkdir on bpffs");
+    let r = run(proxyctl_cmd(&dir, &["stats"]));
+    let _ = std::fs::remove_dir(dir.join(map_names::META));
+    let _ = std::fs::remove_dir(&dir);
+    assert_eq!(r.code, 3, "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("META: a directory on bpffs, not a pinned BPF map")
+            && !r.stderr.contains("run as root"),
+        "{}",
+        r.stderr
+    );
+}
+
 /// The rules `explain` prints are real `iptables-save` output: restored into a fresh
 /// network namespace, `iptables-save` / `ip6tables-save` print every one of them back
 /// byte for byte (ordering of matches, quoting, the listed probability, `recent`).
@@ -1004,7 +1043,7 @@ $ proxyctl explain 10.96.0.30:80
   10.96.0.30:80/tcp  ClusterIP  0         -
 
 pods and processes on this node -> 10.96.0.30:80/tcp via the socket hooks: rejected
-  no backend: connect()/sendmsg() fail with ECONNREFUSED (kube-proxy: REJECT)
+  no usable endpoint anywhere (whatever the traffic policy): connect()/sendmsg() fail with ECONNREFUSED (kube-proxy: REJECT)
 
 packets routed through this node to the cluster IP -> 10.96.0.30:80/tcp via TC: rejected
   no backend: a TCP SYN is answered with RST, a UDP datagram with ICMP port unreachable, other packets are dropped (kube-proxy: REJECT)

@@ -447,6 +447,55 @@ fn no_endpoints_reject_and_source_ranges_deny() {
     assert_eq!(verdict, TC_ACT_SHOT);
 }
 
+/// `externalTrafficPolicy: Local` with an empty ext-local twin: DROP when endpoints exist
+/// on other nodes (the twin has LOCAL_ONLY), REJECT when there is no endpoint anywhere
+/// (the index leaves LOCAL_ONLY off; kube-proxy's iptables proxier: `!hasEndpoints` ->
+/// REJECT, else DROP).
+#[test]
+fn etp_local_without_local_endpoints_drops_without_any_endpoint_rejects() {
+    let mut bed = Bed::new();
+    let ip = Ipv4Addr::new(203, 0, 113, 30);
+    // Endpoints elsewhere: the cluster entry has a remote backend, the twin none.
+    let fe = Frontend::new(ip, 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(
+            fe,
+            &[("10.2.1.2:8080", 0)],
+            svc_flags::EXTERNAL_IP | svc_flags::ETP_LOCAL,
+        ))
+        .expect("upsert");
+    bed.writer
+        .upsert(&entry(
+            fe.with_scope(proxy_common::scope::EXTERNAL_LOCAL),
+            &[],
+            svc_flags::EXTERNAL_IP | svc_flags::LOCAL_ONLY,
+        ))
+        .expect("upsert twin");
+    let syn = Pkt::tcp("198.51.100.7:40001", "203.0.113.30:80", SYN);
+    let (verdict, _) = bed.run("tc_ingress", &syn);
+    assert_eq!(verdict, TC_ACT_SHOT, "none local: dropped");
+
+    // No endpoint anywhere: both entries empty, the twin without LOCAL_ONLY.
+    bed.writer
+        .upsert(&entry(
+            fe,
+            &[],
+            svc_flags::EXTERNAL_IP | svc_flags::ETP_LOCAL,
+        ))
+        .expect("upsert");
+    bed.writer
+        .upsert(&entry(
+            fe.with_scope(proxy_common::scope::EXTERNAL_LOCAL),
+            &[],
+            svc_flags::EXTERNAL_IP,
+        ))
+        .expect("upsert twin");
+    let (verdict, out) = bed.run("tc_ingress", &syn);
+    assert_eq!(verdict, TC_ACT_REDIRECT, "no endpoint at all: rejected");
+    assert_eq!((out.src, out.dst), (syn.dst, syn.src));
+    assert_eq!(out.flags, RST | ACK);
+}
+
 /// An ICMP(v6) error from `router` to `to` quoting the first bytes of `inner` (its IP
 /// header and 8 bytes of L4), with valid checksums.
 fn icmp_error(router: IpAddr, to: IpAddr, kind: u8, inner: &Pkt) -> Vec<u8> {

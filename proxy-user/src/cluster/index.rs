@@ -45,12 +45,17 @@ pub fn service_entries(
                     continue;
                 };
                 for ep in &slice.endpoints {
-                    // The same endpoint can sit in two slices while they are rebalanced.
-                    if !candidates
-                        .iter()
-                        .any(|(c, p)| c.addr == ep.addr && *p == sp.port)
+                    // The same endpoint can sit in two slices while they are rebalanced:
+                    // one endpoint, and a non-terminating copy replaces a terminating one
+                    // whatever the order of the slices (endpointslicecache.go
+                    // addEndpoints: `if !exists || !terminating`).
+                    match candidates
+                        .iter_mut()
+                        .find(|(c, p)| c.addr == ep.addr && *p == sp.port)
                     {
-                        candidates.push((ep.clone(), sp.port));
+                        None => candidates.push((ep.clone(), sp.port)),
+                        Some(existing) if !ep.terminating => existing.0 = ep.clone(),
+                        Some(_) => {}
                     }
                 }
             }
@@ -67,6 +72,17 @@ pub fn service_entries(
             };
             let cluster = backends(&cluster_endpoints(&eps, node));
             let local = || backends(&local_endpoints(&eps, node));
+            // kube-proxy's `hasEndpoints`: a usable (ready, or serving and terminating)
+            // endpoint anywhere. A Local policy without a local endpoint DROPs only then;
+            // with no endpoint at all it REJECTs like any Service without endpoints
+            // (iptables proxier: `!hasEndpoints` -> REJECT), so LOCAL_ONLY (the datapath's
+            // "drop, do not refuse") is left off.
+            let has_endpoints = has_any_endpoints(&eps);
+            let local_only = if has_endpoints {
+                svc_flags::LOCAL_ONLY
+            } else {
+                0
+            };
             let name = if port.name.is_empty() {
                 svc.key.to_string()
             } else {
@@ -91,7 +107,7 @@ pub fn service_entries(
             for ip in svc.cluster_ips.iter().filter(|ip| Family::of(ip) == family) {
                 let fe = Frontend::new(*ip, port.port, port.proto);
                 out.push(if svc.internal_local {
-                    entry(fe, local(), svc_flags::LOCAL_ONLY)
+                    entry(fe, local(), local_only)
                 } else {
                     entry(fe, cluster.clone(), 0)
                 });
@@ -129,7 +145,7 @@ pub fn service_entries(
                     out.push(entry(
                         fe.with_scope(proxy_common::scope::EXTERNAL_LOCAL),
                         local(),
-                        kind | svc_flags::LOCAL_ONLY,
+                        kind | local_only,
                     ));
                 } else {
                     out.push(entry(fe, cluster.clone(), kind));
@@ -159,6 +175,12 @@ fn backend(e: &EndpointInfo, port: u16, node: &NodeInfo) -> Backend {
         addr: std::net::SocketAddr::new(e.addr, port),
         flags,
     }
+}
+
+/// Whether any endpoint is usable anywhere: ready, or serving and terminating
+/// (kube-proxy's `hasAnyEndpoints` from `CategorizeEndpoints`).
+pub fn has_any_endpoints(eps: &[&EndpointInfo]) -> bool {
+    eps.iter().any(|e| e.ready || (e.serving && e.terminating))
 }
 
 /// Cluster-wide traffic: the ready endpoints (narrowed by topology hints when they
@@ -196,32 +218,44 @@ pub fn local_endpoints<'a>(eps: &[&'a EndpointInfo], node: &NodeInfo) -> Vec<&'a
 /// one names this node; else zone hints when every ready endpoint has them and one names
 /// this node's zone; else no filtering.
 fn apply_topology<'a>(ready: Vec<&'a EndpointInfo>, node: &NodeInfo) -> Vec<&'a EndpointInfo> {
-    let all_node_hints = ready.iter().all(|e| !e.node_hints.is_empty());
-    if all_node_hints && ready.iter().any(|e| e.node_hints.contains(&node.name)) {
+    let names = |hints: &[super::objects::Atom], name: &str| hints.iter().any(|h| &**h == name);
+    let all_node_hints = ready.iter().all(|e| !e.node_hints().is_empty());
+    if all_node_hints && ready.iter().any(|e| names(e.node_hints(), &node.name)) {
         return ready
             .into_iter()
-            .filter(|e| e.node_hints.contains(&node.name))
+            .filter(|e| names(e.node_hints(), &node.name))
             .collect();
     }
     if let Some(zone) = &node.zone {
-        let all_zone_hints = ready.iter().all(|e| !e.zone_hints.is_empty());
-        if all_zone_hints && ready.iter().any(|e| e.zone_hints.contains(zone)) {
+        let all_zone_hints = ready.iter().all(|e| !e.zone_hints().is_empty());
+        if all_zone_hints && ready.iter().any(|e| names(e.zone_hints(), zone)) {
             return ready
                 .into_iter()
-                .filter(|e| e.zone_hints.contains(zone))
+                .filter(|e| names(e.zone_hints(), zone))
                 .collect();
         }
     }
     ready
 }
 
-/// The validated objects, indexed for [`service_entries`].
+/// The validated objects, indexed for [`service_entries`]. Keys share their strings with
+/// the objects' own keys; a Service's slices are a short sorted list (usually one or
+/// two), not a tree.
 #[derive(Debug, Default)]
 pub struct Index {
     pub node: NodeInfo,
     services: BTreeMap<ObjKey, ServiceInfo>,
     slices: HashMap<ObjKey, SliceInfo>,
-    slices_by_service: HashMap<ObjKey, BTreeSet<ObjKey>>,
+    slices_by_service: HashMap<ObjKey, Vec<ObjKey>>,
+}
+
+/// `key` itself, or the equal `own` (which shares its strings with the stored object).
+fn shared(key: ObjKey, own: &ObjKey) -> ObjKey {
+    if key == *own {
+        own.clone()
+    } else {
+        key
+    }
 }
 
 impl Index {
@@ -236,10 +270,16 @@ impl Index {
     /// Returns the Service whose frontends may have changed.
     pub fn set_service(&mut self, key: ObjKey, info: Option<ServiceInfo>) -> ObjKey {
         match info {
-            Some(info) => self.services.insert(key.clone(), info),
-            None => self.services.remove(&key),
-        };
-        key
+            Some(info) => {
+                let key = shared(key, &info.key);
+                self.services.insert(key.clone(), info);
+                key
+            }
+            None => {
+                self.services.remove(&key);
+                key
+            }
+        }
     }
 
     /// Stores a slice (or forgets it). Returns the Services it touched (its old and new
@@ -248,7 +288,7 @@ impl Index {
         let mut touched = Vec::new();
         if let Some(old) = self.slices.remove(&key) {
             if let Some(set) = self.slices_by_service.get_mut(&old.service) {
-                set.remove(&key);
+                set.retain(|k| *k != key);
                 if set.is_empty() {
                     self.slices_by_service.remove(&old.service);
                 }
@@ -256,10 +296,14 @@ impl Index {
             touched.push(old.service);
         }
         if let Some(info) = info {
-            self.slices_by_service
+            let key = shared(key, &info.key);
+            let set = self
+                .slices_by_service
                 .entry(info.service.clone())
-                .or_default()
-                .insert(key.clone());
+                .or_default();
+            if let Err(at) = set.binary_search(&key) {
+                set.insert(at, key.clone());
+            }
             if !touched.contains(&info.service) {
                 touched.push(info.service.clone());
             }
@@ -271,7 +315,10 @@ impl Index {
     /// Replaces every Service at once (initial list or relist). Returns all touched keys.
     pub fn replace_services(&mut self, all: Vec<(ObjKey, ServiceInfo)>) -> Vec<ObjKey> {
         let mut touched: BTreeSet<ObjKey> = self.services.keys().cloned().collect();
-        self.services = all.into_iter().collect();
+        self.services = all
+            .into_iter()
+            .map(|(k, info)| (shared(k, &info.key), info))
+            .collect();
         touched.extend(self.services.keys().cloned());
         touched.into_iter().collect()
     }
@@ -279,8 +326,8 @@ impl Index {
     /// Replaces every slice at once. Returns the Services touched.
     pub fn replace_slices(&mut self, all: Vec<(ObjKey, SliceInfo)>) -> Vec<ObjKey> {
         let mut touched: BTreeSet<ObjKey> = self.slices_by_service.keys().cloned().collect();
-        self.slices.clear();
-        self.slices_by_service.clear();
+        self.slices = HashMap::with_capacity(all.len());
+        self.slices_by_service = HashMap::with_capacity(all.len());
         for (key, info) in all {
             self.set_slice(key, Some(info));
         }

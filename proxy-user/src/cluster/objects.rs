@@ -3,7 +3,12 @@
 //! [`NodeInfo`]. Every way an object can be unusable is a [`Skip`] naming the cause, so
 //! the caller logs it once with the object's namespace/name and counts it.
 
-use std::{collections::BTreeMap, fmt, net::IpAddr};
+use std::{
+    collections::{BTreeMap, HashSet},
+    fmt,
+    net::IpAddr,
+    sync::{Arc, Mutex},
+};
 
 use k8s_openapi::api::{
     core::v1::{Node, Service},
@@ -26,25 +31,59 @@ pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 /// Default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 
-/// `namespace/name` of an object.
+/// A shared, immutable string: clones are a reference-count increment.
+pub type Atom = Arc<str>;
+
+/// The strings that repeat across thousands of objects (namespaces, node names, zones,
+/// port names) are kept once: [`intern`] returns the one shared copy. Entries nobody
+/// holds any more are pruned when the table has doubled since the last pruning, so node
+/// names of long-gone nodes do not accumulate.
+struct Interner {
+    set: HashSet<Atom>,
+    prune_at: usize,
+}
+
+static INTERNER: Mutex<Option<Interner>> = Mutex::new(None);
+
+/// The shared copy of `s`.
+pub fn intern(s: &str) -> Atom {
+    let mut guard = INTERNER.lock().unwrap_or_else(|e| e.into_inner());
+    let t = guard.get_or_insert_with(|| Interner {
+        set: HashSet::new(),
+        prune_at: 1024,
+    });
+    if let Some(a) = t.set.get(s) {
+        return a.clone();
+    }
+    if t.set.len() >= t.prune_at {
+        t.set.retain(|a| Arc::strong_count(a) > 1);
+        t.prune_at = (t.set.len() * 2).max(1024);
+    }
+    let a: Atom = Arc::from(s);
+    t.set.insert(a.clone());
+    a
+}
+
+/// `namespace/name` of an object: the namespace interned, the name shared by the clones
+/// of one key (32 bytes, cloned without allocating).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ObjKey {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Atom,
+    pub name: Atom,
 }
 
 impl ObjKey {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+    pub fn new(namespace: impl AsRef<str>, name: impl AsRef<str>) -> Self {
         Self {
-            namespace: namespace.into(),
-            name: name.into(),
+            namespace: intern(namespace.as_ref()),
+            name: Arc::from(name.as_ref()),
         }
     }
 
     fn of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Self {
         Self::new(
-            meta.namespace.clone().unwrap_or_default(),
-            meta.name.clone().unwrap_or_default(),
+            meta.namespace.as_deref().unwrap_or_default(),
+            meta.name.as_deref().unwrap_or_default(),
         )
     }
 }
@@ -84,6 +123,12 @@ pub enum Skip {
     BadExternalIp(String),
     #[error("loadBalancerSourceRanges entry {0:?} is not a CIDR")]
     BadSourceRange(String),
+    #[error("clusterIPs[{index}] {ip} is not of ipFamilies[{index}] {family}")]
+    FamilyMismatch {
+        index: usize,
+        ip: IpAddr,
+        family: String,
+    },
 }
 
 impl Skip {
@@ -101,6 +146,7 @@ impl Skip {
             Skip::NoName => "no_name",
             Skip::BadExternalIp(_) => "bad_external_ip",
             Skip::BadSourceRange(_) => "bad_source_range",
+            Skip::FamilyMismatch { .. } => "family_mismatch",
         }
     }
 }
@@ -130,28 +176,32 @@ pub fn label_selector(proxy_name: Option<&str>) -> String {
 /// One `spec.ports[]` entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePortInfo {
-    /// Port name ("" when unnamed); matched against EndpointSlice port names.
-    pub name: String,
+    /// Port name ("" when unnamed, interned); matched against EndpointSlice port names.
+    pub name: Atom,
     pub port: u16,
     pub proto: Proto,
     /// `nodePort` (NodePort and LoadBalancer Services).
     pub node_port: Option<u16>,
 }
 
-/// A Service reduced to what the datapath needs.
+/// A Service reduced to what the datapath needs (nothing of the API object is kept:
+/// fixed-size addresses, interned port names, boxed slices without spare capacity).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceInfo {
     pub key: ObjKey,
     /// `spec.clusterIPs` (one per family), or `spec.clusterIP`.
-    pub cluster_ips: Vec<IpAddr>,
-    pub ports: Vec<ServicePortInfo>,
+    pub cluster_ips: Box<[IpAddr]>,
+    pub ports: Box<[ServicePortInfo]>,
     /// `internalTrafficPolicy: Local`.
     pub internal_local: bool,
     /// `sessionAffinity: ClientIP` timeout in seconds.
     pub affinity_timeout: Option<u32>,
     /// `spec.externalIPs`.
     pub external_ips: Vec<IpAddr>,
-    /// `status.loadBalancer.ingress[].ip` (hostname-only entries are ignored).
+    /// `status.loadBalancer.ingress[].ip` whose `ipMode` is `VIP` or unset (hostname-only
+    /// entries are ignored). With `ipMode: Proxy` (KEP-1860) the load balancer proxies to
+    /// the NodePort and the IP is not programmed: in-cluster traffic to it goes out to the
+    /// load balancer, as with kube-proxy's `IsVIPMode`.
     pub lb_ips: Vec<IpAddr>,
     /// `externalTrafficPolicy: Local` (NodePort/LoadBalancer Services).
     pub external_local: bool,
@@ -190,14 +240,35 @@ impl ServiceInfo {
             .iter()
             .map(|ip| ip.parse().map_err(|_| Skip::BadClusterIp(ip.to_string())))
             .collect::<Result<Vec<IpAddr>, _>>()?;
+        // `ipFamilies[i]` is the family of `clusterIPs[i]` (the API server enforces it;
+        // kube-proxy's per-family proxiers pick the cluster IP by its family there). A
+        // Service that breaks it is not programmed in either family.
+        for (index, (ip, family)) in cluster_ips
+            .iter()
+            .zip(spec.ip_families.iter().flatten())
+            .enumerate()
+        {
+            let want = match family.as_str() {
+                "IPv4" => Family::V4,
+                "IPv6" => Family::V6,
+                _ => continue,
+            };
+            if Family::of(ip) != want {
+                return Err(Skip::FamilyMismatch {
+                    index,
+                    ip: *ip,
+                    family: family.clone(),
+                });
+            }
+        }
         let mut ports = Vec::new();
         for p in spec.ports.iter().flatten() {
-            let name = p.name.clone().unwrap_or_default();
+            let name = p.name.as_deref().unwrap_or_default();
             let port = u16::try_from(p.port)
                 .ok()
                 .filter(|p| *p != 0)
                 .ok_or(Skip::BadPort {
-                    name: name.clone(),
+                    name: name.to_string(),
                     port: i64::from(p.port),
                 })?;
             let node_port = match p.node_port {
@@ -208,7 +279,7 @@ impl ServiceInfo {
                 })?),
             };
             ports.push(ServicePortInfo {
-                name,
+                name: intern(name),
                 port,
                 proto: parse_proto(p.protocol.as_deref())?,
                 node_port: node_port.filter(|_| {
@@ -226,18 +297,26 @@ impl ServiceInfo {
             .map(|ip| ip.parse().map_err(|_| Skip::BadExternalIp(ip.clone())))
             .collect::<Result<Vec<IpAddr>, _>>()?;
         let is_lb = spec.type_.as_deref() == Some("LoadBalancer");
-        let lb_ips: Vec<IpAddr> = if is_lb {
-            svc.status
+        // kube-proxy (pkg/proxy/serviceport.go) takes an ingress IP as a VIP only when
+        // `proxyutil.IsVIPMode`: `ipMode` unset or `VIP`.
+        let mut lb_ips: Vec<IpAddr> = Vec::new();
+        if is_lb {
+            for ing in svc
+                .status
                 .as_ref()
                 .and_then(|s| s.load_balancer.as_ref())
                 .and_then(|lb| lb.ingress.as_ref())
                 .into_iter()
                 .flatten()
-                .filter_map(|i| i.ip.as_ref()?.parse().ok())
-                .collect()
-        } else {
-            Vec::new()
-        };
+            {
+                let Some(ip) = ing.ip.as_ref().and_then(|ip| ip.parse::<IpAddr>().ok()) else {
+                    continue;
+                };
+                if matches!(ing.ip_mode.as_deref(), None | Some("VIP")) {
+                    lb_ips.push(ip);
+                }
+            }
+        }
         let source_ranges = spec
             .load_balancer_source_ranges
             .iter()
@@ -267,10 +346,13 @@ impl ServiceInfo {
         } else {
             None
         };
+        let mut external_ips = external_ips;
+        external_ips.shrink_to_fit();
+        lb_ips.shrink_to_fit();
         Ok(Some(Self {
             key,
-            cluster_ips,
-            ports,
+            cluster_ips: cluster_ips.into_boxed_slice(),
+            ports: ports.into_boxed_slice(),
             internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             affinity_timeout,
             external_ips,
@@ -320,22 +402,49 @@ fn parse_proto(p: Option<&str>) -> Result<Proto, Skip> {
 }
 
 /// One endpoint of a slice, conditions resolved (KEP-1672: nil ready = ready, nil
-/// serving = ready, nil terminating = not terminating).
+/// serving = ready, nil terminating = not terminating). 48 bytes and no allocation of its
+/// own: the node name is interned, topology hints (rare) are boxed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EndpointInfo {
     pub addr: IpAddr,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node: Option<String>,
-    pub zone_hints: Vec<String>,
-    pub node_hints: Vec<String>,
+    /// `nodeName`, interned.
+    pub node: Option<Atom>,
+    /// `hints` (KEP-2433/3015), when the endpoint has any.
+    pub hints: Option<Box<Hints>>,
+}
+
+/// An endpoint's topology hints, interned.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Hints {
+    pub zones: Box<[Atom]>,
+    pub nodes: Box<[Atom]>,
+}
+
+impl EndpointInfo {
+    /// `hints.forZones[].name`.
+    pub fn zone_hints(&self) -> &[Atom] {
+        self.hints.as_deref().map_or(&[], |h| &h.zones)
+    }
+
+    /// `hints.forNodes[].name`.
+    pub fn node_hints(&self) -> &[Atom] {
+        self.hints.as_deref().map_or(&[], |h| &h.nodes)
+    }
+
+    /// Whether the endpoint runs on the node `name`.
+    pub fn on_node(&self, name: &str) -> bool {
+        self.node.as_deref() == Some(name)
+    }
 }
 
 /// One `ports[]` entry of a slice.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlicePort {
-    pub name: String,
+    /// Interned.
+    pub name: Atom,
     pub port: u16,
     pub proto: Proto,
 }
@@ -347,8 +456,8 @@ pub struct SliceInfo {
     /// The Service it belongs to (same namespace, `kubernetes.io/service-name`).
     pub service: ObjKey,
     pub family: Family,
-    pub ports: Vec<SlicePort>,
-    pub endpoints: Vec<EndpointInfo>,
+    pub ports: Box<[SlicePort]>,
+    pub endpoints: Box<[EndpointInfo]>,
 }
 
 impl SliceInfo {
@@ -375,23 +484,23 @@ impl SliceInfo {
         };
         let mut ports = Vec::new();
         for p in slice.ports.iter().flatten() {
-            let name = p.name.clone().unwrap_or_default();
+            let name = p.name.as_deref().unwrap_or_default();
             // A nil port means "all ports" (headless services only): nothing to balance.
             let Some(port) = p.port else { continue };
             let port = u16::try_from(port)
                 .ok()
                 .filter(|p| *p != 0)
                 .ok_or(Skip::BadPort {
-                    name: name.clone(),
+                    name: name.to_string(),
                     port: i64::from(port),
                 })?;
             ports.push(SlicePort {
-                name,
+                name: intern(name),
                 port,
                 proto: parse_proto(p.protocol.as_deref())?,
             });
         }
-        let mut endpoints = Vec::new();
+        let mut endpoints = Vec::with_capacity(slice.endpoints.len());
         for ep in &slice.endpoints {
             // kube-proxy uses the first address only.
             let Some(raw) = ep.addresses.first() else {
@@ -406,30 +515,43 @@ impl SliceInfo {
             let ready = cond.and_then(|c| c.ready).unwrap_or(true);
             let serving = cond.and_then(|c| c.serving).unwrap_or(ready);
             let terminating = cond.and_then(|c| c.terminating).unwrap_or(false);
-            let hints = ep.hints.as_ref();
+            let hints = ep.hints.as_ref().map(|h| Hints {
+                zones: h
+                    .for_zones
+                    .iter()
+                    .flatten()
+                    .map(|z| intern(&z.name))
+                    .collect(),
+                nodes: h
+                    .for_nodes
+                    .iter()
+                    .flatten()
+                    .map(|n| intern(&n.name))
+                    .collect(),
+            });
             endpoints.push(EndpointInfo {
                 addr,
-                // A terminating endpoint is never ready (KEP-1672), whatever it says.
-                ready: ready && !terminating,
+                // Taken as written: with publishNotReadyAddresses the controller writes
+                // ready=true for a terminating pod, and kube-proxy selects on IsReady()
+                // alone (topology.go CategorizeEndpoints).
+                ready,
                 serving,
                 terminating,
-                node: ep.node_name.clone(),
-                zone_hints: hints
-                    .and_then(|h| h.for_zones.as_ref())
-                    .map(|z| z.iter().map(|z| z.name.clone()).collect())
-                    .unwrap_or_default(),
-                node_hints: hints
-                    .and_then(|h| h.for_nodes.as_ref())
-                    .map(|n| n.iter().map(|n| n.name.clone()).collect())
-                    .unwrap_or_default(),
+                node: ep.node_name.as_deref().map(intern),
+                hints: hints
+                    .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
+                    .map(Box::new),
             });
         }
         Ok(Some(Self {
-            service: ObjKey::new(key.namespace.clone(), service_name.clone()),
+            service: ObjKey {
+                namespace: key.namespace.clone(),
+                name: Arc::from(service_name.as_str()),
+            },
             key,
             family,
-            ports,
-            endpoints,
+            ports: ports.into_boxed_slice(),
+            endpoints: endpoints.into_boxed_slice(),
         }))
     }
 }

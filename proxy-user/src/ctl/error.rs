@@ -10,7 +10,7 @@ pub mod exit {
     pub const FAILURE: u8 = 1;
     /// Bad arguments (clap's code; also used for an unparsable `explain` address).
     pub const USAGE: u8 = 2;
-    /// Nothing pinned at the pin path.
+    /// Nothing pinned at the pin path (or what is there is not a pinned BPF object).
     pub const NO_PINS: u8 = 3;
     /// Permission denied (not root / no CAP_BPF).
     pub const PERMISSION: u8 = 4;
@@ -33,6 +33,12 @@ pub enum Error {
         path.display()
     )]
     Permission { path: PathBuf },
+    /// The kernel answered EACCES to root because the path is not a pinned BPF object.
+    #[error(
+        "{}: {cause}: is --pin-path (PROXY_PIN_PATH) the agent's pin directory?",
+        path.display()
+    )]
+    NotBpf { path: PathBuf, cause: String },
     #[error(
         "the maps in {} were created by an incompatible ebpf-proxy (map ABI version {found}, \
          this proxyctl reads version {expected}): use the proxyctl shipped with the running agent",
@@ -75,7 +81,7 @@ impl Error {
     /// The process exit code for this error.
     pub fn exit_code(&self) -> u8 {
         match self {
-            Error::NoPins { .. } => exit::NO_PINS,
+            Error::NoPins { .. } | Error::NotBpf { .. } => exit::NO_PINS,
             Error::Permission { .. } => exit::PERMISSION,
             Error::Abi { .. } | Error::Layout { .. } => exit::INCOMPATIBLE,
             Error::Usage(_) => exit::USAGE,

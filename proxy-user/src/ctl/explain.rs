@@ -193,10 +193,13 @@ fn socket_path(v: &ServiceView, family: &str, peer: SocketAddr) -> PathView {
             peer,
             if v.protocol == "udp" { UDP_CONNECTED_NOTE } else { "" }
         ),
-        "dropped" => "no endpoint on this node (Local traffic policy): connect()/sendmsg() fail at \
-                      once with EHOSTUNREACH (kube-proxy: DROP, the client would time out)"
+        "dropped" => "endpoints exist, but none on this node (Local traffic policy): \
+                      connect()/sendmsg() fail at once with EHOSTUNREACH (kube-proxy: DROP, the \
+                      client would time out)"
             .into(),
-        _ => "no backend: connect()/sendmsg() fail with ECONNREFUSED (kube-proxy: REJECT)".into(),
+        _ => "no usable endpoint anywhere (whatever the traffic policy): connect()/sendmsg() \
+              fail with ECONNREFUSED (kube-proxy: REJECT)"
+            .into(),
     };
     PathView {
         path: "socket",
@@ -210,9 +213,11 @@ fn socket_path(v: &ServiceView, family: &str, peer: SocketAddr) -> PathView {
 
 fn tc_path(v: &ServiceView, local_policy: bool, traffic: &str) -> PathView {
     let n = v.backend_count;
+    // An empty ext-local twin drops only with LOCAL_ONLY (endpoints elsewhere); without
+    // it there is no endpoint anywhere and TC rejects, as kube-proxy does.
     let outcome = if n > 0 {
         "translated"
-    } else if local_policy {
+    } else if local_policy && v.flags_raw & svc_flags::LOCAL_ONLY != 0 {
         "dropped"
     } else {
         "rejected"
@@ -232,7 +237,7 @@ fn tc_path(v: &ServiceView, local_policy: bool, traffic: &str) -> PathView {
             }
             d
         }
-        "dropped" => "no endpoint on this node (externalTrafficPolicy Local): dropped (kube-proxy: DROP)".into(),
+        "dropped" => "endpoints exist, but none on this node (externalTrafficPolicy Local): dropped (kube-proxy: DROP)".into(),
         _ => "no backend: a TCP SYN is answered with RST, a UDP datagram with ICMP port unreachable, other packets are dropped (kube-proxy: REJECT)".into(),
     };
     PathView {

@@ -89,7 +89,16 @@ pub fn open_map_rdonly(path: &Path) -> Result<Option<Map>> {
         Err(e) => {
             return match e.raw_os_error() {
                 Some(libc::ENOENT) => Ok(None),
-                Some(libc::EPERM) | Some(libc::EACCES) => Err(Error::Permission {
+                Some(libc::EACCES) => Err(match not_a_bpf_object(path) {
+                    Some(cause) => Error::NotBpf {
+                        path: path.to_owned(),
+                        cause,
+                    },
+                    None => Error::Permission {
+                        path: path.to_owned(),
+                    },
+                }),
+                Some(libc::EPERM) => Err(Error::Permission {
                     path: path.to_owned(),
                 }),
                 _ => Err(Error::Open {
@@ -109,6 +118,35 @@ pub fn open_map_rdonly(path: &Path) -> Result<Option<Map>> {
             path: path.to_owned(),
             source,
         })
+}
+
+/// `BPF_FS_MAGIC` (`include/uapi/linux/magic.h`): `statfs.f_type` of a bpffs mount.
+pub const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Why `BPF_OBJ_GET` answered EACCES, when the cause is not a missing privilege: the
+/// kernel also answers EACCES for a path that is not a pinned BPF object (a file outside
+/// bpffs, a directory on it). `None`: the path is on bpffs and not a directory, so EACCES
+/// is a real permission problem (or the path cannot even be looked at).
+pub fn not_a_bpf_object(path: &Path) -> Option<String> {
+    let c_path = CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statfs writes into the zeroed struct we own; the path is NUL-terminated.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    #[allow(clippy::unnecessary_cast)]
+    let magic = st.f_type as i64;
+    if magic != BPF_FS_MAGIC {
+        return Some(format!(
+            "not on a bpffs mount (filesystem magic {magic:#x}, bpffs is {BPF_FS_MAGIC:#x}): \
+             not a pinned BPF object; the pin path must be a directory on bpffs \
+             (mount -t bpf bpf /sys/fs/bpf)"
+        ));
+    }
+    if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+        return Some("a directory on bpffs, not a pinned BPF map".into());
+    }
+    None
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds: the clock `bpf_ktime_get_ns()` reads.

@@ -574,3 +574,78 @@ fn watch_golden_and_rates() {
     assert_eq!(reused.delta, Some(1));
     assert_eq!(second.counters[0].rate, Some(5.0));
 }
+
+/// docs/proxyctl.md lists every `stats` reason, in index order: the list cannot drift
+/// from `proxy_common::Reason::ALL` again (it once lacked four of them).
+#[test]
+fn stats_reasons_in_the_docs_are_every_reason() {
+    let doc = include_str!("../../../docs/proxyctl.md");
+    let row = doc
+        .lines()
+        .find(|l| l.starts_with("| `.reason` |"))
+        .expect("docs/proxyctl.md has the `.reason` row of the stats table");
+    let list = row
+        .split_once("`Reason::name()`:")
+        .expect("the row lists Reason::name() values")
+        .1;
+    let list = list.split(" (").next().expect("list");
+    let documented: Vec<&str> = list
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|n| !n.is_empty())
+        .collect();
+    let all: Vec<&str> = Reason::ALL.iter().map(|r| r.name()).collect();
+    assert_eq!(
+        documented, all,
+        "docs/proxyctl.md stats reasons vs Reason::ALL"
+    );
+}
+
+/// A Local traffic policy: `dropped` (EHOSTUNREACH / TC drop, kube-proxy's DROP) only
+/// when the frontend carries LOCAL_ONLY (endpoints exist elsewhere); the index leaves
+/// the flag off when there is no endpoint anywhere, and explain then says `rejected`
+/// (kube-proxy's REJECT), with a REJECT rule in the kube-proxy rendering.
+#[test]
+fn explain_tells_no_local_endpoint_from_no_endpoint_at_all() {
+    let s = fixture();
+    let dns = Frontend::new(ip("10.96.0.10"), 53, Proto::Udp);
+    let mut none_anywhere = s.clone();
+    let v = none_anywhere.services.frontends.get_mut(&dns).expect("dns");
+    v.count = 0;
+    v.flags &= !svc_flags::LOCAL_ONLY;
+    let d = explain_doc(&none_anywhere, "10.96.0.10:53/udp");
+    assert_eq!(d.paths[0].outcome, "rejected");
+    assert!(
+        d.paths[0].detail.contains("no usable endpoint anywhere")
+            && d.paths[0].detail.contains("ECONNREFUSED"),
+        "{}",
+        d.paths[0].detail
+    );
+    let rules = d.iptables.expect("rules");
+    assert!(
+        rules
+            .filter
+            .iter()
+            .any(|r| r.contains("has no endpoints") && r.contains("-j REJECT")),
+        "{rules:?}"
+    );
+
+    // externalTrafficPolicy Local, the ext-local twin empty.
+    let twin = tcp("0.0.0.0", 30080).with_scope(scope::EXTERNAL_LOCAL);
+    let tc_outcome = |flags: u16| {
+        let mut t = s.clone();
+        let v = t.services.frontends.get_mut(&twin).expect("twin");
+        v.count = 0;
+        v.flags = flags;
+        let d = explain_doc(&t, "192.168.50.1:30080");
+        let p = d.paths.iter().find(|p| p.path == "tc").expect("tc path");
+        (p.outcome, p.detail.clone())
+    };
+    let (outcome, detail) = tc_outcome(svc_flags::NODE_PORT | svc_flags::LOCAL_ONLY);
+    assert_eq!(outcome, "dropped");
+    assert!(detail.contains("none on this node"), "{detail}");
+    let (outcome, detail) = tc_outcome(svc_flags::NODE_PORT);
+    assert_eq!(outcome, "rejected");
+    assert!(detail.contains("RST"), "{detail}");
+}

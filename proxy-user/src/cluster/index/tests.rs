@@ -38,6 +38,10 @@ impl Svc {
         self.0["spec"][path] = v;
         self
     }
+    fn status(mut self, v: Value) -> Self {
+        self.0["status"] = v;
+        self
+    }
     fn label(mut self, k: &str, v: &str) -> Self {
         self.0["metadata"]["labels"][k] = json!(v);
         self
@@ -239,18 +243,306 @@ fn terminating_fallback_only_when_nothing_is_ready() {
         golden(basic().build(), vec![draining]),
         "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.2:8080 (terminating)]\n"
     );
-    // "ready: true" together with "terminating: true" is not ready (KEP-1672).
-    let contradictory = slice("default", "web-1", "web", "IPv4")
+}
+
+/// publishNotReadyAddresses: the EndpointSlice controller writes `ready: true` for a
+/// terminating (even not serving) pod, and kube-proxy selects on `IsReady()` alone
+/// (topology.go CategorizeEndpoints), for Cluster and Local policies alike. Upstream e2e:
+/// "should be able to connect to terminating and unready endpoints if
+/// PublishNotReadyAddresses is true".
+#[test]
+fn ready_terminating_endpoints_are_used_as_written() {
+    let pnra = || json!({"conditions": {"ready": true, "serving": false, "terminating": true}});
+    let pnra_on = |node: &str| json!({"nodeName": node, "conditions": {"ready": true, "serving": false, "terminating": true}});
+    // Alone: it carries the traffic (flagged terminating for proxyctl).
+    let alone = slice("default", "web-1", "web", "IPv4")
         .port("http", 8080, "TCP")
-        .ep(
-            "10.180.0.5",
-            json!({"conditions": {"ready": true, "terminating": true}}),
-        )
+        .ep("10.180.0.5", pnra())
         .build();
     assert_eq!(
-        golden(basic().build(), vec![contradictory]),
+        golden(basic().build(), vec![alone]),
         "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.5:8080 (terminating)]\n"
     );
+    // Next to a plain ready pod: both are ready, both get traffic.
+    let both = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.1", READY())
+        .ep("10.180.0.5", pnra())
+        .ep("10.180.0.6", terminating(true))
+        .build();
+    assert_eq!(
+        golden(basic().build(), vec![both]),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.1:8080, 10.180.0.5:8080 (terminating)]\n"
+    );
+    // internalTrafficPolicy Local: a ready local one is used (not dropped), ahead of a
+    // local serving+terminating one (which is only a fallback).
+    let svc = basic().set("internalTrafficPolicy", json!("Local")).build();
+    let local = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.5", pnra_on("node-a"))
+        .ep("10.180.0.7", json!({"nodeName": "node-a", "conditions": {"ready": false, "serving": true, "terminating": true}}))
+        .ep("10.180.0.2", json!({"nodeName": "node-b"}))
+        .build();
+    assert_eq!(
+        golden(svc, vec![local.clone()]),
+        "172.30.0.10:80/tcp flags=0x2 affinity=0 -> [10.180.0.5:8080 (terminating)]\n"
+    );
+    // externalTrafficPolicy Local: the ext-local twin of the NodePort has it too.
+    let svc = basic()
+        .set("type", json!("NodePort"))
+        .set("externalTrafficPolicy", json!("Local"))
+        .build();
+    let mut svc = svc;
+    svc.spec
+        .as_mut()
+        .expect("spec")
+        .ports
+        .as_mut()
+        .expect("ports")[0]
+        .node_port = Some(30080);
+    assert_eq!(
+        golden(svc, vec![local]),
+        "\
+172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.2:8080, 10.180.0.5:8080 (terminating)]
+0.0.0.0:30080/tcp flags=0x24 affinity=0 -> [10.180.0.2:8080, 10.180.0.5:8080 (terminating)]
+0.0.0.0:30080/tcp/ext-local flags=0x6 affinity=0 -> [10.180.0.5:8080 (terminating)]
+"
+    );
+    // The health check NodePort counts it as a ready local endpoint, like kube-proxy.
+    let svc = basic()
+        .set("type", json!("LoadBalancer"))
+        .set("externalTrafficPolicy", json!("Local"))
+        .set("healthCheckNodePort", json!(32000))
+        .build();
+    let mut index = Index::new(node());
+    let key = ObjKey::new("default", "web");
+    index.set_service(key.clone(), ServiceInfo::from_k8s(&svc, None).expect("ok"));
+    index.set_slice(
+        ObjKey::new("default", "web-1"),
+        SliceInfo::from_k8s(
+            &slice("default", "web-1", "web", "IPv4")
+                .port("http", 8080, "TCP")
+                .ep("10.180.0.5", pnra_on("node-a"))
+                .build(),
+            None,
+        )
+        .expect("ok"),
+    );
+    assert_eq!(
+        index.health_check_ports(),
+        BTreeMap::from([(32000, (key, 1))])
+    );
+}
+
+/// The same address:port in two slices of one Service: the non-terminating copy wins
+/// whatever the order (endpointslicecache.go addEndpoints: `if !exists || !terminating`).
+#[test]
+fn duplicate_endpoint_across_slices_the_non_terminating_copy_wins() {
+    let draining = slice("default", "web-a", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.1", READY())
+        .ep("10.180.0.9", terminating(false))
+        .build();
+    let live = slice("default", "web-b", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.9", READY())
+        .build();
+    let want = "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.1:8080, 10.180.0.9:8080]\n";
+    assert_eq!(
+        golden(basic().build(), vec![draining.clone(), live.clone()]),
+        want
+    );
+    assert_eq!(golden(basic().build(), vec![live, draining]), want);
+    // Through the index, whose slices come in name order.
+    let mut index = Index::new(node());
+    let key = ObjKey::new("default", "web");
+    index.set_service(
+        key.clone(),
+        ServiceInfo::from_k8s(&basic().build(), None).expect("ok"),
+    );
+    for (name, s) in [
+        (
+            "web-a",
+            slice("default", "web-a", "web", "IPv4")
+                .port("http", 8080, "TCP")
+                .ep("10.180.0.9", terminating(true)),
+        ),
+        (
+            "web-b",
+            slice("default", "web-b", "web", "IPv4")
+                .port("http", 8080, "TCP")
+                .ep("10.180.0.9", READY()),
+        ),
+    ] {
+        index.set_slice(
+            ObjKey::new("default", name),
+            SliceInfo::from_k8s(&s.build(), None).expect("ok"),
+        );
+    }
+    assert_eq!(
+        render(&index.entries(&key)),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.9:8080]\n"
+    );
+    // Two terminating copies: the first one stays (a later terminating copy never
+    // replaces an existing one).
+    let t1 = slice("default", "web-a", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.9", terminating(true))
+        .build();
+    let t2 = slice("default", "web-b", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.9", terminating(false))
+        .build();
+    assert_eq!(
+        golden(basic().build(), vec![t1, t2]),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.9:8080 (terminating)]\n"
+    );
+}
+
+/// `internalTrafficPolicy: Local` (and the ext-local twin of `externalTrafficPolicy:
+/// Local`): DROP (LOCAL_ONLY, EHOSTUNREACH at the socket hooks) only when endpoints exist
+/// but none is local; with no usable endpoint anywhere, REJECT like any Service without
+/// endpoints (iptables proxier: `!hasEndpoints` -> REJECT, else DROP).
+#[test]
+fn local_policy_without_any_endpoint_rejects_instead_of_dropping() {
+    let itp = || basic().set("internalTrafficPolicy", json!("Local")).build();
+    assert_eq!(
+        golden(itp(), vec![]),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> []\n"
+    );
+    // Endpoints, none usable (not ready, terminating and not serving): still none.
+    let unusable = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.2", json!({"nodeName": "node-b", "conditions": {"ready": false}}))
+        .ep("10.180.0.3", json!({"nodeName": "node-a", "conditions": {"ready": false, "serving": false, "terminating": true}}))
+        .build();
+    assert_eq!(
+        golden(itp(), vec![unusable]),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> []\n"
+    );
+    // A serving+terminating remote one counts as an endpoint: none local -> drop.
+    let remote_draining = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.2", json!({"nodeName": "node-b", "conditions": {"ready": false, "serving": true, "terminating": true}}))
+        .build();
+    assert_eq!(
+        golden(itp(), vec![remote_draining]),
+        "172.30.0.10:80/tcp flags=0x2 affinity=0 -> []\n"
+    );
+    // externalTrafficPolicy Local: the same rule for the ext-local twin.
+    let etp = || {
+        let mut svc = basic()
+            .set("type", json!("NodePort"))
+            .set("externalTrafficPolicy", json!("Local"))
+            .build();
+        svc.spec
+            .as_mut()
+            .expect("spec")
+            .ports
+            .as_mut()
+            .expect("ports")[0]
+            .node_port = Some(30080);
+        svc
+    };
+    assert_eq!(
+        golden(etp(), vec![]),
+        "\
+172.30.0.10:80/tcp flags=0x0 affinity=0 -> []
+0.0.0.0:30080/tcp flags=0x24 affinity=0 -> []
+0.0.0.0:30080/tcp/ext-local flags=0x4 affinity=0 -> []
+"
+    );
+    let remote = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.2", json!({"nodeName": "node-b"}))
+        .build();
+    assert_eq!(
+        golden(etp(), vec![remote]),
+        "\
+172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.2:8080]
+0.0.0.0:30080/tcp flags=0x24 affinity=0 -> [10.180.0.2:8080]
+0.0.0.0:30080/tcp/ext-local flags=0x6 affinity=0 -> []
+"
+    );
+}
+
+/// KEP-1860: only ingress IPs with `ipMode` unset or `VIP` are load-balancer VIPs
+/// (kube-proxy pkg/proxy/serviceport.go, `proxyutil.IsVIPMode`); an `ipMode: Proxy` IP
+/// is not programmed, so in-cluster traffic to it goes to the external load balancer.
+#[test]
+fn load_balancer_ingress_ip_mode_proxy_is_not_programmed() {
+    let svc = basic()
+        .set("type", json!("LoadBalancer"))
+        .status(json!({"loadBalancer": {"ingress": [
+            {"ip": "203.0.113.1"},
+            {"ip": "203.0.113.2", "ipMode": "VIP"},
+            {"ip": "203.0.113.3", "ipMode": "Proxy"},
+            {"hostname": "lb.example.com"}
+        ]}}))
+        .build();
+    let info = ServiceInfo::from_k8s(&svc, None)
+        .expect("valid")
+        .expect("selected");
+    let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+    assert_eq!(info.lb_ips, vec![ip("203.0.113.1"), ip("203.0.113.2")]);
+    let s = slice("default", "web-1", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .ep("10.180.0.1", READY())
+        .build();
+    assert_eq!(
+        golden(svc, vec![s]),
+        "\
+172.30.0.10:80/tcp flags=0x0 affinity=0 -> [10.180.0.1:8080]
+203.0.113.1:80/tcp flags=0x10 affinity=0 -> [10.180.0.1:8080]
+203.0.113.2:80/tcp flags=0x10 affinity=0 -> [10.180.0.1:8080]
+"
+    );
+}
+
+/// `ipFamilies[i]` names the family of `clusterIPs[i]`; a Service that contradicts it
+/// (the API server would reject it; kube-proxy's IPv4 proxier finds no IPv4 family) is
+/// skipped with `family_mismatch`.
+#[test]
+fn cluster_ip_of_the_wrong_family_is_skipped() {
+    let svc = service("default", "x")
+        .cluster_ips(&["10.96.79.15"])
+        .set("ipFamilies", json!(["IPv6"]))
+        .port("http", 80, "TCP")
+        .build();
+    let err = ServiceInfo::from_k8s(&svc, None).expect_err("family mismatch");
+    assert_eq!(err.label(), "family_mismatch");
+    assert_eq!(
+        err.to_string(),
+        "clusterIPs[0] 10.96.79.15 is not of ipFamilies[0] IPv6"
+    );
+    // Dual stack in the wrong order.
+    let svc = service("default", "x")
+        .cluster_ips(&["10.96.79.15", "fd00:96::15"])
+        .set("ipFamilies", json!(["IPv6", "IPv4"]))
+        .port("http", 80, "TCP")
+        .build();
+    assert_eq!(
+        ServiceInfo::from_k8s(&svc, None)
+            .expect_err("mismatch")
+            .label(),
+        "family_mismatch"
+    );
+    // Matching families (and no ipFamilies at all) are fine.
+    for fams in [json!(["IPv4", "IPv6"]), json!(null)] {
+        let svc = service("default", "x")
+            .cluster_ips(&["10.96.79.15", "fd00:96::15"])
+            .set("ipFamilies", fams)
+            .port("http", 80, "TCP")
+            .build();
+        assert_eq!(
+            ServiceInfo::from_k8s(&svc, None)
+                .expect("ok")
+                .expect("selected")
+                .cluster_ips
+                .len(),
+            2
+        );
+    }
 }
 
 #[test]
@@ -538,4 +830,37 @@ fn a_node_being_deleted_or_scaled_down_is_marked() {
     assert!(!deleting(node(json!({"spec": {"taints": [
         {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
     ]}}))));
+}
+
+/// The compact layout of the desired state (issue 14 item 2): fixed sizes that the
+/// memory measurement in tests/desired_state_memory.rs relies on.
+#[test]
+fn desired_state_types_stay_compact() {
+    use std::mem::size_of;
+    assert_eq!(size_of::<ObjKey>(), 32);
+    assert!(
+        size_of::<EndpointInfo>() <= 48,
+        "{}",
+        size_of::<EndpointInfo>()
+    );
+    // Interned strings are shared: the same node name twice is one allocation.
+    let s = SliceInfo::from_k8s(
+        &slice("default", "web-1", "web", "IPv4")
+            .port("http", 8080, "TCP")
+            .ep("10.180.0.1", json!({"nodeName": "node-z"}))
+            .ep("10.180.0.2", json!({"nodeName": "node-z"}))
+            .build(),
+        None,
+    )
+    .expect("valid")
+    .expect("selected");
+    let (a, b) = (&s.endpoints[0].node, &s.endpoints[1].node);
+    assert!(std::sync::Arc::ptr_eq(
+        a.as_ref().expect("node"),
+        b.as_ref().expect("node")
+    ));
+    assert!(std::sync::Arc::ptr_eq(
+        &s.key.namespace,
+        &s.service.namespace
+    ));
 }
