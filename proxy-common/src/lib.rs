@@ -23,8 +23,9 @@
 #![no_std]
 
 /// Bumped whenever a key, value or map definition changes incompatibly. The loader stores
-/// it in the `META` map; a new agent refuses to adopt pins of another version.
-pub const ABI_VERSION: u32 = 3;
+/// it in the `META` map; pins of an older version are migrated (`proxy-user/src/migrate`).
+/// 4: `SOCK_REVNAT4/6` became per-socket storage (`SK_STORAGE`) instead of a node-wide LRU.
+pub const ABI_VERSION: u32 = 4;
 
 /// Map names, as they appear in the object file, under the pin directory and in bpftool.
 pub mod map_names {
