@@ -6,20 +6,12 @@
 //! hands them to a `bpf_sock_addr` program (so no byte swapping happens in the datapath).
 //! User-space trait impls (bytemuck, `aya::Pod`) live behind the `user` feature.
 //!
-//! Map model (after cilium's `lb4_*`/`lb6_*` maps):
-//! - `SVC4`/`SVC6`: `{vip, port, proto, slot}` -> [`SvcValue`]. Slot 0 is the frontend
-//!   (backend count, service id, flags); slots `1..=count` each name a backend id.
-//! - `BACKEND4`/`BACKEND6`: backend id -> address and port; ids are shared by every
-//!   frontend that uses the same endpoint. Id 0 means "none".
-//! - `REVNAT4`/`REVNAT6`: service id -> frontend, for reply translation and the CLI.
-//! - `SOCK_REVNAT4`/`SOCK_REVNAT6` (socket-local storage, `BPF_MAP_TYPE_SK_STORAGE`):
-//!   per socket, a few `{backend} -> frontend` entries, so `recvmsg`/`getpeername` can
-//!   show the VIP to the application; freed with the socket, so no socket can evict
-//!   another's.
-//! - `STATS` (per-CPU array indexed by [`Reason`]) and `BACKEND_CONNS` (per-CPU hash,
-//!   backend id -> selections).
-//! - `AFFINITY` (LRU): `{client, service id}` -> the backend (and its slot) the client
-//!   last used, for `sessionAffinity: ClientIP`.
+//! The maps, each with its key, value and purpose, are listed once, in
+//! `docs/ARCHITECTURE.md` ("Maps"); [`map_names::ALL`] names every pinned one, and
+//! `proxy-user/tests/docs_agree.rs` checks that the two and `proxy-ebpf/src/maps.rs`
+//! agree. The model follows cilium's `lb4_*`/`lb6_*` maps: a frontend's slot 0 holds its
+//! backend count and service id, slots `1..=count` name backend ids, backends are shared
+//! by id.
 #![no_std]
 
 /// Bumped whenever a key, value or map definition changes incompatibly. The loader stores
@@ -163,7 +155,8 @@ pub mod proto {
 
 /// Frontend flags (slot 0 of `SvcValue::flags`).
 pub mod svc_flags {
-    /// `sessionAffinity: ClientIP` (datapath support comes later; carried for the CLI).
+    /// `sessionAffinity: ClientIP`: the hooks and TC follow the client's `AFFINITY` entry for
+    /// `affinity_timeout` seconds after its last connection.
     pub const AFFINITY: u16 = 1 << 0;
     /// The slots hold only node-local endpoints because of a Local traffic policy
     /// (`internalTrafficPolicy` for a ClusterIP, `externalTrafficPolicy` for the
