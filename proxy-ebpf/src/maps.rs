@@ -93,6 +93,29 @@ pub static SRC_RANGE6: LpmTrie<SrcRange6, u8> = LpmTrie::pinned(MAX_SRC_RANGES, 
 #[map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(MAX_AFFINITY, 0);
 
+/// When this CPU last logged a datapath warning (`bpf_ktime_get_ns`); not pinned.
+#[map]
+static WARN_LAST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// At most one warning a second per CPU: a condition met by every packet of a flood
+/// (a full SNAT range) is counted for each, logged once a second.
+#[inline(never)]
+pub fn warn_allowed() -> bool {
+    let Some(last) = WARN_LAST.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: no preconditions.
+    let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
+    // SAFETY: this CPU's entry; the program is not preempted on its CPU.
+    unsafe {
+        if *last != 0 && now.saturating_sub(*last) < 1_000_000_000 {
+            return false;
+        }
+        *last = now;
+    }
+    true
+}
+
 /// Counts one outcome.
 #[inline(always)]
 pub fn count(reason: Reason) {

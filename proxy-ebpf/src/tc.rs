@@ -22,6 +22,11 @@
 //! Checksums are updated incrementally: the IPv4 header with `l3_csum_replace`, L4 with
 //! `l4_csum_replace` (`BPF_F_PSEUDO_HDR` for addresses, `BPF_F_MARK_MANGLED_0` for UDP).
 
+use core::{
+    ffi::c_void,
+    net::{Ipv4Addr, Ipv6Addr},
+};
+
 use aya_ebpf::{
     bindings::{
         bpf_fib_lookup as FibParams, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
@@ -29,7 +34,9 @@ use aya_ebpf::{
     },
     helpers::{
         bpf_get_prandom_u32, bpf_ktime_get_ns,
-        generated::{bpf_csum_diff, bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
+        generated::{
+            bpf_csum_diff, bpf_fib_lookup, bpf_loop, bpf_redirect, bpf_redirect_neigh,
+        },
     },
     macros::{classifier, map},
     maps::lpm_trie::Key as LpmKey,
@@ -37,6 +44,7 @@ use aya_ebpf::{
     programs::TcContext,
     EbpfContext,
 };
+use aya_log_ebpf::warn;
 use proxy_common::{
     affinity_kind, backend_flags, ct_flags, ct_timeouts, proto, scope, svc_flags, Ct4Key, Ct4Value,
     Ct6Key, Ct6Value, Reason, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
@@ -155,6 +163,8 @@ trait Fam {
     fn reject_udp(ctx: &TcContext) -> i32;
     /// A source address as a session-affinity client.
     fn client(a: Self::Addr) -> ([u32; 4], u8);
+    /// Logs that every SNAT port towards a backend is held by a live flow.
+    fn warn_ports_full(ctx: &TcContext, baddr: Self::Addr, bport: u16);
 }
 
 /// Per-CPU scratch (one entry per family).
@@ -351,6 +361,16 @@ impl Fam for V4 {
         ([a, 0, 0, 0], affinity_kind::V4)
     }
 
+    #[inline(never)]
+    fn warn_ports_full(ctx: &TcContext, baddr: u32, bport: u16) {
+        warn!(
+            ctx,
+            "SNAT: every source port towards {:i}:{} is held by a live flow; new flow dropped",
+            Ipv4Addr::from(u32::from_be(baddr)),
+            u16::from_be(bport)
+        );
+    }
+
     fn fib_set(p: &mut FibParams, src: u32, dst: u32) {
         p.__bindgen_anon_3.ipv4_src = src;
         p.__bindgen_anon_4.ipv4_dst = dst;
@@ -535,6 +555,18 @@ impl Fam for V6 {
         (a, affinity_kind::V6)
     }
 
+    #[inline(never)]
+    fn warn_ports_full(ctx: &TcContext, baddr: [u32; 4], bport: u16) {
+        // SAFETY: 16 bytes either way; the words hold the address in network order.
+        let bytes: [u8; 16] = unsafe { core::mem::transmute(baddr) };
+        warn!(
+            ctx,
+            "SNAT: every source port towards [{:i}]:{} is held by a live flow; new flow dropped",
+            Ipv6Addr::from(bytes),
+            u16::from_be(bport)
+        );
+    }
+
     fn fib_set(p: &mut FibParams, src: [u32; 4], dst: [u32; 4]) {
         p.__bindgen_anon_3.ipv6_src = src;
         p.__bindgen_anon_4.ipv6_dst = dst;
@@ -571,6 +603,12 @@ fn timeout(proto: u8, flags: u32) -> u64 {
     }
 }
 
+/// Whether an entry last seen at `last_seen` has expired at `now`.
+#[inline(always)]
+fn expired(proto: u8, flags: u32, last_seen: u64, now: u64) -> bool {
+    now.saturating_sub(last_seen) > timeout(proto, flags)
+}
+
 /// The flow's backend id still names the backend it was translated to.
 #[inline(always)]
 fn backend_is<F: Fam>(v: *mut F::Val, dnat: (F::Addr, u16)) -> bool {
@@ -587,7 +625,7 @@ fn touch<F: Fam>(v: *mut F::Val, proto: u8, tcp_flags: u8, reply: bool, now: u64
     // SAFETY: pointers into a live map value.
     unsafe {
         let mut f = *flags;
-        if now.saturating_sub(*last_seen) > timeout(proto, f) {
+        if expired(proto, f, *last_seen, now) {
             return false;
         }
         if tcp_flags & (TCP_FIN | TCP_RST) != 0 {
@@ -878,6 +916,9 @@ fn pick<F: Fam>(
         }
         let Some(port) = snat_port::<F>(baddr, bport, addr, p.proto) else {
             count(Reason::TcSnatFailed);
+            if crate::maps::warn_allowed() {
+                F::warn_ports_full(ctx, baddr, bport);
+            }
             return Ok(Some(Action::Verdict(TC_ACT_SHOT as i32)));
         };
         snat = (addr, port);
@@ -906,20 +947,113 @@ fn choose<F: Fam>(p: &Pkt<F::Addr>, front: &SvcValue, fe_addr: F::Addr, sc: u8) 
     affinity::choose(front, client, slot_backend)
 }
 
-/// A free SNAT source port towards `backend` (its reply-direction entry is unused).
+/// A free SNAT source port towards `backend:bport` from `addr`, if any port of the range
+/// is free: a few random probes (the common case, a sparse range), then a scan of the
+/// whole range from a random start with `bpf_loop` (one verifier-checked callback, so the
+/// scan costs no verifier budget per port). A port is free when no reply-direction entry
+/// holds it, or when the flow that holds it has expired (`port_free`): expired flows are
+/// reclaimed, not left to the LRU. `None` only when every port is held by a live flow.
+/// (Netfilter's `nf_nat_l4proto_unique_tuple` gives up after 128+64+32+16 probes and
+/// cilium's `snat_v4_new_mapping` after 32: both can refuse with ports free.)
 #[inline(never)]
 fn snat_port<F: Fam>(baddr: F::Addr, bport: u16, addr: F::Addr, proto: u8) -> Option<u16> {
+    let mut scan = PortScan {
+        baddr,
+        addr,
+        // SAFETY: no preconditions.
+        now: unsafe { bpf_ktime_get_ns() },
+        // SAFETY: no preconditions.
+        start: unsafe { bpf_get_prandom_u32() } % SNAT_PORT_SPAN,
+        found: 0,
+        bport,
+        proto,
+    };
     let mut i = 0;
     while i < SNAT_TRIES {
         // SAFETY: no preconditions.
         let r = unsafe { bpf_get_prandom_u32() };
         let port = ((SNAT_PORT_MIN + r % SNAT_PORT_SPAN) as u16).to_be();
-        if F::ct_get(&F::ct_key(baddr, addr, bport, port, proto, 1)).is_none() {
+        if port_free::<F>(&scan, port) {
             return Some(port);
         }
         i += 1;
     }
-    None
+    // SAFETY: the callback is a BPF subprogram taking this stack context.
+    let ret = unsafe {
+        bpf_loop(
+            SNAT_PORT_SPAN,
+            scan_port::<F> as *const () as *mut c_void,
+            &raw mut scan as *mut c_void,
+            0,
+        )
+    };
+    if ret < 0 || scan.found == 0 {
+        return None;
+    }
+    Some(scan.found as u16)
+}
+
+/// A search for a SNAT port towards `baddr:bport` from `addr`: on the stack, where
+/// `bpf_loop` wants its context.
+#[repr(C)]
+struct PortScan<A> {
+    baddr: A,
+    addr: A,
+    now: u64,
+    /// Offset of the first port scanned.
+    start: u32,
+    /// `0x1_0000 | port` (network order) once a free port is found.
+    found: u32,
+    bport: u16,
+    proto: u8,
+}
+
+/// One step of the scan: port `SNAT_PORT_MIN + (start + i) % SNAT_PORT_SPAN`. Returns 1
+/// (stop) at the first free port.
+#[inline(never)]
+extern "C" fn scan_port<F: Fam>(i: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the caller's `PortScan<F::Addr>`.
+    let s = unsafe { &mut *(ctx as *mut PortScan<F::Addr>) };
+    let off = (s.start + i as u32) % SNAT_PORT_SPAN;
+    let port = ((SNAT_PORT_MIN + off) as u16).to_be();
+    if port_free::<F>(s, port) {
+        s.found = 0x1_0000 | u32::from(port);
+        return 1;
+    }
+    0
+}
+
+/// Whether SNAT port `port` (network order) of search `s` is free: no reply-direction
+/// entry holds it, or that entry has expired and so has its flow's original-direction
+/// entry (a UDP flow whose backend never answers refreshes only the latter), or that
+/// entry no longer uses this port.
+#[inline(never)]
+fn port_free<F: Fam>(s: &PortScan<F::Addr>, port: u16) -> bool {
+    let Some(v) = F::ct_get(&F::ct_key(s.baddr, s.addr, s.bport, port, s.proto, 1)) else {
+        return true;
+    };
+    let (flags, last_seen, _) = F::ct_meta(v);
+    // SAFETY: fields of a live map value.
+    if !expired(s.proto, unsafe { *flags }, unsafe { *last_seen }, s.now) {
+        return false;
+    }
+    // The reply entry of a SNATed flow: `dnat` is the client, `snat` the frontend.
+    // SAFETY: copied out of a live map value.
+    let (client, front) = F::ct_nat(unsafe { &*v });
+    if F::is_zero(&client.0) {
+        return true;
+    }
+    let okey = F::ct_key(client.0, front.0, client.1, front.1, s.proto, 0);
+    let Some(o) = F::ct_get(&okey) else {
+        return true;
+    };
+    let (oflags, olast, _) = F::ct_meta(o);
+    // SAFETY: copied out of a live map value.
+    let (_, osnat) = F::ct_nat(unsafe { &*o });
+    // SAFETY: fields of a live map value.
+    expired(s.proto, unsafe { *oflags }, unsafe { *olast }, s.now)
+        || osnat.0 != s.addr
+        || osnat.1 != port
 }
 
 /// Writes both conntrack entries of a new flow and translates its first packet:

@@ -107,7 +107,11 @@ impl Pkt {
         let csum_at = if self.proto == TCP { 16 } else { 6 };
         let mut all = pseudo(self.src.ip(), self.dst.ip(), self.proto, l4.len());
         all.extend(&l4);
-        let c = fold(sum16(&all));
+        let mut c = fold(sum16(&all));
+        if self.proto == UDP && c == 0 {
+            // RFC 768: a computed zero is sent as all ones (zero means "no checksum").
+            c = 0xffff;
+        }
         l4[csum_at..csum_at + 2].copy_from_slice(&c.to_be_bytes());
         let mut out = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2];
         match (self.src.ip(), self.dst.ip()) {
@@ -849,4 +853,169 @@ fn icmp_port_unreachable_is_rate_limited() {
         .map(|(_, v)| v)
         .expect("counter");
     assert_eq!(limited, n - answered, "every refusal is counted");
+}
+
+/// The TC path's SNAT source ports: the kernel's default ephemeral range.
+const SNAT_PORTS: std::ops::Range<u16> = 32768..61000;
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns`, so of `last_seen`.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to fill.
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) },
+        0
+    );
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+impl Bed {
+    fn counter(&self, reason: proxy_common::Reason) -> u64 {
+        self.writer
+            .store()
+            .stats()
+            .expect("stats")
+            .into_iter()
+            .find(|(r, _)| *r == reason)
+            .map(|(_, v)| v)
+            .expect("counter")
+    }
+
+    /// Makes every conntrack entry of `proto` (of direction `dir` if given) look idle
+    /// since before its timeout, from user space, as time would: the datapath's own
+    /// expiry check then applies.
+    fn expire_ct4(&mut self, proto: u8, dir: Option<u8>) -> usize {
+        let idle = proxy_common::ct_timeouts::UDP.max(proxy_common::ct_timeouts::TCP_SYN)
+            + 5_000_000_000;
+        let now = monotonic_ns();
+        assert!(now > idle, "the machine has been up for less than a timeout");
+        let mut ct: aya::maps::HashMap<_, Ct4Key, Ct4Value> =
+            aya::maps::HashMap::try_from(self.ebpf.map_mut(map_names::CT4).expect("CT4"))
+                .expect("map");
+        let keys: Vec<Ct4Key> = ct
+            .keys()
+            .map(|k| k.expect("key"))
+            .filter(|k| k.proto == proto && dir.is_none_or(|d| k.dir == d))
+            .collect();
+        for k in &keys {
+            let mut v = ct.get(k, 0).expect("entry");
+            v.last_seen = now - idle;
+            ct.insert(k, v, 0).expect("rewrite last_seen");
+        }
+        keys.len()
+    }
+
+    /// Opens one flow per client port in `ports` from `client` to `frontend` (NodePort,
+    /// remote backend `backend`): the SNAT ports given, and how many flows were lost
+    /// (dropped, or not source-NATed into the range).
+    fn open_snat_flows(
+        &self,
+        proto: u8,
+        client: &str,
+        ports: std::ops::Range<u16>,
+        frontend: &str,
+        backend: SocketAddr,
+    ) -> (std::collections::BTreeSet<u16>, usize) {
+        let mut got = std::collections::BTreeSet::new();
+        let mut lost = 0;
+        for port in ports {
+            let src = format!("{client}:{port}");
+            let pkt = if proto == TCP {
+                Pkt::tcp(&src, frontend, SYN)
+            } else {
+                Pkt::udp(&src, frontend)
+            };
+            let (verdict, out) = self.run_raw("tc_ingress", &pkt.build());
+            if verdict != TC_ACT_OK && verdict != TC_ACT_REDIRECT {
+                lost += 1;
+                continue;
+            }
+            let out = Pkt::parse(&out);
+            if out.dst != backend
+                || out.src.ip() != "192.0.2.1".parse::<IpAddr>().expect("ip")
+                || !SNAT_PORTS.contains(&out.src.port())
+            {
+                lost += 1;
+                continue;
+            }
+            got.insert(out.src.port());
+        }
+        (got, lost)
+    }
+}
+
+/// Issue 11 item 1: SNAT to a remote backend never refuses a new flow while a port of the
+/// range is free, reclaims the ports of expired flows, and refuses (counted) only when
+/// every port is held by a live flow. Per protocol: round 1 opens as many flows as the
+/// range has ports (28,232) to one backend address:port, all must succeed with distinct
+/// ports; one more is refused and counted; then round 1's entries are made idle past
+/// their timeout and round 2 opens 28,232 new flows, which must all succeed again.
+#[test]
+fn snat_uses_every_free_port_reclaims_expired_flows_and_refuses_only_a_full_range() {
+    let mut bed = Bed::with_conntrack(1 << 18);
+    let udp = Frontend::new(Ipv4Addr::UNSPECIFIED, 30053, Proto::Udp);
+    let tcp = Frontend::new(Ipv4Addr::UNSPECIFIED, 30080, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(udp, &[("10.2.1.2:5353", 0)], svc_flags::NODE_PORT))
+        .expect("upsert");
+    bed.writer
+        .upsert(&entry(tcp, &[("10.2.1.2:8080", 0)], svc_flags::NODE_PORT))
+        .expect("upsert");
+    let span = SNAT_PORTS.end - SNAT_PORTS.start;
+    let client_ports = 1024..1024 + span;
+    let mut figures = Vec::new();
+    for (proto, frontend, backend) in [
+        (UDP, "192.0.2.1:30053", sa("10.2.1.2:5353")),
+        (TCP, "192.0.2.1:30080", sa("10.2.1.2:8080")),
+    ] {
+        let name = if proto == TCP { "TCP" } else { "UDP" };
+        let failed_before = bed.counter(proxy_common::Reason::TcSnatFailed);
+        let (ports1, lost1) =
+            bed.open_snat_flows(proto, "198.51.100.7", client_ports.clone(), frontend, backend);
+        // The range is full now: one more flow is refused, and counted.
+        let (_, refused) = bed.open_snat_flows(proto, "198.51.100.9", 1..2, frontend, backend);
+        let failed_full = bed.counter(proxy_common::Reason::TcSnatFailed) - failed_before;
+        let expired = bed.expire_ct4(proto, None);
+        let (ports2, lost2) =
+            bed.open_snat_flows(proto, "198.51.100.8", client_ports.clone(), frontend, backend);
+        figures.push(format!(
+            "{name}: round 1 {} flows, {lost1} lost, {} ports; full range: {refused} refused, \
+             tc_snat_failed +{failed_full}; {expired} entries expired; round 2 {} flows, \
+             {lost2} lost, {} ports",
+            client_ports.len(),
+            ports1.len(),
+            client_ports.len(),
+            ports2.len(),
+        ));
+        eprintln!("{}", figures.last().expect("figure"));
+        assert_eq!((lost1, ports1.len()), (0, usize::from(span)), "{figures:?}");
+        assert_eq!((refused, failed_full), (1, 1), "{figures:?}");
+        assert_eq!((lost2, ports2.len()), (0, usize::from(span)), "{figures:?}");
+        // A reclaimed port now belongs to its new flow: the backend's reply to it is
+        // restored to round 2's client.
+        let port = *ports2.iter().next().expect("a port");
+        let reply_to = format!("192.0.2.1:{port}");
+        let reply = if proto == TCP {
+            Pkt::tcp(&backend.to_string(), &reply_to, SYN | ACK)
+        } else {
+            Pkt::udp(&backend.to_string(), &reply_to)
+        };
+        let (_, out) = bed.run("tc_ingress", &reply);
+        assert_eq!(out.src, sa(frontend), "{name}: reply from the frontend");
+        assert_eq!(out.dst.ip(), sa("198.51.100.8:1").ip(), "{name}: to round 2's client");
+        // A flow whose backend has not answered for a while but whose client still
+        // sends keeps its port: with only the reply entries idle, the range is still full.
+        bed.expire_ct4(proto, Some(1));
+        let failed = bed.counter(proxy_common::Reason::TcSnatFailed);
+        let (_, refused) = bed.open_snat_flows(proto, "198.51.100.9", 2..3, frontend, backend);
+        assert_eq!(refused, 1, "{name}: a port of a live flow was taken");
+        assert_eq!(
+            bed.counter(proxy_common::Reason::TcSnatFailed),
+            failed + 1,
+            "{name}"
+        );
+    }
 }
