@@ -21,6 +21,7 @@
 #![no_std]
 
 pub mod kube_names;
+pub mod lookup;
 
 /// Bumped whenever a key, value or map definition changes incompatibly. The loader stores
 /// it in the `META` map; a new agent refuses to adopt pins of another version.
@@ -260,11 +261,17 @@ pub enum Reason {
     /// TC: an ICMP port unreachable not sent, over the rate limit (1,000/s per CPU after
     /// a burst of 50, the kernel's defaults for its own ICMP errors): dropped.
     TcRejectLimited = 21,
+    /// TC: a new flow's conntrack entries could not be written (neither is kept): the
+    /// packet is dropped rather than translated one way only.
+    TcCtWriteFailed = 22,
+    /// TC: a packet (or an ICMP error's quoted header) could not be rewritten, a helper
+    /// refused half-way: the packet is dropped rather than sent half-translated.
+    TcRewriteFailed = 23,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 22;
+    pub const COUNT: u32 = 24;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -289,6 +296,8 @@ impl Reason {
         Reason::AffinityHit,
         Reason::TcStaleBackend,
         Reason::TcRejectLimited,
+        Reason::TcCtWriteFailed,
+        Reason::TcRewriteFailed,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -316,6 +325,8 @@ impl Reason {
             Reason::AffinityHit => "affinity_hit",
             Reason::TcStaleBackend => "tc_stale_backend",
             Reason::TcRejectLimited => "tc_reject_limited",
+            Reason::TcCtWriteFailed => "tc_ct_write_failed",
+            Reason::TcRewriteFailed => "tc_rewrite_failed",
         }
     }
 }

@@ -888,10 +888,13 @@ impl Bed {
     /// since before its timeout, from user space, as time would: the datapath's own
     /// expiry check then applies.
     fn expire_ct4(&mut self, proto: u8, dir: Option<u8>) -> usize {
-        let idle = proxy_common::ct_timeouts::UDP.max(proxy_common::ct_timeouts::TCP_SYN)
-            + 5_000_000_000;
+        let idle =
+            proxy_common::ct_timeouts::UDP.max(proxy_common::ct_timeouts::TCP_SYN) + 5_000_000_000;
         let now = monotonic_ns();
-        assert!(now > idle, "the machine has been up for less than a timeout");
+        assert!(
+            now > idle,
+            "the machine has been up for less than a timeout"
+        );
         let mut ct: aya::maps::HashMap<_, Ct4Key, Ct4Value> =
             aya::maps::HashMap::try_from(self.ebpf.map_mut(map_names::CT4).expect("CT4"))
                 .expect("map");
@@ -973,14 +976,24 @@ fn snat_uses_every_free_port_reclaims_expired_flows_and_refuses_only_a_full_rang
     ] {
         let name = if proto == TCP { "TCP" } else { "UDP" };
         let failed_before = bed.counter(proxy_common::Reason::TcSnatFailed);
-        let (ports1, lost1) =
-            bed.open_snat_flows(proto, "198.51.100.7", client_ports.clone(), frontend, backend);
+        let (ports1, lost1) = bed.open_snat_flows(
+            proto,
+            "198.51.100.7",
+            client_ports.clone(),
+            frontend,
+            backend,
+        );
         // The range is full now: one more flow is refused, and counted.
         let (_, refused) = bed.open_snat_flows(proto, "198.51.100.9", 1..2, frontend, backend);
         let failed_full = bed.counter(proxy_common::Reason::TcSnatFailed) - failed_before;
         let expired = bed.expire_ct4(proto, None);
-        let (ports2, lost2) =
-            bed.open_snat_flows(proto, "198.51.100.8", client_ports.clone(), frontend, backend);
+        let (ports2, lost2) = bed.open_snat_flows(
+            proto,
+            "198.51.100.8",
+            client_ports.clone(),
+            frontend,
+            backend,
+        );
         figures.push(format!(
             "{name}: round 1 {} flows, {lost1} lost, {} ports; full range: {refused} refused, \
              tc_snat_failed +{failed_full}; {expired} entries expired; round 2 {} flows, \
@@ -1005,7 +1018,11 @@ fn snat_uses_every_free_port_reclaims_expired_flows_and_refuses_only_a_full_rang
         };
         let (_, out) = bed.run("tc_ingress", &reply);
         assert_eq!(out.src, sa(frontend), "{name}: reply from the frontend");
-        assert_eq!(out.dst.ip(), sa("198.51.100.8:1").ip(), "{name}: to round 2's client");
+        assert_eq!(
+            out.dst.ip(),
+            sa("198.51.100.8:1").ip(),
+            "{name}: to round 2's client"
+        );
         // A flow whose backend has not answered for a while but whose client still
         // sends keeps its port: with only the reply entries idle, the range is still full.
         bed.expire_ct4(proto, Some(1));
