@@ -1036,3 +1036,33 @@ fn snat_uses_every_free_port_reclaims_expired_flows_and_refuses_only_a_full_rang
         );
     }
 }
+
+/// Issue 13: a failure of the TC worker is an outcome, counted and dropped, not a packet
+/// passed on half-done and uncounted. A SYN to a frontend cut short inside its TCP header
+/// (ports and flags present, checksum missing) starts a flow whose rewrite the checksum
+/// helper refuses: dropped and counted as `tc_rewrite_failed`.
+#[test]
+fn a_rewrite_the_kernel_refuses_is_counted_and_dropped() {
+    let mut bed = Bed::new();
+    let fe = Frontend::new(Ipv4Addr::new(10, 96, 0, 70), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], 0))
+        .expect("upsert");
+    let mut frame = Pkt::tcp("198.51.100.7:40000", "10.96.0.70:80", SYN).build();
+    // Ethernet 14 + IPv4 20 + the first 14 bytes of TCP (up to the flags).
+    frame.truncate(14 + 20 + 14);
+    let before = bed.counter(proxy_common::Reason::TcRewriteFailed);
+    let (verdict, _) = bed.run_raw("tc_ingress", &frame);
+    assert_eq!(verdict, TC_ACT_SHOT, "a half-rewritten packet is dropped");
+    assert_eq!(
+        bed.counter(proxy_common::Reason::TcRewriteFailed),
+        before + 1,
+        "and counted"
+    );
+    // A whole packet of the same kind is translated.
+    let (verdict, out) = bed.run(
+        "tc_ingress",
+        &Pkt::tcp("198.51.100.7:40001", "10.96.0.70:80", SYN),
+    );
+    assert_eq!((verdict, out.dst), (TC_ACT_OK, sa("10.1.1.2:8080")));
+}
