@@ -14,6 +14,8 @@
 //! by id.
 #![no_std]
 
+pub mod lookup;
+
 /// Bumped whenever a key, value or map definition changes incompatibly. The loader stores
 /// it in the `META` map; pins of an older version are migrated (`proxy-user/src/migrate`).
 /// 4: `SOCK_REVNAT4/6` became per-socket storage (`SK_STORAGE`) instead of a node-wide LRU.
@@ -257,11 +259,17 @@ pub enum Reason {
     /// TC: an ICMP port unreachable not sent, over the rate limit (1,000/s per CPU after
     /// a burst of 50, the kernel's defaults for its own ICMP errors): dropped.
     TcRejectLimited = 21,
+    /// TC: a new flow's conntrack entries could not be written (neither is kept): the
+    /// packet is dropped rather than translated one way only.
+    TcCtWriteFailed = 22,
+    /// TC: a packet (or an ICMP error's quoted header) could not be rewritten, a helper
+    /// refused half-way: the packet is dropped rather than sent half-translated.
+    TcRewriteFailed = 23,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 22;
+    pub const COUNT: u32 = 24;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -286,6 +294,8 @@ impl Reason {
         Reason::AffinityHit,
         Reason::TcStaleBackend,
         Reason::TcRejectLimited,
+        Reason::TcCtWriteFailed,
+        Reason::TcRewriteFailed,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -313,6 +323,8 @@ impl Reason {
             Reason::AffinityHit => "affinity_hit",
             Reason::TcStaleBackend => "tc_stale_backend",
             Reason::TcRejectLimited => "tc_reject_limited",
+            Reason::TcCtWriteFailed => "tc_ct_write_failed",
+            Reason::TcRewriteFailed => "tc_rewrite_failed",
         }
     }
 }

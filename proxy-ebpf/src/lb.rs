@@ -33,6 +33,11 @@ pub trait Family {
     fn rev_table(sk: *mut bpf_sock, create: bool) -> Option<RevTable<Self::Entry>>;
     /// One reverse entry: `backend -> (frontend, service id)`.
     type Entry: RevEntry<Addr = Self::Addr>;
+    /// The `SVC` entry for `slot` of frontend `addr:port/proto` in `scope` (`scope::ALL`
+    /// or the external-local twin, which only the TC path reads).
+    fn svc_in(addr: Self::Addr, port: u16, proto: u8, scope: u8, slot: u16) -> Option<SvcValue>;
+    /// The backend's address, port and `backend_flags`.
+    fn backend_entry(id: u32) -> Option<(Self::Addr, u16, u8)>;
 }
 
 /// A socket's reverse entries for one family: `[next, entries...]` in its storage.
@@ -220,6 +225,21 @@ impl Family for V4 {
             }
         })
     }
+
+    #[inline(always)]
+    fn svc_in(addr: u32, port: u16, proto: u8, scope: u8, slot: u16) -> Option<SvcValue> {
+        // SAFETY: copied out at once.
+        unsafe {
+            SVC4.get(&Svc4Key::new(addr, port, proto, scope, slot))
+                .copied()
+        }
+    }
+
+    #[inline(always)]
+    fn backend_entry(id: u32) -> Option<(u32, u16, u8)> {
+        // SAFETY: copied out at once.
+        unsafe { BACKEND4.get(&id).map(|b| (b.addr, b.port, b.flags)) }
+    }
 }
 
 impl Family for V6 {
@@ -264,22 +284,34 @@ impl Family for V6 {
             }
         })
     }
+
+    #[inline(always)]
+    fn svc_in(addr: [u32; 4], port: u16, proto: u8, scope: u8, slot: u16) -> Option<SvcValue> {
+        // SAFETY: copied out at once.
+        unsafe {
+            SVC6.get(&Svc6Key::new(addr, port, proto, scope, slot))
+                .copied()
+        }
+    }
+
+    #[inline(always)]
+    fn backend_entry(id: u32) -> Option<([u32; 4], u16, u8)> {
+        // SAFETY: copied out at once.
+        unsafe { BACKEND6.get(&id).map(|b| (b.addr, b.port, b.flags)) }
+    }
 }
 
-/// The frontend `addr:port/proto` is, and the address its slots are keyed by: the address
-/// itself, or for one of the node's addresses the NodePort entry (address zero), so pods
-/// and the node's own processes reach `<node address>:<nodePort>` too (as kube-proxy's
-/// KUBE-NODEPORTS rules let them). Non-frontends cost one more lookup, in `NODE_ADDRS`.
+/// The frontend `addr:port/proto` is, and the address its slots are keyed by: the one
+/// lookup rule of every datapath (`proxy_common::lookup::frontend`: the exact frontend,
+/// else for one of the node's addresses the NodePort entry), over this family's maps.
 #[inline(always)]
-fn frontend<F: Family>(addr: F::Addr, port: u16, proto: u8) -> Option<(SvcValue, F::Addr)> {
-    if let Some(front) = F::svc(addr, port, proto, 0) {
-        return Some((front, addr));
-    }
-    if !F::is_node_addr(addr) {
-        return None;
-    }
-    let zero = F::zero();
-    F::svc(zero, port, proto, 0).map(|front| (front, zero))
+pub fn frontend<F: Family>(addr: F::Addr, port: u16, proto: u8) -> Option<(SvcValue, F::Addr)> {
+    proxy_common::lookup::frontend(
+        addr,
+        F::zero(),
+        |a| F::svc(a, port, proto, 0),
+        F::is_node_addr,
+    )
 }
 
 /// The outcome of the forward path when the destination was a frontend.

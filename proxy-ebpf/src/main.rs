@@ -5,19 +5,18 @@
 //!   written once over an address family trait and instantiated for v4 and v6;
 //! - `affinity`: `sessionAffinity: ClientIP`, shared by both paths;
 //! - `sock`: the eight cgroup `sock_addr` hooks, each a thin shell around `lb`;
-//! - `tc`: the per-packet datapath at TC (NodePort, external and LB addresses);
-//! - `icmp`: ICMP errors about NATed flows, translated;
-//! - `unreach`: ICMP port unreachable for UDP to a frontend without endpoints.
+//! - `tc/`: the per-packet datapath at TC (NodePort, external and LB addresses): shells
+//!   and stages (`mod.rs`), per-family layout (`family.rs`), conntrack and SNAT ports
+//!   (`ct.rs`), rewriting and FIB (`nat.rs`), ICMP errors (`icmp.rs`), REJECT answers
+//!   (`unreach.rs`).
 #![no_std]
 #![no_main]
 
 mod affinity;
-mod icmp;
 mod lb;
 mod maps;
 mod sock;
 mod tc;
-mod unreach;
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -1,5 +1,7 @@
-//! Every map the programs use. All are pinned by name under the agent's pin directory, so
-//! the datapath keeps its state while the agent restarts. Sizes: `proxy_common::limits`.
+//! Every map the programs use. The shared state is pinned by name under the agent's pin
+//! directory, so the datapath keeps it while the agent restarts (sizes:
+//! `proxy_common::limits`); the per-CPU scratch and rate-limit maps at the end are private
+//! to the loaded programs (not pinned, not part of the ABI).
 
 use aya_ebpf::{
     bindings::{
@@ -15,6 +17,8 @@ use proxy_common::{
     NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat6, SrcRange4, SrcRange6, Svc4Key,
     Svc6Key, SvcValue,
 };
+
+use crate::tc::{Bucket, Scratch};
 
 /// IPv4 frontends (slot 0) and their backend slots (1..=count).
 #[map]
@@ -147,6 +151,42 @@ pub static SRC_RANGE6: LpmTrie<SrcRange6, u8> = LpmTrie::pinned(MAX_SRC_RANGES, 
 /// `sessionAffinity: ClientIP`: the backend each client last used, per service.
 #[map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(MAX_AFFINITY, 0);
+
+/// TC per-CPU scratch, IPv4: the parsed packet and a new flow's choice, kept off the
+/// stack (the verifier counts 512 bytes over the whole call chain).
+#[map]
+pub static SCRATCH4: PerCpuArray<Scratch<u32>> = PerCpuArray::with_max_entries(1, 0);
+
+/// TC per-CPU scratch, IPv6.
+#[map]
+pub static SCRATCH6: PerCpuArray<Scratch<[u32; 4]>> = PerCpuArray::with_max_entries(1, 0);
+
+/// Per-CPU token bucket of the ICMP port unreachable answers (`tc::unreach`).
+#[map]
+pub static UNREACH_BUCKET: PerCpuArray<Bucket> = PerCpuArray::with_max_entries(1, 0);
+
+/// When this CPU last logged a datapath warning (`bpf_ktime_get_ns`); not pinned.
+#[map]
+static WARN_LAST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// At most one warning a second per CPU: a condition met by every packet of a flood
+/// (a full SNAT range) is counted for each, logged once a second.
+#[inline(never)]
+pub fn warn_allowed() -> bool {
+    let Some(last) = WARN_LAST.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: no preconditions.
+    let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
+    // SAFETY: this CPU's entry; the program is not preempted on its CPU.
+    unsafe {
+        if *last != 0 && now.saturating_sub(*last) < 1_000_000_000 {
+            return false;
+        }
+        *last = now;
+    }
+    true
+}
 
 /// Counts one outcome.
 #[inline(always)]

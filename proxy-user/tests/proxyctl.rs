@@ -916,6 +916,8 @@ tc_icmp_error          0      TC: ICMP error about a NATed flow, translated for 
 affinity_hit           0      sessionAffinity ClientIP: the client's previous backend again
 tc_stale_backend       0      TC: UDP flow whose backend is gone: balanced afresh
 tc_reject_limited      0      TC: ICMP port unreachable over the rate limit (1000/s per CPU): dropped
+tc_ct_write_failed     0      TC: a new flow's conntrack entries not written: dropped
+tc_rewrite_failed      0      TC: a packet rewrite refused half-way: dropped
 
 BACKEND               ID  CONNS
 10.240.1.2:8080       1   4
@@ -1173,6 +1175,8 @@ tc_icmp_error          0      -      -
 affinity_hit           0      -      -
 tc_stale_backend       0      -      -
 tc_reject_limited      0      -      -
+tc_ct_write_failed     0      -      -
+tc_rewrite_failed      0      -      -
 
 proxyctl watch: every 100ms, frame 2 of 2
 
@@ -1209,6 +1213,8 @@ tc_icmp_error          0      +0     0.0
 affinity_hit           0      +0     0.0
 tc_stale_backend       0      +0     0.0
 tc_reject_limited      0      +0     0.0
+tc_ct_write_failed     0      +0     0.0
+tc_rewrite_failed      0      +0     0.0
 
 $ proxyctl dump
 frontend 0.0.0.0:30080/tcp id=6 count=2 flags=0x24 affinity=0

@@ -657,3 +657,81 @@ fn nodeport_through_clsact_filters_with_restart_and_uninstall() {
     }
     let _ = fs::remove_dir_all(&dir);
 }
+
+/// Issue 11 item 1 through real sockets: 20,000 new UDP flows from outside to a NodePort
+/// whose only endpoint is on the other node (eTP=Cluster: each flow SNATed to node 1 with
+/// a port of its own, 28,232 ports for one backend address:port) are all answered. Each
+/// flow is a socket bound to a client port of its own, in windows of 250 sockets.
+/// (Four random probes per flow, the old allocator, lose about one flow in twenty by then:
+/// the issue measured 901 of 20,000.)
+#[test]
+fn many_udp_flows_to_one_remote_backend_are_all_snatted_and_answered() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::new();
+    let dir = manifests_dir();
+    write(
+        &dir,
+        "remote.yaml",
+        &service("remote", "10.96.0.10", "Cluster", "", &[3]),
+    );
+    let mut agent = AgentProcess::start_in(
+        &env,
+        Some(&c.node_a),
+        &[
+            "--manifests",
+            dir.to_str().expect("utf-8"),
+            "--interfaces",
+            "ext0,nb0",
+        ],
+    );
+    agent.wait_healthy(Duration::from_secs(20));
+    let nodeport = SocketAddr::from(([10, 100, 0, 2], NODEPORT + 1));
+    wait_for("the UDP NodePort answers", Duration::from_secs(5), || {
+        let _g = c.ext.enter();
+        ask_udp(nodeport).is_ok()
+    });
+    let _g = c.ext.enter();
+    let flows: Vec<u16> = (10_000..30_000).collect();
+    let mut lost = Vec::new();
+    for window in flows.chunks(250) {
+        let socks: Vec<(u16, UdpSocket)> = window
+            .iter()
+            .map(|p| {
+                let s = UdpSocket::bind(("10.100.0.1", *p)).expect("bind client port");
+                s.send_to(b"hi", nodeport).expect("send");
+                (*p, s)
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        for (port, s) in &socks {
+            let left = deadline.saturating_duration_since(Instant::now());
+            s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .expect("timeout");
+            let mut buf = [0u8; 64];
+            match s.recv_from(&mut buf) {
+                Ok((n, from)) => {
+                    assert_eq!(from, nodeport, "the reply comes from the NodePort");
+                    assert_eq!(
+                        String::from_utf8_lossy(&buf[..n]),
+                        "pod3 10.100.0.2\n",
+                        "the remote pod saw node 1 (SNAT)"
+                    );
+                }
+                Err(_) => lost.push(*port),
+            }
+        }
+    }
+    eprintln!(
+        "{} UDP flows to one remote backend, {} lost",
+        flows.len(),
+        lost.len()
+    );
+    assert!(
+        lost.is_empty(),
+        "{} of {} flows got no answer (first: {:?}):\n{}",
+        lost.len(),
+        flows.len(),
+        &lost[..lost.len().min(10)],
+        agent.logs()
+    );
+}

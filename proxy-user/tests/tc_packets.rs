@@ -8,187 +8,23 @@
 
 mod support;
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use proxy_common::{backend_flags, map_names, svc_flags, Ct4Key, Ct4Value};
 use proxy_user::{bpf, loader, model::Backend, BpfMaps, Frontend, Proto, ServiceEntry, Writer};
-use support::{require_root, PinDir};
+use support::{
+    require_root,
+    tc::{icmp_error, parse_icmp_error, Pkt, TCP, UDP},
+    PinDir,
+};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
-const TCP: u8 = 6;
-const UDP: u8 = 17;
 const SYN: u8 = 0x02;
 const ACK: u8 = 0x10;
 const RST: u8 = 0x04;
-
-/// A TCP or UDP packet, built and parsed (Ethernet + IPv4/IPv6 + L4, no options).
-#[derive(Clone, Debug, PartialEq)]
-struct Pkt {
-    src: SocketAddr,
-    dst: SocketAddr,
-    proto: u8,
-    flags: u8,
-    seq: u32,
-    payload: Vec<u8>,
-}
-
-fn sum16(data: &[u8]) -> u32 {
-    data.chunks(2)
-        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
-        .sum()
-}
-
-fn fold(mut s: u32) -> u16 {
-    while s > 0xffff {
-        s = (s & 0xffff) + (s >> 16);
-    }
-    !(s as u16)
-}
-
-fn pseudo(src: IpAddr, dst: IpAddr, proto: u8, len: usize) -> Vec<u8> {
-    let mut p = Vec::new();
-    match (src, dst) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            p.extend(s.octets());
-            p.extend(d.octets());
-            p.extend([0, proto]);
-            p.extend((len as u16).to_be_bytes());
-        }
-        (IpAddr::V6(s), IpAddr::V6(d)) => {
-            p.extend(s.octets());
-            p.extend(d.octets());
-            p.extend((len as u32).to_be_bytes());
-            p.extend([0, 0, 0, proto]);
-        }
-        _ => panic!("mixed families"),
-    }
-    p
-}
-
-impl Pkt {
-    fn tcp(src: &str, dst: &str, flags: u8) -> Self {
-        Self {
-            src: src.parse().expect("src"),
-            dst: dst.parse().expect("dst"),
-            proto: TCP,
-            flags,
-            seq: 1000,
-            payload: Vec::new(),
-        }
-    }
-
-    fn udp(src: &str, dst: &str) -> Self {
-        Self {
-            proto: UDP,
-            flags: 0,
-            payload: b"query".to_vec(),
-            ..Self::tcp(src, dst, 0)
-        }
-    }
-
-    fn build(&self) -> Vec<u8> {
-        let mut l4 = Vec::new();
-        l4.extend(self.src.port().to_be_bytes());
-        l4.extend(self.dst.port().to_be_bytes());
-        if self.proto == TCP {
-            l4.extend(self.seq.to_be_bytes());
-            l4.extend(0u32.to_be_bytes());
-            l4.extend([5 << 4, self.flags]);
-            l4.extend(64240u16.to_be_bytes());
-            l4.extend([0, 0, 0, 0]);
-        } else {
-            l4.extend(((8 + self.payload.len()) as u16).to_be_bytes());
-            l4.extend([0, 0]);
-        }
-        l4.extend(&self.payload);
-        let csum_at = if self.proto == TCP { 16 } else { 6 };
-        let mut all = pseudo(self.src.ip(), self.dst.ip(), self.proto, l4.len());
-        all.extend(&l4);
-        let c = fold(sum16(&all));
-        l4[csum_at..csum_at + 2].copy_from_slice(&c.to_be_bytes());
-        let mut out = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2];
-        match (self.src.ip(), self.dst.ip()) {
-            (IpAddr::V4(s), IpAddr::V4(d)) => {
-                out.extend([0x08, 0x00]);
-                let mut ip = vec![0x45, 0];
-                ip.extend(((20 + l4.len()) as u16).to_be_bytes());
-                ip.extend([0, 1, 0x40, 0, 64, self.proto, 0, 0]);
-                ip.extend(s.octets());
-                ip.extend(d.octets());
-                let c = fold(sum16(&ip));
-                ip[10..12].copy_from_slice(&c.to_be_bytes());
-                out.extend(ip);
-            }
-            (IpAddr::V6(s), IpAddr::V6(d)) => {
-                out.extend([0x86, 0xdd]);
-                out.extend([0x60, 0, 0, 0]);
-                out.extend((l4.len() as u16).to_be_bytes());
-                out.extend([self.proto, 64]);
-                out.extend(s.octets());
-                out.extend(d.octets());
-            }
-            _ => panic!("mixed families"),
-        }
-        out.extend(l4);
-        out
-    }
-
-    /// Parses a frame, asserting that every checksum is right.
-    fn parse(frame: &[u8]) -> Self {
-        let (src_ip, dst_ip, proto, l4): (IpAddr, IpAddr, u8, &[u8]) = match [frame[12], frame[13]]
-        {
-            [0x08, 0x00] => {
-                let ip = &frame[14..34];
-                assert_eq!(fold(sum16(ip)), 0, "IPv4 header checksum");
-                let s: [u8; 4] = ip[12..16].try_into().expect("4");
-                let d: [u8; 4] = ip[16..20].try_into().expect("4");
-                (
-                    Ipv4Addr::from(s).into(),
-                    Ipv4Addr::from(d).into(),
-                    ip[9],
-                    &frame[34..],
-                )
-            }
-            [0x86, 0xdd] => {
-                let ip = &frame[14..54];
-                let s: [u8; 16] = ip[8..24].try_into().expect("16");
-                let d: [u8; 16] = ip[24..40].try_into().expect("16");
-                (
-                    Ipv6Addr::from(s).into(),
-                    Ipv6Addr::from(d).into(),
-                    ip[6],
-                    &frame[54..],
-                )
-            }
-            other => panic!("ethertype {other:?}"),
-        };
-        let mut all = pseudo(src_ip, dst_ip, proto, l4.len());
-        all.extend(l4);
-        assert_eq!(fold(sum16(&all)), 0, "L4 checksum of {src_ip} -> {dst_ip}");
-        let port = |o: usize| u16::from_be_bytes([l4[o], l4[o + 1]]);
-        let (flags, seq, payload) = if proto == TCP {
-            let off = usize::from(l4[12] >> 4) * 4;
-            (
-                l4[13],
-                u32::from_be_bytes(l4[4..8].try_into().expect("4")),
-                l4[off..].to_vec(),
-            )
-        } else {
-            (0, 1000, l4[8..].to_vec())
-        };
-        Self {
-            src: SocketAddr::new(src_ip, port(0)),
-            dst: SocketAddr::new(dst_ip, port(2)),
-            proto,
-            flags,
-            seq,
-            payload,
-        }
-    }
-}
 
 struct Bed {
     ebpf: aya::Ebpf,
@@ -494,100 +330,6 @@ fn etp_local_without_local_endpoints_drops_without_any_endpoint_rejects() {
     assert_eq!(verdict, TC_ACT_REDIRECT, "no endpoint at all: rejected");
     assert_eq!((out.src, out.dst), (syn.dst, syn.src));
     assert_eq!(out.flags, RST | ACK);
-}
-
-/// An ICMP(v6) error from `router` to `to` quoting the first bytes of `inner` (its IP
-/// header and 8 bytes of L4), with valid checksums.
-fn icmp_error(router: IpAddr, to: IpAddr, kind: u8, inner: &Pkt) -> Vec<u8> {
-    let frame = inner.build();
-    let quoted_len = if inner.src.is_ipv4() { 20 + 8 } else { 40 + 8 };
-    let quoted = &frame[14..14 + quoted_len];
-    let mut icmp = vec![kind, 4, 0, 0, 0, 0, 0x05, 0xdc];
-    icmp.extend(quoted);
-    let mut out = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2];
-    match (router, to) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            let c = fold(sum16(&icmp));
-            icmp[2..4].copy_from_slice(&c.to_be_bytes());
-            out.extend([0x08, 0x00]);
-            let mut ip = vec![0x45, 0];
-            ip.extend(((20 + icmp.len()) as u16).to_be_bytes());
-            ip.extend([0, 1, 0, 0, 64, 1, 0, 0]);
-            ip.extend(s.octets());
-            ip.extend(d.octets());
-            let c = fold(sum16(&ip));
-            ip[10..12].copy_from_slice(&c.to_be_bytes());
-            out.extend(ip);
-        }
-        (IpAddr::V6(s), IpAddr::V6(d)) => {
-            let mut all = pseudo(router, to, 58, icmp.len());
-            all.extend(&icmp);
-            let c = fold(sum16(&all));
-            icmp[2..4].copy_from_slice(&c.to_be_bytes());
-            out.extend([0x86, 0xdd, 0x60, 0, 0, 0]);
-            out.extend((icmp.len() as u16).to_be_bytes());
-            out.extend([58, 64]);
-            out.extend(s.octets());
-            out.extend(d.octets());
-        }
-        _ => panic!("mixed families"),
-    }
-    out.extend(icmp);
-    out
-}
-
-/// Parses an ICMP(v6) error, checking the outer, ICMP and inner IPv4 header checksums:
-/// (outer source, outer destination, inner source, inner destination).
-fn parse_icmp_error(frame: &[u8]) -> (IpAddr, IpAddr, SocketAddr, SocketAddr) {
-    let v4 = frame[12..14] == [0x08, 0x00];
-    let (outer_src, outer_dst, icmp): (IpAddr, IpAddr, &[u8]) = if v4 {
-        let ip = &frame[14..34];
-        assert_eq!(fold(sum16(ip)), 0, "outer IPv4 checksum");
-        let s: [u8; 4] = ip[12..16].try_into().expect("4");
-        let d: [u8; 4] = ip[16..20].try_into().expect("4");
-        (
-            Ipv4Addr::from(s).into(),
-            Ipv4Addr::from(d).into(),
-            &frame[34..],
-        )
-    } else {
-        let s: [u8; 16] = frame[22..38].try_into().expect("16");
-        let d: [u8; 16] = frame[38..54].try_into().expect("16");
-        (
-            Ipv6Addr::from(s).into(),
-            Ipv6Addr::from(d).into(),
-            &frame[54..],
-        )
-    };
-    if v4 {
-        assert_eq!(fold(sum16(icmp)), 0, "ICMP checksum");
-        let inner = &icmp[8..28];
-        assert_eq!(fold(sum16(inner)), 0, "inner IPv4 header checksum");
-        let s: [u8; 4] = inner[12..16].try_into().expect("4");
-        let d: [u8; 4] = inner[16..20].try_into().expect("4");
-        let l4 = &icmp[28..];
-        let port = |o: usize| u16::from_be_bytes([l4[o], l4[o + 1]]);
-        (
-            outer_src,
-            outer_dst,
-            SocketAddr::new(Ipv4Addr::from(s).into(), port(0)),
-            SocketAddr::new(Ipv4Addr::from(d).into(), port(2)),
-        )
-    } else {
-        let mut all = pseudo(outer_src, outer_dst, 58, icmp.len());
-        all.extend(icmp);
-        assert_eq!(fold(sum16(&all)), 0, "ICMPv6 checksum");
-        let inner = &icmp[8..];
-        let s: [u8; 16] = inner[8..24].try_into().expect("16");
-        let d: [u8; 16] = inner[24..40].try_into().expect("16");
-        let port = |o: usize| u16::from_be_bytes([inner[40 + o], inner[41 + o]]);
-        (
-            outer_src,
-            outer_dst,
-            SocketAddr::new(Ipv6Addr::from(s).into(), port(0)),
-            SocketAddr::new(Ipv6Addr::from(d).into(), port(2)),
-        )
-    }
 }
 
 impl Bed {
@@ -898,4 +640,216 @@ fn icmp_port_unreachable_is_rate_limited() {
         .map(|(_, v)| v)
         .expect("counter");
     assert_eq!(limited, n - answered, "every refusal is counted");
+}
+
+/// The TC path's SNAT source ports: the kernel's default ephemeral range.
+const SNAT_PORTS: std::ops::Range<u16> = 32768..61000;
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns`, so of `last_seen`.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to fill.
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) },
+        0
+    );
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+impl Bed {
+    fn counter(&self, reason: proxy_common::Reason) -> u64 {
+        self.writer
+            .store()
+            .stats()
+            .expect("stats")
+            .into_iter()
+            .find(|(r, _)| *r == reason)
+            .map(|(_, v)| v)
+            .expect("counter")
+    }
+
+    /// Makes every conntrack entry of `proto` (of direction `dir` if given) look idle
+    /// since before its timeout, from user space, as time would: the datapath's own
+    /// expiry check then applies.
+    fn expire_ct4(&mut self, proto: u8, dir: Option<u8>) -> usize {
+        let idle =
+            proxy_common::ct_timeouts::UDP.max(proxy_common::ct_timeouts::TCP_SYN) + 5_000_000_000;
+        let now = monotonic_ns();
+        assert!(
+            now > idle,
+            "the machine has been up for less than a timeout"
+        );
+        let mut ct: aya::maps::HashMap<_, Ct4Key, Ct4Value> =
+            aya::maps::HashMap::try_from(self.ebpf.map_mut(map_names::CT4).expect("CT4"))
+                .expect("map");
+        let keys: Vec<Ct4Key> = ct
+            .keys()
+            .map(|k| k.expect("key"))
+            .filter(|k| k.proto == proto && dir.is_none_or(|d| k.dir == d))
+            .collect();
+        for k in &keys {
+            let mut v = ct.get(k, 0).expect("entry");
+            v.last_seen = now - idle;
+            ct.insert(k, v, 0).expect("rewrite last_seen");
+        }
+        keys.len()
+    }
+
+    /// Opens one flow per client port in `ports` from `client` to `frontend` (NodePort,
+    /// remote backend `backend`): the SNAT ports given, and how many flows were lost
+    /// (dropped, or not source-NATed into the range).
+    fn open_snat_flows(
+        &self,
+        proto: u8,
+        client: &str,
+        ports: std::ops::Range<u16>,
+        frontend: &str,
+        backend: SocketAddr,
+    ) -> (std::collections::BTreeSet<u16>, usize) {
+        let mut got = std::collections::BTreeSet::new();
+        let mut lost = 0;
+        for port in ports {
+            let src = format!("{client}:{port}");
+            let pkt = if proto == TCP {
+                Pkt::tcp(&src, frontend, SYN)
+            } else {
+                Pkt::udp(&src, frontend)
+            };
+            let (verdict, out) = self.run_raw("tc_ingress", &pkt.build());
+            if verdict != TC_ACT_OK && verdict != TC_ACT_REDIRECT {
+                lost += 1;
+                continue;
+            }
+            let out = Pkt::parse(&out);
+            if out.dst != backend
+                || out.src.ip() != "192.0.2.1".parse::<IpAddr>().expect("ip")
+                || !SNAT_PORTS.contains(&out.src.port())
+            {
+                lost += 1;
+                continue;
+            }
+            got.insert(out.src.port());
+        }
+        (got, lost)
+    }
+}
+
+/// Issue 11 item 1: SNAT to a remote backend never refuses a new flow while a port of the
+/// range is free, reclaims the ports of expired flows, and refuses (counted) only when
+/// every port is held by a live flow. Per protocol: round 1 opens as many flows as the
+/// range has ports (28,232) to one backend address:port, all must succeed with distinct
+/// ports; one more is refused and counted; then round 1's entries are made idle past
+/// their timeout and round 2 opens 28,232 new flows, which must all succeed again.
+#[test]
+fn snat_uses_every_free_port_reclaims_expired_flows_and_refuses_only_a_full_range() {
+    let mut bed = Bed::with_conntrack(1 << 18);
+    let udp = Frontend::new(Ipv4Addr::UNSPECIFIED, 30053, Proto::Udp);
+    let tcp = Frontend::new(Ipv4Addr::UNSPECIFIED, 30080, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(udp, &[("10.2.1.2:5353", 0)], svc_flags::NODE_PORT))
+        .expect("upsert");
+    bed.writer
+        .upsert(&entry(tcp, &[("10.2.1.2:8080", 0)], svc_flags::NODE_PORT))
+        .expect("upsert");
+    let span = SNAT_PORTS.end - SNAT_PORTS.start;
+    let client_ports = 1024..1024 + span;
+    let mut figures = Vec::new();
+    for (proto, frontend, backend) in [
+        (UDP, "192.0.2.1:30053", sa("10.2.1.2:5353")),
+        (TCP, "192.0.2.1:30080", sa("10.2.1.2:8080")),
+    ] {
+        let name = if proto == TCP { "TCP" } else { "UDP" };
+        let failed_before = bed.counter(proxy_common::Reason::TcSnatFailed);
+        let (ports1, lost1) = bed.open_snat_flows(
+            proto,
+            "198.51.100.7",
+            client_ports.clone(),
+            frontend,
+            backend,
+        );
+        // The range is full now: one more flow is refused, and counted.
+        let (_, refused) = bed.open_snat_flows(proto, "198.51.100.9", 1..2, frontend, backend);
+        let failed_full = bed.counter(proxy_common::Reason::TcSnatFailed) - failed_before;
+        let expired = bed.expire_ct4(proto, None);
+        let (ports2, lost2) = bed.open_snat_flows(
+            proto,
+            "198.51.100.8",
+            client_ports.clone(),
+            frontend,
+            backend,
+        );
+        figures.push(format!(
+            "{name}: round 1 {} flows, {lost1} lost, {} ports; full range: {refused} refused, \
+             tc_snat_failed +{failed_full}; {expired} entries expired; round 2 {} flows, \
+             {lost2} lost, {} ports",
+            client_ports.len(),
+            ports1.len(),
+            client_ports.len(),
+            ports2.len(),
+        ));
+        eprintln!("{}", figures.last().expect("figure"));
+        assert_eq!((lost1, ports1.len()), (0, usize::from(span)), "{figures:?}");
+        assert_eq!((refused, failed_full), (1, 1), "{figures:?}");
+        assert_eq!((lost2, ports2.len()), (0, usize::from(span)), "{figures:?}");
+        // A reclaimed port now belongs to its new flow: the backend's reply to it is
+        // restored to round 2's client.
+        let port = *ports2.iter().next().expect("a port");
+        let reply_to = format!("192.0.2.1:{port}");
+        let reply = if proto == TCP {
+            Pkt::tcp(&backend.to_string(), &reply_to, SYN | ACK)
+        } else {
+            Pkt::udp(&backend.to_string(), &reply_to)
+        };
+        let (_, out) = bed.run("tc_ingress", &reply);
+        assert_eq!(out.src, sa(frontend), "{name}: reply from the frontend");
+        assert_eq!(
+            out.dst.ip(),
+            sa("198.51.100.8:1").ip(),
+            "{name}: to round 2's client"
+        );
+        // A flow whose backend has not answered for a while but whose client still
+        // sends keeps its port: with only the reply entries idle, the range is still full.
+        bed.expire_ct4(proto, Some(1));
+        let failed = bed.counter(proxy_common::Reason::TcSnatFailed);
+        let (_, refused) = bed.open_snat_flows(proto, "198.51.100.9", 2..3, frontend, backend);
+        assert_eq!(refused, 1, "{name}: a port of a live flow was taken");
+        assert_eq!(
+            bed.counter(proxy_common::Reason::TcSnatFailed),
+            failed + 1,
+            "{name}"
+        );
+    }
+}
+
+/// Issue 13: a failure of the TC worker is an outcome, counted and dropped, not a packet
+/// passed on half-done and uncounted. A SYN to a frontend cut short inside its TCP header
+/// (ports and flags present, checksum missing) starts a flow whose rewrite the checksum
+/// helper refuses: dropped and counted as `tc_rewrite_failed`.
+#[test]
+fn a_rewrite_the_kernel_refuses_is_counted_and_dropped() {
+    let mut bed = Bed::new();
+    let fe = Frontend::new(Ipv4Addr::new(10, 96, 0, 70), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], 0))
+        .expect("upsert");
+    let mut frame = Pkt::tcp("198.51.100.7:40000", "10.96.0.70:80", SYN).build();
+    // Ethernet 14 + IPv4 20 + the first 14 bytes of TCP (up to the flags).
+    frame.truncate(14 + 20 + 14);
+    let before = bed.counter(proxy_common::Reason::TcRewriteFailed);
+    let (verdict, _) = bed.run_raw("tc_ingress", &frame);
+    assert_eq!(verdict, TC_ACT_SHOT, "a half-rewritten packet is dropped");
+    assert_eq!(
+        bed.counter(proxy_common::Reason::TcRewriteFailed),
+        before + 1,
+        "and counted"
+    );
+    // A whole packet of the same kind is translated.
+    let (verdict, out) = bed.run(
+        "tc_ingress",
+        &Pkt::tcp("198.51.100.7:40001", "10.96.0.70:80", SYN),
+    );
+    assert_eq!((verdict, out.dst), (TC_ACT_OK, sa("10.1.1.2:8080")));
 }

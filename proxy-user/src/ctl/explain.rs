@@ -306,7 +306,6 @@ fn service_port(
 /// lookups that fill a snapshot for one query).
 pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
     let node_address = s.node_addrs.as_ref().map(|a| a.contains(&q.addr));
-    let exact = services::view(s, &q.frontend(q.addr, scope::ALL));
     let exact_twin = services::view(s, &q.frontend(q.addr, scope::EXTERNAL_LOCAL));
     let any = q.any_addr();
     let node_port = if q.addr == any {
@@ -329,11 +328,17 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
     } else {
         "6"
     };
-    let node_port_matches = node_port.is_some() && node_address == Some(true);
-
-    let (primary, twin, via_node_port) = match (exact, node_port) {
-        (Some(e), np) => {
-            if let Some(np) = np.filter(|_| node_address == Some(true)) {
+    // Which entry the destination hits: the datapaths' one rule
+    // (`proxy_common::lookup::frontend`), over the snapshot.
+    let hit = proxy_common::lookup::frontend(
+        q.addr,
+        any,
+        |a| services::view(s, &q.frontend(a, scope::ALL)),
+        |_| node_address == Some(true),
+    );
+    let (primary, twin, via_node_port) = match hit {
+        Some((e, key)) if key == q.addr => {
+            if let Some(np) = node_port.as_ref().filter(|_| node_address == Some(true)) {
                 notes.push(format!(
                     "{} is also a node address and port {}/{} a NodePort ({}); the exact \
                      frontend above is the one looked up first",
@@ -345,9 +350,9 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
             }
             (e, exact_twin, false)
         }
-        (None, Some(np)) if node_port_matches => (np, node_port_twin, true),
-        (None, np) => {
-            return unmatched(s, q, node_address, np, notes);
+        Some((np, _)) => (np, node_port_twin, true),
+        None => {
+            return unmatched(s, q, node_address, node_port, notes);
         }
     };
 

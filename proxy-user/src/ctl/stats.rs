@@ -52,6 +52,8 @@ pub fn meaning(r: Reason) -> &'static str {
         Reason::TcRejectLimited => {
             "TC: ICMP port unreachable over the rate limit (1000/s per CPU): dropped"
         }
+        Reason::TcCtWriteFailed => "TC: a new flow's conntrack entries not written: dropped",
+        Reason::TcRewriteFailed => "TC: a packet rewrite refused half-way: dropped",
     }
 }
 

@@ -22,15 +22,17 @@ use aya_ebpf::{
 };
 use proxy_common::{proto, Ct4Key, Ct6Key, Reason};
 
-use crate::maps::{count, CT4, CT6};
+use crate::maps::{CT4, CT6};
 
 const ETH_HLEN: usize = 14;
 const IPPROTO_ICMP: u8 = 1;
 const IPPROTO_ICMPV6: u8 = 58;
 
-/// IPv4: returns `Some(verdict)` when the packet was an ICMP error of one of our flows.
+/// IPv4: `Some(Ok(verdict))` when the packet was an ICMP error about one of our flows,
+/// translated; `Some(Err(_))` when its rewrite failed half-way (the caller drops it);
+/// `None`: not ours. The caller counts the outcome.
 #[inline(never)]
-pub fn icmp4(ctx: &TcContext) -> Option<i32> {
+pub fn icmp4(ctx: &TcContext) -> Option<Result<i32, Reason>> {
     let vihl: u8 = ctx.load(ETH_HLEN).ok()?;
     if ctx.load::<u8>(ETH_HLEN + 9).ok()? != IPPROTO_ICMP {
         return None;
@@ -82,15 +84,19 @@ pub fn icmp4(ctx: &TcContext) -> Option<i32> {
         };
     let icsum = icmp + 2;
     let odst: u32 = ctx.load(ETH_HLEN + 16).ok()?;
-    rewrite_inner4(ctx, inner, icsum, 12, isrc, new_src.0)?;
-    rewrite_inner4(ctx, inner, icsum, 16, idst, new_dst.0)?;
-    port(ctx, icsum, il4, isport, new_src.1)?;
-    port(ctx, icsum, il4 + 2, idport, new_dst.1)?;
-    ctx.l3_csum_replace(ETH_HLEN + 10, u64::from(odst), u64::from(outer_to), 4)
-        .ok()?;
-    ctx.store(ETH_HLEN + 16, &outer_to, 0).ok()?;
-    count(Reason::TcIcmpError);
-    Some(TC_ACT_OK as i32)
+    let done = (|| {
+        rewrite_inner4(ctx, inner, icsum, 12, isrc, new_src.0)?;
+        rewrite_inner4(ctx, inner, icsum, 16, idst, new_dst.0)?;
+        port(ctx, icsum, il4, isport, new_src.1)?;
+        port(ctx, icsum, il4 + 2, idport, new_dst.1)?;
+        ctx.l3_csum_replace(ETH_HLEN + 10, u64::from(odst), u64::from(outer_to), 4)
+            .ok()?;
+        ctx.store(ETH_HLEN + 16, &outer_to, 0).ok()
+    })();
+    Some(
+        done.map(|()| TC_ACT_OK as i32)
+            .ok_or(Reason::TcRewriteFailed),
+    )
 }
 
 /// Changes one inner IPv4 address, keeping the inner header checksum and the ICMP
@@ -131,8 +137,9 @@ fn port(ctx: &TcContext, icsum: usize, off: usize, old: u16, new: u16) -> Option
 
 /// IPv6 (ICMPv6 right after the fixed header): destination unreachable, packet too big,
 /// time exceeded.
+/// Same contract as [`icmp4`].
 #[inline(never)]
-pub fn icmp6(ctx: &TcContext) -> Option<i32> {
+pub fn icmp6(ctx: &TcContext) -> Option<Result<i32, Reason>> {
     if ctx.load::<u8>(ETH_HLEN + 6).ok()? != IPPROTO_ICMPV6 {
         return None;
     }
@@ -177,20 +184,24 @@ pub fn icmp6(ctx: &TcContext) -> Option<i32> {
         };
     let icsum = icmp + 2;
     let odst: [u32; 4] = ctx.load(ETH_HLEN + 24).ok()?;
-    addr6(ctx, icsum, inner + 8, isrc, new_src.0, 0)?;
-    addr6(ctx, icsum, inner + 24, idst, new_dst.0, 0)?;
-    port(ctx, icsum, il4, isport, new_src.1)?;
-    port(ctx, icsum, il4 + 2, idport, new_dst.1)?;
-    addr6(
-        ctx,
-        icsum,
-        ETH_HLEN + 24,
-        odst,
-        outer_to,
-        u64::from(BPF_F_PSEUDO_HDR),
-    )?;
-    count(Reason::TcIcmpError);
-    Some(TC_ACT_OK as i32)
+    let done = (|| {
+        addr6(ctx, icsum, inner + 8, isrc, new_src.0, 0)?;
+        addr6(ctx, icsum, inner + 24, idst, new_dst.0, 0)?;
+        port(ctx, icsum, il4, isport, new_src.1)?;
+        port(ctx, icsum, il4 + 2, idport, new_dst.1)?;
+        addr6(
+            ctx,
+            icsum,
+            ETH_HLEN + 24,
+            odst,
+            outer_to,
+            u64::from(BPF_F_PSEUDO_HDR),
+        )
+    })();
+    Some(
+        done.map(|()| TC_ACT_OK as i32)
+            .ok_or(Reason::TcRewriteFailed),
+    )
 }
 
 fn zero6(a: &[u32; 4]) -> bool {

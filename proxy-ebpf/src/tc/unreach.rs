@@ -1,5 +1,6 @@
-//! ICMP port unreachable for a UDP datagram to a frontend without endpoints: kube-proxy's
-//! `REJECT` (which answers `icmp-port-unreachable`), built in place at TC ingress.
+//! kube-proxy's `REJECT` for a frontend without endpoints, built in place at TC ingress:
+//! a TCP SYN is answered with a RST (`tcp_rst`), a UDP datagram with an ICMP port
+//! unreachable (`udp4`/`udp6`, `icmp-port-unreachable`).
 //!
 //! The datagram is turned into the error and sent back out of the interface it came in
 //! on, MAC addresses swapped: a new IP header from the frontend to the client, the ICMP
@@ -22,13 +23,12 @@ use aya_ebpf::{
         bpf_ktime_get_ns,
         generated::{bpf_csum_diff, bpf_redirect, bpf_skb_change_tail},
     },
-    macros::map,
-    maps::PerCpuArray,
     programs::TcContext,
 };
 use proxy_common::Reason;
 
-use crate::maps::count;
+use super::family::{Pkt, PktFamily};
+use crate::maps::{count, UNREACH_BUCKET};
 const ETH_HLEN: usize = 14;
 const TTL: u8 = 64;
 
@@ -68,14 +68,11 @@ const BURST: u64 = 50;
 /// Credit one error costs, in nanoseconds of refill.
 const COST_NS: u64 = 1_000_000_000 / RATE_PER_S;
 
-/// A token bucket in nanoseconds of credit.
+/// A token bucket in nanoseconds of credit (`maps::UNREACH_BUCKET`).
 pub struct Bucket {
     credit_ns: u64,
     last_ns: u64,
 }
-
-#[map]
-static UNREACH_BUCKET: PerCpuArray<Bucket> = PerCpuArray::with_max_entries(1, 0);
 
 /// Takes one error's worth of credit, or counts the refusal. Called before `udp4`/`udp6`
 /// (not from them: their frames are large, and the verifier counts the whole call chain's
@@ -197,4 +194,46 @@ pub fn udp6(ctx: &TcContext) -> i32 {
     };
     f[42..44].copy_from_slice(&fold(s));
     send_back(ctx, &b, ETH_HLEN + V6_LEN)
+}
+
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+
+/// Answers a SYN to a frontend without endpoints with a RST (kube-proxy's REJECT), sent
+/// back out of the interface it came in on: swap MACs, addresses and ports, RST|ACK with
+/// ack = seq + 1.
+#[inline(never)]
+pub fn tcp_rst<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> i32 {
+    let Ok(seq) = ctx.load::<u32>(p.l4 + 4) else {
+        return TC_ACT_SHOT as i32;
+    };
+    let Ok(old_ack) = ctx.load::<u32>(p.l4 + 8) else {
+        return TC_ACT_SHOT as i32;
+    };
+    let ack = (u32::from_be(seq).wrapping_add(1)).to_be();
+    let Ok(old_word) = ctx.load::<u16>(p.l4 + 12) else {
+        return TC_ACT_SHOT as i32;
+    };
+    // Keep the data offset, set flags to RST|ACK.
+    let new_word = ((u16::from_be(old_word) & 0xff00) | u16::from(TCP_RST | TCP_ACK)).to_be();
+    let csum = p.csum_off();
+    // Addresses: swapping keeps the pseudo-header sum; store both.
+    let ok = F::set_addr(ctx, p, true, p.saddr, p.daddr).is_ok()
+        && F::set_addr(ctx, p, false, p.daddr, p.saddr).is_ok()
+        && ctx.store(p.l4, &p.dport, 0).is_ok()
+        && ctx.store(p.l4 + 2, &p.sport, 0).is_ok()
+        && ctx.l4_csum_replace(csum, u64::from(seq), 0, 4).is_ok()
+        && ctx.store(p.l4 + 4, &0u32, 0).is_ok()
+        && ctx
+            .l4_csum_replace(csum, u64::from(old_ack), u64::from(ack), 4)
+            .is_ok()
+        && ctx.store(p.l4 + 8, &ack, 0).is_ok()
+        && ctx
+            .l4_csum_replace(csum, u64::from(old_word), u64::from(new_word), 2)
+            .is_ok()
+        && ctx.store(p.l4 + 12, &new_word, 0).is_ok();
+    if !ok {
+        return TC_ACT_SHOT as i32;
+    }
+    bounce(ctx)
 }

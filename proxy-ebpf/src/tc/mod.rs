@@ -1,0 +1,415 @@
+//! The per-packet datapath at TC on node interfaces, for traffic no socket hook saw:
+//! NodePort, externalIPs and LoadBalancer addresses reached from outside the node, and
+//! ClusterIP traffic routed through it.
+//!
+//! Ingress, per packet (IPv4 and IPv6, TCP and UDP):
+//! 1. a reply of a known flow (`CT` entry in the reply direction) is reverse-translated:
+//!    source := the frontend, destination := the client when the flow was SNATed;
+//! 2. a packet of a known flow (original direction) follows its entry: the same backend
+//!    for the life of the flow, whatever happens to the backend set;
+//! 3. otherwise a packet to a frontend (or to a node address on a NodePort) starts a
+//!    flow: source ranges checked, the local-only twin used under
+//!    `externalTrafficPolicy: Local`, a backend chosen with equal weight, DNAT, SNAT to the
+//!    node's address when the backend is on another node, both conntrack entries written;
+//!    a frontend without endpoints answers a TCP SYN with RST and a UDP datagram with
+//!    ICMP port unreachable (`unreach`), as kube-proxy's REJECT does.
+//!
+//! Packets whose source became one of the node's own addresses (SNATed flows, and replies
+//! restored to a node-address frontend) are forwarded with a FIB lookup and redirect,
+//! because the stack would drop them as martians. Egress only reverse-translates replies
+//! of flows to local backends on their way back to the client.
+//!
+//! Checksums are updated incrementally: the IPv4 header with `l3_csum_replace`, L4 with
+//! `l4_csum_replace` (`BPF_F_PSEUDO_HDR` for addresses, `BPF_F_MARK_MANGLED_0` for UDP).
+
+//!
+//! Layout: this file holds the two program shells and the stage machine (reply, known
+//! flow, new flow); `family` the per-family packet layout and maps (on `lb::Family`, over
+//! the `PktAccess` trait), `ct` conntrack and the SNAT port allocator, `nat` rewriting and
+//! the FIB redirect, `icmp` ICMP errors about NATed flows, `unreach` the REJECT answers.
+//! The frontend lookup is `lb::frontend`, the rule the socket hooks and `proxyctl
+//! explain` use too. Each stage returns the outcome to count; the shells count it, so a
+//! failure (a conntrack entry not written, a rewrite a helper refused) is counted and the
+//! packet dropped, never passed on silently.
+
+mod ct;
+mod family;
+mod icmp;
+mod nat;
+mod unreach;
+
+pub use unreach::Bucket;
+
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    helpers::bpf_ktime_get_ns,
+    macros::classifier,
+    programs::TcContext,
+};
+use proxy_common::{backend_flags, ct_flags, proto, scope, svc_flags, Reason, SvcValue};
+
+use self::{
+    ct::Chosen,
+    family::{backend, is_node_addr, Pkt, PktAccess, PktFamily},
+    nat::{fib_redirect, rewrite},
+};
+use crate::{
+    affinity,
+    lb::{self, V4, V6},
+    maps::{count, count_backend},
+};
+
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const TCP_SYN: u8 = 0x02;
+const TCP_ACK: u8 = 0x10;
+
+#[classifier]
+pub fn tc_ingress(ctx: TcContext) -> i32 {
+    shell(&ctx, true)
+}
+
+#[classifier]
+pub fn tc_egress(ctx: TcContext) -> i32 {
+    shell(&ctx, false)
+}
+
+/// What the worker decided for a packet: the verdict, and the outcome to count (`None`
+/// for a packet that is not ours: not IP, not TCP/UDP/ICMP, no flow, no frontend).
+pub struct Verdict {
+    code: i32,
+    reason: Option<Reason>,
+}
+
+impl Verdict {
+    const PASS: Verdict = Verdict {
+        code: TC_ACT_OK as i32,
+        reason: None,
+    };
+
+    fn new(code: i32, reason: Reason) -> Self {
+        Self {
+            code,
+            reason: Some(reason),
+        }
+    }
+}
+
+/// Runs the worker and counts its outcome. A failure drops the packet (it may be
+/// half-rewritten, or its flow half-recorded).
+#[inline(always)]
+fn shell(ctx: &TcContext, ingress: bool) -> i32 {
+    match try_tc(ctx, ingress) {
+        Ok(v) => {
+            if let Some(r) = v.reason {
+                count(r);
+            }
+            v.code
+        }
+        Err(r) => {
+            count(r);
+            TC_ACT_SHOT as i32
+        }
+    }
+}
+
+#[inline(always)]
+fn try_tc(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason> {
+    let Ok(eth_proto) = PktAccess::load::<u16>(ctx, 12) else {
+        return Ok(Verdict::PASS);
+    };
+    match u16::from_be(eth_proto) {
+        ETH_P_IP => match ingress.then(|| icmp::icmp4(ctx)).flatten() {
+            Some(r) => r.map(|code| Verdict::new(code, Reason::TcIcmpError)),
+            None => flow::<V4>(ctx, ingress),
+        },
+        ETH_P_IPV6 => match ingress.then(|| icmp::icmp6(ctx)).flatten() {
+            Some(r) => r.map(|code| Verdict::new(code, Reason::TcIcmpError)),
+            None => flow::<V6>(ctx, ingress),
+        },
+        _ => Ok(Verdict::PASS),
+    }
+}
+
+/// Per-CPU scratch (one entry per family, `maps::SCRATCH4/6`).
+pub struct Scratch<A> {
+    pkt: Pkt<A>,
+    chosen: Chosen<A>,
+}
+
+/// What to do with a packet after translation, and the outcome to count. Returned up to
+/// [`flow`], so the FIB redirect's frame is not stacked on top of the path that chose it
+/// (the verifier limits the stack of a whole call chain to 512 bytes: "combined stack
+/// size ... Too large").
+struct Step<A> {
+    action: Action<A>,
+    reason: Option<Reason>,
+}
+
+enum Action<A> {
+    Verdict(i32),
+    /// Forward by FIB lookup from `src` to `dst`.
+    Redirect(A, A),
+}
+
+impl<A> Step<A> {
+    fn verdict(code: i32, reason: Reason) -> Self {
+        Self {
+            action: Action::Verdict(code),
+            reason: Some(reason),
+        }
+    }
+
+    fn pass() -> Self {
+        Self {
+            action: Action::Verdict(TC_ACT_OK as i32),
+            reason: None,
+        }
+    }
+
+    fn redirect(src: A, dst: A, reason: Reason) -> Self {
+        Self {
+            action: Action::Redirect(src, dst),
+            reason: Some(reason),
+        }
+    }
+}
+
+/// The stage machine: reply of a known flow, packet of a known flow, new flow.
+#[inline(never)]
+fn flow<F: PktFamily>(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason> {
+    // The entry always exists (a one-entry array); a failure here would be a loader bug.
+    let scratch = F::scratch().ok_or(Reason::TcRewriteFailed)?;
+    // SAFETY: this CPU's scratch entry; a TC program is not preempted on its CPU.
+    let p = unsafe { &mut (*scratch).pkt };
+    if !parse_into::<F>(ctx, p) {
+        return Ok(Verdict::PASS);
+    }
+    let p = &*p;
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let step = match reply_path::<F>(ctx, p, ingress, now)? {
+        Some(s) => s,
+        None if !ingress => Step::pass(),
+        None => match known_path::<F>(ctx, p, now)? {
+            Some(s) => s,
+            None => {
+                // SAFETY: this CPU's scratch entry, a field apart from the packet.
+                let chosen = unsafe { &mut (*scratch).chosen };
+                match pick::<F>(ctx, p, chosen) {
+                    Some(s) => s,
+                    None => commit_flow::<F>(ctx, p, chosen, now)?,
+                }
+            }
+        },
+    };
+    let code = match step.action {
+        Action::Verdict(v) => v,
+        Action::Redirect(src, dst) => fib_redirect::<F>(ctx, src, dst, p.proto),
+    };
+    Ok(Verdict {
+        code,
+        reason: step.reason,
+    })
+}
+
+/// Parses in its own frame (every `load` keeps its own stack slot).
+#[inline(never)]
+fn parse_into<F: PktFamily>(ctx: &TcContext, out: &mut Pkt<F::Addr>) -> bool {
+    match F::parse(ctx) {
+        Some(p) => {
+            *out = p;
+            true
+        }
+        None => false,
+    }
+}
+
+/// 1. A reply of a known flow: source := the frontend, destination := the client if the
+/// flow was SNATed.
+#[inline(never)]
+fn reply_path<F: PktFamily>(
+    ctx: &TcContext,
+    p: &Pkt<F::Addr>,
+    ingress: bool,
+    now: u64,
+) -> Result<Option<Step<F::Addr>>, Reason> {
+    let rkey = F::ct_key(p.saddr, p.daddr, p.sport, p.dport, p.proto, 1);
+    let Some(v) = F::ct_get(&rkey) else {
+        return Ok(None);
+    };
+    // SAFETY: copied out.
+    let (dnat, snat) = F::ct_nat(unsafe { &*v });
+    if !ct::touch::<F>(v, p.proto, p.tcp_flags, true, now) {
+        return Ok(None);
+    }
+    // Keep the original direction's entry alive and mark the reply seen.
+    let client = if F::is_zero(&dnat.0) {
+        (p.daddr, p.dport)
+    } else {
+        dnat
+    };
+    ct::refresh_orig::<F>(p, &client, &snat, now);
+    rewrite::<F, _>(ctx, p, &(dnat, snat))?;
+    // At ingress the new source may be one of the node's addresses: forward it directly.
+    if ingress && (!F::is_zero(&dnat.0) || is_node_addr::<F>(snat.0)) {
+        return Ok(Some(Step::redirect(snat.0, client.0, Reason::TcReply)));
+    }
+    Ok(Some(Step::verdict(TC_ACT_OK, Reason::TcReply)))
+}
+
+/// 2. A packet of a known flow follows its entry (same backend for the flow's life).
+#[inline(never)]
+fn known_path<F: PktFamily>(
+    ctx: &TcContext,
+    p: &Pkt<F::Addr>,
+    now: u64,
+) -> Result<Option<Step<F::Addr>>, Reason> {
+    let okey = F::ct_key(p.saddr, p.daddr, p.sport, p.dport, p.proto, 0);
+    let Some(v) = F::ct_get(&okey) else {
+        return Ok(None);
+    };
+    // SAFETY: copied out.
+    let (dnat, snat) = F::ct_nat(unsafe { &*v });
+    // A UDP flow whose backend is gone starts over (kube-proxy deletes the UDP conntrack
+    // entries of removed endpoints). TCP keeps its backend: a removed endpoint may still
+    // be draining its connections. Counted in addition to the new flow's outcome.
+    if p.proto == proto::UDP && !ct::backend_is::<F>(v, dnat) {
+        count(Reason::TcStaleBackend);
+        return Ok(None);
+    }
+    if !ct::touch::<F>(v, p.proto, p.tcp_flags, false, now) {
+        return Ok(None);
+    }
+    rewrite::<F, _>(ctx, p, &(dnat, snat))?;
+    if F::is_zero(&snat.0) {
+        return Ok(Some(Step::verdict(TC_ACT_OK, Reason::TcFlow)));
+    }
+    Ok(Some(Step::redirect(snat.0, dnat.0, Reason::TcFlow)))
+}
+
+/// The frontend a packet's destination hits (`lb::frontend`, the one lookup rule), in a
+/// frame of its own.
+#[inline(never)]
+fn frontend<F: PktFamily>(p: &Pkt<F::Addr>) -> Option<(SvcValue, F::Addr)> {
+    lb::frontend::<F>(p.daddr, p.dport, p.proto)
+}
+
+/// 3. A new flow to a frontend (or to a node address on a NodePort)? `None`: a backend
+/// was chosen into `out`; `Some(step)`: not ours, or refused.
+#[inline(never)]
+fn pick<F: PktFamily>(
+    ctx: &TcContext,
+    p: &Pkt<F::Addr>,
+    out: &mut Chosen<F::Addr>,
+) -> Option<Step<F::Addr>> {
+    let Some((mut front, fe_addr)) = frontend::<F>(p) else {
+        return Some(Step::pass());
+    };
+    if front.flags & svc_flags::SOURCE_RANGES != 0 && !F::source_allowed(front.service_id, p.saddr)
+    {
+        return Some(Step::verdict(TC_ACT_SHOT, Reason::TcSourceDenied));
+    }
+    let mut slot_scope = scope::ALL;
+    // The local-only twin. While a policy change is being written the flag and the twin
+    // can disagree for a moment; without a twin the frontend's own entry serves.
+    if front.flags & svc_flags::ETP_LOCAL != 0 {
+        if let Some(local) = F::svc_in(fe_addr, p.dport, p.proto, scope::EXTERNAL_LOCAL, 0) {
+            // Endpoints elsewhere but none here: DROP. A twin without LOCAL_ONLY and
+            // without backends means no endpoint anywhere: REJECT below, like any
+            // Service without endpoints (kube-proxy: `!hasEndpoints` -> REJECT).
+            if local.count == 0 && local.flags & svc_flags::LOCAL_ONLY != 0 {
+                return Some(Step::verdict(TC_ACT_SHOT, Reason::TcNoLocalBackend));
+            }
+            front = local;
+            slot_scope = scope::EXTERNAL_LOCAL;
+        }
+    }
+    if front.count == 0 {
+        return Some(reject::<F>(ctx, p));
+    }
+    let Some(backend_id) = choose::<F>(p, &front, fe_addr, slot_scope) else {
+        return Some(Step::verdict(TC_ACT_OK, Reason::BackendMissing));
+    };
+    let Some((baddr, bport, bflags)) = backend::<F>(backend_id) else {
+        return Some(Step::verdict(TC_ACT_OK, Reason::BackendMissing));
+    };
+
+    // SNAT when the backend is on another node, unless the client address must be kept.
+    let mut snat = (F::zero(), 0u16);
+    let mut flags = 0;
+    if bflags & backend_flags::LOCAL == 0 && slot_scope == scope::ALL {
+        let addr = F::snat_addr();
+        if F::is_zero(&addr) {
+            return Some(Step::verdict(TC_ACT_SHOT, Reason::TcSnatFailed));
+        }
+        let Some(port) = ct::snat_port::<F>(baddr, bport, addr, p.proto) else {
+            if crate::maps::warn_allowed() {
+                F::warn_ports_full(ctx, baddr, bport);
+            }
+            return Some(Step::verdict(TC_ACT_SHOT, Reason::TcSnatFailed));
+        };
+        snat = (addr, port);
+        flags = ct_flags::SNAT;
+    }
+
+    *out = Chosen {
+        backend: (baddr, bport),
+        snat,
+        service_id: front.service_id,
+        backend_id,
+        flags,
+    };
+    None
+}
+
+/// A frontend without endpoints: kube-proxy's REJECT (TCP SYN: RST; UDP: ICMP port
+/// unreachable, rate-limited), other packets dropped.
+#[inline(never)]
+fn reject<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Step<F::Addr> {
+    let code = if p.proto == proto::TCP && p.tcp_flags & TCP_SYN != 0 && p.tcp_flags & TCP_ACK == 0
+    {
+        unreach::tcp_rst::<F>(ctx, p)
+    } else if p.proto == proto::UDP && unreach::allowed() {
+        F::reject_udp(ctx)
+    } else {
+        TC_ACT_SHOT as i32
+    };
+    Step::verdict(code, Reason::TcNoBackend)
+}
+
+/// The backend for a new flow: the client's previous one under session affinity (the
+/// client is its source address), else one at random with equal weight.
+#[inline(never)]
+fn choose<F: PktFamily>(
+    p: &Pkt<F::Addr>,
+    front: &SvcValue,
+    fe_addr: F::Addr,
+    sc: u8,
+) -> Option<u32> {
+    let slot_backend = |s: u16| F::svc_in(fe_addr, p.dport, p.proto, sc, s).map(|e| e.backend_id);
+    let client = || {
+        let (addr, kind) = F::client(p.saddr);
+        affinity::key(front, addr, kind)
+    };
+    affinity::choose(front, client, slot_backend)
+}
+
+/// Writes both conntrack entries of a new flow and translates its first packet:
+/// original direction (client -> frontend) and reply direction (backend -> client or
+/// the SNAT address), which restores the frontend the client used.
+#[inline(never)]
+fn commit_flow<F: PktFamily>(
+    ctx: &TcContext,
+    p: &Pkt<F::Addr>,
+    c: &Chosen<F::Addr>,
+    now: u64,
+) -> Result<Step<F::Addr>, Reason> {
+    ct::put_flow::<F>(p, c, now)?;
+    count_backend(c.backend_id);
+    rewrite::<F, _>(ctx, p, &(c.backend, c.snat))?;
+    if c.flags & ct_flags::SNAT != 0 {
+        return Ok(Step::redirect(c.snat.0, c.backend.0, Reason::TcNewFlow));
+    }
+    Ok(Step::verdict(TC_ACT_OK, Reason::TcNewFlow))
+}

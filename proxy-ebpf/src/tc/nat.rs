@@ -1,0 +1,101 @@
+//! Packet rewriting (DNAT/SNAT and their reverse, checksums updated incrementally) and
+//! forwarding by FIB lookup. `rewrite` works over any [`PktAccess`] context; the FIB
+//! redirect is TC's.
+
+use aya_ebpf::{
+    bindings::{
+        bpf_fib_lookup as FibParams, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK,
+    },
+    helpers::generated::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    programs::TcContext,
+    EbpfContext,
+};
+use proxy_common::Reason;
+
+use super::family::{Pkt, PktAccess, PktFamily};
+use crate::maps::count;
+
+/// Rewrites a packet: destination := `dnat`, source := `snat` (zero addresses: leave
+/// that end alone), ports included. A failure may leave the packet half-rewritten: the
+/// caller drops it.
+// Not inlined: each path would otherwise carry two copies of its address buffers.
+#[inline(never)]
+pub fn rewrite<F: PktFamily, C: PktAccess>(
+    ctx: &C,
+    p: &Pkt<F::Addr>,
+    nat: &((F::Addr, u16), (F::Addr, u16)),
+) -> Result<(), Reason> {
+    let (dnat, snat) = *nat;
+    let fail = |()| Reason::TcRewriteFailed;
+    if !F::is_zero(&dnat.0) {
+        F::set_addr(ctx, p, false, p.daddr, dnat.0).map_err(fail)?;
+        if dnat.1 != p.dport {
+            ctx.l4_csum_replace(
+                p.csum_off(),
+                u64::from(p.dport),
+                u64::from(dnat.1),
+                2 | p.l4_flags(),
+            )
+            .map_err(fail)?;
+            ctx.store(p.l4 + 2, &dnat.1).map_err(fail)?;
+        }
+    }
+    if !F::is_zero(&snat.0) {
+        F::set_addr(ctx, p, true, p.saddr, snat.0).map_err(fail)?;
+        if snat.1 != p.sport {
+            ctx.l4_csum_replace(
+                p.csum_off(),
+                u64::from(p.sport),
+                u64::from(snat.1),
+                2 | p.l4_flags(),
+            )
+            .map_err(fail)?;
+            ctx.store(p.l4, &snat.1).map_err(fail)?;
+        }
+    }
+    Ok(())
+}
+
+/// Forwards a packet by FIB lookup and redirect (needed when its source is now one of
+/// the node's addresses: the stack would drop it as a martian). Falls back to the stack,
+/// counting `tc_fib_miss` (in addition to the packet's outcome, which its path chose).
+// Separate BPF functions keep each frame under the verifier's 512-byte stack limit
+// ("Looks like the BPF stack limit is exceeded" when everything is inlined).
+#[inline(never)]
+pub fn fib_redirect<F: PktFamily>(ctx: &TcContext, src: F::Addr, dst: F::Addr, proto: u8) -> i32 {
+    // SAFETY: a zeroed plain-data struct.
+    let mut params: FibParams = unsafe { core::mem::zeroed() };
+    params.family = F::FAMILY;
+    params.l4_protocol = proto;
+    // SAFETY: the context's skb.
+    params.ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    F::fib_set(&mut params, src, dst);
+    // SAFETY: valid ctx and params.
+    let ret = unsafe {
+        bpf_fib_lookup(
+            ctx.as_ptr(),
+            &mut params,
+            core::mem::size_of::<FibParams>() as i32,
+            0,
+        )
+    };
+    if ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+        let macs: [u8; 12] = {
+            let mut m = [0u8; 12];
+            m[..6].copy_from_slice(&params.dmac);
+            m[6..].copy_from_slice(&params.smac);
+            m
+        };
+        if ctx.store(0, &macs, 0).is_err() {
+            return TC_ACT_OK as i32;
+        }
+        // SAFETY: plain helper.
+        return unsafe { bpf_redirect(params.ifindex, 0) } as i32;
+    }
+    if ret == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+        // SAFETY: the kernel resolves the neighbour itself.
+        return unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) } as i32;
+    }
+    count(Reason::TcFibMiss);
+    TC_ACT_OK as i32
+}
