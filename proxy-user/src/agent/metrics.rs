@@ -42,6 +42,12 @@ pub struct ReasonLabel {
     pub reason: String,
 }
 
+/// `mode="batch"` or `mode="single"`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModeLabel {
+    pub mode: String,
+}
+
 /// Every metric the agent exports.
 pub struct Metrics {
     registry: Registry,
@@ -69,6 +75,10 @@ pub struct Metrics {
     pub objects_skipped: Family<KindReason, Counter>,
     /// Failed map writes by cause (`map_full`, `family_mismatch`, ...).
     pub map_write_errors: Family<ReasonLabel, Counter>,
+    /// `map_writes_total{mode}`: map elements written by batch calls or one by one.
+    pub map_writes: Family<ModeLabel, Counter>,
+    /// Batch calls that failed and were finished element by element.
+    pub map_batch_fallbacks: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -101,6 +111,8 @@ impl Metrics {
             watch_errors: Family::default(),
             objects_skipped: Family::default(),
             map_write_errors: Family::default(),
+            map_writes: Family::default(),
+            map_batch_fallbacks: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -163,6 +175,17 @@ impl Metrics {
             "Failed map writes by reason",
             m.map_write_errors.clone(),
         );
+        registry.register(
+            "map_writes",
+            "Map elements written, by mode: batch (BPF_MAP_*_BATCH calls) or single (one \
+             element per call)",
+            m.map_writes.clone(),
+        );
+        registry.register(
+            "map_batch_fallbacks",
+            "Batch map calls that failed and whose remaining elements were written one by one",
+            m.map_batch_fallbacks.clone(),
+        );
         Self { registry, ..m }
     }
 
@@ -173,6 +196,20 @@ impl Metrics {
                 reason: reason.to_string(),
             })
             .inc();
+    }
+
+    /// Adds the writer's write counts (`Writer::take_write_counts`).
+    pub fn record_map_writes(&self, c: &crate::store::WriteCounts) {
+        for (mode, n) in [("batch", c.batch), ("single", c.single)] {
+            if n > 0 {
+                self.map_writes
+                    .get_or_create(&ModeLabel { mode: mode.into() })
+                    .inc_by(n);
+            }
+        }
+        if c.fallbacks > 0 {
+            self.map_batch_fallbacks.inc_by(c.fallbacks);
+        }
     }
 
     pub fn mark_synced(&self) {
