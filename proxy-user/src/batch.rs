@@ -82,6 +82,18 @@ fn fd_u32(fd: BorrowedFd<'_>) -> u32 {
     fd.as_raw_fd() as u32
 }
 
+/// How many elements a failed call applied. The kernel writes `count` back only once it
+/// has started on the elements (and then it is below the input, since it stopped at a
+/// failing one); an early refusal (`EPERM`, `EINVAL`, `ENOTSUPP`, ...) leaves the input.
+fn done_on_error(attr_count: u32, input: usize) -> usize {
+    let n = attr_count as usize;
+    if n >= input {
+        0
+    } else {
+        n
+    }
+}
+
 /// `BPF_MAP_UPDATE_BATCH` of `keys[i] = values[i]` (flag `BPF_ANY`).
 pub fn update<K: Pod, V: Pod>(
     fd: BorrowedFd<'_>,
@@ -104,7 +116,7 @@ pub fn update<K: Pod, V: Pod>(
         ..BatchAttr::default()
     };
     sys(BPF_MAP_UPDATE_BATCH, &mut attr).map_err(|error| BatchError {
-        done: (attr.count as usize).min(keys.len()),
+        done: done_on_error(attr.count, keys.len()),
         error,
     })
 }
@@ -129,10 +141,14 @@ pub fn delete<K: Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> 
                     break;
                 }
             }
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => start += attr.count as usize + 1,
+            Err(e)
+                if e.raw_os_error() == Some(libc::ENOENT) && (attr.count as usize) < rest.len() =>
+            {
+                start += attr.count as usize + 1
+            }
             Err(error) => {
                 return Err(BatchError {
-                    done: start + attr.count as usize,
+                    done: start + done_on_error(attr.count, rest.len()),
                     error,
                 })
             }
