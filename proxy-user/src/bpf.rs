@@ -24,7 +24,7 @@ use crate::{
     codec::{BackendValue, NodeAddrKey, RevNatValue, SrcRangeKey, SvcKey},
     model::Family,
     pins::{Access, PinDir, PinnedHash},
-    store::{BatchFailed, Dump, MapKind, MapStore, Op, StoreError},
+    store::{BatchFailed, Dump, Group, MapKind, MapStore, Op, StoreError},
 };
 
 /// Opening the pinned maps failed (see [`crate::pins::PinError`]).
@@ -388,8 +388,9 @@ impl MapStore for BpfMaps {
         }
     }
 
-    fn supports_batch(&self) -> bool {
-        true
+    fn supports_batch(&self, group: Group) -> bool {
+        // LPM tries take no batch updates; NODE_CONFIG has one entry.
+        !matches!(group.map, MapKind::SrcRange | MapKind::NodeConfig)
     }
 
     fn apply_batch(&mut self, ops: &[Op]) -> Result<(), BatchFailed> {

@@ -340,8 +340,9 @@ pub trait MapStore {
     fn apply(&mut self, op: &Op) -> Result<(), StoreError>;
     /// Reads back everything the writer owns.
     fn dump(&self) -> Result<Dump, StoreError>;
-    /// Whether [`Self::apply_batch`] is worth calling.
-    fn supports_batch(&self) -> bool {
+    /// Whether [`Self::apply_batch`] is worth calling for ops of this group.
+    fn supports_batch(&self, group: Group) -> bool {
+        let _ = group;
         false
     }
     /// Applies `ops` - all of one [`Op::group`], each on its own map entry, safe in any
@@ -367,7 +368,7 @@ pub fn write_batch<S: MapStore + ?Sized>(
     counts: &mut WriteCounts,
 ) -> Result<(), (usize, StoreError)> {
     let mut from = 0;
-    if ops.len() > 1 && store.supports_batch() {
+    if ops.len() > 1 && store.supports_batch(ops[0].group()) {
         debug_assert!(ops.iter().all(|op| op.group() == ops[0].group()));
         counts.batch_calls += 1;
         match store.apply_batch(ops) {
@@ -523,7 +524,7 @@ impl MapStore for MemStore {
         Ok(self.state.clone())
     }
 
-    fn supports_batch(&self) -> bool {
+    fn supports_batch(&self, _: Group) -> bool {
         !self.no_batches
     }
 

@@ -282,8 +282,34 @@ pub struct AdoptReport {
     /// Entries no frontend reaches (slots past a count, unreferenced backends, reverse-NAT
     /// entries without a frontend), deleted.
     pub orphans_deleted: usize,
-    /// Slots missing below a frontend's count; rewritten on the next write of it.
+    /// Slots missing below a frontend's count, or naming a backend that is missing or of
+    /// another protocol or family; rewritten on the next write of it.
     pub missing_slots: usize,
+    /// Broken entries repaired, by kind (`duplicate_service_id`, `dangling_slot`,
+    /// `slot_backend_mismatch`, `missing_slot`, `revnat_rewritten`); each is logged.
+    pub repairs: BTreeMap<&'static str, usize>,
+}
+
+impl AdoptReport {
+    fn repair(&mut self, kind: &'static str) {
+        *self.repairs.entry(kind).or_default() += 1;
+    }
+}
+
+/// The order adoption writes its repairs and deletions in: what nothing reaches first,
+/// then rewrites in the update order, unreferenced backends last.
+fn adopt_phase(op: &Op) -> usize {
+    match op {
+        Op::DelSlot { .. } => 0,
+        Op::DelSrcRange { .. } => 1,
+        Op::DelRevNat { .. } => 2,
+        Op::PutRevNat { .. } => 3,
+        Op::PutSrcRange { .. } => 4,
+        Op::PutSlot { .. } => 5,
+        Op::PutFrontend { .. } => 6,
+        Op::DelBackend { .. } => 7,
+        _ => 8,
+    }
 }
 
 /// Keeps the maps of one [`MapStore`] in step with desired service entries.
@@ -437,36 +463,107 @@ impl<S: MapStore> Writer<S> {
             w.backend_ids.entry((*backend, *proto)).or_insert(*id);
             w.backend_refs.insert(*id, ((*backend, *proto), 0));
         }
-        for (fe, value) in &dump.frontends {
+        // Ids unique: a service id held by two frontends (the second would share the
+        // first's reverse NAT) stays with the one its reverse-NAT entry names (else the
+        // first); the others get a fresh id, rewritten in their slots and slot 0.
+        for value in dump.frontends.values() {
             w.service_alloc.mark(value.service_id);
+        }
+        let mut owner: HashMap<u32, Frontend> = HashMap::new();
+        for (fe, v) in &dump.frontends {
+            let named = dump.revnat.get(&v.service_id).is_some_and(|(f, _)| f == fe);
+            match owner.entry(v.service_id) {
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(*fe);
+                }
+                std::collections::hash_map::Entry::Occupied(mut e) if named => {
+                    e.insert(*fe);
+                }
+                std::collections::hash_map::Entry::Occupied(_) => {}
+            }
+        }
+        for (fe, found) in &dump.frontends {
+            let mut value = *found;
+            let ranges: BTreeSet<(IpAddr, u8)> = dump
+                .src_ranges
+                .iter()
+                .filter(|(id, _, _)| *id == found.service_id)
+                .map(|(_, a, p)| (*a, *p))
+                .collect();
+            let duplicate = owner.get(&found.service_id) != Some(fe);
+            if duplicate {
+                value.service_id = w.service_alloc.alloc();
+                report.repair("duplicate_service_id");
+                warn!(
+                    frontend = %fe,
+                    shared_with = %owner[&found.service_id],
+                    old_id = found.service_id,
+                    new_id = value.service_id,
+                    "adoption: a service id held by two frontends; this one gets a new id"
+                );
+                for (addr, prefix) in &ranges {
+                    orphans.push(Op::PutSrcRange {
+                        service_id: value.service_id,
+                        addr: *addr,
+                        prefix: *prefix,
+                    });
+                }
+            }
             let mut slots = Vec::with_capacity(usize::from(value.count));
+            let mut seen = HashSet::new();
             for slot in 1..=value.count {
                 let id = match dump.slots.get(&(*fe, slot)) {
-                    Some(id) if w.backend_refs.contains_key(id) => *id,
-                    _ => {
-                        report.missing_slots += 1;
+                    None => {
+                        report.repair("missing_slot");
+                        warn!(frontend = %fe, slot, "adoption: slot missing below the count");
                         0
                     }
+                    Some(id) => match w.backend_refs.get(id) {
+                        None => {
+                            report.repair("dangling_slot");
+                            warn!(frontend = %fe, slot, backend = id, "adoption: slot names a missing backend");
+                            0
+                        }
+                        Some(((b, proto), _))
+                            if *proto != fe.proto || b.family() != fe.family() =>
+                        {
+                            report.repair("slot_backend_mismatch");
+                            warn!(frontend = %fe, slot, backend = id, "adoption: slot names a backend of another protocol or family");
+                            0
+                        }
+                        Some(_) => *id,
+                    },
                 };
-                if let Some((_, refs)) = w.backend_refs.get_mut(&id) {
+                if id == 0 {
+                    report.missing_slots += 1;
+                } else if let Some((_, refs)) = w.backend_refs.get_mut(&id) {
                     // One reference per frontend, even if two slots share an id.
-                    if !slots.contains(&id) {
+                    if seen.insert(id) {
                         *refs += 1;
                     }
                 }
+                if duplicate && id != 0 {
+                    orphans.push(Op::PutSlot {
+                        frontend: *fe,
+                        slot,
+                        backend_id: id,
+                        service_id: value.service_id,
+                    });
+                }
                 slots.push(id);
+            }
+            if duplicate {
+                orphans.push(Op::PutFrontend {
+                    frontend: *fe,
+                    value,
+                });
             }
             w.services.insert(
                 *fe,
                 Programmed {
-                    value: *value,
+                    value,
                     name: String::new(),
-                    source_ranges: dump
-                        .src_ranges
-                        .iter()
-                        .filter(|(id, _, _)| *id == value.service_id)
-                        .map(|(_, a, p)| (*a, *p))
-                        .collect(),
+                    source_ranges: ranges,
                     slots,
                 },
             );
@@ -483,12 +580,16 @@ impl<S: MapStore> Writer<S> {
                 });
             }
         }
+        // Service ids in use per family: an entry of such an id naming another frontend is
+        // rewritten below, not deleted (a delete and a rewrite of one entry must not meet
+        // in one batch phase).
+        let live_sids: HashSet<(u32, crate::model::Family)> = w
+            .services
+            .iter()
+            .map(|(fe, p)| (p.value.service_id, fe.family()))
+            .collect();
         for (id, (fe, _)) in &dump.revnat {
-            let live = w
-                .services
-                .get(fe)
-                .is_some_and(|p| p.value.service_id == *id);
-            if !live {
+            if !live_sids.contains(&(*id, fe.family())) {
                 orphans.push(Op::DelRevNat {
                     service_id: *id,
                     family: fe.family(),
@@ -509,11 +610,18 @@ impl<S: MapStore> Writer<S> {
         for (fe, p) in w.services.iter_mut() {
             match dump.revnat.get(&p.value.service_id) {
                 Some((f, name)) if f == fe => p.name = name.clone(),
-                _ => orphans.push(Op::PutRevNat {
-                    service_id: p.value.service_id,
-                    frontend: *fe,
-                    name: String::new(),
-                }),
+                other => {
+                    if let Some((f, _)) = other {
+                        report.repair("revnat_rewritten");
+                        warn!(frontend = %fe, service_id = p.value.service_id, names = %f,
+                              "adoption: reverse-NAT entry names another frontend; rewritten");
+                    }
+                    orphans.push(Op::PutRevNat {
+                        service_id: p.value.service_id,
+                        frontend: *fe,
+                        name: String::new(),
+                    })
+                }
             }
         }
         let unreferenced: Vec<(u32, BackendKey)> = w
@@ -533,17 +641,12 @@ impl<S: MapStore> Writer<S> {
                 family: key.0.family(),
             });
         }
+        orphans.sort_by_key(adopt_phase);
         if orphans.len() >= w.batch_min.max(2) {
-            // Slots, source ranges, reverse NAT, then backends: one batch per map.
-            let mut phases: [Vec<Op>; 4] = Default::default();
+            // One batch per phase and map.
+            let mut phases: [Vec<Op>; 9] = Default::default();
             for op in &orphans {
-                let p = match op {
-                    Op::DelSlot { .. } => 0,
-                    Op::DelSrcRange { .. } => 1,
-                    Op::DelBackend { .. } => 3,
-                    _ => 2,
-                };
-                phases[p].push(op.clone());
+                phases[adopt_phase(op)].push(op.clone());
             }
             for ops in phases {
                 let mut plan = Plan::default();
@@ -564,7 +667,15 @@ impl<S: MapStore> Writer<S> {
         report.backends = w.backend_refs.len();
         report.orphans_deleted = orphans
             .iter()
-            .filter(|op| !matches!(op, Op::PutRevNat { .. }))
+            .filter(|op| {
+                matches!(
+                    op,
+                    Op::DelSlot { .. }
+                        | Op::DelSrcRange { .. }
+                        | Op::DelRevNat { .. }
+                        | Op::DelBackend { .. }
+                )
+            })
             .count();
         Ok((w, report))
     }

@@ -79,6 +79,14 @@ pub struct Metrics {
     pub map_writes: Family<ModeLabel, Counter>,
     /// Batch calls that failed and were finished element by element.
     pub map_batch_fallbacks: Counter,
+    /// Broken pinned entries repaired when adopting the maps, by kind.
+    pub adoption_repairs: Family<KindLabel, Counter>,
+}
+
+/// `kind="..."`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: String,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -113,6 +121,7 @@ impl Metrics {
             map_write_errors: Family::default(),
             map_writes: Family::default(),
             map_batch_fallbacks: Counter::default(),
+            adoption_repairs: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -185,6 +194,11 @@ impl Metrics {
             "map_batch_fallbacks",
             "Batch map calls that failed and whose remaining elements were written one by one",
             m.map_batch_fallbacks.clone(),
+        );
+        registry.register(
+            "adoption_repairs",
+            "Broken pinned map entries repaired when adopting the maps, by kind",
+            m.adoption_repairs.clone(),
         );
         Self { registry, ..m }
     }

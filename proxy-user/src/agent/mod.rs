@@ -95,10 +95,19 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         frontends = adopted.frontends,
         backends = adopted.backends,
         orphans_deleted = adopted.orphans_deleted,
+        repairs = ?adopted.repairs,
         "adopted the maps' contents"
     );
 
     let metrics = Arc::new(Metrics::new());
+    for (kind, n) in &adopted.repairs {
+        metrics
+            .adoption_repairs
+            .get_or_create(&metrics::KindLabel {
+                kind: kind.to_string(),
+            })
+            .inc_by(*n as u64);
+    }
     metrics
         .conntrack_max
         .set(i64::from(installed.conntrack_entries / 2));

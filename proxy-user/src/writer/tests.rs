@@ -48,7 +48,7 @@ impl MapStore for CheckingStore {
         self.inner.dump()
     }
 
-    fn supports_batch(&self) -> bool {
+    fn supports_batch(&self, _: crate::store::Group) -> bool {
         self.batches
     }
 
@@ -465,7 +465,8 @@ fn adopt_rebuilds_the_model_and_deletes_orphans_only() {
             frontends: 2,
             backends: 4,
             orphans_deleted: 3,
-            missing_slots: 0
+            missing_slots: 0,
+            repairs: BTreeMap::new(),
         }
     );
     assert_eq!(
@@ -734,7 +735,11 @@ fn a_large_shrinking_sync_hides_slots_before_deleting_them_and_backends_last() {
     assert!(!log[count.0..surplus.1].iter().any(del_backend));
     assert!(span(&log[surplus.1..], del_backend).is_some());
     assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
-    assert!(w.store().inner.batches.len() >= 5, "{:?}", w.store().inner.batches);
+    assert!(
+        w.store().inner.batches.len() >= 5,
+        "{:?}",
+        w.store().inner.batches
+    );
 }
 
 #[test]
@@ -762,13 +767,24 @@ fn batched_and_one_by_one_syncs_serve_the_same_at_every_step() {
         let a = batched.sync(desired.clone());
         let b = seq.sync(desired);
         assert!(a.errors.is_empty() && b.errors.is_empty(), "step {step}");
-        assert_eq!((a.changed, a.removed), (b.changed, b.removed), "step {step}");
+        assert_eq!(
+            (a.changed, a.removed),
+            (b.changed, b.removed),
+            "step {step}"
+        );
         let da = batched.store().dump().expect("dump");
         assert_eq!(da, batched.expected_dump(), "step {step}");
-        assert_eq!(served(&da), served(&seq.store().dump().expect("dump")), "step {step}");
+        assert_eq!(
+            served(&da),
+            served(&seq.store().dump().expect("dump")),
+            "step {step}"
+        );
         // No leaked backend.
         let used: HashSet<u32> = da.slots.values().copied().collect();
-        assert!(da.backends.keys().all(|id| used.contains(id)), "step {step}");
+        assert!(
+            da.backends.keys().all(|id| used.contains(id)),
+            "step {step}"
+        );
     }
     assert!(batched.take_write_counts().batch > 0);
     // And a writer adopting the result finds no orphans.
@@ -937,4 +953,111 @@ del node address 2001:db8::10
     let (mut second, _) = Writer::adopt(store).expect("adopt");
     assert_eq!(second.set_node_addresses(&[b]).expect("same"), 0);
     assert_eq!(second.store().dump().expect("dump"), second.expected_dump());
+}
+
+// ---- Validation on adoption ------------------------------------------------------------
+
+#[test]
+fn adoption_repairs_corrupted_pins_and_trusts_no_broken_entry() {
+    let mut first = writer();
+    let web = vip("10.96.0.10", 80);
+    let api = vip("10.96.0.11", 443);
+    let dns = Frontend::new("10.96.0.53".parse::<IpAddr>().expect("ip"), 53, Proto::Udp);
+    let mut e = svc(web, &[A, B]);
+    e.name = "default/web:http".into();
+    first.upsert(&e).expect("web");
+    first.upsert(&svc(api, &[C])).expect("api");
+    first
+        .upsert(&ServiceEntry::new(dns, [pod("10.0.1.1:53")]))
+        .expect("dns");
+    let mut store = std::mem::take(first.store_mut());
+    let web_id = store.inner.state.frontends[&web].service_id;
+    let dns_backend = store.inner.state.slots[&(dns, 1)];
+    // Corruption as a crashed or buggy agent could leave it:
+    let s = &mut store.inner.state;
+    // - a frontend holding web's service id (two services sharing one NAT id), its slot
+    //   naming web's first backend;
+    let twin = vip("10.96.0.12", 80);
+    s.frontends.insert(
+        twin,
+        FrontendValue {
+            service_id: web_id,
+            count: 1,
+            flags: 0,
+            affinity_timeout: 0,
+        },
+    );
+    let web_first = s.slots[&(web, 1)];
+    s.slots.insert((twin, 1), web_first);
+    // - api's count says 3 but only slot 1 exists, and slot 1 is fine;
+    s.frontends.get_mut(&api).expect("api").count = 3;
+    // - web's slot 2 names a backend that does not exist (dangling);
+    s.slots.insert((web, 2), 99);
+    // - a TCP slot naming dns's UDP backend;
+    s.slots.insert((api, 2), dns_backend);
+    store.lenient = true;
+    store.inner.take_log();
+
+    let (mut second, report) = Writer::adopt(store).expect("adopt");
+    assert_eq!(
+        report.repairs,
+        BTreeMap::from([
+            ("dangling_slot", 1),
+            ("duplicate_service_id", 1),
+            ("missing_slot", 1),
+            ("slot_backend_mismatch", 1),
+        ])
+    );
+    assert_eq!(report.missing_slots, 3);
+    let d = second.store().dump().expect("dump");
+    // Ids unique again, every reverse-NAT entry names its frontend, the twin's slot and
+    // slot 0 carry its new id.
+    let ids: HashSet<u32> = d.frontends.values().map(|v| v.service_id).collect();
+    assert_eq!(ids.len(), d.frontends.len(), "{}", d.render());
+    for (fe, v) in &d.frontends {
+        assert_eq!(
+            d.revnat.get(&v.service_id).map(|(f, _)| f),
+            Some(fe),
+            "{fe}"
+        );
+    }
+    assert_eq!(
+        d.revnat[&web_id].1, "default/web:http",
+        "web keeps its id and name"
+    );
+    assert_ne!(d.frontends[&twin].service_id, web_id);
+    // The model believes nothing broken: the next sync rewrites every untrusted slot and
+    // the maps equal the model, every frontend whole.
+    let mut e = svc(web, &[A, B]);
+    e.name = "default/web:http".into();
+    let r = second.sync(vec![
+        e,
+        svc(api, &[C, D]),
+        svc(twin, &[A]),
+        ServiceEntry::new(dns, [pod("10.0.1.1:53")]),
+    ]);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let d = second.store().dump().expect("dump");
+    assert_eq!(d, second.expected_dump());
+    assert_consistent(
+        &d,
+        &Op::DelSlot {
+            frontend: web,
+            slot: 0,
+        },
+    );
+    assert_eq!(
+        served(&d),
+        [
+            "10.96.0.10:80/tcp count=2 flags=0x0 [\"10.0.1.1:8080\", \"10.0.2.1:8080\"] Some(\"default/web:http\")",
+            "10.96.0.11:443/tcp count=2 flags=0x0 [\"10.0.3.1:8080\", \"10.0.4.1:8080\"] Some(\"\")",
+            "10.96.0.12:80/tcp count=1 flags=0x0 [\"10.0.1.1:8080\"] Some(\"\")",
+            "10.96.0.53:53/udp count=1 flags=0x0 [\"10.0.1.1:53\"] Some(\"\")",
+        ]
+    );
+    // A clean adoption repairs nothing.
+    let store = std::mem::take(second.store_mut());
+    let (_, report) = Writer::adopt(store).expect("adopt");
+    assert!(report.repairs.is_empty(), "{:?}", report.repairs);
+    assert_eq!(report.orphans_deleted, 0);
 }
