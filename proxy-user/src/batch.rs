@@ -244,14 +244,3 @@ fn read_pod<T: Pod>(bytes: &[u8]) -> T {
     // size_of::<T>() bytes; read_unaligned copes with the byte buffer's alignment.
     unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) }
 }
-
-/// Whether a failed batch call is worth retrying element by element: always, since the
-/// one-element calls either succeed (the batch was refused as such: `ENOTSUPP`, `EINVAL`,
-/// the `ENOMEM` some kernels give for `BPF_F_NO_PREALLOC` maps) or fail with the precise
-/// error for the element.
-pub fn is_unsupported(errno: Option<i32>) -> bool {
-    matches!(
-        errno,
-        Some(ENOTSUPP) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP)
-    )
-}

@@ -92,7 +92,11 @@ fn corrupted_pins_are_repaired_on_adoption_and_traffic_is_right_afterwards() {
     let d = w.store().dump().expect("dump");
     assert_ne!(d.frontends[&api].service_id, d.frontends[&web].service_id);
     for (fe, v) in &d.frontends {
-        assert_eq!(d.revnat.get(&v.service_id).map(|(f, _)| f), Some(fe), "{fe}");
+        assert_eq!(
+            d.revnat.get(&v.service_id).map(|(f, _)| f),
+            Some(fe),
+            "{fe}"
+        );
     }
     // The first sync rewrites what adoption did not trust.
     let r = w.sync(desired);
