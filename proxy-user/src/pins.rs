@@ -213,6 +213,16 @@ impl PinDir {
         Ok(PinnedHash { map, fd })
     }
 
+    /// `max_entries` of the pinned map `name`, if it is pinned.
+    pub fn max_entries(&self, name: &str) -> Option<u32> {
+        let fd = self.open_fd(name, Access::ReadOnly).ok()?;
+        MapData::from_fd(fd)
+            .ok()?
+            .info()
+            .ok()
+            .map(|i| i.max_entries())
+    }
+
     /// Reads one `META` entry.
     pub fn read_meta(&self, index: u32, access: Access) -> Result<u32, PinError> {
         let meta: Array<MapData, u32> = self.typed(map_names::META, access)?;
