@@ -482,14 +482,16 @@ impl<S: MapStore> Writer<S> {
                 std::collections::hash_map::Entry::Occupied(_) => {}
             }
         }
+        let mut ranges_by_id: HashMap<u32, BTreeSet<(IpAddr, u8)>> = HashMap::new();
+        for (id, a, p) in &dump.src_ranges {
+            ranges_by_id.entry(*id).or_default().insert((*a, *p));
+        }
         for (fe, found) in &dump.frontends {
             let mut value = *found;
-            let ranges: BTreeSet<(IpAddr, u8)> = dump
-                .src_ranges
-                .iter()
-                .filter(|(id, _, _)| *id == found.service_id)
-                .map(|(_, a, p)| (*a, *p))
-                .collect();
+            let ranges = ranges_by_id
+                .get(&found.service_id)
+                .cloned()
+                .unwrap_or_default();
             let duplicate = owner.get(&found.service_id) != Some(fe);
             if duplicate {
                 value.service_id = w.service_alloc.alloc();
