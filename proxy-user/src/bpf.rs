@@ -1,137 +1,100 @@
-//! The pinned BPF maps, opened by path: the real [`MapStore`] the writer uses, and the
-//! readers the CLI and tests use (outcome counters, per-backend counters).
+//! The pinned BPF maps, opened by path: the real [`MapStore`] the writer uses (one-element
+//! writes through aya, batches through `crate::batch`), and the readers the CLI and tests
+//! use (outcome counters, per-backend counters). Opening goes through [`PinDir`], the ABI
+//! <-> model conversion through `crate::codec`.
 
 use std::{
-    collections::BTreeMap,
-    net::{IpAddr, SocketAddr},
-    path::{Path, PathBuf},
+    collections::{BTreeMap, HashSet},
+    net::IpAddr,
+    os::fd::{AsFd as _, OwnedFd},
+    path::Path,
 };
 
-use aya::maps::{
-    lpm_trie::{Key as LpmKey, LpmTrie},
-    Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap,
+use aya::{
+    maps::{lpm_trie::LpmTrie, Array, MapData, MapError, PerCpuArray, PerCpuHashMap},
+    Pod,
 };
 use proxy_common::{
-    map_names as names, Backend4, Backend6, Reason, RevNat4, RevNat6, SrcRange4, SrcRange6,
-    Svc4Key, Svc6Key, SvcValue,
+    map_names as names, Backend4, Backend6, NodeConfig, Reason, RevNat4, RevNat6, SrcRange4,
+    SrcRange6, Svc4Key, Svc6Key, SvcValue,
 };
 
 use crate::{
-    model::{
-        name_bytes, name_from_bytes, port_host, port_net, v4_from_word, v4_word, v6_from_words,
-        v6_words, Backend, Family, Frontend, Proto,
-    },
-    store::{Dump, FrontendValue, MapStore, Op, StoreError},
+    batch, codec,
+    codec::{BackendValue, NodeAddrKey, RevNatValue, SrcRangeKey, SvcKey},
+    model::Family,
+    pins::{Access, PinDir, PinnedHash},
+    store::{BatchFailed, Dump, Group, MapKind, MapStore, Op, StoreError},
 };
 
-/// Opening the pinned maps failed.
-#[derive(Debug, thiserror::Error)]
-pub enum OpenError {
-    #[error("no pinned map {path}: is proxy-agent installed with this --pin-path?")]
-    Missing { path: PathBuf },
-    #[error("pinned map {path}: permission denied (run as root or with CAP_BPF)")]
-    Permission { path: PathBuf },
-    #[error("pinned map {path}: {source}")]
-    Map {
-        path: PathBuf,
-        #[source]
-        source: MapError,
-    },
-    #[error(
-        "pinned maps at {dir} have ABI version {found}, this binary speaks {expected}: \
-             uninstall the old datapath first (proxy-agent uninstall)"
-    )]
-    Abi {
-        dir: PathBuf,
-        found: u32,
-        expected: u32,
-    },
-}
+/// Opening the pinned maps failed (see [`crate::pins::PinError`]).
+pub type OpenError = crate::pins::PinError;
 
-fn open_map(dir: &Path, name: &str) -> Result<Map, OpenError> {
-    let path = dir.join(name);
-    let data = MapData::from_pin(&path).map_err(|source| classify(&path, source))?;
-    Map::from_map_data(data).map_err(|source| OpenError::Map { path, source })
-}
+type Pair<K, V> = PinnedHash<K, V>;
 
-fn classify(path: &Path, source: MapError) -> OpenError {
-    let errno = match &source {
-        MapError::SyscallError(e) => e.io_error.raw_os_error(),
-        _ => None,
-    };
-    match errno {
-        Some(libc::ENOENT) => OpenError::Missing {
-            path: path.to_owned(),
-        },
-        Some(libc::EACCES) | Some(libc::EPERM) => OpenError::Permission {
-            path: path.to_owned(),
-        },
-        _ => OpenError::Map {
-            path: path.to_owned(),
-            source,
-        },
-    }
-}
-
-macro_rules! typed {
-    ($dir:expr, $name:expr) => {{
-        let path = $dir.join($name);
-        open_map($dir, $name)?
-            .try_into()
-            .map_err(|source| OpenError::Map { path, source })?
-    }};
+fn open_pair<K: Pod, V: Pod>(pins: &PinDir, name: &str) -> Result<Pair<K, V>, OpenError> {
+    pins.hash(name, Access::ReadWrite)
 }
 
 /// Every map the writer and the CLI use, opened from the pin directory.
 pub struct BpfMaps {
-    dir: PathBuf,
-    svc4: HashMap<MapData, Svc4Key, SvcValue>,
-    svc6: HashMap<MapData, Svc6Key, SvcValue>,
-    backend4: HashMap<MapData, u32, Backend4>,
-    backend6: HashMap<MapData, u32, Backend6>,
-    revnat4: HashMap<MapData, u32, RevNat4>,
-    revnat6: HashMap<MapData, u32, RevNat6>,
+    pins: PinDir,
+    svc4: Pair<Svc4Key, SvcValue>,
+    svc6: Pair<Svc6Key, SvcValue>,
+    backend4: Pair<u32, Backend4>,
+    backend6: Pair<u32, Backend6>,
+    revnat4: Pair<u32, RevNat4>,
+    revnat6: Pair<u32, RevNat6>,
+    node4: Pair<u32, u8>,
+    node6: Pair<[u32; 4], u8>,
+    node_config: Array<MapData, NodeConfig>,
     backend_conns: PerCpuHashMap<MapData, u32, u64>,
+    backend_conns_fd: OwnedFd,
     stats: PerCpuArray<MapData, u64>,
     src_range4: LpmTrie<MapData, SrcRange4, u8>,
     src_range6: LpmTrie<MapData, SrcRange6, u8>,
+    ncpus: usize,
 }
 
 impl std::fmt::Debug for BpfMaps {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BpfMaps").field("dir", &self.dir).finish()
+        f.debug_struct("BpfMaps")
+            .field("dir", &self.pins.path())
+            .finish()
     }
 }
 
 impl BpfMaps {
-    /// Opens the maps pinned under `dir`, checking the ABI version the loader recorded.
+    /// Opens the maps pinned under `dir` read-write, checking the ABI version the loader
+    /// recorded.
     pub fn open(dir: &Path) -> Result<Self, OpenError> {
-        let found = read_abi_version(dir)?;
-        if found != proxy_common::ABI_VERSION {
-            return Err(OpenError::Abi {
-                dir: dir.to_owned(),
-                found,
-                expected: proxy_common::ABI_VERSION,
-            });
-        }
+        let pins = PinDir::new(dir);
+        pins.check_abi(Access::ReadWrite)?;
+        let rw = Access::ReadWrite;
+        let (backend_conns, backend_conns_fd) = pins.typed_with_fd(names::BACKEND_CONNS, rw)?;
         Ok(Self {
-            dir: dir.to_owned(),
-            svc4: typed!(dir, names::SVC4),
-            svc6: typed!(dir, names::SVC6),
-            backend4: typed!(dir, names::BACKEND4),
-            backend6: typed!(dir, names::BACKEND6),
-            revnat4: typed!(dir, names::REVNAT4),
-            revnat6: typed!(dir, names::REVNAT6),
-            backend_conns: typed!(dir, names::BACKEND_CONNS),
-            stats: typed!(dir, names::STATS),
-            src_range4: typed!(dir, names::SRC_RANGE4),
-            src_range6: typed!(dir, names::SRC_RANGE6),
+            svc4: open_pair(&pins, names::SVC4)?,
+            svc6: open_pair(&pins, names::SVC6)?,
+            backend4: open_pair(&pins, names::BACKEND4)?,
+            backend6: open_pair(&pins, names::BACKEND6)?,
+            revnat4: open_pair(&pins, names::REVNAT4)?,
+            revnat6: open_pair(&pins, names::REVNAT6)?,
+            node4: open_pair(&pins, names::NODE_ADDRS4)?,
+            node6: open_pair(&pins, names::NODE_ADDRS6)?,
+            node_config: pins.typed(names::NODE_CONFIG, rw)?,
+            backend_conns,
+            backend_conns_fd,
+            stats: pins.typed(names::STATS, rw)?,
+            src_range4: pins.typed(names::SRC_RANGE4, rw)?,
+            src_range6: pins.typed(names::SRC_RANGE6, rw)?,
+            ncpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
+            pins,
         })
     }
 
     /// The pin directory.
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.pins.path()
     }
 
     /// Every outcome counter, summed over CPUs.
@@ -153,6 +116,9 @@ impl BpfMaps {
 
     /// Selections per backend id, summed over CPUs.
     pub fn backend_conns(&self) -> Result<BTreeMap<u32, u64>, StoreError> {
+        if let Ok(v) = batch::lookup_percpu_sum::<u32>(self.backend_conns_fd.as_fd(), self.ncpus) {
+            return Ok(v.into_iter().collect());
+        }
         let mut out = BTreeMap::new();
         for item in self.backend_conns.iter() {
             let (id, per_cpu) = item.map_err(|source| StoreError::Map {
@@ -163,73 +129,54 @@ impl BpfMaps {
         }
         Ok(out)
     }
+
+    /// The ids of `ids` that have per-backend counters.
+    fn conns_present(&self, ids: &[u32]) -> Result<Vec<u32>, StoreError> {
+        let present: HashSet<u32> = self.backend_conns()?.into_keys().collect();
+        Ok(ids
+            .iter()
+            .copied()
+            .filter(|i| present.contains(i))
+            .collect())
+    }
+
+    /// Deletes the per-backend counters of `ids` (a fresh id starts with fresh counters;
+    /// a deleted backend leaves none behind).
+    fn clear_conns(&mut self, ids: &[u32]) -> Result<(), StoreError> {
+        let present = self.conns_present(ids)?;
+        if batch::delete(self.backend_conns_fd.as_fd(), &present).is_err() {
+            for id in &present {
+                ignore_missing(self.backend_conns.remove(id))
+                    .map_err(map_err(names::BACKEND_CONNS))?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Writes the node's addresses (`NODE_ADDRS4/6`, replacing what was there) and the SNAT
-/// addresses (`NODE_CONFIG`: the first address of each family).
-pub fn set_node_addresses(dir: &Path, addrs: &[IpAddr]) -> Result<(), OpenError> {
-    use proxy_common::NodeConfig;
-    let mut n4: HashMap<MapData, u32, u8> = typed!(dir, names::NODE_ADDRS4);
-    let mut n6: HashMap<MapData, [u32; 4], u8> = typed!(dir, names::NODE_ADDRS6);
-    let mut cfg: Array<MapData, NodeConfig> = typed!(dir, names::NODE_CONFIG);
-    let err = |name: &str| {
-        let path = dir.join(name);
-        move |source| OpenError::Map { path, source }
-    };
-    let want4: Vec<u32> = addrs
-        .iter()
-        .filter_map(|a| match a {
-            IpAddr::V4(v) => Some(v4_word(*v)),
-            _ => None,
-        })
-        .collect();
-    let want6: Vec<[u32; 4]> = addrs
-        .iter()
-        .filter_map(|a| match a {
-            IpAddr::V6(v) => Some(v6_words(*v)),
-            _ => None,
-        })
-        .collect();
-    for a in &want4 {
-        n4.insert(a, 1, 0).map_err(err(names::NODE_ADDRS4))?;
+/// addresses (`NODE_CONFIG`: the first address of each family), through the store's
+/// operations. The agent does this through its writer; this is for tests and tools.
+pub fn set_node_addresses(dir: &Path, addrs: &[IpAddr]) -> Result<(), StoreError> {
+    let mut maps = BpfMaps::open(dir).map_err(|e| StoreError::Corrupt {
+        map: names::NODE_ADDRS4,
+        detail: e.to_string(),
+    })?;
+    let have = maps.dump()?;
+    for op in crate::writer::node_address_ops(&have.node_addrs, have.snat, addrs).into_ops() {
+        maps.apply(&op)?;
     }
-    for a in &want6 {
-        n6.insert(a, 1, 0).map_err(err(names::NODE_ADDRS6))?;
-    }
-    let stale4: Vec<u32> = n4
-        .keys()
-        .filter_map(Result::ok)
-        .filter(|k| !want4.contains(k))
-        .collect();
-    for k in stale4 {
-        let _ = n4.remove(&k);
-    }
-    let stale6: Vec<[u32; 4]> = n6
-        .keys()
-        .filter_map(Result::ok)
-        .filter(|k| !want6.contains(k))
-        .collect();
-    for k in stale6 {
-        let _ = n6.remove(&k);
-    }
-    let config = NodeConfig {
-        snat4: want4.first().copied().unwrap_or(0),
-        snat6: want6.first().copied().unwrap_or([0; 4]),
-    };
-    cfg.set(0, config, 0).map_err(err(names::NODE_CONFIG))
+    Ok(())
 }
 
 /// Reads `META[ABI_VERSION]` from the pin directory.
 pub fn read_abi_version(dir: &Path) -> Result<u32, OpenError> {
-    read_meta(dir, proxy_common::meta::ABI_VERSION)
+    PinDir::new(dir).abi_version(Access::ReadOnly)
 }
 
 /// Reads one `META` entry from the pin directory.
 pub fn read_meta(dir: &Path, index: u32) -> Result<u32, OpenError> {
-    let path = dir.join(names::META);
-    let meta: Array<MapData, u32> = typed!(dir, names::META);
-    meta.get(&index, 0)
-        .map_err(|source| OpenError::Map { path, source })
+    PinDir::new(dir).read_meta(index, Access::ReadOnly)
 }
 
 fn map_err(map: &'static str) -> impl Fn(MapError) -> StoreError {
@@ -254,113 +201,96 @@ fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
     }
 }
 
-fn svc4_key(fe: &Frontend, slot: u16) -> Option<Svc4Key> {
-    match fe.addr {
-        IpAddr::V4(a) => Some(Svc4Key::new(
-            v4_word(a),
-            port_net(fe.port),
-            fe.proto.number(),
-            fe.scope,
-            slot,
-        )),
-        IpAddr::V6(_) => None,
+fn corrupt(map: &'static str, detail: String) -> StoreError {
+    StoreError::Corrupt { map, detail }
+}
+
+fn batch_failed(e: batch::BatchError) -> BatchFailed {
+    BatchFailed {
+        applied: e.done,
+        error: e.error,
     }
 }
 
-fn svc6_key(fe: &Frontend, slot: u16) -> Option<Svc6Key> {
-    match fe.addr {
-        IpAddr::V6(a) => Some(Svc6Key::new(
-            v6_words(a),
-            port_net(fe.port),
-            fe.proto.number(),
-            fe.scope,
-            slot,
-        )),
-        IpAddr::V4(_) => None,
-    }
-}
-
-fn slot0(v: &FrontendValue) -> SvcValue {
-    SvcValue {
-        backend_id: 0,
-        service_id: v.service_id,
-        count: v.count,
-        flags: v.flags,
-        affinity_timeout: v.affinity_timeout,
-    }
-}
-
-fn slot_value(backend_id: u32, service_id: u32) -> SvcValue {
-    SvcValue {
-        backend_id,
-        service_id,
-        ..SvcValue::default()
+fn unsupported() -> BatchFailed {
+    BatchFailed {
+        applied: 0,
+        error: std::io::Error::from_raw_os_error(batch::ENOTSUPP),
     }
 }
 
 impl BpfMaps {
-    fn put_svc(&mut self, fe: &Frontend, slot: u16, v: SvcValue) -> Result<(), StoreError> {
-        if let Some(k) = svc4_key(fe, slot) {
-            self.svc4.insert(k, v, 0).map_err(map_err(names::SVC4))
-        } else if let Some(k) = svc6_key(fe, slot) {
-            self.svc6.insert(k, v, 0).map_err(map_err(names::SVC6))
-        } else {
-            unreachable!("a frontend is v4 or v6")
+    fn put_svc(&mut self, key: SvcKey, v: SvcValue) -> Result<(), StoreError> {
+        match key {
+            SvcKey::V4(k) => self.svc4.map.insert(k, v, 0).map_err(map_err(names::SVC4)),
+            SvcKey::V6(k) => self.svc6.map.insert(k, v, 0).map_err(map_err(names::SVC6)),
         }
     }
 
-    fn del_svc(&mut self, fe: &Frontend, slot: u16) -> Result<(), StoreError> {
-        if let Some(k) = svc4_key(fe, slot) {
-            ignore_missing(self.svc4.remove(&k)).map_err(map_err(names::SVC4))
-        } else if let Some(k) = svc6_key(fe, slot) {
-            ignore_missing(self.svc6.remove(&k)).map_err(map_err(names::SVC6))
-        } else {
-            unreachable!("a frontend is v4 or v6")
+    fn del_svc(&mut self, key: SvcKey) -> Result<(), StoreError> {
+        match key {
+            SvcKey::V4(k) => ignore_missing(self.svc4.map.remove(&k)).map_err(map_err(names::SVC4)),
+            SvcKey::V6(k) => ignore_missing(self.svc6.map.remove(&k)).map_err(map_err(names::SVC6)),
         }
     }
-}
 
-impl BpfMaps {
-    fn src_range(
-        &mut self,
-        put: bool,
-        service_id: u32,
-        addr: IpAddr,
-        prefix: u8,
-    ) -> Result<(), StoreError> {
-        match addr {
-            IpAddr::V4(a) => {
-                let key = LpmKey::new(
-                    32 + u32::from(prefix),
-                    SrcRange4 {
-                        service_id,
-                        addr: v4_word(a),
-                    },
-                );
+    fn src_range(&mut self, put: bool, key: SrcRangeKey) -> Result<(), StoreError> {
+        match key {
+            SrcRangeKey::V4(k) => {
                 let r = if put {
-                    self.src_range4.insert(&key, 1, 0)
+                    self.src_range4.insert(&k, 1, 0)
                 } else {
-                    ignore_missing(self.src_range4.remove(&key))
+                    ignore_missing(self.src_range4.remove(&k))
                 };
                 r.map_err(map_err(names::SRC_RANGE4))
             }
-            IpAddr::V6(a) => {
-                let key = LpmKey::new(
-                    32 + u32::from(prefix),
-                    SrcRange6 {
-                        service_id,
-                        addr: v6_words(a),
-                    },
-                );
+            SrcRangeKey::V6(k) => {
                 let r = if put {
-                    self.src_range6.insert(&key, 1, 0)
+                    self.src_range6.insert(&k, 1, 0)
                 } else {
-                    ignore_missing(self.src_range6.remove(&key))
+                    ignore_missing(self.src_range6.remove(&k))
                 };
                 r.map_err(map_err(names::SRC_RANGE6))
             }
         }
     }
+}
+
+/// The `SVC` key and value an op writes (`PutSlot`, `PutFrontend`) or the key it deletes.
+fn svc_entry(op: &Op) -> Option<(SvcKey, Option<SvcValue>)> {
+    match op {
+        Op::PutSlot {
+            frontend,
+            slot,
+            backend_id,
+            service_id,
+        } => Some((
+            codec::svc_key(frontend, *slot),
+            Some(codec::slot_value(*backend_id, *service_id)),
+        )),
+        Op::PutFrontend { frontend, value } => Some((
+            codec::svc_key(frontend, 0),
+            Some(codec::frontend_value(value)),
+        )),
+        Op::DelSlot { frontend, slot } => Some((codec::svc_key(frontend, *slot), None)),
+        _ => None,
+    }
+}
+
+/// Splits per-family keys/values out of a batch (all of one family by contract).
+fn keys_values<K, V>(
+    ops: &[Op],
+    mut f: impl FnMut(&Op) -> Option<(K, Option<V>)>,
+) -> (Vec<K>, Vec<V>) {
+    let mut keys = Vec::with_capacity(ops.len());
+    let mut values = Vec::with_capacity(ops.len());
+    for op in ops {
+        if let Some((k, v)) = f(op) {
+            keys.push(k);
+            values.extend(v);
+        }
+    }
+    (keys, values)
 }
 
 impl MapStore for BpfMaps {
@@ -370,199 +300,329 @@ impl MapStore for BpfMaps {
                 service_id,
                 addr,
                 prefix,
-            } => self.src_range(true, *service_id, *addr, *prefix),
+            } => self.src_range(true, codec::src_range_key(*service_id, *addr, *prefix)),
             Op::DelSrcRange {
                 service_id,
                 addr,
                 prefix,
-            } => self.src_range(false, *service_id, *addr, *prefix),
+            } => self.src_range(false, codec::src_range_key(*service_id, *addr, *prefix)),
             Op::PutBackend { id, backend, proto } => {
                 // A fresh id starts with fresh counters.
                 ignore_missing(self.backend_conns.remove(id))
                     .map_err(map_err(names::BACKEND_CONNS))?;
-                match backend.addr {
-                    SocketAddr::V4(a) => {
-                        let v = Backend4 {
-                            addr: v4_word(*a.ip()),
-                            port: port_net(a.port()),
-                            proto: proto.number(),
-                            flags: backend.flags,
-                        };
-                        self.backend4
-                            .insert(id, v, 0)
-                            .map_err(map_err(names::BACKEND4))
-                    }
-                    SocketAddr::V6(a) => {
-                        let v = Backend6 {
-                            addr: v6_words(*a.ip()),
-                            port: port_net(a.port()),
-                            proto: proto.number(),
-                            flags: backend.flags,
-                        };
-                        self.backend6
-                            .insert(id, v, 0)
-                            .map_err(map_err(names::BACKEND6))
-                    }
+                match codec::backend_value(backend, *proto) {
+                    BackendValue::V4(v) => self
+                        .backend4
+                        .map
+                        .insert(id, v, 0)
+                        .map_err(map_err(names::BACKEND4)),
+                    BackendValue::V6(v) => self
+                        .backend6
+                        .map
+                        .insert(id, v, 0)
+                        .map_err(map_err(names::BACKEND6)),
                 }
             }
             Op::DelBackend { id, family } => {
                 match family {
-                    Family::V4 => ignore_missing(self.backend4.remove(id))
+                    Family::V4 => ignore_missing(self.backend4.map.remove(id))
                         .map_err(map_err(names::BACKEND4))?,
-                    Family::V6 => ignore_missing(self.backend6.remove(id))
+                    Family::V6 => ignore_missing(self.backend6.map.remove(id))
                         .map_err(map_err(names::BACKEND6))?,
                 }
                 ignore_missing(self.backend_conns.remove(id)).map_err(map_err(names::BACKEND_CONNS))
             }
-            Op::PutSlot {
-                frontend,
-                slot,
-                backend_id,
-                service_id,
-            } => self.put_svc(frontend, *slot, slot_value(*backend_id, *service_id)),
-            Op::PutFrontend { frontend, value } => self.put_svc(frontend, 0, slot0(value)),
-            Op::DelSlot { frontend, slot } => self.del_svc(frontend, *slot),
+            Op::PutSlot { .. } | Op::PutFrontend { .. } | Op::DelSlot { .. } => {
+                match svc_entry(op) {
+                    Some((k, Some(v))) => self.put_svc(k, v),
+                    Some((k, None)) => self.del_svc(k),
+                    None => unreachable!("an SVC op"),
+                }
+            }
             Op::PutRevNat {
                 service_id,
                 frontend,
                 name,
-            } => match frontend.addr {
-                IpAddr::V4(a) => {
-                    let v = RevNat4 {
-                        addr: v4_word(a),
-                        port: port_net(frontend.port),
-                        proto: frontend.proto.number(),
-                        scope: frontend.scope,
-                        name: name_bytes(name),
-                    };
-                    self.revnat4
-                        .insert(service_id, v, 0)
-                        .map_err(map_err(names::REVNAT4))
-                }
-                IpAddr::V6(a) => {
-                    let v = RevNat6 {
-                        addr: v6_words(a),
-                        port: port_net(frontend.port),
-                        proto: frontend.proto.number(),
-                        scope: frontend.scope,
-                        name: name_bytes(name),
-                    };
-                    self.revnat6
-                        .insert(service_id, v, 0)
-                        .map_err(map_err(names::REVNAT6))
-                }
+            } => match codec::revnat_value(frontend, name) {
+                RevNatValue::V4(v) => self
+                    .revnat4
+                    .map
+                    .insert(service_id, v, 0)
+                    .map_err(map_err(names::REVNAT4)),
+                RevNatValue::V6(v) => self
+                    .revnat6
+                    .map
+                    .insert(service_id, v, 0)
+                    .map_err(map_err(names::REVNAT6)),
             },
-            Op::DelRevNat { service_id, family } => {
-                match family {
-                    Family::V4 => ignore_missing(self.revnat4.remove(service_id))
-                        .map_err(map_err(names::REVNAT4)),
-                    Family::V6 => ignore_missing(self.revnat6.remove(service_id))
-                        .map_err(map_err(names::REVNAT6)),
+            Op::DelRevNat { service_id, family } => match family {
+                Family::V4 => ignore_missing(self.revnat4.map.remove(service_id))
+                    .map_err(map_err(names::REVNAT4)),
+                Family::V6 => ignore_missing(self.revnat6.map.remove(service_id))
+                    .map_err(map_err(names::REVNAT6)),
+            },
+            Op::PutNodeAddr { addr } => match codec::node_addr_key(*addr) {
+                NodeAddrKey::V4(k) => self
+                    .node4
+                    .map
+                    .insert(k, 1, 0)
+                    .map_err(map_err(names::NODE_ADDRS4)),
+                NodeAddrKey::V6(k) => self
+                    .node6
+                    .map
+                    .insert(k, 1, 0)
+                    .map_err(map_err(names::NODE_ADDRS6)),
+            },
+            Op::DelNodeAddr { addr } => {
+                match codec::node_addr_key(*addr) {
+                    NodeAddrKey::V4(k) => ignore_missing(self.node4.map.remove(&k))
+                        .map_err(map_err(names::NODE_ADDRS4)),
+                    NodeAddrKey::V6(k) => ignore_missing(self.node6.map.remove(&k))
+                        .map_err(map_err(names::NODE_ADDRS6)),
                 }
             }
+            Op::PutNodeConfig { snat } => self
+                .node_config
+                .set(0, codec::node_config(snat), 0)
+                .map_err(map_err(names::NODE_CONFIG)),
+        }
+    }
+
+    fn supports_batch(&self, group: Group) -> bool {
+        // LPM tries take no batch updates; NODE_CONFIG has one entry.
+        !matches!(group.map, MapKind::SrcRange | MapKind::NodeConfig)
+    }
+
+    fn apply_batch(&mut self, ops: &[Op]) -> Result<(), BatchFailed> {
+        let Some(first) = ops.first() else {
+            return Ok(());
+        };
+        let g = first.group();
+        let v4 = g.family == Family::V4;
+        let fail = |e: StoreError| BatchFailed {
+            applied: 0,
+            error: std::io::Error::other(e.to_string()),
+        };
+        match (g.map, g.delete) {
+            (MapKind::Backend, false) => {
+                let ids: Vec<u32> = ops
+                    .iter()
+                    .filter_map(|op| match op {
+                        Op::PutBackend { id, .. } => Some(*id),
+                        _ => None,
+                    })
+                    .collect();
+                self.clear_conns(&ids).map_err(fail)?;
+                let vals = ops.iter().filter_map(|op| match op {
+                    Op::PutBackend { backend, proto, .. } => {
+                        Some(codec::backend_value(backend, *proto))
+                    }
+                    _ => None,
+                });
+                if v4 {
+                    let v: Vec<Backend4> = vals
+                        .filter_map(|b| match b {
+                            BackendValue::V4(b) => Some(b),
+                            BackendValue::V6(_) => None,
+                        })
+                        .collect();
+                    batch::update(self.backend4.fd.as_fd(), &ids, &v)
+                } else {
+                    let v: Vec<Backend6> = vals
+                        .filter_map(|b| match b {
+                            BackendValue::V6(b) => Some(b),
+                            BackendValue::V4(_) => None,
+                        })
+                        .collect();
+                    batch::update(self.backend6.fd.as_fd(), &ids, &v)
+                }
+                .map_err(batch_failed)
+            }
+            (MapKind::Backend, true) => {
+                let ids: Vec<u32> = ops
+                    .iter()
+                    .filter_map(|op| match op {
+                        Op::DelBackend { id, .. } => Some(*id),
+                        _ => None,
+                    })
+                    .collect();
+                let fd = if v4 {
+                    self.backend4.fd.as_fd()
+                } else {
+                    self.backend6.fd.as_fd()
+                };
+                let r = batch::delete(fd, &ids);
+                let done = r.as_ref().map_or_else(|e| e.done, |_| ids.len());
+                self.clear_conns(&ids[..done]).map_err(fail)?;
+                r.map_err(batch_failed)
+            }
+            (MapKind::Svc, delete) => {
+                let res = if v4 {
+                    let (k, v) = keys_values(ops, |op| {
+                        svc_entry(op).and_then(|(k, v)| match k {
+                            SvcKey::V4(k) => Some((k, v)),
+                            SvcKey::V6(_) => None,
+                        })
+                    });
+                    if delete {
+                        batch::delete(self.svc4.fd.as_fd(), &k)
+                    } else {
+                        batch::update(self.svc4.fd.as_fd(), &k, &v)
+                    }
+                } else {
+                    let (k, v) = keys_values(ops, |op| {
+                        svc_entry(op).and_then(|(k, v)| match k {
+                            SvcKey::V6(k) => Some((k, v)),
+                            SvcKey::V4(_) => None,
+                        })
+                    });
+                    if delete {
+                        batch::delete(self.svc6.fd.as_fd(), &k)
+                    } else {
+                        batch::update(self.svc6.fd.as_fd(), &k, &v)
+                    }
+                };
+                res.map_err(batch_failed)
+            }
+            (MapKind::RevNat, delete) => {
+                let entry = |op: &Op| match op {
+                    Op::PutRevNat {
+                        service_id,
+                        frontend,
+                        name,
+                    } => Some((*service_id, Some(codec::revnat_value(frontend, name)))),
+                    Op::DelRevNat { service_id, .. } => Some((*service_id, None)),
+                    _ => None,
+                };
+                let res = if v4 {
+                    let (k, v) = keys_values(ops, |op| {
+                        entry(op).map(|(k, v)| {
+                            (
+                                k,
+                                v.and_then(|v| match v {
+                                    RevNatValue::V4(v) => Some(v),
+                                    RevNatValue::V6(_) => None,
+                                }),
+                            )
+                        })
+                    });
+                    if delete {
+                        batch::delete(self.revnat4.fd.as_fd(), &k)
+                    } else {
+                        batch::update(self.revnat4.fd.as_fd(), &k, &v)
+                    }
+                } else {
+                    let (k, v) = keys_values(ops, |op| {
+                        entry(op).map(|(k, v)| {
+                            (
+                                k,
+                                v.and_then(|v| match v {
+                                    RevNatValue::V6(v) => Some(v),
+                                    RevNatValue::V4(_) => None,
+                                }),
+                            )
+                        })
+                    });
+                    if delete {
+                        batch::delete(self.revnat6.fd.as_fd(), &k)
+                    } else {
+                        batch::update(self.revnat6.fd.as_fd(), &k, &v)
+                    }
+                };
+                res.map_err(batch_failed)
+            }
+            (MapKind::NodeAddr, delete) => {
+                let addrs = ops.iter().filter_map(|op| match op {
+                    Op::PutNodeAddr { addr } | Op::DelNodeAddr { addr } => {
+                        Some(codec::node_addr_key(*addr))
+                    }
+                    _ => None,
+                });
+                let res = if v4 {
+                    let k: Vec<u32> = addrs
+                        .filter_map(|a| match a {
+                            NodeAddrKey::V4(k) => Some(k),
+                            NodeAddrKey::V6(_) => None,
+                        })
+                        .collect();
+                    if delete {
+                        batch::delete(self.node4.fd.as_fd(), &k)
+                    } else {
+                        batch::update(self.node4.fd.as_fd(), &k, &vec![1u8; k.len()])
+                    }
+                } else {
+                    let k: Vec<[u32; 4]> = addrs
+                        .filter_map(|a| match a {
+                            NodeAddrKey::V6(k) => Some(k),
+                            NodeAddrKey::V4(_) => None,
+                        })
+                        .collect();
+                    if delete {
+                        batch::delete(self.node6.fd.as_fd(), &k)
+                    } else {
+                        batch::update(self.node6.fd.as_fd(), &k, &vec![1u8; k.len()])
+                    }
+                };
+                res.map_err(batch_failed)
+            }
+            // LPM tries have no batch operations; NODE_CONFIG has one entry.
+            (MapKind::SrcRange, _) | (MapKind::NodeConfig, _) => Err(unsupported()),
         }
     }
 
     fn dump(&self) -> Result<Dump, StoreError> {
         let mut d = Dump::default();
-        let corrupt = |map: &'static str, detail: String| StoreError::Corrupt { map, detail };
-
-        for item in self.backend4.iter() {
-            let (id, b) = item.map_err(map_err(names::BACKEND4))?;
-            let proto = Proto::from_number(b.proto).ok_or_else(|| {
+        for (id, b) in self.backend4.read_all().map_err(map_err(names::BACKEND4))? {
+            let b = codec::decode_backend4(&b).ok_or_else(|| {
                 corrupt(names::BACKEND4, format!("backend {id}: proto {}", b.proto))
             })?;
-            let addr = SocketAddr::from((v4_from_word(b.addr), port_host(b.port)));
-            d.backends.insert(
-                id,
-                (
-                    Backend {
-                        addr,
-                        flags: b.flags,
-                    },
-                    proto,
-                ),
-            );
+            d.backends.insert(id, b);
         }
-        for item in self.backend6.iter() {
-            let (id, b) = item.map_err(map_err(names::BACKEND6))?;
-            let proto = Proto::from_number(b.proto).ok_or_else(|| {
+        for (id, b) in self.backend6.read_all().map_err(map_err(names::BACKEND6))? {
+            let b = codec::decode_backend6(&b).ok_or_else(|| {
                 corrupt(names::BACKEND6, format!("backend {id}: proto {}", b.proto))
             })?;
-            let addr = SocketAddr::from((v6_from_words(b.addr), port_host(b.port)));
-            d.backends.insert(
-                id,
-                (
-                    Backend {
-                        addr,
-                        flags: b.flags,
-                    },
-                    proto,
-                ),
-            );
+            d.backends.insert(id, b);
         }
-        let mut put_svc = |fe: Frontend, slot: u16, v: SvcValue| {
-            if slot == 0 {
-                d.frontends.insert(
-                    fe,
-                    FrontendValue {
-                        service_id: v.service_id,
-                        count: v.count,
-                        flags: v.flags,
-                        affinity_timeout: v.affinity_timeout,
-                    },
-                );
-            } else {
-                d.slots.insert((fe, slot), v.backend_id);
-            }
-        };
-        for item in self.svc4.iter() {
-            let (k, v) = item.map_err(map_err(names::SVC4))?;
-            let proto = Proto::from_number(k.proto)
+        for (k, v) in self.svc4.read_all().map_err(map_err(names::SVC4))? {
+            let fe = codec::decode_svc4(&k)
                 .ok_or_else(|| corrupt(names::SVC4, format!("proto {}", k.proto)))?;
-            let fe = Frontend::new(v4_from_word(k.addr), port_host(k.port), proto);
-            put_svc(fe.with_scope(k.scope), k.slot, v);
+            codec::put_svc(&mut d, fe, k.slot, &v);
         }
-        for item in self.svc6.iter() {
-            let (k, v) = item.map_err(map_err(names::SVC6))?;
-            let proto = Proto::from_number(k.proto)
+        for (k, v) in self.svc6.read_all().map_err(map_err(names::SVC6))? {
+            let fe = codec::decode_svc6(&k)
                 .ok_or_else(|| corrupt(names::SVC6, format!("proto {}", k.proto)))?;
-            let fe = Frontend::new(v6_from_words(k.addr), port_host(k.port), proto);
-            put_svc(fe.with_scope(k.scope), k.slot, v);
+            codec::put_svc(&mut d, fe, k.slot, &v);
         }
-        for item in self.revnat4.iter() {
-            let (id, r) = item.map_err(map_err(names::REVNAT4))?;
-            let proto = Proto::from_number(r.proto)
+        for (id, r) in self.revnat4.read_all().map_err(map_err(names::REVNAT4))? {
+            let entry = codec::decode_revnat4(&r)
                 .ok_or_else(|| corrupt(names::REVNAT4, format!("proto {}", r.proto)))?;
-            let fe = Frontend::new(v4_from_word(r.addr), port_host(r.port), proto);
-            d.revnat
-                .insert(id, (fe.with_scope(r.scope), name_from_bytes(&r.name)));
+            d.revnat.insert(id, entry);
         }
-        for item in self.revnat6.iter() {
-            let (id, r) = item.map_err(map_err(names::REVNAT6))?;
-            let proto = Proto::from_number(r.proto)
+        for (id, r) in self.revnat6.read_all().map_err(map_err(names::REVNAT6))? {
+            let entry = codec::decode_revnat6(&r)
                 .ok_or_else(|| corrupt(names::REVNAT6, format!("proto {}", r.proto)))?;
-            let fe = Frontend::new(v6_from_words(r.addr), port_host(r.port), proto);
-            d.revnat
-                .insert(id, (fe.with_scope(r.scope), name_from_bytes(&r.name)));
+            d.revnat.insert(id, entry);
         }
-        for item in self.src_range4.iter() {
-            let (k, _) = item.map_err(map_err(names::SRC_RANGE4))?;
-            let data = k.data();
-            let prefix = k.prefix_len().saturating_sub(32) as u8;
-            d.src_ranges
-                .insert((data.service_id, IpAddr::V4(v4_from_word(data.addr)), prefix));
+        for k in self.src_range4.keys() {
+            let k = k.map_err(map_err(names::SRC_RANGE4))?;
+            d.src_ranges.insert(codec::decode_src_range4(&k));
         }
-        for item in self.src_range6.iter() {
-            let (k, _) = item.map_err(map_err(names::SRC_RANGE6))?;
-            let data = k.data();
-            let prefix = k.prefix_len().saturating_sub(32) as u8;
-            d.src_ranges.insert((
-                data.service_id,
-                IpAddr::V6(v6_from_words(data.addr)),
-                prefix,
-            ));
+        for k in self.src_range6.keys() {
+            let k = k.map_err(map_err(names::SRC_RANGE6))?;
+            d.src_ranges.insert(codec::decode_src_range6(&k));
         }
+        for (k, _) in self.node4.read_all().map_err(map_err(names::NODE_ADDRS4))? {
+            d.node_addrs.insert(codec::decode_node_addr4(k));
+        }
+        for (k, _) in self.node6.read_all().map_err(map_err(names::NODE_ADDRS6))? {
+            d.node_addrs.insert(codec::decode_node_addr6(k));
+        }
+        let cfg = self
+            .node_config
+            .get(&0, 0)
+            .map_err(map_err(names::NODE_CONFIG))?;
+        d.snat = codec::decode_node_config(&cfg);
         Ok(d)
     }
 }

@@ -3,14 +3,17 @@
 //! `proxyctl` and the integration tests.
 
 pub mod agent;
+pub mod batch;
 pub mod bpf;
 pub mod cgroup;
 pub mod cleanup;
 pub mod cluster;
+pub mod codec;
 pub mod ctl;
 pub mod loader;
 pub mod model;
 pub mod node;
+pub mod pins;
 pub mod sockdestroy;
 pub mod store;
 pub mod writer;
@@ -18,7 +21,8 @@ pub mod writer;
 pub(crate) use loader::fs_magic;
 
 pub use bpf::BpfMaps;
-pub use loader::{install, uninstall, InstallOptions, TcAttachMode, DEFAULT_PIN_PATH};
+pub use loader::{install, uninstall, InstallOptions, TcAttachMode};
 pub use model::{Backend, Frontend, Proto, ServiceEntry};
+pub use pins::{PinDir, DEFAULT_PIN_PATH};
 pub use store::{MapStore, MemStore};
 pub use writer::Writer;

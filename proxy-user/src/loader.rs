@@ -39,10 +39,12 @@ use aya::{
 use proxy_common::{map_names, meta, ABI_VERSION};
 use tracing::{debug, info, warn};
 
-use crate::{bpf, cgroup};
+use crate::{
+    cgroup,
+    pins::{Access, PinDir},
+};
 
-/// Default pin directory.
-pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/ebpf-proxy";
+pub use crate::pins::DEFAULT_PIN_PATH;
 
 /// The eBPF object built by `build.rs` (empty when built with the stub switch).
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
@@ -135,7 +137,7 @@ pub enum LoadError {
         source: io::Error,
     },
     #[error(transparent)]
-    Open(#[from] bpf::OpenError),
+    Open(#[from] crate::pins::PinError),
     #[error("loading the eBPF object: {0}")]
     Ebpf(#[from] aya::EbpfError),
     #[error("program {name}: {source}")]
@@ -490,16 +492,9 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     fs::create_dir_all(link_dir(pin_path)).map_err(io_err("creating", pin_path))?;
 
     // Maps of another ABI would be misread by the new programs: refuse.
-    if pin_path.join(map_names::META).exists() {
-        let found = bpf::read_abi_version(pin_path)?;
-        if found != ABI_VERSION {
-            return Err(bpf::OpenError::Abi {
-                dir: pin_path.clone(),
-                found,
-                expected: ABI_VERSION,
-            }
-            .into());
-        }
+    let pins = PinDir::new(pin_path);
+    if pins.has_maps() {
+        pins.check_abi(Access::ReadWrite)?;
     }
 
     let mut report = InstallReport::default();
@@ -729,7 +724,8 @@ fn write_meta(ebpf: &mut aya::Ebpf, index: u32, value: u32) -> Result<(), LoadEr
 /// `log`/`tracing` output until the returned task is dropped. Works for adopted programs
 /// too: it finds their ring buffer through the program id the loader recorded.
 pub fn spawn_kernel_logger(pin_path: &Path) -> Option<tokio::task::JoinHandle<()>> {
-    let id = bpf::read_meta(pin_path, meta::LOG_PROGRAM_ID)
+    let id = PinDir::new(pin_path)
+        .read_meta(meta::LOG_PROGRAM_ID, Access::ReadOnly)
         .ok()
         .filter(|id| *id != 0)?;
     let logger = match aya_log::EbpfLogger::init_from_id(id) {

@@ -2,7 +2,13 @@
 //! and an in-memory store for tests ([`MemStore`]). The real store over pinned BPF maps is
 //! `crate::bpf::BpfMaps`.
 
-use std::{collections::BTreeMap, fmt};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt, io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
+
+use tracing::debug;
 
 use crate::model::{Backend, Family, Frontend, Proto};
 
@@ -52,6 +58,93 @@ pub enum Op {
         addr: std::net::IpAddr,
         prefix: u8,
     },
+    /// `NODE_ADDRS{4,6}[addr] = 1`: NodePorts are served on this node address.
+    PutNodeAddr { addr: IpAddr },
+    /// Delete `NODE_ADDRS{4,6}[addr]`.
+    DelNodeAddr { addr: IpAddr },
+    /// `NODE_CONFIG[0]`: the addresses the TC path source-NATs to.
+    PutNodeConfig { snat: Snat },
+}
+
+/// `NODE_CONFIG[0]` in model terms: the SNAT address of each family (`None`: no SNAT
+/// possible for that family; zero in the map).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Snat {
+    pub v4: Option<Ipv4Addr>,
+    pub v6: Option<Ipv6Addr>,
+}
+
+/// Which map an [`Op`] writes and how (update or delete): ops of one group can go to the
+/// kernel in one batch call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Group {
+    pub map: MapKind,
+    pub family: Family,
+    pub delete: bool,
+}
+
+/// The maps the writer writes (per family).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum MapKind {
+    Backend,
+    Svc,
+    RevNat,
+    SrcRange,
+    NodeAddr,
+    NodeConfig,
+}
+
+impl Op {
+    /// The map this op writes and whether it deletes.
+    pub fn group(&self) -> Group {
+        let fam = |a: &IpAddr| Family::of(a);
+        let (map, family, delete) = match self {
+            Op::PutBackend { backend, .. } => (MapKind::Backend, backend.family(), false),
+            Op::DelBackend { family, .. } => (MapKind::Backend, *family, true),
+            Op::PutSlot { frontend, .. } | Op::PutFrontend { frontend, .. } => {
+                (MapKind::Svc, frontend.family(), false)
+            }
+            Op::DelSlot { frontend, .. } => (MapKind::Svc, frontend.family(), true),
+            Op::PutRevNat { frontend, .. } => (MapKind::RevNat, frontend.family(), false),
+            Op::DelRevNat { family, .. } => (MapKind::RevNat, *family, true),
+            Op::PutSrcRange { addr, .. } => (MapKind::SrcRange, fam(addr), false),
+            Op::DelSrcRange { addr, .. } => (MapKind::SrcRange, fam(addr), true),
+            Op::PutNodeAddr { addr } => (MapKind::NodeAddr, fam(addr), false),
+            Op::DelNodeAddr { addr } => (MapKind::NodeAddr, fam(addr), true),
+            Op::PutNodeConfig { .. } => (MapKind::NodeConfig, Family::V4, false),
+        };
+        Group {
+            map,
+            family,
+            delete,
+        }
+    }
+
+    /// The map entry this op writes, as text (two ops of one batch never share one).
+    pub fn key(&self) -> String {
+        match self {
+            Op::PutBackend { id, .. } | Op::DelBackend { id, .. } => format!("backend {id}"),
+            Op::PutSlot { frontend, slot, .. } | Op::DelSlot { frontend, slot } => {
+                format!("svc {frontend} #{slot}")
+            }
+            Op::PutFrontend { frontend, .. } => format!("svc {frontend} #0"),
+            Op::PutRevNat { service_id, .. } | Op::DelRevNat { service_id, .. } => {
+                format!("revnat {service_id}")
+            }
+            Op::PutSrcRange {
+                service_id,
+                addr,
+                prefix,
+            }
+            | Op::DelSrcRange {
+                service_id,
+                addr,
+                prefix,
+            } => format!("src {service_id} {addr}/{prefix}"),
+            Op::PutNodeAddr { addr } | Op::DelNodeAddr { addr } => format!("node {addr}"),
+            Op::PutNodeConfig { .. } => "node config".into(),
+        }
+    }
 }
 
 /// What slot 0 holds.
@@ -111,7 +204,22 @@ impl fmt::Display for Op {
                 addr,
                 prefix,
             } => write!(f, "del source range {service_id} {addr}/{prefix}"),
+            Op::PutNodeAddr { addr } => write!(f, "put node address {addr}"),
+            Op::DelNodeAddr { addr } => write!(f, "del node address {addr}"),
+            Op::PutNodeConfig { snat } => write!(f, "put node config {snat}"),
         }
+    }
+}
+
+impl fmt::Display for Snat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let show = |a: Option<IpAddr>| a.map_or("none".to_string(), |a| a.to_string());
+        write!(
+            f,
+            "snat4={} snat6={}",
+            show(self.v4.map(IpAddr::V4)),
+            show(self.v6.map(IpAddr::V6))
+        )
     }
 }
 
@@ -143,6 +251,10 @@ pub struct Dump {
     pub revnat: BTreeMap<u32, (Frontend, String)>,
     /// Allowed source ranges: (service id, address, prefix length).
     pub src_ranges: std::collections::BTreeSet<(u32, std::net::IpAddr, u8)>,
+    /// `NODE_ADDRS4/6`: the node's addresses NodePorts are served on.
+    pub node_addrs: BTreeSet<IpAddr>,
+    /// `NODE_CONFIG[0]`.
+    pub snat: Snat,
 }
 
 impl Dump {
@@ -180,8 +292,46 @@ impl Dump {
                 out += &format!("revnat {id} = {fe} {name:?}\n");
             }
         }
+        for a in &self.node_addrs {
+            out += &format!("node address {a}\n");
+        }
+        if self.snat != Snat::default() {
+            out += &format!("node config {}\n", self.snat);
+        }
         out
     }
+}
+
+/// How many map elements were written by batch calls and one by one (the metric
+/// `map_writes_total{mode}`), and how often a batch call fell back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WriteCounts {
+    /// Elements written by `BPF_MAP_*_BATCH` calls.
+    pub batch: u64,
+    /// Elements written one by one.
+    pub single: u64,
+    /// Batch calls made.
+    pub batch_calls: u64,
+    /// Batch calls that failed and whose remaining elements were written one by one.
+    pub fallbacks: u64,
+}
+
+impl WriteCounts {
+    /// Adds `other` into `self`.
+    pub fn add(&mut self, other: &WriteCounts) {
+        self.batch += other.batch;
+        self.single += other.single;
+        self.batch_calls += other.batch_calls;
+        self.fallbacks += other.fallbacks;
+    }
+}
+
+/// A batch call that did not apply all of its operations: the first `applied` were (in
+/// order), then the call failed.
+#[derive(Debug)]
+pub struct BatchFailed {
+    pub applied: usize,
+    pub error: io::Error,
 }
 
 /// Where the writer's operations go.
@@ -190,6 +340,61 @@ pub trait MapStore {
     fn apply(&mut self, op: &Op) -> Result<(), StoreError>;
     /// Reads back everything the writer owns.
     fn dump(&self) -> Result<Dump, StoreError>;
+    /// Whether [`Self::apply_batch`] is worth calling for ops of this group.
+    fn supports_batch(&self, group: Group) -> bool {
+        let _ = group;
+        false
+    }
+    /// Applies `ops` - all of one [`Op::group`], each on its own map entry, safe in any
+    /// order - in as few calls as possible (a `BPF_MAP_*_BATCH` per map), in order. On a
+    /// failure the ops before `applied` are written and the rest are not; the caller
+    /// writes the rest one by one ([`write_batch`]).
+    fn apply_batch(&mut self, ops: &[Op]) -> Result<(), BatchFailed> {
+        let _ = ops;
+        Err(BatchFailed {
+            applied: 0,
+            error: io::Error::from_raw_os_error(crate::batch::ENOTSUPP),
+        })
+    }
+}
+
+/// Writes `ops` (one [`Op::group`], distinct entries) as one batch when the store has
+/// batches and there is more than one op; what a failed batch call did not apply is
+/// written one by one (the per-element fallback). `Err((i, e))`: `ops[i]` failed with
+/// `e` (written one by one, so `e` is that element's own error), `ops[..i]` are written.
+pub fn write_batch<S: MapStore + ?Sized>(
+    store: &mut S,
+    ops: &[Op],
+    counts: &mut WriteCounts,
+) -> Result<(), (usize, StoreError)> {
+    let mut from = 0;
+    if ops.len() > 1 && store.supports_batch(ops[0].group()) {
+        debug_assert!(ops.iter().all(|op| op.group() == ops[0].group()));
+        counts.batch_calls += 1;
+        match store.apply_batch(ops) {
+            Ok(()) => {
+                counts.batch += ops.len() as u64;
+                return Ok(());
+            }
+            Err(f) => {
+                debug!(
+                    group = ?ops[0].group(),
+                    ops = ops.len(),
+                    applied = f.applied,
+                    error = %f.error,
+                    "batch call failed; writing the rest one by one"
+                );
+                counts.batch += f.applied as u64;
+                counts.fallbacks += 1;
+                from = f.applied.min(ops.len());
+            }
+        }
+    }
+    for (i, op) in ops.iter().enumerate().skip(from) {
+        store.apply(op).map_err(|e| (i, e))?;
+        counts.single += 1;
+    }
+    Ok(())
 }
 
 /// An in-memory [`MapStore`] that records every operation, with an optional capacity on
@@ -200,6 +405,20 @@ pub struct MemStore {
     pub log: Vec<Op>,
     /// Maximum number of `SVC` entries (slot 0 and slots together), like `max_entries`.
     pub svc_capacity: Option<usize>,
+    /// The size of every batch applied, in order.
+    pub batches: Vec<usize>,
+    /// Make every batch call fail after applying this many ops, with this errno (the
+    /// per-element fallback then writes the rest).
+    pub batch_fault: Option<BatchFault>,
+    /// No batch calls at all (like a store or kernel without them).
+    pub no_batches: bool,
+}
+
+/// A forced failure of [`MemStore`]'s batch calls.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchFault {
+    pub after: usize,
+    pub errno: i32,
 }
 
 impl MemStore {
@@ -212,6 +431,18 @@ impl MemStore {
 
     fn svc_len(&self) -> usize {
         self.state.frontends.len() + self.state.slots.len()
+    }
+
+    /// Checks the batch contract: one group, distinct entries.
+    pub fn check_batch(ops: &[Op]) {
+        let mut keys = BTreeSet::new();
+        for op in ops {
+            assert_eq!(op.group(), ops[0].group(), "one group per batch: {op}");
+            assert!(
+                keys.insert(op.key()),
+                "two ops on one entry in a batch: {op}"
+            );
+        }
     }
 
     fn check_svc_room(&self, exists: bool) -> Result<(), StoreError> {
@@ -277,6 +508,13 @@ impl MapStore for MemStore {
             } => {
                 s.src_ranges.remove(&(*service_id, *addr, *prefix));
             }
+            Op::PutNodeAddr { addr } => {
+                s.node_addrs.insert(*addr);
+            }
+            Op::DelNodeAddr { addr } => {
+                s.node_addrs.remove(addr);
+            }
+            Op::PutNodeConfig { snat } => s.snat = *snat,
         }
         self.log.push(op.clone());
         Ok(())
@@ -284,5 +522,34 @@ impl MapStore for MemStore {
 
     fn dump(&self) -> Result<Dump, StoreError> {
         Ok(self.state.clone())
+    }
+
+    fn supports_batch(&self, _: Group) -> bool {
+        !self.no_batches
+    }
+
+    fn apply_batch(&mut self, ops: &[Op]) -> Result<(), BatchFailed> {
+        Self::check_batch(ops);
+        let stop = self.batch_fault.map(|f| (f.after.min(ops.len()), f.errno));
+        for (i, op) in ops.iter().enumerate() {
+            if let Some((after, errno)) = stop {
+                if i == after {
+                    self.batches.push(i);
+                    return Err(BatchFailed {
+                        applied: i,
+                        error: io::Error::from_raw_os_error(errno),
+                    });
+                }
+            }
+            if self.apply(op).is_err() {
+                self.batches.push(i);
+                return Err(BatchFailed {
+                    applied: i,
+                    error: io::Error::from_raw_os_error(libc::E2BIG),
+                });
+            }
+        }
+        self.batches.push(ops.len());
+        Ok(())
     }
 }

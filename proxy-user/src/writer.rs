@@ -18,6 +18,20 @@
 //! If a write fails (a full map, say), the writes already made for that frontend are
 //! undone in reverse order, the in-memory model is left as it was, and the error names
 //! the frontend: a frontend is either fully programmed or left as before.
+//!
+//! Every write is planned as a [`Plan`]: each op with the op that undoes it.
+//!
+//! **Batches.** A [`Writer::sync`] that writes many frontends (at least
+//! [`BATCH_MIN_FRONTENDS`]: the first sync, a relist, the periodic full re-diff) plans
+//! every frontend first and then writes phase by phase across all of them, one batch call
+//! per phase and map (`BPF_MAP_UPDATE_BATCH` / `BPF_MAP_DELETE_BATCH`): removals (slot 0,
+//! slots, source ranges, reverse NAT, backends), then the order above (backends, reverse
+//! NAT, source ranges, slots, slot 0, surplus slots, stale source ranges, backends). Each
+//! frontend's own writes keep the update order; ops of different frontends never touch
+//! one entry (ids freed during the sync are only reused after it). A batch call that
+//! fails is finished element by element (`store::write_batch`); an element that fails
+//! even alone undoes every write of the sync in reverse phase order, and the sync is run
+//! again frontend by frontend, which names the failing frontend and rolls back just it.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
@@ -25,11 +39,123 @@ use std::{
 };
 
 use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
+use tracing::{error, warn};
 
 use crate::{
     model::{Backend, Frontend, Proto, ServiceEntry},
-    store::{Dump, FrontendValue, MapStore, Op, StoreError},
+    store::{write_batch, Dump, FrontendValue, Group, MapStore, Op, Snat, StoreError, WriteCounts},
 };
+
+/// A sync writing at least this many frontends writes in batches.
+pub const BATCH_MIN_FRONTENDS: usize = 32;
+
+/// Map operations in order, each with the operation that undoes it.
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    ops: Vec<Op>,
+    undo: Vec<Op>,
+}
+
+impl Plan {
+    /// Adds `op`, undone by `undo`.
+    pub fn push(&mut self, op: Op, undo: Op) {
+        self.ops.push(op);
+        self.undo.push(undo);
+    }
+
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// The operations, in order.
+    pub fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+
+    /// The operations, consumed.
+    pub fn into_ops(self) -> Vec<Op> {
+        self.ops
+    }
+
+    fn pairs(self) -> impl Iterator<Item = (Op, Op)> {
+        self.ops.into_iter().zip(self.undo)
+    }
+
+    /// The ops split by [`Op::group`] (each group in order), with their undo ops.
+    fn by_group(self) -> Vec<(Vec<Op>, Vec<Op>)> {
+        let mut groups: BTreeMap<Group, (Vec<Op>, Vec<Op>)> = BTreeMap::new();
+        for (op, undo) in self.pairs() {
+            let g = groups.entry(op.group()).or_default();
+            g.0.push(op);
+            g.1.push(undo);
+        }
+        groups.into_values().collect()
+    }
+}
+
+/// The node-address ops that turn `have` (addresses, SNAT config) into `want`: new
+/// addresses first, then the SNAT addresses (the first of each family in `want`), then
+/// the addresses that left.
+pub fn node_address_ops(have: &BTreeSet<IpAddr>, have_snat: Snat, want: &[IpAddr]) -> Plan {
+    let mut plan = Plan::default();
+    let mut seen = BTreeSet::new();
+    for a in want {
+        if seen.insert(*a) && !have.contains(a) {
+            plan.push(Op::PutNodeAddr { addr: *a }, Op::DelNodeAddr { addr: *a });
+        }
+    }
+    let snat = Snat {
+        v4: want.iter().find_map(|a| match a {
+            IpAddr::V4(v) => Some(*v),
+            IpAddr::V6(_) => None,
+        }),
+        v6: want.iter().find_map(|a| match a {
+            IpAddr::V6(v) => Some(*v),
+            IpAddr::V4(_) => None,
+        }),
+    };
+    if snat != have_snat {
+        plan.push(
+            Op::PutNodeConfig { snat },
+            Op::PutNodeConfig { snat: have_snat },
+        );
+    }
+    for a in have {
+        if !seen.contains(a) {
+            plan.push(Op::DelNodeAddr { addr: *a }, Op::PutNodeAddr { addr: *a });
+        }
+    }
+    plan
+}
+
+/// Phases of a batched sync: removals, then updates (see the module doc).
+const PHASES: usize = 13;
+
+fn phase(op: &Op, removal: bool) -> usize {
+    if removal {
+        return match op {
+            Op::DelSlot { slot: 0, .. } => 0,
+            Op::DelSlot { .. } => 1,
+            Op::DelSrcRange { .. } => 2,
+            Op::DelRevNat { .. } => 3,
+            _ => 4,
+        };
+    }
+    5 + match op {
+        Op::PutBackend { .. } => 0,
+        Op::PutRevNat { .. } => 1,
+        Op::PutSrcRange { .. } => 2,
+        Op::PutSlot { .. } => 3,
+        Op::PutFrontend { .. } => 4,
+        Op::DelSlot { .. } => 5,
+        Op::DelSrcRange { .. } => 6,
+        _ => 7,
+    }
+}
 
 /// Why a frontend could not be programmed. Every variant names the frontend.
 #[derive(Debug, thiserror::Error)]
@@ -88,7 +214,7 @@ struct Programmed {
 
 /// Allocates the lowest free id, starting at 1 (0 means "none" in the maps), in
 /// O(log n): ids below `next` that were freed wait in `free`.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct IdAlloc {
     next: u32,
     free: BTreeSet<u32>,
@@ -156,8 +282,34 @@ pub struct AdoptReport {
     /// Entries no frontend reaches (slots past a count, unreferenced backends, reverse-NAT
     /// entries without a frontend), deleted.
     pub orphans_deleted: usize,
-    /// Slots missing below a frontend's count; rewritten on the next write of it.
+    /// Slots missing below a frontend's count, or naming a backend that is missing or of
+    /// another protocol or family; rewritten on the next write of it.
     pub missing_slots: usize,
+    /// Broken entries repaired, by kind (`duplicate_service_id`, `dangling_slot`,
+    /// `slot_backend_mismatch`, `missing_slot`, `revnat_rewritten`); each is logged.
+    pub repairs: BTreeMap<&'static str, usize>,
+}
+
+impl AdoptReport {
+    fn repair(&mut self, kind: &'static str) {
+        *self.repairs.entry(kind).or_default() += 1;
+    }
+}
+
+/// The order adoption writes its repairs and deletions in: what nothing reaches first,
+/// then rewrites in the update order, unreferenced backends last.
+fn adopt_phase(op: &Op) -> usize {
+    match op {
+        Op::DelSlot { .. } => 0,
+        Op::DelSrcRange { .. } => 1,
+        Op::DelRevNat { .. } => 2,
+        Op::PutRevNat { .. } => 3,
+        Op::PutSrcRange { .. } => 4,
+        Op::PutSlot { .. } => 5,
+        Op::PutFrontend { .. } => 6,
+        Op::DelBackend { .. } => 7,
+        _ => 8,
+    }
 }
 
 /// Keeps the maps of one [`MapStore`] in step with desired service entries.
@@ -173,6 +325,40 @@ pub struct Writer<S> {
     service_alloc: IdAlloc,
     /// UDP backends no frontend uses any more, since the last [`Self::take_released_udp`].
     released_udp: Vec<std::net::SocketAddr>,
+    /// `NODE_ADDRS4/6` and `NODE_CONFIG` as last written.
+    node_addrs: BTreeSet<IpAddr>,
+    snat: Snat,
+    /// Frontends a sync must write for it to use batches.
+    batch_min: usize,
+    /// Elements written by batch and one by one, since the last take.
+    counts: WriteCounts,
+    /// During a batched sync: ids freed (true: backend, false: service), released only
+    /// once the sync is written so that no id is deleted and reused within one batch.
+    deferred_frees: Option<Vec<(bool, u32)>>,
+}
+
+/// The model's state, saved before a batched sync (restored if it fails).
+struct Saved {
+    services: BTreeMap<Frontend, Programmed>,
+    backend_ids: HashMap<BackendKey, u32>,
+    backend_refs: BTreeMap<u32, (BackendKey, u32)>,
+    backend_alloc: IdAlloc,
+    service_alloc: IdAlloc,
+    released_udp: Vec<std::net::SocketAddr>,
+}
+
+/// An upsert planned but not yet written.
+struct StagedUpsert {
+    fe: Frontend,
+    plan: Plan,
+    new_backend_ids: Vec<(u32, BackendKey)>,
+    service_id: u32,
+    new_service_id: bool,
+    value: FrontendValue,
+    layout: Vec<u32>,
+    old_slots: Vec<u32>,
+    want_ranges: BTreeSet<(IpAddr, u8)>,
+    name: String,
 }
 
 impl<S: MapStore> Writer<S> {
@@ -186,7 +372,51 @@ impl<S: MapStore> Writer<S> {
             backend_alloc: IdAlloc::default(),
             service_alloc: IdAlloc::default(),
             released_udp: Vec::new(),
+            node_addrs: BTreeSet::new(),
+            snat: Snat::default(),
+            batch_min: BATCH_MIN_FRONTENDS,
+            counts: WriteCounts::default(),
+            deferred_frees: None,
         }
+    }
+
+    /// Sets how many frontends a sync must write to use batches (0: always;
+    /// `usize::MAX`: never).
+    pub fn set_batch_threshold(&mut self, frontends: usize) {
+        self.batch_min = frontends;
+    }
+
+    /// Map elements written by batch calls and one by one since the last call.
+    pub fn take_write_counts(&mut self) -> WriteCounts {
+        std::mem::take(&mut self.counts)
+    }
+
+    /// Writes the node's addresses (`NODE_ADDRS4/6`: NodePorts are served on them) and
+    /// the SNAT addresses (`NODE_CONFIG`: the first address of each family), changing
+    /// only what differs from what is written. On a failure what was written is undone.
+    /// Returns the number of map operations.
+    pub fn set_node_addresses(&mut self, addrs: &[IpAddr]) -> Result<usize, StoreError> {
+        let plan = node_address_ops(&self.node_addrs, self.snat, addrs);
+        let n = plan.len();
+        if n == 0 {
+            return Ok(0);
+        }
+        if let Err((e, rollback_failed)) = self.apply_all(&plan.ops, &plan.undo) {
+            if rollback_failed {
+                warn!("undoing a failed node-address write failed too");
+            }
+            return Err(e);
+        }
+        let mut seen = BTreeSet::new();
+        self.node_addrs = addrs.iter().copied().filter(|a| seen.insert(*a)).collect();
+        if let Some(Op::PutNodeConfig { snat }) = plan
+            .ops
+            .iter()
+            .find(|op| matches!(op, Op::PutNodeConfig { .. }))
+        {
+            self.snat = *snat;
+        }
+        Ok(n)
     }
 
     /// The addresses of the UDP backends that left the maps since the last call and are
@@ -211,8 +441,20 @@ impl<S: MapStore> Writer<S> {
     /// rebuilds the model (ids, reference counts) and deletes entries nothing reaches.
     /// Nothing the datapath uses is touched.
     pub fn adopt(store: S) -> Result<(Self, AdoptReport), StoreError> {
+        Self::adopt_with_threshold(store, BATCH_MIN_FRONTENDS)
+    }
+
+    /// [`Self::adopt`] with the batch threshold set (orphans are deleted in batches when
+    /// there are at least that many).
+    pub fn adopt_with_threshold(
+        store: S,
+        batch_min: usize,
+    ) -> Result<(Self, AdoptReport), StoreError> {
         let dump = store.dump()?;
         let mut w = Self::new(store);
+        w.batch_min = batch_min;
+        w.node_addrs = dump.node_addrs.clone();
+        w.snat = dump.snat;
         let mut report = AdoptReport::default();
         let mut orphans = Vec::new();
 
@@ -221,36 +463,109 @@ impl<S: MapStore> Writer<S> {
             w.backend_ids.entry((*backend, *proto)).or_insert(*id);
             w.backend_refs.insert(*id, ((*backend, *proto), 0));
         }
-        for (fe, value) in &dump.frontends {
+        // Ids unique: a service id held by two frontends (the second would share the
+        // first's reverse NAT) stays with the one its reverse-NAT entry names (else the
+        // first); the others get a fresh id, rewritten in their slots and slot 0.
+        for value in dump.frontends.values() {
             w.service_alloc.mark(value.service_id);
+        }
+        let mut owner: HashMap<u32, Frontend> = HashMap::new();
+        for (fe, v) in &dump.frontends {
+            let named = dump.revnat.get(&v.service_id).is_some_and(|(f, _)| f == fe);
+            match owner.entry(v.service_id) {
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(*fe);
+                }
+                std::collections::hash_map::Entry::Occupied(mut e) if named => {
+                    e.insert(*fe);
+                }
+                std::collections::hash_map::Entry::Occupied(_) => {}
+            }
+        }
+        let mut ranges_by_id: HashMap<u32, BTreeSet<(IpAddr, u8)>> = HashMap::new();
+        for (id, a, p) in &dump.src_ranges {
+            ranges_by_id.entry(*id).or_default().insert((*a, *p));
+        }
+        for (fe, found) in &dump.frontends {
+            let mut value = *found;
+            let ranges = ranges_by_id
+                .get(&found.service_id)
+                .cloned()
+                .unwrap_or_default();
+            let duplicate = owner.get(&found.service_id) != Some(fe);
+            if duplicate {
+                value.service_id = w.service_alloc.alloc();
+                report.repair("duplicate_service_id");
+                warn!(
+                    frontend = %fe,
+                    shared_with = %owner[&found.service_id],
+                    old_id = found.service_id,
+                    new_id = value.service_id,
+                    "adoption: a service id held by two frontends; this one gets a new id"
+                );
+                for (addr, prefix) in &ranges {
+                    orphans.push(Op::PutSrcRange {
+                        service_id: value.service_id,
+                        addr: *addr,
+                        prefix: *prefix,
+                    });
+                }
+            }
             let mut slots = Vec::with_capacity(usize::from(value.count));
+            let mut seen = HashSet::new();
             for slot in 1..=value.count {
                 let id = match dump.slots.get(&(*fe, slot)) {
-                    Some(id) if w.backend_refs.contains_key(id) => *id,
-                    _ => {
-                        report.missing_slots += 1;
+                    None => {
+                        report.repair("missing_slot");
+                        warn!(frontend = %fe, slot, "adoption: slot missing below the count");
                         0
                     }
+                    Some(id) => match w.backend_refs.get(id) {
+                        None => {
+                            report.repair("dangling_slot");
+                            warn!(frontend = %fe, slot, backend = id, "adoption: slot names a missing backend");
+                            0
+                        }
+                        Some(((b, proto), _))
+                            if *proto != fe.proto || b.family() != fe.family() =>
+                        {
+                            report.repair("slot_backend_mismatch");
+                            warn!(frontend = %fe, slot, backend = id, "adoption: slot names a backend of another protocol or family");
+                            0
+                        }
+                        Some(_) => *id,
+                    },
                 };
-                if let Some((_, refs)) = w.backend_refs.get_mut(&id) {
+                if id == 0 {
+                    report.missing_slots += 1;
+                } else if let Some((_, refs)) = w.backend_refs.get_mut(&id) {
                     // One reference per frontend, even if two slots share an id.
-                    if !slots.contains(&id) {
+                    if seen.insert(id) {
                         *refs += 1;
                     }
                 }
+                if duplicate && id != 0 {
+                    orphans.push(Op::PutSlot {
+                        frontend: *fe,
+                        slot,
+                        backend_id: id,
+                        service_id: value.service_id,
+                    });
+                }
                 slots.push(id);
+            }
+            if duplicate {
+                orphans.push(Op::PutFrontend {
+                    frontend: *fe,
+                    value,
+                });
             }
             w.services.insert(
                 *fe,
                 Programmed {
-                    value: *value,
+                    value,
                     name: String::new(),
-                    source_ranges: dump
-                        .src_ranges
-                        .iter()
-                        .filter(|(id, _, _)| *id == value.service_id)
-                        .map(|(_, a, p)| (*a, *p))
-                        .collect(),
+                    source_ranges: ranges,
                     slots,
                 },
             );
@@ -267,12 +582,16 @@ impl<S: MapStore> Writer<S> {
                 });
             }
         }
+        // Service ids in use per family: an entry of such an id naming another frontend is
+        // rewritten below, not deleted (a delete and a rewrite of one entry must not meet
+        // in one batch phase).
+        let live_sids: HashSet<(u32, crate::model::Family)> = w
+            .services
+            .iter()
+            .map(|(fe, p)| (p.value.service_id, fe.family()))
+            .collect();
         for (id, (fe, _)) in &dump.revnat {
-            let live = w
-                .services
-                .get(fe)
-                .is_some_and(|p| p.value.service_id == *id);
-            if !live {
+            if !live_sids.contains(&(*id, fe.family())) {
                 orphans.push(Op::DelRevNat {
                     service_id: *id,
                     family: fe.family(),
@@ -293,11 +612,18 @@ impl<S: MapStore> Writer<S> {
         for (fe, p) in w.services.iter_mut() {
             match dump.revnat.get(&p.value.service_id) {
                 Some((f, name)) if f == fe => p.name = name.clone(),
-                _ => orphans.push(Op::PutRevNat {
-                    service_id: p.value.service_id,
-                    frontend: *fe,
-                    name: String::new(),
-                }),
+                other => {
+                    if let Some((f, _)) = other {
+                        report.repair("revnat_rewritten");
+                        warn!(frontend = %fe, service_id = p.value.service_id, names = %f,
+                              "adoption: reverse-NAT entry names another frontend; rewritten");
+                    }
+                    orphans.push(Op::PutRevNat {
+                        service_id: p.value.service_id,
+                        frontend: *fe,
+                        name: String::new(),
+                    })
+                }
             }
         }
         let unreferenced: Vec<(u32, BackendKey)> = w
@@ -317,14 +643,41 @@ impl<S: MapStore> Writer<S> {
                 family: key.0.family(),
             });
         }
-        for op in &orphans {
-            w.store.apply(op)?;
+        orphans.sort_by_key(adopt_phase);
+        if orphans.len() >= w.batch_min.max(2) {
+            // One batch per phase and map.
+            let mut phases: [Vec<Op>; 9] = Default::default();
+            for op in &orphans {
+                phases[adopt_phase(op)].push(op.clone());
+            }
+            for ops in phases {
+                let mut plan = Plan::default();
+                for op in ops {
+                    plan.push(op.clone(), op);
+                }
+                for (ops, _) in plan.by_group() {
+                    write_batch(&mut w.store, &ops, &mut w.counts).map_err(|(_, e)| e)?;
+                }
+            }
+        } else {
+            for op in &orphans {
+                w.store.apply(op)?;
+                w.counts.single += 1;
+            }
         }
         report.frontends = w.services.len();
         report.backends = w.backend_refs.len();
         report.orphans_deleted = orphans
             .iter()
-            .filter(|op| !matches!(op, Op::PutRevNat { .. }))
+            .filter(|op| {
+                matches!(
+                    op,
+                    Op::DelSlot { .. }
+                        | Op::DelSrcRange { .. }
+                        | Op::DelRevNat { .. }
+                        | Op::DelBackend { .. }
+                )
+            })
             .count();
         Ok((w, report))
     }
@@ -350,11 +703,10 @@ impl<S: MapStore> Writer<S> {
 
     /// Makes the maps hold exactly `desired`: removes frontends not in it, writes the
     /// changed ones. A frontend that fails is reported and left as it was; the rest are
-    /// still written.
+    /// still written. Many frontends to write: in batches (see the module doc).
     pub fn sync(&mut self, desired: impl IntoIterator<Item = ServiceEntry>) -> SyncReport {
         let desired: BTreeMap<Frontend, ServiceEntry> =
             desired.into_iter().map(|e| (e.frontend, e)).collect();
-        let mut report = SyncReport::default();
         // Removals first: they free map room for the additions.
         let gone: Vec<Frontend> = self
             .services
@@ -362,6 +714,13 @@ impl<S: MapStore> Writer<S> {
             .filter(|fe| !desired.contains_key(fe))
             .copied()
             .collect();
+        let to_write = gone.len() + desired.values().filter(|e| self.needs_write(e)).count();
+        if to_write > 0 && to_write >= self.batch_min {
+            if let Some(report) = self.sync_batched(&desired, &gone) {
+                return report;
+            }
+        }
+        let mut report = SyncReport::default();
         for fe in gone {
             match self.remove(&fe) {
                 Ok(n) => {
@@ -384,16 +743,203 @@ impl<S: MapStore> Writer<S> {
         report
     }
 
+    /// Whether `entry` differs from what is programmed (an estimate for choosing batches:
+    /// a duplicate backend, say, counts as a change).
+    fn needs_write(&self, entry: &ServiceEntry) -> bool {
+        let Some(p) = self.services.get(&entry.frontend) else {
+            return true;
+        };
+        if p.name != entry.name
+            || p.value.flags != entry.flags
+            || p.value.affinity_timeout != entry.affinity_timeout
+            || p.slots.len() != entry.backends.len()
+            || p.source_ranges.len() != entry.source_ranges.len()
+            || entry
+                .source_ranges
+                .iter()
+                .any(|r| !p.source_ranges.contains(r))
+        {
+            return true;
+        }
+        let slots: HashSet<u32> = p.slots.iter().copied().collect();
+        entry.backends.iter().any(|b| {
+            self.backend_ids
+                .get(&(*b, entry.frontend.proto))
+                .is_none_or(|id| !slots.contains(id))
+        })
+    }
+
+    /// One batched sync; `None` if a write failed (everything undone, the model as
+    /// before): the caller then syncs frontend by frontend.
+    fn sync_batched(
+        &mut self,
+        desired: &BTreeMap<Frontend, ServiceEntry>,
+        gone: &[Frontend],
+    ) -> Option<SyncReport> {
+        let saved = self.save();
+        self.deferred_frees = Some(Vec::new());
+        let mut report = SyncReport::default();
+        let mut phases: Vec<Plan> = (0..PHASES).map(|_| Plan::default()).collect();
+        for fe in gone {
+            if let Some((plan, old)) = self.stage_remove(fe) {
+                report.ops += plan.len();
+                report.removed += 1;
+                for (op, undo) in plan.pairs() {
+                    phases[phase(&op, true)].push(op, undo);
+                }
+                self.commit_remove(fe, &old);
+            }
+        }
+        for entry in desired.values() {
+            match self.stage_upsert(entry) {
+                Err(e) => report.errors.push(e),
+                Ok(mut staged) => {
+                    let plan = std::mem::take(&mut staged.plan);
+                    if !plan.is_empty() {
+                        report.ops += plan.len();
+                        report.changed += 1;
+                    }
+                    for (op, undo) in plan.pairs() {
+                        phases[phase(&op, false)].push(op, undo);
+                    }
+                    self.commit_upsert(staged);
+                }
+            }
+        }
+        let frees = self.deferred_frees.take().unwrap_or_default();
+        match self.apply_phases(phases) {
+            Ok(()) => {
+                for (backend, id) in frees {
+                    if backend {
+                        self.backend_alloc.free(id);
+                    } else {
+                        self.service_alloc.free(id);
+                    }
+                }
+                Some(report)
+            }
+            Err((e, rollback_failed)) => {
+                self.restore(saved);
+                if rollback_failed {
+                    error!(
+                        error = %e,
+                        "a batched sync failed and undoing it failed too: the maps may \
+                         hold entries the model does not know until the next restart"
+                    );
+                } else {
+                    warn!(error = %e, "a batched sync failed and was undone; writing frontend by frontend");
+                }
+                None
+            }
+        }
+    }
+
+    /// Writes each phase's ops as one batch per map; on a failure undoes everything
+    /// written, phase by phase in reverse.
+    fn apply_phases(&mut self, phases: Vec<Plan>) -> Result<(), (StoreError, bool)> {
+        let mut applied: Vec<Vec<Op>> = Vec::with_capacity(phases.len());
+        for plan in phases {
+            let mut undo_phase = Vec::new();
+            for (ops, undo) in plan.by_group() {
+                if let Err((i, e)) = write_batch(&mut self.store, &ops, &mut self.counts) {
+                    undo_phase.extend(undo.into_iter().take(i));
+                    applied.push(undo_phase);
+                    let failed = self.rollback(applied);
+                    return Err((e, failed));
+                }
+                undo_phase.extend(undo);
+            }
+            applied.push(undo_phase);
+        }
+        Ok(())
+    }
+
+    /// Applies the undo ops of each phase, last phase first, in batches. True if any
+    /// undo op failed (the others are still applied).
+    fn rollback(&mut self, applied: Vec<Vec<Op>>) -> bool {
+        let mut failed = false;
+        for undo in applied.into_iter().rev() {
+            let mut plan = Plan::default();
+            for op in undo {
+                plan.push(op.clone(), op);
+            }
+            for (ops, _) in plan.by_group() {
+                let mut rest = &ops[..];
+                while let Err((i, _)) = write_batch(&mut self.store, rest, &mut self.counts) {
+                    failed = true;
+                    rest = &rest[i + 1..];
+                }
+            }
+        }
+        failed
+    }
+
+    fn save(&self) -> Saved {
+        Saved {
+            services: self.services.clone(),
+            backend_ids: self.backend_ids.clone(),
+            backend_refs: self.backend_refs.clone(),
+            backend_alloc: self.backend_alloc.clone(),
+            service_alloc: self.service_alloc.clone(),
+            released_udp: self.released_udp.clone(),
+        }
+    }
+
+    fn restore(&mut self, s: Saved) {
+        self.services = s.services;
+        self.backend_ids = s.backend_ids;
+        self.backend_refs = s.backend_refs;
+        self.backend_alloc = s.backend_alloc;
+        self.service_alloc = s.service_alloc;
+        self.released_udp = s.released_udp;
+        self.deferred_frees = None;
+    }
+
+    fn free_backend_id(&mut self, id: u32) {
+        match &mut self.deferred_frees {
+            Some(d) => d.push((true, id)),
+            None => self.backend_alloc.free(id),
+        }
+    }
+
+    fn free_service_id(&mut self, id: u32) {
+        match &mut self.deferred_frees {
+            Some(d) => d.push((false, id)),
+            None => self.service_alloc.free(id),
+        }
+    }
+
     /// Installs or updates one frontend. Returns the number of map operations (0 when the
     /// maps already match).
     pub fn upsert(&mut self, entry: &ServiceEntry) -> Result<usize, WriteError> {
+        let mut staged = self.stage_upsert(entry)?;
+        let plan = std::mem::take(&mut staged.plan);
+        if let Err((source, rollback_failed)) = self.apply_all(&plan.ops, &plan.undo) {
+            for (id, _) in &staged.new_backend_ids {
+                self.backend_alloc.free(*id);
+            }
+            if staged.new_service_id {
+                self.service_alloc.free(staged.service_id);
+            }
+            return Err(WriteError::Store {
+                frontend: staged.fe,
+                source,
+                rollback_failed,
+            });
+        }
+        self.commit_upsert(staged);
+        Ok(plan.len())
+    }
+
+    /// Plans one frontend's writes (allocating ids for new backends and a new frontend);
+    /// nothing is written and the model is unchanged but for the allocations.
+    fn stage_upsert(&mut self, entry: &ServiceEntry) -> Result<StagedUpsert, WriteError> {
         let fe = entry.frontend;
         let backends = validate(entry)?;
-        let old = self.services.get(&fe).cloned();
-        let old_slots: &[u32] = old.as_ref().map_or(&[], |p| &p.slots);
+        let old = self.services.get(&fe);
+        let old_slots: Vec<u32> = old.map_or_else(Vec::new, |p| p.slots.clone());
 
-        let mut ops = Vec::new();
-        let mut undo = Vec::new();
+        let mut plan = Plan::default();
         let mut new_backend_ids = Vec::new();
         let mut ids = Vec::with_capacity(backends.len());
         for b in &backends {
@@ -403,92 +949,93 @@ impl<S: MapStore> Writer<S> {
                 None => {
                     let id = self.backend_alloc.alloc();
                     new_backend_ids.push((id, key));
-                    ops.push(Op::PutBackend {
-                        id,
-                        backend: *b,
-                        proto: fe.proto,
-                    });
-                    undo.push(Op::DelBackend {
-                        id,
-                        family: b.family(),
-                    });
+                    plan.push(
+                        Op::PutBackend {
+                            id,
+                            backend: *b,
+                            proto: fe.proto,
+                        },
+                        Op::DelBackend {
+                            id,
+                            family: b.family(),
+                        },
+                    );
                     id
                 }
             };
             ids.push(id);
         }
 
-        let (service_id, new_service_id) = match &old {
+        let old = self.services.get(&fe);
+        let (service_id, new_service_id) = match old {
             Some(p) => (p.value.service_id, false),
             None => (self.service_alloc.alloc(), true),
         };
-        match &old {
-            None => {
-                ops.push(Op::PutRevNat {
-                    service_id,
-                    frontend: fe,
-                    name: entry.name.clone(),
-                });
-                undo.push(Op::DelRevNat {
+        let old = self.services.get(&fe);
+        let put_revnat = |name: &str| Op::PutRevNat {
+            service_id,
+            frontend: fe,
+            name: name.to_string(),
+        };
+        match old {
+            None => plan.push(
+                put_revnat(&entry.name),
+                Op::DelRevNat {
                     service_id,
                     family: fe.family(),
-                });
-            }
+                },
+            ),
             Some(p) if p.name != entry.name => {
-                ops.push(Op::PutRevNat {
-                    service_id,
-                    frontend: fe,
-                    name: entry.name.clone(),
-                });
-                undo.push(Op::PutRevNat {
-                    service_id,
-                    frontend: fe,
-                    name: p.name.clone(),
-                });
+                plan.push(put_revnat(&entry.name), put_revnat(&p.name))
             }
             Some(_) => {}
         }
 
         let want_ranges: BTreeSet<(IpAddr, u8)> = entry.source_ranges.iter().copied().collect();
-        let old_ranges = old
-            .as_ref()
-            .map(|p| p.source_ranges.clone())
-            .unwrap_or_default();
-        for (addr, prefix) in want_ranges.difference(&old_ranges) {
-            ops.push(Op::PutSrcRange {
-                service_id,
-                addr: *addr,
-                prefix: *prefix,
-            });
-            undo.push(Op::DelSrcRange {
-                service_id,
-                addr: *addr,
-                prefix: *prefix,
-            });
+        let old_ranges = old.map(|p| p.source_ranges.clone()).unwrap_or_default();
+        let range = |put: bool, (addr, prefix): (IpAddr, u8)| {
+            if put {
+                Op::PutSrcRange {
+                    service_id,
+                    addr,
+                    prefix,
+                }
+            } else {
+                Op::DelSrcRange {
+                    service_id,
+                    addr,
+                    prefix,
+                }
+            }
+        };
+        for r in want_ranges.difference(&old_ranges) {
+            plan.push(range(true, *r), range(false, *r));
         }
 
-        let layout = stable_layout(old_slots, &ids);
+        let layout = stable_layout(&old_slots, &ids);
         for (i, id) in layout.iter().enumerate() {
             let slot = slot_no(i);
             let before = old_slots.get(i).copied();
             if before == Some(*id) {
                 continue;
             }
-            ops.push(Op::PutSlot {
-                frontend: fe,
-                slot,
-                backend_id: *id,
-                service_id,
-            });
-            undo.push(match before {
-                Some(prev) if prev != 0 => Op::PutSlot {
+            plan.push(
+                Op::PutSlot {
                     frontend: fe,
                     slot,
-                    backend_id: prev,
+                    backend_id: *id,
                     service_id,
                 },
-                _ => Op::DelSlot { frontend: fe, slot },
-            });
+                match before {
+                    Some(prev) if prev != 0 => Op::PutSlot {
+                        frontend: fe,
+                        slot,
+                        backend_id: prev,
+                        service_id,
+                    },
+                    _ => Op::DelSlot { frontend: fe, slot },
+                },
+            );
         }
 
         let value = FrontendValue {
@@ -497,192 +1044,206 @@ impl<S: MapStore> Writer<S> {
             flags: entry.flags,
             affinity_timeout: entry.affinity_timeout,
         };
-        if old.as_ref().map(|p| p.value) != Some(value) {
-            ops.push(Op::PutFrontend {
-                frontend: fe,
-                value,
-            });
-            undo.push(match &old {
-                Some(p) => Op::PutFrontend {
+        if old.map(|p| p.value) != Some(value) {
+            plan.push(
+                Op::PutFrontend {
                     frontend: fe,
-                    value: p.value,
+                    value,
                 },
-                None => Op::DelSlot {
-                    frontend: fe,
-                    slot: 0,
+                match old {
+                    Some(p) => Op::PutFrontend {
+                        frontend: fe,
+                        value: p.value,
+                    },
+                    None => Op::DelSlot {
+                        frontend: fe,
+                        slot: 0,
+                    },
                 },
-            });
+            );
         }
 
         for (i, old_id) in old_slots.iter().enumerate().skip(layout.len()) {
             let slot = slot_no(i);
-            ops.push(Op::DelSlot { frontend: fe, slot });
-            undo.push(Op::PutSlot {
-                frontend: fe,
-                slot,
-                backend_id: *old_id,
-                service_id,
-            });
+            plan.push(
+                Op::DelSlot { frontend: fe, slot },
+                Op::PutSlot {
+                    frontend: fe,
+                    slot,
+                    backend_id: *old_id,
+                    service_id,
+                },
+            );
         }
 
-        for (addr, prefix) in old_ranges.difference(&want_ranges) {
-            ops.push(Op::DelSrcRange {
-                service_id,
-                addr: *addr,
-                prefix: *prefix,
-            });
-            undo.push(Op::PutSrcRange {
-                service_id,
-                addr: *addr,
-                prefix: *prefix,
-            });
+        for r in old_ranges.difference(&want_ranges) {
+            plan.push(range(false, *r), range(true, *r));
         }
 
         // Backends this frontend stops using and nobody else uses.
         let new_set: HashSet<u32> = layout.iter().copied().collect();
-        let mut released = Vec::new();
-        for id in unique(old_slots) {
+        for id in unique(&old_slots) {
             if id == 0 || new_set.contains(&id) {
                 continue;
             }
-            if let Some((key, refs)) = self.backend_refs.get(&id) {
-                if *refs == 1 {
-                    released.push(id);
-                    ops.push(Op::DelBackend {
+            if let Some((key, 1)) = self.backend_refs.get(&id) {
+                plan.push(
+                    Op::DelBackend {
                         id,
                         family: key.0.family(),
-                    });
-                    undo.push(Op::PutBackend {
+                    },
+                    Op::PutBackend {
                         id,
                         backend: key.0,
                         proto: key.1,
-                    });
-                }
+                    },
+                );
             }
         }
 
-        if let Err((source, rollback_failed)) = self.apply_all(&ops, &undo) {
-            for (id, _) in &new_backend_ids {
-                self.backend_alloc.free(*id);
-            }
-            if new_service_id {
-                self.service_alloc.free(service_id);
-            }
-            return Err(WriteError::Store {
-                frontend: fe,
-                source,
-                rollback_failed,
-            });
-        }
+        Ok(StagedUpsert {
+            fe,
+            plan,
+            new_backend_ids,
+            service_id,
+            new_service_id,
+            value,
+            layout,
+            old_slots,
+            want_ranges,
+            name: entry.name.clone(),
+        })
+    }
 
-        // Commit the model.
-        for (id, key) in new_backend_ids {
+    /// Makes the model say what a staged upsert wrote.
+    fn commit_upsert(&mut self, s: StagedUpsert) {
+        for (id, key) in s.new_backend_ids {
             self.backend_ids.insert(key, id);
             self.backend_refs.insert(id, (key, 0));
         }
-        let old_set: HashSet<u32> = old_slots.iter().copied().collect();
-        for id in unique(&layout) {
+        let old_set: HashSet<u32> = s.old_slots.iter().copied().collect();
+        let new_set: HashSet<u32> = s.layout.iter().copied().collect();
+        for id in unique(&s.layout) {
             if !old_set.contains(&id) {
                 if let Some((_, refs)) = self.backend_refs.get_mut(&id) {
                     *refs += 1;
                 }
             }
         }
-        for id in unique(old_slots) {
+        for id in unique(&s.old_slots) {
             if id != 0 && !new_set.contains(&id) {
                 self.unref_backend(id);
             }
         }
-        debug_assert!(released
-            .iter()
-            .all(|id| !self.backend_refs.contains_key(id)));
         self.services.insert(
-            fe,
+            s.fe,
             Programmed {
-                value,
-                name: entry.name.clone(),
-                source_ranges: want_ranges,
-                slots: layout,
+                value: s.value,
+                name: s.name,
+                source_ranges: s.want_ranges,
+                slots: s.layout,
             },
         );
-        Ok(ops.len())
     }
 
     /// Removes one frontend. Returns the number of map operations (0 if it was absent).
     pub fn remove(&mut self, fe: &Frontend) -> Result<usize, WriteError> {
-        let Some(old) = self.services.get(fe).cloned() else {
+        let Some((plan, old)) = self.stage_remove(fe) else {
             return Ok(0);
         };
-        let sid = old.value.service_id;
-        let mut ops = vec![Op::DelSlot {
-            frontend: *fe,
-            slot: 0,
-        }];
-        let mut undo = vec![Op::PutFrontend {
-            frontend: *fe,
-            value: old.value,
-        }];
-        for (i, id) in old.slots.iter().enumerate() {
-            ops.push(Op::DelSlot {
-                frontend: *fe,
-                slot: slot_no(i),
-            });
-            undo.push(Op::PutSlot {
-                frontend: *fe,
-                slot: slot_no(i),
-                backend_id: *id,
-                service_id: sid,
-            });
-        }
-        for (addr, prefix) in &old.source_ranges {
-            ops.push(Op::DelSrcRange {
-                service_id: sid,
-                addr: *addr,
-                prefix: *prefix,
-            });
-            undo.push(Op::PutSrcRange {
-                service_id: sid,
-                addr: *addr,
-                prefix: *prefix,
-            });
-        }
-        ops.push(Op::DelRevNat {
-            service_id: sid,
-            family: fe.family(),
-        });
-        undo.push(Op::PutRevNat {
-            service_id: sid,
-            frontend: *fe,
-            name: old.name.clone(),
-        });
-        for id in unique(&old.slots) {
-            if let Some((key, 1)) = self.backend_refs.get(&id) {
-                ops.push(Op::DelBackend {
-                    id,
-                    family: key.0.family(),
-                });
-                undo.push(Op::PutBackend {
-                    id,
-                    backend: key.0,
-                    proto: key.1,
-                });
-            }
-        }
-        if let Err((source, rollback_failed)) = self.apply_all(&ops, &undo) {
+        if let Err((source, rollback_failed)) = self.apply_all(&plan.ops, &plan.undo) {
             return Err(WriteError::Store {
                 frontend: *fe,
                 source,
                 rollback_failed,
             });
         }
+        self.commit_remove(fe, &old);
+        Ok(plan.len())
+    }
+
+    /// Plans the removal of one frontend: slot 0 first, then its slots, source ranges,
+    /// reverse-NAT entry and the backends only it used.
+    fn stage_remove(&self, fe: &Frontend) -> Option<(Plan, Programmed)> {
+        let old = self.services.get(fe)?.clone();
+        let sid = old.value.service_id;
+        let mut plan = Plan::default();
+        plan.push(
+            Op::DelSlot {
+                frontend: *fe,
+                slot: 0,
+            },
+            Op::PutFrontend {
+                frontend: *fe,
+                value: old.value,
+            },
+        );
+        for (i, id) in old.slots.iter().enumerate() {
+            plan.push(
+                Op::DelSlot {
+                    frontend: *fe,
+                    slot: slot_no(i),
+                },
+                Op::PutSlot {
+                    frontend: *fe,
+                    slot: slot_no(i),
+                    backend_id: *id,
+                    service_id: sid,
+                },
+            );
+        }
+        for (addr, prefix) in &old.source_ranges {
+            let (addr, prefix) = (*addr, *prefix);
+            plan.push(
+                Op::DelSrcRange {
+                    service_id: sid,
+                    addr,
+                    prefix,
+                },
+                Op::PutSrcRange {
+                    service_id: sid,
+                    addr,
+                    prefix,
+                },
+            );
+        }
+        plan.push(
+            Op::DelRevNat {
+                service_id: sid,
+                family: fe.family(),
+            },
+            Op::PutRevNat {
+                service_id: sid,
+                frontend: *fe,
+                name: old.name.clone(),
+            },
+        );
+        for id in unique(&old.slots) {
+            if let Some((key, 1)) = self.backend_refs.get(&id) {
+                plan.push(
+                    Op::DelBackend {
+                        id,
+                        family: key.0.family(),
+                    },
+                    Op::PutBackend {
+                        id,
+                        backend: key.0,
+                        proto: key.1,
+                    },
+                );
+            }
+        }
+        Some((plan, old))
+    }
+
+    fn commit_remove(&mut self, fe: &Frontend, old: &Programmed) {
         for id in unique(&old.slots) {
             if id != 0 {
                 self.unref_backend(id);
             }
         }
-        self.service_alloc.free(sid);
+        self.free_service_id(old.value.service_id);
         self.services.remove(fe);
-        Ok(ops.len())
     }
 
     /// The maps as the model believes them to be (compare with `store().dump()`).
@@ -701,6 +1262,8 @@ impl<S: MapStore> Writer<S> {
         for (id, (key, _)) in &self.backend_refs {
             d.backends.insert(*id, *key);
         }
+        d.node_addrs = self.node_addrs.clone();
+        d.snat = self.snat;
         d
     }
 
@@ -718,11 +1281,12 @@ impl<S: MapStore> Writer<S> {
             if self.backend_ids.get(&key) == Some(&id) {
                 self.backend_ids.remove(&key);
             }
-            self.backend_alloc.free(id);
+            self.free_backend_id(id);
         }
     }
 
-    /// Applies `ops` in order; on failure undoes the applied ones in reverse order.
+    /// Applies `ops` in order, one by one; on failure undoes the applied ones in reverse
+    /// order.
     fn apply_all(&mut self, ops: &[Op], undo: &[Op]) -> Result<(), (StoreError, bool)> {
         debug_assert_eq!(ops.len(), undo.len());
         for (i, op) in ops.iter().enumerate() {
@@ -733,6 +1297,7 @@ impl<S: MapStore> Writer<S> {
                 }
                 return Err((e, rollback_failed));
             }
+            self.counts.single += 1;
         }
         Ok(())
     }

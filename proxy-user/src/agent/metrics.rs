@@ -47,6 +47,12 @@ pub struct MapLabel {
     pub map: String,
 }
 
+/// `mode="batch"` or `mode="single"`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModeLabel {
+    pub mode: String,
+}
+
 /// Every metric the agent exports.
 pub struct Metrics {
     registry: Registry,
@@ -77,6 +83,18 @@ pub struct Metrics {
     /// Kernel memory of each pinned map (fdinfo `memlock`), charged to the memory cgroup
     /// of the agent that created the maps.
     pub map_memory: Family<MapLabel, Gauge>,
+    /// `map_writes_total{mode}`: map elements written by batch calls or one by one.
+    pub map_writes: Family<ModeLabel, Counter>,
+    /// Batch calls that failed and were finished element by element.
+    pub map_batch_fallbacks: Counter,
+    /// Broken pinned entries repaired when adopting the maps, by kind.
+    pub adoption_repairs: Family<KindLabel, Counter>,
+}
+
+/// `kind="..."`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: String,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -110,6 +128,9 @@ impl Metrics {
             objects_skipped: Family::default(),
             map_write_errors: Family::default(),
             map_memory: Family::default(),
+            map_writes: Family::default(),
+            map_batch_fallbacks: Counter::default(),
+            adoption_repairs: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -178,6 +199,22 @@ impl Metrics {
              cgroup of the agent that created it",
             m.map_memory.clone(),
         );
+        registry.register(
+            "map_writes",
+            "Map elements written, by mode: batch (BPF_MAP_*_BATCH calls) or single (one \
+             element per call)",
+            m.map_writes.clone(),
+        );
+        registry.register(
+            "map_batch_fallbacks",
+            "Batch map calls that failed and whose remaining elements were written one by one",
+            m.map_batch_fallbacks.clone(),
+        );
+        registry.register(
+            "adoption_repairs",
+            "Broken pinned map entries repaired when adopting the maps, by kind",
+            m.adoption_repairs.clone(),
+        );
         Self { registry, ..m }
     }
 
@@ -188,6 +225,20 @@ impl Metrics {
                 reason: reason.to_string(),
             })
             .inc();
+    }
+
+    /// Adds the writer's write counts (`Writer::take_write_counts`).
+    pub fn record_map_writes(&self, c: &crate::store::WriteCounts) {
+        for (mode, n) in [("batch", c.batch), ("single", c.single)] {
+            if n > 0 {
+                self.map_writes
+                    .get_or_create(&ModeLabel { mode: mode.into() })
+                    .inc_by(n);
+            }
+        }
+        if c.fallbacks > 0 {
+            self.map_batch_fallbacks.inc_by(c.fallbacks);
+        }
     }
 
     pub fn mark_synced(&self) {

@@ -84,19 +84,30 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     if !interfaces.is_empty() {
         info!(?interfaces, addresses = ?node_addrs, "TC datapath on the node's interfaces");
     }
-    let mut node_addresses = NodeAddresses::new(opts.pin_path.clone(), node_addrs);
-    node_addresses.update(&[])?;
     let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     let maps = BpfMaps::open(&opts.pin_path)?;
-    let (writer, adopted) = Writer::adopt(maps).context("reading the pinned maps back")?;
+    let (mut writer, adopted) = Writer::adopt(maps).context("reading the pinned maps back")?;
+    let mut node_addresses = NodeAddresses::new(node_addrs);
+    node_addresses
+        .update(&mut writer, &[])
+        .context("writing the node's addresses")?;
     info!(
         frontends = adopted.frontends,
         backends = adopted.backends,
         orphans_deleted = adopted.orphans_deleted,
+        repairs = ?adopted.repairs,
         "adopted the maps' contents"
     );
 
     let metrics = Arc::new(Metrics::new());
+    for (kind, n) in &adopted.repairs {
+        metrics
+            .adoption_repairs
+            .get_or_create(&metrics::KindLabel {
+                kind: kind.to_string(),
+            })
+            .inc_by(*n as u64);
+    }
     metrics
         .conntrack_max
         .set(i64::from(installed.conntrack_entries / 2));
@@ -210,22 +221,24 @@ async fn refresh_map_memory(pin_path: PathBuf, metrics: Arc<Metrics>) {
 /// address always wins.
 #[derive(Debug)]
 pub struct NodeAddresses {
-    pin_path: PathBuf,
     from_interfaces: Vec<std::net::IpAddr>,
     written: Option<Vec<std::net::IpAddr>>,
 }
 
 impl NodeAddresses {
-    pub fn new(pin_path: PathBuf, from_interfaces: Vec<std::net::IpAddr>) -> Self {
+    pub fn new(from_interfaces: Vec<std::net::IpAddr>) -> Self {
         Self {
-            pin_path,
             from_interfaces,
             written: None,
         }
     }
 
-    /// Writes the union with `from_node` if it changed.
-    pub fn update(&mut self, from_node: &[std::net::IpAddr]) -> Result<(), crate::bpf::OpenError> {
+    /// Writes the union with `from_node` through the writer if it changed.
+    pub fn update<S: crate::MapStore>(
+        &mut self,
+        writer: &mut Writer<S>,
+        from_node: &[std::net::IpAddr],
+    ) -> Result<(), crate::store::StoreError> {
         let mut all = self.from_interfaces.clone();
         for a in from_node {
             if !all.contains(a) {
@@ -235,7 +248,7 @@ impl NodeAddresses {
         if self.written.as_ref() == Some(&all) {
             return Ok(());
         }
-        crate::bpf::set_node_addresses(&self.pin_path, &all)?;
+        writer.set_node_addresses(&all)?;
         info!(addresses = ?all, "node addresses for NodePorts written");
         self.written = Some(all);
         Ok(())
@@ -314,12 +327,15 @@ pub async fn sync_loop<S: crate::MapStore>(
                         }
                     });
                 }
-                if let Err(e) = node_addresses.update(&syncer.index().node.addresses) {
+                let from_node = syncer.index().node.addresses.clone();
+                if let Err(e) = node_addresses.update(syncer.writer_mut(), &from_node) {
                     warn!(error = %e, "writing the node's addresses failed; kept the previous ones");
                     syncer.metrics().map_write_errors.get_or_create(&metrics::ReasonLabel {
                         reason: "node_addresses".into(),
                     }).inc();
                 }
+                let counts = syncer.writer_mut().take_write_counts();
+                syncer.metrics().record_map_writes(&counts);
                 if out.full || out.ops > 1000 {
                     release_freed_memory();
                 }

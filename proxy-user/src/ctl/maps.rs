@@ -8,21 +8,18 @@ use std::{
     ffi::CString,
     io,
     net::{IpAddr, SocketAddr},
-    os::{
-        fd::{FromRawFd as _, OwnedFd},
-        unix::ffi::OsStrExt as _,
-    },
+    os::{fd::OwnedFd, unix::ffi::OsStrExt as _},
     path::{Path, PathBuf},
 };
 
 use aya::maps::{
     lpm_trie::{Key as LpmKey, LpmTrie},
-    Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap,
+    HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap,
 };
 use proxy_common::{
-    affinity_kind, map_names as names, meta, AffinityKey, AffinityValue, Backend4, Backend6,
-    Ct4Key, Ct4Value, Ct6Key, Ct6Value, Reason, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key,
-    Svc6Key, SvcValue, ABI_VERSION,
+    affinity_kind, map_names as names, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key,
+    Ct4Value, Ct6Key, Ct6Value, Reason, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
+    SvcValue,
 };
 
 use super::{
@@ -30,94 +27,59 @@ use super::{
     snapshot::{AffinityClient, AffinityEntry, Cidr, CtEntry, Snapshot},
 };
 use crate::{
-    model::{
-        name_from_bytes, port_host, port_net, v4_from_word, v4_word, v6_from_words, v6_words,
-        Backend, Frontend, Proto,
-    },
-    store::{Dump, FrontendValue},
+    codec,
+    model::{port_host, v4_from_word, v6_from_words, Backend, Frontend, Proto},
+    pins::{Access, PinDir, PinError, PinnedHash},
+    store::Dump,
 };
 
-/// `bpf(2)` command `BPF_OBJ_GET`.
-const BPF_OBJ_GET: libc::c_long = 7;
-/// `BPF_F_RDONLY`: the returned descriptor only allows lookups.
-pub const BPF_F_RDONLY: u32 = 1 << 3;
-
-/// `union bpf_attr` for `BPF_OBJ_GET`: pathname, bpf_fd, file_flags, path_fd, and zeros
-/// (the kernel requires every byte past the command's fields to be zero).
-#[repr(C)]
-struct ObjGetAttr {
-    pathname: u64,
-    bpf_fd: u32,
-    file_flags: u32,
-    path_fd: i32,
-    _zero: [u8; 108],
-}
+pub use crate::pins::BPF_F_RDONLY;
 
 /// Opens a pinned BPF object read-only (`BPF_OBJ_GET` with `BPF_F_RDONLY`).
 pub fn open_pinned_rdonly(path: &Path) -> io::Result<OwnedFd> {
-    let c_path = CString::new(path.as_os_str().as_bytes())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let mut attr = ObjGetAttr {
-        pathname: c_path.as_ptr() as u64,
-        bpf_fd: 0,
-        file_flags: BPF_F_RDONLY,
-        path_fd: 0,
-        _zero: [0; 108],
-    };
-    // SAFETY: bpf(BPF_OBJ_GET) with a fully initialized, zero-padded attr whose pathname
-    // points at a NUL-terminated string that outlives the call.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            &mut attr as *mut ObjGetAttr,
-            std::mem::size_of::<ObjGetAttr>(),
-        )
-    };
-    if ret < 0 {
-        return Err(io::Error::last_os_error());
+    crate::pins::open_pinned(path, Access::ReadOnly)
+}
+
+/// A pin-directory error as `proxyctl` reports it (`Ok(None)`: not pinned).
+fn from_pin<T>(dir: &Path, r: std::result::Result<T, PinError>) -> Result<Option<T>> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(PinError::Missing { .. }) => Ok(None),
+        Err(e) => Err(pin_error(dir, e)),
     }
-    let fd = i32::try_from(ret).map_err(|_| io::Error::other("fd out of range"))?;
-    // SAFETY: BPF_OBJ_GET returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn pin_error(dir: &Path, e: PinError) -> Error {
+    match e {
+        PinError::Missing { path } => no_pins(dir, &path),
+        // EACCES is also the kernel's answer for a path that is no BPF object (a file
+        // outside bpffs, a directory on it): name that cause rather than "run as root".
+        PinError::Permission { path } => match not_a_bpf_object(&path) {
+            Some(cause) => Error::NotBpf { path, cause },
+            None => Error::Permission { path },
+        },
+        PinError::Open { path, source } => Error::Open { path, source },
+        PinError::Map { path, source } => Error::Layout { path, source },
+        PinError::Abi {
+            dir,
+            found,
+            expected,
+        } => Error::Abi {
+            dir,
+            found,
+            expected,
+        },
+    }
 }
 
 /// Opens one pinned map read-only as an aya [`Map`]. `Ok(None)`: not pinned.
 pub fn open_map_rdonly(path: &Path) -> Result<Option<Map>> {
-    let fd = match open_pinned_rdonly(path) {
-        Ok(fd) => fd,
-        Err(e) => {
-            return match e.raw_os_error() {
-                Some(libc::ENOENT) => Ok(None),
-                Some(libc::EACCES) => Err(match not_a_bpf_object(path) {
-                    Some(cause) => Error::NotBpf {
-                        path: path.to_owned(),
-                        cause,
-                    },
-                    None => Error::Permission {
-                        path: path.to_owned(),
-                    },
-                }),
-                Some(libc::EPERM) => Err(Error::Permission {
-                    path: path.to_owned(),
-                }),
-                _ => Err(Error::Open {
-                    path: path.to_owned(),
-                    source: e,
-                }),
-            };
-        }
-    };
-    let data = MapData::from_fd(fd).map_err(|source| Error::Layout {
-        path: path.to_owned(),
-        source,
-    })?;
-    Map::from_map_data(data)
-        .map(Some)
-        .map_err(|source| Error::Layout {
-            path: path.to_owned(),
-            source,
-        })
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    from_pin(dir, PinDir::new(dir).open_map(&name, Access::ReadOnly))
 }
 
 /// `BPF_FS_MAGIC` (`include/uapi/linux/magic.h`): `statfs.f_type` of a bpffs mount.
@@ -165,14 +127,15 @@ pub fn monotonic_ns() -> u64 {
 /// without them still has its services shown.
 pub struct Maps {
     dir: PathBuf,
-    svc4: HashMap<MapData, Svc4Key, SvcValue>,
-    svc6: HashMap<MapData, Svc6Key, SvcValue>,
-    backend4: HashMap<MapData, u32, Backend4>,
-    backend6: HashMap<MapData, u32, Backend6>,
-    revnat4: HashMap<MapData, u32, RevNat4>,
-    revnat6: HashMap<MapData, u32, RevNat6>,
+    svc4: PinnedHash<Svc4Key, SvcValue>,
+    svc6: PinnedHash<Svc6Key, SvcValue>,
+    backend4: PinnedHash<u32, Backend4>,
+    backend6: PinnedHash<u32, Backend6>,
+    revnat4: PinnedHash<u32, RevNat4>,
+    revnat6: PinnedHash<u32, RevNat6>,
     stats: PerCpuArray<MapData, u64>,
     conns: PerCpuHashMap<MapData, u32, u64>,
+    conns_fd: OwnedFd,
     ct4: Option<HashMap<MapData, Ct4Key, Ct4Value>>,
     ct6: Option<HashMap<MapData, Ct6Key, Ct6Value>>,
     node4: Option<HashMap<MapData, u32, u8>>,
@@ -189,13 +152,6 @@ impl std::fmt::Debug for Maps {
     }
 }
 
-fn typed<T: TryFrom<Map, Error = MapError>>(path: &Path, map: Map) -> Result<T> {
-    T::try_from(map).map_err(|source| Error::Layout {
-        path: path.to_owned(),
-        source,
-    })
-}
-
 fn read_err(map: &'static str) -> impl Fn(MapError) -> Error {
     move |source| Error::Read { map, source }
 }
@@ -204,46 +160,22 @@ impl Maps {
     /// Opens the maps under `dir` read-only, after checking the ABI version the loader
     /// stored in `META`.
     pub fn open(dir: &Path) -> Result<Self> {
-        let required = |name: &'static str| -> Result<(PathBuf, Map)> {
-            let path = dir.join(name);
-            match open_map_rdonly(&path)? {
-                Some(map) => Ok((path, map)),
-                None => Err(no_pins(dir, &path)),
-            }
-        };
-        let (path, meta) = required(names::META)?;
-        let meta: Array<MapData, u32> = typed(&path, meta)?;
-        let found = meta
-            .get(&meta::ABI_VERSION, 0)
-            .map_err(read_err(names::META))?;
-        if found != ABI_VERSION {
-            return Err(Error::Abi {
-                dir: dir.to_owned(),
-                found,
-                expected: ABI_VERSION,
-            });
-        }
+        let pins = PinDir::new(dir);
+        let ro = Access::ReadOnly;
+        pins.check_abi(ro).map_err(|e| pin_error(dir, e))?;
         macro_rules! req {
-            ($name:expr) => {{
-                let (path, map) = required($name)?;
-                typed(&path, map)?
-            }};
+            ($open:expr) => {
+                $open.map_err(|e| pin_error(dir, e))?
+            };
         }
         let mut missing = BTreeSet::new();
-        let mut optional = |name: &'static str| -> Result<Option<(PathBuf, Map)>> {
-            let path = dir.join(name);
-            let map = open_map_rdonly(&path)?;
-            if map.is_none() {
-                missing.insert(name);
-            }
-            Ok(map.map(|m| (path, m)))
-        };
         macro_rules! opt {
             ($name:expr) => {{
-                match optional($name)? {
-                    Some((path, map)) => Some(typed(&path, map)?),
-                    None => None,
+                let m = from_pin(dir, pins.typed($name, ro))?;
+                if m.is_none() {
+                    missing.insert($name);
                 }
+                m
             }};
         }
         let ct4 = opt!(names::CT4);
@@ -253,16 +185,18 @@ impl Maps {
         let affinity = opt!(names::AFFINITY);
         let src4 = opt!(names::SRC_RANGE4);
         let src6 = opt!(names::SRC_RANGE6);
+        let (conns, conns_fd) = req!(pins.typed_with_fd(names::BACKEND_CONNS, ro));
         Ok(Self {
             dir: dir.to_owned(),
-            svc4: req!(names::SVC4),
-            svc6: req!(names::SVC6),
-            backend4: req!(names::BACKEND4),
-            backend6: req!(names::BACKEND6),
-            revnat4: req!(names::REVNAT4),
-            revnat6: req!(names::REVNAT6),
-            stats: req!(names::STATS),
-            conns: req!(names::BACKEND_CONNS),
+            svc4: req!(pins.hash(names::SVC4, ro)),
+            svc6: req!(pins.hash(names::SVC6, ro)),
+            backend4: req!(pins.hash(names::BACKEND4, ro)),
+            backend6: req!(pins.hash(names::BACKEND6, ro)),
+            revnat4: req!(pins.hash(names::REVNAT4, ro)),
+            revnat6: req!(pins.hash(names::REVNAT6, ro)),
+            stats: req!(pins.typed(names::STATS, ro)),
+            conns,
+            conns_fd,
             ct4,
             ct6,
             node4,
@@ -386,39 +320,9 @@ impl Maps {
     }
 
     fn svc_get(&self, fe: &Frontend, slot: u16) -> Result<Option<SvcValue>> {
-        let r = match fe.addr {
-            IpAddr::V4(a) => self.svc4.get(
-                &Svc4Key::new(
-                    v4_word(a),
-                    port_net(fe.port),
-                    fe.proto.number(),
-                    fe.scope,
-                    slot,
-                ),
-                0,
-            ),
-            IpAddr::V6(a) => self.svc6.get(
-                &Svc6Key::new(
-                    v6_words(a),
-                    port_net(fe.port),
-                    fe.proto.number(),
-                    fe.scope,
-                    slot,
-                ),
-                0,
-            ),
-        };
-        match r {
-            Ok(v) => Ok(Some(v)),
-            Err(MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(Error::Read {
-                map: if fe.family() == crate::model::Family::V4 {
-                    names::SVC4
-                } else {
-                    names::SVC6
-                },
-                source: e,
-            }),
+        match codec::svc_key(fe, slot) {
+            codec::SvcKey::V4(k) => lookup(&self.svc4, &k, names::SVC4),
+            codec::SvcKey::V6(k) => lookup(&self.svc6, &k, names::SVC6),
         }
     }
 
@@ -427,31 +331,28 @@ impl Maps {
         let Some(v) = self.svc_get(&fe, 0)? else {
             return Ok(false);
         };
-        s.services.frontends.insert(
-            fe,
-            FrontendValue {
-                service_id: v.service_id,
-                count: v.count,
-                flags: v.flags,
-                affinity_timeout: v.affinity_timeout,
-            },
-        );
+        s.services
+            .frontends
+            .insert(fe, codec::decode_frontend_value(&v));
         for slot in 1..=v.count {
             if let Some(sv) = self.svc_get(&fe, slot)? {
                 s.services.slots.insert((fe, slot), sv.backend_id);
                 self.load_backend(s, sv.backend_id)?;
             }
         }
-        let revnat = match fe.addr {
-            IpAddr::V4(_) => lookup(&self.revnat4, &v.service_id, names::REVNAT4)?
-                .map(|r| (revnat4_frontend(&r), name_from_bytes(&r.name))),
-            IpAddr::V6(_) => lookup(&self.revnat6, &v.service_id, names::REVNAT6)?
-                .map(|r| (revnat6_frontend(&r), name_from_bytes(&r.name))),
-        };
-        if let Some((Some(rfe), name)) = revnat {
-            s.services.revnat.insert(v.service_id, (rfe, name));
+        if let Some(entry) = self.revnat(v.service_id, fe.addr.is_ipv4())? {
+            s.services.revnat.insert(v.service_id, entry);
         }
         Ok(true)
+    }
+
+    /// A reverse-NAT entry (frontend and name); `None`: absent or unreadable protocol.
+    fn revnat(&self, id: u32, v4: bool) -> Result<Option<(Frontend, String)>> {
+        Ok(if v4 {
+            lookup(&self.revnat4, &id, names::REVNAT4)?.and_then(|r| codec::decode_revnat4(&r))
+        } else {
+            lookup(&self.revnat6, &id, names::REVNAT6)?.and_then(|r| codec::decode_revnat6(&r))
+        })
     }
 
     fn load_backend(&self, s: &mut Snapshot, id: u32) -> Result<()> {
@@ -491,15 +392,8 @@ impl Maps {
             .map(|(fe, v)| (v.service_id, fe.addr.is_ipv4()))
             .collect();
         for (id, v4) in ids {
-            let revnat = if v4 {
-                lookup(&self.revnat4, &id, names::REVNAT4)?
-                    .map(|r| (revnat4_frontend(&r), name_from_bytes(&r.name)))
-            } else {
-                lookup(&self.revnat6, &id, names::REVNAT6)?
-                    .map(|r| (revnat6_frontend(&r), name_from_bytes(&r.name)))
-            };
-            if let Some((Some(fe), name)) = revnat {
-                s.services.revnat.insert(id, (fe, name));
+            if let Some(entry) = self.revnat(id, v4)? {
+                s.services.revnat.insert(id, entry);
             }
         }
         Ok(())
@@ -508,21 +402,31 @@ impl Maps {
     fn scan_slot0(&self, s: &mut Snapshot, addr: IpAddr) -> Result<()> {
         match addr {
             IpAddr::V4(a) => {
-                for item in self.svc4.iter() {
-                    let (k, v) = item.map_err(read_err(names::SVC4))?;
-                    if k.slot == 0 && k.addr == v4_word(a) {
-                        if let Some(fe) = svc4_frontend(&k) {
-                            s.services.frontends.insert(fe, slot0(&v));
+                let want = codec::svc_key(&Frontend::new(a, 0, Proto::Tcp), 0);
+                let codec::SvcKey::V4(want) = want else {
+                    return Ok(());
+                };
+                for (k, v) in self.svc4.read_all().map_err(read_err(names::SVC4))? {
+                    if k.slot == 0 && k.addr == want.addr {
+                        if let Some(fe) = codec::decode_svc4(&k) {
+                            s.services
+                                .frontends
+                                .insert(fe, codec::decode_frontend_value(&v));
                         }
                     }
                 }
             }
             IpAddr::V6(a) => {
-                for item in self.svc6.iter() {
-                    let (k, v) = item.map_err(read_err(names::SVC6))?;
-                    if k.slot == 0 && k.addr == v6_words(a) {
-                        if let Some(fe) = svc6_frontend(&k) {
-                            s.services.frontends.insert(fe, slot0(&v));
+                let want = codec::svc_key(&Frontend::new(a, 0, Proto::Tcp), 0);
+                let codec::SvcKey::V6(want) = want else {
+                    return Ok(());
+                };
+                for (k, v) in self.svc6.read_all().map_err(read_err(names::SVC6))? {
+                    if k.slot == 0 && k.addr == want.addr {
+                        if let Some(fe) = codec::decode_svc6(&k) {
+                            s.services
+                                .frontends
+                                .insert(fe, codec::decode_frontend_value(&v));
                         }
                     }
                 }
@@ -532,14 +436,20 @@ impl Maps {
     }
 
     fn read_backends(&self, s: &mut Snapshot) -> Result<()> {
-        for item in self.backend4.iter() {
-            let (id, b) = item.map_err(read_err(names::BACKEND4))?;
+        for (id, b) in self
+            .backend4
+            .read_all()
+            .map_err(read_err(names::BACKEND4))?
+        {
             if let Some(b) = backend4(id, &b, &mut s.warnings) {
                 s.services.backends.insert(id, b);
             }
         }
-        for item in self.backend6.iter() {
-            let (id, b) = item.map_err(read_err(names::BACKEND6))?;
+        for (id, b) in self
+            .backend6
+            .read_all()
+            .map_err(read_err(names::BACKEND6))?
+        {
             if let Some(b) = backend6(id, &b, &mut s.warnings) {
                 s.services.backends.insert(id, b);
             }
@@ -547,51 +457,40 @@ impl Maps {
         Ok(())
     }
 
-    /// `SVC4/6`, `BACKEND4/6` and `REVNAT4/6` into `s.services`.
+    /// `SVC4/6`, `BACKEND4/6` and `REVNAT4/6` into `s.services` (batch lookups).
     fn read_services(&self, s: &mut Snapshot) -> Result<()> {
         self.read_backends(s)?;
         let d: &mut Dump = &mut s.services;
-        let mut put = |fe: Frontend, slot: u16, v: SvcValue| {
-            if slot == 0 {
-                d.frontends.insert(fe, slot0(&v));
-            } else {
-                d.slots.insert((fe, slot), v.backend_id);
-            }
-        };
-        for item in self.svc4.iter() {
-            let (k, v) = item.map_err(read_err(names::SVC4))?;
-            match svc4_frontend(&k) {
-                Some(fe) => put(fe, k.slot, v),
+        for (k, v) in self.svc4.read_all().map_err(read_err(names::SVC4))? {
+            match codec::decode_svc4(&k) {
+                Some(fe) => codec::put_svc(d, fe, k.slot, &v),
                 None => s
                     .warnings
                     .push(format!("SVC4: unknown protocol {}", k.proto)),
             }
         }
-        for item in self.svc6.iter() {
-            let (k, v) = item.map_err(read_err(names::SVC6))?;
-            match svc6_frontend(&k) {
-                Some(fe) => put(fe, k.slot, v),
+        for (k, v) in self.svc6.read_all().map_err(read_err(names::SVC6))? {
+            match codec::decode_svc6(&k) {
+                Some(fe) => codec::put_svc(d, fe, k.slot, &v),
                 None => s
                     .warnings
                     .push(format!("SVC6: unknown protocol {}", k.proto)),
             }
         }
-        for item in self.revnat4.iter() {
-            let (id, r) = item.map_err(read_err(names::REVNAT4))?;
-            match revnat4_frontend(&r) {
-                Some(fe) => {
-                    s.services.revnat.insert(id, (fe, name_from_bytes(&r.name)));
+        for (id, r) in self.revnat4.read_all().map_err(read_err(names::REVNAT4))? {
+            match codec::decode_revnat4(&r) {
+                Some(entry) => {
+                    d.revnat.insert(id, entry);
                 }
                 None => s
                     .warnings
                     .push(format!("REVNAT4 {id}: unknown protocol {}", r.proto)),
             }
         }
-        for item in self.revnat6.iter() {
-            let (id, r) = item.map_err(read_err(names::REVNAT6))?;
-            match revnat6_frontend(&r) {
-                Some(fe) => {
-                    s.services.revnat.insert(id, (fe, name_from_bytes(&r.name)));
+        for (id, r) in self.revnat6.read_all().map_err(read_err(names::REVNAT6))? {
+            match codec::decode_revnat6(&r) {
+                Some(entry) => {
+                    d.revnat.insert(id, entry);
                 }
                 None => s
                     .warnings
@@ -603,6 +502,12 @@ impl Maps {
 
     /// `BACKEND_CONNS`, summed over CPUs.
     pub fn read_conns(&self) -> Result<BTreeMap<u32, u64>> {
+        let ncpus = aya::util::nr_cpus().map_or(1, |n| n.max(1));
+        if let Ok(v) =
+            crate::batch::lookup_percpu_sum::<u32>(std::os::fd::AsFd::as_fd(&self.conns_fd), ncpus)
+        {
+            return Ok(v.into_iter().collect());
+        }
         let mut out = BTreeMap::new();
         for item in self.conns.iter() {
             let (id, per_cpu) = item.map_err(read_err(names::BACKEND_CONNS))?;
@@ -634,13 +539,13 @@ impl Maps {
         if let Some(m) = &self.node4 {
             for k in m.keys() {
                 let k = k.map_err(read_err(names::NODE_ADDRS4))?;
-                out.insert(IpAddr::V4(v4_from_word(k)));
+                out.insert(codec::decode_node_addr4(k));
             }
         }
         if let Some(m) = &self.node6 {
             for k in m.keys() {
                 let k = k.map_err(read_err(names::NODE_ADDRS6))?;
-                out.insert(IpAddr::V6(v6_from_words(k)));
+                out.insert(codec::decode_node_addr6(k));
             }
         }
         Ok(Some(out))
@@ -652,23 +557,15 @@ impl Maps {
         if let Some(m) = &self.src4 {
             for k in m.keys() {
                 let k: LpmKey<SrcRange4> = k.map_err(read_err(names::SRC_RANGE4))?;
-                let data = k.data();
-                let len = k.prefix_len().saturating_sub(32).min(32) as u8;
-                out.entry(data.service_id).or_default().push(Cidr {
-                    addr: IpAddr::V4(v4_from_word(data.addr)),
-                    len,
-                });
+                let (id, addr, len) = codec::decode_src_range4(&k);
+                out.entry(id).or_default().push(Cidr { addr, len });
             }
         }
         if let Some(m) = &self.src6 {
             for k in m.keys() {
                 let k: LpmKey<SrcRange6> = k.map_err(read_err(names::SRC_RANGE6))?;
-                let data = k.data();
-                let len = k.prefix_len().saturating_sub(32).min(128) as u8;
-                out.entry(data.service_id).or_default().push(Cidr {
-                    addr: IpAddr::V6(v6_from_words(data.addr)),
-                    len,
-                });
+                let (id, addr, len) = codec::decode_src_range6(&k);
+                out.entry(id).or_default().push(Cidr { addr, len });
             }
         }
         for ranges in out.values_mut() {
@@ -742,72 +639,29 @@ fn no_pins(dir: &Path, missing: &Path) -> Error {
 }
 
 fn lookup<K: aya::Pod, V: aya::Pod>(
-    m: &HashMap<MapData, K, V>,
+    m: &PinnedHash<K, V>,
     k: &K,
     name: &'static str,
 ) -> Result<Option<V>> {
-    match m.get(k, 0) {
+    match m.map.get(k, 0) {
         Ok(v) => Ok(Some(v)),
         Err(MapError::KeyNotFound) => Ok(None),
         Err(source) => Err(Error::Read { map: name, source }),
     }
 }
 
-fn slot0(v: &SvcValue) -> FrontendValue {
-    FrontendValue {
-        service_id: v.service_id,
-        count: v.count,
-        flags: v.flags,
-        affinity_timeout: v.affinity_timeout,
-    }
-}
-
-fn svc4_frontend(k: &Svc4Key) -> Option<Frontend> {
-    let proto = Proto::from_number(k.proto)?;
-    Some(Frontend::new(v4_from_word(k.addr), port_host(k.port), proto).with_scope(k.scope))
-}
-
-fn svc6_frontend(k: &Svc6Key) -> Option<Frontend> {
-    let proto = Proto::from_number(k.proto)?;
-    Some(Frontend::new(v6_from_words(k.addr), port_host(k.port), proto).with_scope(k.scope))
-}
-
-fn revnat4_frontend(r: &RevNat4) -> Option<Frontend> {
-    let proto = Proto::from_number(r.proto)?;
-    Some(Frontend::new(v4_from_word(r.addr), port_host(r.port), proto).with_scope(r.scope))
-}
-
-fn revnat6_frontend(r: &RevNat6) -> Option<Frontend> {
-    let proto = Proto::from_number(r.proto)?;
-    Some(Frontend::new(v6_from_words(r.addr), port_host(r.port), proto).with_scope(r.scope))
-}
-
 fn backend4(id: u32, b: &Backend4, warnings: &mut Vec<String>) -> Option<(Backend, Proto)> {
-    let Some(proto) = Proto::from_number(b.proto) else {
+    let decoded = codec::decode_backend4(b);
+    if decoded.is_none() {
         warnings.push(format!("BACKEND4 {id}: unknown protocol {}", b.proto));
-        return None;
-    };
-    let addr = SocketAddr::from((v4_from_word(b.addr), port_host(b.port)));
-    Some((
-        Backend {
-            addr,
-            flags: b.flags,
-        },
-        proto,
-    ))
+    }
+    decoded
 }
 
 fn backend6(id: u32, b: &Backend6, warnings: &mut Vec<String>) -> Option<(Backend, Proto)> {
-    let Some(proto) = Proto::from_number(b.proto) else {
+    let decoded = codec::decode_backend6(b);
+    if decoded.is_none() {
         warnings.push(format!("BACKEND6 {id}: unknown protocol {}", b.proto));
-        return None;
-    };
-    let addr = SocketAddr::from((v6_from_words(b.addr), port_host(b.port)));
-    Some((
-        Backend {
-            addr,
-            flags: b.flags,
-        },
-        proto,
-    ))
+    }
+    decoded
 }

@@ -40,7 +40,7 @@ pub use error::{Error, Result};
 pub use maps::Maps;
 pub use snapshot::Snapshot;
 
-use crate::loader::DEFAULT_PIN_PATH;
+use crate::pins::DEFAULT_PIN_PATH;
 
 /// Version of every JSON document (`"schema"`): bumped only on an incompatible change;
 /// new fields may appear without a bump.

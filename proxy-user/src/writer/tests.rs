@@ -8,10 +8,12 @@
 use std::net::{IpAddr, SocketAddr};
 
 use super::*;
-use crate::store::MemStore;
+use crate::store::{BatchFailed, BatchFault, MemStore};
 
 /// A store that, after every operation, checks what the datapath would see: every
-/// frontend's slots 1..=count exist and name an existing backend.
+/// frontend's slots 1..=count exist and name an existing backend. With `batches`, it
+/// takes batch calls too, checked after every element of the batch (the kernel applies
+/// a batch element by element: the datapath can see every prefix) and after the batch.
 #[derive(Debug, Default)]
 struct CheckingStore {
     inner: MemStore,
@@ -19,6 +21,11 @@ struct CheckingStore {
     fail_after: Option<usize>,
     /// Skip the consistency check (for maps damaged on purpose).
     lenient: bool,
+    /// Accept batch calls.
+    batches: bool,
+    /// Make every batch call fail after this many elements (the fallback then writes
+    /// the rest one by one).
+    batch_fault: Option<BatchFault>,
 }
 
 impl MapStore for CheckingStore {
@@ -39,6 +46,37 @@ impl MapStore for CheckingStore {
 
     fn dump(&self) -> Result<Dump, StoreError> {
         self.inner.dump()
+    }
+
+    fn supports_batch(&self, _: crate::store::Group) -> bool {
+        self.batches
+    }
+
+    fn apply_batch(&mut self, ops: &[Op]) -> Result<(), BatchFailed> {
+        MemStore::check_batch(ops);
+        for (i, op) in ops.iter().enumerate() {
+            if let Some(f) = self.batch_fault {
+                if i == f.after {
+                    self.inner.batches.push(i);
+                    return Err(BatchFailed {
+                        applied: i,
+                        error: std::io::Error::from_raw_os_error(f.errno),
+                    });
+                }
+            }
+            if let Err(e) = self.apply(op) {
+                self.inner.batches.push(i);
+                return Err(BatchFailed {
+                    applied: i,
+                    error: std::io::Error::other(e.to_string()),
+                });
+            }
+        }
+        self.inner.batches.push(ops.len());
+        if !self.lenient {
+            assert_consistent(&self.inner.state, ops.last().expect("a batch has ops"));
+        }
+        Ok(())
     }
 }
 
@@ -427,7 +465,8 @@ fn adopt_rebuilds_the_model_and_deletes_orphans_only() {
             frontends: 2,
             backends: 4,
             orphans_deleted: 3,
-            missing_slots: 0
+            missing_slots: 0,
+            repairs: BTreeMap::new(),
         }
     );
     assert_eq!(
@@ -560,4 +599,465 @@ fn released_udp_backends_are_those_no_frontend_uses_any_more() {
     w.upsert(&svc(dns, &[])).expect("dns");
     w.upsert(&svc(dns, &[B])).expect("dns");
     assert!(w.take_released_udp().is_empty());
+}
+
+// ---- Batches -------------------------------------------------------------------------
+
+fn batch_writer() -> Writer<CheckingStore> {
+    Writer::new(CheckingStore {
+        batches: true,
+        ..CheckingStore::default()
+    })
+}
+
+/// `n` frontends 10.96.1.i:80, frontend i with pods `i..i+k` of a pool of 64 (shared
+/// backends between neighbours).
+fn many(n: usize, k: usize, shift: usize) -> Vec<ServiceEntry> {
+    (0..n)
+        .map(|i| {
+            let fe = vip(&format!("10.96.1.{i}"), 80);
+            let pods: Vec<String> = (0..k)
+                .map(|j| format!("10.0.{}.1:8080", (i + j + shift) % 64))
+                .collect();
+            let refs: Vec<&str> = pods.iter().map(String::as_str).collect();
+            let mut e = svc(fe, &refs);
+            e.name = format!("default/s{i}:http");
+            e
+        })
+        .collect()
+}
+
+/// What the datapath serves, independent of ids: per frontend its value (without the
+/// id), its backends in slot order, its reverse-NAT name.
+fn served(d: &Dump) -> Vec<String> {
+    d.frontends
+        .iter()
+        .map(|(fe, v)| {
+            let backends: Vec<String> = (1..=v.count)
+                .map(|s| {
+                    let id = d.slots.get(&(*fe, s)).expect("slot");
+                    d.backends.get(id).expect("backend").0.addr.to_string()
+                })
+                .collect();
+            let name = d.revnat.get(&v.service_id).map(|(f, n)| {
+                assert_eq!(f, fe, "reverse NAT of {fe}");
+                n.clone()
+            });
+            format!(
+                "{fe} count={} flags={:#x} {:?} {:?}",
+                v.count, v.flags, backends, name
+            )
+        })
+        .collect()
+}
+
+/// The index in the log of the first and last op matching `f`.
+fn span(log: &[Op], f: impl Fn(&Op) -> bool) -> Option<(usize, usize)> {
+    let first = log.iter().position(&f)?;
+    let last = log.iter().rposition(&f)?;
+    Some((first, last))
+}
+
+#[test]
+fn a_large_sync_writes_one_batch_per_phase_in_the_update_order() {
+    let mut w = batch_writer();
+    let report = w.sync(many(40, 3, 0));
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(report.changed, 40);
+    // 42 distinct backends, 40 reverse-NAT entries, 120 slots, 40 frontends: one batch
+    // each, in that order.
+    assert_eq!(w.store().inner.batches, [42, 40, 120, 40]);
+    let log = w.store().inner.log.clone();
+    let log = &log;
+    let backends = span(log, |op| matches!(op, Op::PutBackend { .. })).expect("backends");
+    let revnat = span(log, |op| matches!(op, Op::PutRevNat { .. })).expect("revnat");
+    let slots = span(log, |op| matches!(op, Op::PutSlot { .. })).expect("slots");
+    let slot0 = span(log, |op| matches!(op, Op::PutFrontend { .. })).expect("slot 0");
+    assert!(backends.1 < revnat.0 && revnat.1 < slots.0 && slots.1 < slot0.0);
+    assert_eq!(report.ops, log.len());
+    let counts = w.take_write_counts();
+    assert_eq!(
+        (counts.batch, counts.single, counts.fallbacks),
+        (log.len() as u64, 0, 0)
+    );
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+    // The same as frontend by frontend.
+    let mut seq = writer();
+    seq.set_batch_threshold(usize::MAX);
+    seq.sync(many(40, 3, 0));
+    assert!(seq.store().inner.batches.is_empty());
+    assert_eq!(
+        served(&w.store().dump().expect("dump")),
+        served(&seq.store().dump().expect("dump"))
+    );
+    assert_eq!(
+        w.store().dump().expect("dump"),
+        seq.store().dump().expect("dump"),
+        "same ids too, from empty maps"
+    );
+}
+
+#[test]
+fn a_large_shrinking_sync_hides_slots_before_deleting_them_and_backends_last() {
+    let mut w = batch_writer();
+    w.sync(many(40, 4, 0));
+    w.store_mut().inner.log.clear();
+    w.store_mut().inner.batches.clear();
+    // Every frontend loses two backends, ten frontends go away.
+    let report = w.sync(many(30, 2, 0));
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!((report.removed, report.changed), (10, 30));
+    let log = &w.store().inner.log;
+    let is_removed = |fe: &Frontend| match fe.addr {
+        IpAddr::V4(a) => a.octets()[3] >= 30,
+        IpAddr::V6(_) => false,
+    };
+    let hide = span(log, |op| matches!(op, Op::DelSlot { slot: 0, .. })).expect("slot 0");
+    let gone_slots = span(
+        log,
+        |op| matches!(op, Op::DelSlot { frontend, slot } if *slot > 0 && is_removed(frontend)),
+    )
+    .expect("removed slots");
+    let count = span(log, |op| matches!(op, Op::PutFrontend { .. })).expect("counts");
+    let surplus = span(
+        log,
+        |op| matches!(op, Op::DelSlot { frontend, slot } if *slot > 0 && !is_removed(frontend)),
+    )
+    .expect("surplus");
+    let del_backend = |op: &Op| matches!(op, Op::DelBackend { .. });
+    // Removals: slot 0 of every removed frontend first, then their slots, then (before
+    // any update) the backends only they used.
+    assert!(hide.1 < gone_slots.0);
+    let removal_backends = span(&log[..count.0], del_backend).expect("removal backends");
+    assert!(gone_slots.1 < removal_backends.0);
+    // Shrinking: the counts go down before the surplus slots go, backends go last.
+    assert!(count.1 < surplus.0);
+    assert!(!log[count.0..surplus.1].iter().any(del_backend));
+    assert!(span(&log[surplus.1..], del_backend).is_some());
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+    assert!(
+        w.store().inner.batches.len() >= 5,
+        "{:?}",
+        w.store().inner.batches
+    );
+}
+
+#[test]
+fn batched_and_one_by_one_syncs_serve_the_same_at_every_step() {
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let mut batched = batch_writer();
+    batched.set_batch_threshold(0);
+    let mut seq = writer();
+    seq.set_batch_threshold(usize::MAX);
+    for step in 0..150 {
+        let n = rng.below(50) as usize;
+        let k = rng.below(6) as usize;
+        let shift = rng.below(64) as usize;
+        let mut desired = many(n, k, shift);
+        // Some frontends keep their previous state, some flip a flag.
+        for e in desired.iter_mut() {
+            if rng.below(4) == 0 {
+                e.flags = proxy_common::svc_flags::AFFINITY;
+                e.affinity_timeout = 60;
+            }
+            if rng.below(5) == 0 {
+                e.source_ranges = vec![("192.0.2.0".parse().expect("ip"), 24)];
+            }
+        }
+        let a = batched.sync(desired.clone());
+        let b = seq.sync(desired);
+        assert!(a.errors.is_empty() && b.errors.is_empty(), "step {step}");
+        assert_eq!(
+            (a.changed, a.removed),
+            (b.changed, b.removed),
+            "step {step}"
+        );
+        let da = batched.store().dump().expect("dump");
+        assert_eq!(da, batched.expected_dump(), "step {step}");
+        assert_eq!(
+            served(&da),
+            served(&seq.store().dump().expect("dump")),
+            "step {step}"
+        );
+        // No leaked backend.
+        let used: HashSet<u32> = da.slots.values().copied().collect();
+        assert!(
+            da.backends.keys().all(|id| used.contains(id)),
+            "step {step}"
+        );
+    }
+    assert!(batched.take_write_counts().batch > 0);
+    // And a writer adopting the result finds no orphans.
+    let store = std::mem::take(batched.store_mut());
+    let (second, report) = Writer::adopt(store).expect("adopt");
+    assert_eq!(report.orphans_deleted, 0);
+    assert_eq!(second.store().dump().expect("dump"), second.expected_dump());
+}
+
+#[test]
+fn a_failing_batch_call_is_finished_element_by_element() {
+    for errno in [libc::ENOMEM, libc::EINVAL, crate::batch::ENOTSUPP] {
+        let mut w = Writer::new(CheckingStore {
+            batches: true,
+            batch_fault: Some(BatchFault { after: 5, errno }),
+            ..CheckingStore::default()
+        });
+        let report = w.sync(many(40, 3, 0));
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        let counts = w.take_write_counts();
+        // Four batch calls, each failing after 5 elements: 20 by batch, the rest alone.
+        assert_eq!(counts.batch_calls, 4, "errno {errno}");
+        assert_eq!(counts.fallbacks, 4);
+        assert_eq!(counts.batch, 20);
+        assert_eq!(counts.single, report.ops as u64 - 20);
+        assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+        let mut clean = batch_writer();
+        clean.sync(many(40, 3, 0));
+        assert_eq!(
+            w.store().dump().expect("dump"),
+            clean.store().dump().expect("dump")
+        );
+    }
+}
+
+#[test]
+fn a_failed_element_in_a_batched_sync_undoes_it_and_names_the_frontend() {
+    // Room for 40 frontends of 2 slots (3 entries each) but not for a 41st.
+    let capacity = 40 * 3;
+    let mut w = Writer::new(CheckingStore {
+        batches: true,
+        inner: MemStore {
+            svc_capacity: Some(capacity),
+            ..MemStore::default()
+        },
+        ..CheckingStore::default()
+    });
+    w.sync(many(40, 2, 0));
+    let before = w.store().dump().expect("dump");
+    w.take_write_counts();
+    w.set_batch_threshold(0);
+    // Ten frontends change their backends (slots replaced in place) and a 41st comes,
+    // which does not fit.
+    let mut desired = many(30, 2, 0);
+    let mut extra = many(41, 2, 7);
+    desired.extend(extra.drain(30..));
+    let report = w.sync(desired.clone());
+    // The batched attempt failed on SVC4 and was undone; the one-by-one rerun names the
+    // one frontend that does not fit and rolls back just it.
+    assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
+    let err = report.errors[0].to_string();
+    assert!(
+        err.starts_with("frontend 10.96.1.40:80/tcp: map SVC is full"),
+        "{err}"
+    );
+    assert!(!err.contains("incompletely"), "{err}");
+    assert_eq!(report.errors[0].reason(), "map_full");
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+    assert_eq!(w.frontends().count(), 40);
+    assert_ne!(w.store().dump().expect("dump"), before);
+    let counts = w.take_write_counts();
+    assert!(counts.batch > 0 && counts.single > 0, "{counts:?}");
+    // Exactly what a one-by-one writer does with the same input.
+    let mut seq = Writer::new(CheckingStore {
+        inner: MemStore {
+            svc_capacity: Some(capacity),
+            ..MemStore::default()
+        },
+        ..CheckingStore::default()
+    });
+    seq.set_batch_threshold(usize::MAX);
+    seq.sync(many(40, 2, 0));
+    let r = seq.sync(desired);
+    assert!(seq.store().inner.batches.is_empty());
+    assert_eq!(r.errors.len(), 1);
+    assert_eq!(r.errors[0].to_string(), err);
+    assert_eq!(
+        served(&w.store().dump().expect("dump")),
+        served(&seq.store().dump().expect("dump"))
+    );
+}
+
+#[test]
+fn adoption_deletes_many_orphans_in_batches() {
+    let mut first = batch_writer();
+    first.sync(many(40, 2, 0));
+    let mut store = std::mem::take(first.store_mut());
+    // An agent died after writing 40 backends and reverse-NAT entries nothing reaches.
+    for i in 0..40u32 {
+        for op in [
+            Op::PutBackend {
+                id: 1000 + i,
+                backend: Backend::new(pod(&format!("10.9.0.{i}:80"))),
+                proto: Proto::Tcp,
+            },
+            Op::PutRevNat {
+                service_id: 1000 + i,
+                frontend: vip(&format!("10.96.9.{i}"), 80),
+                name: String::new(),
+            },
+        ] {
+            store.inner.apply(&op).expect("apply");
+        }
+    }
+    store.inner.take_log();
+    store.inner.batches.clear();
+    let (mut second, report) = Writer::adopt(store).expect("adopt");
+    assert_eq!(report.orphans_deleted, 80);
+    assert_eq!(second.store().inner.batches, [40, 40]);
+    let log = second.store().inner.log.clone();
+    let log = &log;
+    let revnat = span(log, |op| matches!(op, Op::DelRevNat { .. })).expect("revnat");
+    let backends = span(log, |op| matches!(op, Op::DelBackend { .. })).expect("backends");
+    assert!(revnat.1 < backends.0);
+    assert_eq!(second.take_write_counts().batch, 80);
+    assert_eq!(second.store().dump().expect("dump"), second.expected_dump());
+}
+
+#[test]
+fn node_addresses_go_through_the_writer_and_are_adopted() {
+    let mut w = writer();
+    let a: IpAddr = "192.0.2.10".parse().expect("ip");
+    let b: IpAddr = "192.0.2.11".parse().expect("ip");
+    let c: IpAddr = "2001:db8::10".parse().expect("ip");
+    assert_eq!(w.set_node_addresses(&[a, b, c]).expect("write"), 4);
+    assert_eq!(
+        log(&mut w),
+        "\
+put node address 192.0.2.10
+put node address 192.0.2.11
+put node address 2001:db8::10
+put node config snat4=192.0.2.10 snat6=2001:db8::10
+"
+    );
+    assert_eq!(w.set_node_addresses(&[a, b, c]).expect("same"), 0);
+    // b becomes the first v4 address: SNAT moves to it; a and c go.
+    assert_eq!(w.set_node_addresses(&[b]).expect("write"), 3);
+    assert_eq!(
+        log(&mut w),
+        "\
+put node config snat4=192.0.2.11 snat6=none
+del node address 192.0.2.10
+del node address 2001:db8::10
+"
+    );
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+    // A failed write is undone and the model stays.
+    let before = w.store().dump().expect("dump");
+    w.store_mut().fail_after = Some(1);
+    w.set_node_addresses(&[a, c]).expect_err("fails");
+    assert_eq!(w.store().dump().expect("dump"), before);
+    assert_eq!(w.expected_dump(), before);
+    log(&mut w);
+    // A new writer adopts them: nothing to write.
+    let store = std::mem::take(w.store_mut());
+    let (mut second, _) = Writer::adopt(store).expect("adopt");
+    assert_eq!(second.set_node_addresses(&[b]).expect("same"), 0);
+    assert_eq!(second.store().dump().expect("dump"), second.expected_dump());
+}
+
+// ---- Validation on adoption ------------------------------------------------------------
+
+#[test]
+fn adoption_repairs_corrupted_pins_and_trusts_no_broken_entry() {
+    let mut first = writer();
+    let web = vip("10.96.0.10", 80);
+    let api = vip("10.96.0.11", 443);
+    let dns = Frontend::new("10.96.0.53".parse::<IpAddr>().expect("ip"), 53, Proto::Udp);
+    let mut e = svc(web, &[A, B]);
+    e.name = "default/web:http".into();
+    first.upsert(&e).expect("web");
+    first.upsert(&svc(api, &[C])).expect("api");
+    first
+        .upsert(&ServiceEntry::new(dns, [pod("10.0.1.1:53")]))
+        .expect("dns");
+    let mut store = std::mem::take(first.store_mut());
+    let web_id = store.inner.state.frontends[&web].service_id;
+    let dns_backend = store.inner.state.slots[&(dns, 1)];
+    // Corruption as a crashed or buggy agent could leave it:
+    let s = &mut store.inner.state;
+    // - a frontend holding web's service id (two services sharing one NAT id), its slot
+    //   naming web's first backend;
+    let twin = vip("10.96.0.12", 80);
+    s.frontends.insert(
+        twin,
+        FrontendValue {
+            service_id: web_id,
+            count: 1,
+            flags: 0,
+            affinity_timeout: 0,
+        },
+    );
+    let web_first = s.slots[&(web, 1)];
+    s.slots.insert((twin, 1), web_first);
+    // - api's count says 3 but only slot 1 exists, and slot 1 is fine;
+    s.frontends.get_mut(&api).expect("api").count = 3;
+    // - web's slot 2 names a backend that does not exist (dangling);
+    s.slots.insert((web, 2), 99);
+    // - a TCP slot naming dns's UDP backend;
+    s.slots.insert((api, 2), dns_backend);
+    store.lenient = true;
+    store.inner.take_log();
+
+    let (mut second, report) = Writer::adopt(store).expect("adopt");
+    assert_eq!(
+        report.repairs,
+        BTreeMap::from([
+            ("dangling_slot", 1),
+            ("duplicate_service_id", 1),
+            ("missing_slot", 1),
+            ("slot_backend_mismatch", 1),
+        ])
+    );
+    assert_eq!(report.missing_slots, 3);
+    let d = second.store().dump().expect("dump");
+    // Ids unique again, every reverse-NAT entry names its frontend, the twin's slot and
+    // slot 0 carry its new id.
+    let ids: HashSet<u32> = d.frontends.values().map(|v| v.service_id).collect();
+    assert_eq!(ids.len(), d.frontends.len(), "{}", d.render());
+    for (fe, v) in &d.frontends {
+        assert_eq!(
+            d.revnat.get(&v.service_id).map(|(f, _)| f),
+            Some(fe),
+            "{fe}"
+        );
+    }
+    assert_eq!(
+        d.revnat[&web_id].1, "default/web:http",
+        "web keeps its id and name"
+    );
+    assert_ne!(d.frontends[&twin].service_id, web_id);
+    // The model believes nothing broken: the next sync rewrites every untrusted slot and
+    // the maps equal the model, every frontend whole.
+    let mut e = svc(web, &[A, B]);
+    e.name = "default/web:http".into();
+    let r = second.sync(vec![
+        e,
+        svc(api, &[C, D]),
+        svc(twin, &[A]),
+        ServiceEntry::new(dns, [pod("10.0.1.1:53")]),
+    ]);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let d = second.store().dump().expect("dump");
+    assert_eq!(d, second.expected_dump());
+    assert_consistent(
+        &d,
+        &Op::DelSlot {
+            frontend: web,
+            slot: 0,
+        },
+    );
+    assert_eq!(
+        served(&d),
+        [
+            "10.96.0.10:80/tcp count=2 flags=0x0 [\"10.0.1.1:8080\", \"10.0.2.1:8080\"] Some(\"default/web:http\")",
+            "10.96.0.11:443/tcp count=2 flags=0x0 [\"10.0.3.1:8080\", \"10.0.4.1:8080\"] Some(\"\")",
+            "10.96.0.12:80/tcp count=1 flags=0x0 [\"10.0.1.1:8080\"] Some(\"\")",
+            "10.96.0.53:53/udp count=1 flags=0x0 [\"10.0.1.1:53\"] Some(\"\")",
+        ]
+    );
+    // A clean adoption repairs nothing.
+    let store = std::mem::take(second.store_mut());
+    let (_, report) = Writer::adopt(store).expect("adopt");
+    assert!(report.repairs.is_empty(), "{:?}", report.repairs);
+    assert_eq!(report.orphans_deleted, 0);
 }

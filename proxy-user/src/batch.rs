@@ -1,0 +1,246 @@
+//! Batched map operations over `bpf(2)`: `BPF_MAP_UPDATE_BATCH`, `BPF_MAP_DELETE_BATCH`
+//! and `BPF_MAP_LOOKUP_BATCH` (kernel >= 5.6). aya 0.14 has no batch API, so this is a
+//! small wrapper of our own, with the `batch` member of `union bpf_attr` laid out as in
+//! `linux/bpf.h`.
+//!
+//! The kernel applies a batch element by element, in order, and stops at the first
+//! element that fails: `count` then says how many were applied. Callers fall back to
+//! one-element calls for the rest (see `store::write_batch`), which also covers map types
+//! without batch support (`ENOTSUPP`, `EINVAL`) and kernels that fail batches into
+//! `BPF_F_NO_PREALLOC` hash maps with `ENOMEM`.
+
+use std::{
+    io,
+    os::fd::{AsRawFd as _, BorrowedFd},
+};
+
+use aya::Pod;
+
+/// `bpf(2)` commands (enum `bpf_cmd`).
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+
+/// The kernel-internal `ENOTSUPP` (not `EOPNOTSUPP`), which `bpf(2)` returns for a map
+/// type without the batch operation.
+pub const ENOTSUPP: i32 = 524;
+
+/// Elements per lookup call (grown when one hash bucket holds more).
+const LOOKUP_CHUNK: u32 = 4096;
+
+/// `union bpf_attr`'s `batch` member: `in_batch`, `out_batch`, `keys`, `values`, `count`,
+/// `map_fd`, `elem_flags`, `flags` (56 bytes; the size passed to the kernel).
+#[repr(C)]
+#[derive(Debug, Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<BatchAttr>() == 56);
+
+/// A batch call that did not apply every element: `done` were applied (in order), then
+/// the kernel returned `error`.
+#[derive(Debug)]
+pub struct BatchError {
+    pub done: usize,
+    pub error: io::Error,
+}
+
+impl BatchError {
+    /// The errno, if any.
+    pub fn errno(&self) -> Option<i32> {
+        self.error.raw_os_error()
+    }
+}
+
+fn sys(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
+    // SAFETY: a fully initialised attr of the size passed; every pointer in it points at
+    // buffers the caller keeps alive (and sized for `count` elements) during the call.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut BatchAttr,
+            std::mem::size_of::<BatchAttr>(),
+        )
+    };
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn fd_u32(fd: BorrowedFd<'_>) -> u32 {
+    fd.as_raw_fd() as u32
+}
+
+/// How many elements a failed call applied. The kernel writes `count` back only once it
+/// has started on the elements (and then it is below the input, since it stopped at a
+/// failing one); an early refusal (`EPERM`, `EINVAL`, `ENOTSUPP`, ...) leaves the input.
+fn done_on_error(attr_count: u32, input: usize) -> usize {
+    let n = attr_count as usize;
+    if n >= input {
+        0
+    } else {
+        n
+    }
+}
+
+/// `BPF_MAP_UPDATE_BATCH` of `keys[i] = values[i]` (flag `BPF_ANY`).
+pub fn update<K: Pod, V: Pod>(
+    fd: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+) -> Result<(), BatchError> {
+    assert_eq!(keys.len(), values.len(), "one value per key");
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let count = u32::try_from(keys.len()).map_err(|_| BatchError {
+        done: 0,
+        error: io::Error::from_raw_os_error(libc::E2BIG),
+    })?;
+    let mut attr = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count,
+        map_fd: fd_u32(fd),
+        ..BatchAttr::default()
+    };
+    sys(BPF_MAP_UPDATE_BATCH, &mut attr).map_err(|error| BatchError {
+        done: done_on_error(attr.count, keys.len()),
+        error,
+    })
+}
+
+/// `BPF_MAP_DELETE_BATCH` of `keys`. A key that is absent stops the kernel's batch with
+/// `ENOENT`: it is skipped and the batch resumes after it (deleting an absent key is no
+/// error here, as for the writer's one-element deletes).
+pub fn delete<K: Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> {
+    let mut start = 0;
+    while start < keys.len() {
+        let rest = &keys[start..];
+        let mut attr = BatchAttr {
+            keys: rest.as_ptr() as u64,
+            count: u32::try_from(rest.len()).unwrap_or(u32::MAX),
+            map_fd: fd_u32(fd),
+            ..BatchAttr::default()
+        };
+        match sys(BPF_MAP_DELETE_BATCH, &mut attr) {
+            Ok(()) => {
+                start += attr.count as usize;
+                if attr.count == 0 {
+                    break;
+                }
+            }
+            Err(e)
+                if e.raw_os_error() == Some(libc::ENOENT) && (attr.count as usize) < rest.len() =>
+            {
+                start += attr.count as usize + 1
+            }
+            Err(error) => {
+                return Err(BatchError {
+                    done: start + done_on_error(attr.count, rest.len()),
+                    error,
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every entry of a map, by `BPF_MAP_LOOKUP_BATCH` in chunks: raw keys and values
+/// (`value_size` bytes each; per-CPU maps: the per-CPU values, 8-byte aligned, one after
+/// the other). `Err` when the map type has no batch lookup (`ENOTSUPP`, `EINVAL`) or the
+/// call fails: the caller then iterates key by key.
+pub fn lookup_raw(
+    fd: BorrowedFd<'_>,
+    key_size: usize,
+    value_size: usize,
+) -> io::Result<(Vec<u8>, Vec<u8>, usize)> {
+    let mut keys = Vec::new();
+    let mut values = Vec::new();
+    let mut total = 0usize;
+    let mut chunk = LOOKUP_CHUNK;
+    // Batch tokens: an opaque position (a bucket index for hash maps, a key for arrays).
+    let token_len = key_size.max(8);
+    let mut token_in = vec![0u8; token_len];
+    let mut token_out = vec![0u8; token_len];
+    let mut first = true;
+    loop {
+        let n = chunk as usize;
+        keys.resize((total + n) * key_size, 0);
+        values.resize((total + n) * value_size, 0);
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { token_in.as_ptr() as u64 },
+            out_batch: token_out.as_mut_ptr() as u64,
+            keys: keys[total * key_size..].as_mut_ptr() as u64,
+            values: values[total * value_size..].as_mut_ptr() as u64,
+            count: chunk,
+            map_fd: fd_u32(fd),
+            ..BatchAttr::default()
+        };
+        let r = sys(BPF_MAP_LOOKUP_BATCH, &mut attr);
+        let got = (attr.count as usize).min(n);
+        match r {
+            Ok(()) => {
+                total += got;
+                first = false;
+                token_in.copy_from_slice(&token_out);
+            }
+            // The end of the map (with the last entries, if any).
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                total += got;
+                break;
+            }
+            // One bucket holds more entries than fit: a bigger chunk.
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && chunk < (1 << 20) => {
+                chunk *= 2;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    keys.truncate(total * key_size);
+    values.truncate(total * value_size);
+    Ok((keys, values, total))
+}
+
+/// Every entry of a map whose keys and values are `K` and `V`, by batch lookups.
+pub fn lookup<K: Pod, V: Pod>(fd: BorrowedFd<'_>) -> io::Result<Vec<(K, V)>> {
+    let ks = std::mem::size_of::<K>();
+    let vs = std::mem::size_of::<V>();
+    let (keys, values, n) = lookup_raw(fd, ks, vs)?;
+    Ok((0..n)
+        .map(|i| (read_pod(&keys[i * ks..]), read_pod(&values[i * vs..])))
+        .collect())
+}
+
+/// Every key of a per-CPU map with `u64` values, and the sum of its per-CPU values.
+pub fn lookup_percpu_sum<K: Pod>(fd: BorrowedFd<'_>, ncpus: usize) -> io::Result<Vec<(K, u64)>> {
+    let ks = std::mem::size_of::<K>();
+    let vs = 8 * ncpus;
+    let (keys, values, n) = lookup_raw(fd, ks, vs)?;
+    Ok((0..n)
+        .map(|i| {
+            let sum = (0..ncpus)
+                .map(|c| read_pod::<u64>(&values[i * vs + c * 8..]))
+                .sum();
+            (read_pod(&keys[i * ks..]), sum)
+        })
+        .collect())
+}
+
+fn read_pod<T: Pod>(bytes: &[u8]) -> T {
+    assert!(bytes.len() >= std::mem::size_of::<T>());
+    // SAFETY: `T: Pod` (any bytes are a valid T) and the slice holds at least
+    // size_of::<T>() bytes; read_unaligned copes with the byte buffer's alignment.
+    unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) }
+}

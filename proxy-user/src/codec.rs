@@ -1,0 +1,407 @@
+//! The one conversion between the map ABI (`proxy_common`'s key and value structs, in
+//! network order where the datapath wants it) and the model (`model`, `store`). Used by
+//! the store over the pinned maps (`bpf`) and by `proxyctl`'s readers (`ctl::maps`).
+
+use std::net::{IpAddr, SocketAddr};
+
+use aya::maps::lpm_trie::Key as LpmKey;
+use proxy_common::{
+    Backend4, Backend6, NodeConfig, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
+    SvcValue,
+};
+
+use crate::{
+    model::{
+        name_bytes, name_from_bytes, port_host, port_net, v4_from_word, v4_word, v6_from_words,
+        v6_words, Backend, Frontend, Proto,
+    },
+    store::{Dump, FrontendValue, Snat},
+};
+
+/// A `SVC4`/`SVC6` key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SvcKey {
+    V4(Svc4Key),
+    V6(Svc6Key),
+}
+
+/// The `SVC` key of `fe`'s slot `slot` (0: the frontend itself).
+pub fn svc_key(fe: &Frontend, slot: u16) -> SvcKey {
+    let (port, proto) = (port_net(fe.port), fe.proto.number());
+    match fe.addr {
+        IpAddr::V4(a) => SvcKey::V4(Svc4Key::new(v4_word(a), port, proto, fe.scope, slot)),
+        IpAddr::V6(a) => SvcKey::V6(Svc6Key::new(v6_words(a), port, proto, fe.scope, slot)),
+    }
+}
+
+/// Slot 0's value.
+pub fn frontend_value(v: &FrontendValue) -> SvcValue {
+    SvcValue {
+        backend_id: 0,
+        service_id: v.service_id,
+        count: v.count,
+        flags: v.flags,
+        affinity_timeout: v.affinity_timeout,
+    }
+}
+
+/// A slot's value (slot >= 1).
+pub fn slot_value(backend_id: u32, service_id: u32) -> SvcValue {
+    SvcValue {
+        backend_id,
+        service_id,
+        ..SvcValue::default()
+    }
+}
+
+/// Slot 0's value, read back.
+pub fn decode_frontend_value(v: &SvcValue) -> FrontendValue {
+    FrontendValue {
+        service_id: v.service_id,
+        count: v.count,
+        flags: v.flags,
+        affinity_timeout: v.affinity_timeout,
+    }
+}
+
+/// The frontend of a `SVC4` key; `None` for an unknown protocol.
+pub fn decode_svc4(k: &Svc4Key) -> Option<Frontend> {
+    let proto = Proto::from_number(k.proto)?;
+    Some(Frontend::new(v4_from_word(k.addr), port_host(k.port), proto).with_scope(k.scope))
+}
+
+/// The frontend of a `SVC6` key; `None` for an unknown protocol.
+pub fn decode_svc6(k: &Svc6Key) -> Option<Frontend> {
+    let proto = Proto::from_number(k.proto)?;
+    Some(Frontend::new(v6_from_words(k.addr), port_host(k.port), proto).with_scope(k.scope))
+}
+
+/// Puts one `SVC` entry read back into a dump: slot 0 as the frontend, others as slots.
+pub fn put_svc(d: &mut Dump, fe: Frontend, slot: u16, v: &SvcValue) {
+    if slot == 0 {
+        d.frontends.insert(fe, decode_frontend_value(v));
+    } else {
+        d.slots.insert((fe, slot), v.backend_id);
+    }
+}
+
+/// A `BACKEND4`/`BACKEND6` value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendValue {
+    V4(Backend4),
+    V6(Backend6),
+}
+
+pub fn backend_value(b: &Backend, proto: Proto) -> BackendValue {
+    match b.addr {
+        SocketAddr::V4(a) => BackendValue::V4(Backend4 {
+            addr: v4_word(*a.ip()),
+            port: port_net(a.port()),
+            proto: proto.number(),
+            flags: b.flags,
+        }),
+        SocketAddr::V6(a) => BackendValue::V6(Backend6 {
+            addr: v6_words(*a.ip()),
+            port: port_net(a.port()),
+            proto: proto.number(),
+            flags: b.flags,
+        }),
+    }
+}
+
+/// A `BACKEND4` value read back; `None` for an unknown protocol.
+pub fn decode_backend4(b: &Backend4) -> Option<(Backend, Proto)> {
+    let proto = Proto::from_number(b.proto)?;
+    let addr = SocketAddr::from((v4_from_word(b.addr), port_host(b.port)));
+    Some((
+        Backend {
+            addr,
+            flags: b.flags,
+        },
+        proto,
+    ))
+}
+
+/// A `BACKEND6` value read back; `None` for an unknown protocol.
+pub fn decode_backend6(b: &Backend6) -> Option<(Backend, Proto)> {
+    let proto = Proto::from_number(b.proto)?;
+    let addr = SocketAddr::from((v6_from_words(b.addr), port_host(b.port)));
+    Some((
+        Backend {
+            addr,
+            flags: b.flags,
+        },
+        proto,
+    ))
+}
+
+/// A `REVNAT4`/`REVNAT6` value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RevNatValue {
+    V4(RevNat4),
+    V6(RevNat6),
+}
+
+pub fn revnat_value(fe: &Frontend, name: &str) -> RevNatValue {
+    let (port, proto, scope, name) = (
+        port_net(fe.port),
+        fe.proto.number(),
+        fe.scope,
+        name_bytes(name),
+    );
+    match fe.addr {
+        IpAddr::V4(a) => RevNatValue::V4(RevNat4 {
+            addr: v4_word(a),
+            port,
+            proto,
+            scope,
+            name,
+        }),
+        IpAddr::V6(a) => RevNatValue::V6(RevNat6 {
+            addr: v6_words(a),
+            port,
+            proto,
+            scope,
+            name,
+        }),
+    }
+}
+
+/// A `REVNAT4` value read back: the frontend and the Service name; `None` for an unknown
+/// protocol.
+pub fn decode_revnat4(r: &RevNat4) -> Option<(Frontend, String)> {
+    let proto = Proto::from_number(r.proto)?;
+    let fe = Frontend::new(v4_from_word(r.addr), port_host(r.port), proto).with_scope(r.scope);
+    Some((fe, name_from_bytes(&r.name)))
+}
+
+/// A `REVNAT6` value read back.
+pub fn decode_revnat6(r: &RevNat6) -> Option<(Frontend, String)> {
+    let proto = Proto::from_number(r.proto)?;
+    let fe = Frontend::new(v6_from_words(r.addr), port_host(r.port), proto).with_scope(r.scope);
+    Some((fe, name_from_bytes(&r.name)))
+}
+
+/// A `SRC_RANGE4`/`SRC_RANGE6` key: the prefix length counts the 32 bits of the service
+/// id first, then the address prefix.
+#[derive(Clone, Copy)]
+pub enum SrcRangeKey {
+    V4(LpmKey<SrcRange4>),
+    V6(LpmKey<SrcRange6>),
+}
+
+pub fn src_range_key(service_id: u32, addr: IpAddr, prefix: u8) -> SrcRangeKey {
+    let len = 32 + u32::from(prefix);
+    match addr {
+        IpAddr::V4(a) => SrcRangeKey::V4(LpmKey::new(
+            len,
+            SrcRange4 {
+                service_id,
+                addr: v4_word(a),
+            },
+        )),
+        IpAddr::V6(a) => SrcRangeKey::V6(LpmKey::new(
+            len,
+            SrcRange6 {
+                service_id,
+                addr: v6_words(a),
+            },
+        )),
+    }
+}
+
+/// A `SRC_RANGE4` key read back: (service id, address, prefix length).
+pub fn decode_src_range4(k: &LpmKey<SrcRange4>) -> (u32, IpAddr, u8) {
+    let data = k.data();
+    let len = k.prefix_len().saturating_sub(32).min(32) as u8;
+    (data.service_id, IpAddr::V4(v4_from_word(data.addr)), len)
+}
+
+/// A `SRC_RANGE6` key read back.
+pub fn decode_src_range6(k: &LpmKey<SrcRange6>) -> (u32, IpAddr, u8) {
+    let data = k.data();
+    let len = k.prefix_len().saturating_sub(32).min(128) as u8;
+    (data.service_id, IpAddr::V6(v6_from_words(data.addr)), len)
+}
+
+/// A `NODE_ADDRS4`/`NODE_ADDRS6` key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeAddrKey {
+    V4(u32),
+    V6([u32; 4]),
+}
+
+pub fn node_addr_key(a: IpAddr) -> NodeAddrKey {
+    match a {
+        IpAddr::V4(a) => NodeAddrKey::V4(v4_word(a)),
+        IpAddr::V6(a) => NodeAddrKey::V6(v6_words(a)),
+    }
+}
+
+pub fn decode_node_addr4(k: u32) -> IpAddr {
+    IpAddr::V4(v4_from_word(k))
+}
+
+pub fn decode_node_addr6(k: [u32; 4]) -> IpAddr {
+    IpAddr::V6(v6_from_words(k))
+}
+
+/// `NODE_CONFIG[0]` (zero: no SNAT address for that family).
+pub fn node_config(s: &Snat) -> NodeConfig {
+    NodeConfig {
+        snat4: s.v4.map_or(0, v4_word),
+        snat6: s.v6.map_or([0; 4], v6_words),
+    }
+}
+
+pub fn decode_node_config(c: &NodeConfig) -> Snat {
+    Snat {
+        v4: (c.snat4 != 0).then(|| v4_from_word(c.snat4)),
+        v6: (c.snat6 != [0; 4]).then(|| v6_from_words(c.snat6)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proxy_common::scope;
+
+    fn fe(s: &str, port: u16, proto: Proto) -> Frontend {
+        Frontend::new(s.parse::<IpAddr>().expect("ip"), port, proto)
+    }
+
+    #[test]
+    fn svc_keys_are_network_order_and_decode_back() {
+        let f = fe("10.96.0.10", 443, Proto::Tcp).with_scope(scope::EXTERNAL_LOCAL);
+        let SvcKey::V4(k) = svc_key(&f, 3) else {
+            panic!("a v4 key")
+        };
+        // The datapath compares against `user_ip4` / `user_port`: network byte order.
+        assert_eq!(k.addr.to_ne_bytes(), [10, 96, 0, 10]);
+        assert_eq!(k.port.to_ne_bytes(), 443u16.to_be_bytes());
+        assert_eq!((k.slot, k.proto, k.scope), (3, 6, scope::EXTERNAL_LOCAL));
+        assert_eq!(decode_svc4(&k), Some(f));
+
+        let f6 = fe("fd00:96::a", 53, Proto::Udp);
+        let SvcKey::V6(k6) = svc_key(&f6, 0) else {
+            panic!("a v6 key")
+        };
+        assert_eq!(k6.addr[0].to_ne_bytes(), [0xfd, 0, 0, 0x96]);
+        assert_eq!(k6.addr[3].to_ne_bytes(), [0, 0, 0, 0x0a]);
+        assert_eq!(decode_svc6(&k6), Some(f6));
+
+        let mut bad = k;
+        bad.proto = 1;
+        assert_eq!(decode_svc4(&bad), None, "ICMP is no frontend protocol");
+    }
+
+    #[test]
+    fn slot_values_round_trip_into_a_dump() {
+        let f = fe("10.96.0.10", 80, Proto::Tcp);
+        let v = FrontendValue {
+            service_id: 7,
+            count: 2,
+            flags: proxy_common::svc_flags::AFFINITY,
+            affinity_timeout: 10800,
+        };
+        let raw = frontend_value(&v);
+        assert_eq!(raw.backend_id, 0, "slot 0 names no backend");
+        assert_eq!(decode_frontend_value(&raw), v);
+        let mut d = Dump::default();
+        put_svc(&mut d, f, 0, &raw);
+        put_svc(&mut d, f, 1, &slot_value(42, 7));
+        assert_eq!(d.frontends.get(&f), Some(&v));
+        assert_eq!(d.slots.get(&(f, 1)), Some(&42));
+        assert_eq!(slot_value(42, 7).count, 0);
+    }
+
+    #[test]
+    fn backends_round_trip_with_flags_and_protocol() {
+        for (addr, proto) in [
+            ("10.0.1.1:8080", Proto::Tcp),
+            ("[fd00:10::1]:53", Proto::Udp),
+            ("10.0.1.2:9", Proto::Sctp),
+        ] {
+            let b = Backend {
+                addr: addr.parse().expect("addr"),
+                flags: proxy_common::backend_flags::TERMINATING,
+            };
+            let back = match backend_value(&b, proto) {
+                BackendValue::V4(v) => {
+                    assert_eq!(v.port, port_net(b.addr.port()));
+                    decode_backend4(&v)
+                }
+                BackendValue::V6(v) => decode_backend6(&v),
+            };
+            assert_eq!(back, Some((b, proto)), "{addr}");
+        }
+        let mut v =
+            match backend_value(&Backend::new("10.0.1.1:80".parse().expect("a")), Proto::Tcp) {
+                BackendValue::V4(v) => v,
+                BackendValue::V6(_) => panic!("v4"),
+            };
+        v.proto = 0;
+        assert_eq!(decode_backend4(&v), None);
+    }
+
+    #[test]
+    fn revnat_keeps_the_name_truncated_to_the_abi_length() {
+        let f = fe("fd00:96::1", 80, Proto::Tcp).with_scope(scope::EXTERNAL_LOCAL);
+        let RevNatValue::V6(r) = revnat_value(&f, "default/web:http") else {
+            panic!("v6")
+        };
+        assert_eq!(decode_revnat6(&r), Some((f, "default/web:http".into())));
+        let long = "n".repeat(proxy_common::NAME_LEN + 10);
+        let f4 = fe("10.96.0.1", 80, Proto::Udp);
+        let RevNatValue::V4(r4) = revnat_value(&f4, &long) else {
+            panic!("v4")
+        };
+        let (back, name) = decode_revnat4(&r4).expect("decodes");
+        assert_eq!(back, f4);
+        assert!(long.starts_with(&name) && name.len() < long.len(), "{name}");
+    }
+
+    #[test]
+    fn source_ranges_count_the_service_id_in_the_prefix() {
+        let SrcRangeKey::V4(k) = src_range_key(9, "192.0.2.0".parse().expect("ip"), 24) else {
+            panic!("v4")
+        };
+        assert_eq!(k.prefix_len(), 32 + 24);
+        assert_eq!(
+            decode_src_range4(&k),
+            (9, "192.0.2.0".parse().expect("ip"), 24)
+        );
+        let SrcRangeKey::V6(k6) = src_range_key(9, "2001:db8::".parse().expect("ip"), 32) else {
+            panic!("v6")
+        };
+        assert_eq!(k6.prefix_len(), 64);
+        assert_eq!(
+            decode_src_range6(&k6),
+            (9, "2001:db8::".parse().expect("ip"), 32)
+        );
+    }
+
+    #[test]
+    fn node_config_zero_means_no_snat_address() {
+        let none = Snat::default();
+        assert_eq!(node_config(&none), NodeConfig::default());
+        assert_eq!(decode_node_config(&NodeConfig::default()), none);
+        let s = Snat {
+            v4: Some("192.0.2.10".parse().expect("ip")),
+            v6: Some("2001:db8::10".parse().expect("ip")),
+        };
+        let raw = node_config(&s);
+        assert_eq!(raw.snat4.to_ne_bytes(), [192, 0, 2, 10]);
+        assert_eq!(decode_node_config(&raw), s);
+        let a: IpAddr = "2001:db8::10".parse().expect("ip");
+        match node_addr_key(a) {
+            NodeAddrKey::V6(k) => assert_eq!(decode_node_addr6(k), a),
+            NodeAddrKey::V4(_) => panic!("v6"),
+        }
+        let a4: IpAddr = "192.0.2.10".parse().expect("ip");
+        match node_addr_key(a4) {
+            NodeAddrKey::V4(k) => assert_eq!(decode_node_addr4(k), a4),
+            NodeAddrKey::V6(_) => panic!("v4"),
+        }
+    }
+}
