@@ -237,13 +237,17 @@ mod tests {
                 .await
                 .expect("answered in time")
                 .expect("answer");
-            assert!(r.starts_with("HTTP/1.1 200 OK") && r.ends_with("/x\n"), "{r}");
+            assert!(
+                r.starts_with("HTTP/1.1 200 OK") && r.ends_with("/x\n"),
+                "{r}"
+            );
         }
         // The oldest idle ones were closed to make room.
         let mut closed = 0;
         for s in &mut idle {
             let mut b = [0u8; 1];
-            if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_millis(20), s.read(&mut b)).await {
+            if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_millis(20), s.read(&mut b)).await
+            {
                 closed += 1;
             }
         }

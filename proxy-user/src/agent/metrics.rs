@@ -252,15 +252,20 @@ pub async fn serve(
         Endpoints::Metrics => "metrics",
         Endpoints::Health => "healthz",
     };
-    super::http::serve(listener, name, super::http::Limits::default(), move |path| {
-        let (status, content_type, body) = respond(what, path, &metrics, &health);
-        super::http::Reply {
-            status,
-            content_type,
-            headers: "",
-            body,
-        }
-    })
+    super::http::serve(
+        listener,
+        name,
+        super::http::Limits::default(),
+        move |path| {
+            let (status, content_type, body) = respond(what, path, &metrics, &health);
+            super::http::Reply {
+                status,
+                content_type,
+                headers: "",
+                body,
+            }
+        },
+    )
     .await;
 }
 

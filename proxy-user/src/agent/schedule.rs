@@ -49,7 +49,12 @@ pub struct Schedule {
 
 impl Schedule {
     /// The first periodic resync is due `resync_every` after `now`.
-    pub fn new(min_interval: Duration, resync_every: Duration, backoff: Backoff, now: Instant) -> Self {
+    pub fn new(
+        min_interval: Duration,
+        resync_every: Duration,
+        backoff: Backoff,
+        now: Instant,
+    ) -> Self {
         Self {
             min_interval,
             resync_every,
@@ -154,7 +159,11 @@ mod tests {
         assert_eq!(s.next_sync(true, t1), Some(t1 + 1000 * MS));
         let t2 = t1 + 1000 * MS;
         assert_eq!(s.synced(t2, false), None);
-        assert_eq!(s.next_sync(true, t2 + 10 * MS), Some(t2 + 50 * MS), "min interval only");
+        assert_eq!(
+            s.next_sync(true, t2 + 10 * MS),
+            Some(t2 + 50 * MS),
+            "min interval only"
+        );
         assert_eq!(s.synced(t2 + 60 * MS, true), Some(500 * MS), "reset");
     }
 

@@ -247,10 +247,7 @@ impl<S: MapStore> Syncer<S> {
                 // `namespace/name:port` (see `cluster::index`).
                 let svc = name.split(':').next().unwrap_or("");
                 if let Some((ns, n)) = svc.split_once('/') {
-                    by_service
-                        .entry(ObjKey::new(ns, n))
-                        .or_default()
-                        .insert(fe);
+                    by_service.entry(ObjKey::new(ns, n)).or_default().insert(fe);
                 }
             }
             by_service
@@ -521,7 +518,13 @@ impl<S: MapStore> Syncer<S> {
     /// what nobody claims, pinned leftovers of a previous agent included). Each frontend
     /// gets its owner's entry (`cluster::conflicts`): a change of owner is one rewrite
     /// of the frontend, never a removal followed by an insert.
-    fn write(&mut self, keys: &[(ObjKey, Instant)], full: bool, now: Instant, outcome: &mut SyncOutcome) {
+    fn write(
+        &mut self,
+        keys: &[(ObjKey, Instant)],
+        full: bool,
+        now: Instant,
+        outcome: &mut SyncOutcome,
+    ) {
         let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> = HashMap::new();
         let mut touched: BTreeSet<Frontend> = BTreeSet::new();
         if full {
@@ -614,10 +617,7 @@ impl<S: MapStore> Syncer<S> {
     fn refuse(&mut self, key: &ObjKey, err: &WriteError) {
         let Some(fe) = err_frontend(err) else { return };
         let reason = err.reason();
-        let known = self
-            .refused
-            .values()
-            .any(|(k, r)| k == key && *r == reason);
+        let known = self.refused.values().any(|(k, r)| k == key && *r == reason);
         if self.refused.insert(*fe, (key.clone(), reason)).is_none() && !known {
             warn!(service = %key, reason, "skipping Service {key}: {err}; the rest is programmed");
             self.metrics.skipped("Service", reason);

@@ -78,7 +78,10 @@ impl Claims {
         for fe in &frontends {
             let unchanged = old_fes.is_some_and(|(r, f)| r == &rank && f.contains(fe));
             if !unchanged {
-                self.by_frontend.entry(*fe).or_default().insert(rank.clone());
+                self.by_frontend
+                    .entry(*fe)
+                    .or_default()
+                    .insert(rank.clone());
                 touched.insert(*fe);
             }
         }

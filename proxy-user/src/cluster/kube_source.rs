@@ -18,8 +18,8 @@ use kube::{
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-use super::{manifests::decode, objects::label_selector, Kind, ObjKey, Object, Update};
 use super::counters::SourceCounters;
+use super::{manifests::decode, objects::label_selector, Kind, ObjKey, Object, Update};
 
 /// A client from `--kubeconfig`, else in-cluster config, else `$KUBECONFIG` /
 /// `~/.kube/config`.

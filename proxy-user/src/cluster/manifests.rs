@@ -19,8 +19,8 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use super::{Kind, ObjKey, Object, Update};
 use super::counters::SourceCounters;
+use super::{Kind, ObjKey, Object, Update};
 
 #[derive(Debug)]
 struct FileState {
@@ -84,10 +84,7 @@ impl ManifestsDir {
                     seen.push(path.clone());
                     let stamp = (link.modified()?, link.len());
                     let target = fs::read_link(&path).unwrap_or_default();
-                    let cause = format!(
-                        "the link to {} cannot be followed: {e}",
-                        target.display()
-                    );
+                    let cause = format!("the link to {} cannot be followed: {e}", target.display());
                     self.bad_file(&path, stamp, "broken_link", &cause);
                     continue;
                 }
@@ -592,8 +589,11 @@ mod tests {
         let tmp = tempdir();
         let metrics = SourceCounters::default();
         write(&tmp, "good.yaml", SVC);
-        fs::write(tmp.join("latin1.yaml"), b"kind: Service\nmetadata: {name: caf\xe9}\n")
-            .expect("write");
+        fs::write(
+            tmp.join("latin1.yaml"),
+            b"kind: Service\nmetadata: {name: caf\xe9}\n",
+        )
+        .expect("write");
         std::os::unix::fs::symlink(tmp.join("missing.yaml"), tmp.join("dangling.yaml"))
             .expect("symlink");
         std::os::unix::fs::symlink(tmp.join("loop-b.yaml"), tmp.join("loop-a.yaml"))
@@ -606,26 +606,41 @@ mod tests {
         for _ in 0..20 {
             assert!(dir.scan().expect("scan").is_empty());
         }
-        assert_eq!(metrics.skipped_count("file", "read_error"), 1, "invalid UTF-8");
+        assert_eq!(
+            metrics.skipped_count("file", "read_error"),
+            1,
+            "invalid UTF-8"
+        );
         assert_eq!(
             metrics.skipped_count("file", "broken_link"),
             3,
             "the dangling link and both links of the loop"
         );
         // A change of the bad file is reported again, once.
-        fs::write(tmp.join("latin1.yaml"), b"kind: Service\nmetadata: {name: \xff}\n")
-            .expect("write");
+        fs::write(
+            tmp.join("latin1.yaml"),
+            b"kind: Service\nmetadata: {name: \xff}\n",
+        )
+        .expect("write");
         bump(&tmp.join("latin1.yaml"));
         for _ in 0..5 {
             assert!(dir.scan().expect("scan").is_empty());
         }
         assert_eq!(metrics.skipped_count("file", "read_error"), 2);
         // The dangling link's target appears: its objects are read.
-        fs::write(tmp.join("target.txt"), SVC.replace("name: web", "name: linked").replace("10.96.0.10", "10.96.0.12")).expect("write");
+        fs::write(
+            tmp.join("target.txt"),
+            SVC.replace("name: web", "name: linked")
+                .replace("10.96.0.10", "10.96.0.12"),
+        )
+        .expect("write");
         fs::remove_file(tmp.join("dangling.yaml")).expect("rm");
         std::os::unix::fs::symlink(tmp.join("target.txt"), tmp.join("dangling.yaml"))
             .expect("symlink");
-        assert_eq!(names(&dir.scan().expect("scan")), ["apply Service default/linked"]);
+        assert_eq!(
+            names(&dir.scan().expect("scan")),
+            ["apply Service default/linked"]
+        );
         assert_eq!(metrics.skipped_count("file", "broken_link"), 3);
         fs::remove_dir_all(&tmp).expect("cleanup");
     }
@@ -636,7 +651,11 @@ mod tests {
         let metrics = SourceCounters::default();
         write(&tmp, "good.yaml", SVC);
         // 196 KiB nested 100,000 levels, as in the report.
-        let deep = format!("kind: Service\nspec: {}{}\n", "[".repeat(100_000), "]".repeat(100_000));
+        let deep = format!(
+            "kind: Service\nspec: {}{}\n",
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
         write(&tmp, "deep.yaml", &deep);
         let compact = format!("kind: Service\nspec:\n{}x\n", "- ".repeat(100_000));
         write(&tmp, "compact.yaml", &compact);
@@ -655,7 +674,10 @@ mod tests {
         );
         assert_eq!(check_nesting(&quoted), Ok(()));
         assert!(check_nesting(&format!("a: {}", "[".repeat(MAX_NESTING + 1))).is_err());
-        assert_eq!(check_nesting(&format!("a: {}", "[".repeat(MAX_NESTING))), Ok(()));
+        assert_eq!(
+            check_nesting(&format!("a: {}", "[".repeat(MAX_NESTING))),
+            Ok(())
+        );
         fs::remove_dir_all(&tmp).expect("cleanup");
     }
 

@@ -344,7 +344,13 @@ fn backends_of_vip(s: &Syncer<MemStore>) -> Vec<String> {
         .skip_while(|l| !l.starts_with("frontend 10.96.0.10:80/tcp "))
         .skip(1)
         .take_while(|l| l.starts_with("  slot "))
-        .map(|l| l.rsplit('(').next().unwrap_or("").trim_end_matches(')').to_string())
+        .map(|l| {
+            l.rsplit('(')
+                .next()
+                .unwrap_or("")
+                .trim_end_matches(')')
+                .to_string()
+        })
         .collect()
 }
 
@@ -461,14 +467,20 @@ fn after_a_restart_an_invalid_object_keeps_what_the_pinned_maps_hold() {
     initial(&mut prev, t);
     prev.sync(t);
     let before = maps(&prev);
-    assert!(before.contains("10.96.0.10:80/tcp id=1 count=2"), "{before}");
+    assert!(
+        before.contains("10.96.0.10:80/tcp id=1 count=2"),
+        "{before}"
+    );
     let mut store = std::mem::take(prev.writer.store_mut());
     store.take_log();
 
     // The slice turned invalid while no agent ran.
     let (mut s, metrics) = syncer(store);
     s.handle(snapshot(Kind::Service, vec![svc("web", "10.96.0.10")]), t);
-    s.handle(snapshot(Kind::EndpointSlice, vec![bad_slice("web-1", "web")]), t);
+    s.handle(
+        snapshot(Kind::EndpointSlice, vec![bad_slice("web-1", "web")]),
+        t,
+    );
     s.handle(snapshot(Kind::Node, vec![]), t);
     assert_eq!(s.sync(t).failed, 0);
     assert_eq!(maps(&s), before, "the last good backends stay");
@@ -482,7 +494,11 @@ fn after_a_restart_an_invalid_object_keeps_what_the_pinned_maps_hold() {
     // A valid version arrives: written.
     s.handle(Update::Apply(slice("web-1", "web", &["10.0.0.3"])), t);
     s.sync(t);
-    assert!(maps(&s).contains("10.96.0.10:80/tcp id=1 count=1"), "{}", maps(&s));
+    assert!(
+        maps(&s).contains("10.96.0.10:80/tcp id=1 count=1"),
+        "{}",
+        maps(&s)
+    );
 
     // The same for a Service that does not validate at start: its frontend stays until
     // a valid version comes, then follows it.
@@ -498,14 +514,25 @@ fn after_a_restart_an_invalid_object_keeps_what_the_pinned_maps_hold() {
     .expect("decodes");
     s.handle(snapshot(Kind::Service, vec![bad]), t);
     s.handle(
-        snapshot(Kind::EndpointSlice, vec![slice("web-1", "web", &["10.0.0.3"])]),
+        snapshot(
+            Kind::EndpointSlice,
+            vec![slice("web-1", "web", &["10.0.0.3"])],
+        ),
         t,
     );
     s.handle(snapshot(Kind::Node, vec![]), t);
     s.sync(t);
-    assert!(maps(&s).contains("10.96.0.10:80/tcp id=1 count=1"), "{}", maps(&s));
+    assert!(
+        maps(&s).contains("10.96.0.10:80/tcp id=1 count=1"),
+        "{}",
+        maps(&s)
+    );
     s.handle(Update::Apply(svc("web", "10.96.0.20")), t);
     s.sync(t);
     assert!(!maps(&s).contains("10.96.0.10"), "{}", maps(&s));
-    assert!(maps(&s).contains("frontend 10.96.0.20:80/tcp"), "{}", maps(&s));
+    assert!(
+        maps(&s).contains("frontend 10.96.0.20:80/tcp"),
+        "{}",
+        maps(&s)
+    );
 }
