@@ -189,7 +189,7 @@ pub fn raise_nofile_limit() -> std::io::Result<(u64, u64)> {
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let before = lim.rlim_cur as u64;
+    let before = lim.rlim_cur;
     if lim.rlim_cur < lim.rlim_max {
         lim.rlim_cur = lim.rlim_max;
         // SAFETY: as above.
@@ -197,7 +197,7 @@ pub fn raise_nofile_limit() -> std::io::Result<(u64, u64)> {
             return Err(std::io::Error::last_os_error());
         }
     }
-    Ok((before, lim.rlim_cur as u64))
+    Ok((before, lim.rlim_cur))
 }
 
 #[cfg(test)]

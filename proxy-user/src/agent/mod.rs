@@ -276,7 +276,7 @@ pub async fn sync_loop<S: crate::MapStore>(
             },
             _ = tokio::time::sleep_until(wake.into()) => {
                 let now = Instant::now();
-                if !schedule.next_sync(pending, now).is_some_and(|due| due <= now) {
+                if schedule.next_sync(pending, now).is_none_or(|due| due > now) {
                     continue; // woken for the periodic resync, handled above
                 }
                 let out = syncer.sync(now);

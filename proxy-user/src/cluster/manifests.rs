@@ -267,13 +267,12 @@ fn read_text(path: &Path) -> io::Result<String> {
 /// a few hundred KiB nested 100,000 deep.
 fn check_nesting(text: &str) -> Result<(), String> {
     let mut depth = 0usize;
-    let mut line = 1usize;
     let too_deep = |line: usize| {
         Err(format!(
             "collections nested more than {MAX_NESTING} deep (line {line})"
         ))
     };
-    for l in text.split('\n') {
+    for (line, l) in (1usize..).zip(text.split('\n')) {
         // Compact block sequences: `- - - x` is three levels on one line.
         let mut rest = l.trim_start_matches([' ', '\t']);
         let mut dashes = 0usize;
@@ -309,8 +308,6 @@ fn check_nesting(text: &str) -> Result<(), String> {
             }
             prev = c;
         }
-        // A quoted scalar ends with its line, for this estimate.
-        line += 1;
     }
     Ok(())
 }
