@@ -874,20 +874,37 @@ fn a_flood_of_idle_health_connections_stops_neither_probes_nor_syncs() {
     agent.wait_healthy(Duration::from_secs(20));
     env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
 
-    // 1,500 connections that never send their request.
+    // 1,500 connections that never send their request, kept up for the whole test: a
+    // connection the agent closes is replaced by a new one (at most ~1,000 a second).
     let addr = SocketAddr::from(([127, 0, 0, 1], agent.healthz_port));
-    let mut flood = Vec::new();
-    for _ in 0..1500 {
-        if let Ok(s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-            flood.push(s);
-        }
+    let stop = Arc::new(AtomicBool::new(false));
+    let opened = Arc::new(AtomicUsize::new(0));
+    let flood = {
+        let (stop, opened) = (stop.clone(), opened.clone());
+        std::thread::spawn(move || {
+            let mut open = std::collections::VecDeque::new();
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+                    open.push_back(s);
+                    opened.fetch_add(1, Ordering::Relaxed);
+                }
+                if open.len() > 1500 {
+                    open.pop_front();
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    while opened.load(Ordering::Relaxed) < 1500 {
+        std::thread::sleep(Duration::from_millis(50));
     }
-    eprintln!("{} idle connections open", flood.len());
+    eprintln!("1,500 idle connections opened");
     let mut worst = Duration::ZERO;
     for _ in 0..20 {
         let (code, took) = probe(agent.healthz_port).expect("/healthz answers during the flood");
         assert_eq!(code, 200);
         worst = worst.max(took);
+        std::thread::sleep(Duration::from_millis(100));
     }
     // A change is applied in its usual time.
     let t0 = Instant::now();
@@ -897,7 +914,8 @@ fn a_flood_of_idle_health_connections_stops_neither_probes_nor_syncs() {
     );
     let took = env.in_client(|| until(t0, 5, |r| answer_is(r, &["pod2"])));
     eprintln!("during the flood: slowest of 20 probes {worst:?}, change applied in {took:?}");
-    assert!(worst < Duration::from_secs(1), "{worst:?}");
+    // Without the cap and the raised limit: 1.6 s and more.
+    assert!(worst < Duration::from_millis(500), "{worst:?}");
     assert!(took < Duration::from_secs(1), "{took:?}");
     assert!(agent
         .metrics()
