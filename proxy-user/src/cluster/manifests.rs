@@ -225,7 +225,12 @@ impl ManifestsDir {
         if self.files.get(path).is_some_and(|f| f.stamp == stamp) {
             return;
         }
-        warn!(file = %path.display(), reason, "manifest {} skipped, keeping its previous objects: {cause}", path.display());
+        let what = if reason == "parse_error" {
+            "does not parse"
+        } else {
+            "skipped"
+        };
+        warn!(file = %path.display(), reason, "manifest {} {what}, keeping its previous objects: {cause}", path.display());
         self.metrics.skipped("file", reason);
         match self.files.get_mut(path) {
             Some(f) => f.stamp = stamp,
