@@ -958,3 +958,449 @@ fn a_cluster_ip_of_the_wrong_family_is_skipped_counted_and_logged() {
         "{logs}"
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Bad input, conflicts, restarts and floods (issue 12)
+
+/// `service()` with a `metadata.creationTimestamp`.
+fn service_created(name: &str, vip: &str, created: &str) -> String {
+    service(name, vip, 80).replace(
+        "  namespace: default\n",
+        &format!("  namespace: default\n  creationTimestamp: \"{created}\"\n"),
+    )
+}
+
+/// A client connecting to the VIP from the client namespace in a loop, recording every
+/// answer (the pod) or error.
+struct Hammer {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<Result<String, String>>>,
+}
+
+impl Hammer {
+    fn start(env: &TestEnv) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let client_ns = env.topo.client.path();
+        let thread = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let _ns = support::NetnsGuard::enter(&client_ns);
+                let mut out = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    out.push(tcp_ask(vip()).map(|(p, _)| p).map_err(|e| e.to_string()));
+                }
+                out
+            })
+        };
+        Self { stop, thread }
+    }
+
+    fn stop(self) -> Vec<Result<String, String>> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("client")
+    }
+}
+
+fn errors(answers: &[Result<String, String>]) -> Vec<&String> {
+    answers.iter().filter_map(|a| a.as_ref().err()).collect()
+}
+
+#[test]
+fn frontend_conflicts_have_one_owner_settled_at_once_and_across_restarts() {
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    // "old" was created first; "new" sorts before it by name (arrival or name order
+    // would give the frontend to "new").
+    let old = service_created("old", VIP, "2026-01-01T00:00:00Z");
+    let new = service_created("new", VIP, "2026-06-01T00:00:00Z");
+    dir.write("old.yaml", &old);
+    dir.write(
+        "slices.yaml",
+        &format!(
+            "{}---\n{}",
+            slice("old-1", "old", TARGET, &[ready(&pod(1))]),
+            slice("new-1", "new", TARGET, &[ready(&pod(2))])
+        ),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    env.in_client(|| until(Instant::now(), 10, |r| answer_is(r, &["pod1"])));
+    dir.write("new.yaml", &new);
+    std::thread::sleep(Duration::from_millis(300));
+    env.in_client(|| until(Instant::now(), 20, |r| answer_is(r, &["pod1"])));
+
+    // 3. A restart: the same owner (the older one), not the first by name.
+    let _ = agent.stop();
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    let hammer = Hammer::start(&env);
+    std::thread::sleep(Duration::from_millis(500));
+    let answers = hammer.stop();
+    assert!(
+        answers.iter().all(|a| a.as_deref() == Ok("pod1")),
+        "after a restart the older Service still owns the frontend: {:?}",
+        &answers[..answers.len().min(20)]
+    );
+    assert!(agent.logs().contains(
+        "Service default/new: frontend 10.96.0.10:80/tcp belongs to Service default/old"
+    ));
+
+    // 1. The owner is deleted: the other claimant takes over at once, without a gap.
+    let hammer = Hammer::start(&env);
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    dir.remove("old.yaml");
+    let took = env.in_client(|| until(t0, 10, |r| answer_is(r, &["pod2"])));
+    std::thread::sleep(Duration::from_millis(200));
+    let answers = hammer.stop();
+    eprintln!("owner deleted -> survivor serves after {took:?}");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    assert!(
+        errors(&answers).is_empty(),
+        "no connection may fail while a claimant exists: {:?}",
+        errors(&answers)
+    );
+
+    // The older one comes back: it owns the frontend again.
+    dir.write("old.yaml", &old);
+    env.in_client(|| until(Instant::now(), 10, |r| answer_is(r, &["pod1"])));
+
+    // 2. The loser is deleted: the owner's frontend stays, not a failed connection.
+    let hammer = Hammer::start(&env);
+    std::thread::sleep(Duration::from_millis(200));
+    dir.remove("new.yaml");
+    std::thread::sleep(Duration::from_millis(1000));
+    let answers = hammer.stop();
+    assert!(answers.len() > 20, "{}", answers.len());
+    assert!(
+        answers.iter().all(|a| a.as_deref() == Ok("pod1")),
+        "the owner keeps its frontend when the loser goes: {:?}",
+        answers
+            .iter()
+            .filter(|a| a.as_deref() != Ok("pod1"))
+            .take(5)
+            .collect::<Vec<_>>()
+    );
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("ebpf_proxy_programmed_frontends 1"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn after_a_restart_an_invalid_slice_keeps_the_last_good_backends() {
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &service("web", VIP, 80));
+    dir.write(
+        "web-slice.yaml",
+        &slice("web-1", "web", TARGET, &[ready(&pod(1))]),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    env.in_client(|| until(Instant::now(), 10, |r| answer_is(r, &["pod1"])));
+    let _ = agent.stop();
+    // While no agent runs, the slice turns invalid.
+    dir.write(
+        "web-slice.yaml",
+        &slice("web-1", "web", TARGET, &[ready("not-an-ip")]),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(300));
+    env.in_client(|| {
+        for _ in 0..20 {
+            let r = tcp_ask(vip());
+            assert!(
+                answer_is(&r, &["pod1"]),
+                "the last good backend must keep serving: {r:?}"
+            );
+        }
+    });
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("kind=\"EndpointSlice\",reason=\"bad_endpoint_address\"} 1"),
+        "{metrics}"
+    );
+    assert!(agent
+        .logs()
+        .contains("Service default/web keeps what the pinned maps hold for it"));
+    // A valid version arrives: it is followed.
+    dir.write(
+        "web-slice.yaml",
+        &slice("web-1", "web", TARGET, &[ready(&pod(2))]),
+    );
+    env.in_client(|| until(Instant::now(), 20, |r| answer_is(r, &["pod2"])));
+}
+
+/// `GET /healthz` with a deadline: (status, time taken).
+fn probe(port: u16) -> io::Result<(u16, Duration)> {
+    use std::io::{Read as _, Write as _};
+    let t0 = Instant::now();
+    let mut s = std::net::TcpStream::connect_timeout(
+        &SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_secs(2),
+    )?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    Ok((code, t0.elapsed()))
+}
+
+#[test]
+fn health_answers_while_pathological_manifests_are_read() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &service("web", VIP, 80));
+    dir.write(
+        "web-slice.yaml",
+        &slice("web-1", "web", TARGET, &[ready(&pod(1))]),
+    );
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    // 196 KiB nested 100,000 levels (refused before parsing), and a large valid file
+    // that takes the parser a while: probes keep being answered meanwhile.
+    let deep = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: deep}}\nspec: {}{}\n",
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
+    dir.write("deep.yaml", &deep);
+    big_manifest(&dir.0.join(".big.tmp"), 3000, 10);
+    fs::rename(dir.0.join(".big.tmp"), dir.0.join("big.yaml")).expect("rename");
+    let t0 = Instant::now();
+    let mut worst = Duration::ZERO;
+    let mut probes = 0;
+    while !agent
+        .metrics()
+        .contains("ebpf_proxy_programmed_frontends 3001")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "big.yaml not programmed:\n{}",
+            agent.metrics()
+        );
+        let (code, took) = probe(agent.healthz_port).expect("/healthz answers");
+        assert_eq!(code, 200);
+        worst = worst.max(took);
+        probes += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!(
+        "{probes} probes while 3,000 Services were read and programmed in {:?}: slowest {worst:?}",
+        t0.elapsed()
+    );
+    assert!(probes >= 3, "{probes}");
+    assert!(worst < Duration::from_millis(1000), "{worst:?}");
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("kind=\"file\",reason=\"too_deep\"} 1"),
+        "{metrics}"
+    );
+    assert!(agent.logs().contains(
+        "deep.yaml skipped, keeping its previous objects: collections nested more than 64 deep"
+    ));
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+}
+
+#[test]
+fn bad_files_are_reported_once_per_change() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write(
+        "good.yaml",
+        &format!(
+            "{}---\n{}",
+            service("web", VIP, 80),
+            slice("web-1", "web", TARGET, &[ready(&pod(1))])
+        ),
+    );
+    fs::write(
+        dir.0.join("latin1-a.yaml"),
+        b"kind: Service\nmetadata: {name: caf\xe9}\n",
+    )
+    .expect("write");
+    fs::write(
+        dir.0.join("latin1-b.yaml"),
+        b"kind: Service\nmetadata: {name: \xff}\n",
+    )
+    .expect("write");
+    std::os::unix::fs::symlink(dir.0.join("nowhere.yaml"), dir.0.join("dangling.yaml"))
+        .expect("symlink");
+    std::os::unix::fs::symlink(dir.0.join("loop-b.yaml"), dir.0.join("loop-a.yaml"))
+        .expect("symlink");
+    std::os::unix::fs::symlink(dir.0.join("loop-a.yaml"), dir.0.join("loop-b.yaml"))
+        .expect("symlink");
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    // 5 s at a 20 ms poll: 250 scans.
+    std::thread::sleep(Duration::from_secs(5));
+    let metrics = agent.metrics();
+    for want in [
+        "kind=\"file\",reason=\"read_error\"} 2",
+        "kind=\"file\",reason=\"broken_link\"} 3",
+    ] {
+        assert!(metrics.contains(want), "{want} missing:\n{metrics}");
+    }
+    let logs = agent.logs();
+    for file in [
+        "latin1-a.yaml",
+        "latin1-b.yaml",
+        "dangling.yaml",
+        "loop-a.yaml",
+        "loop-b.yaml",
+    ] {
+        let n = logs
+            .lines()
+            .filter(|l| l.contains(&format!("{file} skipped")))
+            .count();
+        assert_eq!(n, 1, "{file} reported {n} times:\n{logs}");
+    }
+    assert!(logs.contains("not UTF-8"), "{logs}");
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+}
+
+/// Sets this process's soft `RLIMIT_NOFILE` (children inherit it).
+fn set_soft_nofile(soft: u64) -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+        let old = lim.rlim_cur;
+        lim.rlim_cur = soft.min(lim.rlim_max);
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+        old
+    }
+}
+
+#[test]
+fn a_flood_of_idle_health_connections_stops_neither_probes_nor_syncs() {
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &service("web", VIP, 80));
+    dir.write(
+        "web-slice.yaml",
+        &slice("web-1", "web", TARGET, &[ready(&pod(1))]),
+    );
+    // The agent starts as a container runtime starts it: soft limit 1024.
+    let before = set_soft_nofile(1024);
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    set_soft_nofile(u64::MAX);
+    agent.wait_healthy(Duration::from_secs(20));
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+
+    // 1,500 connections that never send their request, kept up for the whole test: a
+    // connection the agent closes is replaced by a new one (at most ~1,000 a second).
+    let addr = SocketAddr::from(([127, 0, 0, 1], agent.healthz_port));
+    let stop = Arc::new(AtomicBool::new(false));
+    let opened = Arc::new(AtomicUsize::new(0));
+    let flood = {
+        let (stop, opened) = (stop.clone(), opened.clone());
+        std::thread::spawn(move || {
+            let mut open = std::collections::VecDeque::new();
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+                    open.push_back(s);
+                    opened.fetch_add(1, Ordering::Relaxed);
+                }
+                if open.len() > 1500 {
+                    open.pop_front();
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    while opened.load(Ordering::Relaxed) < 1500 {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("1,500 idle connections opened");
+    let mut worst = Duration::ZERO;
+    for _ in 0..20 {
+        let (code, took) = probe(agent.healthz_port).expect("/healthz answers during the flood");
+        assert_eq!(code, 200);
+        worst = worst.max(took);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A change is applied in its usual time.
+    let t0 = Instant::now();
+    dir.write(
+        "web-slice.yaml",
+        &slice("web-1", "web", TARGET, &[ready(&pod(2))]),
+    );
+    let took = env.in_client(|| until(t0, 5, |r| answer_is(r, &["pod2"])));
+    eprintln!("during the flood: slowest of 20 probes {worst:?}, change applied in {took:?}");
+    // Without the cap and the raised limit: 1.6 s and more.
+    assert!(worst < Duration::from_millis(500), "{worst:?}");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    assert!(agent
+        .metrics()
+        .contains("ebpf_proxy_programmed_frontends 1"));
+    drop(flood);
+    set_soft_nofile(before);
+    let logs = agent.stop();
+    assert!(!logs.contains("Too many open files"), "{logs}");
+    assert!(logs.contains("open file limit"), "{logs}");
+}
+
+#[test]
+fn a_service_over_the_backend_limit_is_skipped_and_the_node_stays_healthy() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write(
+        "web.yaml",
+        &format!(
+            "{}---\n{}",
+            service("web", VIP, 80),
+            slice("web-1", "web", TARGET, &[ready(&pod(1))])
+        ),
+    );
+    // One Service with 70,000 endpoints (the limit is 65,535 per frontend).
+    let mut y = service("huge", "10.96.0.70", 80);
+    y += "---\n";
+    let addrs: Vec<String> = (0..70_000u32)
+        .map(|i| format!("10.{}.{}.{}", 100 + i / 65536, (i / 256) % 256, i % 256))
+        .collect();
+    let eps: Vec<_> = addrs.iter().map(|a| ready(a)).collect();
+    y += &slice("huge-1", "huge", TARGET, &eps);
+    fs::write(dir.0.join("huge.yaml"), y).expect("write");
+    let [m, d] = dir.arg();
+    // Before, the first sync never completed (retried with backoff forever), so the node
+    // never turned healthy. Computing this Service's entries takes `cluster::index`
+    // about 150 s in a debug build (its endpoint de-duplication is quadratic: 70,000
+    // endpoints are 2.5e9 comparisons); one sync only, then: no periodic re-diff.
+    let mut agent = AgentProcess::start(&env, &[m, d, "--sync-interval", "30m"]);
+    agent.wait_healthy(Duration::from_secs(600));
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(agent.healthz().0, 200, "{}", agent.healthz().1);
+    let metrics = agent.metrics();
+    for want in [
+        "kind=\"Service\",reason=\"too_many_backends\"} 1",
+        "ebpf_proxy_programmed_frontends 1\n",
+    ] {
+        assert!(metrics.contains(want), "{want} missing:\n{metrics}");
+    }
+    let logs = agent.stop();
+    let n = logs
+        .lines()
+        .filter(|l| l.contains("skipping Service default/huge"))
+        .count();
+    assert_eq!(n, 1, "logged once:\n{logs}");
+    assert!(!logs.contains("sync incomplete"), "no retry loop:\n{logs}");
+}

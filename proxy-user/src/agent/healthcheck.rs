@@ -9,11 +9,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpListener,
-    task::JoinHandle,
-};
+use tokio::{net::TcpListener, task::JoinHandle};
 use tracing::{info, warn};
 
 use crate::cluster::ObjKey;
@@ -69,31 +65,27 @@ impl Drop for HealthChecks {
 }
 
 async fn serve(listener: TcpListener, state: State) {
-    loop {
-        let Ok((mut stream, _)) = listener.accept().await else {
-            continue;
-        };
-        let state = state.clone();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 1024];
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(2), stream.read(&mut buf))
-                .await;
+    super::http::serve(
+        listener,
+        "health-check node port",
+        super::http::Limits::default(),
+        move |_path| {
             let (key, local) = state.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let status = if local > 0 {
                 "200 OK"
             } else {
                 "503 Service Unavailable"
             };
-            let body = format!(
-                "{{\"service\":{{\"namespace\":\"{}\",\"name\":\"{}\"}},\"localEndpoints\":{local}}}\n",
-                key.namespace, key.name
-            );
-            let reply = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = stream.write_all(reply.as_bytes()).await;
-            let _ = stream.shutdown().await;
-        });
-    }
+            super::http::Reply {
+                status,
+                content_type: "application/json",
+                headers: "X-Content-Type-Options: nosniff\r\n",
+                body: format!(
+                    "{{\"service\":{{\"namespace\":\"{}\",\"name\":\"{}\"}},\"localEndpoints\":{local}}}\n",
+                    key.namespace, key.name
+                ),
+            }
+        },
+    )
+    .await;
 }

@@ -20,22 +20,10 @@ use prometheus_client::{
     },
     registry::Registry,
 };
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpListener,
-};
-use tracing::{debug, warn};
+use tokio::net::TcpListener;
+use tracing::warn;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct KindReason {
-    pub kind: String,
-    pub reason: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct Resource {
-    pub resource: String,
-}
+pub use crate::cluster::counters::{KindReason, Resource, SourceCounters};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
@@ -78,7 +66,7 @@ pub struct Metrics {
     pub watch_errors: Family<Resource, Counter>,
     /// Objects not used, by kind and reason.
     pub objects_skipped: Family<KindReason, Counter>,
-    /// Failed map writes by cause (`map_full`, `family_mismatch`, ...).
+    /// Failed map writes by cause (`map_full`, `map_write`, `node_addresses`).
     pub map_write_errors: Family<ReasonLabel, Counter>,
     /// Kernel memory of each pinned map (fdinfo `memlock`), charged to the memory cgroup
     /// of the agent that created the maps.
@@ -89,6 +77,8 @@ pub struct Metrics {
     pub map_batch_fallbacks: Counter,
     /// Broken pinned entries repaired when adopting the maps, by kind.
     pub adoption_repairs: Family<KindLabel, Counter>,
+    /// The sources' counters (the same families as `objects_skipped`, `watch_*`).
+    pub source: SourceCounters,
 }
 
 /// `kind="..."`.
@@ -114,6 +104,7 @@ impl Metrics {
         let mut registry = Registry::with_prefix("ebpf_proxy");
         let sync_duration = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
         let network_programming = Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        let source = SourceCounters::default();
         let m = Self {
             sync_duration,
             network_programming,
@@ -123,14 +114,15 @@ impl Metrics {
             services: Gauge::default(),
             conntrack_max: Gauge::default(),
             stale_udp_sockets: Counter::default(),
-            watch_restarts: Family::default(),
-            watch_errors: Family::default(),
-            objects_skipped: Family::default(),
+            watch_restarts: source.watch_restarts.clone(),
+            watch_errors: source.watch_errors.clone(),
+            objects_skipped: source.objects_skipped.clone(),
             map_write_errors: Family::default(),
             map_memory: Family::default(),
             map_writes: Family::default(),
             map_batch_fallbacks: Counter::default(),
             adoption_repairs: Family::default(),
+            source,
             registry: Registry::default(),
         };
         registry.register(
@@ -219,12 +211,7 @@ impl Metrics {
     }
 
     pub fn skipped(&self, kind: &str, reason: &str) {
-        self.objects_skipped
-            .get_or_create(&KindReason {
-                kind: kind.to_string(),
-                reason: reason.to_string(),
-            })
-            .inc();
+        self.source.skipped(kind, reason);
     }
 
     /// Adds the writer's write counts (`Writer::take_write_counts`).
@@ -319,57 +306,33 @@ pub enum Endpoints {
     Health,
 }
 
-/// Serves HTTP/1.x GETs on `listener` until the task is dropped.
+/// Serves HTTP/1.x GETs on `listener` until the task is dropped (see `agent::http`
+/// for the limits that keep slow or idle clients from stopping it).
 pub async fn serve(
     listener: TcpListener,
     what: Endpoints,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
 ) {
-    loop {
-        let (mut stream, peer) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                warn!(error = %e, "accepting an HTTP connection");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
+    let name = match what {
+        Endpoints::Metrics => "metrics",
+        Endpoints::Health => "healthz",
+    };
+    super::http::serve(
+        listener,
+        name,
+        super::http::Limits::default(),
+        move |path| {
+            let (status, content_type, body) = respond(what, path, &metrics, &health);
+            super::http::Reply {
+                status,
+                content_type,
+                headers: "",
+                body,
             }
-        };
-        let (metrics, health) = (metrics.clone(), health.clone());
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut len = 0;
-            // Read the request head (we ignore any body).
-            loop {
-                match tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf[len..]))
-                    .await
-                {
-                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => return,
-                    Ok(Ok(n)) => len += n,
-                }
-                if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") || len == buf.len() {
-                    break;
-                }
-            }
-            let head = String::from_utf8_lossy(&buf[..len]);
-            let path = head
-                .split_whitespace()
-                .nth(1)
-                .unwrap_or("/")
-                .split('?')
-                .next()
-                .unwrap_or("/")
-                .to_string();
-            let (status, ctype, body) = respond(what, &path, &metrics, &health);
-            debug!(%peer, %path, status, "http");
-            let reply = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = stream.write_all(reply.as_bytes()).await;
-            let _ = stream.shutdown().await;
-        });
-    }
+        },
+    )
+    .await;
 }
 
 fn respond(
@@ -414,6 +377,7 @@ pub async fn spawn(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     #[test]
     fn health_is_503_until_the_first_sync_and_when_stale() {

@@ -4,7 +4,9 @@
 //! serving; the next agent adopts it.
 
 pub mod healthcheck;
+pub mod http;
 pub mod metrics;
+pub mod schedule;
 pub mod sync;
 
 use std::{
@@ -24,7 +26,8 @@ use crate::{
     loader, BpfMaps, Writer,
 };
 use metrics::{Endpoints, Health, Metrics};
-use sync::{Backoff, Syncer};
+use schedule::{Backoff, Schedule};
+use sync::{SyncOutcome, Syncer};
 
 /// Everything `proxy-agent run` takes.
 #[derive(Clone, Debug)]
@@ -58,6 +61,12 @@ pub struct AgentOptions {
 
 /// Runs the agent until `shutdown` completes.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    // Container runtimes start processes with a soft limit of 1024 descriptors; the
+    // servers' connection caps, the maps, the manifests and the watches need more room.
+    match http::raise_nofile_limit() {
+        Ok((before, after)) => info!(before, after, "open file limit (RLIMIT_NOFILE, soft)"),
+        Err(e) => warn!(error = %e, "raising the open file limit"),
+    }
     // The node's addresses serve NodePorts at the socket hooks too (pods and the node's
     // own processes connecting to `<node address>:<nodePort>`): found even without TC,
     // from the interfaces `auto` would pick.
@@ -146,8 +155,9 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     match &opts.manifests {
         Some(dir) => {
             info!(dir = %dir.display(), "source: manifests directory");
-            let source = manifests::ManifestsDir::new(dir, metrics.clone());
-            tokio::spawn(manifests::run(source, opts.manifests_poll, tx));
+            let source = manifests::ManifestsDir::new(dir, metrics.source.clone());
+            manifests::spawn(source, opts.manifests_poll, tx)
+                .context("starting the manifests thread")?;
         }
         None => {
             let client = kube_source::client(opts.kubeconfig.as_deref()).await?;
@@ -157,7 +167,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
                 opts.proxy_name.as_deref(),
                 &opts.node_name,
                 tx,
-                metrics.clone(),
+                metrics.source.clone(),
             );
         }
     }
@@ -269,8 +279,9 @@ async fn cleanup_kube_proxy_when_synced(health: Arc<Health>) {
     }
 }
 
-/// Applies updates as they come and syncs at most every `min_sync_interval`, fully every
-/// `sync_interval`, retrying failed writes with backoff.
+/// Applies updates as they come and syncs on the schedule of [`Schedule`]: at most
+/// every `min_sync_interval`, fully every `sync_interval`, retrying failed writes with
+/// backoff.
 pub async fn sync_loop<S: crate::MapStore>(
     mut syncer: Syncer<S>,
     mut rx: mpsc::Receiver<Update>,
@@ -281,18 +292,21 @@ pub async fn sync_loop<S: crate::MapStore>(
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
-    let mut last_sync: Option<Instant> = None;
-    let mut retry_at: Option<Instant> = None;
-    let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+    let mut schedule = Schedule::new(
+        opts.min_sync_interval,
+        opts.sync_interval,
+        Backoff::new(Duration::from_millis(500), Duration::from_secs(30)),
+        Instant::now(),
+    );
     let mut health_checks = healthcheck::HealthChecks::default();
-    let mut resync = tokio::time::interval(opts.sync_interval);
-    resync.tick().await;
     let mut sources_open = true;
     loop {
-        let due = (syncer.ready() && syncer.pending()).then(|| {
-            let earliest = last_sync.map_or(Instant::now(), |t| t + opts.min_sync_interval);
-            retry_at.map_or(earliest, |r| r.max(earliest))
-        });
+        let now = Instant::now();
+        if schedule.take_resync(now) {
+            syncer.request_full(now);
+        }
+        let pending = syncer.ready() && syncer.pending();
+        let wake = schedule.wake_at(pending, now);
         tokio::select! {
             _ = &mut shutdown => return,
             u = rx.recv(), if sources_open => match u {
@@ -309,48 +323,66 @@ pub async fn sync_loop<S: crate::MapStore>(
                     sources_open = false;
                 }
             },
-            _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now).into()), if due.is_some() => {
-                let out = syncer.sync(Instant::now());
-                last_sync = Some(Instant::now());
-                health_checks.update(syncer.index().health_check_ports()).await;
-                health.set_node_deleting(syncer.index().node.deleting);
-                let gone = syncer.writer_mut().take_released_udp();
-                if let (false, Some(cgroup)) = (gone.is_empty(), hooked_cgroup.clone()) {
-                    let metrics = syncer.metrics().clone();
-                    tokio::task::spawn_blocking(move || {
-                        let r = crate::sockdestroy::destroy_udp_to(&cgroup, &gone);
-                        metrics.stale_udp_sockets.inc_by(r.destroyed as u64);
-                        info!(backends = ?gone, namespaces = r.namespaces, destroyed = r.destroyed,
-                              "connected UDP sockets to removed backends destroyed");
-                        for e in r.errors {
-                            warn!("destroying stale UDP sockets: {e}");
-                        }
-                    });
+            _ = tokio::time::sleep_until(wake.into()) => {
+                let now = Instant::now();
+                if schedule.next_sync(pending, now).is_none_or(|due| due > now) {
+                    continue; // woken for the periodic resync, handled above
                 }
-                let from_node = syncer.index().node.addresses.clone();
-                if let Err(e) = node_addresses.update(syncer.writer_mut(), &from_node) {
-                    warn!(error = %e, "writing the node's addresses failed; kept the previous ones");
-                    syncer.metrics().map_write_errors.get_or_create(&metrics::ReasonLabel {
-                        reason: "node_addresses".into(),
-                    }).inc();
-                }
-                let counts = syncer.writer_mut().take_write_counts();
-                syncer.metrics().record_map_writes(&counts);
-                if out.full || out.ops > 1000 {
-                    release_freed_memory();
-                }
-                if out.failed == 0 {
-                    health.mark_synced();
-                    backoff.reset();
-                    retry_at = None;
-                } else {
-                    let delay = backoff.fail();
+                let out = syncer.sync(now);
+                after_sync(&mut syncer, &out, health, &mut health_checks, &mut node_addresses, hooked_cgroup.as_deref()).await;
+                if let Some(delay) = schedule.synced(Instant::now(), out.failed > 0) {
                     warn!(failed = out.failed, retry_in_ms = delay.as_millis() as u64, "sync incomplete; retrying");
-                    retry_at = Some(Instant::now() + delay);
                 }
             },
-            _ = resync.tick() => syncer.request_full(Instant::now()),
         }
+    }
+}
+
+/// What follows every sync: health-check node ports, node health, stale UDP sockets,
+/// the node's addresses, memory, and health's timestamp.
+async fn after_sync<S: crate::MapStore>(
+    syncer: &mut Syncer<S>,
+    out: &SyncOutcome,
+    health: &Health,
+    health_checks: &mut healthcheck::HealthChecks,
+    node_addresses: &mut NodeAddresses,
+    hooked_cgroup: Option<&std::path::Path>,
+) {
+    health_checks
+        .update(syncer.index().health_check_ports())
+        .await;
+    health.set_node_deleting(syncer.index().node.deleting);
+    let gone = syncer.writer_mut().take_released_udp();
+    if let (false, Some(cgroup)) = (gone.is_empty(), hooked_cgroup.map(PathBuf::from)) {
+        let metrics = syncer.metrics().clone();
+        tokio::task::spawn_blocking(move || {
+            let r = crate::sockdestroy::destroy_udp_to(&cgroup, &gone);
+            metrics.stale_udp_sockets.inc_by(r.destroyed as u64);
+            info!(backends = ?gone, namespaces = r.namespaces, destroyed = r.destroyed,
+                  "connected UDP sockets to removed backends destroyed");
+            for e in r.errors {
+                warn!("destroying stale UDP sockets: {e}");
+            }
+        });
+    }
+    let from_node = syncer.index().node.addresses.clone();
+    if let Err(e) = node_addresses.update(syncer.writer_mut(), &from_node) {
+        warn!(error = %e, "writing the node's addresses failed; kept the previous ones");
+        syncer
+            .metrics()
+            .map_write_errors
+            .get_or_create(&metrics::ReasonLabel {
+                reason: "node_addresses".into(),
+            })
+            .inc();
+    }
+    let counts = syncer.writer_mut().take_write_counts();
+    syncer.metrics().record_map_writes(&counts);
+    if out.full || out.ops > 1000 {
+        release_freed_memory();
+    }
+    if out.failed == 0 {
+        health.mark_synced();
     }
 }
 

@@ -1,9 +1,14 @@
-//! The sync half of the agent (after kube-proxy's `servicechangetracker` and
-//! `BoundedFrequencyRunner`): updates from the sources only change the index and mark
-//! Services dirty; [`Syncer::sync`] then writes what the dirty Services need, through the
-//! [`Writer`], which writes only the delta. Nothing is written before every initial list
-//! is complete; a relist or a periodic resync is a full re-diff, which also removes what a
-//! previous agent left in pinned maps and nobody wants any more.
+//! The sync half of the agent (after kube-proxy's `servicechangetracker`): updates from
+//! the sources only change the index and mark Services dirty; [`Syncer::sync`] then
+//! writes what the dirty Services need, through the [`Writer`], which writes only the
+//! delta. Nothing is written before every initial list is complete; a relist or a
+//! periodic resync is a full re-diff, which also removes what a previous agent left in
+//! pinned maps and nobody wants any more. When to sync is decided by
+//! [`super::schedule::Schedule`].
+//!
+//! Kubernetes rules applied on the way live in `cluster/`: which externalIPs are allowed
+//! (`cluster::external_ips`), who owns a frontend several Services claim and the order
+//! twins are written in (`cluster::conflicts`).
 //!
 //! Time is passed in (`now`), so the logic is tested without sleeping.
 
@@ -11,7 +16,7 @@ use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
     sync::Arc,
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use k8s_openapi::api::core::v1::Node;
@@ -20,8 +25,10 @@ use tracing::{debug, info, warn};
 use crate::{
     agent::metrics::{Metrics, ReasonLabel},
     cluster::{
+        conflicts::{write_order, Claims, Rank},
+        external_ips::ExternalIpPolicy,
         index::Index,
-        objects::{NodeInfo, ObjKey, ServiceInfo, SliceInfo},
+        objects::{NodeInfo, ObjKey, ServiceInfo, SliceInfo, LABEL_SERVICE_NAME},
         Kind, Object, Update,
     },
     model::{Frontend, ServiceEntry},
@@ -36,10 +43,22 @@ pub struct SyncOutcome {
     pub ran: bool,
     /// Map operations written.
     pub ops: usize,
-    /// Frontends that failed to be written; their Services stay dirty for a retry.
+    /// Map writes that failed and are worth retrying (the store refused them: a full
+    /// map, an error of the kernel); their Services stay dirty. Entries the writer
+    /// refuses by their content (more backends than a frontend holds, ...) are skipped
+    /// objects, not failures: retrying would not help.
     pub failed: usize,
     /// Whether it was a full re-diff.
     pub full: bool,
+}
+
+/// What a Service that did not validate when the agent started keeps: the frontends the
+/// pinned maps held for it, untouched until a valid version of every object in
+/// `objects` arrives (or the object goes).
+#[derive(Debug, Default)]
+struct Held {
+    objects: BTreeSet<(Kind, ObjKey)>,
+    frontends: BTreeSet<Frontend>,
 }
 
 /// Index + writer + change tracking.
@@ -47,18 +66,27 @@ pub struct Syncer<S> {
     writer: Writer<S>,
     index: Index,
     proxy_name: Option<String>,
-    /// `--external-ip-cidrs`: `spec.externalIPs` are programmed only inside these
-    /// prefixes (CVE-2020-8554); `None`: all are.
-    external_ip_cidrs: Option<Vec<(IpAddr, u8)>>,
+    external_ips: ExternalIpPolicy,
     metrics: Arc<Metrics>,
     /// Services whose frontends may differ from the maps, with the time the first
     /// unsynced change to them was received.
     dirty: HashMap<ObjKey, Instant>,
     /// A full re-diff is due (initial sync, relist, periodic resync), since when.
     full_due: Option<Instant>,
-    /// Frontends each Service owns in the maps, and the reverse.
-    owned: HashMap<ObjKey, BTreeSet<Frontend>>,
-    owner: HashMap<Frontend, ObjKey>,
+    /// Who claims which frontend (and so who owns it).
+    claims: Claims,
+    /// Losing claimants already reported, per frontend (each reported once).
+    conflicts_reported: HashMap<Frontend, BTreeSet<ObjKey>>,
+    /// Frontends the writer refused by content, with the Service and cause (reported
+    /// once per Service and cause, until the frontend is written or goes).
+    refused: HashMap<Frontend, (ObjKey, &'static str)>,
+    /// Services kept as the pinned maps hold them (see [`Held`]).
+    held: BTreeMap<ObjKey, Held>,
+    /// The pinned maps' frontends by the Service named in their reverse-NAT entry, read
+    /// once when the first invalid object is seen at start.
+    pinned: Option<HashMap<ObjKey, BTreeSet<Frontend>>>,
+    /// Whether a sync has run (before: the maps are a previous agent's).
+    synced_once: bool,
     /// Which initial lists have arrived.
     listed: BTreeSet<Kind>,
     needs: BTreeSet<Kind>,
@@ -79,12 +107,16 @@ impl<S: MapStore> Syncer<S> {
             writer,
             index: Index::new(node),
             proxy_name,
-            external_ip_cidrs: None,
+            external_ips: ExternalIpPolicy::default(),
             metrics,
             dirty: HashMap::new(),
             full_due: None,
-            owned: HashMap::new(),
-            owner: HashMap::new(),
+            claims: Claims::default(),
+            conflicts_reported: HashMap::new(),
+            refused: HashMap::new(),
+            held: BTreeMap::new(),
+            pinned: None,
+            synced_once: false,
             listed: BTreeSet::new(),
             needs: needs.into_iter().collect(),
             orphans_reported: BTreeSet::new(),
@@ -93,7 +125,7 @@ impl<S: MapStore> Syncer<S> {
 
     /// Programs `spec.externalIPs` only inside `cidrs` (`None`: all).
     pub fn with_external_ip_cidrs(mut self, cidrs: Option<Vec<(IpAddr, u8)>>) -> Self {
-        self.external_ip_cidrs = cidrs;
+        self.external_ips = ExternalIpPolicy::new(cidrs);
         self
     }
 
@@ -151,17 +183,20 @@ impl<S: MapStore> Syncer<S> {
                 self.listed.insert(kind);
             }
             Update::Apply(obj) => self.apply(obj, now),
-            Update::Delete { kind, key } => match kind {
-                Kind::Service => {
-                    let k = self.index.set_service(key, None);
-                    self.touch([k], now);
+            Update::Delete { kind, key } => {
+                self.release(kind, &key, now);
+                match kind {
+                    Kind::Service => {
+                        let k = self.index.set_service(key, None);
+                        self.touch([k], now);
+                    }
+                    Kind::EndpointSlice => {
+                        let touched = self.index.set_slice(key, None);
+                        self.touch(touched, now);
+                    }
+                    Kind::Node => {}
                 }
-                Kind::EndpointSlice => {
-                    let touched = self.index.set_slice(key, None);
-                    self.touch(touched, now);
-                }
-                Kind::Node => {}
-            },
+            }
         }
         self.metrics.services.set(self.index.service_count() as i64);
     }
@@ -175,19 +210,15 @@ impl<S: MapStore> Syncer<S> {
             warn!(service = %key, reason = skip.label(), "skipping Service {key}: {skip}");
             self.metrics.skipped("Service", skip.label());
         })?;
-        if let (Some(info), Some(allowed)) = (info.as_mut(), &self.external_ip_cidrs) {
-            info.external_ips.retain(|ip| {
-                let ok = allowed.iter().any(|c| crate::cluster::objects::cidr_contains(*c, *ip));
-                if !ok {
-                    let key = display_key(&svc.metadata);
-                    warn!(
-                        service = %key, external_ip = %ip,
-                        "Service {key}: externalIP {ip} is outside --external-ip-cidrs; not programmed"
-                    );
-                    self.metrics.skipped("Service", "external_ip_not_allowed");
-                }
-                ok
-            });
+        if let Some(info) = info.as_mut() {
+            for ip in self.external_ips.apply(info) {
+                let key = display_key(&svc.metadata);
+                warn!(
+                    service = %key, external_ip = %ip,
+                    "Service {key}: externalIP {ip} is outside --external-ip-cidrs; not programmed"
+                );
+                self.metrics.skipped("Service", "external_ip_not_allowed");
+            }
         }
         Ok(info)
     }
@@ -203,7 +234,70 @@ impl<S: MapStore> Syncer<S> {
         })
     }
 
+    /// At start (before the first sync), `object` of Service `service` does not validate
+    /// and no earlier version is known: the frontends the pinned maps hold for that
+    /// Service stay as they are until a valid version arrives.
+    fn hold(&mut self, service: ObjKey, object: (Kind, ObjKey)) {
+        if self.synced_once {
+            return;
+        }
+        let pinned = self.pinned.get_or_insert_with(|| {
+            let mut by_service: HashMap<ObjKey, BTreeSet<Frontend>> = HashMap::new();
+            for (fe, name) in self.writer.expected_dump().revnat.into_values() {
+                // `namespace/name:port` (see `cluster::index`).
+                let svc = name.split(':').next().unwrap_or("");
+                if let Some((ns, n)) = svc.split_once('/') {
+                    by_service.entry(ObjKey::new(ns, n)).or_default().insert(fe);
+                }
+            }
+            by_service
+        });
+        let mut frontends = pinned.get(&service).cloned().unwrap_or_default();
+        // Names are truncated in the maps: the Service's own frontends, when known.
+        let programmed: BTreeSet<Frontend> = self.writer.frontends().copied().collect();
+        frontends.extend(
+            self.index
+                .entries(&service)
+                .into_iter()
+                .map(|e| e.frontend)
+                .filter(|fe| programmed.contains(fe)),
+        );
+        if frontends.is_empty() {
+            return;
+        }
+        info!(
+            service = %service, object = %object.1, frontends = frontends.len(),
+            "{} {} does not validate: Service {service} keeps what the pinned maps hold for it until a valid version arrives",
+            object.0.as_str(), object.1
+        );
+        let held = self.held.entry(service).or_default();
+        held.objects.insert(object);
+        held.frontends.extend(frontends);
+    }
+
+    /// A valid version of `key` (or its deletion) arrived: Services held for it are
+    /// synced again.
+    fn release(&mut self, kind: Kind, key: &ObjKey, now: Instant) {
+        if self.held.is_empty() {
+            return;
+        }
+        let object = (kind, key.clone());
+        let mut freed = Vec::new();
+        for (svc, held) in self.held.iter_mut() {
+            if held.objects.remove(&object) && held.objects.is_empty() {
+                freed.push(svc.clone());
+            }
+        }
+        for svc in freed {
+            info!(service = %svc, "Service {svc}: no longer held at its pinned state");
+            self.held.remove(&svc);
+            self.touch([svc], now);
+        }
+    }
+
     fn snapshot(&mut self, kind: Kind, objects: Vec<Object>, now: Instant) {
+        // Held objects missing from a new list, or valid in it, are released below.
+        let mut still_invalid: BTreeSet<ObjKey> = BTreeSet::new();
         match kind {
             Kind::Service => {
                 let mut all = Vec::new();
@@ -213,10 +307,14 @@ impl<S: MapStore> Syncer<S> {
                     match self.service_info(&svc) {
                         Ok(Some(info)) => all.push((key, info)),
                         Ok(None) => {}
-                        // Malformed in a relist: keep the last good version, if any.
+                        // Malformed in a relist: keep the last good version, if any;
+                        // at start, what the pinned maps hold.
                         Err(()) => {
                             if let Some(prev) = self.index.service(&key) {
                                 all.push((key, prev.clone()));
+                            } else {
+                                still_invalid.insert(key.clone());
+                                self.hold(key.clone(), (Kind::Service, key));
                             }
                         }
                     }
@@ -226,6 +324,7 @@ impl<S: MapStore> Syncer<S> {
             }
             Kind::EndpointSlice => {
                 let mut all = Vec::new();
+                let mut invalid = Vec::new();
                 for o in objects {
                     let Object::Slice(s) = o else { continue };
                     let key = obj_key(&s.metadata);
@@ -235,12 +334,23 @@ impl<S: MapStore> Syncer<S> {
                         Err(()) => {
                             if let Some(prev) = self.index.slice(&key) {
                                 all.push((key, prev.clone()));
+                            } else if let Some(svc) = s
+                                .metadata
+                                .labels
+                                .as_ref()
+                                .and_then(|l| l.get(LABEL_SERVICE_NAME))
+                            {
+                                still_invalid.insert(key.clone());
+                                invalid.push((ObjKey::new(key.namespace.clone(), svc), key));
                             }
                         }
                     }
                 }
                 let touched = self.index.replace_slices(all);
                 self.touch(touched, now);
+                for (svc, key) in invalid {
+                    self.hold(svc, (Kind::EndpointSlice, key));
+                }
             }
             Kind::Node => {
                 let node = objects.into_iter().find_map(|o| match o {
@@ -250,6 +360,16 @@ impl<S: MapStore> Syncer<S> {
                 self.set_node(node.as_deref(), now);
             }
         }
+        let gone: Vec<ObjKey> = self
+            .held
+            .values()
+            .flat_map(|h| h.objects.iter())
+            .filter(|(k, key)| *k == kind && !still_invalid.contains(key))
+            .map(|(_, key)| key.clone())
+            .collect();
+        for key in gone {
+            self.release(kind, &key, now);
+        }
     }
 
     fn apply(&mut self, obj: Object, now: Instant) {
@@ -258,6 +378,7 @@ impl<S: MapStore> Syncer<S> {
                 let key = obj_key(&svc.metadata);
                 // Malformed: logged and counted; the last good version stays.
                 if let Ok(info) = self.service_info(&svc) {
+                    self.release(Kind::Service, &key, now);
                     let k = self.index.set_service(key, info);
                     self.touch([k], now);
                 }
@@ -265,6 +386,7 @@ impl<S: MapStore> Syncer<S> {
             Object::Slice(s) => {
                 let key = obj_key(&s.metadata);
                 if let Ok(info) = self.slice_info(&s) {
+                    self.release(Kind::EndpointSlice, &key, now);
                     if self.listed.contains(&Kind::Service) {
                         self.report_orphan(&key, info.as_ref());
                     }
@@ -337,7 +459,7 @@ impl<S: MapStore> Syncer<S> {
             let mut all: BTreeMap<ObjKey, Instant> = self
                 .index
                 .service_keys()
-                .chain(self.owned.keys())
+                .chain(self.held.keys())
                 .map(|k| (k.clone(), since))
                 .collect();
             for (k, t) in self.dirty.drain() {
@@ -356,14 +478,10 @@ impl<S: MapStore> Syncer<S> {
             ..SyncOutcome::default()
         };
         if full {
-            self.full_sync(&keys, &mut outcome);
-        } else {
-            for (key, since) in &keys {
-                if !self.sync_service(key, &mut outcome) {
-                    self.dirty.insert(key.clone(), *since);
-                }
-            }
+            self.report_orphans();
         }
+        self.write(&keys, full, now, &mut outcome);
+        self.synced_once = true;
 
         let done = Instant::now();
         for (key, since) in &keys {
@@ -376,7 +494,9 @@ impl<S: MapStore> Syncer<S> {
         self.metrics
             .sync_duration
             .observe(done.duration_since(start).as_secs_f64());
-        self.metrics.frontends.set(self.owner.len() as i64);
+        self.metrics
+            .frontends
+            .set(self.writer.frontends().count() as i64);
         self.metrics
             .backends
             .set(self.writer.backend_count() as i64);
@@ -394,110 +514,142 @@ impl<S: MapStore> Syncer<S> {
         outcome
     }
 
-    /// Every Service at once: the writer removes every frontend not desired (also pinned
-    /// leftovers of a previous agent) and writes the changed ones.
-    fn full_sync(&mut self, keys: &[(ObjKey, Instant)], outcome: &mut SyncOutcome) {
-        let mut desired: Vec<ServiceEntry> = Vec::new();
-        let mut owner: HashMap<Frontend, ObjKey> = HashMap::new();
-        let mut owned: HashMap<ObjKey, BTreeSet<Frontend>> = HashMap::new();
+    /// Writes the frontends `keys` claim or claimed (`full`: every frontend, removing
+    /// what nobody claims, pinned leftovers of a previous agent included). Each frontend
+    /// gets its owner's entry (`cluster::conflicts`): a change of owner is one rewrite
+    /// of the frontend, never a removal followed by an insert.
+    fn write(
+        &mut self,
+        keys: &[(ObjKey, Instant)],
+        full: bool,
+        now: Instant,
+        outcome: &mut SyncOutcome,
+    ) {
+        let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> = HashMap::new();
+        let mut touched: BTreeSet<Frontend> = BTreeSet::new();
+        if full {
+            self.claims.clear();
+            touched.extend(self.writer.frontends().copied());
+        }
         for (key, _) in keys {
-            for entry in self.index.entries(key) {
-                if let Some(other) = owner.get(&entry.frontend) {
-                    self.conflict(&entry.frontend, key, other);
-                    continue;
+            let (es, fes): (Vec<ServiceEntry>, BTreeSet<Frontend>) = match self.held.get(key) {
+                // Held: claims what the pinned maps hold for it, writes nothing.
+                Some(h) => (Vec::new(), h.frontends.clone()),
+                None => {
+                    let es = self.index.entries(key);
+                    let fes = es.iter().map(|e| e.frontend).collect();
+                    (es, fes)
                 }
-                owner.insert(entry.frontend, key.clone());
-                owned.entry(key.clone()).or_default().insert(entry.frontend);
-                desired.push(entry);
-            }
+            };
+            let created = self.index.service(key).and_then(|s| s.creation_timestamp);
+            // Its own frontends (their entries may have changed) and every frontend whose
+            // claimants changed (their owner may have).
+            touched.extend(fes.iter().copied());
+            touched.extend(self.claims.set(Rank::new(created, key.clone()), fes));
+            entries.insert(key.clone(), es);
         }
-        self.report_orphans();
-        let report = self.writer.sync(desired);
-        outcome.ops += report.ops;
-        let mut failed_keys = BTreeSet::new();
-        for err in &report.errors {
-            if let Some(fe) = err_frontend(err) {
-                if let Some(k) = owner.get(fe) {
-                    failed_keys.insert(k.clone());
-                }
-            }
-            self.write_failed(err);
+        if full {
+            touched.extend(self.claims.frontends().copied());
         }
-        outcome.failed += report.errors.len();
-        // The model is what the writer holds now.
-        let programmed: BTreeSet<Frontend> = self.writer.frontends().copied().collect();
-        owner.retain(|fe, _| programmed.contains(fe));
-        for set in owned.values_mut() {
-            set.retain(|fe| programmed.contains(fe));
-        }
-        owned.retain(|_, s| !s.is_empty());
-        self.owner = owner;
-        self.owned = owned;
-        for k in failed_keys {
-            self.dirty.insert(k, Instant::now());
-        }
-    }
 
-    /// One Service. Returns false if a write failed (to be retried).
-    fn sync_service(&mut self, key: &ObjKey, outcome: &mut SyncOutcome) -> bool {
-        let mut entries = self.index.entries(key);
-        // Local-only twins first, so a frontend never carries `ETP_LOCAL` before its twin
-        // exists (the datapath also falls back to the frontend itself meanwhile).
-        entries.sort_by_key(|e| std::cmp::Reverse(e.frontend.scope));
-        let wanted: BTreeSet<Frontend> = entries.iter().map(|e| e.frontend).collect();
-        let mut ok = true;
-        let before = self.owned.remove(key).unwrap_or_default();
-        let mut now_owned = BTreeSet::new();
-        for fe in before.difference(&wanted) {
-            match self.writer.remove(fe) {
+        let programmed: BTreeSet<Frontend> = self.writer.frontends().copied().collect();
+        let mut removals = Vec::new();
+        let mut upserts: Vec<(ObjKey, ServiceEntry)> = Vec::new();
+        for fe in &touched {
+            self.report_conflicts(fe);
+            let Some(owner) = self.claims.owner(fe).cloned() else {
+                if programmed.contains(fe) {
+                    removals.push(*fe);
+                } else {
+                    self.refused.remove(fe);
+                }
+                continue;
+            };
+            if self.held.contains_key(&owner) {
+                continue;
+            }
+            let es = entries
+                .entry(owner.clone())
+                .or_insert_with(|| self.index.entries(&owner));
+            if let Some(e) = es.iter().find(|e| e.frontend == *fe) {
+                upserts.push((owner, e.clone()));
+            }
+        }
+        // Removals first: they free map room for the additions.
+        for fe in removals {
+            match self.writer.remove(&fe) {
                 Ok(n) => {
                     outcome.ops += n;
-                    self.owner.remove(fe);
+                    self.refused.remove(&fe);
                 }
                 Err(e) => {
-                    ok = false;
                     outcome.failed += 1;
                     self.write_failed(&e);
-                    now_owned.insert(*fe);
+                    // Nobody claims it any more: the next full re-diff removes it.
+                    self.full_due.get_or_insert(now);
                 }
             }
         }
-        for entry in entries {
-            match self.owner.get(&entry.frontend) {
-                Some(other) if other != key => {
-                    let other = other.clone();
-                    self.conflict(&entry.frontend, key, &other);
-                    continue;
-                }
-                _ => {}
-            }
+        let (owners, mut list): (Vec<ObjKey>, Vec<ServiceEntry>) = upserts.into_iter().unzip();
+        let owner_of: HashMap<Frontend, ObjKey> =
+            list.iter().map(|e| e.frontend).zip(owners).collect();
+        write_order(&mut list);
+        for entry in list {
+            let fe = entry.frontend;
+            let owner = &owner_of[&fe];
             match self.writer.upsert(&entry) {
                 Ok(n) => {
                     outcome.ops += n;
-                    self.owner.insert(entry.frontend, key.clone());
-                    now_owned.insert(entry.frontend);
+                    self.refused.remove(&fe);
                 }
-                Err(e) => {
+                Err(e @ WriteError::Store { .. }) => {
                     outcome.failed += 1;
-                    // A store error is worth retrying; a refused entry is not.
-                    ok &= !matches!(e, WriteError::Store { .. });
                     self.write_failed(&e);
-                    if before.contains(&entry.frontend) {
-                        now_owned.insert(entry.frontend);
-                    }
+                    self.dirty.entry(owner.clone()).or_insert_with(Instant::now);
                 }
+                Err(e) => self.refuse(owner, &e),
             }
         }
-        if !now_owned.is_empty() {
-            self.owned.insert(key.clone(), now_owned);
+    }
+
+    /// A frontend the writer refused by its content: the Service is skipped (its
+    /// frontend keeps what the maps held, if anything), reported once per cause.
+    fn refuse(&mut self, key: &ObjKey, err: &WriteError) {
+        let Some(fe) = err_frontend(err) else { return };
+        let reason = err.reason();
+        let known = self.refused.values().any(|(k, r)| k == key && *r == reason);
+        if self.refused.insert(*fe, (key.clone(), reason)).is_none() && !known {
+            warn!(service = %key, reason, "skipping Service {key}: {err}; the rest is programmed");
+            self.metrics.skipped("Service", reason);
         }
-        ok
+    }
+
+    /// Reports each Service that claims `fe` without owning it, once.
+    fn report_conflicts(&mut self, fe: &Frontend) {
+        let losers: BTreeSet<ObjKey> = self.claims.losers(fe).cloned().collect();
+        let owner = self.claims.owner(fe).cloned();
+        let reported = self.conflicts_reported.entry(*fe).or_default();
+        reported.retain(|k| losers.contains(k));
+        let mut new = Vec::new();
+        for k in &losers {
+            if reported.insert(k.clone()) {
+                new.push(k.clone());
+            }
+        }
+        if reported.is_empty() {
+            self.conflicts_reported.remove(fe);
+        }
+        if let Some(owner) = owner {
+            for key in new {
+                self.conflict(fe, &key, &owner);
+            }
+        }
     }
 
     fn conflict(&self, fe: &Frontend, key: &ObjKey, other: &ObjKey) {
         warn!(
             service = %key, frontend = %fe,
-            "Service {key}: frontend {fe} already belongs to Service {other}; skipped"
+            "Service {key}: frontend {fe} belongs to Service {other} (created earlier, or same time and a smaller namespace/name); skipped"
         );
         self.metrics.skipped("Service", "frontend_conflict");
     }
@@ -532,35 +684,6 @@ fn obj_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) ->
 
 fn display_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
     obj_key(meta).to_string()
-}
-
-/// Exponential retry delay after failed syncs.
-#[derive(Debug)]
-pub struct Backoff {
-    next: Duration,
-    min: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    pub fn new(min: Duration, max: Duration) -> Self {
-        Self {
-            next: min,
-            min,
-            max,
-        }
-    }
-
-    /// The delay before the next retry; doubles each time up to `max`.
-    pub fn fail(&mut self) -> Duration {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.max);
-        d
-    }
-
-    pub fn reset(&mut self) {
-        self.next = self.min;
-    }
 }
 
 #[cfg(test)]

@@ -83,10 +83,11 @@ struct RunArgs {
     /// Serve only Services labelled service.kubernetes.io/service-proxy-name=<NAME>.
     #[arg(long, env = "PROXY_SERVICE_PROXY_NAME")]
     service_proxy_name: Option<String>,
-    /// Address for /metrics.
-    #[arg(long, env = "PROXY_METRICS_ADDR", default_value = "0.0.0.0:10249")]
+    /// Address for /metrics. Loopback only by default, as kube-proxy's
+    /// `--metrics-bind-address`; `0.0.0.0:10249` to let Prometheus scrape it from outside.
+    #[arg(long, env = "PROXY_METRICS_ADDR", default_value = "127.0.0.1:10249")]
     metrics_addr: SocketAddr,
-    /// Address for /healthz and /livez.
+    /// Address for /healthz and /livez (every address: load balancers probe it).
     #[arg(long, env = "PROXY_HEALTHZ_ADDR", default_value = "0.0.0.0:10256")]
     healthz_addr: SocketAddr,
     /// Shortest time between two syncs; changes arriving meanwhile are written together.

@@ -36,6 +36,9 @@ pub fn service_entries(
             // Endpoints serving this port: slices of this family whose port of the same
             // name (the service port's targetPort, resolved) has the same protocol.
             let mut candidates: Vec<(EndpointInfo, u16)> = Vec::new();
+            // Where each address:port sits in `candidates`: linear in the endpoints, so a
+            // Service with tens of thousands of them costs no more than its size.
+            let mut seen: HashMap<(IpAddr, u16), usize> = HashMap::new();
             for slice in slices.iter().filter(|s| s.family == family) {
                 let Some(sp) = slice
                     .ports
@@ -49,12 +52,12 @@ pub fn service_entries(
                     // one endpoint, and a non-terminating copy replaces a terminating one
                     // whatever the order of the slices (endpointslicecache.go
                     // addEndpoints: `if !exists || !terminating`).
-                    match candidates
-                        .iter_mut()
-                        .find(|(c, p)| c.addr == ep.addr && *p == sp.port)
-                    {
-                        None => candidates.push((ep.clone(), sp.port)),
-                        Some(existing) if !ep.terminating => existing.0 = ep.clone(),
+                    match seen.get(&(ep.addr, sp.port)) {
+                        None => {
+                            seen.insert((ep.addr, sp.port), candidates.len());
+                            candidates.push((ep.clone(), sp.port));
+                        }
+                        Some(&i) if !ep.terminating => candidates[i].0 = ep.clone(),
                         Some(_) => {}
                     }
                 }
@@ -62,9 +65,11 @@ pub fn service_entries(
             let eps: Vec<&EndpointInfo> = candidates.iter().map(|(e, _)| e).collect();
             // Keeps the order of `candidates` (the chosen endpoints are references into it).
             let backends = |chosen: &[&EndpointInfo]| -> Vec<Backend> {
+                let chosen: std::collections::HashSet<*const EndpointInfo> =
+                    chosen.iter().map(|c| *c as *const EndpointInfo).collect();
                 let mut b: Vec<Backend> = candidates
                     .iter()
-                    .filter(|(e, _)| chosen.iter().any(|c| std::ptr::eq(*c, e)))
+                    .filter(|(e, _)| chosen.contains(&(e as *const EndpointInfo)))
                     .map(|(e, p)| backend(e, *p, node))
                     .collect();
                 b.sort();

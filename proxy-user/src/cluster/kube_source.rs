@@ -6,7 +6,7 @@
 //! Objects are watched untyped and decoded one by one, so a malformed object is logged
 //! with its namespace/name, counted and skipped without stopping the watch.
 
-use std::{path::Path, sync::Arc};
+use std::path::Path;
 
 use futures::StreamExt as _;
 use kube::{
@@ -18,8 +18,8 @@ use kube::{
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
+use super::counters::SourceCounters;
 use super::{manifests::decode, objects::label_selector, Kind, ObjKey, Object, Update};
-use crate::agent::metrics::{Metrics, Resource};
 
 /// A client from `--kubeconfig`, else in-cluster config, else `$KUBECONFIG` /
 /// `~/.kube/config`.
@@ -54,7 +54,7 @@ pub fn spawn(
     proxy_name: Option<&str>,
     node_name: &str,
     tx: mpsc::Sender<Update>,
-    metrics: Arc<Metrics>,
+    metrics: SourceCounters,
 ) {
     let selector = label_selector(proxy_name);
     for (kind, config) in [
@@ -83,14 +83,11 @@ async fn watch(
     kind: Kind,
     config: watcher::Config,
     tx: mpsc::Sender<Update>,
-    metrics: Arc<Metrics>,
+    metrics: SourceCounters,
 ) {
     let ar = resource(kind);
     let api: Api<DynamicObject> = Api::all_with(client, &ar);
     let mut stream = watcher(api, config).default_backoff().boxed();
-    let label = Resource {
-        resource: kind.as_str().to_string(),
-    };
     let mut buffer: Vec<Object> = Vec::new();
     let mut listed = false;
     while let Some(event) = stream.next().await {
@@ -105,7 +102,7 @@ async fn watch(
             }
             Ok(watcher::Event::InitDone) => {
                 if listed {
-                    metrics.watch_restarts.get_or_create(&label).inc();
+                    metrics.watch_restarted(kind.as_str());
                 }
                 info!(
                     kind = kind.as_str(),
@@ -134,7 +131,7 @@ async fn watch(
                     kind = kind.as_str(),
                     "watch error (retrying with backoff): {e}"
                 );
-                metrics.watch_errors.get_or_create(&label).inc();
+                metrics.watch_failed(kind.as_str());
                 None
             }
         };
@@ -147,7 +144,7 @@ async fn watch(
 }
 
 /// Decodes one untyped object; a malformed one is logged, counted and dropped.
-fn convert(kind: Kind, o: DynamicObject, metrics: &Metrics) -> Option<Object> {
+fn convert(kind: Kind, o: DynamicObject, metrics: &SourceCounters) -> Option<Object> {
     let key = ObjKey::new(
         o.metadata.namespace.clone().unwrap_or_default(),
         o.metadata.name.clone().unwrap_or_default(),

@@ -11,7 +11,6 @@ use std::{
     collections::{BTreeMap, HashMap},
     fs, io,
     path::{Path, PathBuf},
-    sync::Arc,
     time::{Duration, SystemTime},
 };
 
@@ -20,8 +19,8 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use super::counters::SourceCounters;
 use super::{Kind, ObjKey, Object, Update};
-use crate::agent::metrics::Metrics;
 
 #[derive(Debug)]
 struct FileState {
@@ -43,11 +42,11 @@ pub struct ManifestsDir {
     /// What the agent was told, by kind and key (a hash of the JSON, to detect changes).
     current: HashMap<(Kind, ObjKey), u64>,
     scanned: bool,
-    metrics: Arc<Metrics>,
+    metrics: SourceCounters,
 }
 
 impl ManifestsDir {
-    pub fn new(dir: impl Into<PathBuf>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(dir: impl Into<PathBuf>, metrics: SourceCounters) -> Self {
         Self {
             dir: dir.into(),
             files: BTreeMap::new(),
@@ -63,28 +62,60 @@ impl ManifestsDir {
         let mut changed = false;
         let mut parsed: Parsed = HashMap::new();
         for entry in fs::read_dir(&self.dir)? {
-            let path = entry?.path();
+            let entry = entry?;
+            let path = entry.path();
             let is_manifest = path
                 .extension()
                 .and_then(|e| e.to_str())
                 .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"));
-            if !is_manifest || !path.is_file() {
+            if !is_manifest {
+                continue;
+            }
+            // Follows links; a link that leads nowhere (dangling, a loop) is reported.
+            let meta = match fs::metadata(&path) {
+                Ok(m) => m,
+                Err(e) => {
+                    let Ok(link) = fs::symlink_metadata(&path) else {
+                        continue; // removed meanwhile
+                    };
+                    if !link.file_type().is_symlink() {
+                        continue;
+                    }
+                    seen.push(path.clone());
+                    let stamp = (link.modified()?, link.len());
+                    let target = fs::read_link(&path).unwrap_or_default();
+                    let cause = format!("the link to {} cannot be followed: {e}", target.display());
+                    self.bad_file(&path, stamp, "broken_link", &cause);
+                    continue;
+                }
+            };
+            if !meta.is_file() {
                 continue;
             }
             seen.push(path.clone());
-            let meta = fs::metadata(&path)?;
             let stamp = (meta.modified()?, meta.len());
             if self.files.get(&path).is_some_and(|f| f.stamp == stamp) {
                 continue;
             }
-            let text = match fs::read_to_string(&path) {
+            if meta.len() > MAX_MANIFEST_BYTES {
+                let cause = format!(
+                    "{} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have",
+                    meta.len()
+                );
+                self.bad_file(&path, stamp, "too_large", &cause);
+                continue;
+            }
+            let text = match read_text(&path) {
                 Ok(t) => t,
                 Err(e) => {
-                    warn!(file = %path.display(), "reading manifest {}: {e}", path.display());
-                    self.metrics.skipped("file", "read_error");
+                    self.bad_file(&path, stamp, "read_error", &e.to_string());
                     continue;
                 }
             };
+            if let Err(cause) = check_nesting(&text) {
+                self.bad_file(&path, stamp, "too_deep", &cause);
+                continue;
+            }
             changed = true;
             match parse_file(&path, &text, &self.metrics) {
                 Ok(objects) => {
@@ -101,23 +132,7 @@ impl ManifestsDir {
                         },
                     );
                 }
-                Err(e) => {
-                    // Keep the file's previous objects: a half-saved file must not
-                    // delete services.
-                    warn!(file = %path.display(), "manifest {} does not parse, keeping its previous objects: {e}", path.display());
-                    self.metrics.skipped("file", "parse_error");
-                    if let Some(f) = self.files.get_mut(&path) {
-                        f.stamp = stamp;
-                    } else {
-                        self.files.insert(
-                            path,
-                            FileState {
-                                stamp,
-                                objects: Vec::new(),
-                            },
-                        );
-                    }
-                }
+                Err(e) => self.bad_file(&path, stamp, "parse_error", &e),
             }
         }
         let before = self.files.len();
@@ -202,12 +217,112 @@ impl ManifestsDir {
     }
 }
 
+impl ManifestsDir {
+    /// A file that cannot be used: named, logged and counted once per change of it (its
+    /// size and modification time, or the link's), and the objects it held before stay
+    /// (a half-saved file must not delete Services).
+    fn bad_file(&mut self, path: &Path, stamp: (SystemTime, u64), reason: &str, cause: &str) {
+        if self.files.get(path).is_some_and(|f| f.stamp == stamp) {
+            return;
+        }
+        let what = if reason == "parse_error" {
+            "does not parse"
+        } else {
+            "skipped"
+        };
+        warn!(file = %path.display(), reason, "manifest {} {what}, keeping its previous objects: {cause}", path.display());
+        self.metrics.skipped("file", reason);
+        match self.files.get_mut(path) {
+            Some(f) => f.stamp = stamp,
+            None => {
+                self.files.insert(
+                    path.to_path_buf(),
+                    FileState {
+                        stamp,
+                        objects: Vec::new(),
+                    },
+                );
+            }
+        }
+    }
+}
+
+/// The largest manifest file read (a bigger one is reported as `too_large`): 20,000
+/// Services with 10 endpoints each take about 40 MiB of YAML.
+pub const MAX_MANIFEST_BYTES: u64 = 256 << 20;
+
+/// The deepest nesting of YAML/JSON collections accepted (a deeper file is reported as
+/// `too_deep` before it is parsed). A Service or EndpointSlice nests about 8 levels.
+pub const MAX_NESTING: usize = 64;
+
+/// The file as UTF-8 text (YAML and JSON must be).
+fn read_text(path: &Path) -> io::Result<String> {
+    let bytes = fs::read(path)?;
+    String::from_utf8(bytes).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("not UTF-8 (byte {})", e.utf8_error().valid_up_to()),
+        )
+    })
+}
+
+/// Refuses, in one linear pass and before any parser sees it, a text nesting collections
+/// deeper than [`MAX_NESTING`]: flow collections (`[`, `{`, outside quotes and comments)
+/// and compact block sequences on one line (`- - - x`). The YAML parser takes seconds on
+/// a few hundred KiB nested 100,000 deep.
+fn check_nesting(text: &str) -> Result<(), String> {
+    let mut depth = 0usize;
+    let too_deep = |line: usize| {
+        Err(format!(
+            "collections nested more than {MAX_NESTING} deep (line {line})"
+        ))
+    };
+    for (line, l) in (1usize..).zip(text.split('\n')) {
+        // Compact block sequences: `- - - x` is three levels on one line.
+        let mut rest = l.trim_start_matches([' ', '\t']);
+        let mut dashes = 0usize;
+        while let Some(r) = rest.strip_prefix("- ").or_else(|| rest.strip_prefix("-\t")) {
+            dashes += 1;
+            rest = r.trim_start_matches([' ', '\t']);
+        }
+        if dashes > MAX_NESTING || depth + dashes > MAX_NESTING {
+            return too_deep(line);
+        }
+        let mut quote: Option<char> = None;
+        let mut prev = ' ';
+        let mut chars = l.chars();
+        while let Some(c) = chars.next() {
+            match quote {
+                Some('"') if c == '\\' => {
+                    chars.next();
+                }
+                Some(q) if c == q => quote = None,
+                Some(_) => {}
+                None => match c {
+                    '#' if prev == ' ' || prev == '\t' => break,
+                    '"' | '\'' => quote = Some(c),
+                    '[' | '{' => {
+                        depth += 1;
+                        if depth > MAX_NESTING {
+                            return too_deep(line);
+                        }
+                    }
+                    ']' | '}' => depth = depth.saturating_sub(1),
+                    _ => {}
+                },
+            }
+            prev = c;
+        }
+    }
+    Ok(())
+}
+
 /// Parses every document of a file into `(kind, key, json, hash of the json)`; documents of other kinds
 /// are ignored, documents that do not decode are logged, counted and skipped.
 fn parse_file(
     path: &Path,
     text: &str,
-    metrics: &Metrics,
+    metrics: &SourceCounters,
 ) -> Result<Vec<(Kind, ObjKey, Object, u64)>, String> {
     // One document at a time: all of a large file's documents as JSON at once would be
     // most of the agent's peak memory.
@@ -229,7 +344,7 @@ fn parse_file(
 fn parse_doc(
     path: &Path,
     doc: Value,
-    metrics: &Metrics,
+    metrics: &SourceCounters,
     out: &mut Vec<(Kind, ObjKey, Object, u64)>,
 ) {
     let mut stack: Vec<Value> = vec![doc];
@@ -299,25 +414,43 @@ pub fn decode(kind: Kind, v: Value) -> Result<Object, serde_json::Error> {
 }
 
 /// Polls the directory every `interval` and sends what changed, until the receiver goes.
-pub async fn run(mut dir: ManifestsDir, interval: Duration, tx: mpsc::Sender<Update>) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        match dir.scan() {
-            Ok(updates) => {
-                for u in updates {
-                    if tx.send(u).await.is_err() {
-                        return;
+/// Runs on a thread of its own: reading and parsing files (a pathological one included)
+/// never takes a thread of the async runtime, which serves health and metrics.
+pub fn spawn(
+    mut dir: ManifestsDir,
+    interval: Duration,
+    tx: mpsc::Sender<Update>,
+) -> io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("manifests".into())
+        .spawn(move || {
+            // The directory itself unreadable: reported once per new error.
+            let mut dir_error: Option<String> = None;
+            loop {
+                let started = std::time::Instant::now();
+                match dir.scan() {
+                    Ok(updates) => {
+                        dir_error = None;
+                        for u in updates {
+                            if tx.blocking_send(u).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        if dir_error.as_deref() != Some(&e.to_string()) {
+                            warn!(dir = %dir.dir.display(), "scanning the manifests directory: {e}");
+                            dir.metrics.skipped("file", "read_error");
+                            dir_error = Some(e.to_string());
+                        }
                     }
                 }
+                if tx.is_closed() {
+                    return;
+                }
+                std::thread::sleep(interval.saturating_sub(started.elapsed()));
             }
-            Err(e) => {
-                warn!(dir = %dir.dir.display(), "scanning the manifests directory: {e}");
-                dir.metrics.skipped("file", "read_error");
-            }
-        }
-    }
+        })
 }
 
 #[cfg(test)]
@@ -354,7 +487,7 @@ mod tests {
     #[test]
     fn first_scan_snapshots_then_diffs() {
         let tmp = tempdir();
-        let metrics = Arc::new(Metrics::new());
+        let metrics = SourceCounters::default();
         write(&tmp, "web.yaml", &format!("{SVC}---\n{SLICE}"));
         write(&tmp, "notes.txt", "not a manifest");
         let mut dir = ManifestsDir::new(&tmp, metrics.clone());
@@ -394,9 +527,7 @@ mod tests {
         write(&tmp, "web.yaml", "kind: Service\nmetadata: [broken\n");
         bump(&tmp.join("web.yaml"));
         assert!(dir.scan().expect("scan").is_empty());
-        assert!(metrics
-            .render()
-            .contains("kind=\"file\",reason=\"parse_error\"} 1"));
+        assert_eq!(metrics.skipped_count("file", "parse_error"), 1);
 
         // Deleting the file deletes its objects.
         fs::remove_file(tmp.join("web.yaml")).expect("rm");
@@ -415,22 +546,20 @@ mod tests {
     #[test]
     fn a_document_that_does_not_decode_is_skipped_alone() {
         let tmp = tempdir();
-        let metrics = Arc::new(Metrics::new());
+        let metrics = SourceCounters::default();
         let bad = "apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec:\n  ports: [{port: eighty}]\n";
         write(&tmp, "mixed.yaml", &format!("{bad}---\n{SVC}"));
         let mut dir = ManifestsDir::new(&tmp, metrics.clone());
         let ups = names(&dir.scan().expect("scan"));
         assert_eq!(ups[0], "snapshot Service [default/web]");
-        assert!(metrics
-            .render()
-            .contains("kind=\"Service\",reason=\"decode_error\"} 1"));
+        assert_eq!(metrics.skipped_count("Service", "decode_error"), 1);
         fs::remove_dir_all(&tmp).expect("cleanup");
     }
 
     #[test]
     fn a_definition_that_wins_again_is_read_back_from_its_file() {
         let tmp = tempdir();
-        let metrics = Arc::new(Metrics::new());
+        let metrics = SourceCounters::default();
         // b.yaml sorts after a.yaml, so its definition wins.
         write(&tmp, "a.yaml", SVC);
         write(&tmp, "b.yaml", &SVC.replace("10.96.0.10", "10.96.0.11"));
@@ -454,6 +583,103 @@ mod tests {
             panic!("apply");
         };
         assert_eq!(ip(svc).as_deref(), Some("10.96.0.10"));
+        fs::remove_dir_all(&tmp).expect("cleanup");
+    }
+
+    #[test]
+    fn each_bad_file_is_reported_once_per_change() {
+        let tmp = tempdir();
+        let metrics = SourceCounters::default();
+        write(&tmp, "good.yaml", SVC);
+        fs::write(
+            tmp.join("latin1.yaml"),
+            b"kind: Service\nmetadata: {name: caf\xe9}\n",
+        )
+        .expect("write");
+        std::os::unix::fs::symlink(tmp.join("missing.yaml"), tmp.join("dangling.yaml"))
+            .expect("symlink");
+        std::os::unix::fs::symlink(tmp.join("loop-b.yaml"), tmp.join("loop-a.yaml"))
+            .expect("symlink");
+        std::os::unix::fs::symlink(tmp.join("loop-a.yaml"), tmp.join("loop-b.yaml"))
+            .expect("symlink");
+        let mut dir = ManifestsDir::new(&tmp, metrics.clone());
+        let first = names(&dir.scan().expect("scan"));
+        assert_eq!(first[0], "snapshot Service [default/web]");
+        for _ in 0..20 {
+            assert!(dir.scan().expect("scan").is_empty());
+        }
+        assert_eq!(
+            metrics.skipped_count("file", "read_error"),
+            1,
+            "invalid UTF-8"
+        );
+        assert_eq!(
+            metrics.skipped_count("file", "broken_link"),
+            3,
+            "the dangling link and both links of the loop"
+        );
+        // A change of the bad file is reported again, once.
+        fs::write(
+            tmp.join("latin1.yaml"),
+            b"kind: Service\nmetadata: {name: \xff}\n",
+        )
+        .expect("write");
+        bump(&tmp.join("latin1.yaml"));
+        for _ in 0..5 {
+            assert!(dir.scan().expect("scan").is_empty());
+        }
+        assert_eq!(metrics.skipped_count("file", "read_error"), 2);
+        // The dangling link's target appears: its objects are read.
+        fs::write(
+            tmp.join("target.txt"),
+            SVC.replace("name: web", "name: linked")
+                .replace("10.96.0.10", "10.96.0.12"),
+        )
+        .expect("write");
+        fs::remove_file(tmp.join("dangling.yaml")).expect("rm");
+        std::os::unix::fs::symlink(tmp.join("target.txt"), tmp.join("dangling.yaml"))
+            .expect("symlink");
+        assert_eq!(
+            names(&dir.scan().expect("scan")),
+            ["apply Service default/linked"]
+        );
+        assert_eq!(metrics.skipped_count("file", "broken_link"), 3);
+        fs::remove_dir_all(&tmp).expect("cleanup");
+    }
+
+    #[test]
+    fn a_file_nested_too_deep_is_refused_before_parsing() {
+        let tmp = tempdir();
+        let metrics = SourceCounters::default();
+        write(&tmp, "good.yaml", SVC);
+        // 196 KiB nested 100,000 levels, as in the report.
+        let deep = format!(
+            "kind: Service\nspec: {}{}\n",
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        write(&tmp, "deep.yaml", &deep);
+        let compact = format!("kind: Service\nspec:\n{}x\n", "- ".repeat(100_000));
+        write(&tmp, "compact.yaml", &compact);
+        let mut dir = ManifestsDir::new(&tmp, metrics.clone());
+        let start = std::time::Instant::now();
+        let first = names(&dir.scan().expect("scan"));
+        let took = start.elapsed();
+        assert_eq!(first[0], "snapshot Service [default/web]");
+        assert_eq!(metrics.skipped_count("file", "too_deep"), 2);
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        // Brackets inside quotes and comments are text.
+        let quoted = format!(
+            "{SVC}metadata2: '{}' # {}\n",
+            "[".repeat(200),
+            "{".repeat(200)
+        );
+        assert_eq!(check_nesting(&quoted), Ok(()));
+        assert!(check_nesting(&format!("a: {}", "[".repeat(MAX_NESTING + 1))).is_err());
+        assert_eq!(
+            check_nesting(&format!("a: {}", "[".repeat(MAX_NESTING))),
+            Ok(())
+        );
         fs::remove_dir_all(&tmp).expect("cleanup");
     }
 

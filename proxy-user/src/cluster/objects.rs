@@ -209,6 +209,9 @@ pub struct ServiceInfo {
     pub source_ranges: Vec<(IpAddr, u8)>,
     /// `healthCheckNodePort` (eTP=Local LoadBalancer Services).
     pub health_check_node_port: Option<u16>,
+    /// `metadata.creationTimestamp` in Unix seconds (None when the object has none, as
+    /// a manifest may): the first tie-breaker of frontend conflicts (`cluster::conflicts`).
+    pub creation_timestamp: Option<i64>,
 }
 
 impl ServiceInfo {
@@ -360,6 +363,11 @@ impl ServiceInfo {
             external_local,
             source_ranges,
             health_check_node_port,
+            creation_timestamp: svc
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.as_second()),
         }))
     }
 }

@@ -224,7 +224,9 @@ fn two_services_claiming_one_address_do_not_fight() {
     let (mut s, metrics) = syncer(MemStore::default());
     initial(&mut s, t);
     s.sync(t);
-    s.handle(Update::Apply(svc("copy", "10.96.0.10")), t);
+    // Neither has a creation time: namespace/name decides, and "zz-copy" sorts after
+    // "web" (see `conflicts_are_settled_by_age_then_name`).
+    s.handle(Update::Apply(svc("zz-copy", "10.96.0.10")), t);
     s.sync(t);
     assert!(
         maps(&s).contains("10.96.0.10:80/tcp id=1 count=2"),
@@ -251,15 +253,6 @@ fn failed_writes_stay_dirty_and_succeed_on_retry() {
     assert_eq!(out.failed, 0);
     assert!(maps(&s).contains("10.96.0.10:80/tcp id=1 count=2"));
     assert!(!s.pending());
-}
-
-#[test]
-fn backoff_doubles_up_to_the_limit() {
-    let mut b = Backoff::new(Duration::from_millis(500), Duration::from_secs(2));
-    let got: Vec<u128> = (0..4).map(|_| b.fail().as_millis()).collect();
-    assert_eq!(got, [500, 1000, 2000, 2000]);
-    b.reset();
-    assert_eq!(b.fail().as_millis(), 500);
 }
 
 #[test]
@@ -308,5 +301,238 @@ fn cidr_containment() {
     assert!(
         !cidr_contains(c("0.0.0.0/0"), ip("::1")),
         "families never match"
+    );
+}
+
+fn svc_created(name: &str, ip: &str, created: &str) -> Object {
+    decode(
+        Kind::Service,
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"namespace": "default", "name": name, "creationTimestamp": created},
+               "spec": {"clusterIP": ip, "ports": [{"name": "http", "port": 80}]}}),
+    )
+    .expect("service")
+}
+
+/// `old` (created first) and `new` both claim 10.96.0.10:80, with one endpoint each.
+fn two_claimants(s: &mut Syncer<MemStore>, t: Instant, new_first: bool) {
+    let mut svcs = vec![
+        svc_created("old", "10.96.0.10", "2026-01-01T00:00:00Z"),
+        svc_created("new", "10.96.0.10", "2026-06-01T00:00:00Z"),
+    ];
+    if new_first {
+        svcs.reverse();
+    }
+    s.handle(snapshot(Kind::Service, svcs), t);
+    s.handle(
+        snapshot(
+            Kind::EndpointSlice,
+            vec![
+                slice("old-1", "old", &["10.0.0.1"]),
+                slice("new-1", "new", &["10.0.0.2"]),
+            ],
+        ),
+        t,
+    );
+    s.handle(snapshot(Kind::Node, vec![]), t);
+}
+
+/// The backends in 10.96.0.10:80's slots.
+fn backends_of_vip(s: &Syncer<MemStore>) -> Vec<String> {
+    maps(s)
+        .lines()
+        .skip_while(|l| !l.starts_with("frontend 10.96.0.10:80/tcp "))
+        .skip(1)
+        .take_while(|l| l.starts_with("  slot "))
+        .map(|l| {
+            l.rsplit('(')
+                .next()
+                .unwrap_or("")
+                .trim_end_matches(')')
+                .to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn conflicts_are_settled_by_age_then_name() {
+    let t = Instant::now();
+    for new_first in [false, true] {
+        let (mut s, metrics) = syncer(MemStore::default());
+        two_claimants(&mut s, t, new_first);
+        s.sync(t);
+        assert!(
+            maps(&s).contains("revnat 1 = 10.96.0.10:80/tcp \"default/old:http\""),
+            "the older Service owns it, whatever the order: {}",
+            maps(&s)
+        );
+        // "new" sorts before "old" by name: age comes first.
+        let text = metrics.render();
+        assert!(
+            text.contains("kind=\"Service\",reason=\"frontend_conflict\"} 1"),
+            "{text}"
+        );
+        // Periodic re-diffs report nothing new.
+        s.request_full(t);
+        s.sync(t);
+        assert!(metrics
+            .render()
+            .contains("kind=\"Service\",reason=\"frontend_conflict\"} 1"));
+    }
+}
+
+#[test]
+fn when_the_owner_goes_the_other_claimant_takes_over_in_the_same_sync() {
+    let t = Instant::now();
+    let (mut s, _) = syncer(MemStore::default());
+    two_claimants(&mut s, t, false);
+    s.sync(t);
+    assert_eq!(backends_of_vip(&s), ["10.0.0.1:8080"]);
+    s.writer.store_mut().take_log();
+    s.handle(
+        Update::Delete {
+            kind: Kind::Service,
+            key: ObjKey::new("default", "old"),
+        },
+        t,
+    );
+    let out = s.sync(t);
+    assert!(!out.full && out.failed == 0);
+    assert_eq!(backends_of_vip(&s), ["10.0.0.2:8080"], "{}", maps(&s));
+    assert!(maps(&s).contains("\"default/new:http\""), "{}", maps(&s));
+    let log = s.writer.store_mut().take_log();
+    assert!(
+        !log.contains("del frontend 10.96.0.10:80/tcp"),
+        "rewritten in place, never removed:\n{log}"
+    );
+}
+
+#[test]
+fn when_the_loser_goes_the_owner_keeps_its_frontend() {
+    let t = Instant::now();
+    let (mut s, _) = syncer(MemStore::default());
+    two_claimants(&mut s, t, true);
+    s.sync(t);
+    let before = maps(&s);
+    s.writer.store_mut().take_log();
+    s.handle(
+        Update::Delete {
+            kind: Kind::Service,
+            key: ObjKey::new("default", "new"),
+        },
+        t,
+    );
+    let out = s.sync(t);
+    assert!(out.failed == 0);
+    assert_eq!(maps(&s), before);
+    assert_eq!(s.writer.store_mut().take_log(), "", "nothing to write");
+    // And the next periodic re-diff finds nothing to change either.
+    s.request_full(t);
+    assert_eq!(s.sync(t).ops, 0);
+}
+
+#[test]
+fn a_restarted_agent_keeps_the_same_owner() {
+    let t = Instant::now();
+    let (mut first, _) = syncer(MemStore::default());
+    two_claimants(&mut first, t, false);
+    first.sync(t);
+    let before = maps(&first);
+    let mut store = std::mem::take(first.writer.store_mut());
+    store.take_log();
+    // The new agent hears of the claimants in the other order.
+    let (mut s, _) = syncer(store);
+    two_claimants(&mut s, t, true);
+    s.sync(t);
+    assert_eq!(maps(&s), before);
+    assert_eq!(s.writer.store_mut().take_log(), "", "no owner flip");
+}
+
+fn bad_slice(name: &str, svc: &str) -> Object {
+    decode(
+        Kind::EndpointSlice,
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"namespace": "default", "name": name,
+                            "labels": {"kubernetes.io/service-name": svc}},
+               "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
+               "endpoints": [{"addresses": ["not-an-ip"]}]}),
+    )
+    .expect("decodes; invalid only semantically")
+}
+
+#[test]
+fn after_a_restart_an_invalid_object_keeps_what_the_pinned_maps_hold() {
+    let t = Instant::now();
+    let (mut prev, _) = syncer(MemStore::default());
+    initial(&mut prev, t);
+    prev.sync(t);
+    let before = maps(&prev);
+    assert!(
+        before.contains("10.96.0.10:80/tcp id=1 count=2"),
+        "{before}"
+    );
+    let mut store = std::mem::take(prev.writer.store_mut());
+    store.take_log();
+
+    // The slice turned invalid while no agent ran.
+    let (mut s, metrics) = syncer(store);
+    s.handle(snapshot(Kind::Service, vec![svc("web", "10.96.0.10")]), t);
+    s.handle(
+        snapshot(Kind::EndpointSlice, vec![bad_slice("web-1", "web")]),
+        t,
+    );
+    s.handle(snapshot(Kind::Node, vec![]), t);
+    assert_eq!(s.sync(t).failed, 0);
+    assert_eq!(maps(&s), before, "the last good backends stay");
+    assert!(metrics
+        .render()
+        .contains("kind=\"EndpointSlice\",reason=\"bad_endpoint_address\"} 1"));
+    // Periodic re-diffs keep it too.
+    s.request_full(t);
+    s.sync(t);
+    assert_eq!(maps(&s), before);
+    // A valid version arrives: written.
+    s.handle(Update::Apply(slice("web-1", "web", &["10.0.0.3"])), t);
+    s.sync(t);
+    assert!(
+        maps(&s).contains("10.96.0.10:80/tcp id=1 count=1"),
+        "{}",
+        maps(&s)
+    );
+
+    // The same for a Service that does not validate at start: its frontend stays until
+    // a valid version comes, then follows it.
+    let mut store = std::mem::take(s.writer.store_mut());
+    store.take_log();
+    let (mut s, _) = syncer(store);
+    let bad = decode(
+        Kind::Service,
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"namespace": "default", "name": "web"},
+               "spec": {"clusterIP": "not-an-ip", "ports": [{"name": "http", "port": 80}]}}),
+    )
+    .expect("decodes");
+    s.handle(snapshot(Kind::Service, vec![bad]), t);
+    s.handle(
+        snapshot(
+            Kind::EndpointSlice,
+            vec![slice("web-1", "web", &["10.0.0.3"])],
+        ),
+        t,
+    );
+    s.handle(snapshot(Kind::Node, vec![]), t);
+    s.sync(t);
+    assert!(
+        maps(&s).contains("10.96.0.10:80/tcp id=1 count=1"),
+        "{}",
+        maps(&s)
+    );
+    s.handle(Update::Apply(svc("web", "10.96.0.20")), t);
+    s.sync(t);
+    assert!(!maps(&s).contains("10.96.0.10"), "{}", maps(&s));
+    assert!(
+        maps(&s).contains("frontend 10.96.0.20:80/tcp"),
+        "{}",
+        maps(&s)
     );
 }

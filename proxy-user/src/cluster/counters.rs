@@ -1,0 +1,68 @@
+//! The counters the sources (the API watches, the manifests directory) and the sync
+//! report into: objects skipped by kind and cause, watch relists and errors. They live
+//! here, below the agent, so the sources do not depend on it; `agent::metrics` registers
+//! them (same Prometheus families) and serves them.
+
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family},
+};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindReason {
+    pub kind: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Resource {
+    pub resource: String,
+}
+
+/// Cheap to clone: every clone counts into the same families.
+#[derive(Clone, Debug, Default)]
+pub struct SourceCounters {
+    /// `objects_skipped_total{kind, reason}`: objects not used.
+    pub objects_skipped: Family<KindReason, Counter>,
+    /// `watch_restarts_total{resource}`: watch relists.
+    pub watch_restarts: Family<Resource, Counter>,
+    /// `watch_errors_total{resource}`: watch stream errors.
+    pub watch_errors: Family<Resource, Counter>,
+}
+
+impl SourceCounters {
+    pub fn skipped(&self, kind: &str, reason: &str) {
+        self.objects_skipped
+            .get_or_create(&KindReason {
+                kind: kind.to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// How many objects of `kind` were skipped for `reason` so far.
+    pub fn skipped_count(&self, kind: &str, reason: &str) -> u64 {
+        self.objects_skipped
+            .get_or_create(&KindReason {
+                kind: kind.to_string(),
+                reason: reason.to_string(),
+            })
+            .get()
+    }
+
+    pub fn watch_restarted(&self, resource: &str) {
+        self.watch_restarts
+            .get_or_create(&Resource {
+                resource: resource.to_string(),
+            })
+            .inc();
+    }
+
+    pub fn watch_failed(&self, resource: &str) {
+        self.watch_errors
+            .get_or_create(&Resource {
+                resource: resource.to_string(),
+            })
+            .inc();
+    }
+}
