@@ -31,7 +31,7 @@ use crate::{
         objects::{NodeInfo, ObjKey, ServiceInfo, SliceInfo, LABEL_SERVICE_NAME},
         Kind, Object, Update,
     },
-    model::{Frontend, ServiceEntry},
+    model::{Frontend, Proto, ServiceEntry},
     store::MapStore,
     writer::{WriteError, Writer},
 };
@@ -218,6 +218,26 @@ impl<S: MapStore> Syncer<S> {
                     "Service {key}: externalIP {ip} is outside --external-ip-cidrs; not programmed"
                 );
                 self.metrics.skipped("Service", "external_ip_not_allowed");
+            }
+            // Neither datapath parses SCTP (the TC programs handle TCP and UDP; the kernel
+            // here has no SCTP to test the socket hooks with): such a port is left out,
+            // said and counted, and the Service's other ports work.
+            if info.ports.iter().any(|p| p.proto == Proto::Sctp) {
+                let key = display_key(&svc.metadata);
+                for p in info.ports.iter().filter(|p| p.proto == Proto::Sctp) {
+                    warn!(
+                        service = %key, port = p.port,
+                        "Service {key}: port {} is SCTP, which ebpf-proxy does not serve; not programmed",
+                        p.port
+                    );
+                    self.metrics.skipped("Service", "sctp_not_supported");
+                }
+                info.ports = info
+                    .ports
+                    .iter()
+                    .filter(|p| p.proto != Proto::Sctp)
+                    .cloned()
+                    .collect();
             }
         }
         Ok(info)

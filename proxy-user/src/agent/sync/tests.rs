@@ -285,6 +285,37 @@ fn external_ips_outside_the_allowed_prefixes_are_left_out_and_counted() {
     );
 }
 
+/// SCTP is accepted by the API but served by neither datapath here: the SCTP port is left
+/// out (said and counted), the Service's TCP port is programmed.
+#[test]
+fn sctp_ports_are_left_out_and_counted_the_rest_served() {
+    let t = Instant::now();
+    let (mut s, metrics) = syncer(MemStore::default());
+    let web = decode(
+        Kind::Service,
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"namespace": "default", "name": "web"},
+               "spec": {"clusterIP": "10.96.0.10",
+                        "ports": [{"name": "http", "port": 80},
+                                  {"name": "sig", "port": 3868, "protocol": "SCTP"}]}}),
+    )
+    .expect("service");
+    s.handle(snapshot(Kind::Service, vec![web]), t);
+    s.handle(snapshot(Kind::EndpointSlice, vec![]), t);
+    s.handle(snapshot(Kind::Node, vec![]), t);
+    s.sync(t);
+    let state = maps(&s);
+    assert!(state.contains("frontend 10.96.0.10:80/tcp"), "{state}");
+    assert!(!state.contains("3868"), "{state}");
+    let text = metrics.render();
+    assert!(
+        text.contains(
+            "ebpf_proxy_objects_skipped_total{kind=\"Service\",reason=\"sctp_not_supported\"} 1"
+        ),
+        "{text}"
+    );
+}
+
 #[test]
 fn cidr_containment() {
     use crate::cluster::objects::{cidr_contains, parse_cidr};
