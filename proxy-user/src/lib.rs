@@ -9,6 +9,7 @@ pub mod cleanup;
 pub mod cluster;
 pub mod ctl;
 pub mod loader;
+pub mod migrate;
 pub mod model;
 pub mod node;
 pub mod sockdestroy;
