@@ -45,7 +45,8 @@ use crate::{bpf, cgroup};
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/ebpf-proxy";
 
 /// The eBPF object built by `build.rs` (empty when built with the stub switch).
-pub(crate) static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
+pub(crate) static EBPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
 /// The cgroup hooks, by program name (the function names in `proxy-ebpf/src/sock.rs`).
 pub const SOCK_PROGRAMS: [&str; 8] = [
@@ -718,7 +719,8 @@ pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
         report.links.push(name);
     }
     // A migration interrupted by a crash leaves its staging directory (migrate.rs).
-    crate::migrate::remove_staging(pin_path).map_err(io_err("removing the staging directory in", pin_path))?;
+    crate::migrate::remove_staging(pin_path)
+        .map_err(io_err("removing the staging directory in", pin_path))?;
     if links.exists() {
         fs::remove_dir(&links).map_err(io_err("removing (unknown files left?)", &links))?;
     }

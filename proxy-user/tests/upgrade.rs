@@ -121,12 +121,14 @@ fn main() {
 
 /// The previous release's agent; a missing one fails the test.
 fn old_agent() -> PathBuf {
-    let path = std::env::var_os(OLD_AGENT_ENV).map(PathBuf::from).unwrap_or_else(|| {
-        panic!(
-            "{OLD_AGENT_ENV} is not set: run `cargo xtask upgrade-from` (which builds the \
+    let path = std::env::var_os(OLD_AGENT_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            panic!(
+                "{OLD_AGENT_ENV} is not set: run `cargo xtask upgrade-from` (which builds the \
              previous release's proxy-agent) and pass its path, or run `cargo xtask test`"
-        )
-    });
+            )
+        });
     assert!(
         path.is_file(),
         "{OLD_AGENT_ENV}={}: no such file (run `cargo xtask upgrade-from`)",
@@ -172,8 +174,22 @@ impl Cluster {
         let ext = Netns::new(unique("ebu-ext-"));
         let node_a = Netns::new(unique("ebu-na-"));
         let node_b = Netns::new(unique("ebu-nb-"));
-        link(&ext, "eth0", "10.100.0.1/24", &node_a, "ext0", "10.100.0.2/24");
-        link(&node_a, "nb0", "10.100.1.1/24", &node_b, "na0", "10.100.1.2/24");
+        link(
+            &ext,
+            "eth0",
+            "10.100.0.1/24",
+            &node_a,
+            "ext0",
+            "10.100.0.2/24",
+        );
+        link(
+            &node_a,
+            "nb0",
+            "10.100.1.1/24",
+            &node_b,
+            "na0",
+            "10.100.1.2/24",
+        );
         node_a.ip(&["route", "add", "10.2.0.0/16", "via", "10.100.1.2"]);
         node_b.ip(&["route", "add", "10.100.0.0/24", "via", "10.100.1.1"]);
         for n in [&node_a, &node_b] {
@@ -181,13 +197,24 @@ impl Cluster {
         }
         let mut pods = Vec::new();
         let mut servers = Vec::new();
-        for (i, (node, net)) in [(&node_a, "10.1.1"), (&node_a, "10.1.2"), (&node_b, "10.2.1")]
-            .into_iter()
-            .enumerate()
+        for (i, (node, net)) in [
+            (&node_a, "10.1.1"),
+            (&node_a, "10.1.2"),
+            (&node_b, "10.2.1"),
+        ]
+        .into_iter()
+        .enumerate()
         {
             let pod = Netns::new(unique("ebu-pod-"));
             let ifn = format!("pod{}", i + 1);
-            link(node, &ifn, &format!("{net}.1/24"), &pod, "eth0", &format!("{net}.2/24"));
+            link(
+                node,
+                &ifn,
+                &format!("{net}.1/24"),
+                &pod,
+                "eth0",
+                &format!("{net}.2/24"),
+            );
             pod.ip(&["route", "add", "default", "via", &format!("{net}.1")]);
             let addr = SocketAddr::new(format!("{net}.2").parse().expect("ip"), 8080);
             let name = format!("pod{}", i + 1);
@@ -214,7 +241,11 @@ fn manifests() -> PathBuf {
         NODEPORT + 1
     );
     y += "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-ipv4, namespace: default, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports:\n- {name: http, port: 8080, protocol: TCP}\n- {name: dns, port: 8080, protocol: UDP}\nendpoints:\n";
-    for (addr, node) in [("10.1.1.2", "node-a"), ("10.1.2.2", "node-a"), ("10.2.1.2", "node-b")] {
+    for (addr, node) in [
+        ("10.1.1.2", "node-a"),
+        ("10.1.2.2", "node-a"),
+        ("10.2.1.2", "node-b"),
+    ] {
         y += &format!("- {{addresses: [\"{addr}\"], nodeName: {node}}}\n");
     }
     fs::write(dir.join("web.yaml"), y).expect("write manifest");
@@ -373,7 +404,9 @@ fn ask_udp(addr: SocketAddr) -> std::io::Result<String> {
         }
     };
     if from != addr {
-        return Err(std::io::Error::other(format!("answer from {from}, not {addr}")));
+        return Err(std::io::Error::other(format!(
+            "answer from {from}, not {addr}"
+        )));
     }
     pod_of(&String::from_utf8_lossy(&buf[..n]))
 }
@@ -402,12 +435,18 @@ impl Tally {
             }
             Err(e) => {
                 self.failed.fetch_add(1, Ordering::Relaxed);
-                self.errors.lock().expect("lock").push(format!("{what}: {e}"));
+                self.errors
+                    .lock()
+                    .expect("lock")
+                    .push(format!("{what}: {e}"));
             }
         }
     }
     fn counts(&self) -> (u64, u64) {
-        (self.ok.load(Ordering::Relaxed), self.failed.load(Ordering::Relaxed))
+        (
+            self.ok.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -432,7 +471,13 @@ fn cluster_ip_client(netns: &Path) {
     }
     let ((to, tf), (uo, uf)) = (tcp.counts(), udp.counts());
     println!("tcp_ok={to} tcp_failed={tf} udp_ok={uo} udp_failed={uf}");
-    for e in tcp.errors.lock().expect("lock").iter().chain(udp.errors.lock().expect("lock").iter()) {
+    for e in tcp
+        .errors
+        .lock()
+        .expect("lock")
+        .iter()
+        .chain(udp.errors.lock().expect("lock").iter())
+    {
         eprintln!("{e}");
     }
 }
@@ -445,7 +490,11 @@ struct ClusterIpClient {
 impl ClusterIpClient {
     fn start(env: &TestEnv, c: &Cluster) -> Self {
         let procs = std::ffi::CString::new(
-            env.cgroup.path.join("cgroup.procs").to_str().expect("utf-8"),
+            env.cgroup
+                .path
+                .join("cgroup.procs")
+                .to_str()
+                .expect("utf-8"),
         )
         .expect("path");
         let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
@@ -480,7 +529,10 @@ impl ClusterIpClient {
         let out = self.child.wait_with_output().expect("client output");
         let line = String::from_utf8_lossy(&out.stdout).to_string();
         let mut n = [0u64; 4];
-        for (i, key) in ["tcp_ok", "tcp_failed", "udp_ok", "udp_failed"].iter().enumerate() {
+        for (i, key) in ["tcp_ok", "tcp_failed", "udp_ok", "udp_failed"]
+            .iter()
+            .enumerate()
+        {
             n[i] = line
                 .split_whitespace()
                 .find_map(|w| w.strip_prefix(&format!("{key}=")))
@@ -490,6 +542,15 @@ impl ClusterIpClient {
         (n, String::from_utf8_lossy(&out.stderr).to_string())
     }
 }
+
+/// (tcp ok, failed), (udp ok, failed), per long-lived flow (pod, answers) or what broke
+/// it, the errors of the failed attempts.
+type ExtResult = (
+    (u64, u64),
+    (u64, u64),
+    Vec<Result<(String, u64), String>>,
+    Vec<String>,
+);
 
 /// The external client's loops through TC: new TCP connections, UDP exchanges and
 /// long-lived TCP flows to the NodePort, from the ext namespace.
@@ -532,7 +593,8 @@ impl ExtClients {
         // Until one of them goes to the remote pod (SNAT: its replies need conntrack).
         while opened < long_lived || (!pods.contains("pod3") && opened < 40) {
             let addr = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
-            let mut s = TcpStream::connect_timeout(&addr, ATTEMPT_TIMEOUT).expect("long-lived flow");
+            let mut s =
+                TcpStream::connect_timeout(&addr, ATTEMPT_TIMEOUT).expect("long-lived flow");
             s.set_read_timeout(Some(ATTEMPT_TIMEOUT)).expect("timeout");
             s.write_all(b"hi\n").expect("write");
             let mut reader = BufReader::new(s.try_clone().expect("clone"));
@@ -559,7 +621,10 @@ impl ExtClients {
                 Ok((pod, answers))
             }));
         }
-        assert!(pods.contains("pod3"), "a long-lived flow goes to the remote (SNATed) pod: {pods:?}");
+        assert!(
+            pods.contains("pod3"),
+            "a long-lived flow goes to the remote (SNATed) pod: {pods:?}"
+        );
         Self {
             stop,
             tcp,
@@ -570,12 +635,16 @@ impl ExtClients {
     }
 
     /// Stops the loops: (tcp ok, failed), (udp ok, failed), per flow its outcome.
-    fn finish(self) -> ((u64, u64), (u64, u64), Vec<Result<(String, u64), String>>, Vec<String>) {
+    fn finish(self) -> ExtResult {
         self.stop.store(true, Ordering::Relaxed);
         for t in self.threads {
             t.join().expect("client thread");
         }
-        let flows = self.flows.into_iter().map(|f| f.join().expect("flow thread")).collect();
+        let flows = self
+            .flows
+            .into_iter()
+            .map(|f| f.join().expect("flow thread"))
+            .collect();
         let mut errors = self.tcp.errors.lock().expect("lock").clone();
         errors.extend(self.udp.errors.lock().expect("lock").iter().cloned());
         (self.tcp.counts(), self.udp.counts(), flows, errors)
@@ -620,7 +689,10 @@ fn migration_env(pins: &Path) -> Vec<(&'static str, &'static str)> {
     if old_abi == ABI_VERSION {
         vec![(migrate::FORCE_ENV, "1")]
     } else {
-        assert!(old_abi >= migrate::OLDEST_ABI && old_abi < ABI_VERSION, "old ABI {old_abi}");
+        assert!(
+            (migrate::OLDEST_ABI..ABI_VERSION).contains(&old_abi),
+            "old ABI {old_abi}"
+        );
         Vec::new()
     }
 }
@@ -633,10 +705,16 @@ fn assert_migrated(pins: &Path, old_ids: &[(String, u32)]) {
         bpf::read_meta(pins, meta::OBJECT_HASH).expect("META"),
         migrate::object_hash()
     );
-    assert!(!pins.join(migrate::STAGING_DIR).exists(), "staging dir left");
+    assert!(
+        !pins.join(migrate::STAGING_DIR).exists(),
+        "staging dir left"
+    );
     let now = map_ids(pins);
     for (name, id) in &now {
-        assert!(map_names::ALL.contains(&name.as_str()), "unknown pin {name}");
+        assert!(
+            map_names::ALL.contains(&name.as_str()),
+            "unknown pin {name}"
+        );
         assert!(
             !old_ids.iter().any(|(_, old)| old == id),
             "{name} is still an old map (id {id})"
@@ -669,7 +747,11 @@ fn upgrade_from_previous_release_keeps_every_connection() {
     assert_eq!(nodeport_spread(&c, 60).len(), 3);
     let old_maps = map_ids(&env.pins.path);
     let old_progs = program_ids(&env, &c);
-    assert_eq!(old_progs.len(), 12, "8 socket hooks + 4 TC hooks: {old_progs:?}");
+    assert_eq!(
+        old_progs.len(),
+        12,
+        "8 socket hooks + 4 TC hooks: {old_progs:?}"
+    );
     let force = migration_env(&env.pins.path);
 
     let ext = ExtClients::start(&c, 6);
@@ -689,19 +771,38 @@ fn upgrade_from_previous_release_keeps_every_connection() {
         "upgrade {}: agent restart to healthy {upgrade_time:?}; NodePort TCP {} ok / {} \
          failed, NodePort UDP {} ok / {} failed, ClusterIP TCP {} ok / {} failed, \
          ClusterIP UDP {} ok / {} failed; long-lived flows {:?}",
-        if force.is_empty() { "ABI 3 -> this ABI" } else { "(same ABI, forced migration)" },
-        tcp.0, tcp.1, udp.0, udp.1, cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3], flows
+        if force.is_empty() {
+            "ABI 3 -> this ABI"
+        } else {
+            "(same ABI, forced migration)"
+        },
+        tcp.0,
+        tcp.1,
+        udp.0,
+        udp.1,
+        cip_counts[0],
+        cip_counts[1],
+        cip_counts[2],
+        cip_counts[3],
+        flows
     );
     assert!(
         errors.is_empty() && cip_errors.trim().is_empty(),
         "failed connections across the upgrade: {errors:#?}\n{cip_errors}\n--- old agent ---\n{old_log}\n--- new agent ---\n{log}"
     );
     assert_eq!((tcp.1, udp.1, cip_counts[1], cip_counts[3]), (0, 0, 0, 0));
-    for (n, what) in [(tcp.0, "NodePort TCP"), (udp.0, "NodePort UDP"), (cip_counts[0], "ClusterIP TCP"), (cip_counts[2], "ClusterIP UDP")] {
+    for (n, what) in [
+        (tcp.0, "NodePort TCP"),
+        (udp.0, "NodePort UDP"),
+        (cip_counts[0], "ClusterIP TCP"),
+        (cip_counts[2], "ClusterIP UDP"),
+    ] {
         assert!(n >= 20, "{what}: only {n} attempts");
     }
     for f in &flows {
-        let (_, answers) = f.as_ref().unwrap_or_else(|e| panic!("long-lived flow broke: {e}\n{log}"));
+        let (_, answers) = f
+            .as_ref()
+            .unwrap_or_else(|e| panic!("long-lived flow broke: {e}\n{log}"));
         assert!(*answers >= 50, "{flows:?}");
     }
     assert!(log.contains("layout migration done"), "{log}");
@@ -720,9 +821,17 @@ fn upgrade_from_previous_release_keeps_every_connection() {
     let maps = map_ids(&env.pins.path);
     let mut agent = Agent::start(&new_agent(), &env, &c, &dir, &[]);
     agent.wait_healthy();
-    assert_eq!(program_ids(&env, &c), new_progs, "same build: programs kept");
+    assert_eq!(
+        program_ids(&env, &c),
+        new_progs,
+        "same build: programs kept"
+    );
     assert_eq!(map_ids(&env.pins.path), maps);
-    assert!(agent.logs().contains("adopted the pinned datapath"), "{}", agent.logs());
+    assert!(
+        agent.logs().contains("adopted the pinned datapath"),
+        "{}",
+        agent.logs()
+    );
     drop(agent);
     let _ = fs::remove_dir_all(&dir);
 }
@@ -757,8 +866,15 @@ fn crash_at_each_migration_step_then_restart() {
         };
         let status = crashing.wait_exit();
         let crash_log = crashing.logs();
-        assert_eq!(status.signal(), Some(libc::SIGABRT), "{step}: {status}\n{crash_log}");
-        assert!(crash_log.contains(&format!("{}={step}", migrate::CRASH_ENV)), "{crash_log}");
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGABRT),
+            "{step}: {status}\n{crash_log}"
+        );
+        assert!(
+            crash_log.contains(&format!("{}={step}", migrate::CRASH_ENV)),
+            "{crash_log}"
+        );
         drop(crashing);
         assert!(
             env.pins.path.join(migrate::STAGING_DIR).exists(),
@@ -803,7 +919,10 @@ fn crash_at_each_migration_step_then_restart() {
         }
         assert_migrated(&env.pins.path, &old_maps);
         let progs = program_ids(&env, &c);
-        assert!(progs.iter().all(|id| !old_progs.contains(id)), "{step}: old programs left");
+        assert!(
+            progs.iter().all(|id| !old_progs.contains(id)),
+            "{step}: old programs left"
+        );
         assert_eq!(nodeport_spread(&c, 30).len(), 3, "{step}");
         agent.stop();
     }
@@ -844,7 +963,8 @@ fn same_layout_new_build_swaps_programs_in_place() {
         let map = aya::maps::MapData::from_pin(env.pins.path.join(map_names::META)).expect("META");
         let mut meta: aya::maps::Array<_, u32> =
             aya::maps::Array::try_from(aya::maps::Map::Array(map)).expect("array");
-        meta.set(meta::OBJECT_HASH, 0x0bad_b0d5, 0).expect("write META");
+        meta.set(meta::OBJECT_HASH, 0x0bad_b0d5, 0)
+            .expect("write META");
     }
     let ext = ExtClients::start(&c, 3);
     let cip = ClusterIpClient::start(&env, &c);
@@ -859,22 +979,35 @@ fn same_layout_new_build_swaps_programs_in_place() {
         "program swap: NodePort TCP {}/{} UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed); flows {flows:?}",
         tcp.0, tcp.1, udp.0, udp.1, cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3]
     );
-    assert!(errors.is_empty() && cip_errors.trim().is_empty(), "{errors:#?}\n{cip_errors}\n{log}");
+    assert!(
+        errors.is_empty() && cip_errors.trim().is_empty(),
+        "{errors:#?}\n{cip_errors}\n{log}"
+    );
     assert!(flows.iter().all(Result::is_ok), "{flows:?}");
     assert!(log.contains("replaced the running programs"), "{log}");
     let (filters_after, sock_after) = (filter_ids(), sock_ids());
     // One filter each (replaced in place at our priority/handle), every program new.
     for id in filters_after.iter().chain(&sock_after) {
-        assert!(!filters_before.contains(id) && !sock_before.contains(id), "old program {id}");
+        assert!(
+            !filters_before.contains(id) && !sock_before.contains(id),
+            "old program {id}"
+        );
     }
     assert_eq!(sock_after.len(), 8);
     // The maps are the same objects (no migration), META names this build.
     assert_eq!(map_ids(&env.pins.path), maps_before);
-    assert_eq!(bpf::read_meta(&env.pins.path, meta::OBJECT_HASH).expect("META"), migrate::object_hash());
+    assert_eq!(
+        bpf::read_meta(&env.pins.path, meta::OBJECT_HASH).expect("META"),
+        migrate::object_hash()
+    );
     // The clsact records name the running programs.
     for iface in ["ext0", "nb0"] {
         for (ingress, i) in [(true, 0), (false, 1)] {
-            let pinned = support::tc::pinned_program_id(&support::tc::clsact_pin(&env.pins.path, iface, ingress));
+            let pinned = support::tc::pinned_program_id(&support::tc::clsact_pin(
+                &env.pins.path,
+                iface,
+                ingress,
+            ));
             let idx = if iface == "ext0" { i } else { 2 + i };
             assert_eq!(pinned, filters_after[idx], "{iface} ingress={ingress}");
         }

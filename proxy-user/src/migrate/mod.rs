@@ -421,7 +421,10 @@ fn resume_or_roll_back(pin_path: &Path) -> Result<(), LoadError> {
             fs::remove_dir_all(&staging).map_err(io_err("removing", &staging))
         }
         Some((from, state)) => {
-            warn!(from_abi = from, state, "resuming an interrupted layout migration");
+            warn!(
+                from_abi = from,
+                state, "resuming an interrupted layout migration"
+            );
             let mut m = Migration::new(pin_path, from);
             m.run_from(state, None)
         }
@@ -559,14 +562,23 @@ impl Migration {
             let meta_path = self.staging.join(map_names::META);
             let meta = sys::obj_get(&meta_path).map_err(io_err("opening", &meta_path))?;
             write_meta(meta.as_fd(), meta::ABI_VERSION, ABI_VERSION, &self.staging)?;
-            write_meta(meta.as_fd(), meta::OBJECT_HASH, object_hash(), &self.staging)?;
+            write_meta(
+                meta.as_fd(),
+                meta::OBJECT_HASH,
+                object_hash(),
+                &self.staging,
+            )?;
         }
         info!(
             from_abi = self.from,
             copied = total.copied,
             already_present = total.present,
             not_converted = total.dropped,
-            pass = if only_datapath { "datapath-written" } else { "full" },
+            pass = if only_datapath {
+                "datapath-written"
+            } else {
+                "full"
+            },
             "copied the pinned maps into the new layout"
         );
         Ok(())
@@ -589,7 +601,9 @@ impl Migration {
     /// already loaded against the staging maps when given.
     fn run_from(&mut self, state: &str, ebpf: Option<&mut aya::Ebpf>) -> Result<(), LoadError> {
         let from = self.from;
-        let order = ["filled", "swapping", "swapped", "recopied", "renaming", "meta"];
+        let order = [
+            "filled", "swapping", "swapped", "recopied", "renaming", "meta",
+        ];
         let at = order.iter().position(|s| *s == state).ok_or_else(|| {
             io_err("reading the migration marker in", &self.staging)(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -618,7 +632,10 @@ impl Migration {
                 let meta = sys::obj_get(&meta_path).map_err(io_err("opening", &meta_path))?;
                 write_meta(meta.as_fd(), meta::LOG_PROGRAM_ID, id, &self.staging)?;
             }
-            info!(hooks = hooks.len(), "swapped every hook to the new programs");
+            info!(
+                hooks = hooks.len(),
+                "swapped every hook to the new programs"
+            );
             set_marker(&self.staging, from, "swapped")?;
             crash_point("swapped");
         }
@@ -693,10 +710,10 @@ pub fn copy_map(old: &Path, new: &Path, conv: Convert, only_absent: bool) -> io:
     let mut key = vec![0u8; oi.key_size as usize];
     let mut next = key.clone();
     let mut value = vec![0u8; oi.value_buf_len()?];
-    let same_shape = oi.map_type == ni.map_type
-        && oi.key_size == ni.key_size
-        && oi.value_size == ni.value_size;
-    let is_array = oi.map_type == sys::map_type::ARRAY || oi.map_type == sys::map_type::PERCPU_ARRAY;
+    let same_shape =
+        oi.map_type == ni.map_type && oi.key_size == ni.key_size && oi.value_size == ni.value_size;
+    let is_array =
+        oi.map_type == sys::map_type::ARRAY || oi.map_type == sys::map_type::PERCPU_ARRAY;
     let flags = if only_absent && !is_array {
         sys::NOEXIST
     } else {
@@ -770,7 +787,16 @@ mod tests {
     fn every_abi3_map_has_a_conversion() {
         // Counters, node addresses/config and source ranges as bytes; every other map
         // through its ABI-3 struct conversion.
-        let bytes = ["STATS", "BACKEND_CONNS", "NODE_ADDRS4", "NODE_ADDRS6", "NODE_CONFIG", "SRC_RANGE4", "SRC_RANGE6", "META"];
+        let bytes = [
+            "STATS",
+            "BACKEND_CONNS",
+            "NODE_ADDRS4",
+            "NODE_ADDRS6",
+            "NODE_CONFIG",
+            "SRC_RANGE4",
+            "SRC_RANGE6",
+            "META",
+        ];
         for name in v3::MAP_NAMES {
             let c = converter(3, name);
             assert_eq!(matches!(c, Convert::Bytes), bytes.contains(&name), "{name}");

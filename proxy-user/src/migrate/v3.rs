@@ -278,16 +278,34 @@ mod tests {
 
     #[test]
     fn conversion_keeps_every_field_and_refuses_short_entries() {
-        let k = Ct4Key { saddr: 1, daddr: 2, sport: 3, dport: 4, proto: 6, dir: 1, _pad: [0; 2] };
+        let k = Ct4Key {
+            saddr: 1,
+            daddr: 2,
+            sport: 3,
+            dport: 4,
+            proto: 6,
+            dir: 1,
+            _pad: [0; 2],
+        };
         let v = Ct4Value {
-            dnat_addr: 5, snat_addr: 6, dnat_port: 7, snat_port: 8, service_id: 9,
-            backend_id: 10, flags: 11, last_seen: 12, packets: 13,
+            dnat_addr: 5,
+            snat_addr: 6,
+            dnat_port: 7,
+            snat_port: 8,
+            service_id: 9,
+            backend_id: 10,
+            flags: 11,
+            last_seen: 12,
+            packets: 13,
         };
         let (nk, nv) = ct4(bytemuck::bytes_of(&k), bytemuck::bytes_of(&v)).expect("converted");
         let nk: cur::Ct4Key = bytemuck::pod_read_unaligned(&nk);
         let nv: cur::Ct4Value = bytemuck::pod_read_unaligned(&nv);
         assert_eq!(nk, cur::Ct4Key::new(1, 2, 3, 4, 6, 1));
-        assert_eq!((nv.dnat_addr, nv.snat_port, nv.backend_id, nv.flags), (5, 8, 10, 11));
+        assert_eq!(
+            (nv.dnat_addr, nv.snat_port, nv.backend_id, nv.flags),
+            (5, 8, 10, 11)
+        );
         assert_eq!((nv.last_seen, nv.packets), (12, 13));
         assert_eq!(ct4(&[0; 15], bytemuck::bytes_of(&v)), None);
         assert_eq!(svc4(&[0; 12], &[0; 8]), None);
