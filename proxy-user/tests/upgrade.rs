@@ -683,11 +683,13 @@ fn program_ids(env: &TestEnv, c: &Cluster) -> Vec<u32> {
 
 /// Whether the new agent must be forced through the staged migration: the previous
 /// release has the same ABI as this build until the merge that bumps ABI_VERSION; from
-/// then on it migrates by itself.
-fn migration_env(pins: &Path) -> Vec<(&'static str, &'static str)> {
+/// then on it migrates by itself. `mode`: `copy` (every map copied through its
+/// conversion function, as if every layout had changed) or `1` (maps of an unchanged
+/// layout shared).
+fn migration_env(pins: &Path, mode: &'static str) -> Vec<(&'static str, &'static str)> {
     let old_abi = bpf::read_abi_version(pins).expect("META of the old agent");
     if old_abi == ABI_VERSION {
-        vec![(migrate::FORCE_ENV, "1")]
+        vec![(migrate::FORCE_ENV, mode)]
     } else {
         assert!(
             (migrate::OLDEST_ABI..ABI_VERSION).contains(&old_abi),
@@ -752,7 +754,7 @@ fn upgrade_from_previous_release_keeps_every_connection() {
         12,
         "8 socket hooks + 4 TC hooks: {old_progs:?}"
     );
-    let force = migration_env(&env.pins.path);
+    let force = migration_env(&env.pins.path, "copy");
 
     let ext = ExtClients::start(&c, 6);
     let cip = ClusterIpClient::start(&env, &c);
@@ -853,7 +855,7 @@ fn crash_at_each_migration_step_then_restart() {
         agent.stop();
         let old_maps = map_ids(&env.pins.path);
         let old_progs = program_ids(&env, &c);
-        let mut menv = migration_env(&env.pins.path);
+        let mut menv = migration_env(&env.pins.path, "1");
 
         // Traffic runs through the crash, the datapath left by it, and the restart.
         let ext = ExtClients::start(&c, 3);
@@ -891,6 +893,24 @@ fn crash_at_each_migration_step_then_restart() {
             _ => 12,
         };
         assert_eq!(swapped, want_swapped, "{step}: hooks on new programs");
+        // Half-swapped TC hooks (`swap-first`) agree on flows only through a shared
+        // conntrack table: with a changed CT layout, flows opened while the agent is down
+        // in that state may fail (documented); report them instead of asserting.
+        let ct_shared = step != "swap-first" || {
+            let id = |p: &Path| {
+                aya::maps::MapData::from_pin(p)
+                    .expect("CT4")
+                    .info()
+                    .expect("info")
+                    .id()
+            };
+            id(&env.pins.path.join(map_names::CT4))
+                == id(&env
+                    .pins
+                    .path
+                    .join(migrate::STAGING_DIR)
+                    .join(map_names::CT4))
+        };
 
         // A normal restart finishes (or rolls back and redoes) the migration.
         menv.retain(|(k, _)| *k != migrate::CRASH_ENV);
@@ -904,8 +924,11 @@ fn crash_at_each_migration_step_then_restart() {
             "crash at {step}: NodePort TCP {}/{} UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed); flows {flows:?}",
             tcp.0, tcp.1, udp.0, udp.1, cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3]
         );
+        if !ct_shared {
+            eprintln!("{step}: conntrack layout changed, half-swapped TC: {errors:?}");
+        }
         assert!(
-            errors.is_empty() && cip_errors.trim().is_empty(),
+            (errors.is_empty() || !ct_shared) && cip_errors.trim().is_empty(),
             "{step}: failed connections: {errors:#?}\n{cip_errors}\n--- crashed ---\n{crash_log}\n--- restarted ---\n{log}"
         );
         for f in &flows {

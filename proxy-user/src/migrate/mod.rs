@@ -129,24 +129,37 @@ pub enum Convert {
 /// old structs of [`v3`]); maps without one are copied as bytes when their sizes still
 /// match, and dropped (named and counted in the log) when they do not.
 pub fn converter(from: u32, map: &str) -> Convert {
-    use map_names as m;
+    if force_mode() == Some(Force::Copy) {
+        // Test hook: every map as if its layout had changed.
+        return v3::convert(map).unwrap_or(Convert::Bytes);
+    }
+    #[allow(
+        clippy::match_single_binding,
+        reason = "the arms of the maps whose layout changes are added here at the ABI bump"
+    )]
     match (from, map) {
-        // ABI 3: through the frozen ABI-3 structs, field by field (v3.rs). A map that
-        // went away or cannot be converted becomes e.g.
-        // `(3, m::SOCK_REVNAT4) => Convert::Drop("socket entries live in SK_STORAGE now")`.
-        (3, m::SVC4) => Convert::With(v3::svc4),
-        (3, m::SVC6) => Convert::With(v3::svc6),
-        (3, m::BACKEND4) => Convert::With(v3::backend4),
-        (3, m::BACKEND6) => Convert::With(v3::backend6),
-        (3, m::REVNAT4) => Convert::With(v3::revnat4),
-        (3, m::REVNAT6) => Convert::With(v3::revnat6),
-        (3, m::CT4) => Convert::With(v3::ct4),
-        (3, m::CT6) => Convert::With(v3::ct6),
-        (3, m::AFFINITY) => Convert::With(v3::affinity),
-        (3, m::SOCK_REVNAT4) => Convert::With(v3::sock_revnat4),
-        (3, m::SOCK_REVNAT6) => Convert::With(v3::sock_revnat6),
-        // STATS, BACKEND_CONNS, NODE_ADDRS4/6, NODE_CONFIG, SRC_RANGE4/6: bytes.
+        // ABI 3 -> this build: one arm per map whose key or value changed, through the
+        // frozen ABI-3 structs (v3.rs), e.g.
+        // `(3, map_names::CT4) => v3::convert(map_names::CT4).expect("ct4"),`
+        // and for a map that cannot be converted (or went away), e.g.
+        // `(3, map_names::SOCK_REVNAT4) => Convert::Drop("socket entries live in SK_STORAGE now"),`
         _ => Convert::Bytes,
+    }
+}
+
+/// [`FORCE_ENV`]: `1` migrates through the staging directory (sharing the maps whose
+/// layout is unchanged), `copy` also copies every map through its conversion function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Force {
+    Staged,
+    Copy,
+}
+
+fn force_mode() -> Option<Force> {
+    match std::env::var(FORCE_ENV).ok()?.as_str() {
+        "1" => Some(Force::Staged),
+        "copy" => Some(Force::Copy),
+        _ => None,
     }
 }
 
@@ -187,8 +200,11 @@ pub fn prepare(pin_path: &Path) -> Result<(), LoadError> {
     if pinned_hash == object_hash() {
         return Ok(());
     }
-    if std::env::var(FORCE_ENV).is_ok_and(|v| v == "1") {
-        warn!("{FORCE_ENV}=1: migrating through the staging directory at the same ABI");
+    if let Some(mode) = force_mode() {
+        warn!(
+            ?mode,
+            "{FORCE_ENV}: migrating through the staging directory at the same ABI"
+        );
         return migrate(pin_path, found);
     }
     replace_programs(pin_path, pinned_hash)
@@ -445,6 +461,13 @@ fn migrate(pin_path: &Path, from: u32) -> Result<(), LoadError> {
         .map_max_entries(map_names::CT4, ct_entries)
         .map_max_entries(map_names::CT6, ct_entries)
         .load(EBPF_OBJECT)?;
+    if m.share_unchanged()? > 0 {
+        // Load again: the programs must reference the shared maps.
+        drop(ebpf);
+        ebpf = EbpfLoader::new()
+            .default_map_pin_directory(&m.staging)
+            .load(EBPF_OBJECT)?;
+    }
     crash_point("staged");
     m.copy_all(false)?;
     set_marker(&m.staging, from, "filled")?;
@@ -499,6 +522,44 @@ impl Migration {
         }
     }
 
+    /// Maps whose layout did not change (same type, key and value sizes, flags and size;
+    /// no conversion) are not copied but shared: the old map is pinned in the staging
+    /// directory in place of the new one, so old and new programs see the same entries
+    /// (conntrack above all) while the hooks change programs. Returns how many.
+    fn share_unchanged(&self) -> Result<usize, LoadError> {
+        if force_mode() == Some(Force::Copy) {
+            return Ok(0);
+        }
+        let mut shared = Vec::new();
+        for name in self.staged_maps()? {
+            if name == map_names::META || !matches!(converter(self.from, &name), Convert::Bytes) {
+                continue;
+            }
+            let (old, new) = (self.pin_path.join(&name), self.staging.join(&name));
+            let Ok(old_fd) = sys::obj_get(&old) else {
+                continue;
+            };
+            let oi = sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
+            let ni = map_info_at(&new).map_err(io_err("reading", &new))?;
+            let sized_at_load = name == map_names::CT4 || name == map_names::CT6;
+            let same = oi.map_type == ni.map_type
+                && oi.key_size == ni.key_size
+                && oi.value_size == ni.value_size
+                && oi.map_flags == ni.map_flags
+                && (oi.max_entries == ni.max_entries || sized_at_load);
+            if same {
+                fs::remove_file(&new).map_err(io_err("unpinning", &new))?;
+                sys::obj_pin(old_fd.as_fd(), &new).map_err(io_err("pinning", &new))?;
+                shared.push(name);
+            }
+        }
+        info!(
+            ?shared,
+            "maps of an unchanged layout are shared, not copied"
+        );
+        Ok(shared.len())
+    }
+
     /// The maps staged (pinned) in the staging directory: the new layout's set.
     fn staged_maps(&self) -> Result<Vec<String>, LoadError> {
         let mut names = Vec::new();
@@ -530,6 +591,13 @@ impl Migration {
                 if !only_datapath {
                     info!(map = %name, "new map in this layout: starts empty");
                 }
+                continue;
+            }
+            let shared = match (map_info_at(&old), map_info_at(&self.staging.join(name))) {
+                (Ok(a), Ok(b)) => a.id == b.id,
+                _ => false,
+            };
+            if shared {
                 continue;
             }
             let conv = converter(self.from, name);

@@ -13,6 +13,7 @@ use std::{
 const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_UPDATE: libc::c_long = 29;
@@ -69,6 +70,18 @@ pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
+/// `BPF_OBJ_PIN`: pins the object `fd` (also) at `path`.
+pub fn obj_pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut attr = ObjAttr {
+        pathname: c.as_ptr() as u64,
+        bpf_fd: fd.as_raw_fd() as u32,
+        file_flags: 0,
+    };
+    bpf(BPF_OBJ_PIN, &mut attr).map(drop)
+}
+
 #[repr(C)]
 struct InfoAttr {
     bpf_fd: u32,
@@ -84,6 +97,7 @@ pub struct MapInfo {
     pub key_size: u32,
     pub value_size: u32,
     pub max_entries: u32,
+    pub map_flags: u32,
 }
 
 impl MapInfo {
@@ -118,6 +132,7 @@ pub fn map_info(fd: BorrowedFd<'_>) -> io::Result<MapInfo> {
         key_size: info[2],
         value_size: info[3],
         max_entries: info[4],
+        map_flags: info[5],
     })
 }
 

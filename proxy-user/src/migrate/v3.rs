@@ -71,6 +71,26 @@ pod! {
 
 type Entry = Option<(Vec<u8>, Vec<u8>)>;
 
+/// The conversion function of an ABI-3 map whose entries are structs, for
+/// [`super::converter`]'s arms (and its `copy` test mode).
+pub fn convert(map: &str) -> Option<super::Convert> {
+    let f: super::ConvertFn = match map {
+        "SVC4" => svc4,
+        "SVC6" => svc6,
+        "BACKEND4" => backend4,
+        "BACKEND6" => backend6,
+        "REVNAT4" => revnat4,
+        "REVNAT6" => revnat6,
+        "CT4" => ct4,
+        "CT6" => ct6,
+        "AFFINITY" => affinity,
+        "SOCK_REVNAT4" => sock_revnat4,
+        "SOCK_REVNAT6" => sock_revnat6,
+        _ => return None,
+    };
+    Some(super::Convert::With(f))
+}
+
 /// Reads an old struct from bytes (`None` on a size mismatch: never trust a short entry).
 fn read<T: bytemuck::Pod>(b: &[u8]) -> Option<T> {
     (b.len() == size_of::<T>()).then(|| bytemuck::pod_read_unaligned(b))
