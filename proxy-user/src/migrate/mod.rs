@@ -220,7 +220,7 @@ fn replace_programs(pin_path: &Path, pinned_hash: u32) -> Result<(), LoadError> 
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(pin_path)
         .load(EBPF_OBJECT)?;
-    let log_id = swap_hooks(&mut ebpf, pin_path, &hooks, false)?;
+    let log_id = swap_hooks(&mut ebpf, pin_path, &hooks, false, &mut || Ok(()))?;
     let meta_fd = sys::obj_get(&pin_path.join(map_names::META))
         .map_err(io_err("opening", &pin_path.join(map_names::META)))?;
     write_meta(meta_fd.as_fd(), meta::OBJECT_HASH, object_hash(), pin_path)?;
@@ -308,9 +308,32 @@ fn swap_hooks(
     pin_path: &Path,
     hooks: &[PinnedHook],
     crash: bool,
+    before_swap: &mut dyn FnMut() -> Result<(), LoadError>,
 ) -> Result<Option<u32>, LoadError> {
     let links = pin_path.join("links");
     let mut log_id = None;
+    // Load (verify) every program first: the swaps below then follow each other within
+    // microseconds, and `before_swap` runs right before the first.
+    for hook in hooks {
+        let name = hook.program;
+        let prog_err = |source| LoadError::Program { name, source };
+        let program = ebpf.program_mut(name).ok_or(LoadError::Program {
+            name,
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        })?;
+        if name.starts_with("tc_") {
+            let prog: &mut SchedClassifier = program.try_into().map_err(prog_err)?;
+            if prog.fd().is_err() {
+                prog.load().map_err(prog_err)?;
+            }
+        } else {
+            let prog: &mut CgroupSockAddr = program.try_into().map_err(prog_err)?;
+            if prog.fd().is_err() {
+                prog.load().map_err(prog_err)?;
+            }
+        }
+    }
+    before_swap()?;
     for (i, hook) in hooks.iter().enumerate() {
         let name = hook.program;
         let prog_err = |source| LoadError::Program { name, source };
@@ -618,7 +641,7 @@ impl Migration {
         }
         if !only_datapath {
             // Maps of the old layout that this one no longer has.
-            for name in self.old_only_maps(&staged) {
+            for name in self.old_only_maps() {
                 let entries = count_entries(&self.pin_path.join(&name)).unwrap_or(0);
                 warn!(
                     map = %name,
@@ -652,16 +675,14 @@ impl Migration {
         Ok(())
     }
 
-    /// Old pins (maps of the previous layouts) with no staged counterpart.
-    fn old_only_maps(&self, staged: &[String]) -> Vec<String> {
+    /// Old pins (maps of the previous layouts) that this build has no more
+    /// (`map_names::ALL` is this build's set).
+    fn old_only_maps(&self) -> Vec<String> {
         v3::MAP_NAMES
             .iter()
-            .chain(map_names::ALL.iter())
-            .filter(|n| !staged.iter().any(|s| s == *n))
+            .filter(|n| !map_names::ALL.contains(n))
             .filter(|n| self.pin_path.join(n).is_file())
             .map(|n| n.to_string())
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
             .collect()
     }
 
@@ -691,10 +712,13 @@ impl Migration {
                 }
             };
             let hooks = pinned_hooks(&self.pin_path)?;
-            // Narrow the window before the swap: the flows opened since the full copy.
-            self.copy_all(true)?;
-            set_marker(&self.staging, from, "swapping")?;
-            let log_id = swap_hooks(ebpf, &self.pin_path, &hooks, true)?;
+            // Right before the swap (programs loaded): the flows opened since the full
+            // copy, to narrow the window in which the old programs write alone.
+            let pin_path = self.pin_path.clone();
+            let log_id = swap_hooks(ebpf, &pin_path, &hooks, true, &mut || {
+                self.copy_all(true)?;
+                set_marker(&self.staging, from, "swapping")
+            })?;
             if let Some(id) = log_id {
                 let meta_path = self.staging.join(map_names::META);
                 let meta = sys::obj_get(&meta_path).map_err(io_err("opening", &meta_path))?;
@@ -731,7 +755,7 @@ impl Migration {
             set_marker(&self.staging, from, "meta")?;
             crash_point("meta");
         }
-        for name in self.old_only_maps(&self.staged_maps()?) {
+        for name in self.old_only_maps() {
             let path = self.pin_path.join(&name);
             fs::remove_file(&path).map_err(io_err("unpinning", &path))?;
             info!(map = %name, "removed the old layout's map");
