@@ -407,24 +407,16 @@ fn ask_udp(addr: SocketAddr) -> std::io::Result<String> {
             UDP_RETRIES.fetch_add(1, Ordering::Relaxed);
             sock.send_to(b"hi", addr)?;
         }
-        let deadline = Instant::now() + ATTEMPT_TIMEOUT;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
+        sock.set_read_timeout(Some(ATTEMPT_TIMEOUT))?;
+        match sock.recv_from(&mut buf) {
+            Ok((n, from)) if from == addr => {
+                return pod_of(&String::from_utf8_lossy(&buf[..n]));
             }
-            sock.set_read_timeout(Some(left))?;
-            match sock.recv_from(&mut buf) {
-                Ok((n, from)) if from == addr => {
-                    return pod_of(&String::from_utf8_lossy(&buf[..n]));
-                }
-                Ok((_, from)) => {
-                    UDP_WRONG_SOURCE.fetch_add(1, Ordering::Relaxed);
-                    eprintln!("UDP answer from {from}, not {addr}: ignored");
-                    break;
-                }
-                Err(_) => break,
+            Ok((_, from)) => {
+                UDP_WRONG_SOURCE.fetch_add(1, Ordering::Relaxed);
+                eprintln!("UDP answer from {from}, not {addr}: ignored");
             }
+            Err(_) => {}
         }
     }
     Err(std::io::Error::other(format!("no answer from {addr}")))
@@ -493,7 +485,10 @@ fn cluster_ip_client(netns: &Path) {
         std::thread::sleep(Duration::from_millis(5));
     }
     let ((to, tf), (uo, uf)) = (tcp.counts(), udp.counts());
-    println!("tcp_ok={to} tcp_failed={tf} udp_ok={uo} udp_failed={uf}");
+    println!(
+        "tcp_ok={to} tcp_failed={tf} udp_ok={uo} udp_failed={uf} udp_retries={}",
+        UDP_RETRIES.load(Ordering::Relaxed)
+    );
     for e in tcp
         .errors
         .lock()
@@ -547,14 +542,20 @@ impl ClusterIpClient {
     }
 
     /// Stops it: (tcp ok, tcp failed, udp ok, udp failed), errors.
-    fn finish(mut self) -> ([u64; 4], String) {
+    fn finish(mut self) -> ([u64; 5], String) {
         drop(self.child.stdin.take());
         let out = self.child.wait_with_output().expect("client output");
         let line = String::from_utf8_lossy(&out.stdout).to_string();
-        let mut n = [0u64; 4];
-        for (i, key) in ["tcp_ok", "tcp_failed", "udp_ok", "udp_failed"]
-            .iter()
-            .enumerate()
+        let mut n = [0u64; 5];
+        for (i, key) in [
+            "tcp_ok",
+            "tcp_failed",
+            "udp_ok",
+            "udp_failed",
+            "udp_retries",
+        ]
+        .iter()
+        .enumerate()
         {
             n[i] = line
                 .split_whitespace()
@@ -834,9 +835,11 @@ fn upgrade_under_traffic(mode: &'static str) {
         flows
     );
     eprintln!(
-        "NodePort UDP exchanges asked again: {} (answers ignored for their source: {})",
+        "UDP exchanges asked again: NodePort {} (answers ignored for their source: {}), \
+         ClusterIP {}",
         UDP_RETRIES.load(Ordering::Relaxed),
-        UDP_WRONG_SOURCE.load(Ordering::Relaxed)
+        UDP_WRONG_SOURCE.load(Ordering::Relaxed),
+        cip_counts[4]
     );
     // Copying conntrack (layout changed): new TC flows in the swap window may fail.
     let ct_copied = !force.is_empty() && mode == "copy";
