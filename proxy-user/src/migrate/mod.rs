@@ -14,9 +14,12 @@
 //! moves a pin atomically):
 //!
 //! 1. `staged`: the new object's maps are created (pinned) in the staging directory;
-//! 2. `filled`: every entry is copied from the old maps ([`converter`]: unchanged
-//!    layouts as bytes, changed ones through a conversion function; what cannot be
-//!    converted is named and counted in the log);
+//!    a map whose type, key/value sizes and flags did not change and that needs no
+//!    conversion is replaced there by the old map itself (shared by both builds, so the
+//!    conntrack table stays one while the hooks change programs);
+//! 2. `filled`: every entry of the other maps is copied from the old ones
+//!    ([`converter`]: a conversion function, or bytes; what cannot be converted is named
+//!    and counted in the log);
 //! 3. `swapping` .. `swapped`: the new programs are loaded against the staging maps, the
 //!    entries the old programs wrote meanwhile are copied (insert-if-absent), and every
 //!    hook is swapped to the new programs;
@@ -35,7 +38,9 @@
 //! Test hooks: `EBPF_PROXY_MIGRATE_CRASH_AT=<step>` makes the process `abort()` right
 //! after that step ([`STEPS`]); `EBPF_PROXY_MIGRATE_FORCE=1` runs the full staged
 //! migration instead of the program swap when the layout is the same but the build
-//! differs (so that the migration can be tested before a layout change exists).
+//! differs (so that the migration can be tested before a layout change exists;
+//! `EBPF_PROXY_MIGRATE_FORCE=copy` shares nothing and converts every map through its
+//! [`v3`] function, as if every layout had changed).
 
 mod sys;
 pub mod v3;
