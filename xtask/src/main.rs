@@ -5,6 +5,8 @@
 //! - `demo`: the seed article's example live (see `demo.rs`);
 //! - `bench`: the datapath and control plane against kube-proxy's modes (see `bench/`);
 //! - `test`: formatting, clippy, unit and privileged integration tests (serially).
+//! - `upgrade-from`: the previous release's `proxy-agent`, for the upgrade test (see
+//!   `upgrade_from.rs`; `test` runs it first).
 
 mod bench;
 mod demo;
