@@ -204,6 +204,9 @@ pub mod meta {
     /// Kernel id of a loaded hook program, so a later agent can read the programs'
     /// aya-log records (`EbpfLogger::init_from_id`).
     pub const LOG_PROGRAM_ID: u32 = 1;
+    /// A hash of the eBPF object whose programs run (0: unknown, pins of an older
+    /// build): a new build with another hash swaps its programs in (`migrate.rs`).
+    pub const OBJECT_HASH: u32 = 2;
 }
 
 /// Every outcome of a datapath decision: the index into the per-CPU `STATS` array.

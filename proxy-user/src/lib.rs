@@ -11,6 +11,7 @@ pub mod cluster;
 pub mod codec;
 pub mod ctl;
 pub mod loader;
+pub mod migrate;
 pub mod model;
 pub mod node;
 pub mod pins;

@@ -47,7 +47,8 @@ use crate::{
 pub use crate::pins::DEFAULT_PIN_PATH;
 
 /// The eBPF object built by `build.rs` (empty when built with the stub switch).
-static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
+pub(crate) static EBPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
 /// The cgroup hooks, by program name (the function names in `proxy-ebpf/src/sock.rs`).
 pub const SOCK_PROGRAMS: [&str; 8] = [
@@ -491,6 +492,10 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     }
     fs::create_dir_all(link_dir(pin_path)).map_err(io_err("creating", pin_path))?;
 
+    // Upgrades (migrate.rs): finish or roll back an interrupted layout migration, migrate
+    // an older layout, or swap another build's running programs for this build's.
+    crate::migrate::prepare(pin_path)?;
+
     // Maps of another ABI would be misread by the new programs: refuse.
     let pins = PinDir::new(pin_path);
     if pins.has_maps() {
@@ -703,6 +708,7 @@ pub fn load_object(pin_path: &Path, ct_entries: u32) -> Result<aya::Ebpf, LoadEr
         .map_max_entries(map_names::CT6, ct_entries)
         .load(EBPF_OBJECT)?;
     write_meta(&mut ebpf, meta::ABI_VERSION, ABI_VERSION)?;
+    write_meta(&mut ebpf, meta::OBJECT_HASH, crate::migrate::object_hash())?;
     Ok(ebpf)
 }
 
@@ -783,6 +789,9 @@ pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
         remove_pin(&links, &name)?;
         report.links.push(name);
     }
+    // A migration interrupted by a crash leaves its staging directory (migrate.rs).
+    crate::migrate::remove_staging(pin_path)
+        .map_err(io_err("removing the staging directory in", pin_path))?;
     if links.exists() {
         fs::remove_dir(&links).map_err(io_err("removing (unknown files left?)", &links))?;
     }

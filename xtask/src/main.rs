@@ -5,10 +5,13 @@
 //! - `demo`: the seed article's example live (see `demo.rs`);
 //! - `bench`: the datapath and control plane against kube-proxy's modes (see `bench/`);
 //! - `test`: formatting, clippy, unit and privileged integration tests (serially).
+//! - `upgrade-from`: the previous release's `proxy-agent`, for the upgrade test (see
+//!   `upgrade_from.rs`; `test` runs it first).
 
 mod bench;
 mod demo;
 mod setup;
+mod upgrade_from;
 
 use std::process::Command;
 
@@ -39,6 +42,8 @@ enum Cmd {
     /// nftables and IPVS modes at 1 to 50,000 services (as root; docs/benchmarks.md).
     Bench(bench::Args),
     /// Run every test: fmt and clippy checks, unit tests, privileged tests (as root).
+    /// Build the previous release's `proxy-agent` for the upgrade test (reused once built).
+    UpgradeFrom,
     Test {
         /// Skip `cargo fmt --check` and `cargo clippy`.
         #[arg(long)]
@@ -67,6 +72,12 @@ fn main() -> Result<()> {
             demo::run(&workspace_root().join("target/release"), requests_per_pod)
         }
         Cmd::Bench(args) => bench::main(args),
+        Cmd::UpgradeFrom => {
+            setup::ensure()?;
+            let bin = upgrade_from::ensure()?;
+            println!("{}={}", upgrade_from::ENV, bin.display());
+            Ok(())
+        }
         Cmd::Test {
             no_lint,
             no_bench,
@@ -149,6 +160,8 @@ fn test(no_lint: bool, no_bench: bool, args: &[String]) -> Result<()> {
     }
     // Privileged tests share kernel state (cgroups, bpffs, namespaces): one at a time.
     let mut cmd = cargo();
+    // The upgrade test runs the previous release's agent (tests/upgrade.rs).
+    cmd.env(upgrade_from::ENV, upgrade_from::ensure()?);
     cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"]);
     cmd.args(args);
     cmd.args(["--", "--test-threads=1"]);

@@ -1,0 +1,1107 @@
+//! Upgrades of a running datapath, with the real previous release (commit 5dac924, ABI 3)
+//! and this build, under a client loop. Needs root; the tests run one after another.
+//!
+//! The previous release's `proxy-agent` comes from `cargo xtask upgrade-from` (run by
+//! `cargo xtask test`), whose path is in `EBPF_PROXY_UPGRADE_FROM_AGENT`: without it
+//! these tests FAIL (they never skip).
+//!
+//! ```text
+//!  ext 10.100.0.1 ──── 10.100.0.2 [node-a] 10.100.1.1 ──── 10.100.1.2 [node-b]
+//!                        │ 10.1.1.1   │ 10.1.2.1               │ 10.2.1.1
+//!                      pod1 .2      pod2 .2                  pod3 10.2.1.2
+//! ```
+//! The agent runs in node-a with TC on `ext0` and `nb0` and its socket hooks on a child
+//! cgroup. Clients: the external client (this process, outside the cgroup) opens new TCP
+//! connections and UDP exchanges to the NodePort (TC) and keeps long-lived TCP flows
+//! through it (pod3 is remote: those flows are SNATed, their replies need conntrack); a
+//! child process of this binary, moved into the cgroup and into node-a's namespace,
+//! opens new TCP connections and UDP exchanges to the ClusterIP (socket hooks).
+//!
+//! This file has its own `main` (`harness = false`) because the ClusterIP client must be
+//! a separate process (a cgroup holds processes; the external client must stay out).
+
+mod support;
+
+use std::{
+    fs,
+    io::{BufRead, BufReader, Read, Write},
+    net::{SocketAddr, TcpStream, UdpSocket},
+    os::unix::process::{CommandExt, ExitStatusExt},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use proxy_common::{map_names, meta, ABI_VERSION};
+use proxy_user::{bpf, migrate};
+use support::{
+    http_get, run,
+    tc::{tcx_programs, UninstallIn},
+    unique, Netns, NetnsGuard, Server, TestEnv, SOCK_ATTACH_TYPES,
+};
+
+/// The variable `cargo xtask test` sets to the previous release's agent.
+const OLD_AGENT_ENV: &str = "EBPF_PROXY_UPGRADE_FROM_AGENT";
+/// Set (to node-a's namespace path) in the ClusterIP client child process.
+const CLIENT_ENV: &str = "EBPF_PROXY_UPGRADE_TEST_CLIENT";
+const NODEPORT: u16 = 30080;
+const VIP: [u8; 4] = [10, 96, 0, 10];
+/// Connect/answer timeout of one attempt: a lost SYN is retransmitted after 1 s, so an
+/// attempt that needs a retransmission still succeeds; one that fails is counted.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_millis(2500);
+
+fn main() {
+    if let Ok(netns) = std::env::var(CLIENT_ENV) {
+        cluster_ip_client(Path::new(&netns));
+        return;
+    }
+    let tests: [(&str, fn()); 4] = [
+        (
+            "upgrade_from_previous_release_keeps_every_connection",
+            upgrade_from_previous_release_keeps_every_connection,
+        ),
+        (
+            "upgrade_converting_every_map_keeps_established_flows",
+            upgrade_converting_every_map_keeps_established_flows,
+        ),
+        (
+            "crash_at_each_migration_step_then_restart",
+            crash_at_each_migration_step_then_restart,
+        ),
+        (
+            "same_layout_new_build_swaps_programs_in_place",
+            same_layout_new_build_swaps_programs_in_place,
+        ),
+    ];
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--list") {
+        for (name, _) in tests {
+            println!("{name}: test");
+        }
+        return;
+    }
+    let filter = args.iter().find(|a| !a.starts_with('-'));
+    let exact = args.iter().any(|a| a == "--exact");
+    let selected: Vec<_> = tests
+        .iter()
+        .filter(|(n, _)| match filter {
+            Some(f) if exact => n == f,
+            Some(f) => n.contains(f.as_str()),
+            None => true,
+        })
+        .collect();
+    println!("\nrunning {} tests", selected.len());
+    let (mut passed, mut failed) = (0, Vec::new());
+    for (name, test) in &selected {
+        let started = Instant::now();
+        let ok = std::panic::catch_unwind(test).is_ok();
+        println!(
+            "test {name} ... {} ({:.1} s)",
+            if ok { "ok" } else { "FAILED" },
+            started.elapsed().as_secs_f64()
+        );
+        if ok {
+            passed += 1;
+        } else {
+            failed.push(*name);
+        }
+    }
+    println!(
+        "\ntest result: {}. {passed} passed; {} failed; 0 ignored; 0 measured; {} filtered out\n",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        failed.len(),
+        tests.len() - selected.len()
+    );
+    if !failed.is_empty() {
+        eprintln!("failures: {failed:?}");
+        std::process::exit(101);
+    }
+}
+
+/// The previous release's agent; a missing one fails the test.
+fn old_agent() -> PathBuf {
+    let path = std::env::var_os(OLD_AGENT_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            panic!(
+                "{OLD_AGENT_ENV} is not set: run `cargo xtask upgrade-from` (which builds the \
+             previous release's proxy-agent) and pass its path, or run `cargo xtask test`"
+            )
+        });
+    assert!(
+        path.is_file(),
+        "{OLD_AGENT_ENV}={}: no such file (run `cargo xtask upgrade-from`)",
+        path.display()
+    );
+    path
+}
+
+fn new_agent() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_proxy-agent"))
+}
+
+// --- topology (after tests/tc_datapath.rs, IPv4 only) ---
+
+struct Cluster {
+    _servers: Vec<Server>,
+    ext: Netns,
+    node_a: Netns,
+    _node_b: Netns,
+    _pods: Vec<Netns>,
+}
+
+fn sysctl(ns: &Netns, key: &str) {
+    run("ip", &["netns", "exec", &ns.name, "sysctl", "-qw", key]);
+}
+
+fn link(a: &Netns, a_if: &str, a_addr: &str, b: &Netns, b_if: &str, b_addr: &str) {
+    run(
+        "ip",
+        &[
+            "link", "add", a_if, "netns", &a.name, "type", "veth", "peer", "name", b_if, "netns",
+            &b.name,
+        ],
+    );
+    for (ns, ifn, addr) in [(a, a_if, a_addr), (b, b_if, b_addr)] {
+        ns.ip(&["addr", "add", addr, "dev", ifn]);
+        ns.ip(&["link", "set", ifn, "up"]);
+    }
+}
+
+impl Cluster {
+    fn new() -> Self {
+        let ext = Netns::new(unique("ebu-ext-"));
+        let node_a = Netns::new(unique("ebu-na-"));
+        let node_b = Netns::new(unique("ebu-nb-"));
+        link(
+            &ext,
+            "eth0",
+            "10.100.0.1/24",
+            &node_a,
+            "ext0",
+            "10.100.0.2/24",
+        );
+        link(
+            &node_a,
+            "nb0",
+            "10.100.1.1/24",
+            &node_b,
+            "na0",
+            "10.100.1.2/24",
+        );
+        node_a.ip(&["route", "add", "10.2.0.0/16", "via", "10.100.1.2"]);
+        node_b.ip(&["route", "add", "10.100.0.0/24", "via", "10.100.1.1"]);
+        for n in [&node_a, &node_b] {
+            sysctl(n, "net.ipv4.ip_forward=1");
+        }
+        let mut pods = Vec::new();
+        let mut servers = Vec::new();
+        for (i, (node, net)) in [
+            (&node_a, "10.1.1"),
+            (&node_a, "10.1.2"),
+            (&node_b, "10.2.1"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let pod = Netns::new(unique("ebu-pod-"));
+            let ifn = format!("pod{}", i + 1);
+            link(
+                node,
+                &ifn,
+                &format!("{net}.1/24"),
+                &pod,
+                "eth0",
+                &format!("{net}.2/24"),
+            );
+            pod.ip(&["route", "add", "default", "via", &format!("{net}.1")]);
+            let addr = SocketAddr::new(format!("{net}.2").parse().expect("ip"), 8080);
+            let name = format!("pod{}", i + 1);
+            servers.push(Server::tcp_echo(&pod, addr, &name));
+            servers.push(Server::udp_peer(&pod, addr, &name));
+            pods.push(pod);
+        }
+        Self {
+            _servers: servers,
+            ext,
+            node_a,
+            _node_b: node_b,
+            _pods: pods,
+        }
+    }
+}
+
+/// A NodePort Service (TCP 80 / nodePort 30080, UDP 53 / 30081) over the three pods.
+fn manifests() -> PathBuf {
+    let dir = std::env::temp_dir().join(unique("ebpf-proxy-upgrade-"));
+    fs::create_dir_all(&dir).expect("mkdir");
+    let mut y = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: default}}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n  clusterIPs: [10.96.0.10]\n  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: {NODEPORT}, protocol: TCP}}\n  - {{name: dns, port: 53, targetPort: 8080, nodePort: {}, protocol: UDP}}\n",
+        NODEPORT + 1
+    );
+    y += "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-ipv4, namespace: default, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports:\n- {name: http, port: 8080, protocol: TCP}\n- {name: dns, port: 8080, protocol: UDP}\nendpoints:\n";
+    for (addr, node) in [
+        ("10.1.1.2", "node-a"),
+        ("10.1.2.2", "node-a"),
+        ("10.2.1.2", "node-b"),
+    ] {
+        y += &format!("- {{addresses: [\"{addr}\"], nodeName: {node}}}\n");
+    }
+    fs::write(dir.join("web.yaml"), y).expect("write manifest");
+    dir
+}
+
+// --- agents ---
+
+/// One `proxy-agent run` (old or new binary) inside node-a, TC on ext0 and nb0.
+struct Agent {
+    child: Child,
+    log: PathBuf,
+    netns: PathBuf,
+}
+
+impl Agent {
+    fn start(bin: &Path, env: &TestEnv, c: &Cluster, dir: &Path, extra: &[(&str, &str)]) -> Self {
+        Self::start_with(bin, env, c, dir, extra, &[])
+    }
+
+    fn start_with(
+        bin: &Path,
+        env: &TestEnv,
+        c: &Cluster,
+        dir: &Path,
+        extra: &[(&str, &str)],
+        args: &[&str],
+    ) -> Self {
+        let log = std::env::temp_dir().join(unique("ebpf-proxy-upgrade-log-"));
+        let file = fs::File::create(&log).expect("log");
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net={}", c.node_a.path().display()))
+            .arg("--")
+            .arg(bin)
+            .arg("run")
+            .args(["--manifests", dir.to_str().expect("utf-8")])
+            .args(["--interfaces", "ext0,nb0"])
+            .args(["--pin-path", env.pins.path.to_str().expect("utf-8")])
+            .args(["--cgroup", env.cgroup.path.to_str().expect("utf-8")])
+            .args(["--node-name", "node-a"])
+            .args(["--healthz-addr", "127.0.0.1:10256"])
+            .args(["--metrics-addr", "127.0.0.1:10249"])
+            .args(["--min-sync-interval", "10ms", "--manifests-poll", "20ms"])
+            .arg("--cleanup-kube-proxy=false")
+            .args(args)
+            .env("RUST_LOG", "info,proxy_user=debug")
+            .env_remove(migrate::CRASH_ENV)
+            .env_remove(migrate::FORCE_ENV)
+            .stdout(file.try_clone().expect("log"))
+            .stderr(file);
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        Self {
+            child: cmd.spawn().expect("start proxy-agent"),
+            log,
+            netns: c.node_a.path(),
+        }
+    }
+
+    fn logs(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn wait_healthy(&mut self) {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(30) {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                panic!("proxy-agent exited with {status}:\n{}", self.logs());
+            }
+            let ok = {
+                let _g = NetnsGuard::enter(&self.netns);
+                matches!(http_get(10256, "/healthz"), Ok((200, _)))
+            };
+            if ok {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("proxy-agent not healthy:\n{}", self.logs());
+    }
+
+    /// Waits for the process to end by itself (a crash injection).
+    fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().expect("wait") {
+                return s;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "proxy-agent did not exit:\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGTERM and wait; returns the log. The datapath stays pinned.
+    fn stop(mut self) -> String {
+        self.terminate();
+        self.logs()
+    }
+
+    fn terminate(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            // SAFETY: signalling our own child by pid.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let start = Instant::now();
+            while self.child.try_wait().ok().flatten().is_none() {
+                if start.elapsed() > Duration::from_secs(10) {
+                    let _ = self.child.kill();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.terminate();
+        if std::thread::panicking() {
+            eprintln!("--- proxy-agent log ---\n{}", self.logs());
+        }
+        let _ = fs::remove_file(&self.log);
+    }
+}
+
+// --- clients ---
+
+/// One request over a new TCP connection: the answering pod.
+fn ask_tcp(addr: SocketAddr) -> std::io::Result<String> {
+    let mut s = TcpStream::connect_timeout(&addr, ATTEMPT_TIMEOUT)?;
+    s.set_read_timeout(Some(ATTEMPT_TIMEOUT))?;
+    s.write_all(b"hi\n")?;
+    let mut line = String::new();
+    BufReader::new(&s).read_line(&mut line)?;
+    pod_of(&line)
+}
+
+/// One datagram and its answer, which must come from the address asked (reverse NAT).
+fn ask_udp(addr: SocketAddr) -> std::io::Result<String> {
+    let sock = UdpSocket::bind("0.0.0.0:0")?;
+    sock.set_read_timeout(Some(ATTEMPT_TIMEOUT))?;
+    sock.send_to(b"hi", addr)?;
+    let mut buf = [0u8; 256];
+    // An answer from another address than the one asked is not an answer (a resolver or
+    // a connected socket ignores it); a lost or ignored datagram is asked again once, as
+    // a resolver would, and counted.
+    for attempt in 0..2 {
+        if attempt > 0 {
+            UDP_RETRIES.fetch_add(1, Ordering::Relaxed);
+            sock.send_to(b"hi", addr)?;
+        }
+        sock.set_read_timeout(Some(ATTEMPT_TIMEOUT))?;
+        match sock.recv_from(&mut buf) {
+            Ok((n, from)) if from == addr => {
+                return pod_of(&String::from_utf8_lossy(&buf[..n]));
+            }
+            Ok((_, from)) => {
+                UDP_WRONG_SOURCE.fetch_add(1, Ordering::Relaxed);
+                eprintln!("UDP answer from {from}, not {addr}: ignored");
+            }
+            Err(_) => {}
+        }
+    }
+    Err(std::io::Error::other(format!("no answer from {addr}")))
+}
+
+/// UDP exchanges asked again, and answers ignored for their source address.
+static UDP_RETRIES: AtomicU64 = AtomicU64::new(0);
+static UDP_WRONG_SOURCE: AtomicU64 = AtomicU64::new(0);
+
+fn pod_of(line: &str) -> std::io::Result<String> {
+    let pod = line.split_whitespace().next().unwrap_or_default();
+    if pod.starts_with("pod") {
+        Ok(pod.to_string())
+    } else {
+        Err(std::io::Error::other(format!("unexpected answer {line:?}")))
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    ok: AtomicU64,
+    failed: AtomicU64,
+    errors: Mutex<Vec<String>>,
+}
+
+impl Tally {
+    fn record(&self, what: &str, r: std::io::Result<String>) {
+        match r {
+            Ok(_) => {
+                self.ok.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                self.failed.fetch_add(1, Ordering::Relaxed);
+                self.errors
+                    .lock()
+                    .expect("lock")
+                    .push(format!("{what}: {e}"));
+            }
+        }
+    }
+    fn counts(&self) -> (u64, u64) {
+        (
+            self.ok.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// The ClusterIP client (child process): in the cgroup (moved before exec) and in
+/// node-a's namespace; new TCP connections and UDP exchanges to the ClusterIP until its
+/// stdin closes, then one line of counts on stdout and the errors on stderr.
+fn cluster_ip_client(netns: &Path) {
+    let _g = NetnsGuard::enter(netns);
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    std::thread::spawn(move || {
+        let mut sink = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut sink);
+        stop2.store(true, Ordering::Relaxed);
+    });
+    let (tcp, udp) = (Tally::default(), Tally::default());
+    let vip = |port| SocketAddr::from((VIP, port));
+    while !stop.load(Ordering::Relaxed) {
+        tcp.record("ClusterIP TCP", ask_tcp(vip(80)));
+        udp.record("ClusterIP UDP", ask_udp(vip(53)));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let ((to, tf), (uo, uf)) = (tcp.counts(), udp.counts());
+    println!(
+        "tcp_ok={to} tcp_failed={tf} udp_ok={uo} udp_failed={uf} udp_retries={}",
+        UDP_RETRIES.load(Ordering::Relaxed)
+    );
+    for e in tcp
+        .errors
+        .lock()
+        .expect("lock")
+        .iter()
+        .chain(udp.errors.lock().expect("lock").iter())
+    {
+        eprintln!("{e}");
+    }
+}
+
+/// A running ClusterIP client child process.
+struct ClusterIpClient {
+    child: Child,
+}
+
+impl ClusterIpClient {
+    fn start(env: &TestEnv, c: &Cluster) -> Self {
+        let procs = std::ffi::CString::new(
+            env.cgroup
+                .path
+                .join("cgroup.procs")
+                .to_str()
+                .expect("utf-8"),
+        )
+        .expect("path");
+        let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
+        cmd.env(CLIENT_ENV, c.node_a.path())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // SAFETY: only async-signal-safe calls (open, write, close) between fork and exec:
+        // the child moves itself into the test cgroup before it runs any client code.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let r = libc::write(fd, b"0".as_ptr().cast(), 1);
+                libc::close(fd);
+                if r != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        Self {
+            child: cmd.spawn().expect("start the ClusterIP client"),
+        }
+    }
+
+    /// Stops it: (tcp ok, tcp failed, udp ok, udp failed), errors.
+    fn finish(mut self) -> ([u64; 5], String) {
+        drop(self.child.stdin.take());
+        let out = self.child.wait_with_output().expect("client output");
+        let line = String::from_utf8_lossy(&out.stdout).to_string();
+        let mut n = [0u64; 5];
+        for (i, key) in [
+            "tcp_ok",
+            "tcp_failed",
+            "udp_ok",
+            "udp_failed",
+            "udp_retries",
+        ]
+        .iter()
+        .enumerate()
+        {
+            n[i] = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{key}=")))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("client output {line:?} {:?}", out.status));
+        }
+        (n, String::from_utf8_lossy(&out.stderr).to_string())
+    }
+}
+
+/// (tcp ok, failed), (udp ok, failed), per long-lived flow (pod, answers) or what broke
+/// it, the errors of the failed attempts.
+type ExtResult = (
+    (u64, u64),
+    (u64, u64),
+    Vec<Result<(String, u64), String>>,
+    Vec<String>,
+);
+
+/// The external client's loops through TC: new TCP connections, UDP exchanges and
+/// long-lived TCP flows to the NodePort, from the ext namespace.
+struct ExtClients {
+    stop: Arc<AtomicBool>,
+    tcp: Arc<Tally>,
+    udp: Arc<Tally>,
+    threads: Vec<JoinHandle<()>>,
+    flows: Vec<JoinHandle<Result<(String, u64), String>>>,
+}
+
+impl ExtClients {
+    fn start(c: &Cluster, long_lived: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tcp, udp) = (Arc::new(Tally::default()), Arc::new(Tally::default()));
+        let ext = c.ext.path();
+        let mut threads = Vec::new();
+        for (tally, is_tcp) in [(tcp.clone(), true), (udp.clone(), false)] {
+            let (stop, ext) = (stop.clone(), ext.clone());
+            threads.push(std::thread::spawn(move || {
+                let _g = NetnsGuard::enter(&ext);
+                while !stop.load(Ordering::Relaxed) {
+                    if is_tcp {
+                        let addr = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
+                        tally.record("NodePort TCP", ask_tcp(addr));
+                    } else {
+                        let addr = SocketAddr::from(([10, 100, 0, 2], NODEPORT + 1));
+                        tally.record("NodePort UDP", ask_udp(addr));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }));
+        }
+        // Long-lived flows: opened now, one request every 20 ms until stopped. Each
+        // returns its pod and the number of answers, or what broke it.
+        let mut flows = Vec::new();
+        let mut opened = 0;
+        let mut pods = std::collections::BTreeSet::new();
+        let _g = c.ext.enter();
+        // Until one of them goes to the remote pod (SNAT: its replies need conntrack).
+        while opened < long_lived || (!pods.contains("pod3") && opened < 40) {
+            let addr = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
+            let mut s =
+                TcpStream::connect_timeout(&addr, ATTEMPT_TIMEOUT).expect("long-lived flow");
+            s.set_read_timeout(Some(ATTEMPT_TIMEOUT)).expect("timeout");
+            s.write_all(b"hi\n").expect("write");
+            let mut reader = BufReader::new(s.try_clone().expect("clone"));
+            let mut line = String::new();
+            reader.read_line(&mut line).expect("first answer");
+            let pod = pod_of(&line).expect("pod");
+            pods.insert(pod.clone());
+            opened += 1;
+            let stop = stop.clone();
+            flows.push(std::thread::spawn(move || {
+                let mut answers = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let mut line = String::new();
+                    let r = s
+                        .write_all(b"hi\n")
+                        .and_then(|()| reader.read_line(&mut line));
+                    match r {
+                        Ok(n) if n > 0 && line.starts_with(&pod) => answers += 1,
+                        Ok(_) => return Err(format!("flow to {pod}: answer {line:?}")),
+                        Err(e) => return Err(format!("flow to {pod}: {e}")),
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Ok((pod, answers))
+            }));
+        }
+        assert!(
+            pods.contains("pod3"),
+            "a long-lived flow goes to the remote (SNATed) pod: {pods:?}"
+        );
+        Self {
+            stop,
+            tcp,
+            udp,
+            threads,
+            flows,
+        }
+    }
+
+    /// Stops the loops: (tcp ok, failed), (udp ok, failed), per flow its outcome.
+    fn finish(self) -> ExtResult {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads {
+            t.join().expect("client thread");
+        }
+        let flows = self
+            .flows
+            .into_iter()
+            .map(|f| f.join().expect("flow thread"))
+            .collect();
+        let mut errors = self.tcp.errors.lock().expect("lock").clone();
+        errors.extend(self.udp.errors.lock().expect("lock").iter().cloned());
+        (self.tcp.counts(), self.udp.counts(), flows, errors)
+    }
+}
+
+// --- pinned state ---
+
+fn map_ids(pins: &Path) -> Vec<(String, u32)> {
+    let mut ids: Vec<(String, u32)> = fs::read_dir(pins)
+        .expect("pin dir")
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let map = aya::maps::MapData::from_pin(e.path()).expect("pinned map");
+            (name, map.info().expect("map info").id())
+        })
+        .collect();
+    ids.sort();
+    ids
+}
+
+fn program_ids(env: &TestEnv, c: &Cluster) -> Vec<u32> {
+    let mut ids = Vec::new();
+    for t in SOCK_ATTACH_TYPES {
+        ids.extend(support::attached_programs(&env.cgroup.path, t));
+    }
+    for iface in ["ext0", "nb0"] {
+        for ingress in [true, false] {
+            ids.extend(tcx_programs(&c.node_a, iface, ingress));
+        }
+    }
+    ids
+}
+
+/// Whether the new agent must be forced through the staged migration: the previous
+/// release has the same ABI as this build until the merge that bumps ABI_VERSION; from
+/// then on it migrates by itself. `mode`: `copy` (every map copied through its
+/// conversion function, as if every layout had changed) or `1` (maps of an unchanged
+/// layout shared).
+fn migration_env(pins: &Path, mode: &'static str) -> Vec<(&'static str, &'static str)> {
+    let old_abi = bpf::read_abi_version(pins).expect("META of the old agent");
+    if old_abi == ABI_VERSION {
+        vec![(migrate::FORCE_ENV, mode)]
+    } else {
+        assert!(
+            (migrate::OLDEST_ABI..ABI_VERSION).contains(&old_abi),
+            "old ABI {old_abi}"
+        );
+        Vec::new()
+    }
+}
+
+/// After a completed migration: META of this build, no staging directory, only this
+/// layout's maps pinned, none of them an old one except the maps `log` (the agent's)
+/// says were shared (layout unchanged: the same map object serves both builds).
+fn assert_migrated(pins: &Path, old_ids: &[(String, u32)], log: &str) {
+    assert_eq!(bpf::read_abi_version(pins).expect("META"), ABI_VERSION);
+    assert_eq!(
+        bpf::read_meta(pins, meta::OBJECT_HASH).expect("META"),
+        migrate::object_hash()
+    );
+    assert!(
+        !pins.join(migrate::STAGING_DIR).exists(),
+        "staging dir left"
+    );
+    let now = map_ids(pins);
+    for (name, id) in &now {
+        assert!(
+            map_names::ALL.contains(&name.as_str()),
+            "unknown pin {name}"
+        );
+        let shared = log
+            .lines()
+            .filter(|l| l.contains("are shared, not copied"))
+            .any(|l| l.contains(&format!("\"{name}\"")));
+        assert!(
+            shared && name != map_names::META || !old_ids.iter().any(|(_, old)| old == id),
+            "{name} is still an old map (id {id})"
+        );
+    }
+    assert_eq!(now.len(), map_names::ALL.len(), "{now:?}");
+}
+
+fn nodeport_spread(c: &Cluster, n: usize) -> std::collections::BTreeSet<String> {
+    let _g = c.ext.enter();
+    (0..n)
+        .map(|_| {
+            ask_tcp(SocketAddr::from(([10, 100, 0, 2], NODEPORT)))
+                .unwrap_or_else(|e| panic!("NodePort request: {e}"))
+        })
+        .collect()
+}
+
+// --- tests ---
+
+fn upgrade_from_previous_release_keeps_every_connection() {
+    upgrade_under_traffic("1");
+}
+
+/// Every map copied through its ABI-3 conversion function, as if every layout had
+/// changed (on this branch, where the previous release has the same ABI; after the ABI
+/// bump both tests run the real migration). Conntrack is then two tables while the hooks
+/// change programs: a TC flow opened in the few milliseconds between the last copy and
+/// the swap can miss its entry, so new TC connections are reported and bounded (1%),
+/// while everything else must be exact.
+fn upgrade_converting_every_map_keeps_established_flows() {
+    upgrade_under_traffic("copy");
+}
+
+fn upgrade_under_traffic(mode: &'static str) {
+    let old = old_agent();
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::new();
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+
+    let mut agent = Agent::start(&old, &env, &c, &dir, &[]);
+    agent.wait_healthy();
+    assert_eq!(nodeport_spread(&c, 60).len(), 3);
+    let old_maps = map_ids(&env.pins.path);
+    let old_progs = program_ids(&env, &c);
+    assert_eq!(
+        old_progs.len(),
+        12,
+        "8 socket hooks + 4 TC hooks: {old_progs:?}"
+    );
+    let force = migration_env(&env.pins.path, mode);
+
+    let ext = ExtClients::start(&c, 6);
+    let cip = ClusterIpClient::start(&env, &c);
+    std::thread::sleep(Duration::from_secs(1));
+    let old_log = agent.stop();
+    let swap_started = Instant::now();
+    let mut agent = Agent::start(&new_agent(), &env, &c, &dir, &force);
+    agent.wait_healthy();
+    let upgrade_time = swap_started.elapsed();
+    // Keep the loops going on the new datapath.
+    std::thread::sleep(Duration::from_secs(3));
+    let (tcp, udp, flows, errors) = ext.finish();
+    let (cip_counts, cip_errors) = cip.finish();
+    let log = agent.logs();
+    eprintln!(
+        "upgrade {}: agent restart to healthy {upgrade_time:?}; NodePort TCP {} ok / {} \
+         failed, NodePort UDP {} ok / {} failed, ClusterIP TCP {} ok / {} failed, \
+         ClusterIP UDP {} ok / {} failed; long-lived flows {:?}",
+        if force.is_empty() {
+            "ABI 3 -> this ABI".to_string()
+        } else {
+            format!(
+                "(same ABI, forced migration, {}={mode})",
+                migrate::FORCE_ENV
+            )
+        },
+        tcp.0,
+        tcp.1,
+        udp.0,
+        udp.1,
+        cip_counts[0],
+        cip_counts[1],
+        cip_counts[2],
+        cip_counts[3],
+        flows
+    );
+    eprintln!(
+        "UDP exchanges asked again: NodePort {} (answers ignored for their source: {}), \
+         ClusterIP {}",
+        UDP_RETRIES.load(Ordering::Relaxed),
+        UDP_WRONG_SOURCE.load(Ordering::Relaxed),
+        cip_counts[4]
+    );
+    // Copying conntrack (layout changed): new TC flows in the swap window may fail.
+    let ct_copied = !force.is_empty() && mode == "copy";
+    let tc_failures_allowed = if ct_copied { (tcp.0 + udp.0) / 100 } else { 0 };
+    assert!(
+        (errors.is_empty() || tcp.1 + udp.1 <= tc_failures_allowed) && cip_errors.trim().is_empty(),
+        "failed connections across the upgrade: {errors:#?}\n{cip_errors}\n--- old agent ---\n{old_log}\n--- new agent ---\n{log}"
+    );
+    assert!(tcp.1 + udp.1 <= tc_failures_allowed, "{errors:?}");
+    assert_eq!((cip_counts[1], cip_counts[3]), (0, 0));
+    if ct_copied {
+        assert!(log.contains("not_converted=0"), "{log}");
+    } else {
+        assert!(log.contains("are shared, not copied"), "{log}");
+    }
+    for (n, what) in [
+        (tcp.0, "NodePort TCP"),
+        (udp.0, "NodePort UDP"),
+        (cip_counts[0], "ClusterIP TCP"),
+        (cip_counts[2], "ClusterIP UDP"),
+    ] {
+        assert!(n >= 20, "{what}: only {n} attempts");
+    }
+    for f in &flows {
+        let (_, answers) = f
+            .as_ref()
+            .unwrap_or_else(|e| panic!("long-lived flow broke: {e}\n{log}"));
+        assert!(*answers >= 50, "{flows:?}");
+    }
+    assert!(log.contains("layout migration done"), "{log}");
+
+    // The new programs serve every hook; the pins are the new layout's.
+    let new_progs = program_ids(&env, &c);
+    assert_eq!(new_progs.len(), 12, "{new_progs:?}");
+    for id in &new_progs {
+        assert!(!old_progs.contains(id), "hook still runs old program {id}");
+    }
+    assert_migrated(&env.pins.path, &old_maps, &log);
+    assert_eq!(nodeport_spread(&c, 60).len(), 3);
+
+    // Restarting the same build adopts without loading anything.
+    agent.stop();
+    let maps = map_ids(&env.pins.path);
+    let mut agent = Agent::start(&new_agent(), &env, &c, &dir, &[]);
+    agent.wait_healthy();
+    assert_eq!(
+        program_ids(&env, &c),
+        new_progs,
+        "same build: programs kept"
+    );
+    assert_eq!(map_ids(&env.pins.path), maps);
+    assert!(
+        agent.logs().contains("adopted the pinned datapath"),
+        "{}",
+        agent.logs()
+    );
+    drop(agent);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+fn crash_at_each_migration_step_then_restart() {
+    let old = old_agent();
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::new();
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    for step in migrate::STEPS {
+        // A fresh datapath of the previous release.
+        if env.pins.path.exists() {
+            let _g = c.node_a.enter();
+            proxy_user::loader::uninstall(&env.pins.path).expect("uninstall");
+        }
+        let mut agent = Agent::start(&old, &env, &c, &dir, &[]);
+        agent.wait_healthy();
+        agent.stop();
+        let old_maps = map_ids(&env.pins.path);
+        let old_progs = program_ids(&env, &c);
+        let mut menv = migration_env(&env.pins.path, "1");
+
+        // Traffic runs through the crash, the datapath left by it, and the restart.
+        let ext = ExtClients::start(&c, 3);
+        let cip = ClusterIpClient::start(&env, &c);
+        std::thread::sleep(Duration::from_millis(300));
+        let mut crashing = {
+            let mut e = menv.clone();
+            e.push((migrate::CRASH_ENV, step));
+            Agent::start(&new_agent(), &env, &c, &dir, &e)
+        };
+        let status = crashing.wait_exit();
+        let crash_log = crashing.logs();
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGABRT),
+            "{step}: {status}\n{crash_log}"
+        );
+        assert!(
+            crash_log.contains(&format!("{}={step}", migrate::CRASH_ENV)),
+            "{crash_log}"
+        );
+        drop(crashing);
+        assert!(
+            env.pins.path.join(migrate::STAGING_DIR).exists(),
+            "{step}: the crash left the staging directory"
+        );
+        // Served by the old or the new programs (or both) while no agent runs.
+        std::thread::sleep(Duration::from_millis(700));
+        let progs = program_ids(&env, &c);
+        assert_eq!(progs.len(), 12, "{step}: every hook attached: {progs:?}");
+        let swapped = progs.iter().filter(|id| !old_progs.contains(id)).count();
+        let want_swapped = match step {
+            "staged" | "filled" => 0,
+            "swap-first" => 1,
+            _ => 12,
+        };
+        assert_eq!(swapped, want_swapped, "{step}: hooks on new programs");
+        // Half-swapped TC hooks (`swap-first`) agree on flows only through a shared
+        // conntrack table: with a changed CT layout, flows opened while the agent is down
+        // in that state may fail (documented); report them instead of asserting.
+        let ct_shared = step != "swap-first" || {
+            let id = |p: &Path| {
+                aya::maps::MapData::from_pin(p)
+                    .expect("CT4")
+                    .info()
+                    .expect("info")
+                    .id()
+            };
+            id(&env.pins.path.join(map_names::CT4))
+                == id(&env
+                    .pins
+                    .path
+                    .join(migrate::STAGING_DIR)
+                    .join(map_names::CT4))
+        };
+
+        // A normal restart finishes (or rolls back and redoes) the migration.
+        menv.retain(|(k, _)| *k != migrate::CRASH_ENV);
+        let mut agent = Agent::start(&new_agent(), &env, &c, &dir, &menv);
+        agent.wait_healthy();
+        std::thread::sleep(Duration::from_millis(500));
+        let (tcp, udp, flows, errors) = ext.finish();
+        let (cip_counts, cip_errors) = cip.finish();
+        let log = agent.logs();
+        eprintln!(
+            "crash at {step}: NodePort TCP {}/{} UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed); flows {flows:?}",
+            tcp.0, tcp.1, udp.0, udp.1, cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3]
+        );
+        if !ct_shared {
+            eprintln!("{step}: conntrack layout changed, half-swapped TC: {errors:?}");
+        }
+        assert!(
+            (errors.is_empty() || !ct_shared) && cip_errors.trim().is_empty(),
+            "{step}: failed connections: {errors:#?}\n{cip_errors}\n--- crashed ---\n{crash_log}\n--- restarted ---\n{log}"
+        );
+        for f in &flows {
+            assert!(f.is_ok(), "{step}: long-lived flow broke: {flows:?}\n{log}");
+        }
+        let resumed = log.contains("resuming an interrupted layout migration");
+        let rolled_back = log.contains("rolling back");
+        match step {
+            "staged" | "filled" => assert!(rolled_back && !resumed, "{step}: {log}"),
+            _ => assert!(resumed && !rolled_back, "{step}: {log}"),
+        }
+        assert_migrated(&env.pins.path, &old_maps, &format!("{crash_log}\n{log}"));
+        let progs = program_ids(&env, &c);
+        assert!(
+            progs.iter().all(|id| !old_progs.contains(id)),
+            "{step}: old programs left"
+        );
+        assert_eq!(nodeport_spread(&c, 30).len(), 3, "{step}");
+        agent.stop();
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// Same map layout, another build (META's object hash differs): the new agent swaps its
+/// programs into every hook in place, clsact filters included, without a failed
+/// connection; the same build again adopts without reloading.
+fn same_layout_new_build_swaps_programs_in_place() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::new();
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let clsact = ["--tc-attach", "clsact"];
+    let mut agent = Agent::start_with(&new_agent(), &env, &c, &dir, &[], &clsact);
+    agent.wait_healthy();
+    agent.stop();
+    let filter_ids = || -> Vec<u32> {
+        let mut ids = Vec::new();
+        for iface in ["ext0", "nb0"] {
+            for ingress in [true, false] {
+                ids.push(support::tc::our_one_filter(&c.node_a, iface, ingress));
+            }
+        }
+        ids
+    };
+    let sock_ids = || -> Vec<u32> {
+        SOCK_ATTACH_TYPES
+            .iter()
+            .flat_map(|t| support::attached_programs(&env.cgroup.path, *t))
+            .collect()
+    };
+    let (filters_before, sock_before) = (filter_ids(), sock_ids());
+    let maps_before = map_ids(&env.pins.path);
+    // Pins as another build left them: another object hash in META.
+    {
+        let map = aya::maps::MapData::from_pin(env.pins.path.join(map_names::META)).expect("META");
+        let mut meta: aya::maps::Array<_, u32> =
+            aya::maps::Array::try_from(aya::maps::Map::Array(map)).expect("array");
+        meta.set(meta::OBJECT_HASH, 0x0bad_b0d5, 0)
+            .expect("write META");
+    }
+    let ext = ExtClients::start(&c, 3);
+    let cip = ClusterIpClient::start(&env, &c);
+    std::thread::sleep(Duration::from_millis(500));
+    let mut agent = Agent::start_with(&new_agent(), &env, &c, &dir, &[], &clsact);
+    agent.wait_healthy();
+    std::thread::sleep(Duration::from_secs(1));
+    let (tcp, udp, flows, errors) = ext.finish();
+    let (cip_counts, cip_errors) = cip.finish();
+    let log = agent.logs();
+    eprintln!(
+        "program swap: NodePort TCP {}/{} UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed); flows {flows:?}",
+        tcp.0, tcp.1, udp.0, udp.1, cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3]
+    );
+    assert!(
+        errors.is_empty() && cip_errors.trim().is_empty(),
+        "{errors:#?}\n{cip_errors}\n{log}"
+    );
+    assert!(flows.iter().all(Result::is_ok), "{flows:?}");
+    assert!(log.contains("replaced the running programs"), "{log}");
+    let (filters_after, sock_after) = (filter_ids(), sock_ids());
+    // One filter each (replaced in place at our priority/handle), every program new.
+    for id in filters_after.iter().chain(&sock_after) {
+        assert!(
+            !filters_before.contains(id) && !sock_before.contains(id),
+            "old program {id}"
+        );
+    }
+    assert_eq!(sock_after.len(), 8);
+    // The maps are the same objects (no migration), META names this build.
+    assert_eq!(map_ids(&env.pins.path), maps_before);
+    assert_eq!(
+        bpf::read_meta(&env.pins.path, meta::OBJECT_HASH).expect("META"),
+        migrate::object_hash()
+    );
+    // The clsact records name the running programs.
+    for iface in ["ext0", "nb0"] {
+        for (ingress, i) in [(true, 0), (false, 1)] {
+            let pinned = support::tc::pinned_program_id(&support::tc::clsact_pin(
+                &env.pins.path,
+                iface,
+                ingress,
+            ));
+            let idx = if iface == "ext0" { i } else { 2 + i };
+            assert_eq!(pinned, filters_after[idx], "{iface} ingress={ingress}");
+        }
+    }
+    // The same build again: adopted, nothing reloaded.
+    agent.stop();
+    let mut agent = Agent::start_with(&new_agent(), &env, &c, &dir, &[], &clsact);
+    agent.wait_healthy();
+    assert_eq!((filter_ids(), sock_ids()), (filters_after, sock_after));
+    drop(agent);
+    let _ = fs::remove_dir_all(&dir);
+}
