@@ -140,6 +140,19 @@ fn test(no_lint: bool, no_bench: bool, args: &[String]) -> Result<()> {
                 "--quick",
             ])
             .args(["--out", "target/bench-quick"]))?;
+        // The control plane over the API (fake apiserver, paged lists, 2 agents).
+        run(cargo()
+            .args([
+                "run",
+                "--quiet",
+                "--package",
+                "xtask",
+                "--",
+                "bench",
+                "--api",
+                "--quick",
+            ])
+            .args(["--out", "target/bench-api-quick"]))?;
     }
     if !setup::is_root() {
         eprintln!(
