@@ -274,7 +274,10 @@ fn agent_pages_large_lists_and_relists_after_a_stale_continue_token() {
             .filter(|r| r.contains(path) && !r.contains("watch="))
             .collect()
     };
-    for path in ["/api/v1/services?", "/apis/discovery.k8s.io/v1/endpointslices?"] {
+    for path in [
+        "/api/v1/services?",
+        "/apis/discovery.k8s.io/v1/endpointslices?",
+    ] {
         let pages = lists(path);
         assert!(
             pages.len() >= 3 && pages.iter().all(|r| r.contains("limit=500")),
@@ -300,7 +303,9 @@ fn agent_pages_large_lists_and_relists_after_a_stale_continue_token() {
     assert!(relisted.contains(&5), "a list started over: {relisted:?}");
     let metrics = agent.metrics();
     assert!(
-        metrics.lines().any(|l| l.starts_with("ebpf_proxy_watch_errors_total{")),
+        metrics
+            .lines()
+            .any(|l| l.starts_with("ebpf_proxy_watch_errors_total{")),
         "the 410 is counted: {metrics}"
     );
     let logs = agent.stop();

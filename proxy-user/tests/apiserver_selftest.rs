@@ -13,7 +13,6 @@ use std::{
     time::Duration,
 };
 
-use proxy_testbed::apiserver::FakeApiServer;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
 use kube::{
@@ -25,6 +24,7 @@ use kube::{
     },
     Client, Resource, ResourceExt,
 };
+use proxy_testbed::apiserver::FakeApiServer;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use tokio::{sync::mpsc, task::JoinHandle, time::timeout};
@@ -813,7 +813,9 @@ fn many_services(n: usize) -> Vec<Value> {
 }
 
 fn names<K: Resource>(list: &[K]) -> Vec<String> {
-    list.iter().map(|o| o.meta().name.clone().unwrap_or_default()).collect()
+    list.iter()
+        .map(|o| o.meta().name.clone().unwrap_or_default())
+        .collect()
 }
 
 /// kube-apiserver's paging, through kube-rs's `Api::list`: `limit` pages in key order with
@@ -848,7 +850,10 @@ async fn lists_are_paged_from_one_snapshot() {
         .await
         .expect("second page");
     assert_eq!(second.items.len(), 500);
-    assert_eq!(second.metadata.resource_version.as_deref(), Some(&*snapshot));
+    assert_eq!(
+        second.metadata.resource_version.as_deref(),
+        Some(&*snapshot)
+    );
     assert_eq!(names(&second.items)[0], "svc-00500");
     assert!(names(&second.items).contains(&"svc-00700".to_owned()));
     let old = second
@@ -870,7 +875,10 @@ async fn lists_are_paged_from_one_snapshot() {
         .await
         .expect("third page");
     assert_eq!(third.items.len(), 203);
-    assert!(third.metadata.continue_.is_none(), "the last page has no token");
+    assert!(
+        third.metadata.continue_.is_none(),
+        "the last page has no token"
+    );
     assert!(!names(&third.items).contains(&"svc-99999".to_owned()));
     let all: Vec<String> = [first.items, second.items, third.items]
         .iter()
@@ -915,7 +923,10 @@ async fn lists_are_paged_from_one_snapshot() {
         )
         .await
         .expect_err("a compacted exact version");
-    assert!(matches!(&gone, kube::Error::Api(s) if s.code == 410), "{gone:?}");
+    assert!(
+        matches!(&gone, kube::Error::Api(s) if s.code == 410),
+        "{gone:?}"
+    );
 }
 
 /// A continue token of the current snapshot (after its first page).
@@ -940,7 +951,10 @@ async fn watcher_lists_in_pages() {
     ));
     assert_eq!(services.next_ok().await, "Init");
     for i in 0..1201 {
-        assert_eq!(services.next_ok().await, format!("InitApply default/svc-{i:05}"));
+        assert_eq!(
+            services.next_ok().await,
+            format!("InitApply default/svc-{i:05}")
+        );
     }
     assert_eq!(services.next_ok().await, "InitDone");
     let requests = server.decoded_requests();
@@ -948,7 +962,10 @@ async fn watcher_lists_in_pages() {
     assert_eq!(lists.len(), 3, "{lists:#?}");
     assert!(lists.iter().all(|r| r.contains("limit=500")), "{lists:#?}");
     assert!(!lists[0].contains("continue="), "{lists:#?}");
-    assert!(lists[1..].iter().all(|r| r.contains("continue=")), "{lists:#?}");
+    assert!(
+        lists[1..].iter().all(|r| r.contains("continue=")),
+        "{lists:#?}"
+    );
     assert_eq!(server.list_times("Service").len(), 3);
     server.apply(service("late", json!({})));
     services.expect(&["Apply default/late"]).await;
@@ -967,7 +984,10 @@ async fn stale_continue_token_gets_410_and_the_watcher_relists() {
     ));
     assert_eq!(services.next().await, "Init");
     for i in 0..500 {
-        assert_eq!(services.next().await, format!("InitApply default/svc-{i:05}"));
+        assert_eq!(
+            services.next().await,
+            format!("InitApply default/svc-{i:05}")
+        );
     }
     let error = services.next().await;
     assert!(
@@ -993,7 +1013,10 @@ async fn stale_continue_token_gets_410_and_the_watcher_relists() {
         .filter(|r| !r.contains("watch="))
         .collect();
     assert_eq!(lists.len(), 5, "{lists:#?}");
-    assert!(!lists[2].contains("continue="), "the relist starts over: {lists:#?}");
+    assert!(
+        !lists[2].contains("continue="),
+        "the relist starts over: {lists:#?}"
+    );
 }
 
 /// What kube-rs never sends or retries, on the wire: `resourceVersion=0` with a `limit` is
@@ -1021,7 +1044,10 @@ fn raw_list_rules_and_watch_list() {
     let (status, page) = list("limit=2");
     assert_eq!(status, "HTTP/1.1 200 OK");
     assert_eq!(page["items"].as_array().map(Vec::len), Some(2));
-    let token = page["metadata"]["continue"].as_str().expect("token").to_owned();
+    let token = page["metadata"]["continue"]
+        .as_str()
+        .expect("token")
+        .to_owned();
     let (status, whole) = list("limit=2&resourceVersion=0");
     assert_eq!(status, "HTTP/1.1 200 OK");
     assert_eq!(whole["items"].as_array().map(Vec::len), Some(3));
@@ -1039,7 +1065,6 @@ fn raw_list_rules_and_watch_list() {
     // A version from the future: 504 (kube-rs retries those, so this is on the wire).
     let (status, err) = list("resourceVersion=99&resourceVersionMatch=NotOlderThan");
     assert!(status.starts_with("HTTP/1.1 504"), "{status} {err}");
-    drop(list);
     writer
         .write_all(b"GET /api/v1/nodes?watch=1&sendInitialEvents=true&resourceVersion=0 HTTP/1.1\r\nHost: x\r\n\r\n")
         .expect("send");
@@ -1054,7 +1079,10 @@ fn raw_list_rules_and_watch_list() {
         .lines()
         .map(|l| serde_json::from_str(l).expect("event JSON"))
         .collect();
-    assert!(events[..3].iter().all(|e| e["type"] == "ADDED"), "{events:?}");
+    assert!(
+        events[..3].iter().all(|e| e["type"] == "ADDED"),
+        "{events:?}"
+    );
     assert_eq!(events[3]["type"], "BOOKMARK");
     assert_eq!(
         events[3]["object"]["metadata"]["annotations"]["k8s.io/initial-events-end"],

@@ -16,7 +16,9 @@ use std::{
 };
 
 use anyhow::{bail, Context as _, Result};
-use proxy_testbed::{ensure_bpffs, free_ports, http_ask, http_get, unique, Server, TestCgroup, Topology};
+use proxy_testbed::{
+    ensure_bpffs, free_ports, http_ask, http_get, unique, Server, TestCgroup, Topology,
+};
 
 const CLUSTER_IP: &str = "10.96.0.100";
 const PODS: [&str; 4] = [

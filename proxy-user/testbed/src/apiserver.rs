@@ -41,8 +41,8 @@
 use std::{
     collections::{BTreeMap, HashMap},
     io,
-    ops::Bound,
     net::SocketAddr,
+    ops::Bound,
     path::Path,
     sync::{
         atomic::{AtomicU64, AtomicUsize, Ordering},
@@ -1034,7 +1034,7 @@ fn encode_continue(rv: u64, namespace: &str, name: &str) -> String {
 }
 
 fn decode_continue(token: &str) -> Option<(u64, String, String)> {
-    if token.len() % 2 != 0 {
+    if !token.len().is_multiple_of(2) {
         return None;
     }
     let bytes: Option<Vec<u8>> = (0..token.len())
@@ -1061,12 +1061,12 @@ fn too_large(rv: u64, current: u64) -> ListError {
 /// The message kube-apiserver sends with the 410 for a compacted continue token.
 const CONTINUE_EXPIRED: &str = "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter, or use the continue token in this response to retrieve the remainder of the results. Continuing with the provided token results in an inconsistent list - objects that were created, modified, or deleted between the time the first chunk was returned and now may show up in the list.";
 
-/// Which snapshot a list request reads (`at`), from which key on (`after`, exclusive),
-/// and whether `limit` applies.
-fn list_start(
-    store: &Store,
-    params: &HashMap<String, String>,
-) -> Result<(u64, Option<(String, String)>, bool), ListError> {
+/// Which snapshot a list request reads (`at`), from which key on (`after`, exclusive,
+/// namespace and name), and whether `limit` applies.
+type ListStart = (u64, Option<(String, String)>, bool);
+
+/// The [`ListStart`] of a list request.
+fn list_start(store: &Store, params: &HashMap<String, String>) -> Result<ListStart, ListError> {
     let param = |name: &str| params.get(name).map(String::as_str).unwrap_or_default();
     let (rv_param, rv_match, token) = (
         param("resourceVersion"),

@@ -156,6 +156,10 @@ impl TestCgroup {
         }
     }
 
+    #[allow(
+        clippy::new_without_default,
+        reason = "it moves the calling process: not what a Default should do"
+    )]
     pub fn new() -> Self {
         let mount = cgroup2_mount();
         let path = mount.join(unique("ebpf-proxy-test-"));

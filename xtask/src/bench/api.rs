@@ -73,8 +73,16 @@ pub struct ApiConfig {
     pub churn_services: usize,
     pub churn_rate: f64,
     pub churn_secs: f64,
+    /// The poller interval with a few agents; with K agents max(this, K / 3) ms, so the
+    /// pollers do not load the two CPUs more than the agents.
     pub poll_ms: u64,
     pub program_limit_secs: f64,
+    /// The bound for the side-by-side modes; a mode over it is not run at larger N.
+    pub side_limit_secs: f64,
+    /// Whether this bench (and so the fake apiserver serving the lists) was built with
+    /// optimizations (`cargo run --release -p xtask`); unoptimized, the apiserver's JSON
+    /// encoding slows the list pages down at large N.
+    pub optimized: bool,
 }
 
 impl ApiConfig {
@@ -110,6 +118,8 @@ impl ApiConfig {
             churn_secs: if quick { 2.0 } else { 10.0 },
             poll_ms: 5,
             program_limit_secs: if quick { 60.0 } else { 600.0 },
+            side_limit_secs: if quick { 60.0 } else { 120.0 },
+            optimized: !cfg!(debug_assertions),
         })
     }
 }
@@ -359,7 +369,10 @@ impl ApiAgent {
             }
             self.check_alive()?;
             if self.started.elapsed() > limit {
-                bail!("proxy-agent not healthy after {limit:?}:\n{}", self.log_tail());
+                bail!(
+                    "proxy-agent not healthy after {limit:?}:\n{}",
+                    self.log_tail()
+                );
             }
             topo::check_interrupt()?;
             std::thread::sleep(Duration::from_millis(5));
@@ -532,13 +545,17 @@ pub fn run(cfg: &ApiConfig, ctx: &Ctx, out_dir: &Path) -> Result<()> {
             .unwrap_or(0),
         ..ApiResults::default()
     };
+    let mut gave_up = BTreeMap::new();
     for &n in &cfg.scales {
-        log(start, format!("== API: {} services ==", report::thousands(n)));
+        log(
+            start,
+            format!("== API: {} services ==", report::thousands(n)),
+        );
         let mut scale = ApiScale {
             services: n,
             ..ApiScale::default()
         };
-        if let Err(e) = one_scale(cfg, ctx, n, &mut scale, start) {
+        if let Err(e) = one_scale(cfg, ctx, n, &mut scale, &mut gave_up, start) {
             log(start, format!("  failed: {e:#}"));
             scale.errors.push(format!("{e:#}"));
         }
@@ -558,7 +575,7 @@ pub fn run(cfg: &ApiConfig, ctx: &Ctx, out_dir: &Path) -> Result<()> {
             agents: k,
             services: cfg.churn_services,
             rate_per_sec: cfg.churn_rate,
-            poll_ms: cfg.poll_ms,
+            poll_ms: cfg.poll_ms.max(k as u64 / 3),
             ..NodesRun::default()
         };
         if let Err(e) = nodes(cfg, ctx, k, &mut run, start) {
@@ -590,6 +607,7 @@ fn one_scale(
     ctx: &Ctx,
     n: usize,
     scale: &mut ApiScale,
+    gave_up: &mut BTreeMap<String, String>,
     start: Instant,
 ) -> Result<()> {
     let limit = Duration::from_secs_f64(cfg.program_limit_secs);
@@ -668,10 +686,15 @@ fn one_scale(
         );
         api.apply(slice_obj(i, &eps));
         let accepted = Instant::now();
-        let Some(seen) =
-            agent.wait_metric(&format!("{name}_count"), |c| c > count0, Duration::from_secs(30))?
+        let Some(seen) = agent.wait_metric(
+            &format!("{name}_count"),
+            |c| c > count0,
+            Duration::from_secs(30),
+        )?
         else {
-            scale.errors.push(format!("change {j} not reported in 30 s"));
+            scale
+                .errors
+                .push(format!("change {j} not reported in 30 s"));
             continue;
         };
         visible_secs.push(seen.duration_since(accepted).as_secs_f64());
@@ -716,14 +739,22 @@ fn one_scale(
     drop(api);
 
     if cfg.side_by_side {
-        side_by_side(ctx, n, scale, limit, start);
+        let side_limit = Duration::from_secs_f64(cfg.side_limit_secs);
+        side_by_side(ctx, n, scale, side_limit, gave_up, start);
     }
     Ok(())
 }
 
 /// The manifests path and kube-proxy's rule loads at the same N (within the datapath
 /// bench's address plan).
-fn side_by_side(ctx: &Ctx, n: usize, scale: &mut ApiScale, limit: Duration, start: Instant) {
+fn side_by_side(
+    ctx: &Ctx,
+    n: usize,
+    scale: &mut ApiScale,
+    limit: Duration,
+    gave_up: &mut BTreeMap<String, String>,
+    start: Instant,
+) {
     if n > plan::MAX_SERVICES {
         scale.errors.push(format!(
             "side by side: {} services exceed the datapath bench's address plan ({})",
@@ -743,6 +774,10 @@ fn side_by_side(ctx: &Ctx, n: usize, scale: &mut ApiScale, limit: Duration, star
             "socket" => "manifests".to_string(),
             other => other.to_string(),
         };
+        if let Some(why) = gave_up.get(&label) {
+            scale.errors.push(format!("{label}: not run ({why})"));
+            continue;
+        }
         if let Err(why) = mode.setup(ctx) {
             scale.errors.push(format!("{label}: not available: {why}"));
             continue;
@@ -751,6 +786,16 @@ fn side_by_side(ctx: &Ctx, n: usize, scale: &mut ApiScale, limit: Duration, star
             Ok(t) => {
                 let secs = t.map(|t| t.seconds);
                 log(start, format!("  {label}: {secs:?} s"));
+                if secs.is_none() {
+                    gave_up.insert(
+                        label.clone(),
+                        format!(
+                            "over the {:.0} s bound at {}",
+                            limit.as_secs_f64(),
+                            report::thousands(n)
+                        ),
+                    );
+                }
                 scale.side_by_side.insert(label.clone(), secs);
                 if label == "manifests" {
                     scale.manifests_rss_mib = mode.agent().and_then(|a| a.rss_mib);
@@ -763,6 +808,12 @@ fn side_by_side(ctx: &Ctx, n: usize, scale: &mut ApiScale, limit: Duration, star
         }
     }
 }
+
+/// One poller's samples: when the agent's backends gauge took each new value.
+type Samples = Arc<Mutex<Vec<(Instant, f64)>>>;
+
+/// One plotted line: label, colour, points (N, value), panel.
+type Line<'a> = (&'a str, &'a str, Vec<(f64, f64)>, usize);
 
 /// `--nodes K` (see the module documentation).
 fn nodes(cfg: &ApiConfig, ctx: &Ctx, k: usize, run: &mut NodesRun, start: Instant) -> Result<()> {
@@ -807,15 +858,14 @@ fn nodes(cfg: &ApiConfig, ctx: &Ctx, k: usize, run: &mut NodesRun, start: Instan
 
     // Pollers: per agent, when its backends gauge first reached each value.
     let stop = Arc::new(AtomicBool::new(false));
-    let seen: Vec<Arc<Mutex<Vec<(Instant, f64)>>>> =
-        (0..k).map(|_| Arc::new(Mutex::new(Vec::new()))).collect();
+    let seen: Vec<Samples> = (0..k).map(|_| Arc::new(Mutex::new(Vec::new()))).collect();
     let mut threads = Vec::new();
     for (agent, seen) in agents.iter().zip(&seen) {
         let (port, stop, seen, poll) = (
             agent.metrics,
             stop.clone(),
             seen.clone(),
-            Duration::from_millis(cfg.poll_ms),
+            Duration::from_millis(cfg.poll_ms.max(k as u64 / 3)),
         );
         threads.push(std::thread::spawn(move || {
             let mut last = -1.0;
@@ -917,12 +967,23 @@ fn f(v: Option<f64>, decimals: usize) -> String {
 
 pub fn markdown(r: &ApiResults) -> String {
     let mut md = String::from("## Control plane over the API (`cargo xtask bench --api`)\n\n");
+    if let Some(c) = &r.config {
+        md += &format!(
+            "{} run; bench (and fake apiserver) built {}; {} single changes per N; machine: {} CPUs, {} MiB.\n\n",
+            if c.quick { "Quick" } else { "Full" },
+            if c.optimized { "with optimizations" } else { "without optimizations (list pages are served slower)" },
+            c.changes,
+            r.machine.get("nproc").map_or("?", String::as_str),
+            r.machine.get("mem_mib").map_or("?", String::as_str),
+        );
+    }
     md += "| Services x 10 | first list byte -> all frontends (s) | start -> /healthz 200 (s) | list pages | VmRSS (MiB) | VmHWM (MiB) | CPU at rest (%) | change, agent p50 / p99 (ms) | change, accepted -> written p50 / p99 (ms) | restart on pins -> healthy (s) | map writes on restart |\n";
     md += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     for s in &r.scales {
         let d = |d: &Option<Dist>| {
-            d.as_ref()
-                .map_or("-".into(), |d| format!("{:.2} / {:.2} (n={})", d.p50_ms, d.p99_ms, d.count))
+            d.as_ref().map_or("-".into(), |d| {
+                format!("{:.2} / {:.2} (n={})", d.p50_ms, d.p99_ms, d.count)
+            })
         };
         md += &format!(
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
@@ -997,11 +1058,11 @@ pub fn markdown(r: &ApiResults) -> String {
                 .iter()
                 .map(move |e| format!("- {}: {e}", report::thousands(s.services)))
         })
-        .chain(
-            r.nodes
+        .chain(r.nodes.iter().flat_map(|n| {
+            n.errors
                 .iter()
-                .flat_map(|n| n.errors.iter().map(move |e| format!("- {} agents: {e}", n.agents))),
-        )
+                .map(move |e| format!("- {} agents: {e}", n.agents))
+        }))
         .collect();
     if !errors.is_empty() {
         md += "\nNotes and errors:\n\n";
@@ -1013,7 +1074,7 @@ pub fn markdown(r: &ApiResults) -> String {
 
 /// Two log-log panels: programming time and VmRSS against N.
 pub fn svg(r: &ApiResults) -> String {
-    let mut series: Vec<(&str, &str, Vec<(f64, f64)>, usize)> = Vec::new();
+    let mut series: Vec<Line> = Vec::new();
     let pts = |f: &dyn Fn(&ApiScale) -> Option<f64>| -> Vec<(f64, f64)> {
         r.scales
             .iter()
@@ -1021,7 +1082,12 @@ pub fn svg(r: &ApiResults) -> String {
             .filter(|(_, v)| *v > 0.0)
             .collect()
     };
-    series.push(("API (list -> frontends)", "#d62728", pts(&|s| s.list_to_programmed_secs), 0));
+    series.push((
+        "API (list -> frontends)",
+        "#d62728",
+        pts(&|s| s.list_to_programmed_secs),
+        0,
+    ));
     for (name, colour) in [
         ("manifests", "#ff7f0e"),
         ("iptables-nft", "#1f77b4"),
@@ -1036,18 +1102,27 @@ pub fn svg(r: &ApiResults) -> String {
     }
     series.push(("API VmRSS", "#d62728", pts(&|s| s.rss_mib), 1));
     series.push(("API VmHWM", "#9467bd", pts(&|s| s.hwm_mib), 1));
-    series.push(("manifests VmRSS", "#ff7f0e", pts(&|s| s.manifests_rss_mib), 1));
+    series.push((
+        "manifests VmRSS",
+        "#ff7f0e",
+        pts(&|s| s.manifests_rss_mib),
+        1,
+    ));
     let (w, h, pw) = (1200.0, 520.0, 560.0);
     let mut out = format!(
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="13"><rect width="100%" height="100%" fill="white"/>"#
     );
     for (panel, title, unit) in [
-        (0, "Programming N Services x 10 endpoints from nothing", "seconds"),
+        (
+            0,
+            "Programming N Services x 10 endpoints from nothing",
+            "seconds",
+        ),
         (1, "Agent memory after programming", "MiB"),
     ] {
         let ox = 20.0 + panel as f64 * (pw + 40.0);
         let (left, top, pwid, phei) = (ox + 60.0, 40.0, pw - 80.0, h - 120.0);
-        let data: Vec<&(&str, &str, Vec<(f64, f64)>, usize)> = series
+        let data: Vec<&Line> = series
             .iter()
             .filter(|s| s.3 == panel && !s.2.is_empty())
             .collect();
@@ -1148,7 +1223,10 @@ mod tests {
         let s = service_obj(3);
         assert_eq!(s["spec"]["clusterIP"], "10.96.0.19");
         let e = slice_obj(3, &base_endpoints(3));
-        assert_eq!(e["metadata"]["labels"]["kubernetes.io/service-name"], "s000003");
+        assert_eq!(
+            e["metadata"]["labels"]["kubernetes.io/service-name"],
+            "s000003"
+        );
         assert_eq!(e["endpoints"].as_array().map(Vec::len), Some(ENDPOINTS));
     }
 

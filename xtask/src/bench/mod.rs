@@ -216,7 +216,7 @@ fn run_api(args: &Args) -> Result<()> {
     let manifests = topo::TempDir::new("ebpf-proxy-bench-manifests-")?;
     let ctx = Ctx {
         exe: std::env::current_exe().context("the xtask binary")?,
-        bin_dir: root.join("target/release"),
+        bin_dir: crate::release_dir(),
         cgroup: cgroup.path.clone(),
         pin_path: PathBuf::from("/sys/fs/bpf").join(topo::unique("ebpf-proxy-bench-")),
         manifests: manifests.0.clone(),
@@ -336,7 +336,7 @@ fn run(args: &Args) -> Result<()> {
     let manifests = topo::TempDir::new("ebpf-proxy-bench-manifests-")?;
     let ctx = Ctx {
         exe: std::env::current_exe().context("the xtask binary")?,
-        bin_dir: root.join("target/release"),
+        bin_dir: crate::release_dir(),
         cgroup: cgroup.path.clone(),
         pin_path: PathBuf::from("/sys/fs/bpf").join(topo::unique("ebpf-proxy-bench-")),
         manifests: manifests.0.clone(),

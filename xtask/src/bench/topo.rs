@@ -42,7 +42,9 @@ use std::{
 
 use anyhow::{bail, Context as _, Result};
 
-pub use proxy_testbed::{cgroup2_mount, ensure_bpffs, free_ports, http_get, unique, Netns, NetnsGuard};
+pub use proxy_testbed::{
+    cgroup2_mount, ensure_bpffs, free_ports, http_get, unique, Netns, NetnsGuard,
+};
 
 use super::plan::{
     target_endpoint, BULK_PORT, CLIENT_IP, DNS_PORT, HTTP_PORT, NODE_CLIENT_SIDE, NODE_PODS_SIDE,
