@@ -1,5 +1,5 @@
 //! End to end over the Kubernetes API path: the real `proxy-agent` binary with
-//! `--kubeconfig` pointing at the fake kube-apiserver (`support/apiserver.rs`, which
+//! `--kubeconfig` pointing at the fake kube-apiserver (`proxy_testbed::apiserver`, which
 //! speaks the real list/watch protocol over HTTP on loopback), pods as network
 //! namespaces, a client namespace in the test cgroup. Needs root; fails without it.
 
@@ -223,5 +223,95 @@ fn agent_converges_after_relists_and_server_restarts() {
     until(&env, vip(22), Duration::from_secs(20), from(&["pod2"]));
     let logs = agent.stop();
     assert!(logs.contains("relist: full re-diff"), "{logs}");
+    let _ = std::fs::remove_file(kubeconfig);
+}
+
+/// At cluster scale the agent's watchers page their lists (`limit=500` + `continue`, as
+/// client-go does) with bookmarks on, and when etcd compacts in the middle of a paged list
+/// (the next page's token is stale: `410 Expired`) they list again from the start and
+/// program every Service.
+#[test]
+fn agent_pages_large_lists_and_relists_after_a_stale_continue_token() {
+    const SERVICES: usize = 1200;
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let api = FakeApiServer::start();
+    api.apply(node());
+    api.apply_many((0..SERVICES).flat_map(|i| {
+        let name = format!("s{i:04}");
+        let vip = format!("10.96.{}.{}", 10 + i / 250, 1 + i % 250);
+        let mut svc = service(&name, 1);
+        svc["spec"]["clusterIP"] = json!(vip);
+        svc["spec"]["clusterIPs"] = json!([vip]);
+        [svc, slice(&format!("{name}-1"), &name, &[1])]
+    }));
+    // The first page of the first list (whichever kind asks first) is followed by a
+    // compaction, so that list's next page gets 410 Expired.
+    api.compact_after_pages(1);
+    let (mut agent, kubeconfig) = start_agent(&env, &api);
+    agent.wait_healthy(Duration::from_secs(60));
+    let want = format!("ebpf_proxy_programmed_frontends {SERVICES}");
+    let start = Instant::now();
+    while !agent.metrics().lines().any(|l| l == want) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "not all {SERVICES} frontends programmed: {}",
+            agent.metrics()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The last Service (in the last page) answers.
+    until(
+        &env,
+        SocketAddr::from(([10, 96, 14, 200], 80)),
+        Duration::from_secs(5),
+        from(&["pod1"]),
+    );
+
+    let reqs = api.decoded_requests();
+    let lists = |path: &str| -> Vec<&String> {
+        reqs.iter()
+            .filter(|r| r.contains(path) && !r.contains("watch="))
+            .collect()
+    };
+    for path in [
+        "/api/v1/services?",
+        "/apis/discovery.k8s.io/v1/endpointslices?",
+    ] {
+        let pages = lists(path);
+        assert!(
+            pages.len() >= 3 && pages.iter().all(|r| r.contains("limit=500")),
+            "{path} listed in pages of 500: {pages:#?}"
+        );
+        assert!(
+            pages.iter().filter(|r| r.contains("continue=")).count() >= 2,
+            "{pages:#?}"
+        );
+    }
+    assert!(
+        reqs.iter()
+            .filter(|r| r.contains("watch=true"))
+            .all(|r| r.contains("allowWatchBookmarks=true")),
+        "watches ask for bookmarks: {reqs:#?}"
+    );
+    // One kind's list failed on its stale token and was started over: 5 list requests
+    // (1 + 1 failed, then 3) for one of the two kinds.
+    let relisted = [
+        lists("/api/v1/services?").len(),
+        lists("/apis/discovery.k8s.io/v1/endpointslices?").len(),
+    ];
+    assert!(relisted.contains(&5), "a list started over: {relisted:?}");
+    let metrics = agent.metrics();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("ebpf_proxy_watch_errors_total{")),
+        "the 410 is counted: {metrics}"
+    );
+    let logs = agent.stop();
+    assert!(
+        logs.contains("too old to display a consistent list"),
+        "the 410's message is logged: {logs}"
+    );
     let _ = std::fs::remove_file(kubeconfig);
 }

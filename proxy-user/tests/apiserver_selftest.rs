@@ -1,10 +1,8 @@
-//! Self-tests of the fake kube-apiserver in `support/apiserver.rs`: kube-rs's real client
+//! Self-tests of the fake kube-apiserver (`proxy_testbed::apiserver`, in
+//! `proxy-user/testbed/src/apiserver.rs`): kube-rs's real client
 //! and `kube::runtime::watcher` must see it as a kube-apiserver (initial list, live events,
 //! label selectors, reconnects, 410 relists, server restarts), and the wire format must
 //! hold up to a raw HTTP client. Unprivileged; everything binds to 127.0.0.1 only.
-
-#[path = "support/apiserver.rs"]
-mod apiserver;
 
 use std::{
     collections::BTreeSet,
@@ -15,7 +13,6 @@ use std::{
     time::Duration,
 };
 
-use apiserver::FakeApiServer;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
 use kube::{
@@ -27,6 +24,7 @@ use kube::{
     },
     Client, Resource, ResourceExt,
 };
+use proxy_testbed::apiserver::FakeApiServer;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use tokio::{sync::mpsc, task::JoinHandle, time::timeout};
@@ -805,4 +803,295 @@ fn raw_http_from_sync_code() {
     let mut rest = String::new();
     reader.read_to_string(&mut rest).expect("read until EOF");
     assert_eq!(rest, "\r\n", "only the end of the event's chunk");
+}
+
+/// `n` Services named `svc-00000` ... (key order = creation order).
+fn many_services(n: usize) -> Vec<Value> {
+    (0..n)
+        .map(|i| service(&format!("svc-{i:05}"), json!({})))
+        .collect()
+}
+
+fn names<K: Resource>(list: &[K]) -> Vec<String> {
+    list.iter()
+        .map(|o| o.meta().name.clone().unwrap_or_default())
+        .collect()
+}
+
+/// kube-apiserver's paging, through kube-rs's `Api::list`: `limit` pages in key order with
+/// a `continue` token, every page from the first page's snapshot (writes in between do not
+/// show), `410 Expired` for a compacted token, and the resourceVersion rules.
+#[tokio::test]
+async fn lists_are_paged_from_one_snapshot() {
+    let server = FakeApiServer::start();
+    server.apply_many(many_services(1203));
+    let api = Api::<Service>::all(client_for(&server).await);
+    let first = api
+        .list(&ListParams::default().limit(500))
+        .await
+        .expect("first page");
+    assert_eq!(first.items.len(), 500);
+    let snapshot = first.metadata.resource_version.clone().expect("rv");
+    assert_eq!(snapshot, server.resource_version().to_string());
+    let token = first.metadata.continue_.clone().expect("a continue token");
+    assert_eq!(names(&first.items)[0], "svc-00000");
+    assert_eq!(names(&first.items)[499], "svc-00499");
+
+    // Writes after the first page: a delete ahead (svc-00700), an update ahead
+    // (svc-00800), a new object at the end; none may show in this list.
+    server.delete("Service", "default", "svc-00700");
+    let mut changed = service("svc-00800", json!({"changed": "yes"}));
+    changed["spec"]["clusterIP"] = json!("10.96.9.9");
+    server.apply(changed);
+    server.apply(service("svc-99999", json!({})));
+
+    let second = api
+        .list(&ListParams::default().limit(500).continue_token(&token))
+        .await
+        .expect("second page");
+    assert_eq!(second.items.len(), 500);
+    assert_eq!(
+        second.metadata.resource_version.as_deref(),
+        Some(&*snapshot)
+    );
+    assert_eq!(names(&second.items)[0], "svc-00500");
+    assert!(names(&second.items).contains(&"svc-00700".to_owned()));
+    let old = second
+        .items
+        .iter()
+        .find(|s| s.metadata.name.as_deref() == Some("svc-00800"))
+        .expect("svc-00800");
+    assert_eq!(
+        old.spec.as_ref().and_then(|s| s.cluster_ip.as_deref()),
+        Some("10.96.0.10"),
+        "the snapshot's version of an object updated after the first page"
+    );
+    let third = api
+        .list(
+            &ListParams::default()
+                .limit(500)
+                .continue_token(second.metadata.continue_.as_deref().expect("token")),
+        )
+        .await
+        .expect("third page");
+    assert_eq!(third.items.len(), 203);
+    assert!(
+        third.metadata.continue_.is_none(),
+        "the last page has no token"
+    );
+    assert!(!names(&third.items).contains(&"svc-99999".to_owned()));
+    let all: Vec<String> = [first.items, second.items, third.items]
+        .iter()
+        .flat_map(|p| names(p))
+        .collect();
+    let distinct: BTreeSet<&String> = all.iter().collect();
+    assert_eq!((all.len(), distinct.len()), (1203, 1203));
+
+    // A fresh list sees the writes.
+    let now = api.list(&ListParams::default()).await.expect("list");
+    assert_eq!(now.items.len(), 1203);
+    assert!(names(&now.items).contains(&"svc-99999".to_owned()));
+    // Exact at the old snapshot: the old state, paged.
+    let exact = api
+        .list(
+            &ListParams::default()
+                .limit(1000)
+                .at(&snapshot)
+                .matching(kube::api::VersionMatch::Exact),
+        )
+        .await
+        .expect("exact list");
+    assert_eq!(exact.items.len(), 1000);
+    assert!(names(&exact.items).contains(&"svc-00700".to_owned()));
+
+    // Compaction: the old token and the old exact version are gone (410 Expired).
+    let stale = third_token_of(&api).await;
+    server.expire_history();
+    let gone = api
+        .list(&ListParams::default().limit(500).continue_token(&stale))
+        .await
+        .expect_err("a compacted continue token");
+    assert!(
+        matches!(&gone, kube::Error::Api(s) if s.code == 410 && s.reason == "Expired"),
+        "{gone:?}"
+    );
+    let gone = api
+        .list(
+            &ListParams::default()
+                .at(&snapshot)
+                .matching(kube::api::VersionMatch::Exact),
+        )
+        .await
+        .expect_err("a compacted exact version");
+    assert!(
+        matches!(&gone, kube::Error::Api(s) if s.code == 410),
+        "{gone:?}"
+    );
+}
+
+/// A continue token of the current snapshot (after its first page).
+async fn third_token_of(api: &Api<Service>) -> String {
+    api.list(&ListParams::default().limit(500))
+        .await
+        .expect("list")
+        .metadata
+        .continue_
+        .expect("token")
+}
+
+/// The watcher (kube-rs's default configuration, as the agent uses it) lists 1,201
+/// Services in pages of 500, then watches from the list's version.
+#[tokio::test]
+async fn watcher_lists_in_pages() {
+    let server = FakeApiServer::start();
+    server.apply_many(many_services(1201));
+    let mut services = Observed::spawn(watcher::watcher(
+        Api::<Service>::all(client_for(&server).await),
+        watcher::Config::default().page_size(500),
+    ));
+    assert_eq!(services.next_ok().await, "Init");
+    for i in 0..1201 {
+        assert_eq!(
+            services.next_ok().await,
+            format!("InitApply default/svc-{i:05}")
+        );
+    }
+    assert_eq!(services.next_ok().await, "InitDone");
+    let requests = server.decoded_requests();
+    let lists: Vec<&String> = requests.iter().filter(|r| !r.contains("watch=")).collect();
+    assert_eq!(lists.len(), 3, "{lists:#?}");
+    assert!(lists.iter().all(|r| r.contains("limit=500")), "{lists:#?}");
+    assert!(!lists[0].contains("continue="), "{lists:#?}");
+    assert!(
+        lists[1..].iter().all(|r| r.contains("continue=")),
+        "{lists:#?}"
+    );
+    assert_eq!(server.list_times("Service").len(), 3);
+    server.apply(service("late", json!({})));
+    services.expect(&["Apply default/late"]).await;
+}
+
+/// etcd compacts between two pages: the second page's token is stale, the server answers
+/// `410 Expired`, and the watcher starts the list over and ends up with every object.
+#[tokio::test]
+async fn stale_continue_token_gets_410_and_the_watcher_relists() {
+    let server = FakeApiServer::start();
+    server.apply_many(many_services(1100));
+    server.compact_after_pages(1);
+    let mut services = Observed::spawn(watcher::watcher(
+        Api::<Service>::all(client_for(&server).await),
+        watcher::Config::default(),
+    ));
+    assert_eq!(services.next().await, "Init");
+    for i in 0..500 {
+        assert_eq!(
+            services.next().await,
+            format!("InitApply default/svc-{i:05}")
+        );
+    }
+    let error = services.next().await;
+    assert!(
+        error.starts_with("Error") && error.contains("too old to display a consistent list"),
+        "{error}"
+    );
+    services
+        .converge(
+            &(0..1100)
+                .map(|i| format!("default/svc-{i:05}"))
+                .collect::<Vec<_>>()
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+            STEP,
+        )
+        .await;
+    assert_eq!(services.log.iter().filter(|e| *e == "Init").count(), 2);
+    // The relist: three fresh pages after the two of the failed list.
+    let lists: Vec<String> = server
+        .decoded_requests()
+        .into_iter()
+        .filter(|r| !r.contains("watch="))
+        .collect();
+    assert_eq!(lists.len(), 5, "{lists:#?}");
+    assert!(
+        !lists[2].contains("continue="),
+        "the relist starts over: {lists:#?}"
+    );
+}
+
+/// What kube-rs never sends or retries, on the wire: `resourceVersion=0` with a `limit` is
+/// served whole (kube-apiserver's watch cache), `continue` with a `resourceVersion` is a
+/// 400, a resourceVersion from the future a 504.
+/// Streaming lists need `resourceVersionMatch=NotOlderThan` (kube-apiserver's validation);
+/// with it, the initial events end with the `k8s.io/initial-events-end` bookmark.
+#[test]
+fn raw_list_rules_and_watch_list() {
+    let server = FakeApiServer::start();
+    server.apply(node("n1"));
+    server.apply(node("n2"));
+    server.apply(node("n3"));
+    let stream = TcpStream::connect(server.url().trim_start_matches("http://")).expect("connect");
+    stream.set_read_timeout(Some(STEP)).expect("read timeout");
+    let mut writer = stream.try_clone().expect("clone stream");
+    let mut reader = BufReader::new(stream);
+    let mut list = |query: &str| {
+        writer
+            .write_all(format!("GET /api/v1/nodes?{query} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .expect("send");
+        let (status, _, body) = read_response(&mut reader);
+        (status, serde_json::from_str::<Value>(&body).expect("JSON"))
+    };
+    let (status, page) = list("limit=2");
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert_eq!(page["items"].as_array().map(Vec::len), Some(2));
+    let token = page["metadata"]["continue"]
+        .as_str()
+        .expect("token")
+        .to_owned();
+    let (status, whole) = list("limit=2&resourceVersion=0");
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert_eq!(whole["items"].as_array().map(Vec::len), Some(3));
+    assert!(whole["metadata"].get("continue").is_none());
+    let (status, err) = list(&format!("limit=2&continue={token}&resourceVersion=1"));
+    assert!(status.starts_with("HTTP/1.1 400"), "{status} {err}");
+    let (status, err) = list("limit=2&continue=zz");
+    assert!(status.starts_with("HTTP/1.1 400"), "{status} {err}");
+    let (status, rest) = list(&format!("limit=2&continue={token}"));
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert_eq!(rest["items"][0]["metadata"]["name"], "n3");
+    assert!(rest["metadata"].get("continue").is_none());
+    let (status, err) = list("resourceVersionMatch=Exact");
+    assert!(status.starts_with("HTTP/1.1 400"), "{status} {err}");
+    // A version from the future: 504 (kube-rs retries those, so this is on the wire).
+    let (status, err) = list("resourceVersion=99&resourceVersionMatch=NotOlderThan");
+    assert!(status.starts_with("HTTP/1.1 504"), "{status} {err}");
+    writer
+        .write_all(b"GET /api/v1/nodes?watch=1&sendInitialEvents=true&resourceVersion=0 HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("send");
+    let (status, _, body) = read_response(&mut reader);
+    assert!(status.starts_with("HTTP/1.1 422"), "{status} {body}");
+    writer
+        .write_all(b"GET /api/v1/nodes?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&resourceVersion=0&allowWatchBookmarks=true&timeoutSeconds=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("send");
+    let (status, _, body) = read_response(&mut reader);
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    let events: Vec<Value> = body
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("event JSON"))
+        .collect();
+    assert!(
+        events[..3].iter().all(|e| e["type"] == "ADDED"),
+        "{events:?}"
+    );
+    assert_eq!(events[3]["type"], "BOOKMARK");
+    assert_eq!(
+        events[3]["object"]["metadata"]["annotations"]["k8s.io/initial-events-end"],
+        "true"
+    );
+    assert_eq!(
+        events[3]["object"]["metadata"]["resourceVersion"],
+        server.resource_version().to_string()
+    );
+    // Every event and bookmark line is counted, with its chunk framing.
+    assert!(server.watch_bytes() >= body.len() as u64);
 }

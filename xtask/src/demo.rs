@@ -6,10 +6,6 @@
 //! Everything it makes (namespaces, a child cgroup, pins, files) is removed at the end,
 //! also on failure.
 
-#[path = "../../proxy-user/tests/support/testbed.rs"]
-#[allow(clippy::all, reason = "shared test-bed source, linted with the tests")]
-mod testbed;
-
 use std::{
     collections::BTreeMap,
     fs,
@@ -20,7 +16,9 @@ use std::{
 };
 
 use anyhow::{bail, Context as _, Result};
-use testbed::{ensure_bpffs, free_ports, http_ask, http_get, unique, Server, TestCgroup, Topology};
+use proxy_testbed::{
+    ensure_bpffs, free_ports, http_ask, http_get, unique, Server, TestCgroup, Topology,
+};
 
 const CLUSTER_IP: &str = "10.96.0.100";
 const PODS: [&str; 4] = [

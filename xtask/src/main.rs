@@ -69,7 +69,7 @@ fn main() -> Result<()> {
         Cmd::Demo { requests_per_pod } => {
             setup::ensure()?;
             build()?;
-            demo::run(&workspace_root().join("target/release"), requests_per_pod)
+            demo::run(&release_dir(), requests_per_pod)
         }
         Cmd::Bench(args) => bench::main(args),
         Cmd::UpgradeFrom => {
@@ -119,11 +119,19 @@ pub fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// Where cargo puts the release binaries: `$CARGO_TARGET_DIR/release` when set, else
+/// `target/release` in the workspace.
+pub fn release_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+        .join("release")
+}
+
 fn build() -> Result<()> {
     run(cargo().args(["build", "--release", "--package", "proxy-user", "--bins"]))?;
-    let root = workspace_root();
     for bin in ["proxy-agent", "proxyctl"] {
-        let path = root.join("target/release").join(bin);
+        let path = release_dir().join(bin);
         if !path.is_file() {
             bail!("{} was not built", path.display());
         }
@@ -151,6 +159,19 @@ fn test(no_lint: bool, no_bench: bool, args: &[String]) -> Result<()> {
                 "--quick",
             ])
             .args(["--out", "target/bench-quick"]))?;
+        // The control plane over the API (fake apiserver, paged lists, 2 agents).
+        run(cargo()
+            .args([
+                "run",
+                "--quiet",
+                "--package",
+                "xtask",
+                "--",
+                "bench",
+                "--api",
+                "--quick",
+            ])
+            .args(["--out", "target/bench-api-quick"]))?;
     }
     if !setup::is_root() {
         eprintln!(

@@ -48,6 +48,26 @@ fn resource(kind: Kind) -> ApiResource {
     ApiResource::from_gvk(&gvk)
 }
 
+/// Objects per list page: client-go's and kube-rs's default (`limit=500` + `continue`), so
+/// the apiserver never builds one response of the whole cluster and a relist at 100,000
+/// Services arrives in 200 pages.
+pub const LIST_PAGE_SIZE: u32 = 500;
+
+/// The watchers' configuration: paged list-then-watch from the most recent version
+/// (`resourceVersion` unset, a consistent read), with watch bookmarks, so a reconnect
+/// resumes from the last bookmark instead of relisting. A `410 Expired` on a continue
+/// token (the list's snapshot compacted mid-list) or on a watch makes kube-rs relist from
+/// the start, which `watch` passes on as one snapshot.
+///
+/// Not streaming lists (`sendInitialEvents=true`, KEP-3157): kube-rs 5 has no fallback
+/// when the server does not serve them (the WatchList feature gate off, or an apiserver
+/// before 1.27: the watch is refused with a 4xx, or served without the
+/// `k8s.io/initial-events-end` bookmark, and the watcher retries or waits forever), and it
+/// cannot tell in advance; kube-proxy's informers list-then-watch as well.
+fn watcher_config() -> watcher::Config {
+    watcher::Config::default().page_size(LIST_PAGE_SIZE)
+}
+
 /// Starts the three watches; each sends its updates to `tx` until the receiver goes.
 pub fn spawn(
     client: Client,
@@ -58,14 +78,11 @@ pub fn spawn(
 ) {
     let selector = label_selector(proxy_name);
     for (kind, config) in [
-        (Kind::Service, watcher::Config::default().labels(&selector)),
-        (
-            Kind::EndpointSlice,
-            watcher::Config::default().labels(&selector),
-        ),
+        (Kind::Service, watcher_config().labels(&selector)),
+        (Kind::EndpointSlice, watcher_config().labels(&selector)),
         (
             Kind::Node,
-            watcher::Config::default().fields(&format!("metadata.name={node_name}")),
+            watcher_config().fields(&format!("metadata.name={node_name}")),
         ),
     ] {
         tokio::spawn(watch(

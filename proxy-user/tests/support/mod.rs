@@ -1,4 +1,5 @@
-//! Fixtures for the privileged tests, on top of the test bed (`testbed.rs`): a per-run
+//! Fixtures for the privileged tests, on top of the test bed (the `proxy-testbed` crate in
+//! `proxy-user/testbed`, re-exported here with its fake apiserver): a per-run
 //! bpffs pin directory, the datapath installed on the bed's cgroup, a running
 //! `proxy-agent`, manifests. Tests using [`TestEnv`] are serialized by a global lock
 //! because the cgroup move is process-wide.
@@ -9,11 +10,9 @@
     reason = "each test binary uses a different part of the fixtures"
 )]
 
-pub mod apiserver;
 pub mod tc;
-pub mod testbed;
 
-pub use testbed::*;
+pub use proxy_testbed::{self as testbed, apiserver, *};
 
 use std::{
     fs,

@@ -21,6 +21,7 @@
 //! - **Figures.** Latency percentiles pool all rounds' samples; throughputs and change
 //!   times are medians over rounds. `results.json` has every round's figures.
 
+mod api;
 mod client;
 mod iptables;
 mod ipvs;
@@ -64,6 +65,19 @@ pub struct Args {
     /// Only these modes, comma-separated (default: all).
     #[arg(long, value_delimiter = ',')]
     modes: Option<Vec<String>>,
+    /// The control plane over the Kubernetes API instead (`api.rs`): programming from the
+    /// paged API list, single changes, restart on pins, memory; side by side with the
+    /// manifests path and kube-proxy's rule loads. Scales from --services (default
+    /// 1,000, 10,000, 50,000, 100,000; --quick 1,000).
+    #[arg(long)]
+    api: bool,
+    /// With --api: numbers of agents for the cluster-wide latency under churn,
+    /// comma-separated (default 1,10,30; --quick 2; 0 skips it).
+    #[arg(long, value_delimiter = ',')]
+    nodes: Option<Vec<usize>>,
+    /// With --api: skip the manifests / iptables / nftables programming at the same N.
+    #[arg(long)]
+    no_side_by_side: bool,
     /// Redraw results.md and the plots from an earlier run's results.json (into --out,
     /// or beside it), without measuring.
     #[arg(long, value_name = "RESULTS_JSON")]
@@ -174,7 +188,40 @@ pub fn main(args: Args) -> Result<()> {
     }
     crate::setup::ensure()?;
     crate::build()?;
+    if args.api {
+        return run_api(&args);
+    }
     run(&args)
+}
+
+fn run_api(args: &Args) -> Result<()> {
+    let nodes = args
+        .nodes
+        .clone()
+        .map(|v| v.into_iter().filter(|k| *k > 0).collect());
+    let cfg = api::ApiConfig::new(
+        args.quick,
+        args.services.clone(),
+        nodes,
+        !args.no_side_by_side,
+    )?;
+    let root = crate::workspace_root();
+    let out_dir = args
+        .out
+        .clone()
+        .unwrap_or_else(|| root.join("target/bench-api"));
+    topo::ensure_bpffs();
+    topo::install_interrupt_handler();
+    let cgroup = topo::BenchCgroup::new()?;
+    let manifests = topo::TempDir::new("ebpf-proxy-bench-manifests-")?;
+    let ctx = Ctx {
+        exe: std::env::current_exe().context("the xtask binary")?,
+        bin_dir: crate::release_dir(),
+        cgroup: cgroup.path.clone(),
+        pin_path: PathBuf::from("/sys/fs/bpf").join(topo::unique("ebpf-proxy-bench-")),
+        manifests: manifests.0.clone(),
+    };
+    api::run(&cfg, &ctx, &out_dir)
 }
 
 fn replot(json: &std::path::Path, out: Option<&std::path::Path>) -> Result<()> {
@@ -289,7 +336,7 @@ fn run(args: &Args) -> Result<()> {
     let manifests = topo::TempDir::new("ebpf-proxy-bench-manifests-")?;
     let ctx = Ctx {
         exe: std::env::current_exe().context("the xtask binary")?,
-        bin_dir: root.join("target/release"),
+        bin_dir: crate::release_dir(),
         cgroup: cgroup.path.clone(),
         pin_path: PathBuf::from("/sys/fs/bpf").join(topo::unique("ebpf-proxy-bench-")),
         manifests: manifests.0.clone(),

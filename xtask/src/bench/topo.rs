@@ -24,10 +24,6 @@
 //! close), UDP 53 (answer the endpoint's address from that address), TCP 5201 (swallow a
 //! stream, close at its end).
 
-#[path = "../../../proxy-user/tests/support/testbed.rs"]
-#[allow(clippy::all, reason = "shared test-bed source, linted with the tests")]
-mod testbed;
-
 use std::{
     collections::HashMap,
     fs,
@@ -46,7 +42,9 @@ use std::{
 
 use anyhow::{bail, Context as _, Result};
 
-pub use testbed::{cgroup2_mount, ensure_bpffs, free_ports, http_get, unique, Netns, NetnsGuard};
+pub use proxy_testbed::{
+    cgroup2_mount, ensure_bpffs, free_ports, http_get, unique, Netns, NetnsGuard,
+};
 
 use super::plan::{
     target_endpoint, BULK_PORT, CLIENT_IP, DNS_PORT, HTTP_PORT, NODE_CLIENT_SIDE, NODE_PODS_SIDE,

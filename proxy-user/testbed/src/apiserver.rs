@@ -4,34 +4,48 @@
 //!
 //! What it implements, and how it maps onto kube-apiserver behaviour:
 //! - Lists of `/api/v1/services`, `/api/v1/nodes`, `/apis/discovery.k8s.io/v1/endpointslices`
-//!   (and the namespaced forms) with `labelSelector` and `fieldSelector`; `limit` and
-//!   `continue` are accepted and ignored (everything comes in one page, no continue token).
+//!   (and the namespaced forms) with `labelSelector` and `fieldSelector`, paged like
+//!   kube-apiserver serves them from etcd: `limit=N` returns at most N objects (in key
+//!   order, namespace then name) and a `continue` token when more remain; every page of a
+//!   list is served from the snapshot at the first page's resourceVersion (the list's
+//!   `metadata.resourceVersion` stays that of the first page), and a token whose
+//!   snapshot has been compacted away ([`FakeApiServer::expire_history`],
+//!   [`FakeApiServer::compact_after_pages`]) gets `410 Expired`, so the client relists.
+//!   `resourceVersion` semantics: unset = most recent (paged); `0` = any (served whole,
+//!   the limit ignored, as from kube-apiserver's watch cache); `N` with
+//!   `resourceVersionMatch=NotOlderThan` (or unset) = at least N (`504` when N is in the
+//!   future); `N` with `Exact` = the snapshot at N (`410 Expired` when compacted); a
+//!   `continue` together with a `resourceVersion` is a `400`.
 //!   Single objects can be read too (`.../services/{name}`), and `/version` answers.
 //! - Watches (`watch=true`) with `resourceVersion`, `allowWatchBookmarks`, `timeoutSeconds`
-//!   and `sendInitialEvents`: history after the given resourceVersion is replayed, then live
+//!   and `sendInitialEvents` (streaming lists: it requires
+//!   `resourceVersionMatch=NotOlderThan`, as kube-apiserver does, and ends the initial
+//!   ADDED events with a BOOKMARK annotated `k8s.io/initial-events-end`): history after the
+//!   given resourceVersion is replayed, then live
 //!   events follow, one JSON event per line in a chunked response. An object that starts or
 //!   stops matching the selectors is sent as ADDED or DELETED, as the apiserver's watch cache
 //!   does. A resourceVersion older than the retained history gets a 410 `Expired` ERROR event.
 //! - Resource versions come from one global counter, like etcd revisions.
 //!
 //! Fault injection: [`FakeApiServer::drop_watches`], [`FakeApiServer::expire_history`],
-//! [`FakeApiServer::stop`] and [`FakeApiServer::restart`].
+//! [`FakeApiServer::compact_after_pages`], [`FakeApiServer::stop`] and
+//! [`FakeApiServer::restart`].
+//!
+//! Instruments (for the bench): [`FakeApiServer::list_times`] (when each list page's
+//! first byte was written), [`FakeApiServer::watch_bytes`] (bytes written on watch
+//! streams) and [`FakeApiServer::apply_many`] (bulk loading).
 //!
 //! The server runs on its own single-threaded tokio runtime on a background thread, so it
 //! works from plain `#[test]` functions and from `#[tokio::test]` ones alike.
-
-#![allow(
-    dead_code,
-    reason = "each test binary uses a different part of the fake apiserver"
-)]
 
 use std::{
     collections::{BTreeMap, HashMap},
     io,
     net::SocketAddr,
+    ops::Bound,
     path::Path,
     sync::{
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
         mpsc as std_mpsc, Arc, Mutex, MutexGuard, PoisonError,
     },
     thread,
@@ -104,6 +118,9 @@ impl FakeApiServer {
                 requests: Mutex::new(Vec::new()),
                 generation,
                 connections: AtomicUsize::new(0),
+                compact_after_pages: AtomicUsize::new(0),
+                watch_bytes: AtomicU64::new(0),
+                list_times: Mutex::new(Vec::new()),
             }),
             handle,
             listening: Mutex::new(None),
@@ -156,90 +173,18 @@ preferences: {{}}
     /// MODIFIED (or ADDED/DELETED for watches whose selector starts/stops matching).
     ///
     /// Panics on an unsupported kind or a missing `metadata.name`: that is a bug in the test.
-    pub fn apply(&self, mut obj: Value) {
-        assert!(
-            obj.is_object(),
-            "FakeApiServer::apply wants a JSON object, got {obj}"
-        );
-        let kind_name = obj
-            .get("kind")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned();
-        let kind = Kind::parse(&kind_name).unwrap_or_else(|| {
-            panic!(
-                "FakeApiServer::apply: unsupported kind {kind_name:?} (Service, EndpointSlice, Node)"
-            )
-        });
-        if let Some(api_version) = obj.get("apiVersion").and_then(Value::as_str) {
-            assert_eq!(
-                api_version,
-                kind.api_version(),
-                "FakeApiServer::apply: wrong apiVersion for {kind_name}"
-            );
-        }
-        obj["apiVersion"] = kind.api_version().into();
-        if !obj.get("metadata").is_some_and(Value::is_object) {
-            panic!("FakeApiServer::apply: the {kind_name} has no metadata object");
-        }
-        let meta = &mut obj["metadata"];
-        let name = meta
-            .get("name")
-            .and_then(Value::as_str)
-            .filter(|name| !name.is_empty())
-            .unwrap_or_else(|| panic!("FakeApiServer::apply: the {kind_name} has no metadata.name"))
-            .to_owned();
-        let namespace = if kind.namespaced() {
-            let namespace = meta
-                .get("namespace")
-                .and_then(Value::as_str)
-                .filter(|ns| !ns.is_empty())
-                .unwrap_or("default")
-                .to_owned();
-            meta["namespace"] = namespace.clone().into();
-            namespace
-        } else {
-            if let Some(meta) = meta.as_object_mut() {
-                meta.remove("namespace");
-            }
-            String::new()
-        };
-
+    pub fn apply(&self, obj: Value) {
         let mut store = lock(&self.shared.store);
-        store.rv += 1;
-        let rv = store.rv;
-        let key = (kind, namespace, name);
-        let before = store.objects.get(&key).cloned();
-        let meta = &mut obj["metadata"];
-        let kept = |field: &str| {
-            before
-                .as_ref()
-                .and_then(|b| b["metadata"].get(field))
-                .filter(|v| v.is_string())
-                .cloned()
-        };
-        if !meta.get("uid").is_some_and(Value::is_string) {
-            let uid = match kept("uid") {
-                Some(uid) => uid,
-                None => {
-                    store.uids += 1;
-                    format!("00000000-0000-4000-8000-{:012x}", store.uids).into()
-                }
-            };
-            meta["uid"] = uid;
+        apply_locked(&mut store, obj);
+    }
+
+    /// [`Self::apply`] for many objects under one lock (watchers see them in order), for
+    /// loading thousands of objects quickly.
+    pub fn apply_many(&self, objects: impl IntoIterator<Item = Value>) {
+        let mut store = lock(&self.shared.store);
+        for obj in objects {
+            apply_locked(&mut store, obj);
         }
-        if !meta.get("creationTimestamp").is_some_and(Value::is_string) {
-            meta["creationTimestamp"] =
-                kept("creationTimestamp").unwrap_or_else(|| now_rfc3339().into());
-        }
-        meta["resourceVersion"] = rv.to_string().into();
-        store.objects.insert(key, obj.clone());
-        store.record(Change {
-            rv,
-            kind,
-            before,
-            after: Some(obj),
-        });
     }
 
     /// Deletes an object (`namespace` is `""` for Nodes); watchers get DELETED with its last
@@ -253,12 +198,11 @@ preferences: {{}}
         let namespace = if kind.namespaced() { namespace } else { "" };
         let mut store = lock(&self.shared.store);
         let key = (kind, namespace.to_owned(), name.to_owned());
-        let Some(mut last) = store.objects.remove(&key) else {
+        let Some(last) = store.objects.remove(&key) else {
             return;
         };
         store.rv += 1;
         let rv = store.rv;
-        last["metadata"]["resourceVersion"] = rv.to_string().into();
         store.record(Change {
             rv,
             kind,
@@ -282,6 +226,35 @@ preferences: {{}}
     /// watch is interrupted. Open watches are not affected.
     pub fn expire_history(&self) {
         lock(&self.shared.store).expire();
+    }
+
+    /// Arms a compaction: after each of the next `pages` list pages that carry a
+    /// `continue` token, the history is expired (see [`Self::expire_history`]), so that
+    /// token is stale and the client's next page gets `410 Expired` (what a client sees
+    /// when etcd compacts in the middle of its paged list).
+    pub fn compact_after_pages(&self, pages: usize) {
+        self.shared
+            .compact_after_pages
+            .store(pages, Ordering::SeqCst);
+    }
+
+    /// When the first byte of every list response (one per page) of `kind` was written,
+    /// in order; with [`Self::clear_requests`] forgotten too.
+    pub fn list_times(&self, kind: &str) -> Vec<std::time::Instant> {
+        let Some(kind) = Kind::parse(kind) else {
+            return Vec::new();
+        };
+        lock(&self.shared.list_times)
+            .iter()
+            .filter(|(k, _)| *k == kind)
+            .map(|(_, t)| *t)
+            .collect()
+    }
+
+    /// Bytes written on watch streams so far (events and bookmarks, chunk framing
+    /// included; the response heads are not counted).
+    pub fn watch_bytes(&self) -> u64 {
+        self.shared.watch_bytes.load(Ordering::Relaxed)
     }
 
     /// Stops accepting and closes every connection (watches end abruptly); objects are kept.
@@ -332,9 +305,10 @@ preferences: {{}}
         self.requests().iter().map(|r| percent_decode(r)).collect()
     }
 
-    /// Forgets the recorded requests.
+    /// Forgets the recorded requests (and [`Self::list_times`]).
     pub fn clear_requests(&self) {
         lock(&self.shared.requests).clear();
+        lock(&self.shared.list_times).clear();
     }
 
     /// The current global resourceVersion.
@@ -419,6 +393,92 @@ impl Drop for FakeApiServer {
 // ---------------------------------------------------------------------------------------
 // State
 
+/// [`FakeApiServer::apply`] with the store locked.
+fn apply_locked(store: &mut Store, mut obj: Value) {
+    assert!(
+        obj.is_object(),
+        "FakeApiServer::apply wants a JSON object, got {obj}"
+    );
+    let kind_name = obj
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned();
+    let kind = Kind::parse(&kind_name).unwrap_or_else(|| {
+        panic!(
+            "FakeApiServer::apply: unsupported kind {kind_name:?} (Service, EndpointSlice, Node)"
+        )
+    });
+    if let Some(api_version) = obj.get("apiVersion").and_then(Value::as_str) {
+        assert_eq!(
+            api_version,
+            kind.api_version(),
+            "FakeApiServer::apply: wrong apiVersion for {kind_name}"
+        );
+    }
+    obj["apiVersion"] = kind.api_version().into();
+    if !obj.get("metadata").is_some_and(Value::is_object) {
+        panic!("FakeApiServer::apply: the {kind_name} has no metadata object");
+    }
+    let meta = &mut obj["metadata"];
+    let name = meta
+        .get("name")
+        .and_then(Value::as_str)
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| panic!("FakeApiServer::apply: the {kind_name} has no metadata.name"))
+        .to_owned();
+    let namespace = if kind.namespaced() {
+        let namespace = meta
+            .get("namespace")
+            .and_then(Value::as_str)
+            .filter(|ns| !ns.is_empty())
+            .unwrap_or("default")
+            .to_owned();
+        meta["namespace"] = namespace.clone().into();
+        namespace
+    } else {
+        if let Some(meta) = meta.as_object_mut() {
+            meta.remove("namespace");
+        }
+        String::new()
+    };
+
+    store.rv += 1;
+    let rv = store.rv;
+    let key = (kind, namespace, name);
+    let before = store.objects.get(&key).cloned();
+    let meta = &mut obj["metadata"];
+    let kept = |field: &str| {
+        before
+            .as_ref()
+            .and_then(|b| b["metadata"].get(field))
+            .filter(|v| v.is_string())
+            .cloned()
+    };
+    if !meta.get("uid").is_some_and(Value::is_string) {
+        let uid = match kept("uid") {
+            Some(uid) => uid,
+            None => {
+                store.uids += 1;
+                format!("00000000-0000-4000-8000-{:012x}", store.uids).into()
+            }
+        };
+        meta["uid"] = uid;
+    }
+    if !meta.get("creationTimestamp").is_some_and(Value::is_string) {
+        meta["creationTimestamp"] =
+            kept("creationTimestamp").unwrap_or_else(|| now_rfc3339().into());
+    }
+    meta["resourceVersion"] = rv.to_string().into();
+    store.objects.insert(key, obj.clone());
+    store.record(Change {
+        rv,
+        kind,
+        before,
+        after: Some(obj),
+    });
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Kind {
     Service,
@@ -469,7 +529,8 @@ impl Kind {
 struct Change {
     rv: u64,
     kind: Kind,
-    /// State before the write (for a delete: the last state, with the new resourceVersion).
+    /// State before the write (for a delete: the last state; its DELETED event carries
+    /// the delete's resourceVersion, see `event_for`).
     before: Option<Value>,
     /// State after the write (`None` for a delete).
     after: Option<Value>,
@@ -516,6 +577,12 @@ struct Shared {
     generation: watch::Sender<u64>,
     /// Open connections (including those whose task has not started yet).
     connections: AtomicUsize,
+    /// See [`FakeApiServer::compact_after_pages`].
+    compact_after_pages: AtomicUsize,
+    /// See [`FakeApiServer::watch_bytes`].
+    watch_bytes: AtomicU64,
+    /// See [`FakeApiServer::list_times`].
+    list_times: Mutex<Vec<(Kind, std::time::Instant)>>,
 }
 
 /// Counts an open connection in [`Shared::connections`] for as long as it lives.
@@ -730,6 +797,8 @@ struct Request {
 /// What to answer.
 enum Reply {
     Json(u16, Value),
+    /// A list page (200): written like `Json`, its first byte's time recorded.
+    List(Kind, Value),
     Watch(WatchRequest),
 }
 
@@ -898,6 +967,17 @@ fn handle(shared: &Shared, request: &Request) -> Reply {
             _ => DEFAULT_WATCH_TIMEOUT,
         };
         let initial_events = param("sendInitialEvents") == "true";
+        if initial_events && param("resourceVersionMatch") != "NotOlderThan" {
+            // kube-apiserver's validation of a watch-list request.
+            return Reply::Json(
+                422,
+                status(
+                    422,
+                    "Invalid",
+                    "sendInitialEvents: Forbidden: sendInitialEvents is forbidden for watch unless resourceVersionMatch is set to NotOlderThan",
+                ),
+            );
+        }
         return Reply::Watch(WatchRequest {
             kind,
             filter,
@@ -909,22 +989,245 @@ fn handle(shared: &Shared, request: &Request) -> Reply {
         });
     }
 
-    let store = lock(&shared.store);
-    let items: Vec<&Value> = store
-        .objects
-        .iter()
-        .filter(|((k, _, _), obj)| *k == kind && filter.matches(obj))
-        .map(|(_, obj)| obj)
-        .collect();
-    Reply::Json(
-        200,
+    let mut store = lock(&shared.store);
+    let page = match list_page(&store, kind, &filter, &params) {
+        Ok(page) => page,
+        Err((code, reason, message)) => return Reply::Json(code, status(code, reason, message)),
+    };
+    let mut metadata = json!({"resourceVersion": page.rv.to_string()});
+    if let Some(token) = &page.continue_token {
+        metadata["continue"] = token.clone().into();
+        if shared
+            .compact_after_pages
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            store.expire();
+        }
+    }
+    Reply::List(
+        kind,
         json!({
             "kind": format!("{}List", kind.name()),
             "apiVersion": kind.api_version(),
-            "metadata": {"resourceVersion": store.rv.to_string()},
-            "items": items,
+            "metadata": metadata,
+            "items": page.items,
         }),
     )
+}
+
+/// One page of a list.
+struct Page {
+    /// The snapshot it was served from.
+    rv: u64,
+    items: Vec<Value>,
+    continue_token: Option<String>,
+}
+
+/// A continue token: the snapshot's resourceVersion and the last key served, hex-encoded
+/// (opaque to clients, as kube-apiserver's base64 JSON is).
+fn encode_continue(rv: u64, namespace: &str, name: &str) -> String {
+    format!("{rv}\n{namespace}\n{name}")
+        .bytes()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn decode_continue(token: &str) -> Option<(u64, String, String)> {
+    if !token.len().is_multiple_of(2) {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..token.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(token.get(i..i + 2)?, 16).ok())
+        .collect();
+    let text = String::from_utf8(bytes?).ok()?;
+    let mut parts = text.splitn(3, '\n');
+    let rv = parts.next()?.parse().ok()?;
+    Some((rv, parts.next()?.to_owned(), parts.next()?.to_owned()))
+}
+
+/// An error answer: code, reason, message.
+type ListError = (u16, &'static str, String);
+
+fn too_large(rv: u64, current: u64) -> ListError {
+    (
+        504,
+        "Timeout",
+        format!("Too large resource version: {rv}, current: {current}"),
+    )
+}
+
+/// The message kube-apiserver sends with the 410 for a compacted continue token.
+const CONTINUE_EXPIRED: &str = "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter, or use the continue token in this response to retrieve the remainder of the results. Continuing with the provided token results in an inconsistent list - objects that were created, modified, or deleted between the time the first chunk was returned and now may show up in the list.";
+
+/// Which snapshot a list request reads (`at`), from which key on (`after`, exclusive,
+/// namespace and name), and whether `limit` applies.
+type ListStart = (u64, Option<(String, String)>, bool);
+
+/// The [`ListStart`] of a list request.
+fn list_start(store: &Store, params: &HashMap<String, String>) -> Result<ListStart, ListError> {
+    let param = |name: &str| params.get(name).map(String::as_str).unwrap_or_default();
+    let (rv_param, rv_match, token) = (
+        param("resourceVersion"),
+        param("resourceVersionMatch"),
+        param("continue"),
+    );
+    let parse_rv = |rv: &str| {
+        rv.parse::<u64>()
+            .map_err(|_| (400, "BadRequest", format!("invalid resource version: {rv}")))
+    };
+    if !token.is_empty() {
+        if !rv_param.is_empty() {
+            return Err((
+                400,
+                "BadRequest",
+                "specifying resource version is not allowed when using continue".into(),
+            ));
+        }
+        let Some((rv, namespace, name)) = decode_continue(token) else {
+            return Err((400, "BadRequest", "continue key is not valid".into()));
+        };
+        if rv < store.oldest_rv {
+            return Err((410, "Expired", CONTINUE_EXPIRED.into()));
+        }
+        return Ok((rv, Some((namespace, name)), true));
+    }
+    Ok(match (rv_param, rv_match) {
+        ("", "") => (store.rv, None, true),
+        ("", _) => {
+            return Err((
+                400,
+                "BadRequest",
+                "resourceVersionMatch is forbidden unless resourceVersion is provided".into(),
+            ))
+        }
+        // Any version: kube-apiserver serves it from its watch cache, whole.
+        ("0", "" | "NotOlderThan") => (store.rv, None, false),
+        (rv, "" | "NotOlderThan") => {
+            let rv = parse_rv(rv)?;
+            if rv > store.rv {
+                return Err(too_large(rv, store.rv));
+            }
+            (store.rv, None, true)
+        }
+        (rv, "Exact") => {
+            let rv = parse_rv(rv)?;
+            if rv > store.rv {
+                return Err(too_large(rv, store.rv));
+            }
+            if rv < store.oldest_rv {
+                return Err((
+                    410,
+                    "Expired",
+                    format!("too old resource version: {rv} ({})", store.oldest_rv),
+                ));
+            }
+            (rv, None, true)
+        }
+        (_, other) => {
+            return Err((
+                400,
+                "BadRequest",
+                format!("unsupported resourceVersionMatch: {other}"),
+            ))
+        }
+    })
+}
+
+/// The page a list request gets (see the module documentation for the semantics).
+fn list_page(
+    store: &Store,
+    kind: Kind,
+    filter: &Filter,
+    params: &HashMap<String, String>,
+) -> Result<Page, ListError> {
+    let param = |name: &str| params.get(name).map(String::as_str).unwrap_or_default();
+    let limit = match param("limit") {
+        "" => None,
+        l => match l.parse::<usize>() {
+            Ok(0) => None,
+            Ok(l) => Some(l),
+            Err(_) => return Err((400, "BadRequest", format!("invalid limit: {l}"))),
+        },
+    };
+    let (at, after, paged) = list_start(store, params)?;
+    let limit = limit.filter(|_| paged);
+
+    // The snapshot at `at`: the current objects, with every key written after `at` put
+    // back to its state before its first write after `at` (None: it did not exist).
+    let mut overrides: BTreeMap<(&str, &str), Option<&Value>> = BTreeMap::new();
+    let first_after = store.history.partition_point(|c| c.rv <= at);
+    for change in store.history[first_after..].iter().rev() {
+        if change.kind != kind {
+            continue;
+        }
+        let Some(obj) = change.after.as_ref().or(change.before.as_ref()) else {
+            continue;
+        };
+        let meta = &obj["metadata"];
+        let key = (
+            meta["namespace"].as_str().unwrap_or_default(),
+            meta["name"].as_str().unwrap_or_default(),
+        );
+        overrides.insert(key, change.before.as_ref());
+    }
+    let start = match &after {
+        Some((namespace, name)) => Bound::Excluded((kind, namespace.clone(), name.clone())),
+        None => Bound::Included((kind, String::new(), String::new())),
+    };
+    let mut current = store
+        .objects
+        .range((start, Bound::Unbounded))
+        .take_while(|((k, _, _), _)| *k == kind)
+        .map(|((_, ns, name), v)| ((ns.as_str(), name.as_str()), Some(v)))
+        .peekable();
+    let after_key = after
+        .as_ref()
+        .map(|(ns, name)| (ns.as_str(), name.as_str()));
+    let mut older = overrides
+        .iter()
+        .filter(|(key, _)| after_key.is_none_or(|a| **key > a))
+        .map(|(key, v)| (*key, *v))
+        .peekable();
+    let mut items = Vec::new();
+    let mut last = None;
+    loop {
+        // The next key of the snapshot, from whichever side has the smaller one (an
+        // override wins over the current state of the same key).
+        let next = match (current.peek(), older.peek()) {
+            (None, None) => break,
+            (Some(c), Some(o)) if c.0 == o.0 => {
+                current.next();
+                older.next()
+            }
+            (Some(c), Some(o)) if o.0 < c.0 => older.next(),
+            (Some(_), _) => current.next(),
+            (None, Some(_)) => older.next(),
+        };
+        let Some((key, Some(obj))) = next else {
+            continue;
+        };
+        if !filter.matches(obj) {
+            continue;
+        }
+        if limit.is_some_and(|l| items.len() >= l) {
+            // More remain: the token resumes after the last key served.
+            let (ns, name) = last.unwrap_or(key);
+            return Ok(Page {
+                rv: at,
+                items,
+                continue_token: Some(encode_continue(at, ns, name)),
+            });
+        }
+        items.push(obj.clone());
+        last = Some(key);
+    }
+    Ok(Page {
+        rv: at,
+        items,
+        continue_token: None,
+    })
 }
 
 async fn accept_loop(
@@ -991,6 +1294,12 @@ async fn serve_connection(
             Reply::Json(code, body) => write_json(&mut writer, code, &body, request.close)
                 .await
                 .is_ok(),
+            Reply::List(kind, body) => {
+                lock(&shared.list_times).push((kind, std::time::Instant::now()));
+                write_json(&mut writer, 200, &body, request.close)
+                    .await
+                    .is_ok()
+            }
             Reply::Watch(watch) => tokio::select! {
                 biased;
                 _ = generation.changed() => false,
@@ -1060,6 +1369,8 @@ fn reason_phrase(code: u16) -> &'static str {
         404 => "Not Found",
         405 => "Method Not Allowed",
         410 => "Gone",
+        422 => "Unprocessable Entity",
+        504 => "Gateway Timeout",
         _ => "Unknown",
     }
 }
@@ -1182,6 +1493,12 @@ async fn serve_watch(
         }
     };
 
+    let count = |bytes: &[u8]| {
+        shared
+            .watch_bytes
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    };
+    count(&initial);
     let mut head = HEAD.to_vec();
     head.append(&mut initial);
     if writer.write_all(&head).await.is_err() {
@@ -1200,7 +1517,9 @@ async fn serve_watch(
                 let Some(change) = change else { return false };
                 cursor = change.rv;
                 if let Some((event_type, object)) = event_for(kind, &request.filter, &change) {
-                    if writer.write_all(&event_chunk(event_type, &object)).await.is_err() {
+                    let chunk = event_chunk(event_type, &object);
+                    count(&chunk);
+                    if writer.write_all(&chunk).await.is_err() {
                         return false;
                     }
                 }
@@ -1209,7 +1528,9 @@ async fn serve_watch(
                 return writer.write_all(LAST_CHUNK).await.is_ok();
             }
             _ = bookmarks.tick(), if request.bookmarks => {
-                if writer.write_all(&bookmark(kind, cursor, false)).await.is_err() {
+                let chunk = bookmark(kind, cursor, false);
+                count(&chunk);
+                if writer.write_all(&chunk).await.is_err() {
                     return false;
                 }
             }

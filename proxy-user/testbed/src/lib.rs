@@ -1,7 +1,8 @@
-//! The test bed: network namespaces linked by veth, a child cgroup holding the calling
-//! process, TCP/UDP/HTTP servers inside namespaces, and clients. Only `std` and `libc`,
-//! so that `cargo xtask demo` can include this same file (`#[path]`) without depending on
-//! the project's crates.
+//! Test support shared by proxy-user's tests (a dev-dependency) and by `cargo xtask demo`
+//! and `cargo xtask bench`: the test bed (this module: network namespaces linked by veth,
+//! a child cgroup holding the calling process, TCP/UDP/HTTP servers inside namespaces, and
+//! clients) and a fake kube-apiserver ([`apiserver`]). Only `std`, `libc`, `tokio` and
+//! `serde_json`: no dependency on the project's crates, so the bench can use it as well.
 //!
 //! Safety (DEVELOPERS.md): clients that talk to a VIP run inside a namespace whose only
 //! routes are the links to the bed's pod namespaces, so a VIP the datapath fails to
@@ -11,7 +12,7 @@
 //! fd00:240:i::1/64) <-> `eth0` in the pod (10.240.i.2, fd00:240:i::2). VIPs live in
 //! 10.96.0.0/16 and fd00:96::/64, which no namespace routes.
 
-#![allow(dead_code, reason = "each user of the bed uses a different part")]
+pub mod apiserver;
 
 use std::{
     fs,
@@ -155,6 +156,10 @@ impl TestCgroup {
         }
     }
 
+    #[allow(
+        clippy::new_without_default,
+        reason = "it moves the calling process: not what a Default should do"
+    )]
     pub fn new() -> Self {
         let mount = cgroup2_mount();
         let path = mount.join(unique("ebpf-proxy-test-"));
