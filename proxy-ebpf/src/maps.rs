@@ -18,7 +18,7 @@ use proxy_common::{
     Svc6Key, SvcValue,
 };
 
-use crate::tc::{Bucket, Scratch};
+use crate::tc::state::{Bucket, Scratch};
 
 /// IPv4 frontends (slot 0) and their backend slots (1..=count).
 #[map]

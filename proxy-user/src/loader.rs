@@ -50,6 +50,27 @@ pub use crate::pins::DEFAULT_PIN_PATH;
 pub(crate) static EBPF_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
+/// Where a layout migration builds the new maps, inside the pin directory (same bpffs
+/// mount, so the pins can be renamed into place); see `migrate/`.
+pub const MIGRATE_STAGING_DIR: &str = "migrate-staging";
+
+/// A hash of this build's eBPF object (FNV-1a, folded to 32 bits; never 0, which means
+/// "none"), recorded in `META[OBJECT_HASH]`: another build's programs are swapped in.
+pub fn object_hash() -> u32 {
+    static HASH: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *HASH.get_or_init(|| {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in EBPF_OBJECT {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        match (h ^ (h >> 32)) as u32 {
+            0 => 1,
+            v => v,
+        }
+    })
+}
+
 /// The cgroup hooks, by program name (the function names in `proxy-ebpf/src/sock.rs`).
 pub const SOCK_PROGRAMS: [&str; 8] = [
     "sock4_connect",
@@ -492,10 +513,6 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     }
     fs::create_dir_all(link_dir(pin_path)).map_err(io_err("creating", pin_path))?;
 
-    // Upgrades (migrate.rs): finish or roll back an interrupted layout migration, migrate
-    // an older layout, or swap another build's running programs for this build's.
-    crate::migrate::prepare(pin_path)?;
-
     // Maps of another ABI would be misread by the new programs: refuse.
     let pins = PinDir::new(pin_path);
     if pins.has_maps() {
@@ -708,7 +725,7 @@ pub fn load_object(pin_path: &Path, ct_entries: u32) -> Result<aya::Ebpf, LoadEr
         .map_max_entries(map_names::CT6, ct_entries)
         .load(EBPF_OBJECT)?;
     write_meta(&mut ebpf, meta::ABI_VERSION, ABI_VERSION)?;
-    write_meta(&mut ebpf, meta::OBJECT_HASH, crate::migrate::object_hash())?;
+    write_meta(&mut ebpf, meta::OBJECT_HASH, object_hash())?;
     Ok(ebpf)
 }
 
@@ -789,9 +806,13 @@ pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
         remove_pin(&links, &name)?;
         report.links.push(name);
     }
-    // A migration interrupted by a crash leaves its staging directory (migrate.rs).
-    crate::migrate::remove_staging(pin_path)
-        .map_err(io_err("removing the staging directory in", pin_path))?;
+    // A migration interrupted by a crash leaves its staging directory (migrate/).
+    match fs::remove_dir_all(pin_path.join(MIGRATE_STAGING_DIR)) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            return Err(io_err("removing the staging directory in", pin_path)(e));
+        }
+        _ => {}
+    }
     if links.exists() {
         fs::remove_dir(&links).map_err(io_err("removing (unknown files left?)", &links))?;
     }

@@ -21,14 +21,7 @@ pub const SNAT_PORT_SPAN: u32 = 28232;
 /// Random probes before the scan.
 const SNAT_TRIES: u32 = 4;
 
-/// What a new flow was given: backend, SNAT, ids.
-pub struct Chosen<A> {
-    pub backend: (A, u16),
-    pub snat: (A, u16),
-    pub service_id: u32,
-    pub backend_id: u32,
-    pub flags: u32,
-}
+pub use super::state::Chosen;
 
 /// How long an entry lives after its last packet.
 #[inline(always)]

@@ -7,7 +7,7 @@
 //! and the NAT code by implementing that trait for its own context.
 
 use aya_ebpf::{
-    bindings::{bpf_fib_lookup as FibParams, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    bindings::{bpf_fib_lookup as FibParams, BPF_F_PSEUDO_HDR},
     helpers::generated::bpf_csum_diff,
     maps::lpm_trie::Key as LpmKey,
     programs::TcContext,
@@ -59,30 +59,7 @@ impl PktAccess for TcContext {
     }
 }
 
-/// A parsed packet: where its fields are and what they hold (network byte order).
-pub struct Pkt<A> {
-    pub l4: usize,
-    pub proto: u8,
-    pub saddr: A,
-    pub daddr: A,
-    pub sport: u16,
-    pub dport: u16,
-    pub tcp_flags: u8,
-}
-
-impl<A> Pkt<A> {
-    pub fn csum_off(&self) -> usize {
-        self.l4 + if self.proto == proto::TCP { 16 } else { 6 }
-    }
-
-    pub fn l4_flags(&self) -> u64 {
-        if self.proto == proto::UDP {
-            u64::from(BPF_F_MARK_MANGLED_0)
-        } else {
-            0
-        }
-    }
-}
+pub use super::state::Pkt;
 
 /// One address family of the packet path, on top of the socket path's [`Family`].
 pub trait PktFamily: Family {

@@ -36,9 +36,10 @@ mod ct;
 mod family;
 mod icmp;
 mod nat;
+pub(crate) mod state;
 mod unreach;
 
-pub use unreach::Bucket;
+pub use state::Scratch;
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
@@ -129,12 +130,6 @@ fn try_tc(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason> {
         },
         _ => Ok(Verdict::PASS),
     }
-}
-
-/// Per-CPU scratch (one entry per family, `maps::SCRATCH4/6`).
-pub struct Scratch<A> {
-    pkt: Pkt<A>,
-    chosen: Chosen<A>,
 }
 
 /// What to do with a packet after translation, and the outcome to count. Returned up to

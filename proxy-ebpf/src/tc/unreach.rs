@@ -68,12 +68,6 @@ const BURST: u64 = 50;
 /// Credit one error costs, in nanoseconds of refill.
 const COST_NS: u64 = 1_000_000_000 / RATE_PER_S;
 
-/// A token bucket in nanoseconds of credit (`maps::UNREACH_BUCKET`).
-pub struct Bucket {
-    credit_ns: u64,
-    last_ns: u64,
-}
-
 /// Takes one error's worth of credit, or counts the refusal. Called before `udp4`/`udp6`
 /// (not from them: their frames are large, and the verifier counts the whole call chain's
 /// stack).

@@ -75,7 +75,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         None => (Vec::new(), crate::node::node_interfaces(&all, &[]).1),
         Some(wanted) => crate::node::node_interfaces(&all, wanted),
     };
-    let installed = loader::install(&loader::InstallOptions {
+    let installed = crate::migrate::install(&loader::InstallOptions {
         pin_path: opts.pin_path.clone(),
         cgroup: opts.cgroup.clone(),
         interfaces: interfaces.clone(),

@@ -234,7 +234,7 @@ fn main() -> Result<()> {
             conntrack_max,
             tc_attach,
         } => {
-            let r = loader::install(&loader::InstallOptions {
+            let r = proxy_user::migrate::install(&loader::InstallOptions {
                 pin_path: pin_path.clone(),
                 cgroup,
                 interfaces,

@@ -1,5 +1,5 @@
-//! Upgrades of a running datapath without a gap in service (called by
-//! [`loader::install`](crate::loader::install) before it adopts the pins).
+//! Upgrades of a running datapath without a gap in service ([`install`]: this module's
+//! [`prepare`], then [`loader::install`](crate::loader::install), which adopts the pins).
 //!
 //! **Same layout, another build.** `META[OBJECT_HASH]` records a hash of the eBPF object
 //! whose programs run. A new agent whose object differs loads its programs against the
@@ -49,7 +49,6 @@ use std::{
     fs, io,
     os::fd::{AsFd, BorrowedFd},
     path::{Path, PathBuf},
-    sync::OnceLock,
 };
 
 use aya::{
@@ -64,11 +63,11 @@ use tracing::{info, warn};
 
 use crate::{
     bpf,
-    loader::{LoadError, CLSACT_HANDLE, CLSACT_PRIORITY, EBPF_OBJECT, SOCK_PROGRAMS},
+    loader::{self, LoadError, CLSACT_HANDLE, CLSACT_PRIORITY, EBPF_OBJECT, SOCK_PROGRAMS},
 };
 
 /// The staging directory inside the pin directory.
-pub const STAGING_DIR: &str = "migrate-staging";
+pub use crate::loader::{object_hash, MIGRATE_STAGING_DIR as STAGING_DIR};
 /// The oldest `META` ABI this build migrates from (one release back: 3).
 pub const OLDEST_ABI: u32 = 3;
 /// Test hook: abort right after the named step.
@@ -91,23 +90,6 @@ pub const STEPS: [&str; 7] = [
 /// Maps the datapath itself writes: copied again, insert-if-absent, around the swap.
 /// (Not `SOCK_REVNAT4/6`: from ABI 4 on they live in each socket's storage.)
 const DATAPATH_WRITTEN: [&str; 3] = [map_names::CT4, map_names::CT6, map_names::AFFINITY];
-
-/// A hash of this build's eBPF object (FNV-1a, folded to 32 bits; never 0, which means
-/// "unknown": pins written before the hash existed).
-pub fn object_hash() -> u32 {
-    static HASH: OnceLock<u32> = OnceLock::new();
-    *HASH.get_or_init(|| {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in EBPF_OBJECT {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-        match (h ^ (h >> 32)) as u32 {
-            0 => 1,
-            v => v,
-        }
-    })
-}
 
 /// A function converting one entry (key, value bytes of the old layout) to the new
 /// layout; `None` drops it (counted as not converted).
@@ -172,8 +154,16 @@ fn crash_point(step: &str) {
     }
 }
 
-/// Called by `install` before it reads `META`: finishes or rolls back an interrupted
-/// migration, migrates an older layout, or swaps the programs of another build in.
+/// [`loader::install`] after [`prepare`]: what `proxy-agent run` and `install` call, so a
+/// node's pinned datapath is upgraded (or an interrupted upgrade finished) before it is
+/// adopted.
+pub fn install(opts: &loader::InstallOptions) -> Result<loader::InstallReport, LoadError> {
+    prepare(&opts.pin_path)?;
+    loader::install(opts)
+}
+
+/// Before `install` reads `META`: finishes or rolls back an interrupted migration,
+/// migrates an older layout, or swaps the programs of another build in.
 pub fn prepare(pin_path: &Path) -> Result<(), LoadError> {
     if EBPF_OBJECT.is_empty() {
         return Ok(());
@@ -500,15 +490,6 @@ fn migrate(pin_path: &Path, from: u32) -> Result<(), LoadError> {
         "layout migration done"
     );
     Ok(())
-}
-
-/// Removes a staging directory left by an interrupted migration (for `uninstall`, after
-/// every hook is detached).
-pub fn remove_staging(pin_path: &Path) -> io::Result<()> {
-    match fs::remove_dir_all(pin_path.join(STAGING_DIR)) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
-    }
 }
 
 fn map_info_at(path: &Path) -> io::Result<sys::MapInfo> {

@@ -1,0 +1,52 @@
+//! The state the TC programs keep per CPU (`maps::SCRATCH4/6`, `maps::UNREACH_BUCKET`):
+//! plain data that uses no map, so `maps.rs` (which declares every map) can name these
+//! types without importing the programs that use them.
+
+use aya_ebpf::bindings::BPF_F_MARK_MANGLED_0;
+use proxy_common::proto;
+
+/// A parsed packet: where its fields are and what they hold (network byte order).
+pub struct Pkt<A> {
+    pub l4: usize,
+    pub proto: u8,
+    pub saddr: A,
+    pub daddr: A,
+    pub sport: u16,
+    pub dport: u16,
+    pub tcp_flags: u8,
+}
+
+impl<A> Pkt<A> {
+    pub fn csum_off(&self) -> usize {
+        self.l4 + if self.proto == proto::TCP { 16 } else { 6 }
+    }
+
+    pub fn l4_flags(&self) -> u64 {
+        if self.proto == proto::UDP {
+            u64::from(BPF_F_MARK_MANGLED_0)
+        } else {
+            0
+        }
+    }
+}
+
+/// What a new flow was given: backend, SNAT, ids.
+pub struct Chosen<A> {
+    pub backend: (A, u16),
+    pub snat: (A, u16),
+    pub service_id: u32,
+    pub backend_id: u32,
+    pub flags: u32,
+}
+
+/// Per-CPU scratch (one entry per family, `maps::SCRATCH4/6`).
+pub struct Scratch<A> {
+    pub(super) pkt: Pkt<A>,
+    pub(super) chosen: Chosen<A>,
+}
+
+/// A token bucket in nanoseconds of credit (`maps::UNREACH_BUCKET`).
+pub struct Bucket {
+    pub(super) credit_ns: u64,
+    pub(super) last_ns: u64,
+}
