@@ -1024,8 +1024,13 @@ pub fn markdown(r: &ApiResults) -> String {
                 report::thousands(s.services),
                 f(s.list_to_programmed_secs, 3)
             );
+            let bound = r.config.as_ref().map_or(0.0, |c| c.side_limit_secs);
             for n in &names {
-                md += &format!(" {} |", f(s.side_by_side.get(n).copied().flatten(), 3));
+                md += &match s.side_by_side.get(n) {
+                    Some(Some(secs)) => format!(" {secs:.3} |"),
+                    Some(None) => format!(" > {bound:.0} |"),
+                    None => " - |".into(),
+                };
             }
             md += &format!(" {} / {} |\n", f(s.rss_mib, 1), f(s.manifests_rss_mib, 1));
         }
@@ -1054,9 +1059,10 @@ pub fn markdown(r: &ApiResults) -> String {
         .scales
         .iter()
         .flat_map(|s| {
-            s.errors
-                .iter()
-                .map(move |e| format!("- {}: {e}", report::thousands(s.services)))
+            s.errors.iter().map(move |e| {
+                let e = e.lines().take(2).collect::<Vec<_>>().join(" ");
+                format!("- {}: {e}", report::thousands(s.services))
+            })
         })
         .chain(r.nodes.iter().flat_map(|n| {
             n.errors
