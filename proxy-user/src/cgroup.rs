@@ -38,7 +38,7 @@ fn unescape(s: &str) -> String {
 /// Checks that `path` is a directory of a cgroup v2 hierarchy.
 pub fn check_cgroup2_dir(path: &Path) -> io::Result<()> {
     const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
-    let magic = crate::fs_magic(path)
+    let magic = crate::fs::magic(path)
         .map_err(|e| io::Error::new(e.kind(), format!("cgroup {}: {e}", path.display())))?;
     if magic != CGROUP2_SUPER_MAGIC {
         return Err(io::Error::new(

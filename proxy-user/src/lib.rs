@@ -10,6 +10,7 @@ pub mod cleanup;
 pub mod cluster;
 pub mod codec;
 pub mod ctl;
+pub mod fs;
 pub mod loader;
 pub mod migrate;
 pub mod model;
@@ -18,8 +19,6 @@ pub mod pins;
 pub mod sockdestroy;
 pub mod store;
 pub mod writer;
-
-pub(crate) use loader::fs_magic;
 
 pub use bpf::BpfMaps;
 pub use loader::{install, uninstall, InstallOptions, TcAttachMode};

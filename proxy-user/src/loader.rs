@@ -83,8 +83,6 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
     "sock6_getpeer",
 ];
 
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-
 /// Priority (`tc` "pref") of the clsact filters this project attaches: 19280, `0x4b50`
 /// (ASCII "KP"). Reserved for ebpf-proxy: a filter at this priority and [`CLSACT_HANDLE`]
 /// on `clsact` ingress/egress is taken to be ours (replaced by a re-attach, deleted by
@@ -482,20 +480,6 @@ pub struct UninstallReport {
     pub maps: Vec<String>,
 }
 
-/// The filesystem magic of `path` (statfs `f_type`).
-pub(crate) fn fs_magic(path: &Path) -> io::Result<i64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: statfs on a NUL-terminated path into a zeroed struct.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    #[allow(clippy::unnecessary_cast, reason = "f_type's width differs by target")]
-    Ok(st.f_type as i64)
-}
-
 fn link_dir(pin_path: &Path) -> PathBuf {
     pin_path.join("links")
 }
@@ -504,9 +488,9 @@ fn link_dir(pin_path: &Path) -> PathBuf {
 pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     let pin_path = &opts.pin_path;
     let parent = pin_path.parent().unwrap_or(Path::new("/"));
-    let on_bpffs = fs_magic(if pin_path.exists() { pin_path } else { parent })
+    let on_bpffs = crate::fs::magic(if pin_path.exists() { pin_path } else { parent })
         .map_err(io_err("checking", parent))?;
-    if on_bpffs != BPF_FS_MAGIC {
+    if on_bpffs != crate::fs::BPF_FS_MAGIC {
         return Err(LoadError::NotBpffs {
             path: pin_path.clone(),
         });

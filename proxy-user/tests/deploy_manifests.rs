@@ -1036,6 +1036,12 @@ fn overlays_patch_what_running_beside_kube_proxy_needs() {
             .and_then(|s| s.parse().ok())
             .unwrap_or_else(|| panic!("{key}"));
         assert_eq!(a.port(), port);
+        if key == "PROXY_METRICS_ADDR" {
+            assert!(
+                a.ip().is_loopback(),
+                "{key}: metrics only on loopback, like kube-proxy"
+            );
+        }
     }
     let migration = &tree.files[&deploy_dir().join("overlays/migration/node-selector.yaml")][0];
     assert_eq!(
@@ -1114,6 +1120,56 @@ fn kustomize_renders_the_base_and_the_overlays() {
             &objects,
             expect,
             &format!("kubectl kustomize {}", dir.display()),
+        );
+    }
+}
+
+/// Issue 12 item 8: metrics listen on loopback by default, as kube-proxy's
+/// `--metrics-bind-address` (127.0.0.1:10249); only /healthz is meant to be reachable.
+/// The binary's own default and the shipped ConfigMap both say so.
+#[test]
+fn metrics_listen_on_loopback_unless_an_operator_opts_in() {
+    let out = Command::new(env!("CARGO_BIN_EXE_proxy-agent"))
+        .args(["run", "--help"])
+        .output()
+        .expect("proxy-agent run --help");
+    let help = String::from_utf8_lossy(&out.stdout);
+    let line = help
+        .lines()
+        .skip_while(|l| !l.contains("--metrics-addr"))
+        .take_while(|l| !l.trim_start().starts_with("--healthz-addr"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(
+        line.contains("[default: 127.0.0.1:10249]"),
+        "the --metrics-addr default: {line}"
+    );
+    let tree = tree();
+    let base = &tree.files[&deploy_dir().join("base/configmap.yaml")][0];
+    let a: SocketAddr = base["data"]["PROXY_METRICS_ADDR"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+        .expect("PROXY_METRICS_ADDR in the base ConfigMap");
+    assert_eq!(a, "127.0.0.1:10249".parse().expect("addr"));
+}
+
+/// Issue 12 item 10: the README counts and names the capabilities the DaemonSet adds,
+/// and says why each is needed.
+#[test]
+fn the_readme_names_every_capability_the_daemonset_adds() {
+    let readme = fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+        .expect("README.md");
+    // As a reader sees it: line breaks are spaces.
+    let readme = readme.split_whitespace().collect::<Vec<_>>().join(" ");
+    let words = [
+        "zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
+    ];
+    let count = format!("{} capabilities", words[CAPABILITIES.len()]);
+    assert!(readme.contains(&count), "README should say \"{count}\"");
+    for cap in CAPABILITIES {
+        assert!(
+            readme.contains(&format!("`{cap}` (")),
+            "README: `{cap}` and why it is needed"
         );
     }
 }

@@ -82,22 +82,14 @@ pub fn open_map_rdonly(path: &Path) -> Result<Option<Map>> {
     from_pin(dir, PinDir::new(dir).open_map(&name, Access::ReadOnly))
 }
 
-/// `BPF_FS_MAGIC` (`include/uapi/linux/magic.h`): `statfs.f_type` of a bpffs mount.
-pub const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+pub use crate::fs::BPF_FS_MAGIC;
 
 /// Why `BPF_OBJ_GET` answered EACCES, when the cause is not a missing privilege: the
 /// kernel also answers EACCES for a path that is not a pinned BPF object (a file outside
 /// bpffs, a directory on it). `None`: the path is on bpffs and not a directory, so EACCES
 /// is a real permission problem (or the path cannot even be looked at).
 pub fn not_a_bpf_object(path: &Path) -> Option<String> {
-    let c_path = CString::new(path.as_os_str().as_bytes()).ok()?;
-    // SAFETY: statfs writes into the zeroed struct we own; the path is NUL-terminated.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    #[allow(clippy::unnecessary_cast)]
-    let magic = st.f_type as i64;
+    let magic = crate::fs::magic(path).ok()?;
     if magic != BPF_FS_MAGIC {
         return Some(format!(
             "not on a bpffs mount (filesystem magic {magic:#x}, bpffs is {BPF_FS_MAGIC:#x}): \
