@@ -5,10 +5,9 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    ffi::CString,
     io,
     net::{IpAddr, SocketAddr},
-    os::{fd::OwnedFd, unix::ffi::OsStrExt as _},
+    os::fd::OwnedFd,
     path::{Path, PathBuf},
 };
 
