@@ -11,6 +11,7 @@
 mod bench;
 mod demo;
 mod setup;
+mod tiers;
 mod upgrade_from;
 
 use std::process::Command;
@@ -52,6 +53,11 @@ enum Cmd {
         /// only keeps the benchmark from rotting).
         #[arg(long)]
         no_bench: bool,
+        /// Which tests: `unprivileged` (unit tests and the integration tests that need no
+        /// root: what a workstation can run), `privileged` (real kernel state: namespaces,
+        /// cgroups, BPF; as root, one at a time), or `all` (both, the default).
+        #[arg(long, value_enum, default_value_t = Tier::All)]
+        tier: Tier,
         /// Extra arguments for `cargo test` (a test name filter, say).
         #[arg(last = true)]
         args: Vec<String>,
@@ -81,10 +87,11 @@ fn main() -> Result<()> {
         Cmd::Test {
             no_lint,
             no_bench,
+            tier,
             args,
         } => {
             setup::ensure()?;
-            test(no_lint, no_bench, &args)
+            test(no_lint, no_bench, tier, &args)
         }
     }
 }
@@ -140,13 +147,13 @@ fn build() -> Result<()> {
     Ok(())
 }
 
-fn test(no_lint: bool, no_bench: bool, args: &[String]) -> Result<()> {
+fn test(no_lint: bool, no_bench: bool, tier: Tier, args: &[String]) -> Result<()> {
     if !no_lint {
         run(cargo().args(["fmt", "--all", "--", "--check"]))?;
         run(cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
     }
     // Before the tests, so their summary stays the last line.
-    if !no_bench && setup::is_root() && args.is_empty() {
+    if !no_bench && setup::is_root() && args.is_empty() && tier != Tier::Unprivileged {
         build()?;
         run(cargo()
             .args([
@@ -173,34 +180,108 @@ fn test(no_lint: bool, no_bench: bool, args: &[String]) -> Result<()> {
             ])
             .args(["--out", "target/bench-api-quick"]))?;
     }
-    if !setup::is_root() {
+    if !setup::is_root() && tier != Tier::Unprivileged {
         eprintln!(
             "warning: not root: the privileged tests will fail (they need namespaces, cgroups \
-             and BPF); run `sudo -E cargo xtask test`"
+             and BPF); run `sudo -E cargo xtask test`, or `cargo xtask test --tier \
+             unprivileged` for the tests that need no root"
         );
     }
-    // Privileged tests share kernel state (cgroups, bpffs, namespaces): one at a time.
-    let mut cmd = cargo();
-    // The upgrade test runs the previous release's agent (tests/upgrade.rs).
-    cmd.env(upgrade_from::ENV, upgrade_from::ensure()?);
-    cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"]);
-    cmd.args(args);
-    cmd.args(["--", "--test-threads=1"]);
-    run_tests(&mut cmd)
+    let privileged = tiers::privileged_tests()?;
+    let mut total = Counts::default();
+    if tier != Tier::Privileged {
+        // Unit tests of every crate and the integration tests that need no root.
+        let mut cmd = cargo();
+        cmd.args([
+            "test",
+            "--workspace",
+            "--exclude",
+            "proxy-ebpf",
+            "--lib",
+            "--bins",
+        ]);
+        for t in tiers::UNPRIVILEGED {
+            cmd.args(["--test", t]);
+        }
+        cmd.args(args);
+        total.add(run_tests(&mut cmd, "unprivileged")?);
+    }
+    if tier != Tier::Unprivileged {
+        // Privileged tests share kernel state (cgroups, bpffs, namespaces): one at a time.
+        let mut cmd = cargo();
+        // The upgrade test runs the previous release's agent (tests/upgrade.rs).
+        cmd.env(upgrade_from::ENV, upgrade_from::ensure()?);
+        cmd.args(["test", "--package", "proxy-user"]);
+        for t in &privileged {
+            cmd.args(["--test", t]);
+        }
+        cmd.args(args);
+        cmd.args(["--", "--test-threads=1"]);
+        total.add(run_tests(&mut cmd, "privileged")?);
+    }
+    total.finish()
 }
 
-/// Runs `cargo test`, echoing its output, and closes with one summary line over every
-/// test binary (`summary: N passed, N failed`).
-fn run_tests(cmd: &mut Command) -> Result<()> {
+/// The test tiers `cargo xtask test` runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Tier {
+    Unprivileged,
+    Privileged,
+    All,
+}
+
+/// Tests counted over the `test result:` lines of one or more `cargo test` runs.
+#[derive(Clone, Copy, Debug, Default)]
+struct Counts {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+    ok: bool,
+    runs: u32,
+}
+
+impl Counts {
+    fn add(&mut self, c: Counts) {
+        self.passed += c.passed;
+        self.failed += c.failed;
+        self.ignored += c.ignored;
+        self.ok = (self.runs == 0 || self.ok) && c.ok;
+        self.runs += 1;
+    }
+
+    /// The one summary line over every test binary (`summary: N passed, N failed`).
+    fn finish(self) -> Result<()> {
+        let skipped = if self.ignored > 0 {
+            format!(", {} skipped", self.ignored)
+        } else {
+            String::new()
+        };
+        println!(
+            "summary: {} passed, {} failed{skipped}",
+            self.passed, self.failed
+        );
+        if !self.ok || self.failed > 0 {
+            bail!("tests failed");
+        }
+        if self.passed == 0 {
+            bail!("no test ran");
+        }
+        Ok(())
+    }
+}
+
+/// Runs `cargo test` for one tier, echoing its output, and counts its `test result:`
+/// lines. A failing tier does not stop the next one: the summary covers both.
+fn run_tests(cmd: &mut Command, tier: &str) -> Result<Counts> {
     use std::io::{BufRead as _, BufReader};
     let args: Vec<_> = cmd.get_args().map(|a| a.to_string_lossy()).collect();
-    eprintln!("+ cargo {}", args.join(" "));
+    eprintln!("+ ({tier} tests) cargo {}", args.join(" "));
     let mut child = cmd
         .stdout(std::process::Stdio::piped())
         .spawn()
         .context("starting cargo test")?;
     let stdout = child.stdout.take().context("cargo test stdout")?;
-    let (mut passed, mut failed, mut ignored) = (0u64, 0u64, 0u64);
+    let mut c = Counts::default();
     for line in BufReader::new(stdout).lines() {
         let line = line?;
         println!("{line}");
@@ -210,9 +291,9 @@ fn run_tests(cmd: &mut Command) -> Result<()> {
                 if let (Some(n), Some(what)) = (words.next(), words.next()) {
                     let n: u64 = n.parse().unwrap_or(0);
                     match what {
-                        "passed" => passed += n,
-                        "failed" => failed += n,
-                        "ignored" => ignored += n,
+                        "passed" => c.passed += n,
+                        "failed" => c.failed += n,
+                        "ignored" => c.ignored += n,
                         _ => {}
                     }
                 }
@@ -220,17 +301,9 @@ fn run_tests(cmd: &mut Command) -> Result<()> {
         }
     }
     let status = child.wait()?;
-    let skipped = if ignored > 0 {
-        format!(", {ignored} skipped")
-    } else {
-        String::new()
-    };
-    println!("summary: {passed} passed, {failed} failed{skipped}");
-    if !status.success() || failed > 0 {
-        bail!("tests failed: {status}");
+    c.ok = status.success();
+    if !c.ok {
+        eprintln!("{tier} tests: cargo test exited with {status}");
     }
-    if passed == 0 {
-        bail!("no test ran");
-    }
-    Ok(())
+    Ok(c)
 }
