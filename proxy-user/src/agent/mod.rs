@@ -94,29 +94,9 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         info!(?interfaces, addresses = ?node_addrs, "TC datapath on the node's interfaces");
     }
     let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
-    let maps = BpfMaps::open(&opts.pin_path)?;
-    let (mut writer, adopted) = Writer::adopt(maps).context("reading the pinned maps back")?;
-    let mut node_addresses = NodeAddresses::new(node_addrs);
-    node_addresses
-        .update(&mut writer, &[])
-        .context("writing the node's addresses")?;
-    info!(
-        frontends = adopted.frontends,
-        backends = adopted.backends,
-        orphans_deleted = adopted.orphans_deleted,
-        repairs = ?adopted.repairs,
-        "adopted the maps' contents"
-    );
-
+    // Metrics and health first: reading a large pinned state back takes seconds, and
+    // /livez must answer meanwhile (/healthz says 503 until the first sync).
     let metrics = Arc::new(Metrics::new());
-    for (kind, n) in &adopted.repairs {
-        metrics
-            .adoption_repairs
-            .get_or_create(&metrics::KindLabel {
-                kind: kind.to_string(),
-            })
-            .inc_by(*n as u64);
-    }
     metrics
         .conntrack_max
         .set(i64::from(installed.conntrack_entries / 2));
@@ -150,6 +130,32 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     .await
     .with_context(|| format!("binding the health address {}", opts.healthz_addr))?;
     info!(metrics = %m, healthz = %h, "serving /metrics, /healthz and /livez");
+
+    let maps = BpfMaps::open(&opts.pin_path)?;
+    // Off the runtime: the servers above keep answering while the maps are read back.
+    let (mut writer, adopted) = tokio::task::spawn_blocking(move || Writer::adopt(maps))
+        .await
+        .context("the adoption task failed")?
+        .context("reading the pinned maps back")?;
+    let mut node_addresses = NodeAddresses::new(node_addrs);
+    node_addresses
+        .update(&mut writer, &[])
+        .context("writing the node's addresses")?;
+    info!(
+        frontends = adopted.frontends,
+        backends = adopted.backends,
+        orphans_deleted = adopted.orphans_deleted,
+        repairs = ?adopted.repairs,
+        "adopted the maps' contents"
+    );
+    for (kind, n) in &adopted.repairs {
+        metrics
+            .adoption_repairs
+            .get_or_create(&metrics::KindLabel {
+                kind: kind.to_string(),
+            })
+            .inc_by(*n as u64);
+    }
 
     let (tx, rx) = mpsc::channel(4096);
     match &opts.manifests {
