@@ -109,8 +109,8 @@ pub trait PktFamily: Family {
     /// Per-CPU scratch space for the parsed packet and a new flow's choice: kept off the
     /// stack, whose 512 bytes the verifier counts over the whole call chain.
     fn scratch() -> Option<*mut Scratch<Self::Addr>>;
-    /// Answers the UDP datagram at `ctx` with an ICMP port unreachable.
-    fn reject_udp(ctx: &TcContext) -> i32;
+    /// IPv6 (an ICMPv6 error answers a refused datagram), else IPv4.
+    const V6: bool;
     /// A source address as a session-affinity client.
     fn client(a: Self::Addr) -> ([u32; 4], u8);
     /// Logs that every SNAT port towards a backend is held by a live flow.
@@ -281,10 +281,7 @@ impl PktFamily for V4 {
         SCRATCH4.get_ptr_mut(0)
     }
 
-    #[inline(always)]
-    fn reject_udp(ctx: &TcContext) -> i32 {
-        super::unreach::udp4(ctx)
-    }
+    const V6: bool = false;
 
     fn client(a: u32) -> ([u32; 4], u8) {
         ([a, 0, 0, 0], affinity_kind::V4)
@@ -451,10 +448,7 @@ impl PktFamily for V6 {
         SCRATCH6.get_ptr_mut(0)
     }
 
-    #[inline(always)]
-    fn reject_udp(ctx: &TcContext) -> i32 {
-        super::unreach::udp6(ctx)
-    }
+    const V6: bool = true;
 
     fn client(a: [u32; 4]) -> ([u32; 4], u8) {
         (a, affinity_kind::V6)

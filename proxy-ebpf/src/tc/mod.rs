@@ -366,7 +366,7 @@ fn reject<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Step<F::Addr> {
     {
         unreach::tcp_rst::<F>(ctx, p)
     } else if p.proto == proto::UDP && unreach::allowed() {
-        F::reject_udp(ctx)
+        unreach::udp::<F>(ctx)
     } else {
         TC_ACT_SHOT as i32
     };

@@ -29,6 +29,16 @@ use proxy_common::Reason;
 
 use super::family::{Pkt, PktFamily};
 use crate::maps::{count, UNREACH_BUCKET};
+
+/// Answers the UDP datagram at `ctx` with an ICMP (v4) or ICMPv6 port unreachable.
+#[inline(always)]
+pub fn udp<F: PktFamily>(ctx: &TcContext) -> i32 {
+    if F::V6 {
+        udp6(ctx)
+    } else {
+        udp4(ctx)
+    }
+}
 const ETH_HLEN: usize = 14;
 const TTL: u8 = 64;
 
