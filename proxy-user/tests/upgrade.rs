@@ -422,6 +422,27 @@ fn ask_udp(addr: SocketAddr) -> std::io::Result<String> {
     Err(std::io::Error::other(format!("no answer from {addr}")))
 }
 
+/// What the ClusterIP client reported that counts as a failure. Across the ABI 3 -> 4
+/// layout migration (and only there: the log says the socket reverse-NAT entries were
+/// not converted), an unconnected UDP exchange whose request left through the old
+/// `sendmsg` program and whose answer arrived after the swap is answered from the
+/// backend's address: ABI 4 keeps those entries in each socket's storage, which user
+/// space cannot fill (migrate/v3.rs `SOCK_REVNAT_GONE`, docs/deploy.md). The client
+/// ignores such an answer and asks again, as a resolver does; that retry must succeed
+/// (its `udp_failed` stays 0), and at most a few exchanges may straddle the swap.
+fn cip_failures(cip_errors: &str, log: &str) -> String {
+    let straddles = log.contains("entries not converted map=SOCK_REVNAT");
+    let (wrong_source, rest): (Vec<&str>, Vec<&str>) = cip_errors
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .partition(|l| l.starts_with("UDP answer from ") && l.ends_with(": ignored"));
+    let mut failures = rest.join("\n");
+    if (!straddles && !wrong_source.is_empty()) || wrong_source.len() > 3 {
+        failures.push_str(&wrong_source.join("\n"));
+    }
+    failures
+}
+
 /// UDP exchanges asked again, and answers ignored for their source address.
 static UDP_RETRIES: AtomicU64 = AtomicU64::new(0);
 static UDP_WRONG_SOURCE: AtomicU64 = AtomicU64::new(0);
@@ -845,7 +866,8 @@ fn upgrade_under_traffic(mode: &'static str) {
     let ct_copied = !force.is_empty() && mode == "copy";
     let tc_failures_allowed = if ct_copied { (tcp.0 + udp.0) / 100 } else { 0 };
     assert!(
-        (errors.is_empty() || tcp.1 + udp.1 <= tc_failures_allowed) && cip_errors.trim().is_empty(),
+        (errors.is_empty() || tcp.1 + udp.1 <= tc_failures_allowed)
+            && cip_failures(&cip_errors, &log).is_empty(),
         "failed connections across the upgrade: {errors:#?}\n{cip_errors}\n--- old agent ---\n{old_log}\n--- new agent ---\n{log}"
     );
     assert!(tcp.1 + udp.1 <= tc_failures_allowed, "{errors:?}");
@@ -990,7 +1012,8 @@ fn crash_at_each_migration_step_then_restart() {
             eprintln!("{step}: conntrack layout changed, half-swapped TC: {errors:?}");
         }
         assert!(
-            (errors.is_empty() || !ct_shared) && cip_errors.trim().is_empty(),
+            (errors.is_empty() || !ct_shared)
+                && cip_failures(&cip_errors, &format!("{crash_log}\n{log}")).is_empty(),
             "{step}: failed connections: {errors:#?}\n{cip_errors}\n--- crashed ---\n{crash_log}\n--- restarted ---\n{log}"
         );
         for f in &flows {
@@ -1065,7 +1088,7 @@ fn same_layout_new_build_swaps_programs_in_place() {
         tcp.0, tcp.1, udp.0, udp.1, cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3]
     );
     assert!(
-        errors.is_empty() && cip_errors.trim().is_empty(),
+        errors.is_empty() && cip_failures(&cip_errors, &log).is_empty(),
         "{errors:#?}\n{cip_errors}\n{log}"
     );
     assert!(flows.iter().all(Result::is_ok), "{flows:?}");
