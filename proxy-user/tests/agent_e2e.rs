@@ -16,7 +16,7 @@ use std::{
 };
 
 use support::{
-    manifests::{ready, service, slice, terminating},
+    manifests::{self, ready, service, slice, terminating},
     tcp_ask, unique, AgentProcess, TestEnv, Topology,
 };
 
@@ -363,26 +363,7 @@ fn bad_manifests_are_reported_and_the_rest_keeps_working() {
 }
 
 fn big_manifest(path: &Path, services: usize, endpoints: usize) {
-    let mut y = String::new();
-    for s in 0..services {
-        let vip = format!("10.97.{}.{}", s / 256, s % 256);
-        y += &service(&format!("svc-{s}"), &vip, 80);
-        y += "---\n";
-        let eps: Vec<String> = (0..endpoints)
-            .map(|e| {
-                format!(
-                    "10.{}.{}.{}",
-                    128 + s / 4096,
-                    (s / 16) % 256,
-                    (s % 16) * 16 + e
-                )
-            })
-            .collect();
-        let eps: Vec<_> = eps.iter().map(|a| ready(a)).collect();
-        y += &slice(&format!("svc-{s}-1"), &format!("svc-{s}"), TARGET, &eps);
-        y += "---\n";
-    }
-    fs::write(path, y).expect("write");
+    fs::write(path, manifests::many_services(services, endpoints, TARGET)).expect("write");
 }
 
 fn rss_kib(pid: u32) -> u64 {

@@ -32,7 +32,7 @@ use std::{
 use k8s_openapi::api::{apps::v1::DaemonSet, core::v1::ConfigMap};
 use support::{
     free_ports,
-    manifests::{ready, service, slice},
+    manifests::{many_services, ready, service, slice},
     tcp_ask, unique, AgentProcess, TestEnv, Topology,
 };
 
@@ -363,25 +363,7 @@ fn start_in_memcg(env: &TestEnv, memcg: &MemCgroup, args: &[&str]) -> AgentProce
 /// 10,000 Services x 10 endpoints (the e2e tests' layout), plus `web` (10.96.0.10:80 ->
 /// pod1, the one that gets traffic).
 fn manifests(dir: &Path) {
-    let mut y = String::with_capacity(SERVICES * 1200);
-    for s in 0..SERVICES {
-        let vip = format!("10.97.{}.{}", s / 256, s % 256);
-        y += &service(&format!("svc-{s}"), &vip, 80);
-        y += "---\n";
-        let eps: Vec<String> = (0..ENDPOINTS)
-            .map(|e| {
-                format!(
-                    "10.{}.{}.{}",
-                    128 + s / 4096,
-                    (s / 16) % 256,
-                    (s % 16) * 16 + e
-                )
-            })
-            .collect();
-        let eps: Vec<_> = eps.iter().map(|a| ready(a)).collect();
-        y += &slice(&format!("svc-{s}-1"), &format!("svc-{s}"), TARGET, &eps);
-        y += "---\n";
-    }
+    let y = many_services(SERVICES, ENDPOINTS, TARGET);
     fs::write(dir.join("big.yaml"), y).expect("write");
     let pod1 = Topology::pod_v4(1).to_string();
     let mut f = fs::File::create(dir.join("web.yaml")).expect("web.yaml");

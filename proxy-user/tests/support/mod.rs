@@ -392,6 +392,32 @@ pub mod manifests {
         (addr, false, true, true)
     }
 
+    /// `services` Services `svc-<n>` (VIPs from 10.97.0.0) with `endpoints` ready
+    /// endpoints each (from 10.128.0.0, distinct per Service) on port `target`: the layout
+    /// of the e2e and memory tests' large manifests.
+    pub fn many_services(services: usize, endpoints: usize, target: u16) -> String {
+        let mut y = String::with_capacity(services * (400 + 90 * endpoints));
+        for s in 0..services {
+            let vip = format!("10.97.{}.{}", s / 256, s % 256);
+            y += &service(&format!("svc-{s}"), &vip, 80);
+            y += "---\n";
+            let eps: Vec<String> = (0..endpoints)
+                .map(|e| {
+                    format!(
+                        "10.{}.{}.{}",
+                        128 + s / 4096,
+                        (s / 16) % 256,
+                        (s % 16) * 16 + e
+                    )
+                })
+                .collect();
+            let eps: Vec<_> = eps.iter().map(|a| ready(a)).collect();
+            y += &slice(&format!("svc-{s}-1"), &format!("svc-{s}"), target, &eps);
+            y += "---\n";
+        }
+        y
+    }
+
     /// An EndpointSlice for `service` with the given endpoints on port `target`.
     pub fn slice(name: &str, service: &str, target: u16, eps: &[Ep<'_>]) -> String {
         let mut y = format!(
