@@ -268,11 +268,17 @@ pub enum Reason {
     /// TC: a packet (or an ICMP error's quoted header) could not be rewritten, a helper
     /// refused half-way: the packet is dropped rather than sent half-translated.
     TcRewriteFailed = 23,
+    /// XDP: a packet XDP leaves untouched to the stack and so to TC, which handles it
+    /// whole: an IP fragment, an ICMP error (TC translates those about NATed flows), a
+    /// frontend without endpoints (TC sends the REJECT answer), a FIB result XDP cannot
+    /// forward by (no neighbour entry yet, no route, local delivery). Counted in
+    /// `XDP_STATS` only.
+    XdpToStack = 24,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 24;
+    pub const COUNT: u32 = 25;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -299,6 +305,7 @@ impl Reason {
         Reason::TcRejectLimited,
         Reason::TcCtWriteFailed,
         Reason::TcRewriteFailed,
+        Reason::XdpToStack,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -328,6 +335,7 @@ impl Reason {
             Reason::TcRejectLimited => "tc_reject_limited",
             Reason::TcCtWriteFailed => "tc_ct_write_failed",
             Reason::TcRewriteFailed => "tc_rewrite_failed",
+            Reason::XdpToStack => "xdp_to_stack",
         }
     }
 }
