@@ -61,9 +61,11 @@ pub mod map_names {
     pub const SRC_RANGE6: &str = "SRC_RANGE6";
     /// `sessionAffinity: ClientIP`: client + service id -> backend (LRU).
     pub const AFFINITY: &str = "AFFINITY";
+    /// Per-CPU outcome counters of the XDP hook, indexed by `Reason` like `STATS`.
+    pub const XDP_STATS: &str = "XDP_STATS";
 
     /// Every pinned map.
-    pub const ALL: [&str; 19] = [
+    pub const ALL: [&str; 20] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -83,6 +85,7 @@ pub mod map_names {
         SRC_RANGE4,
         SRC_RANGE6,
         AFFINITY,
+        XDP_STATS,
     ];
 }
 
@@ -207,6 +210,18 @@ pub mod meta {
     /// A hash of the eBPF object whose programs run (0: unknown, pins of an older
     /// build): a new build with another hash swaps its programs in (`migrate.rs`).
     pub const OBJECT_HASH: u32 = 2;
+    /// The XDP acceleration the agent installed (`acceleration::*`), for `proxyctl`.
+    pub const ACCELERATION: u32 = 3;
+}
+
+/// `META[ACCELERATION]`: where the node's north-south traffic is handled first.
+pub mod acceleration {
+    /// No XDP hook: TC handles it (also what pins of an older build read as).
+    pub const OFF: u32 = 0;
+    /// XDP in generic (skb) mode, ahead of TC.
+    pub const GENERIC: u32 = 1;
+    /// XDP in the driver (native mode), ahead of TC.
+    pub const NATIVE: u32 = 2;
 }
 
 /// Every outcome of a datapath decision: the index into the per-CPU `STATS` array.
