@@ -61,9 +61,11 @@ pub mod map_names {
     pub const SRC_RANGE6: &str = "SRC_RANGE6";
     /// `sessionAffinity: ClientIP`: client + service id -> backend (LRU).
     pub const AFFINITY: &str = "AFFINITY";
+    /// Per-CPU outcome counters of the XDP hook, indexed by `Reason` like `STATS`.
+    pub const XDP_STATS: &str = "XDP_STATS";
 
     /// Every pinned map.
-    pub const ALL: [&str; 19] = [
+    pub const ALL: [&str; 20] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -83,6 +85,7 @@ pub mod map_names {
         SRC_RANGE4,
         SRC_RANGE6,
         AFFINITY,
+        XDP_STATS,
     ];
 }
 
@@ -207,6 +210,18 @@ pub mod meta {
     /// A hash of the eBPF object whose programs run (0: unknown, pins of an older
     /// build): a new build with another hash swaps its programs in (`migrate.rs`).
     pub const OBJECT_HASH: u32 = 2;
+    /// The XDP acceleration the agent installed (`acceleration::*`), for `proxyctl`.
+    pub const ACCELERATION: u32 = 3;
+}
+
+/// `META[ACCELERATION]`: where the node's north-south traffic is handled first.
+pub mod acceleration {
+    /// No XDP hook: TC handles it (also what pins of an older build read as).
+    pub const OFF: u32 = 0;
+    /// XDP in generic (skb) mode, ahead of TC.
+    pub const GENERIC: u32 = 1;
+    /// XDP in the driver (native mode), ahead of TC.
+    pub const NATIVE: u32 = 2;
 }
 
 /// Every outcome of a datapath decision: the index into the per-CPU `STATS` array.
@@ -268,11 +283,17 @@ pub enum Reason {
     /// TC: a packet (or an ICMP error's quoted header) could not be rewritten, a helper
     /// refused half-way: the packet is dropped rather than sent half-translated.
     TcRewriteFailed = 23,
+    /// XDP: a packet XDP leaves untouched to the stack and so to TC, which handles it
+    /// whole: an IP fragment, an ICMP error (TC translates those about NATed flows), a
+    /// frontend without endpoints (TC sends the REJECT answer), a FIB result XDP cannot
+    /// forward by (no neighbour entry yet, no route, local delivery). Counted in
+    /// `XDP_STATS` only.
+    XdpToStack = 24,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 24;
+    pub const COUNT: u32 = 25;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -299,6 +320,7 @@ impl Reason {
         Reason::TcRejectLimited,
         Reason::TcCtWriteFailed,
         Reason::TcRewriteFailed,
+        Reason::XdpToStack,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -328,6 +350,7 @@ impl Reason {
             Reason::TcRejectLimited => "tc_reject_limited",
             Reason::TcCtWriteFailed => "tc_ct_write_failed",
             Reason::TcRewriteFailed => "tc_rewrite_failed",
+            Reason::XdpToStack => "xdp_to_stack",
         }
     }
 }

@@ -8,7 +8,9 @@
 //! - `tc/`: the per-packet datapath at TC (NodePort, external and LB addresses): shells
 //!   and stages (`mod.rs`), per-family layout (`family.rs`), conntrack and SNAT ports
 //!   (`ct.rs`), rewriting and FIB (`nat.rs`), ICMP errors (`icmp.rs`), REJECT answers
-//!   (`unreach.rs`).
+//!   (`unreach.rs`), and `hook.rs`, what the stage machine asks of the hook it runs in;
+//! - `xdp`: the same stage machine at XDP on node interfaces (`--acceleration`), ingress
+//!   only, handing what it cannot do to TC.
 #![no_std]
 #![no_main]
 
@@ -17,6 +19,7 @@ mod lb;
 mod maps;
 mod sock;
 mod tc;
+mod xdp;
 
 #[cfg(not(test))]
 #[panic_handler]

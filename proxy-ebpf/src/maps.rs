@@ -18,7 +18,10 @@ use proxy_common::{
     Svc6Key, SvcValue,
 };
 
-use crate::tc::state::{Bucket, Scratch};
+use crate::{
+    tc::state::{Bucket, Scratch},
+    xdp::Fwd,
+};
 
 /// IPv4 frontends (slot 0) and their backend slots (1..=count).
 #[map]
@@ -109,6 +112,11 @@ impl<V> SkStorage<V> {
 #[map]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::pinned(Reason::COUNT, 0);
 
+/// Outcome counters of the XDP hook (`xdp_ingress`), indexed by `Reason` like `STATS`:
+/// the same stage outcomes, counted where they happened.
+#[map]
+pub static XDP_STATS: PerCpuArray<u64> = PerCpuArray::pinned(Reason::COUNT, 0);
+
 /// Selections per backend id (connections for TCP and connected UDP, datagrams for
 /// unconnected UDP). The writer deletes the entry when it frees the id.
 #[map]
@@ -161,6 +169,11 @@ pub static SCRATCH4: PerCpuArray<Scratch<u32>> = PerCpuArray::with_max_entries(1
 #[map]
 pub static SCRATCH6: PerCpuArray<Scratch<[u32; 4]>> = PerCpuArray::with_max_entries(1, 0);
 
+/// XDP per-CPU scratch: the FIB result a packet will be forwarded by, kept between the
+/// check before the rewrite and the forward after it (`xdp::Fwd`).
+#[map]
+pub static XDP_FWD: PerCpuArray<Fwd> = PerCpuArray::with_max_entries(1, 0);
+
 /// Per-CPU token bucket of the ICMP port unreachable answers (`tc::unreach`).
 #[map]
 pub static UNREACH_BUCKET: PerCpuArray<Bucket> = PerCpuArray::with_max_entries(1, 0);
@@ -192,6 +205,15 @@ pub fn warn_allowed() -> bool {
 #[inline(always)]
 pub fn count(reason: Reason) {
     if let Some(c) = STATS.get_ptr_mut(reason as u32) {
+        // SAFETY: per-CPU slot, this program is not preempted on its CPU.
+        unsafe { *c += 1 };
+    }
+}
+
+/// Counts one outcome of the XDP hook.
+#[inline(always)]
+pub fn count_xdp(reason: Reason) {
+    if let Some(c) = XDP_STATS.get_ptr_mut(reason as u32) {
         // SAFETY: per-CPU slot, this program is not preempted on its CPU.
         unsafe { *c += 1 };
     }

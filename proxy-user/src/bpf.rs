@@ -97,19 +97,19 @@ impl BpfMaps {
         self.pins.path()
     }
 
-    /// Every outcome counter, summed over CPUs.
+    /// Every outcome counter, summed over CPUs. A reason past the end of the pinned
+    /// array (pins made by an older build of the same ABI, before that reason existed)
+    /// reads 0.
     pub fn stats(&self) -> Result<Vec<(Reason, u64)>, StoreError> {
         Reason::ALL
             .iter()
-            .map(|r| {
-                let v = self
-                    .stats
-                    .get(&(*r as u32), 0)
-                    .map_err(|source| StoreError::Map {
-                        map: names::STATS,
-                        source,
-                    })?;
-                Ok((*r, v.iter().sum()))
+            .map(|r| match self.stats.get(&(*r as u32), 0) {
+                Ok(v) => Ok((*r, v.iter().sum())),
+                Err(MapError::OutOfBounds { .. }) => Ok((*r, 0)),
+                Err(source) => Err(StoreError::Map {
+                    map: names::STATS,
+                    source,
+                }),
             })
             .collect()
     }

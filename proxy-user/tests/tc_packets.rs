@@ -14,79 +14,13 @@ use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use proxy_common::{backend_flags, map_names, svc_flags, Ct4Key, Ct4Value};
 use proxy_user::{bpf, loader, model::Backend, BpfMaps, Frontend, Proto, ServiceEntry, Writer};
 use support::{
-    require_root,
+    packets::{
+        entry, sa, Bed, ACK, LOCAL, RST, SYN, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
+    },
     tc::{icmp_error, parse_icmp_error, Pkt, TCP, UDP},
-    PinDir,
 };
 
-const TC_ACT_OK: u32 = 0;
-const TC_ACT_SHOT: u32 = 2;
-const TC_ACT_REDIRECT: u32 = 7;
-const SYN: u8 = 0x02;
-const ACK: u8 = 0x10;
-const RST: u8 = 0x04;
 
-struct Bed {
-    ebpf: aya::Ebpf,
-    writer: Writer<BpfMaps>,
-    pins: PinDir,
-}
-
-impl Bed {
-    fn new() -> Self {
-        Self::with_conntrack(loader::DEFAULT_CONNTRACK_FLOWS)
-    }
-
-    /// With conntrack tables of `flows` flows per family.
-    fn with_conntrack(flows: u32) -> Self {
-        require_root();
-        let pins = PinDir::new();
-        let entries = loader::conntrack_entries(flows).expect("size");
-        let mut ebpf = loader::load_object(&pins.path, entries).expect("load object");
-        for name in ["tc_ingress", "tc_egress"] {
-            let prog: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .expect("program")
-                .try_into()
-                .expect("classifier");
-            prog.load().expect("verifier accepts the TC program");
-        }
-        let addrs: Vec<IpAddr> = vec![
-            "192.0.2.1".parse().expect("ip"),
-            "2001:db8:1::1".parse().expect("ip"),
-        ];
-        bpf::set_node_addresses(&pins.path, &addrs).expect("node addresses");
-        let writer = Writer::new(BpfMaps::open(&pins.path).expect("maps"));
-        Self { ebpf, writer, pins }
-    }
-
-    /// Runs `prog` on `pkt`; returns the verdict and the packet out, parsed (which checks
-    /// every checksum).
-    fn run(&self, prog: &str, pkt: &Pkt) -> (u32, Pkt) {
-        let (verdict, out) = self.run_raw(prog, &pkt.build());
-        (verdict, Pkt::parse(&out))
-    }
-}
-
-fn sa(s: &str) -> SocketAddr {
-    s.parse().expect("socket address")
-}
-
-fn entry(fe: Frontend, backends: &[(&str, u8)], flags: u16) -> ServiceEntry {
-    ServiceEntry {
-        backends: backends
-            .iter()
-            .map(|(a, f)| Backend {
-                addr: sa(a),
-                flags: *f,
-            })
-            .collect(),
-        flags,
-        ..ServiceEntry::new(fe, [])
-    }
-}
-
-const LOCAL: u8 = backend_flags::LOCAL;
 
 #[test]
 fn dnat_reverse_nat_and_checksums_ipv4_tcp_and_udp() {
@@ -330,27 +264,6 @@ fn etp_local_without_local_endpoints_drops_without_any_endpoint_rejects() {
     assert_eq!(verdict, TC_ACT_REDIRECT, "no endpoint at all: rejected");
     assert_eq!((out.src, out.dst), (syn.dst, syn.src));
     assert_eq!(out.flags, RST | ACK);
-}
-
-impl Bed {
-    fn run_raw(&self, prog: &str, data: &[u8]) -> (u32, Vec<u8>) {
-        let p: &SchedClassifier = self
-            .ebpf
-            .program(prog)
-            .expect("program")
-            .try_into()
-            .expect("classifier");
-        let mut out = vec![0u8; 512];
-        let res = p
-            .test_run(TestRunOptions {
-                data_in: Some(data),
-                data_out: Some(&mut out),
-                ..TestRunOptions::new()
-            })
-            .expect("test run");
-        out.truncate(res.data_size_out as usize);
-        (res.return_value, out)
-    }
 }
 
 #[test]
@@ -660,17 +573,6 @@ fn monotonic_ns() -> u64 {
 }
 
 impl Bed {
-    fn counter(&self, reason: proxy_common::Reason) -> u64 {
-        self.writer
-            .store()
-            .stats()
-            .expect("stats")
-            .into_iter()
-            .find(|(r, _)| *r == reason)
-            .map(|(_, v)| v)
-            .expect("counter")
-    }
-
     /// Makes every conntrack entry of `proto` (of direction `dir` if given) look idle
     /// since before its timeout, from user space, as time would: the datapath's own
     /// expiry check then applies.

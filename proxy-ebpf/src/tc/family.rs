@@ -11,6 +11,7 @@ use aya_ebpf::{
     helpers::generated::bpf_csum_diff,
     maps::lpm_trie::Key as LpmKey,
     programs::TcContext,
+    EbpfContext,
 };
 use aya_log_ebpf::warn;
 use core::net::{Ipv4Addr, Ipv6Addr};
@@ -25,8 +26,8 @@ use crate::maps::{CT4, CT6, NODE_CONFIG, SCRATCH4, SCRATCH6, SRC_RANGE4, SRC_RAN
 pub const ETH_HLEN: usize = 14;
 
 /// Reading and writing a packet: what the packet-path code needs from its context (the
-/// TC context here; an XDP context can implement it with direct packet access and
-/// incremental checksum arithmetic).
+/// TC context here, with the kernel's checksum helpers; the XDP context in `crate::xdp`,
+/// with direct packet access and incremental checksum arithmetic).
 pub trait PktAccess {
     fn load<T>(&self, off: usize) -> Result<T, ()>;
     fn store<T>(&self, off: usize, v: &T) -> Result<(), ()>;
@@ -114,7 +115,7 @@ pub trait PktFamily: Family {
     /// A source address as a session-affinity client.
     fn client(a: Self::Addr) -> ([u32; 4], u8);
     /// Logs that every SNAT port towards a backend is held by a live flow.
-    fn warn_ports_full(ctx: &TcContext, baddr: Self::Addr, bport: u16);
+    fn warn_ports_full<C: EbpfContext>(ctx: &C, baddr: Self::Addr, bport: u16);
 }
 
 /// The backend's address, port and flags. A leaf of its own: keeps the key off the
@@ -288,7 +289,7 @@ impl PktFamily for V4 {
     }
 
     #[inline(never)]
-    fn warn_ports_full(ctx: &TcContext, baddr: u32, bport: u16) {
+    fn warn_ports_full<C: EbpfContext>(ctx: &C, baddr: u32, bport: u16) {
         warn!(
             ctx,
             "SNAT: every source port towards {:i}:{} is held by a live flow; new flow dropped",
@@ -455,7 +456,7 @@ impl PktFamily for V6 {
     }
 
     #[inline(never)]
-    fn warn_ports_full(ctx: &TcContext, baddr: [u32; 4], bport: u16) {
+    fn warn_ports_full<C: EbpfContext>(ctx: &C, baddr: [u32; 4], bport: u16) {
         // SAFETY: 16 bytes either way; the words hold the address in network order.
         let bytes: [u8; 16] = unsafe { core::mem::transmute(baddr) };
         warn!(

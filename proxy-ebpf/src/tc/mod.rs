@@ -34,6 +34,7 @@
 
 mod ct;
 mod family;
+pub(crate) mod hook;
 mod icmp;
 mod nat;
 pub(crate) mod state;
@@ -41,18 +42,18 @@ mod unreach;
 
 pub use state::Scratch;
 
-use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    helpers::bpf_ktime_get_ns,
-    macros::classifier,
-    programs::TcContext,
+pub(crate) use self::{
+    family::{PktAccess, PktFamily},
+    hook::PktHook,
 };
+
+use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::classifier, programs::TcContext};
 use proxy_common::{backend_flags, ct_flags, proto, scope, svc_flags, Reason, SvcValue};
 
 use self::{
     ct::Chosen,
-    family::{backend, is_node_addr, Pkt, PktAccess, PktFamily},
-    nat::{fib_redirect, rewrite},
+    family::{backend, is_node_addr, Pkt},
+    nat::rewrite,
 };
 use crate::{
     affinity,
@@ -60,10 +61,8 @@ use crate::{
     maps::{count, count_backend},
 };
 
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
-const TCP_SYN: u8 = 0x02;
-const TCP_ACK: u8 = 0x10;
+pub(crate) const ETH_P_IP: u16 = 0x0800;
+pub(crate) const ETH_P_IPV6: u16 = 0x86dd;
 
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
@@ -78,20 +77,22 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
 /// What the worker decided for a packet: the verdict, and the outcome to count (`None`
 /// for a packet that is not ours: not IP, not TCP/UDP/ICMP, no flow, no frontend).
 pub struct Verdict {
-    code: i32,
-    reason: Option<Reason>,
+    pub(crate) code: i32,
+    pub(crate) reason: Option<Reason>,
 }
 
 impl Verdict {
-    const PASS: Verdict = Verdict {
-        code: TC_ACT_OK as i32,
-        reason: None,
-    };
-
-    fn new(code: i32, reason: Reason) -> Self {
+    pub(crate) fn new(code: i32, reason: Reason) -> Self {
         Self {
             code,
             reason: Some(reason),
+        }
+    }
+
+    pub(crate) fn pass<C: PktHook>() -> Self {
+        Self {
+            code: C::PASS,
+            reason: None,
         }
     }
 }
@@ -109,7 +110,7 @@ fn shell(ctx: &TcContext, ingress: bool) -> i32 {
         }
         Err(r) => {
             count(r);
-            TC_ACT_SHOT as i32
+            <TcContext as PktHook>::DROP
         }
     }
 }
@@ -117,18 +118,18 @@ fn shell(ctx: &TcContext, ingress: bool) -> i32 {
 #[inline(always)]
 fn try_tc(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason> {
     let Ok(eth_proto) = PktAccess::load::<u16>(ctx, 12) else {
-        return Ok(Verdict::PASS);
+        return Ok(Verdict::pass::<TcContext>());
     };
     match u16::from_be(eth_proto) {
         ETH_P_IP => match ingress.then(|| icmp::icmp4(ctx)).flatten() {
             Some(r) => r.map(|code| Verdict::new(code, Reason::TcIcmpError)),
-            None => flow::<V4>(ctx, ingress),
+            None => flow::<TcContext, V4>(ctx, ingress),
         },
         ETH_P_IPV6 => match ingress.then(|| icmp::icmp6(ctx)).flatten() {
             Some(r) => r.map(|code| Verdict::new(code, Reason::TcIcmpError)),
-            None => flow::<V6>(ctx, ingress),
+            None => flow::<TcContext, V6>(ctx, ingress),
         },
-        _ => Ok(Verdict::PASS),
+        _ => Ok(Verdict::pass::<TcContext>()),
     }
 }
 
@@ -142,24 +143,42 @@ struct Step<A> {
 }
 
 enum Action<A> {
+    /// The hook's "hand on" verdict (`PktHook::PASS`).
+    Pass,
+    /// The hook's drop verdict.
+    Drop,
+    /// A verdict a helper chose (the REJECT answers).
     Verdict(i32),
     /// Forward by FIB lookup from `src` to `dst`.
     Redirect(A, A),
 }
 
 impl<A> Step<A> {
-    fn verdict(code: i32, reason: Reason) -> Self {
+    fn pass(reason: Reason) -> Self {
         Self {
-            action: Action::Verdict(code),
+            action: Action::Pass,
             reason: Some(reason),
         }
     }
 
-    fn pass() -> Self {
+    fn drop(reason: Reason) -> Self {
         Self {
-            action: Action::Verdict(TC_ACT_OK as i32),
+            action: Action::Drop,
+            reason: Some(reason),
+        }
+    }
+
+    /// Not ours: handed on, not counted.
+    fn not_ours() -> Self {
+        Self {
+            action: Action::Pass,
             reason: None,
         }
+    }
+
+    /// Left untouched to the next hook (XDP: to TC), which handles it whole.
+    fn to_next_hook() -> Self {
+        Self::pass(Reason::XdpToStack)
     }
 
     fn redirect(src: A, dst: A, reason: Reason) -> Self {
@@ -170,37 +189,41 @@ impl<A> Step<A> {
     }
 }
 
-/// The stage machine: reply of a known flow, packet of a known flow, new flow.
+/// The stage machine: reply of a known flow, packet of a known flow, new flow. Shared by
+/// TC (`tc_ingress`/`tc_egress`) and XDP (`xdp_ingress`, ingress only) through
+/// [`PktHook`].
 #[inline(never)]
-fn flow<F: PktFamily>(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason> {
+pub(crate) fn flow<C: PktHook, F: PktFamily>(ctx: &C, ingress: bool) -> Result<Verdict, Reason> {
     // The entry always exists (a one-entry array); a failure here would be a loader bug.
     let scratch = F::scratch().ok_or(Reason::TcRewriteFailed)?;
     // SAFETY: this CPU's scratch entry; a TC program is not preempted on its CPU.
     let p = unsafe { &mut (*scratch).pkt };
-    if !parse_into::<F>(ctx, p) {
-        return Ok(Verdict::PASS);
+    if !parse_into::<C, F>(ctx, p) {
+        return Ok(Verdict::pass::<C>());
     }
     let p = &*p;
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
-    let step = match reply_path::<F>(ctx, p, ingress, now)? {
+    let step = match reply_path::<C, F>(ctx, p, ingress, now)? {
         Some(s) => s,
-        None if !ingress => Step::pass(),
-        None => match known_path::<F>(ctx, p, now)? {
+        None if !ingress => Step::not_ours(),
+        None => match known_path::<C, F>(ctx, p, now)? {
             Some(s) => s,
             None => {
                 // SAFETY: this CPU's scratch entry, a field apart from the packet.
                 let chosen = unsafe { &mut (*scratch).chosen };
-                match pick::<F>(ctx, p, chosen) {
+                match pick::<C, F>(ctx, p, chosen) {
                     Some(s) => s,
-                    None => commit_flow::<F>(ctx, p, chosen, now)?,
+                    None => commit_flow::<C, F>(ctx, p, chosen, now)?,
                 }
             }
         },
     };
     let code = match step.action {
+        Action::Pass => C::PASS,
+        Action::Drop => C::DROP,
         Action::Verdict(v) => v,
-        Action::Redirect(src, dst) => fib_redirect::<F>(ctx, src, dst, p.proto),
+        Action::Redirect(src, dst) => ctx.forward::<F>(src, dst, p.proto),
     };
     Ok(Verdict {
         code,
@@ -210,7 +233,7 @@ fn flow<F: PktFamily>(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason>
 
 /// Parses in its own frame (every `load` keeps its own stack slot).
 #[inline(never)]
-fn parse_into<F: PktFamily>(ctx: &TcContext, out: &mut Pkt<F::Addr>) -> bool {
+fn parse_into<C: PktAccess, F: PktFamily>(ctx: &C, out: &mut Pkt<F::Addr>) -> bool {
     match F::parse(ctx) {
         Some(p) => {
             *out = p;
@@ -223,8 +246,8 @@ fn parse_into<F: PktFamily>(ctx: &TcContext, out: &mut Pkt<F::Addr>) -> bool {
 /// 1. A reply of a known flow: source := the frontend, destination := the client if the
 /// flow was SNATed.
 #[inline(never)]
-fn reply_path<F: PktFamily>(
-    ctx: &TcContext,
+fn reply_path<C: PktHook, F: PktFamily>(
+    ctx: &C,
     p: &Pkt<F::Addr>,
     ingress: bool,
     now: u64,
@@ -235,28 +258,32 @@ fn reply_path<F: PktFamily>(
     };
     // SAFETY: copied out.
     let (dnat, snat) = F::ct_nat(unsafe { &*v });
-    if !ct::touch::<F>(v, p.proto, p.tcp_flags, true, now) {
-        return Ok(None);
-    }
-    // Keep the original direction's entry alive and mark the reply seen.
+    // At ingress the new source may be one of the node's addresses: forward it directly.
+    let redirect = ingress && (!F::is_zero(&dnat.0) || is_node_addr::<F>(snat.0));
     let client = if F::is_zero(&dnat.0) {
         (p.daddr, p.dport)
     } else {
         dnat
     };
+    if redirect && !ctx.can_forward::<F>(snat.0, client.0, p.proto) {
+        return Ok(Some(Step::to_next_hook()));
+    }
+    if !ct::touch::<F>(v, p.proto, p.tcp_flags, true, now) {
+        return Ok(None);
+    }
+    // Keep the original direction's entry alive and mark the reply seen.
     ct::refresh_orig::<F>(p, &client, &snat, now);
     rewrite::<F, _>(ctx, p, &(dnat, snat))?;
-    // At ingress the new source may be one of the node's addresses: forward it directly.
-    if ingress && (!F::is_zero(&dnat.0) || is_node_addr::<F>(snat.0)) {
+    if redirect {
         return Ok(Some(Step::redirect(snat.0, client.0, Reason::TcReply)));
     }
-    Ok(Some(Step::verdict(TC_ACT_OK, Reason::TcReply)))
+    Ok(Some(Step::pass(Reason::TcReply)))
 }
 
 /// 2. A packet of a known flow follows its entry (same backend for the flow's life).
 #[inline(never)]
-fn known_path<F: PktFamily>(
-    ctx: &TcContext,
+fn known_path<C: PktHook, F: PktFamily>(
+    ctx: &C,
     p: &Pkt<F::Addr>,
     now: u64,
 ) -> Result<Option<Step<F::Addr>>, Reason> {
@@ -270,15 +297,19 @@ fn known_path<F: PktFamily>(
     // entries of removed endpoints). TCP keeps its backend: a removed endpoint may still
     // be draining its connections. Counted in addition to the new flow's outcome.
     if p.proto == proto::UDP && !ct::backend_is::<F>(v, dnat) {
-        count(Reason::TcStaleBackend);
+        C::count(Reason::TcStaleBackend);
         return Ok(None);
+    }
+    let redirect = !F::is_zero(&snat.0);
+    if redirect && !ctx.can_forward::<F>(snat.0, dnat.0, p.proto) {
+        return Ok(Some(Step::to_next_hook()));
     }
     if !ct::touch::<F>(v, p.proto, p.tcp_flags, false, now) {
         return Ok(None);
     }
     rewrite::<F, _>(ctx, p, &(dnat, snat))?;
-    if F::is_zero(&snat.0) {
-        return Ok(Some(Step::verdict(TC_ACT_OK, Reason::TcFlow)));
+    if !redirect {
+        return Ok(Some(Step::pass(Reason::TcFlow)));
     }
     Ok(Some(Step::redirect(snat.0, dnat.0, Reason::TcFlow)))
 }
@@ -293,17 +324,17 @@ fn frontend<F: PktFamily>(p: &Pkt<F::Addr>) -> Option<(SvcValue, F::Addr)> {
 /// 3. A new flow to a frontend (or to a node address on a NodePort)? `None`: a backend
 /// was chosen into `out`; `Some(step)`: not ours, or refused.
 #[inline(never)]
-fn pick<F: PktFamily>(
-    ctx: &TcContext,
+fn pick<C: PktHook, F: PktFamily>(
+    ctx: &C,
     p: &Pkt<F::Addr>,
     out: &mut Chosen<F::Addr>,
 ) -> Option<Step<F::Addr>> {
     let Some((mut front, fe_addr)) = frontend::<F>(p) else {
-        return Some(Step::pass());
+        return Some(Step::not_ours());
     };
     if front.flags & svc_flags::SOURCE_RANGES != 0 && !F::source_allowed(front.service_id, p.saddr)
     {
-        return Some(Step::verdict(TC_ACT_SHOT, Reason::TcSourceDenied));
+        return Some(Step::drop(Reason::TcSourceDenied));
     }
     let mut slot_scope = scope::ALL;
     // The local-only twin. While a policy change is being written the flag and the twin
@@ -314,20 +345,20 @@ fn pick<F: PktFamily>(
             // without backends means no endpoint anywhere: REJECT below, like any
             // Service without endpoints (kube-proxy: `!hasEndpoints` -> REJECT).
             if local.count == 0 && local.flags & svc_flags::LOCAL_ONLY != 0 {
-                return Some(Step::verdict(TC_ACT_SHOT, Reason::TcNoLocalBackend));
+                return Some(Step::drop(Reason::TcNoLocalBackend));
             }
             front = local;
             slot_scope = scope::EXTERNAL_LOCAL;
         }
     }
     if front.count == 0 {
-        return Some(reject::<F>(ctx, p));
+        return Some(reject::<C, F>(ctx, p));
     }
     let Some(backend_id) = choose::<F>(p, &front, fe_addr, slot_scope) else {
-        return Some(Step::verdict(TC_ACT_OK, Reason::BackendMissing));
+        return Some(Step::pass(Reason::BackendMissing));
     };
     let Some((baddr, bport, bflags)) = backend::<F>(backend_id) else {
-        return Some(Step::verdict(TC_ACT_OK, Reason::BackendMissing));
+        return Some(Step::pass(Reason::BackendMissing));
     };
 
     // SNAT when the backend is on another node, unless the client address must be kept.
@@ -336,13 +367,17 @@ fn pick<F: PktFamily>(
     if bflags & backend_flags::LOCAL == 0 && slot_scope == scope::ALL {
         let addr = F::snat_addr();
         if F::is_zero(&addr) {
-            return Some(Step::verdict(TC_ACT_SHOT, Reason::TcSnatFailed));
+            return Some(Step::drop(Reason::TcSnatFailed));
+        }
+        // Before a port is taken: a hook that cannot forward hands the packet on.
+        if !ctx.can_forward::<F>(addr, baddr, p.proto) {
+            return Some(Step::to_next_hook());
         }
         let Some(port) = ct::snat_port::<F>(baddr, bport, addr, p.proto) else {
             if crate::maps::warn_allowed() {
                 F::warn_ports_full(ctx, baddr, bport);
             }
-            return Some(Step::verdict(TC_ACT_SHOT, Reason::TcSnatFailed));
+            return Some(Step::drop(Reason::TcSnatFailed));
         };
         snat = (addr, port);
         flags = ct_flags::SNAT;
@@ -359,18 +394,17 @@ fn pick<F: PktFamily>(
 }
 
 /// A frontend without endpoints: kube-proxy's REJECT (TCP SYN: RST; UDP: ICMP port
-/// unreachable, rate-limited), other packets dropped.
+/// unreachable, rate-limited), other packets dropped; or handed on to the hook that
+/// answers (XDP leaves it to TC).
 #[inline(never)]
-fn reject<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Step<F::Addr> {
-    let code = if p.proto == proto::TCP && p.tcp_flags & TCP_SYN != 0 && p.tcp_flags & TCP_ACK == 0
-    {
-        unreach::tcp_rst::<F>(ctx, p)
-    } else if p.proto == proto::UDP && unreach::allowed() {
-        unreach::udp::<F>(ctx)
-    } else {
-        TC_ACT_SHOT as i32
-    };
-    Step::verdict(code, Reason::TcNoBackend)
+fn reject<C: PktHook, F: PktFamily>(ctx: &C, p: &Pkt<F::Addr>) -> Step<F::Addr> {
+    match ctx.reject::<F>(p) {
+        Some(code) => Step {
+            action: Action::Verdict(code),
+            reason: Some(Reason::TcNoBackend),
+        },
+        None => Step::to_next_hook(),
+    }
 }
 
 /// The backend for a new flow: the client's previous one under session affinity (the
@@ -394,8 +428,8 @@ fn choose<F: PktFamily>(
 /// original direction (client -> frontend) and reply direction (backend -> client or
 /// the SNAT address), which restores the frontend the client used.
 #[inline(never)]
-fn commit_flow<F: PktFamily>(
-    ctx: &TcContext,
+fn commit_flow<C: PktHook, F: PktFamily>(
+    ctx: &C,
     p: &Pkt<F::Addr>,
     c: &Chosen<F::Addr>,
     now: u64,
@@ -406,5 +440,5 @@ fn commit_flow<F: PktFamily>(
     if c.flags & ct_flags::SNAT != 0 {
         return Ok(Step::redirect(c.snat.0, c.backend.0, Reason::TcNewFlow));
     }
-    Ok(Step::verdict(TC_ACT_OK, Reason::TcNewFlow))
+    Ok(Step::pass(Reason::TcNewFlow))
 }

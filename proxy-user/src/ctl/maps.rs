@@ -507,18 +507,10 @@ impl Maps {
         Ok(out)
     }
 
-    /// `STATS`, summed over CPUs, every `Reason` in order.
+    /// `STATS`, summed over CPUs, every `Reason` in order (a reason past the end of an
+    /// older build's pinned array reads 0).
     pub fn read_stats(&self) -> Result<Vec<(Reason, u64)>> {
-        Reason::ALL
-            .iter()
-            .map(|r| {
-                let v = self
-                    .stats
-                    .get(&(*r as u32), 0)
-                    .map_err(read_err(names::STATS))?;
-                Ok((*r, v.iter().sum()))
-            })
-            .collect()
+        read_counters(&self.stats, names::STATS)
     }
 
     /// `NODE_ADDRS4/6`; `None` if neither is pinned.
@@ -655,4 +647,17 @@ fn backend6(id: u32, b: &Backend6, warnings: &mut Vec<String>) -> Option<(Backen
         warnings.push(format!("BACKEND6 {id}: unknown protocol {}", b.proto));
     }
     decoded
+}
+
+/// A `Reason`-indexed per-CPU counter array, summed over CPUs; a reason past its end
+/// (pins of an older build of the same ABI) reads 0.
+fn read_counters(map: &PerCpuArray<MapData, u64>, name: &'static str) -> Result<Vec<(Reason, u64)>> {
+    Reason::ALL
+        .iter()
+        .map(|r| match map.get(&(*r as u32), 0) {
+            Ok(v) => Ok((*r, v.iter().sum())),
+            Err(MapError::OutOfBounds { .. }) => Ok((*r, 0)),
+            Err(e) => Err(read_err(name)(e)),
+        })
+        .collect()
 }

@@ -54,6 +54,10 @@ pub fn meaning(r: Reason) -> &'static str {
         }
         Reason::TcCtWriteFailed => "TC: a new flow's conntrack entries not written: dropped",
         Reason::TcRewriteFailed => "TC: a packet rewrite refused half-way: dropped",
+        Reason::XdpToStack => {
+            "XDP: left untouched to the stack and TC (fragment, ICMP error, REJECT answer, \
+             FIB result XDP cannot forward by)"
+        }
     }
 }
 

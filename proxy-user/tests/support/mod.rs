@@ -10,6 +10,7 @@
     reason = "each test binary uses a different part of the fixtures"
 )]
 
+pub mod packets;
 pub mod tc;
 
 pub use proxy_testbed::{self as testbed, apiserver, *};

@@ -1,0 +1,322 @@
+//! The north-south datapath at XDP (`--acceleration native|generic`), on the same node
+//! interfaces as TC and ahead of it: NodePort, externalIP and LoadBalancer frontends
+//! reached from outside the node, and the replies of their flows coming back from remote
+//! backends.
+//!
+//! It runs the TC stage machine itself (`tc::flow`: reply, known flow, new flow; the one
+//! frontend lookup, backend choice, conntrack and NAT), through [`PktHook`] for the XDP
+//! context: direct packet access with bounds checks, incremental checksums computed in
+//! the program (XDP has no checksum helpers), forwarding by `bpf_fib_lookup` then
+//! `XDP_TX` (out of the interface it came in on) or `bpf_redirect` (`XDP_REDIRECT`).
+//!
+//! Whatever XDP cannot do is left untouched to the stack, where TC handles it whole
+//! (counted `xdp_to_stack`): IP fragments, ICMP errors (TC translates those about NATed
+//! flows), a frontend without endpoints (TC builds the REJECT answer), and a packet to
+//! be forwarded whose FIB lookup does not give a neighbour XDP can send to (no neighbour
+//! entry yet: TC's `bpf_redirect_neigh` resolves it). The FIB is asked before the packet
+//! or its flow is changed, so a packet handed on is handed on untouched. A translated
+//! packet that needs no forwarding (DNAT to a backend on this node, no SNAT) is passed to
+//! the stack already translated, which routes it to the pod; TC ingress then finds
+//! neither a flow nor a frontend in it and lets it be. Replies of local backends leave
+//! through TC egress as before (XDP is ingress only). Both hooks share the conntrack
+//! tables, so a flow can start at one and continue at the other.
+//!
+//! Outcomes are counted in `XDP_STATS` (the same `Reason`s as `STATS`).
+
+use aya_ebpf::{
+    bindings::{
+        bpf_fib_lookup as FibParams, xdp_action, BPF_FIB_LKUP_RET_SUCCESS, BPF_F_MARK_MANGLED_0,
+    },
+    helpers::generated::{bpf_fib_lookup, bpf_redirect},
+    macros::xdp,
+    programs::XdpContext,
+    EbpfContext,
+};
+use proxy_common::Reason;
+
+use crate::{
+    lb::{V4, V6},
+    maps::{count_xdp, XDP_FWD},
+    tc::{flow, PktAccess, PktFamily, PktHook, Verdict, ETH_P_IP, ETH_P_IPV6},
+};
+
+const ETH_HLEN: usize = 14;
+/// The deepest byte the stage machine touches is in the first L4 header after at most
+/// 60 bytes of IPv4 header: a bound on every offset, which the verifier needs to accept
+/// an offset read from a map (the parsed packet lives in per-CPU scratch).
+const MAX_OFF: usize = 256;
+const IPPROTO_ICMP: u8 = 1;
+const IPPROTO_FRAGMENT: u8 = 44;
+const IPPROTO_ICMPV6: u8 = 58;
+
+/// Where a packet will be forwarded (`maps::XDP_FWD`): the FIB lookup's egress
+/// interface and Ethernet addresses, found before the rewrite.
+pub struct Fwd {
+    ifindex: u32,
+    macs: [u8; 12],
+}
+
+#[xdp]
+pub fn xdp_ingress(ctx: XdpContext) -> u32 {
+    match try_xdp(&ctx) {
+        Ok(v) => {
+            if let Some(r) = v.reason {
+                count_xdp(r);
+            }
+            v.code as u32
+        }
+        Err(r) => {
+            count_xdp(r);
+            xdp_action::XDP_DROP
+        }
+    }
+}
+
+#[inline(always)]
+fn try_xdp(ctx: &XdpContext) -> Result<Verdict, Reason> {
+    let Ok(eth_proto) = PktAccess::load::<u16>(ctx, 12) else {
+        return Ok(Verdict::pass::<XdpContext>());
+    };
+    match u16::from_be(eth_proto) {
+        ETH_P_IP => {
+            if for_tc4(ctx) {
+                return Ok(Verdict::new(XdpContext::PASS, Reason::XdpToStack));
+            }
+            flow::<XdpContext, V4>(ctx, true)
+        }
+        ETH_P_IPV6 => {
+            if for_tc6(ctx) {
+                return Ok(Verdict::new(XdpContext::PASS, Reason::XdpToStack));
+            }
+            flow::<XdpContext, V6>(ctx, true)
+        }
+        _ => Ok(Verdict::pass::<XdpContext>()),
+    }
+}
+
+/// An IPv4 fragment or ICMP error: TC's.
+#[inline(never)]
+fn for_tc4(ctx: &XdpContext) -> bool {
+    let Ok(vihl) = ctx.load::<u8>(ETH_HLEN) else {
+        return false;
+    };
+    if vihl >> 4 != 4 {
+        return false;
+    }
+    let Ok(frags) = ctx.load::<u16>(ETH_HLEN + 6) else {
+        return false;
+    };
+    if u16::from_be(frags) & 0x3fff != 0 {
+        return true;
+    }
+    if ctx.load::<u8>(ETH_HLEN + 9) != Ok(IPPROTO_ICMP) {
+        return false;
+    }
+    let icmp = ETH_HLEN + usize::from(vihl & 0x0f) * 4;
+    // Destination unreachable (fragmentation needed included), time exceeded.
+    matches!(ctx.load::<u8>(icmp), Ok(3 | 11))
+}
+
+/// An IPv6 fragment or ICMPv6 error: TC's.
+#[inline(never)]
+fn for_tc6(ctx: &XdpContext) -> bool {
+    match ctx.load::<u8>(ETH_HLEN + 6) {
+        Ok(IPPROTO_FRAGMENT) => true,
+        // Destination unreachable, packet too big, time exceeded.
+        Ok(IPPROTO_ICMPV6) => matches!(ctx.load::<u8>(ETH_HLEN + 40), Ok(1..=3)),
+        _ => false,
+    }
+}
+
+/// The address of `size_of::<T>()` bytes at `off` in the packet, bounds-checked.
+#[inline(always)]
+fn at<T>(ctx: &XdpContext, off: usize) -> Result<*mut T, ()> {
+    if off > MAX_OFF {
+        return Err(());
+    }
+    // Volatile reads of the context fields in every function that uses them: LLVM would
+    // otherwise pass the loaded (zero-extended) values into a non-inlined callee, which
+    // the verifier refuses ("pointer arithmetic on pkt_end prohibited").
+    // SAFETY: the program's context.
+    let (start, end) = unsafe {
+        (
+            core::ptr::read_volatile(&raw const (*ctx.ctx).data) as usize,
+            core::ptr::read_volatile(&raw const (*ctx.ctx).data_end) as usize,
+        )
+    };
+    // At least 2 bytes checked: for a 1-byte read LLVM turns `p + 1 > end` into
+    // `p >= end`, from which the verifier derives no readable range. Every byte read
+    // alone is inside a header, never a packet's last.
+    let need = if core::mem::size_of::<T>() < 2 {
+        2
+    } else {
+        core::mem::size_of::<T>()
+    };
+    if start + off + need > end {
+        return Err(());
+    }
+    Ok((start + off) as *mut T)
+}
+
+/// One's-complement addition with end-around carry.
+#[inline(always)]
+fn add(s: u32, v: u32) -> u32 {
+    let (r, carry) = s.overflowing_add(v);
+    r + u32::from(carry)
+}
+
+#[inline(always)]
+fn fold(mut s: u32) -> u16 {
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    s as u16
+}
+
+/// RFC 1624 incremental update of the checksum `old`: `from` replaced by `to` (`size` 4
+/// or 2 bytes), or, with `size` 0, the 32-bit difference `to` folded in (what
+/// `bpf_csum_diff` returns), as the kernel's `l3/l4_csum_replace` do. The values are in
+/// the packet's byte order, which one's-complement sums do not depend on.
+#[inline(always)]
+fn replaced(old: u16, from: u64, to: u64, size: u64) -> u16 {
+    let mut s = u32::from(!old);
+    match size {
+        4 => {
+            s = add(s, !(from as u32));
+            s = add(s, to as u32);
+        }
+        2 => {
+            s = add(s, u32::from(!(from as u16)));
+            s = add(s, u32::from(to as u16));
+        }
+        _ => s = add(s, to as u32),
+    }
+    !fold(s)
+}
+
+impl PktAccess for XdpContext {
+    #[inline(always)]
+    fn load<T>(&self, off: usize) -> Result<T, ()> {
+        let p = at::<T>(self, off)?;
+        // SAFETY: in bounds (checked); packet bytes may be unaligned.
+        Ok(unsafe { core::ptr::read_unaligned(p) })
+    }
+
+    #[inline(always)]
+    fn store<T>(&self, off: usize, v: &T) -> Result<(), ()> {
+        let p = at::<T>(self, off)?;
+        // SAFETY: in bounds (checked); XDP packet data is writable.
+        unsafe { core::ptr::write_unaligned(p, core::ptr::read(v)) };
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn l3_csum_replace(&self, off: usize, from: u64, to: u64, size: u64) -> Result<(), ()> {
+        let p = at::<u16>(self, off)?;
+        // SAFETY: in bounds (checked).
+        unsafe {
+            let old = core::ptr::read_unaligned(p);
+            core::ptr::write_unaligned(p, replaced(old, from, to, size));
+        }
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn l4_csum_replace(&self, off: usize, from: u64, to: u64, flags: u64) -> Result<(), ()> {
+        let p = at::<u16>(self, off)?;
+        let mangled_0 = flags & u64::from(BPF_F_MARK_MANGLED_0) != 0;
+        // SAFETY: in bounds (checked).
+        unsafe {
+            let old = core::ptr::read_unaligned(p);
+            // UDP over IPv4 without a checksum keeps none.
+            if mangled_0 && old == 0 {
+                return Ok(());
+            }
+            let mut new = replaced(old, from, to, flags & 0xf);
+            if mangled_0 && new == 0 {
+                new = 0xffff;
+            }
+            core::ptr::write_unaligned(p, new);
+        }
+        Ok(())
+    }
+}
+
+impl PktHook for XdpContext {
+    const PASS: i32 = xdp_action::XDP_PASS as i32;
+    const DROP: i32 = xdp_action::XDP_DROP as i32;
+
+    #[inline(always)]
+    fn count(r: Reason) {
+        count_xdp(r);
+    }
+
+    #[inline(always)]
+    fn can_forward<F: PktFamily>(&self, src: F::Addr, dst: F::Addr, proto: u8) -> bool {
+        fib_check::<F>(self, src, dst, proto)
+    }
+
+    #[inline(always)]
+    fn forward<F: PktFamily>(&self, _src: F::Addr, _dst: F::Addr, _proto: u8) -> i32 {
+        send(self)
+    }
+
+    /// TC answers (it can resize the packet and has its rate limit).
+    #[inline(always)]
+    fn reject<F: PktFamily>(&self, _p: &crate::tc::state::Pkt<F::Addr>) -> Option<i32> {
+        None
+    }
+}
+
+/// FIB lookup for a packet from `src` to `dst` arriving on this interface; on success
+/// the egress interface and MAC addresses are kept in `XDP_FWD` for [`send`]. False for
+/// anything else (no neighbour entry, no route, local delivery, forwarding disabled):
+/// the caller hands the packet to TC untouched.
+#[inline(never)]
+fn fib_check<F: PktFamily>(ctx: &XdpContext, src: F::Addr, dst: F::Addr, proto: u8) -> bool {
+    let Some(fwd) = XDP_FWD.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: a zeroed plain-data struct.
+    let mut params: FibParams = unsafe { core::mem::zeroed() };
+    params.family = F::FAMILY;
+    params.l4_protocol = proto;
+    params.ifindex = ctx.ingress_ifindex() as u32;
+    F::fib_set(&mut params, src, dst);
+    // SAFETY: valid ctx and params.
+    let ret = unsafe {
+        bpf_fib_lookup(
+            ctx.as_ptr(),
+            &mut params,
+            core::mem::size_of::<FibParams>() as i32,
+            0,
+        )
+    };
+    if ret != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+        return false;
+    }
+    // SAFETY: this CPU's entry; the program is not preempted on its CPU.
+    let fwd = unsafe { &mut *fwd };
+    fwd.ifindex = params.ifindex;
+    fwd.macs[..6].copy_from_slice(&params.dmac);
+    fwd.macs[6..].copy_from_slice(&params.smac);
+    true
+}
+
+/// Sends the translated packet where [`fib_check`] found: `XDP_TX` back out of the
+/// interface it came in on, `XDP_REDIRECT` to another.
+#[inline(never)]
+fn send(ctx: &XdpContext) -> i32 {
+    let Some(fwd) = XDP_FWD.get_ptr(0) else {
+        return xdp_action::XDP_DROP as i32;
+    };
+    // SAFETY: this CPU's entry, written by `fib_check` for this packet.
+    let fwd = unsafe { &*fwd };
+    if ctx.store(0, &fwd.macs).is_err() {
+        return xdp_action::XDP_DROP as i32;
+    }
+    if fwd.ifindex as usize == ctx.ingress_ifindex() {
+        return xdp_action::XDP_TX as i32;
+    }
+    // SAFETY: plain helper.
+    unsafe { bpf_redirect(fwd.ifindex, 0) as i32 }
+}

@@ -1,0 +1,357 @@
+//! The XDP program (`xdp_ingress`) on crafted packets through `BPF_PROG_TEST_RUN`, with
+//! the TC programs on what it hands on: the same maps (filled by the real writer), the
+//! same conntrack. Checks verdicts, the packet bytes out (every checksum recomputed by
+//! `Pkt::parse`: XDP computes them itself) and where each outcome was counted
+//! (`XDP_STATS` vs `STATS`). Forwarding runs in a test namespace whose routes and
+//! permanent neighbour entries give the FIB lookup an answer. Needs root.
+//!
+//! Plan as in `tc_packets.rs`: client 198.51.100.7 / 2001:db8::7, node 192.0.2.1 /
+//! 2001:db8:1::1 (also the SNAT address), local backend 10.1.1.2:8080, remote backends
+//! 10.2.1.2:8080 (via a router on the interface the client came in on: `XDP_TX`) and
+//! 10.3.1.2:8080 (via another interface: `XDP_REDIRECT`).
+
+mod support;
+
+use std::net::{IpAddr, Ipv4Addr};
+
+use proxy_common::{svc_flags, Reason};
+use proxy_user::{Frontend, Proto};
+use support::{
+    packets::{
+        entry, sa, Bed, ACK, LOCAL, RST, SYN, TC_ACT_OK, TC_ACT_REDIRECT, XDP_DROP, XDP_PASS,
+        XDP_REDIRECT, XDP_TX,
+    },
+    tc::{icmp_error, Pkt},
+    unique, Netns,
+};
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("ip")
+}
+
+#[test]
+fn a_new_flow_to_a_local_backend_is_translated_at_xdp_and_passed_to_the_stack() {
+    let mut bed = Bed::new();
+    let fe = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], svc_flags::EXTERNAL_IP))
+        .expect("upsert");
+    let dns = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 53, Proto::Udp);
+    bed.writer
+        .upsert(&entry(dns, &[("10.1.1.2:5353", LOCAL)], svc_flags::EXTERNAL_IP))
+        .expect("upsert");
+
+    // A SYN: DNAT to the local backend, client kept; handed to the stack, which routes
+    // it to the pod.
+    let syn = Pkt::tcp("198.51.100.7:40000", "10.96.0.10:80", SYN);
+    let (verdict, out) = bed.run("xdp_ingress", &syn);
+    assert_eq!(verdict, XDP_PASS);
+    let want = Pkt {
+        dst: sa("10.1.1.2:8080"),
+        ..syn.clone()
+    };
+    assert_eq!(out, want);
+    assert_eq!(bed.xdp_counter(Reason::TcNewFlow), 1, "counted at XDP");
+    // TC ingress then sees the translated packet: neither a flow nor a frontend.
+    let (verdict, again) = bed.run("tc_ingress", &out);
+    assert_eq!((verdict, again), (TC_ACT_OK, want));
+    assert_eq!(bed.counter(Reason::TcNewFlow), 0, "nothing at TC");
+    assert_eq!(bed.counter(Reason::TcFlow), 0, "nothing at TC");
+
+    // The next packet of the flow follows its entry, at XDP.
+    let (_, out) = bed.run(
+        "xdp_ingress",
+        &Pkt {
+            flags: ACK,
+            ..syn.clone()
+        },
+    );
+    assert_eq!(out.dst, sa("10.1.1.2:8080"));
+    assert_eq!(bed.xdp_counter(Reason::TcFlow), 1);
+    // The pod's reply leaves through TC egress, restored from the entry XDP wrote.
+    let reply = Pkt::tcp("10.1.1.2:8080", "198.51.100.7:40000", SYN | ACK);
+    let (verdict, out) = bed.run("tc_egress", &reply);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        out,
+        Pkt {
+            src: sa("10.96.0.10:80"),
+            ..reply
+        }
+    );
+
+    // UDP: the checksum covers the payload, and a zero (absent) checksum stays zero.
+    let q = Pkt::udp("198.51.100.7:5000", "10.96.0.10:53");
+    let (verdict, out) = bed.run("xdp_ingress", &q);
+    assert_eq!(verdict, XDP_PASS);
+    assert_eq!(
+        out,
+        Pkt {
+            dst: sa("10.1.1.2:5353"),
+            ..q.clone()
+        }
+    );
+    let mut no_csum = Pkt::udp("198.51.100.7:5001", "10.96.0.10:53").build();
+    no_csum[40..42].copy_from_slice(&[0, 0]);
+    let (_, out) = bed.run_raw("xdp_ingress", &no_csum);
+    assert_eq!(&out[30..34], &[10, 1, 1, 2], "translated");
+    assert_eq!(&out[40..42], &[0, 0], "no UDP checksum before, none after");
+    assert_eq!(bed.xdp_counter(Reason::TcNewFlow), 3);
+
+    // Not a frontend: untouched, not counted.
+    let other = Pkt::tcp("198.51.100.7:40001", "10.96.0.11:80", SYN);
+    assert_eq!(bed.run("xdp_ingress", &other), (XDP_PASS, other));
+    assert_eq!(bed.xdp_counter(Reason::XdpToStack), 0);
+}
+
+#[test]
+fn ipv6_dnat_at_xdp_with_checksums() {
+    let mut bed = Bed::new();
+    let fe = Frontend::new(ip("2001:db8:96::10"), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(fe, &[("[2001:db8:2::2]:8080", LOCAL)], svc_flags::EXTERNAL_IP))
+        .expect("upsert");
+    let syn = Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:96::10]:80", SYN);
+    let (verdict, out) = bed.run("xdp_ingress", &syn);
+    assert_eq!(verdict, XDP_PASS);
+    assert_eq!(
+        out,
+        Pkt {
+            dst: sa("[2001:db8:2::2]:8080"),
+            ..syn
+        }
+    );
+    let fe = Frontend::new(ip("2001:db8:96::10"), 53, Proto::Udp);
+    bed.writer
+        .upsert(&entry(fe, &[("[2001:db8:2::2]:5353", LOCAL)], svc_flags::EXTERNAL_IP))
+        .expect("upsert");
+    let q = Pkt::udp("[2001:db8::7]:5000", "[2001:db8:96::10]:53");
+    let (_, out) = bed.run("xdp_ingress", &q);
+    assert_eq!(out.dst, sa("[2001:db8:2::2]:5353"));
+    assert_eq!(bed.xdp_counter(Reason::TcNewFlow), 2);
+}
+
+#[test]
+fn what_xdp_cannot_do_reaches_tc_untouched() {
+    let mut bed = Bed::new();
+    let fe = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], svc_flags::EXTERNAL_IP))
+        .expect("upsert");
+    let empty = Frontend::new(Ipv4Addr::new(10, 96, 0, 20), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(empty, &[], svc_flags::EXTERNAL_IP))
+        .expect("upsert");
+
+    // An IPv4 fragment (more fragments set) to a frontend.
+    let mut frag = Pkt::tcp("198.51.100.7:40000", "10.96.0.10:80", SYN).build();
+    frag[20] |= 0x20;
+    let c = [frag[24], frag[25]];
+    let old = u16::from_be_bytes(c);
+    // Header checksum after the flag change (RFC 1624).
+    let sum = u32::from(!old) + u32::from(!0x4000u16) + 0x6000;
+    let sum = (sum & 0xffff) + (sum >> 16);
+    frag[24..26].copy_from_slice(&(!((sum & 0xffff) + (sum >> 16)) as u16).to_be_bytes());
+    assert_eq!(bed.run_raw("xdp_ingress", &frag), (XDP_PASS, frag.clone()));
+    assert_eq!(bed.xdp_counter(Reason::XdpToStack), 1);
+
+    // An ICMP error: TC translates those.
+    let err = icmp_error(
+        ip("203.0.113.1"),
+        ip("10.96.0.10"),
+        3,
+        &Pkt::tcp("10.96.0.10:80", "198.51.100.7:40000", ACK),
+    );
+    assert_eq!(bed.run_raw("xdp_ingress", &err), (XDP_PASS, err.clone()));
+    assert_eq!(bed.xdp_counter(Reason::XdpToStack), 2);
+
+    // A frontend without endpoints: XDP hands the SYN on untouched, TC answers with
+    // the RST.
+    let syn = Pkt::tcp("198.51.100.7:40001", "10.96.0.20:80", SYN);
+    assert_eq!(bed.run("xdp_ingress", &syn), (XDP_PASS, syn.clone()));
+    assert_eq!(bed.xdp_counter(Reason::XdpToStack), 3);
+    assert_eq!(bed.xdp_counter(Reason::TcNoBackend), 0);
+    let (verdict, out) = bed.run("tc_ingress", &syn);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(out.flags, RST | ACK);
+    assert_eq!(bed.counter(Reason::TcNoBackend), 1, "answered at TC");
+}
+
+#[test]
+fn etp_local_and_source_ranges_at_xdp() {
+    let mut bed = Bed::new();
+    let lb = Ipv4Addr::new(203, 0, 113, 30);
+    let fe = Frontend::new(lb, 80, Proto::Tcp);
+    let flags = svc_flags::LOAD_BALANCER | svc_flags::ETP_LOCAL;
+    bed.writer
+        .upsert(&entry(fe, &[("10.2.1.2:8080", 0), ("10.1.1.2:8080", LOCAL)], flags))
+        .expect("upsert");
+    bed.writer
+        .upsert(&entry(
+            fe.with_scope(proxy_common::scope::EXTERNAL_LOCAL),
+            &[("10.1.1.2:8080", LOCAL)],
+            svc_flags::LOAD_BALANCER | svc_flags::LOCAL_ONLY,
+        ))
+        .expect("upsert twin");
+    // Local endpoints only, client address kept (no SNAT), every time.
+    for port in 41000..41010 {
+        let syn = Pkt::tcp(&format!("198.51.100.7:{port}"), "203.0.113.30:80", SYN);
+        let (verdict, out) = bed.run("xdp_ingress", &syn);
+        assert_eq!(verdict, XDP_PASS);
+        assert_eq!(
+            out,
+            Pkt {
+                dst: sa("10.1.1.2:8080"),
+                ..syn
+            }
+        );
+    }
+    // No local endpoint: dropped at XDP.
+    bed.writer
+        .upsert(&entry(
+            fe.with_scope(proxy_common::scope::EXTERNAL_LOCAL),
+            &[],
+            svc_flags::LOAD_BALANCER | svc_flags::LOCAL_ONLY,
+        ))
+        .expect("upsert twin");
+    let syn = Pkt::tcp("198.51.100.7:42000", "203.0.113.30:80", SYN);
+    assert_eq!(bed.run("xdp_ingress", &syn).0, XDP_DROP);
+    assert_eq!(bed.xdp_counter(Reason::TcNoLocalBackend), 1);
+    assert_eq!(bed.counter(Reason::TcNoLocalBackend), 0);
+}
+
+/// A namespace whose FIB answers: `x0` (the node's 192.0.2.1/24, the client and
+/// 10.2.0.0/16 behind routers with permanent neighbour entries) and `y0` (10.9.0.1/24,
+/// 10.3.0.0/16 behind a router), 10.4.0.0/16 via a router with no neighbour entry.
+fn fib_netns() -> (Netns, u32, u32) {
+    let ns = Netns::new(unique("ebp-xf-"));
+    for (a, b) in [("x0", "x1"), ("y0", "y1")] {
+        ns.ip(&["link", "add", a, "type", "veth", "peer", "name", b]);
+        ns.ip(&["link", "set", a, "up"]);
+        ns.ip(&["link", "set", b, "up"]);
+    }
+    ns.ip(&["addr", "add", "192.0.2.1/24", "dev", "x0"]);
+    ns.ip(&["addr", "add", "10.9.0.1/24", "dev", "y0"]);
+    for (via, mac, dev) in [
+        ("192.0.2.254", "02:00:00:00:00:fe", "x0"),
+        ("192.0.2.253", "02:00:00:00:00:fd", "x0"),
+        ("10.9.0.254", "02:00:00:00:09:fe", "y0"),
+    ] {
+        ns.ip(&[
+            "neigh", "replace", via, "lladdr", mac, "nud", "permanent", "dev", dev,
+        ]);
+    }
+    ns.ip(&["route", "add", "10.2.0.0/16", "via", "192.0.2.254"]);
+    ns.ip(&["route", "add", "198.51.100.0/24", "via", "192.0.2.253"]);
+    ns.ip(&["route", "add", "10.3.0.0/16", "via", "10.9.0.254"]);
+    ns.ip(&["route", "add", "10.4.0.0/16", "via", "192.0.2.250"]);
+    support::run(
+        "ip",
+        &["netns", "exec", &ns.name, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
+    );
+    let index = |dev: &str| -> u32 {
+        let p = format!("/proc/sys/net/ipv4/conf/{dev}/forwarding");
+        let _guard = ns.enter();
+        assert!(std::path::Path::new(&p).exists());
+        let c = std::ffi::CString::new(dev).expect("name");
+        // SAFETY: a valid C string.
+        unsafe { libc::if_nametoindex(c.as_ptr()) }
+    };
+    let (x0, y0) = (index("x0"), index("y0"));
+    (ns, x0, y0)
+}
+
+fn mac_of(ns: &Netns, dev: &str) -> [u8; 6] {
+    let out = std::process::Command::new("ip")
+        .args(["-n", &ns.name, "-o", "link", "show", dev])
+        .output()
+        .expect("ip link");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mac = text
+        .split("link/ether ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .expect("mac");
+    let b: Vec<u8> = mac
+        .split(':')
+        .map(|h| u8::from_str_radix(h, 16).expect("hex"))
+        .collect();
+    b.try_into().expect("6 bytes")
+}
+
+#[test]
+fn remote_backends_are_snatted_and_forwarded_by_xdp_tx_or_redirect_after_a_fib_lookup() {
+    let mut bed = Bed::new();
+    let (ns, x0, y0) = fib_netns();
+    let x0_mac = mac_of(&ns, "x0");
+    let np = Frontend::new(Ipv4Addr::UNSPECIFIED, 30080, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(np, &[("10.2.1.2:8080", 0)], svc_flags::NODE_PORT))
+        .expect("upsert");
+    let np2 = Frontend::new(Ipv4Addr::UNSPECIFIED, 30081, Proto::Udp);
+    bed.writer
+        .upsert(&entry(np2, &[("10.3.1.2:8080", 0)], svc_flags::NODE_PORT))
+        .expect("upsert");
+    let np3 = Frontend::new(Ipv4Addr::UNSPECIFIED, 30082, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(np3, &[("10.4.1.2:8080", 0)], svc_flags::NODE_PORT))
+        .expect("upsert");
+    let _in_ns = ns.enter();
+    let run = |pkt: &Pkt, ifindex: u32| {
+        let (v, out) = bed.run_ctx("xdp_ingress", &pkt.build(), Some(ifindex));
+        (v, Pkt::parse(&out), out)
+    };
+
+    // NodePort TCP, backend behind the router on the client's interface: SNAT to the
+    // node's address and a free port, Ethernet addresses from the FIB, XDP_TX.
+    let syn = Pkt::tcp("198.51.100.7:40000", "192.0.2.1:30080", SYN);
+    let (verdict, out, raw) = run(&syn, x0);
+    assert_eq!(verdict, XDP_TX);
+    assert_eq!(out.dst, sa("10.2.1.2:8080"));
+    assert_eq!(out.src.ip(), ip("192.0.2.1"));
+    let snat_port = out.src.port();
+    assert!((32768..61000).contains(&snat_port), "{snat_port}");
+    assert_eq!(&raw[0..6], &[2, 0, 0, 0, 0, 0xfe], "to the router");
+    assert_eq!(&raw[6..12], &x0_mac, "from x0");
+    assert_eq!(bed.xdp_counter(Reason::TcNewFlow), 1);
+    // The backend's reply, to the SNAT address: both ends restored, sent back to the
+    // client's router.
+    let reply = Pkt::tcp(
+        "10.2.1.2:8080",
+        &format!("192.0.2.1:{snat_port}"),
+        SYN | ACK,
+    );
+    let (verdict, out, raw) = run(&reply, x0);
+    assert_eq!(verdict, XDP_TX);
+    assert_eq!(
+        (out.src, out.dst),
+        (sa("192.0.2.1:30080"), sa("198.51.100.7:40000"))
+    );
+    assert_eq!(&raw[0..6], &[2, 0, 0, 0, 0, 0xfd], "to the client's router");
+    assert_eq!(bed.xdp_counter(Reason::TcReply), 1);
+    // The client's next packet: the same SNAT port, from the entry.
+    let (verdict, out, _) = run(&Pkt { flags: ACK, ..syn }, x0);
+    assert_eq!(verdict, XDP_TX);
+    assert_eq!(out.src, sa(&format!("192.0.2.1:{snat_port}")));
+    assert_eq!(bed.xdp_counter(Reason::TcFlow), 1);
+
+    // UDP, backend behind another interface: XDP_REDIRECT.
+    let q = Pkt::udp("198.51.100.7:5000", "192.0.2.1:30081");
+    let (verdict, out, raw) = run(&q, x0);
+    assert_eq!(verdict, XDP_REDIRECT, "to y0 ({y0})");
+    assert_eq!(out.dst, sa("10.3.1.2:8080"));
+    assert_eq!(out.src.ip(), ip("192.0.2.1"));
+    assert_eq!(&raw[0..6], &[2, 0, 0, 0, 9, 0xfe]);
+
+    // No neighbour entry for the router yet: XDP cannot send it; the packet reaches TC
+    // untouched and TC handles the whole flow (its redirect resolves the neighbour).
+    let syn = Pkt::tcp("198.51.100.7:40002", "192.0.2.1:30082", SYN);
+    let (verdict, out, _) = run(&syn, x0);
+    assert_eq!((verdict, out), (XDP_PASS, syn.clone()));
+    assert_eq!(bed.xdp_counter(Reason::XdpToStack), 1);
+    assert_eq!(bed.xdp_counter(Reason::TcNewFlow), 2, "not a new flow at XDP");
+    let (_, out) = bed.run("tc_ingress", &syn);
+    assert_eq!(out.dst, sa("10.4.1.2:8080"));
+    assert_eq!(out.src.ip(), ip("192.0.2.1"));
+    assert_eq!(bed.counter(Reason::TcNewFlow), 1, "a new flow at TC");
+}
