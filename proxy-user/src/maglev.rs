@@ -116,6 +116,30 @@ fn identity(addr: &SocketAddr) -> Vec<u8> {
     out
 }
 
+/// A digest of one chunk (logs, dumps).
+pub fn chunk_digest(c: &MaglevChunk) -> u64 {
+    let mut bytes = Vec::with_capacity(4 + 2 * MAGLEV_CHUNK_SLOTS);
+    bytes.extend_from_slice(&c.table_size.to_le_bytes());
+    for s in &c.slots {
+        bytes.extend_from_slice(&s.to_le_bytes());
+    }
+    hash64(0, &bytes)
+}
+
+/// What a table is computed from, as one number: equal fingerprints, equal tables.
+pub fn fingerprint(params: Params, backends: &[(SocketAddr, u16)]) -> u64 {
+    let mut sorted = backends.to_vec();
+    sorted.sort();
+    let mut bytes = Vec::with_capacity(8 + 4 + sorted.len() * 20);
+    bytes.extend_from_slice(&params.seed.to_le_bytes());
+    bytes.extend_from_slice(&params.table_size.to_le_bytes());
+    for (a, v) in &sorted {
+        bytes.extend_from_slice(&identity(a));
+        bytes.extend_from_slice(&v.to_le_bytes());
+    }
+    hash64(1, &bytes)
+}
+
 /// The lookup table: `table[i]` is the value (the datapath's slot number) of the backend
 /// that owns entry `i`. `backends` are `(identity, value)`; their order does not matter,
 /// duplicates of one identity must not be given. Empty without backends.
