@@ -4,7 +4,7 @@
 //! Used by whichever datapath chooses a backend for an external flow (TC, and XDP through
 //! the same `choose`).
 
-use proxy_common::{maglev::locate, MaglevKey};
+use proxy_common::{limits::MAGLEV_CHUNK_SLOTS, maglev::locate, MaglevKey};
 
 use crate::maps::MAGLEV;
 
@@ -36,6 +36,14 @@ pub fn slot(service_id: u32, count: u16, hash: u32) -> u16 {
             _ => return 0,
         }
     };
+    // LLVM knows `off < MAGLEV_CHUNK_SLOTS` (a remainder) and drops the bounds check; the
+    // verifier cannot follow that arithmetic. A volatile reload hides the value's origin
+    // so the explicit check stays in the program.
+    // SAFETY: a read of a local.
+    let off = unsafe { core::ptr::read_volatile(&off) };
+    if off >= MAGLEV_CHUNK_SLOTS {
+        return 0;
+    }
     match c.slots.get(off) {
         Some(&s) if s != 0 && s <= count => s,
         _ => 0,
