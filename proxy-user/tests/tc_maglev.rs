@@ -238,3 +238,41 @@ fn ipv6_and_the_random_default_differ_from_maglev_only_by_the_flag() {
     assert!(differ > 20, "random choice matched Maglev for {} of 100", 100 - differ);
     let _ = TCP;
 }
+
+/// The kernel's own count (`memlock` of the map's fdinfo, `htab_map_mem_usage`) of what
+/// the Maglev tables cost: 100 Maglev frontends at the default M = 16,381, compared with
+/// the map before them. The figure docs/ARCHITECTURE.md states.
+#[test]
+fn a_maglev_frontend_costs_nine_4_kib_elements_at_the_default_table_size() {
+    let params = maglev::Params::default();
+    let mut node = Node::new(params);
+    let pins = node._pins.path.clone();
+    let maglev_bytes = || {
+        loader::map_memory(&pins)
+            .into_iter()
+            .find(|m| m.name == proxy_common::map_names::MAGLEV)
+            .expect("MAGLEV pinned")
+            .bytes
+    };
+    let before = maglev_bytes();
+    let backends = backends4(20);
+    let n = 100u32;
+    for i in 0..n {
+        let fe = Frontend::new(
+            std::net::Ipv4Addr::from(0xcb00_7100 + i),
+            80,
+            Proto::Tcp,
+        );
+        node.writer.upsert(&entry(fe, &backends, true)).expect("upsert");
+    }
+    let after = maglev_bytes();
+    let per = (after - before) / u64::from(n);
+    eprintln!("MAGLEV: {before} B empty, {per} B per Maglev frontend at M = 16381");
+    assert_eq!(per, 9 * 4096, "9 chunks of one 4 KiB element each");
+    // The empty map: its bucket array (16 B x 2^17) and little else.
+    assert!(before < 3 << 20, "{before} B for the empty map");
+    // A random frontend costs nothing in MAGLEV.
+    let fe = Frontend::new(std::net::Ipv4Addr::new(203, 0, 114, 1), 80, Proto::Tcp);
+    node.writer.upsert(&entry(fe, &backends, false)).expect("upsert");
+    assert_eq!(maglev_bytes(), after);
+}
