@@ -15,6 +15,7 @@
 #![no_std]
 
 pub mod lookup;
+pub mod maglev;
 
 /// Bumped whenever a key, value or map definition changes incompatibly. The loader stores
 /// it in the `META` map; pins of an older version are migrated (`proxy-user/src/migrate`).
@@ -63,9 +64,11 @@ pub mod map_names {
     pub const AFFINITY: &str = "AFFINITY";
     /// Per-CPU outcome counters of the XDP hook, indexed by `Reason` like `STATS`.
     pub const XDP_STATS: &str = "XDP_STATS";
+    /// Maglev lookup tables: `{service id, chunk}` -> a chunk of backend slots.
+    pub const MAGLEV: &str = "MAGLEV";
 
     /// Every pinned map.
-    pub const ALL: [&str; 20] = [
+    pub const ALL: [&str; 21] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -86,6 +89,7 @@ pub mod map_names {
         SRC_RANGE6,
         AFFINITY,
         XDP_STATS,
+        MAGLEV,
     ];
 }
 
@@ -122,6 +126,20 @@ pub mod limits {
     /// Session-affinity entries (client x service), both families (LRU: an evicted
     /// client is balanced afresh on its next connection).
     pub const MAX_AFFINITY: u32 = 1 << 16;
+    /// Backend slots in one `MAGLEV` chunk. Chosen so that one element of the
+    /// `BPF_F_NO_PREALLOC` hash map is exactly one 4 KiB kmalloc object: the kernel's
+    /// `htab_elem` header (48 B) + key (8 B) + value (8 B header + 2 x 2,012 B) + the
+    /// allocator's list node (8 B) = 4,096 B. A table of M slots takes ceil(M / 2,012)
+    /// chunks: 9 (36 KiB) at the default M = 16,381.
+    pub const MAGLEV_CHUNK_SLOTS: usize = 2012;
+    /// `MAGLEV` entries (chunks), all tables together: 14,563 tables at M = 16,381,
+    /// 1,985 at M = 131,071. The bucket array costs 16 B per entry (2 MiB) at creation;
+    /// the chunks only when written.
+    pub const MAX_MAGLEV_CHUNKS: u32 = 1 << 17;
+    /// The Maglev table size: default and the allowed range (primes only).
+    pub const MAGLEV_TABLE_DEFAULT: u32 = 16381;
+    pub const MAGLEV_TABLE_MIN: u32 = 251;
+    pub const MAGLEV_TABLE_MAX: u32 = 131071;
 }
 
 /// TC connection-tracking timeouts (nanoseconds), after kube-proxy's conntrack settings.
@@ -179,6 +197,11 @@ pub mod svc_flags {
     pub const ETP_LOCAL: u16 = 1 << 5;
     /// `loadBalancerSourceRanges`: only sources in `SRC_RANGE4/6` for this service id.
     pub const SOURCE_RANGES: u16 = 1 << 6;
+    /// Maglev consistent hashing for new TC flows: the backend slot comes from this
+    /// frontend's `MAGLEV` table (by its service id), indexed by a hash of the flow's
+    /// 5-tuple, so every node picks the same backend for the same flow. Set only once the
+    /// table is written; a missing or inconsistent table falls back to random.
+    pub const MAGLEV: u16 = 1 << 7;
 }
 
 /// `Svc4Key::scope` / `Svc6Key::scope`.
@@ -672,6 +695,26 @@ impl Svc6Key {
     }
 }
 
+/// `MAGLEV` key: one chunk of the table of the frontend with `service_id`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MaglevKey {
+    pub service_id: u32,
+    /// Chunk number: slots `chunk * MAGLEV_CHUNK_SLOTS ..` of the table.
+    pub chunk: u32,
+}
+
+/// `MAGLEV` value: `MAGLEV_CHUNK_SLOTS` entries of a table of `table_size` entries, each
+/// a backend slot (`1..=count` of the frontend; 0 past the table's end).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaglevChunk {
+    /// M, the whole table's size (the same in every chunk of a table).
+    pub table_size: u32,
+    pub _pad: u32,
+    pub slots: [u16; limits::MAGLEV_CHUNK_SLOTS],
+}
+
 #[cfg(feature = "user")]
 mod user {
     use super::*;
@@ -707,6 +750,8 @@ mod user {
         SrcRange6,
         AffinityKey,
         AffinityValue,
+        MaglevKey,
+        MaglevChunk,
     );
 }
 
@@ -747,6 +792,8 @@ mod tests {
         assert_layout!(AffinityValue, size 16, align 8, fields [u32, u16, u16, u64]);
         assert_layout!(SrcRange4, size 8, align 4, fields [u32, u32]);
         assert_layout!(SrcRange6, size 20, align 4, fields [u32, [u32; 4]]);
+        assert_layout!(MaglevKey, size 8, align 4, fields [u32, u32]);
+        assert_layout!(MaglevChunk, size 4032, align 4, fields [u32, u32, [u16; limits::MAGLEV_CHUNK_SLOTS]]);
     }
 
     #[test]

@@ -69,38 +69,49 @@ fn remember(key: &AffinityKey, slot: u16, backend_id: u32, now: u64) {
     let _ = AFFINITY.insert(key, &v, 0);
 }
 
-/// One of the frontend's `count` slots at random (equal weight: one lookup where
-/// iptables walks a statistic chain), and the backend id it names.
+/// `preferred` when it is one of the frontend's slots (a Maglev choice), else one of the
+/// frontend's `count` slots at random (equal weight: one lookup where iptables walks a
+/// statistic chain), and the backend id it names.
 #[inline(always)]
-fn random_slot(front: &SvcValue, slot_backend: impl Fn(u16) -> Option<u32>) -> Option<(u16, u32)> {
+fn pick_slot(
+    front: &SvcValue,
+    preferred: u16,
+    slot_backend: impl Fn(u16) -> Option<u32>,
+) -> Option<(u16, u32)> {
     // Callers have refused an empty frontend; the check keeps a division by zero (a
     // panic path, which the verifier rejects) out of the code.
     if front.count == 0 {
         return None;
     }
-    // SAFETY: helper without preconditions.
-    let rnd = unsafe { bpf_get_prandom_u32() };
-    let slot = (rnd % u32::from(front.count)) as u16 + 1;
+    let slot = if preferred != 0 && preferred <= front.count {
+        preferred
+    } else {
+        // SAFETY: helper without preconditions.
+        let rnd = unsafe { bpf_get_prandom_u32() };
+        (rnd % u32::from(front.count)) as u16 + 1
+    };
     Some((slot, slot_backend(slot)?))
 }
 
 /// The backend for a new connection of `key`'s client: its previous one while valid,
-/// else one at random, remembered when the frontend has affinity (`key` is then called).
+/// else the `preferred` slot (Maglev's choice; 0: none) or one at random, remembered
+/// when the frontend has affinity (`key` is then called).
 #[inline(always)]
 pub fn choose(
     front: &SvcValue,
     key: impl Fn() -> AffinityKey,
     slot_backend: impl Fn(u16) -> Option<u32> + Copy,
+    preferred: u16,
 ) -> Option<u32> {
     if !wanted(front) {
-        return random_slot(front, slot_backend).map(|(_, id)| id);
+        return pick_slot(front, preferred, slot_backend).map(|(_, id)| id);
     }
     let key = key();
     let now = now();
     if let Some((_, id)) = lookup(front, &key, now, slot_backend) {
         return Some(id);
     }
-    let (slot, id) = random_slot(front, slot_backend)?;
+    let (slot, id) = pick_slot(front, preferred, slot_backend)?;
     remember(&key, slot, id, now);
     Some(id)
 }

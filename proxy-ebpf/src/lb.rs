@@ -353,7 +353,7 @@ pub fn xlate_fwd<F: Family>(
         )
     };
     let backend_id =
-        affinity::choose(&front, client, slot_backend).ok_or(Reason::BackendMissing)?;
+        affinity::choose(&front, client, slot_backend, 0).ok_or(Reason::BackendMissing)?;
     let (baddr, bport) = F::backend(backend_id).ok_or(Reason::BackendMissing)?;
     count_backend(backend_id);
 

@@ -16,6 +16,7 @@
 
 mod affinity;
 mod lb;
+mod maglev;
 mod maps;
 mod sock;
 mod tc;

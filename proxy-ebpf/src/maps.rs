@@ -13,7 +13,7 @@ use aya_ebpf::{
     maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
 };
 use proxy_common::{
-    limits::*, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
+    limits::*, AffinityKey, AffinityValue, Backend4, MaglevChunk, MaglevKey, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
     NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat6, SrcRange4, SrcRange6, Svc4Key,
     Svc6Key, SvcValue,
 };
@@ -159,6 +159,12 @@ pub static SRC_RANGE6: LpmTrie<SrcRange6, u8> = LpmTrie::pinned(MAX_SRC_RANGES, 
 /// `sessionAffinity: ClientIP`: the backend each client last used, per service.
 #[map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(MAX_AFFINITY, 0);
+
+/// Maglev tables, in chunks: `{service id, chunk}` -> backend slots. Only frontends
+/// with `svc_flags::MAGLEV` have one (`BPF_F_NO_PREALLOC`: memory per table written).
+#[map]
+pub static MAGLEV: HashMap<MaglevKey, MaglevChunk> =
+    HashMap::pinned(MAX_MAGLEV_CHUNKS, BPF_F_NO_PREALLOC);
 
 /// TC per-CPU scratch, IPv4: the parsed packet and a new flow's choice, kept off the
 /// stack (the verifier counts 512 bytes over the whole call chain).

@@ -15,7 +15,7 @@ use aya::{
     Pod,
 };
 use proxy_common::{
-    map_names as names, Backend4, Backend6, NodeConfig, Reason, RevNat4, RevNat6, SrcRange4,
+    map_names as names, Backend4, Backend6, MaglevChunk, MaglevKey, NodeConfig, Reason, RevNat4, RevNat6, SrcRange4,
     SrcRange6, Svc4Key, Svc6Key, SvcValue,
 };
 
@@ -53,6 +53,7 @@ pub struct BpfMaps {
     stats: PerCpuArray<MapData, u64>,
     src_range4: LpmTrie<MapData, SrcRange4, u8>,
     src_range6: LpmTrie<MapData, SrcRange6, u8>,
+    maglev: Pair<MaglevKey, MaglevChunk>,
     ncpus: usize,
 }
 
@@ -87,6 +88,7 @@ impl BpfMaps {
             stats: pins.typed(names::STATS, rw)?,
             src_range4: pins.typed(names::SRC_RANGE4, rw)?,
             src_range6: pins.typed(names::SRC_RANGE6, rw)?,
+            maglev: open_pair(&pins, names::MAGLEV)?,
             ncpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
             pins,
         })
@@ -385,12 +387,37 @@ impl MapStore for BpfMaps {
                 .node_config
                 .set(0, codec::node_config(snat), 0)
                 .map_err(map_err(names::NODE_CONFIG)),
+            Op::PutMaglev {
+                service_id,
+                chunk,
+                value,
+            } => {
+                let key = MaglevKey {
+                    service_id: *service_id,
+                    chunk: *chunk,
+                };
+                self.maglev
+                    .map
+                    .insert(key, **value, 0)
+                    .map_err(map_err(names::MAGLEV))
+            }
+            Op::DelMaglev { service_id, chunk } => {
+                let key = MaglevKey {
+                    service_id: *service_id,
+                    chunk: *chunk,
+                };
+                ignore_missing(self.maglev.map.remove(&key)).map_err(map_err(names::MAGLEV))
+            }
         }
     }
 
     fn supports_batch(&self, group: Group) -> bool {
         // LPM tries take no batch updates; NODE_CONFIG has one entry.
-        !matches!(group.map, MapKind::SrcRange | MapKind::NodeConfig)
+        // MAGLEV chunks are 4 KB each and few: written one by one.
+        !matches!(
+            group.map,
+            MapKind::SrcRange | MapKind::NodeConfig | MapKind::Maglev
+        )
     }
 
     fn apply_batch(&mut self, ops: &[Op]) -> Result<(), BatchFailed> {
@@ -566,7 +593,9 @@ impl MapStore for BpfMaps {
                 res.map_err(batch_failed)
             }
             // LPM tries have no batch operations; NODE_CONFIG has one entry.
-            (MapKind::SrcRange, _) | (MapKind::NodeConfig, _) => Err(unsupported()),
+            (MapKind::SrcRange, _) | (MapKind::NodeConfig, _) | (MapKind::Maglev, _) => {
+                Err(unsupported())
+            }
         }
     }
 
@@ -623,6 +652,9 @@ impl MapStore for BpfMaps {
             .get(&0, 0)
             .map_err(map_err(names::NODE_CONFIG))?;
         d.snat = codec::decode_node_config(&cfg);
+        for (k, v) in self.maglev.read_all().map_err(map_err(names::MAGLEV))? {
+            d.maglev.insert((k.service_id, k.chunk), Box::new(v));
+        }
         Ok(d)
     }
 }

@@ -12,6 +12,7 @@ pub mod codec;
 pub mod ctl;
 pub mod fs;
 pub mod loader;
+pub mod maglev;
 pub mod migrate;
 pub mod model;
 pub mod node;

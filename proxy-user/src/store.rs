@@ -64,6 +64,14 @@ pub enum Op {
     DelNodeAddr { addr: IpAddr },
     /// `NODE_CONFIG[0]`: the addresses the TC path source-NATs to.
     PutNodeConfig { snat: Snat },
+    /// `MAGLEV[service_id, chunk] = slots`: one chunk of a frontend's Maglev table.
+    PutMaglev {
+        service_id: u32,
+        chunk: u32,
+        value: Box<proxy_common::MaglevChunk>,
+    },
+    /// Delete `MAGLEV[service_id, chunk]`.
+    DelMaglev { service_id: u32, chunk: u32 },
 }
 
 /// `NODE_CONFIG[0]` in model terms: the SNAT address of each family (`None`: no SNAT
@@ -92,6 +100,7 @@ pub enum MapKind {
     SrcRange,
     NodeAddr,
     NodeConfig,
+    Maglev,
 }
 
 impl Op {
@@ -112,6 +121,9 @@ impl Op {
             Op::PutNodeAddr { addr } => (MapKind::NodeAddr, fam(addr), false),
             Op::DelNodeAddr { addr } => (MapKind::NodeAddr, fam(addr), true),
             Op::PutNodeConfig { .. } => (MapKind::NodeConfig, Family::V4, false),
+            // One map for both families (service ids are unique across them).
+            Op::PutMaglev { .. } => (MapKind::Maglev, Family::V4, false),
+            Op::DelMaglev { .. } => (MapKind::Maglev, Family::V4, true),
         };
         Group {
             map,
@@ -143,6 +155,10 @@ impl Op {
             } => format!("src {service_id} {addr}/{prefix}"),
             Op::PutNodeAddr { addr } | Op::DelNodeAddr { addr } => format!("node {addr}"),
             Op::PutNodeConfig { .. } => "node config".into(),
+            Op::PutMaglev {
+                service_id, chunk, ..
+            }
+            | Op::DelMaglev { service_id, chunk } => format!("maglev {service_id} #{chunk}"),
         }
     }
 }
@@ -207,6 +223,17 @@ impl fmt::Display for Op {
             Op::PutNodeAddr { addr } => write!(f, "put node address {addr}"),
             Op::DelNodeAddr { addr } => write!(f, "del node address {addr}"),
             Op::PutNodeConfig { snat } => write!(f, "put node config {snat}"),
+            Op::PutMaglev {
+                service_id,
+                chunk,
+                value,
+            } => write!(
+                f,
+                "put maglev {service_id} #{chunk} (M={} hash={:016x})",
+                value.table_size,
+                crate::maglev::chunk_digest(value)
+            ),
+            Op::DelMaglev { service_id, chunk } => write!(f, "del maglev {service_id} #{chunk}"),
         }
     }
 }
@@ -255,6 +282,8 @@ pub struct Dump {
     pub node_addrs: BTreeSet<IpAddr>,
     /// `NODE_CONFIG[0]`.
     pub snat: Snat,
+    /// `MAGLEV`: `(service id, chunk)` -> table chunk.
+    pub maglev: BTreeMap<(u32, u32), Box<proxy_common::MaglevChunk>>,
 }
 
 impl Dump {
@@ -297,6 +326,13 @@ impl Dump {
         }
         if self.snat != Snat::default() {
             out += &format!("node config {}\n", self.snat);
+        }
+        for ((id, chunk), v) in &self.maglev {
+            out += &format!(
+                "maglev {id} #{chunk} M={} hash={:016x}\n",
+                v.table_size,
+                crate::maglev::chunk_digest(v)
+            );
         }
         out
     }
@@ -515,6 +551,16 @@ impl MapStore for MemStore {
                 s.node_addrs.remove(addr);
             }
             Op::PutNodeConfig { snat } => s.snat = *snat,
+            Op::PutMaglev {
+                service_id,
+                chunk,
+                value,
+            } => {
+                s.maglev.insert((*service_id, *chunk), value.clone());
+            }
+            Op::DelMaglev { service_id, chunk } => {
+                s.maglev.remove(&(*service_id, *chunk));
+            }
         }
         self.log.push(op.clone());
         Ok(())

@@ -7,13 +7,17 @@
 //! 2. the reverse-NAT entry, for a new frontend;
 //! 3. changed or new slots `1..=new_count` (slots beyond the live count are invisible to
 //!    the datapath; a slot within it is replaced atomically by one map update);
+//!    then, for a frontend with `svc_flags::MAGLEV`, its Maglev table (`MAGLEV` chunks)
+//!    when it changed: it names slots `1..=new_count`, all written by now, and the flag
+//!    in slot 0 that makes the datapath read it comes next;
 //! 4. slot 0 with the new count (growing makes the new slots visible here, shrinking
 //!    hides the surplus ones here);
 //! 5. surplus slots `new_count+1..=old_count` deleted;
 //! 6. backends no frontend references any more deleted.
 //!
-//! Removing a frontend deletes slot 0 first (it disappears atomically), then its slots,
-//! its reverse-NAT entry and unreferenced backends.
+//! Removing a frontend deletes slot 0 first (it disappears atomically), then its slots and
+//! Maglev table, its reverse-NAT entry and unreferenced backends. Turning Maglev off
+//! rewrites slot 0 without the flag first, then deletes the table.
 //!
 //! If a write fails (a full map, say), the writes already made for that frontend are
 //! undone in reverse order, the in-memory model is left as it was, and the error names
@@ -42,6 +46,7 @@ use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
 use tracing::{error, warn};
 
 use crate::{
+    maglev::{self, Params as MaglevParams},
     model::{Backend, Frontend, Proto, ServiceEntry},
     store::{write_batch, Dump, FrontendValue, Group, MapStore, Op, Snat, StoreError, WriteCounts},
 };
@@ -133,13 +138,13 @@ pub fn node_address_ops(have: &BTreeSet<IpAddr>, have_snat: Snat, want: &[IpAddr
 }
 
 /// Phases of a batched sync: removals, then updates (see the module doc).
-const PHASES: usize = 13;
+const PHASES: usize = 14;
 
 fn phase(op: &Op, removal: bool) -> usize {
     if removal {
         return match op {
             Op::DelSlot { slot: 0, .. } => 0,
-            Op::DelSlot { .. } => 1,
+            Op::DelSlot { .. } | Op::DelMaglev { .. } => 1,
             Op::DelSrcRange { .. } => 2,
             Op::DelRevNat { .. } => 3,
             _ => 4,
@@ -150,10 +155,11 @@ fn phase(op: &Op, removal: bool) -> usize {
         Op::PutRevNat { .. } => 1,
         Op::PutSrcRange { .. } => 2,
         Op::PutSlot { .. } => 3,
-        Op::PutFrontend { .. } => 4,
-        Op::DelSlot { .. } => 5,
-        Op::DelSrcRange { .. } => 6,
-        _ => 7,
+        Op::PutMaglev { .. } => 4,
+        Op::PutFrontend { .. } => 5,
+        Op::DelSlot { .. } | Op::DelMaglev { .. } => 6,
+        Op::DelSrcRange { .. } => 7,
+        _ => 8,
     }
 }
 
@@ -210,6 +216,10 @@ struct Programmed {
     source_ranges: BTreeSet<(IpAddr, u8)>,
     /// Backend id of slot `i + 1`; 0 marks a slot found missing when adopting.
     slots: Vec<u32>,
+    /// The Maglev table written for it: `(fingerprint of what it was computed from,
+    /// chunks)`; fingerprint 0 for a table adopted whose content is not the one the
+    /// current parameters give (rewritten by the next upsert).
+    maglev: Option<(u64, u32)>,
 }
 
 /// Allocates the lowest free id, starting at 1 (0 means "none" in the maps), in
@@ -300,7 +310,7 @@ impl AdoptReport {
 /// then rewrites in the update order, unreferenced backends last.
 fn adopt_phase(op: &Op) -> usize {
     match op {
-        Op::DelSlot { .. } => 0,
+        Op::DelSlot { .. } | Op::DelMaglev { .. } => 0,
         Op::DelSrcRange { .. } => 1,
         Op::DelRevNat { .. } => 2,
         Op::PutRevNat { .. } => 3,
@@ -335,6 +345,8 @@ pub struct Writer<S> {
     /// During a batched sync: ids freed (true: backend, false: service), released only
     /// once the sync is written so that no id is deleted and reused within one batch.
     deferred_frees: Option<Vec<(bool, u32)>>,
+    /// Table size and seed of the Maglev tables (`--maglev-table-size`, `--maglev-seed`).
+    maglev: MaglevParams,
 }
 
 /// The model's state, saved before a batched sync (restored if it fails).
@@ -359,6 +371,7 @@ struct StagedUpsert {
     old_slots: Vec<u32>,
     want_ranges: BTreeSet<(IpAddr, u8)>,
     name: String,
+    maglev: Option<(u64, u32)>,
 }
 
 impl<S: MapStore> Writer<S> {
@@ -377,7 +390,46 @@ impl<S: MapStore> Writer<S> {
             batch_min: BATCH_MIN_FRONTENDS,
             counts: WriteCounts::default(),
             deferred_frees: None,
+            maglev: MaglevParams::default(),
         }
+    }
+
+    /// Sets the Maglev table size and seed (before the first sync or adoption: tables
+    /// written with other parameters are rewritten by the next upsert of their frontend).
+    pub fn set_maglev_params(&mut self, params: MaglevParams) {
+        self.maglev = params;
+    }
+
+    /// The Maglev parameters in use.
+    pub fn maglev_params(&self) -> MaglevParams {
+        self.maglev
+    }
+
+    /// The `(backend address, slot)` pairs a frontend's table is computed from, for the
+    /// slot layout `layout` (0: a missing slot, skipped); `addr_of` names a backend id.
+    fn maglev_inputs(
+        layout: &[u32],
+        addr_of: impl Fn(u32) -> Option<std::net::SocketAddr>,
+    ) -> Vec<(std::net::SocketAddr, u16)> {
+        let mut seen = HashSet::new();
+        layout
+            .iter()
+            .enumerate()
+            .filter(|(_, id)| **id != 0)
+            .filter_map(|(i, id)| addr_of(*id).map(|a| (a, slot_no(i))))
+            .filter(|(a, _)| seen.insert(*a))
+            .collect()
+    }
+
+    /// The table of a programmed frontend as the current parameters give it, if it is
+    /// the one written (its fingerprint matches): what undoing a change restores.
+    fn programmed_table(&self, p: &Programmed) -> Option<Vec<proxy_common::MaglevChunk>> {
+        let (fp, _) = p.maglev?;
+        let inputs = Self::maglev_inputs(&p.slots, |id| {
+            self.backend_refs.get(&id).map(|((b, _), _)| b.addr)
+        });
+        (fp != 0 && maglev::fingerprint(self.maglev, &inputs) == fp)
+            .then(|| maglev::chunks(&maglev::table(self.maglev, &inputs)))
     }
 
     /// Sets how many frontends a sync must write to use batches (0: always;
@@ -450,9 +502,20 @@ impl<S: MapStore> Writer<S> {
         store: S,
         batch_min: usize,
     ) -> Result<(Self, AdoptReport), StoreError> {
+        Self::adopt_with(store, batch_min, MaglevParams::default())
+    }
+
+    /// [`Self::adopt_with_threshold`] with the Maglev parameters the agent uses: an
+    /// adopted table equal to the one they give is kept (not rewritten).
+    pub fn adopt_with(
+        store: S,
+        batch_min: usize,
+        maglev_params: MaglevParams,
+    ) -> Result<(Self, AdoptReport), StoreError> {
         let dump = store.dump()?;
         let mut w = Self::new(store);
         w.batch_min = batch_min;
+        w.maglev = maglev_params;
         w.node_addrs = dump.node_addrs.clone();
         w.snat = dump.snat;
         let mut report = AdoptReport::default();
@@ -567,8 +630,59 @@ impl<S: MapStore> Writer<S> {
                     name: String::new(),
                     source_ranges: ranges,
                     slots,
+                    maglev: None,
                 },
             );
+        }
+        // Maglev tables: kept (no write) when equal to what the parameters in use give the
+        // adopted slots; else marked for rewriting. Chunks of no flagged frontend go.
+        let mut maglev_by_id: HashMap<u32, Vec<u32>> = HashMap::new();
+        for (sid, chunk) in dump.maglev.keys() {
+            maglev_by_id.entry(*sid).or_default().push(*chunk);
+        }
+        let flagged: Vec<Frontend> = w
+            .services
+            .iter()
+            .filter(|(fe, p)| {
+                p.value.flags & proxy_common::svc_flags::MAGLEV != 0
+                    && owner.get(&p.value.service_id) == Some(*fe)
+            })
+            .map(|(fe, _)| *fe)
+            .collect();
+        let mut kept_ids = HashSet::new();
+        for fe in flagged {
+            let p = &w.services[&fe];
+            let sid = p.value.service_id;
+            let Some(found) = maglev_by_id.get(&sid) else {
+                continue;
+            };
+            kept_ids.insert(sid);
+            let inputs = Self::maglev_inputs(&p.slots, |id| {
+                w.backend_refs.get(&id).map(|((b, _), _)| b.addr)
+            });
+            let want = maglev::chunks(&maglev::table(w.maglev, &inputs));
+            let same = found.len() == want.len()
+                && want.iter().enumerate().all(|(i, c)| {
+                    dump.maglev.get(&(sid, i as u32)).is_some_and(|d| **d == *c)
+                });
+            let n = found.iter().max().map_or(0, |m| m + 1);
+            let state = if same {
+                (maglev::fingerprint(w.maglev, &inputs), n)
+            } else {
+                report.repair("maglev_table_stale");
+                (0, n)
+            };
+            if let Some(p) = w.services.get_mut(&fe) {
+                p.maglev = Some(state);
+            }
+        }
+        for (sid, chunk) in dump.maglev.keys() {
+            if !kept_ids.contains(sid) {
+                orphans.push(Op::DelMaglev {
+                    service_id: *sid,
+                    chunk: *chunk,
+                });
+            }
         }
         for (fe, slot) in dump.slots.keys() {
             let live = w
@@ -676,6 +790,7 @@ impl<S: MapStore> Writer<S> {
                         | Op::DelSrcRange { .. }
                         | Op::DelRevNat { .. }
                         | Op::DelBackend { .. }
+                        | Op::DelMaglev { .. }
                 )
             })
             .count();
@@ -1038,6 +1153,44 @@ impl<S: MapStore> Writer<S> {
             );
         }
 
+        // The Maglev table, after the slots it names and before the flag in slot 0.
+        let addr_of_new: HashMap<u32, std::net::SocketAddr> =
+            ids.iter().zip(&backends).map(|(id, b)| (*id, b.addr)).collect();
+        let old_maglev = old.and_then(|p| p.maglev);
+        let mut maglev_state = None;
+        let mut maglev_dels = Vec::new();
+        let old_table = old.and_then(|p| self.programmed_table(p));
+        let put_chunk = |chunk: u32, c: &proxy_common::MaglevChunk| Op::PutMaglev {
+            service_id,
+            chunk,
+            value: Box::new(*c),
+        };
+        let del_chunk = |chunk: u32| Op::DelMaglev { service_id, chunk };
+        let undo_chunk = |chunk: u32| match old_table.as_ref().and_then(|t| t.get(chunk as usize))
+        {
+            Some(c) => put_chunk(chunk, c),
+            // Not known (an adopted table of other parameters): undoing leaves no table,
+            // and the datapath falls back to random for it.
+            None => del_chunk(chunk),
+        };
+        if entry.flags & proxy_common::svc_flags::MAGLEV != 0 && !layout.is_empty() {
+            let inputs = Self::maglev_inputs(&layout, |id| addr_of_new.get(&id).copied());
+            let fp = maglev::fingerprint(self.maglev, &inputs);
+            let n = proxy_common::maglev::chunks(self.maglev.table_size);
+            if old_maglev.map(|(f, _)| f) != Some(fp) {
+                let chunks = maglev::chunks(&maglev::table(self.maglev, &inputs));
+                for (i, c) in chunks.iter().enumerate() {
+                    plan.push(put_chunk(i as u32, c), undo_chunk(i as u32));
+                }
+            }
+            if let Some((_, old_n)) = old_maglev {
+                maglev_dels.extend(n..old_n);
+            }
+            maglev_state = Some((fp, n));
+        } else if let Some((_, old_n)) = old_maglev {
+            maglev_dels.extend(0..old_n);
+        }
+
         let value = FrontendValue {
             service_id,
             count: layout.len() as u16,
@@ -1076,6 +1229,11 @@ impl<S: MapStore> Writer<S> {
             );
         }
 
+        // Table chunks no longer used, once slot 0 no longer asks for them.
+        for chunk in maglev_dels {
+            plan.push(del_chunk(chunk), undo_chunk(chunk));
+        }
+
         for r in old_ranges.difference(&want_ranges) {
             plan.push(range(false, *r), range(true, *r));
         }
@@ -1112,6 +1270,7 @@ impl<S: MapStore> Writer<S> {
             old_slots,
             want_ranges,
             name: entry.name.clone(),
+            maglev: maglev_state,
         })
     }
 
@@ -1142,6 +1301,7 @@ impl<S: MapStore> Writer<S> {
                 name: s.name,
                 source_ranges: s.want_ranges,
                 slots: s.layout,
+                maglev: s.maglev,
             },
         );
     }
@@ -1191,6 +1351,29 @@ impl<S: MapStore> Writer<S> {
                     service_id: sid,
                 },
             );
+        }
+        if let Some((_, n)) = old.maglev {
+            let table = self.programmed_table(&old);
+            for chunk in 0..n {
+                let undo = match table.as_ref().and_then(|t| t.get(chunk as usize)) {
+                    Some(c) => Op::PutMaglev {
+                        service_id: sid,
+                        chunk,
+                        value: Box::new(*c),
+                    },
+                    None => Op::DelMaglev {
+                        service_id: sid,
+                        chunk,
+                    },
+                };
+                plan.push(
+                    Op::DelMaglev {
+                        service_id: sid,
+                        chunk,
+                    },
+                    undo,
+                );
+            }
         }
         for (addr, prefix) in &old.source_ranges {
             let (addr, prefix) = (*addr, *prefix);
@@ -1257,6 +1440,11 @@ impl<S: MapStore> Writer<S> {
             }
             for (i, id) in p.slots.iter().enumerate() {
                 d.slots.insert((*fe, slot_no(i)), *id);
+            }
+            if let Some(chunks) = self.programmed_table(p) {
+                for (i, c) in chunks.into_iter().enumerate() {
+                    d.maglev.insert((p.value.service_id, i as u32), Box::new(c));
+                }
             }
         }
         for (id, (key, _)) in &self.backend_refs {

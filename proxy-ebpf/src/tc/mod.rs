@@ -58,6 +58,7 @@ use self::{
 use crate::{
     affinity,
     lb::{self, V4, V6},
+    maglev,
     maps::{count, count_backend},
 };
 
@@ -408,7 +409,9 @@ fn reject<C: PktHook, F: PktFamily>(ctx: &C, p: &Pkt<F::Addr>) -> Step<F::Addr> 
 }
 
 /// The backend for a new flow: the client's previous one under session affinity (the
-/// client is its source address), else one at random with equal weight.
+/// client is its source address), else, for a frontend with `svc_flags::MAGLEV`, the slot
+/// its Maglev table gives the flow's 5-tuple (the same on every node), else one at random
+/// with equal weight. The one place an external flow's backend is chosen.
 #[inline(never)]
 fn choose<F: PktFamily>(
     p: &Pkt<F::Addr>,
@@ -421,7 +424,19 @@ fn choose<F: PktFamily>(
         let (addr, kind) = F::client(p.saddr);
         affinity::key(front, addr, kind)
     };
-    affinity::choose(front, client, slot_backend)
+    let preferred = if front.flags & svc_flags::MAGLEV != 0 {
+        let hash = proxy_common::maglev::flow_hash(
+            F::client(p.saddr).0,
+            F::client(p.daddr).0,
+            p.sport,
+            p.dport,
+            p.proto,
+        );
+        maglev::slot(front.service_id, front.count, hash)
+    } else {
+        0
+    };
+    affinity::choose(front, client, slot_backend, preferred)
 }
 
 /// Writes both conntrack entries of a new flow and translates its first packet:

@@ -57,6 +57,10 @@ pub struct AgentOptions {
     pub external_ip_cidrs: Option<Vec<(std::net::IpAddr, u8)>>,
     /// How the TC programs are attached (`auto`: TCX on kernels >= 6.6, clsact otherwise).
     pub tc_attach: loader::TcAttachMode,
+    /// `--lb-algorithm`: external traffic of Services without the annotation.
+    pub lb_algorithm: crate::cluster::lb_algorithm::LbAlgorithm,
+    /// `--maglev-table-size` and `--maglev-seed`.
+    pub maglev: crate::maglev::Params,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -133,7 +137,10 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
 
     let maps = BpfMaps::open(&opts.pin_path)?;
     // Off the runtime: the servers above keep answering while the maps are read back.
-    let (mut writer, adopted) = tokio::task::spawn_blocking(move || Writer::adopt(maps))
+    let maglev = opts.maglev;
+    let (mut writer, adopted) = tokio::task::spawn_blocking(move || {
+        Writer::adopt_with(maps, crate::writer::BATCH_MIN_FRONTENDS, maglev)
+    })
         .await
         .context("the adoption task failed")?
         .context("reading the pinned maps back")?;
@@ -188,7 +195,8 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         [Kind::Service, Kind::EndpointSlice, Kind::Node],
         metrics,
     )
-    .with_external_ip_cidrs(opts.external_ip_cidrs.clone());
+    .with_external_ip_cidrs(opts.external_ip_cidrs.clone())
+    .with_lb_algorithm(opts.lb_algorithm);
     if opts.cleanup_kube_proxy {
         tokio::spawn(cleanup_kube_proxy_when_synced(health.clone()));
     }

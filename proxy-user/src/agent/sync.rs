@@ -28,6 +28,7 @@ use crate::{
         conflicts::{write_order, Claims, Rank},
         external_ips::ExternalIpPolicy,
         index::Index,
+        lb_algorithm::{self, LbAlgorithm},
         objects::{NodeInfo, ObjKey, ServiceInfo, SliceInfo, LABEL_SERVICE_NAME},
         Kind, Object, Update,
     },
@@ -92,6 +93,8 @@ pub struct Syncer<S> {
     needs: BTreeSet<Kind>,
     /// Slices already reported as waiting for a missing Service (logged once each).
     orphans_reported: BTreeSet<ObjKey>,
+    /// `--lb-algorithm`: the default for Services without the annotation.
+    lb_default: LbAlgorithm,
 }
 
 impl<S: MapStore> Syncer<S> {
@@ -120,7 +123,14 @@ impl<S: MapStore> Syncer<S> {
             listed: BTreeSet::new(),
             needs: needs.into_iter().collect(),
             orphans_reported: BTreeSet::new(),
+            lb_default: LbAlgorithm::default(),
         }
+    }
+
+    /// The algorithm for external traffic of Services without the annotation.
+    pub fn with_lb_algorithm(mut self, default: LbAlgorithm) -> Self {
+        self.lb_default = default;
+        self
     }
 
     /// Programs `spec.externalIPs` only inside `cidrs` (`None`: all).
@@ -201,6 +211,27 @@ impl<S: MapStore> Syncer<S> {
         self.metrics.services.set(self.index.service_count() as i64);
     }
 
+    /// The Service's algorithm for external traffic: its `ebpf-proxy.io/lb-algorithm`
+    /// annotation, else `--lb-algorithm`. An unknown value is said, counted
+    /// (`objects_skipped_total{kind="Service",reason="lb_algorithm_unknown"}`) and the
+    /// default used: the Service is still programmed.
+    fn lb_algorithm(&self, svc: &k8s_openapi::api::core::v1::Service) -> LbAlgorithm {
+        match lb_algorithm::from_annotations(svc.metadata.annotations.as_ref()) {
+            Ok(Some(a)) => a,
+            Ok(None) => self.lb_default,
+            Err(value) => {
+                let key = display_key(&svc.metadata);
+                warn!(
+                    service = %key, value = %value,
+                    "Service {key}: annotation {}: {value:?} is not random or maglev; using the default ({})",
+                    lb_algorithm::ANNOTATION, self.lb_default
+                );
+                self.metrics.skipped("Service", "lb_algorithm_unknown");
+                self.lb_default
+            }
+        }
+    }
+
     fn service_info(
         &self,
         svc: &k8s_openapi::api::core::v1::Service,
@@ -211,6 +242,7 @@ impl<S: MapStore> Syncer<S> {
             self.metrics.skipped("Service", skip.label());
         })?;
         if let Some(info) = info.as_mut() {
+            info.maglev = self.lb_algorithm(svc) == LbAlgorithm::Maglev;
             for ip in self.external_ips.apply(info) {
                 let key = display_key(&svc.metadata);
                 warn!(

@@ -6,7 +6,7 @@ use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use proxy_user::{
     agent::{self, AgentOptions},
-    cleanup, loader, TcAttachMode, DEFAULT_PIN_PATH,
+    cleanup, cluster::lb_algorithm::LbAlgorithm, loader, TcAttachMode, DEFAULT_PIN_PATH,
 };
 
 #[derive(Parser)]
@@ -129,6 +129,31 @@ struct RunArgs {
     /// How often the manifests directory is checked for changes.
     #[arg(long, env = "PROXY_MANIFESTS_POLL", default_value = "100ms", value_parser = parse_duration)]
     manifests_poll: Duration,
+    /// How the TC path chooses a backend for a new flow from outside the node (NodePort,
+    /// externalIPs, LoadBalancer IPs) of a Service without the annotation
+    /// `ebpf-proxy.io/lb-algorithm: maglev|random`: `random`, or `maglev` (consistent
+    /// hashing of the 5-tuple: every node picks the same backend, a backend change moves
+    /// about 1/N of new flows). Traffic from pods and the node (socket hooks) stays random.
+    #[arg(long, env = "PROXY_LB_ALGORITHM", default_value = "random",
+          value_parser = |s: &str| s.parse::<LbAlgorithm>())]
+    lb_algorithm: LbAlgorithm,
+    /// Entries of each Maglev table: a prime in 251..=131071 (e.g. 251, 1021, 4093, 16381,
+    /// 65521, 131071), larger than 100 x the largest backend count of a Maglev Service.
+    /// 2 bytes per entry (36 KiB per frontend at 16381). Every node must use the same.
+    #[arg(long, env = "PROXY_MAGLEV_TABLE_SIZE", default_value_t = proxy_common::limits::MAGLEV_TABLE_DEFAULT,
+          value_parser = parse_table_size)]
+    maglev_table_size: u32,
+    /// Seed of the Maglev permutations (any text): every node of the cluster must use the
+    /// same, so that they all pick the same backend for a flow.
+    #[arg(long, env = "PROXY_MAGLEV_SEED", default_value = proxy_user::maglev::DEFAULT_SEED)]
+    maglev_seed: String,
+}
+
+/// `--maglev-table-size`: a prime in the allowed range.
+fn parse_table_size(s: &str) -> Result<u32, String> {
+    let m: u32 = s.trim().parse().map_err(|e| format!("{s:?}: {e}"))?;
+    proxy_user::maglev::validate_table_size(m)?;
+    Ok(m)
 }
 
 /// A parsed `--external-ip-cidrs`.
@@ -220,6 +245,9 @@ fn main() -> Result<()> {
                 conntrack_flows: args.conntrack_max,
                 external_ip_cidrs: args.external_ip_cidrs.map(|c| c.0),
                 tc_attach: args.tc_attach,
+                lb_algorithm: args.lb_algorithm,
+                maglev: proxy_user::maglev::Params::new(args.maglev_table_size, &args.maglev_seed)
+                    .map_err(|e| anyhow::anyhow!(e))?,
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

@@ -144,7 +144,11 @@ pub fn service_entries(
                 }
                 external.push((Frontend::new(*ip, port.port, port.proto), f));
             }
-            for (fe, kind) in external {
+            for (fe, mut kind) in external {
+                // The TC path's choice for traffic from outside (the socket hooks ignore it).
+                if svc.maglev {
+                    kind |= svc_flags::MAGLEV;
+                }
                 if svc.external_local {
                     out.push(entry(fe, cluster.clone(), kind | svc_flags::ETP_LOCAL));
                     out.push(entry(

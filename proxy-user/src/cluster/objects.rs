@@ -212,6 +212,9 @@ pub struct ServiceInfo {
     /// `metadata.creationTimestamp` in Unix seconds (None when the object has none, as
     /// a manifest may): the first tie-breaker of frontend conflicts (`cluster::conflicts`).
     pub creation_timestamp: Option<i64>,
+    /// Maglev for external traffic at TC (`cluster::lb_algorithm`: the annotation, else
+    /// the agent's default; resolved by the agent, false as decoded).
+    pub maglev: bool,
 }
 
 impl ServiceInfo {
@@ -368,6 +371,7 @@ impl ServiceInfo {
                 .creation_timestamp
                 .as_ref()
                 .map(|t| t.0.as_second()),
+            maglev: false,
         }))
     }
 }

@@ -82,6 +82,28 @@ impl MapStore for CheckingStore {
 
 fn assert_consistent(d: &Dump, after: &Op) {
     for (fe, v) in &d.frontends {
+        // A frontend asking for Maglev has its whole table: every chunk, one table size,
+        // every entry within the table a slot number.
+        if v.flags & proxy_common::svc_flags::MAGLEV != 0 && v.count > 0 {
+            let first = d
+                .maglev
+                .get(&(v.service_id, 0))
+                .unwrap_or_else(|| panic!("after `{after}`: {fe} has the Maglev flag, no table"));
+            let m = first.table_size;
+            let n = proxy_common::maglev::chunks(m);
+            for c in 0..n {
+                let chunk = d.maglev.get(&(v.service_id, c)).unwrap_or_else(|| {
+                    panic!("after `{after}`: {fe} Maglev chunk {c} of {n} missing")
+                });
+                assert_eq!(chunk.table_size, m, "after `{after}`: {fe} chunk {c}");
+                let used = (m as usize - c as usize * proxy_common::limits::MAGLEV_CHUNK_SLOTS)
+                    .min(proxy_common::limits::MAGLEV_CHUNK_SLOTS);
+                assert!(
+                    chunk.slots[..used].iter().all(|s| *s != 0),
+                    "after `{after}`: {fe} chunk {c} has an empty entry"
+                );
+            }
+        }
         for slot in 1..=v.count {
             let id = d
                 .slots
@@ -1060,4 +1082,141 @@ fn adoption_repairs_corrupted_pins_and_trusts_no_broken_entry() {
     let (_, report) = Writer::adopt(store).expect("adopt");
     assert!(report.repairs.is_empty(), "{:?}", report.repairs);
     assert_eq!(report.orphans_deleted, 0);
+}
+
+fn maglev_svc(fe: Frontend, pods: &[&str]) -> ServiceEntry {
+    let mut e = svc(fe, pods);
+    e.flags |= proxy_common::svc_flags::NODE_PORT | proxy_common::svc_flags::MAGLEV;
+    e
+}
+
+fn small_maglev() -> MaglevParams {
+    MaglevParams::new(4093, "test-seed").expect("prime")
+}
+
+/// The backend a flow hash gets from the maps of `d` for frontend `fe`: its table entry,
+/// then the slot.
+fn maglev_backend(d: &Dump, fe: &Frontend, hash: u32) -> SocketAddr {
+    let v = d.frontends[fe];
+    let m = d.maglev[&(v.service_id, 0)].table_size;
+    let (chunk, off) = proxy_common::maglev::locate(hash % m);
+    let slot = d.maglev[&(v.service_id, chunk)].slots[off];
+    d.backends[&d.slots[&(*fe, slot)]].0.addr
+}
+
+#[test]
+fn maglev_table_is_written_before_the_flag_and_deleted_after_it() {
+    let mut w = writer();
+    w.set_maglev_params(small_maglev());
+    let fe = vip("10.96.0.10", 80);
+    w.upsert(&maglev_svc(fe, &[A, B, C])).expect("upsert");
+    let l = log(&mut w);
+    let lines: Vec<&str> = l.lines().collect();
+    let first_chunk = lines.iter().position(|l| l.starts_with("put maglev")).expect("a chunk");
+    let frontend = lines.iter().position(|l| l.starts_with("put frontend")).expect("slot 0");
+    let last_slot = lines.iter().rposition(|l| l.starts_with("put slot")).expect("slots");
+    assert!(last_slot < first_chunk && first_chunk < frontend, "{l}");
+    // 4093 entries: 3 chunks.
+    assert_eq!(lines.iter().filter(|l| l.starts_with("put maglev")).count(), 3, "{l}");
+    // The maps give every flow the backend the user-space table gives it.
+    let d = w.store().inner.state.clone();
+    let pods: Vec<(SocketAddr, u16)> = [A, B, C].iter().map(|p| pod(p)).zip(1..).collect();
+    let t = crate::maglev::table(small_maglev(), &pods);
+    for h in crate::maglev::sample_flows(1000) {
+        let want = pods[usize::from(t[crate::maglev::index(h, 4093)]) - 1].0;
+        assert_eq!(maglev_backend(&d, &fe, h), want);
+    }
+
+    // Unchanged: nothing written.
+    assert_eq!(w.upsert(&maglev_svc(fe, &[C, A, B])).expect("upsert"), 0);
+    // A backend leaves: slots, then the table, then slot 0; most flows stay.
+    w.upsert(&maglev_svc(fe, &[A, C])).expect("upsert");
+    let l = log(&mut w);
+    let frontend = l.find("put frontend").expect("slot 0");
+    assert!(l.find("put maglev").expect("table") < frontend, "{l}");
+    let after = w.store().inner.state.clone();
+    let flows = crate::maglev::sample_flows(10_000);
+    let moved = flows
+        .iter()
+        .filter(|h| maglev_backend(&d, &fe, **h) != maglev_backend(&after, &fe, **h))
+        .count();
+    // The flows of B (about a third) move, and few others.
+    assert!((2800..=4000).contains(&moved), "{moved} of 10000 moved");
+    for h in &flows {
+        assert_ne!(maglev_backend(&after, &fe, *h), pod(B));
+    }
+
+    // Maglev off: slot 0 without the flag first, then the chunks go.
+    w.upsert(&svc(fe, &[A, C])).expect("upsert");
+    let l = log(&mut w);
+    assert!(l.starts_with("put frontend"), "{l}");
+    assert_eq!(l.matches("del maglev").count(), 3, "{l}");
+    assert!(w.store().inner.state.maglev.is_empty());
+
+    // On again, then removed: slot 0 goes first, then the table.
+    w.upsert(&maglev_svc(fe, &[A, C])).expect("upsert");
+    log(&mut w);
+    w.remove(&fe).expect("remove");
+    let l = log(&mut w);
+    assert!(l.starts_with("del frontend"), "{l}");
+    assert_eq!(l.matches("del maglev").count(), 3, "{l}");
+    assert!(w.store().inner.state.maglev.is_empty());
+    assert_eq!(w.expected_dump(), w.store().inner.state);
+}
+
+#[test]
+fn maglev_tables_survive_adoption_without_writes_and_stale_ones_are_rewritten() {
+    let mut w = writer();
+    w.set_maglev_params(small_maglev());
+    let fe = vip("10.96.0.10", 80);
+    let fe2 = vip("10.96.0.11", 80);
+    let desired = vec![maglev_svc(fe, &[A, B, C]), maglev_svc(fe2, &[B, D])];
+    assert!(w.sync(desired.clone()).errors.is_empty());
+    let before = w.store().inner.state.clone();
+    assert_eq!(w.expected_dump(), before);
+
+    // A restart with the same parameters: the same desired state writes nothing.
+    let store = std::mem::take(&mut w.store_mut().inner);
+    let (mut w2, report) = Writer::adopt_with(store, BATCH_MIN_FRONTENDS, small_maglev())
+        .expect("adopt");
+    assert!(report.repairs.is_empty(), "{report:?}");
+    assert_eq!(report.orphans_deleted, 0);
+    w2.store_mut().log.clear();
+    let r = w2.sync(desired.clone());
+    assert_eq!(r.ops, 0, "{}", w2.store_mut().take_log());
+    assert_eq!(w2.store().state, before);
+
+    // A restart with another seed: the tables are rewritten (each chunk once).
+    let store = std::mem::take(w2.store_mut());
+    let other = MaglevParams::new(4093, "another-seed").expect("prime");
+    let (mut w3, report) = Writer::adopt_with(store, usize::MAX, other).expect("adopt");
+    assert_eq!(report.repairs.get("maglev_table_stale"), Some(&2), "{report:?}");
+    w3.store_mut().log.clear();
+    let r = w3.sync(desired);
+    assert!(r.errors.is_empty());
+    let l = w3.store_mut().take_log();
+    assert_eq!(l.matches("put maglev").count(), 6, "{l}");
+    assert_eq!(l.lines().count(), 6, "{l}");
+    assert_eq!(w3.expected_dump(), w3.store().state);
+}
+
+#[test]
+fn maglev_in_a_batched_sync_keeps_the_order() {
+    let mut w = Writer::new(CheckingStore {
+        batches: true,
+        ..Default::default()
+    });
+    w.set_maglev_params(small_maglev());
+    w.set_batch_threshold(0);
+    let desired: Vec<ServiceEntry> = (0..5)
+        .map(|i| maglev_svc(vip(&format!("10.96.1.{i}"), 80), &[A, B, C]))
+        .collect();
+    let r = w.sync(desired.clone());
+    assert!(r.errors.is_empty());
+    assert_eq!(w.store().inner.state.maglev.len(), 15);
+    assert_eq!(w.expected_dump(), w.store().inner.state);
+    // Remove all: slot 0 first (checked after every op by the store), tables after.
+    let r = w.sync(Vec::new());
+    assert!(r.errors.is_empty());
+    assert!(w.store().inner.state.maglev.is_empty());
 }

@@ -567,3 +567,104 @@ fn after_a_restart_an_invalid_object_keeps_what_the_pinned_maps_hold() {
         maps(&s)
     );
 }
+
+fn nodeport_svc(name: &str, ip: &str, node_port: u16, algorithm: Option<&str>) -> Object {
+    let mut meta = json!({"namespace": "default", "name": name});
+    if let Some(a) = algorithm {
+        meta["annotations"] = json!({ crate::cluster::lb_algorithm::ANNOTATION: a });
+    }
+    decode(
+        Kind::Service,
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": meta,
+               "spec": {"type": "NodePort", "clusterIP": ip,
+                        "ports": [{"name": "http", "port": 80, "nodePort": node_port}]}}),
+    )
+    .expect("service")
+}
+
+/// `(frontend, flags)` of every frontend in the maps.
+fn frontend_flags(s: &Syncer<MemStore>) -> Vec<(String, u16)> {
+    s.writer()
+        .store()
+        .state
+        .frontends
+        .iter()
+        .map(|(fe, v)| (fe.to_string(), v.flags))
+        .collect()
+}
+
+#[test]
+fn the_lb_algorithm_annotation_overrides_the_default_for_external_frontends_only() {
+    use proxy_common::svc_flags::{MAGLEV, NODE_PORT};
+    let t = Instant::now();
+    let run = |default: LbAlgorithm| {
+        let (s, metrics) = syncer(MemStore::default());
+        let mut s = s.with_lb_algorithm(default);
+        s.handle(
+            snapshot(
+                Kind::Service,
+                vec![
+                    nodeport_svc("plain", "10.96.0.10", 30010, None),
+                    nodeport_svc("mag", "10.96.0.11", 30011, Some("maglev")),
+                    nodeport_svc("rnd", "10.96.0.12", 30012, Some("random")),
+                    nodeport_svc("typo", "10.96.0.13", 30013, Some("magelv")),
+                ],
+            ),
+            t,
+        );
+        s.handle(
+            snapshot(
+                Kind::EndpointSlice,
+                vec![
+                    slice("plain-1", "plain", &["10.0.0.1"]),
+                    slice("mag-1", "mag", &["10.0.0.2", "10.0.0.3"]),
+                    slice("rnd-1", "rnd", &["10.0.0.4"]),
+                    slice("typo-1", "typo", &["10.0.0.5"]),
+                ],
+            ),
+            t,
+        );
+        s.handle(snapshot(Kind::Node, vec![]), t);
+        assert!(s.sync(t).ran);
+        (frontend_flags(&s), metrics, s)
+    };
+    let (flags, metrics, s) = run(LbAlgorithm::Random);
+    let want = [
+        ("0.0.0.0:30010/tcp", NODE_PORT),
+        ("0.0.0.0:30011/tcp", NODE_PORT | MAGLEV),
+        ("0.0.0.0:30012/tcp", NODE_PORT),
+        // The unknown value: programmed with the default, counted.
+        ("0.0.0.0:30013/tcp", NODE_PORT),
+        // ClusterIPs (east-west at the socket hooks) never get Maglev.
+        ("10.96.0.10:80/tcp", 0),
+        ("10.96.0.11:80/tcp", 0),
+        ("10.96.0.12:80/tcp", 0),
+        ("10.96.0.13:80/tcp", 0),
+    ];
+    let want: Vec<(String, u16)> = want.iter().map(|(a, f)| (a.to_string(), *f)).collect();
+    assert_eq!(flags, want);
+    let text = metrics.render();
+    assert!(
+        text.contains(
+            "ebpf_proxy_objects_skipped_total{kind=\"Service\",reason=\"lb_algorithm_unknown\"} 1"
+        ),
+        "{text}"
+    );
+    // Only the Maglev frontend has a table: 9 chunks at the default size.
+    let d = &s.writer().store().state;
+    let sids: std::collections::BTreeSet<u32> = d.maglev.keys().map(|(id, _)| *id).collect();
+    assert_eq!(sids.len(), 1);
+    assert_eq!(d.maglev.len(), 9);
+
+    // Default maglev: every external frontend but the one annotated random.
+    let (flags, _, _) = run(LbAlgorithm::Maglev);
+    let maglev: Vec<&str> = flags
+        .iter()
+        .filter(|(_, f)| f & MAGLEV != 0)
+        .map(|(a, _)| a.as_str())
+        .collect();
+    assert_eq!(
+        maglev,
+        ["0.0.0.0:30010/tcp", "0.0.0.0:30011/tcp", "0.0.0.0:30013/tcp"]
+    );
+}
