@@ -152,6 +152,10 @@ pub static SRC_RANGE6: LpmTrie<SrcRange6, u8> = LpmTrie::pinned(MAX_SRC_RANGES, 
 #[map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(MAX_AFFINITY, 0);
 
+/// `[fwd_mode]`: SNAT or DSR for external traffic to a backend on another node.
+#[map]
+pub static FWD_MODE: Array<u32> = Array::pinned(1, 0);
+
 /// TC per-CPU scratch, IPv4: the parsed packet and a new flow's choice, kept off the
 /// stack (the verifier counts 512 bytes over the whole call chain).
 #[map]

@@ -33,6 +33,7 @@
 //! packet dropped, never passed on silently.
 
 mod ct;
+mod dsr;
 mod family;
 mod icmp;
 mod nat;
@@ -183,6 +184,10 @@ fn flow<F: PktFamily>(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason>
     let p = &*p;
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
+    // On the backend's node: a DSR packet from the first node (`dsr`).
+    if let Some(r) = ingress.then(|| dsr::decap::<F>(ctx, p, now)).transpose()?.flatten() {
+        return Ok(Verdict::new(TC_ACT_OK as i32, r));
+    }
     let step = match reply_path::<F>(ctx, p, ingress, now)? {
         Some(s) => s,
         None if !ingress => Step::pass(),
@@ -235,6 +240,7 @@ fn reply_path<F: PktFamily>(
     };
     // SAFETY: copied out.
     let (dnat, snat) = F::ct_nat(unsafe { &*v });
+    let reason = dsr::reply_reason::<F>(v);
     if !ct::touch::<F>(v, p.proto, p.tcp_flags, true, now) {
         return Ok(None);
     }
@@ -248,9 +254,9 @@ fn reply_path<F: PktFamily>(
     rewrite::<F, _>(ctx, p, &(dnat, snat))?;
     // At ingress the new source may be one of the node's addresses: forward it directly.
     if ingress && (!F::is_zero(&dnat.0) || is_node_addr::<F>(snat.0)) {
-        return Ok(Some(Step::redirect(snat.0, client.0, Reason::TcReply)));
+        return Ok(Some(Step::redirect(snat.0, client.0, reason)));
     }
-    Ok(Some(Step::verdict(TC_ACT_OK, Reason::TcReply)))
+    Ok(Some(Step::verdict(TC_ACT_OK, reason)))
 }
 
 /// 2. A packet of a known flow follows its entry (same backend for the flow's life).
@@ -277,6 +283,9 @@ fn known_path<F: PktFamily>(
         return Ok(None);
     }
     rewrite::<F, _>(ctx, p, &(dnat, snat))?;
+    if dsr::is_dsr::<F>(v) {
+        return dsr::again::<F>(ctx, p, dnat.0).map(Some);
+    }
     if F::is_zero(&snat.0) {
         return Ok(Some(Step::verdict(TC_ACT_OK, Reason::TcFlow)));
     }
@@ -333,7 +342,10 @@ fn pick<F: PktFamily>(
     // SNAT when the backend is on another node, unless the client address must be kept.
     let mut snat = (F::zero(), 0u16);
     let mut flags = 0;
-    if bflags & backend_flags::LOCAL == 0 && slot_scope == scope::ALL {
+    let remote = bflags & backend_flags::LOCAL == 0 && slot_scope == scope::ALL;
+    if remote && dsr::wanted::<F>(ctx, p, baddr) {
+        flags = ct_flags::DSR;
+    } else if remote {
         let addr = F::snat_addr();
         if F::is_zero(&addr) {
             return Some(Step::verdict(TC_ACT_SHOT, Reason::TcSnatFailed));
@@ -403,6 +415,9 @@ fn commit_flow<F: PktFamily>(
     ct::put_flow::<F>(p, c, now)?;
     count_backend(c.backend_id);
     rewrite::<F, _>(ctx, p, &(c.backend, c.snat))?;
+    if c.flags & ct_flags::DSR != 0 {
+        return dsr::first::<F>(ctx, p);
+    }
     if c.flags & ct_flags::SNAT != 0 {
         return Ok(Step::redirect(c.snat.0, c.backend.0, Reason::TcNewFlow));
     }

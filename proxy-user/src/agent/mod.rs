@@ -57,6 +57,9 @@ pub struct AgentOptions {
     pub external_ip_cidrs: Option<Vec<(std::net::IpAddr, u8)>>,
     /// How the TC programs are attached (`auto`: TCX on kernels >= 6.6, clsact otherwise).
     pub tc_attach: loader::TcAttachMode,
+    /// `--forwarding-mode`: SNAT or DSR for external traffic to a backend on another
+    /// node (written to `FWD_MODE`).
+    pub forwarding_mode: crate::ForwardingMode,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -93,6 +96,12 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     if !interfaces.is_empty() {
         info!(?interfaces, addresses = ?node_addrs, "TC datapath on the node's interfaces");
     }
+    crate::fwd::set(&opts.pin_path, opts.forwarding_mode)
+        .context("writing the forwarding mode (FWD_MODE)")?;
+    info!(
+        mode = opts.forwarding_mode.name(),
+        "forwarding mode for external traffic to backends on other nodes"
+    );
     let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     // Metrics and health first: reading a large pinned state back takes seconds, and
     // /livez must answer meanwhile (/healthz says 503 until the first sync).

@@ -6,7 +6,7 @@ use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use proxy_user::{
     agent::{self, AgentOptions},
-    cleanup, loader, TcAttachMode, DEFAULT_PIN_PATH,
+    cleanup, loader, ForwardingMode, TcAttachMode, DEFAULT_PIN_PATH,
 };
 
 #[derive(Parser)]
@@ -120,6 +120,15 @@ struct RunArgs {
     /// whatever mode attached them.
     #[arg(long, env = "PROXY_TC_ATTACH", value_enum, default_value_t = TcAttachMode::Auto)]
     tc_attach: TcAttachMode,
+    /// How the TC path forwards external traffic (NodePort, externalIPs, LoadBalancer
+    /// IPs; externalTrafficPolicy Cluster) to a backend on another node: `snat` (source
+    /// NAT to this node, replies come back through it), `dsr` (direct server return for
+    /// TCP and UDP: the backend's node learns the client and the frontend from an IPv4
+    /// option and replies straight to the client; IPv6 stays SNAT) or `hybrid` (DSR for
+    /// TCP, SNAT for UDP). Every node must run the same mode: a node in `snat` mode
+    /// ignores the option.
+    #[arg(long, env = "PROXY_FORWARDING_MODE", value_enum, default_value_t = ForwardingMode::Snat)]
+    forwarding_mode: ForwardingMode,
     /// Program `spec.externalIPs` only inside these prefixes (comma-separated CIDRs, or
     /// `none` for no externalIPs at all); others are logged, counted and left out.
     /// Default: every externalIP, as kube-proxy does. Anyone who can create a Service
@@ -220,6 +229,7 @@ fn main() -> Result<()> {
                 conntrack_flows: args.conntrack_max,
                 external_ip_cidrs: args.external_ip_cidrs.map(|c| c.0),
                 tc_attach: args.tc_attach,
+                forwarding_mode: args.forwarding_mode,
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

@@ -54,6 +54,20 @@ pub fn meaning(r: Reason) -> &'static str {
         }
         Reason::TcCtWriteFailed => "TC: a new flow's conntrack entries not written: dropped",
         Reason::TcRewriteFailed => "TC: a packet rewrite refused half-way: dropped",
+        Reason::TcDsrEncap => {
+            "TC DSR, first node: sent to a remote backend with the frontend in the DSR \
+             option (client address kept, no SNAT)"
+        }
+        Reason::TcDsrDecap => {
+            "TC DSR, backend's node: DSR option read (reply entry recorded) and removed"
+        }
+        Reason::TcDsrReply => {
+            "TC DSR, backend's node: reply sent straight to the client from the frontend"
+        }
+        Reason::TcDsrTooBig => {
+            "TC DSR: the option would exceed the route's MTU: new flow SNATed, later \
+             datagram sent without it"
+        }
     }
 }
 
