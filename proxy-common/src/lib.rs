@@ -66,9 +66,12 @@ pub mod map_names {
     pub const XDP_STATS: &str = "XDP_STATS";
     /// Maglev lookup tables: `{service id, chunk}` -> a chunk of backend slots.
     pub const MAGLEV: &str = "MAGLEV";
+    /// `[forwarding mode]` (`fwd_mode`): SNAT or DSR for external traffic to a backend on
+    /// another node, written by the agent (`--forwarding-mode`).
+    pub const FWD_MODE: &str = "FWD_MODE";
 
     /// Every pinned map.
-    pub const ALL: [&str; 21] = [
+    pub const ALL: [&str; 22] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -90,6 +93,7 @@ pub mod map_names {
         AFFINITY,
         XDP_STATS,
         MAGLEV,
+        FWD_MODE,
     ];
 }
 
@@ -164,6 +168,31 @@ pub mod ct_flags {
     pub const CLOSING: u32 = 1 << 1;
     /// A packet of the reply direction was seen (TCP: the handshake completed).
     pub const SEEN_REPLY: u32 = 1 << 2;
+    /// Direct server return: on the first node, a flow sent to a backend on another node
+    /// with the DSR option instead of SNAT; on the backend's node, the reply entry
+    /// learnt from that option (the reply leaves with the frontend as source).
+    pub const DSR: u32 = 1 << 3;
+}
+
+/// `FWD_MODE[0]`: how the TC path forwards external traffic (eTP=Cluster) to a backend
+/// on another node (`--forwarding-mode`).
+pub mod fwd_mode {
+    /// Source NAT to the node's address: replies come back through this node.
+    pub const SNAT: u32 = 0;
+    /// Direct server return for TCP and UDP: the backend's node learns the client and the
+    /// frontend from an IPv4 option and replies straight to the client.
+    pub const DSR: u32 = 1;
+    /// DSR for TCP, SNAT for UDP (as Cilium's `hybrid`).
+    pub const HYBRID: u32 = 2;
+}
+
+/// The DSR IPv4 option (after Cilium's `dsr_opt_v4`): 8 bytes right after the 20-byte
+/// IPv4 header, `[type, length, frontend port (2), frontend address (4)]`, network order.
+pub mod dsr_opt {
+    /// Option type: the copied bit (so fragments keep it) | number 26, Cilium's value.
+    pub const TYPE4: u8 = 0x9a;
+    /// Option length in bytes (the IPv4 header grows from 20 to 28: IHL 7).
+    pub const LEN4: u8 = 8;
 }
 
 /// IP protocol numbers as they appear in `bpf_sock_addr.protocol` and in IP headers.
@@ -312,11 +341,26 @@ pub enum Reason {
     /// forward by (no neighbour entry yet, no route, local delivery). Counted in
     /// `XDP_STATS` only.
     XdpToStack = 24,
+    /// TC, DSR (`--forwarding-mode dsr|hybrid`), first node: a packet sent to a backend
+    /// on another node with the DSR option carrying the frontend (client address kept,
+    /// no SNAT): a new flow's first packet, every TCP SYN, every UDP datagram.
+    TcDsrEncap = 25,
+    /// TC, DSR, backend's node: a packet with the DSR option: the reply entry recorded
+    /// (backend -> client: source := the frontend), the option removed, delivered.
+    TcDsrDecap = 26,
+    /// TC, DSR, backend's node: a backend's reply sent straight to the client with the
+    /// frontend as source.
+    TcDsrReply = 27,
+    /// TC, DSR, first node: the option would make the packet exceed the route's MTU: a
+    /// new flow is SNATed instead, a later datagram of a DSR flow goes without the
+    /// option (the backend's node already knows the flow). Counted in addition to the
+    /// packet's outcome.
+    TcDsrTooBig = 28,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 25;
+    pub const COUNT: u32 = 29;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -344,6 +388,10 @@ impl Reason {
         Reason::TcCtWriteFailed,
         Reason::TcRewriteFailed,
         Reason::XdpToStack,
+        Reason::TcDsrEncap,
+        Reason::TcDsrDecap,
+        Reason::TcDsrReply,
+        Reason::TcDsrTooBig,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -374,6 +422,10 @@ impl Reason {
             Reason::TcCtWriteFailed => "tc_ct_write_failed",
             Reason::TcRewriteFailed => "tc_rewrite_failed",
             Reason::XdpToStack => "xdp_to_stack",
+            Reason::TcDsrEncap => "tc_dsr_encap",
+            Reason::TcDsrDecap => "tc_dsr_decap",
+            Reason::TcDsrReply => "tc_dsr_reply",
+            Reason::TcDsrTooBig => "tc_dsr_too_big",
         }
     }
 }

@@ -13,9 +13,9 @@ use aya_ebpf::{
     maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
 };
 use proxy_common::{
-    limits::*, AffinityKey, AffinityValue, Backend4, MaglevChunk, MaglevKey, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
-    NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat6, SrcRange4, SrcRange6, Svc4Key,
-    Svc6Key, SvcValue,
+    limits::*, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
+    MaglevChunk, MaglevKey, NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat6,
+    SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
 };
 
 use crate::{
@@ -165,6 +165,10 @@ pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned
 #[map]
 pub static MAGLEV: HashMap<MaglevKey, MaglevChunk> =
     HashMap::pinned(MAX_MAGLEV_CHUNKS, BPF_F_NO_PREALLOC);
+
+/// `[fwd_mode]`: SNAT or DSR for external traffic to a backend on another node.
+#[map]
+pub static FWD_MODE: Array<u32> = Array::pinned(1, 0);
 
 /// TC per-CPU scratch, IPv4: the parsed packet and a new flow's choice, kept off the
 /// stack (the verifier counts 512 bytes over the whole call chain).

@@ -265,6 +265,12 @@ impl PktHook for XdpContext {
     fn reject<F: PktFamily>(&self, _p: &crate::tc::state::Pkt<F::Addr>) -> Option<i32> {
         None
     }
+
+    /// DSR's option changes the packet's length: TC adds and removes it.
+    #[inline(always)]
+    fn tc(&self) -> Option<&aya_ebpf::programs::TcContext> {
+        None
+    }
 }
 
 /// FIB lookup for a packet from `src` to `dst` arriving on this interface; on success

@@ -11,6 +11,7 @@ pub mod cluster;
 pub mod codec;
 pub mod ctl;
 pub mod fs;
+pub mod fwd;
 pub mod loader;
 pub mod maglev;
 pub mod migrate;
@@ -22,6 +23,7 @@ pub mod store;
 pub mod writer;
 
 pub use bpf::BpfMaps;
+pub use fwd::ForwardingMode;
 pub use loader::{install, uninstall, InstallOptions, TcAttachMode};
 pub use model::{Backend, Frontend, Proto, ServiceEntry};
 pub use pins::{PinDir, DEFAULT_PIN_PATH};

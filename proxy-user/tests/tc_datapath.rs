@@ -735,3 +735,185 @@ fn many_udp_flows_to_one_remote_backend_are_all_snatted_and_answered() {
         agent.logs()
     );
 }
+
+/// One datagram of `size` bytes from the client's port `port` (a flow of its own), the
+/// answer as [`ask_udp`] reads it (and checked to come from `addr`).
+fn ask_udp_from(addr: SocketAddr, port: u16, size: usize) -> std::io::Result<(String, String)> {
+    let sock = UdpSocket::bind(("10.100.0.1", port))?;
+    sock.set_read_timeout(Some(Duration::from_millis(700)))?;
+    sock.send_to(&vec![b'x'; size], addr)?;
+    let mut buf = [0u8; 256];
+    let (n, from) = sock.recv_from(&mut buf)?;
+    assert_eq!(from, addr, "the reply comes from the address the client used");
+    let text = String::from_utf8_lossy(&buf[..n]).to_string();
+    let mut parts = text.split_whitespace();
+    Ok((
+        parts.next().unwrap_or_default().to_string(),
+        parts.next().unwrap_or_default().to_string(),
+    ))
+}
+
+/// Packets received by interface `iface` of `ns` (`ip -s -j link`).
+fn rx_packets(ns: &Netns, iface: &str) -> u64 {
+    let out = std::process::Command::new("ip")
+        .args(["-n", &ns.name, "-s", "-j", "link", "show", "dev", iface])
+        .output()
+        .expect("run ip");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("ip -j");
+    v[0]["stats64"]["rx"]["packets"]
+        .as_u64()
+        .expect("rx packets")
+}
+
+/// The datapath's outcome counters of the agent whose pins are at `pins`.
+fn counters(pins: &Path) -> BTreeMap<&'static str, u64> {
+    proxy_user::BpfMaps::open(pins)
+        .expect("maps")
+        .stats()
+        .expect("stats")
+        .into_iter()
+        .map(|(r, v)| (r.name(), v))
+        .collect()
+}
+
+/// Issue 15 item 3: `--forwarding-mode dsr` on both nodes, a NodePort whose only endpoint
+/// is on node 2, and a direct route from node 2 to the client (ext <-> node-b,
+/// 10.100.2.0/24; node 2 no longer routes the client through node 1, only node 1's own
+/// address). TCP and UDP from the
+/// client work; the pod sees the client's address (no SNAT); the client sees replies from
+/// the NodePort it used; node 1 forwarded every request with the DSR option and saw no
+/// reply (no reply counted, no reply-direction conntrack entry used, its link to node 2
+/// received next to no packets while dozens of replies reached the client); node 2 read
+/// the option and sent the replies. A datagram too large for the option is SNATed
+/// (`tc_dsr_too_big`). Then node 1 restarted in `hybrid` (TCP DSR, UDP SNAT) and in
+/// `snat` (the pod sees node 1 again).
+#[test]
+fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::new();
+    let node_b = &c._node_b;
+    for ns in [&c.ext, node_b] {
+        sysctl(ns, "net.ipv4.conf.all.rp_filter=0");
+        sysctl(ns, "net.ipv4.conf.default.rp_filter=0");
+    }
+    link(&c.ext, "eth1", &["10.100.2.1/24"], node_b, "ext0", &["10.100.2.2/24"]);
+    // The client itself through the direct link; node 1's address (the SNAT source of
+    // SNATed flows) still through node 1.
+    node_b.ip(&["route", "add", "10.100.0.1/32", "via", "10.100.2.1"]);
+    let dir = manifests_dir();
+    write(&dir, "web.yaml", &service("web", "10.96.0.10", "Cluster", "", &[3]));
+    let dir_s = dir.to_str().expect("utf-8");
+    let start_a = |mode: &str| {
+        let mut a = AgentProcess::start_in(
+            &env,
+            Some(&c.node_a),
+            &["--manifests", dir_s, "--interfaces", "ext0,nb0", "--forwarding-mode", mode],
+        );
+        a.wait_healthy(Duration::from_secs(20));
+        a
+    };
+    let cgroup_b = support::TestCgroup::empty();
+    let pins_b = support::PinDir::new();
+    let mut agent_b = AgentProcess::start_as(
+        &pins_b.path,
+        &cgroup_b.path,
+        Some(node_b),
+        "node-b",
+        &["--manifests", dir_s, "--interfaces", "na0,ext0", "--forwarding-mode", "dsr"],
+    );
+    agent_b.wait_healthy(Duration::from_secs(20));
+    let agent_a = start_a("dsr");
+    assert!(agent_a.logs().contains("mode=\"dsr\"") || agent_a.logs().contains("mode=dsr"), "{}", agent_a.logs());
+
+    let tcp = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
+    let udp = SocketAddr::from(([10, 100, 0, 2], NODEPORT + 1));
+    wait_for("the NodePort answers", Duration::from_secs(5), || {
+        let _g = c.ext.enter();
+        ask_tcp(tcp).is_ok()
+    });
+    let a0 = counters(&env.pins.path);
+    let b0 = counters(&pins_b.path);
+    let rx0 = rx_packets(&c.node_a, "nb0");
+    let n = 40;
+    // TCP: the pod sees the client; the connection works only if the replies come
+    // from the NodePort the client used.
+    expect_pods(&spread(&c.ext, n, || ask_tcp(tcp)), &[("pod3", "10.100.0.1")]);
+    // UDP, each datagram from a port of its own (ask_udp_from checks the source).
+    let port = std::cell::Cell::new(20_000u16);
+    expect_pods(
+        &spread(&c.ext, n, || {
+            port.set(port.get() + 1);
+            ask_udp_from(udp, port.get(), 2)
+        }),
+        &[("pod3", "10.100.0.1")],
+    );
+    let rx = rx_packets(&c.node_a, "nb0") - rx0;
+    let a = counters(&env.pins.path);
+    let b = counters(&pins_b.path);
+    let d = |m: &BTreeMap<&str, u64>, m0: &BTreeMap<&str, u64>, k: &str| m[k] - m0[k];
+    eprintln!(
+        "node 1: tc_dsr_encap +{} tc_flow +{} tc_reply +{} tc_dsr_reply +{}, nb0 received {rx} \
+         packets; node 2: tc_dsr_decap +{} tc_dsr_reply +{}",
+        d(&a, &a0, "tc_dsr_encap"),
+        d(&a, &a0, "tc_flow"),
+        d(&a, &a0, "tc_reply"),
+        d(&a, &a0, "tc_dsr_reply"),
+        d(&b, &b0, "tc_dsr_decap"),
+        d(&b, &b0, "tc_dsr_reply"),
+    );
+    let n = n as u64;
+    // Node 1: every TCP SYN and every datagram carried the option; no reply came back.
+    assert!(d(&a, &a0, "tc_dsr_encap") >= 2 * n, "{a:?}");
+    assert_eq!(d(&a, &a0, "tc_reply"), 0, "node 1 saw a reply: {a:?}");
+    assert_eq!(d(&a, &a0, "tc_dsr_reply"), 0, "{a:?}");
+    assert_eq!(d(&a, &a0, "tc_new_flow"), 0, "no flow was SNATed: {a:?}");
+    // Each TCP exchange has >= 3 reply packets (SYN-ACK, data, FIN) and each datagram
+    // one: over 160 replies reached the client, none through node 1's link to node 2
+    // (a few neighbour-discovery packets at most).
+    assert!(rx < 20, "node 1's link to node 2 received {rx} packets");
+    let ct: Vec<(proxy_common::Ct4Key, proxy_common::Ct4Value)> =
+        proxy_user::PinDir::new(&env.pins.path)
+            .hash(proxy_common::map_names::CT4, proxy_user::pins::Access::ReadOnly)
+            .expect("CT4")
+            .read_all()
+            .expect("read CT4");
+    let replies: Vec<_> = ct.iter().filter(|(k, _)| k.dir == 1).collect();
+    assert!(replies.len() as u64 >= 2 * n, "{}", replies.len());
+    assert!(
+        replies.iter().all(|(_, v)| v.packets == 0),
+        "a reply-direction entry on node 1 counted packets"
+    );
+    // Node 2: read the option of each, sent each reply with the frontend as source.
+    assert!(d(&b, &b0, "tc_dsr_decap") >= 2 * n, "{b:?}");
+    assert!(d(&b, &b0, "tc_dsr_reply") >= 4 * n, "{b:?}");
+
+    // A datagram that the option would push over the link's MTU (1500): SNATed.
+    let too_big0 = a["tc_dsr_too_big"];
+    let got = {
+        let _g = c.ext.enter();
+        ask_udp_from(udp, 20_900, 1472).expect("a full-size datagram is answered")
+    };
+    assert_eq!(got, ("pod3".to_string(), "10.100.0.2".to_string()));
+    assert_eq!(counters(&env.pins.path)["tc_dsr_too_big"], too_big0 + 1);
+
+    // hybrid: TCP by DSR, UDP by SNAT.
+    drop(agent_a);
+    let agent_a = start_a("hybrid");
+    expect_pods(&spread(&c.ext, 10, || ask_tcp(tcp)), &[("pod3", "10.100.0.1")]);
+    let port = std::cell::Cell::new(21_000u16);
+    expect_pods(
+        &spread(&c.ext, 10, || {
+            port.set(port.get() + 1);
+            ask_udp_from(udp, port.get(), 2)
+        }),
+        &[("pod3", "10.100.0.2")],
+    );
+    // snat: as before DSR existed.
+    drop(agent_a);
+    let agent_a = start_a("snat");
+    expect_pods(&spread(&c.ext, 10, || ask_tcp(tcp)), &[("pod3", "10.100.0.2")]);
+    drop(agent_a);
+    drop(agent_b);
+    let _ = fs::remove_dir_all(&dir);
+}

@@ -755,3 +755,207 @@ fn a_rewrite_the_kernel_refuses_is_counted_and_dropped() {
     );
     assert_eq!((verdict, out.dst), (TC_ACT_OK, sa("10.1.1.2:8080")));
 }
+
+/// The DSR option of an IPv4 frame (IHL 7, `[0x9a, 8, port, addr]` after the 20-byte
+/// header), checking the 28-byte header's checksum and total length; returns the
+/// frontend it names and the frame without it (IHL 5, length and checksum fixed), which
+/// [`Pkt::parse`] then checks (the L4 checksum must be untouched by the option).
+fn split_dsr_option(frame: &[u8]) -> (SocketAddr, Vec<u8>) {
+    assert_eq!(frame[12..14], [0x08, 0x00], "IPv4");
+    assert_eq!(frame[14], 0x47, "IHL 7: a 20-byte header and the 8-byte option");
+    let ip = &frame[14..42];
+    assert_eq!(
+        support::tc::fold(support::tc::sum16(ip)),
+        0,
+        "IPv4 header checksum over the option"
+    );
+    let tot = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+    assert_eq!(tot, frame.len() - 14, "total length counts the option");
+    assert_eq!(ip[20..22], [0x9a, 8], "option type and length");
+    let port = u16::from_be_bytes([ip[22], ip[23]]);
+    let addr = Ipv4Addr::new(ip[24], ip[25], ip[26], ip[27]);
+    let mut plain = frame[..34].to_vec();
+    plain.extend(&frame[42..]);
+    plain[14] = 0x45;
+    plain[16..18].copy_from_slice(&((tot - 8) as u16).to_be_bytes());
+    plain[24..26].copy_from_slice(&[0, 0]);
+    let c = support::tc::fold(support::tc::sum16(&plain[14..34]));
+    plain[24..26].copy_from_slice(&c.to_be_bytes());
+    (SocketAddr::new(addr.into(), port), plain)
+}
+
+impl Bed {
+    fn forwarding_mode(&self, mode: proxy_user::ForwardingMode) {
+        proxy_user::fwd::set(&self.pins.path, mode).expect("FWD_MODE");
+        assert_eq!(proxy_user::fwd::get(&self.pins.path).expect("read"), Some(mode));
+    }
+}
+
+/// Issue 15 item 3, the packets: on the first node (`--forwarding-mode dsr`) a new flow to
+/// a backend on another node is DNATed only (the client stays the source, no SNAT) and its
+/// SYN carries the frontend in the DSR option; later packets go without it, UDP datagrams
+/// each with it. On the backend's node the option is read into a reply entry and removed;
+/// the backend's reply then leaves with the frontend as source. A node in SNAT mode
+/// ignores the option; IPv6 stays SNAT.
+#[test]
+fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
+    use proxy_common::Reason;
+    use proxy_user::ForwardingMode;
+    let mut first = Bed::new();
+    first.forwarding_mode(ForwardingMode::Dsr);
+    let np = Frontend::new(Ipv4Addr::UNSPECIFIED, 30080, Proto::Tcp);
+    let np_udp = Frontend::new(Ipv4Addr::UNSPECIFIED, 30081, Proto::Udp);
+    let np6 = Frontend::new(
+        "::".parse::<IpAddr>().expect("ip"),
+        30080,
+        Proto::Tcp,
+    );
+    for (fe, be) in [
+        (np, "10.2.1.2:8080"),
+        (np_udp, "10.2.1.2:8080"),
+        (np6, "[2001:db8:2::2]:8080"),
+    ] {
+        first
+            .writer
+            .upsert(&entry(fe, &[(be, 0)], svc_flags::NODE_PORT))
+            .expect("upsert");
+    }
+
+    // The SYN: DNAT, no SNAT, the option names the NodePort the client used.
+    let syn = Pkt::tcp("198.51.100.7:40000", "192.0.2.1:30080", SYN);
+    let (verdict, out) = first.run_raw("tc_ingress", &syn.build());
+    assert_eq!(verdict, TC_ACT_OK, "handed to the stack, routed to the backend's node");
+    let (front, plain) = split_dsr_option(&out);
+    assert_eq!(front, sa("192.0.2.1:30080"));
+    assert_eq!(
+        Pkt::parse(&plain),
+        Pkt {
+            dst: sa("10.2.1.2:8080"),
+            ..syn.clone()
+        }
+    );
+    assert_eq!(first.counter(Reason::TcDsrEncap), 1);
+    assert_eq!(first.counter(Reason::TcNewFlow), 0);
+    assert_eq!(first.counter(Reason::TcSnatFailed), 0);
+    // A retransmitted SYN carries it again; the ACK after the handshake does not.
+    let (_, again) = first.run_raw("tc_ingress", &syn.build());
+    assert_eq!(split_dsr_option(&again).0, sa("192.0.2.1:30080"));
+    let ack = Pkt {
+        flags: ACK,
+        ..syn.clone()
+    };
+    let (verdict, out) = first.run("tc_ingress", &ack);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        out,
+        Pkt {
+            dst: sa("10.2.1.2:8080"),
+            ..ack
+        }
+    );
+    assert_eq!(first.counter(Reason::TcDsrEncap), 2, "both SYNs");
+    assert_eq!(first.counter(Reason::TcFlow), 1, "the ACK");
+
+    // UDP: every datagram carries the option.
+    let q = Pkt::udp("198.51.100.7:5000", "192.0.2.1:30081");
+    for n in 1..=2 {
+        let (verdict, out) = first.run_raw("tc_ingress", &q.build());
+        assert_eq!(verdict, TC_ACT_OK);
+        let (front, plain) = split_dsr_option(&out);
+        assert_eq!(front, sa("192.0.2.1:30081"));
+        assert_eq!(
+            Pkt::parse(&plain),
+            Pkt {
+                dst: sa("10.2.1.2:8080"),
+                ..q.clone()
+            },
+            "datagram {n}"
+        );
+    }
+    assert_eq!(first.counter(Reason::TcDsrEncap), 4);
+
+    // IPv6 stays SNAT (no destination option yet).
+    let syn6 = Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:1::1]:30080", SYN);
+    let (_, out) = first.run("tc_ingress", &syn6);
+    assert_eq!(out.dst, sa("[2001:db8:2::2]:8080"));
+    assert_eq!(out.src.ip(), "2001:db8:1::1".parse::<IpAddr>().expect("ip"));
+
+    // The backend's node, in DSR mode: the option is read and removed.
+    let backend_node = Bed::new();
+    backend_node.forwarding_mode(ForwardingMode::Dsr);
+    let (_, encapsulated) = first.run_raw("tc_ingress", &syn.build());
+    let (verdict, out) = backend_node.run_raw("tc_ingress", &encapsulated);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        Pkt::parse(&out),
+        Pkt {
+            dst: sa("10.2.1.2:8080"),
+            ..syn.clone()
+        },
+        "delivered without the option, the client as source"
+    );
+    assert_eq!(backend_node.counter(Reason::TcDsrDecap), 1);
+    // The backend's reply leaves with the frontend as source, to the client.
+    let reply = Pkt::tcp("10.2.1.2:8080", "198.51.100.7:40000", SYN | ACK);
+    let (verdict, out) = backend_node.run("tc_egress", &reply);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        out,
+        Pkt {
+            src: sa("192.0.2.1:30080"),
+            ..reply.clone()
+        }
+    );
+    assert_eq!(backend_node.counter(Reason::TcDsrReply), 1);
+    assert_eq!(backend_node.counter(Reason::TcReply), 0);
+    // UDP too.
+    let (_, encapsulated) = first.run_raw("tc_ingress", &q.build());
+    let (_, out) = backend_node.run_raw("tc_ingress", &encapsulated);
+    assert_eq!(Pkt::parse(&out).dst, sa("10.2.1.2:8080"));
+    let answer = Pkt::udp("10.2.1.2:8080", "198.51.100.7:5000");
+    let (_, out) = backend_node.run("tc_egress", &answer);
+    assert_eq!(out.src, sa("192.0.2.1:30081"));
+    assert_eq!(backend_node.counter(Reason::TcDsrDecap), 2);
+    assert_eq!(backend_node.counter(Reason::TcDsrReply), 2);
+
+    // A node in SNAT mode does not trust the option: the packet goes on as it came.
+    let snat_node = Bed::new();
+    let (verdict, out) = snat_node.run_raw("tc_ingress", &encapsulated);
+    assert_eq!((verdict, out), (TC_ACT_OK, encapsulated));
+    assert_eq!(snat_node.counter(Reason::TcDsrDecap), 0);
+}
+
+/// `--forwarding-mode hybrid`: DSR for TCP, SNAT for UDP; and `snat` (the default, an
+/// empty `FWD_MODE`) adds no option.
+#[test]
+fn hybrid_mode_is_dsr_for_tcp_and_snat_for_udp() {
+    use proxy_common::Reason;
+    use proxy_user::ForwardingMode;
+    let mut bed = Bed::new();
+    for (port, proto) in [(30080, Proto::Tcp), (30081, Proto::Udp)] {
+        let fe = Frontend::new(Ipv4Addr::UNSPECIFIED, port, proto);
+        bed.writer
+            .upsert(&entry(fe, &[("10.2.1.2:8080", 0)], svc_flags::NODE_PORT))
+            .expect("upsert");
+    }
+    let node: IpAddr = "192.0.2.1".parse().expect("ip");
+    // SNAT mode (nothing written yet): no option, source NAT.
+    let (_, out) = bed.run(
+        "tc_ingress",
+        &Pkt::tcp("198.51.100.7:40000", "192.0.2.1:30080", SYN),
+    );
+    assert_eq!(out.src.ip(), node);
+    bed.forwarding_mode(ForwardingMode::Hybrid);
+    let syn = Pkt::tcp("198.51.100.7:40001", "192.0.2.1:30080", SYN);
+    let (_, out) = bed.run_raw("tc_ingress", &syn.build());
+    let (front, plain) = split_dsr_option(&out);
+    assert_eq!(front, sa("192.0.2.1:30080"));
+    assert_eq!(Pkt::parse(&plain).src, syn.src, "TCP: DSR, the client kept");
+    let (_, out) = bed.run(
+        "tc_ingress",
+        &Pkt::udp("198.51.100.7:5001", "192.0.2.1:30081"),
+    );
+    assert_eq!(out.src.ip(), node, "UDP: SNAT");
+    assert_eq!(out.dst, sa("10.2.1.2:8080"));
+    assert_eq!(bed.counter(Reason::TcDsrEncap), 1);
+}

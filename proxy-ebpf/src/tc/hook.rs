@@ -37,6 +37,9 @@ pub trait PktHook: PktAccess + EbpfContext {
     /// kube-proxy's REJECT for a frontend without endpoints: the verdict, or `None` when
     /// this hook leaves the answer to the next one (XDP leaves it to TC).
     fn reject<F: PktFamily>(&self, p: &Pkt<F::Addr>) -> Option<i32>;
+    /// The TC context, for what only TC can do (DSR's IP option: the packet grows or
+    /// shrinks); `None` at XDP, which hands such packets on to TC.
+    fn tc(&self) -> Option<&TcContext>;
 }
 
 const TCP_SYN: u8 = 0x02;
@@ -61,13 +64,17 @@ impl PktHook for TcContext {
         fib_redirect::<F>(self, src, dst, proto)
     }
 
+    #[inline(always)]
+    fn tc(&self) -> Option<&TcContext> {
+        Some(self)
+    }
+
     /// TCP SYN: RST; UDP: ICMP port unreachable (rate-limited); other packets dropped.
     #[inline(always)]
     fn reject<F: PktFamily>(&self, p: &Pkt<F::Addr>) -> Option<i32> {
         use proxy_common::proto;
         Some(
-            if p.proto == proto::TCP && p.tcp_flags & TCP_SYN != 0 && p.tcp_flags & TCP_ACK == 0
-            {
+            if p.proto == proto::TCP && p.tcp_flags & TCP_SYN != 0 && p.tcp_flags & TCP_ACK == 0 {
                 unreach::tcp_rst::<F>(self, p)
             } else if p.proto == proto::UDP && unreach::allowed() {
                 unreach::udp::<F>(self)

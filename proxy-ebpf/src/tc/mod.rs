@@ -33,6 +33,7 @@
 //! packet dropped, never passed on silently.
 
 mod ct;
+mod dsr;
 mod family;
 pub(crate) mod hook;
 mod icmp;
@@ -205,6 +206,13 @@ pub(crate) fn flow<C: PktHook, F: PktFamily>(ctx: &C, ingress: bool) -> Result<V
     let p = &*p;
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
+    // On the backend's node: a DSR packet from the first node (`dsr`; TC only: XDP
+    // finds no flow or frontend for it and hands it on).
+    if let Some(tc) = ctx.tc().filter(|_| ingress) {
+        if let Some(r) = dsr::decap::<F>(tc, p, now)? {
+            return Ok(Verdict::new(C::PASS, r));
+        }
+    }
     let step = match reply_path::<C, F>(ctx, p, ingress, now)? {
         Some(s) => s,
         None if !ingress => Step::not_ours(),
@@ -261,6 +269,7 @@ fn reply_path<C: PktHook, F: PktFamily>(
     let (dnat, snat) = F::ct_nat(unsafe { &*v });
     // At ingress the new source may be one of the node's addresses: forward it directly.
     let redirect = ingress && (!F::is_zero(&dnat.0) || is_node_addr::<F>(snat.0));
+    let reason = dsr::reply_reason::<F>(v);
     let client = if F::is_zero(&dnat.0) {
         (p.daddr, p.dport)
     } else {
@@ -276,9 +285,9 @@ fn reply_path<C: PktHook, F: PktFamily>(
     ct::refresh_orig::<F>(p, &client, &snat, now);
     rewrite::<F, _>(ctx, p, &(dnat, snat))?;
     if redirect {
-        return Ok(Some(Step::redirect(snat.0, client.0, Reason::TcReply)));
+        return Ok(Some(Step::redirect(snat.0, client.0, reason)));
     }
-    Ok(Some(Step::pass(Reason::TcReply)))
+    Ok(Some(Step::pass(reason)))
 }
 
 /// 2. A packet of a known flow follows its entry (same backend for the flow's life).
@@ -301,6 +310,11 @@ fn known_path<C: PktHook, F: PktFamily>(
         C::count(Reason::TcStaleBackend);
         return Ok(None);
     }
+    // A DSR flow's packets may need the option (TC only): XDP hands them on untouched.
+    let dsr = dsr::is_dsr::<F>(v);
+    if dsr && ctx.tc().is_none() {
+        return Ok(Some(Step::to_next_hook()));
+    }
     let redirect = !F::is_zero(&snat.0);
     if redirect && !ctx.can_forward::<F>(snat.0, dnat.0, p.proto) {
         return Ok(Some(Step::to_next_hook()));
@@ -309,6 +323,9 @@ fn known_path<C: PktHook, F: PktFamily>(
         return Ok(None);
     }
     rewrite::<F, _>(ctx, p, &(dnat, snat))?;
+    if let Some(tc) = ctx.tc().filter(|_| dsr) {
+        return dsr::again::<F>(tc, p, dnat.0).map(Some);
+    }
     if !redirect {
         return Ok(Some(Step::pass(Reason::TcFlow)));
     }
@@ -365,7 +382,18 @@ fn pick<C: PktHook, F: PktFamily>(
     // SNAT when the backend is on another node, unless the client address must be kept.
     let mut snat = (F::zero(), 0u16);
     let mut flags = 0;
-    if bflags & backend_flags::LOCAL == 0 && slot_scope == scope::ALL {
+    let remote = bflags & backend_flags::LOCAL == 0 && slot_scope == scope::ALL;
+    // DSR instead of SNAT (`--forwarding-mode`): the option is added at TC; XDP hands
+    // such a new flow on before anything is written.
+    let dsr = remote
+        && match ctx.tc() {
+            Some(tc) => dsr::wanted::<F>(tc, p, baddr),
+            None if dsr::asked::<F>(p) => return Some(Step::to_next_hook()),
+            None => false,
+        };
+    if dsr {
+        flags = ct_flags::DSR;
+    } else if remote {
         let addr = F::snat_addr();
         if F::is_zero(&addr) {
             return Some(Step::drop(Reason::TcSnatFailed));
@@ -452,6 +480,9 @@ fn commit_flow<C: PktHook, F: PktFamily>(
     ct::put_flow::<F>(p, c, now)?;
     count_backend(c.backend_id);
     rewrite::<F, _>(ctx, p, &(c.backend, c.snat))?;
+    if let Some(tc) = ctx.tc().filter(|_| c.flags & ct_flags::DSR != 0) {
+        return dsr::first::<F>(tc, p);
+    }
     if c.flags & ct_flags::SNAT != 0 {
         return Ok(Step::redirect(c.snat.0, c.backend.0, Reason::TcNewFlow));
     }

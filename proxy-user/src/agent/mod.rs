@@ -61,6 +61,9 @@ pub struct AgentOptions {
     pub lb_algorithm: crate::cluster::lb_algorithm::LbAlgorithm,
     /// `--maglev-table-size` and `--maglev-seed`.
     pub maglev: crate::maglev::Params,
+    /// `--forwarding-mode`: SNAT or DSR for external traffic to a backend on another
+    /// node (written to `FWD_MODE`).
+    pub forwarding_mode: crate::ForwardingMode,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -97,6 +100,12 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     if !interfaces.is_empty() {
         info!(?interfaces, addresses = ?node_addrs, "TC datapath on the node's interfaces");
     }
+    crate::fwd::set(&opts.pin_path, opts.forwarding_mode)
+        .context("writing the forwarding mode (FWD_MODE)")?;
+    info!(
+        mode = opts.forwarding_mode.name(),
+        "forwarding mode for external traffic to backends on other nodes"
+    );
     let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     // Metrics and health first: reading a large pinned state back takes seconds, and
     // /livez must answer meanwhile (/healthz says 503 until the first sync).

@@ -6,7 +6,8 @@ use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use proxy_user::{
     agent::{self, AgentOptions},
-    cleanup, cluster::lb_algorithm::LbAlgorithm, loader, TcAttachMode, DEFAULT_PIN_PATH,
+    cleanup, cluster::lb_algorithm::LbAlgorithm, loader, ForwardingMode, TcAttachMode,
+    DEFAULT_PIN_PATH,
 };
 
 #[derive(Parser)]
@@ -120,6 +121,15 @@ struct RunArgs {
     /// whatever mode attached them.
     #[arg(long, env = "PROXY_TC_ATTACH", value_enum, default_value_t = TcAttachMode::Auto)]
     tc_attach: TcAttachMode,
+    /// How the TC path forwards external traffic (NodePort, externalIPs, LoadBalancer
+    /// IPs; externalTrafficPolicy Cluster) to a backend on another node: `snat` (source
+    /// NAT to this node, replies come back through it), `dsr` (direct server return for
+    /// TCP and UDP: the backend's node learns the client and the frontend from an IPv4
+    /// option and replies straight to the client; IPv6 stays SNAT) or `hybrid` (DSR for
+    /// TCP, SNAT for UDP). Every node must run the same mode: a node in `snat` mode
+    /// ignores the option.
+    #[arg(long, env = "PROXY_FORWARDING_MODE", value_enum, default_value_t = ForwardingMode::Snat)]
+    forwarding_mode: ForwardingMode,
     /// Program `spec.externalIPs` only inside these prefixes (comma-separated CIDRs, or
     /// `none` for no externalIPs at all); others are logged, counted and left out.
     /// Default: every externalIP, as kube-proxy does. Anyone who can create a Service
@@ -248,6 +258,7 @@ fn main() -> Result<()> {
                 lb_algorithm: args.lb_algorithm,
                 maglev: proxy_user::maglev::Params::new(args.maglev_table_size, &args.maglev_seed)
                     .map_err(|e| anyhow::anyhow!(e))?,
+                forwarding_mode: args.forwarding_mode,
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

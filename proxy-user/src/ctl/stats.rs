@@ -58,6 +58,20 @@ pub fn meaning(r: Reason) -> &'static str {
             "XDP: left untouched to the stack and TC (fragment, ICMP error, REJECT answer, \
              FIB result XDP cannot forward by)"
         }
+        Reason::TcDsrEncap => {
+            "TC DSR, first node: sent to a remote backend with the frontend in the DSR \
+             option (client address kept, no SNAT)"
+        }
+        Reason::TcDsrDecap => {
+            "TC DSR, backend's node: DSR option read (reply entry recorded) and removed"
+        }
+        Reason::TcDsrReply => {
+            "TC DSR, backend's node: reply sent straight to the client from the frontend"
+        }
+        Reason::TcDsrTooBig => {
+            "TC DSR: the option would exceed the route's MTU: new flow SNATed, later \
+             datagram sent without it"
+        }
     }
 }
 

@@ -238,6 +238,18 @@ impl AgentProcess {
     /// The same, inside the network namespace `netns` (through nsenter, which keeps
     /// /sys/fs/bpf visible), for the TC datapath on that namespace's interfaces.
     pub fn start_in(env: &TestEnv, netns: Option<&Netns>, args: &[&str]) -> Self {
+        Self::start_as(&env.pins.path, &env.cgroup.path, netns, "node-a", args)
+    }
+
+    /// [`Self::start_in`] with its own pin path, cgroup and node name: a second node's
+    /// agent in the same test (each node has its own pinned datapath).
+    pub fn start_as(
+        pins: &Path,
+        cgroup: &Path,
+        netns: Option<&Netns>,
+        node_name: &str,
+        args: &[&str],
+    ) -> Self {
         let [healthz_port, metrics_port] = match netns {
             // Inside a fresh namespace every loopback port is free.
             Some(_) => [10256, 10249],
@@ -259,9 +271,9 @@ impl AgentProcess {
         let child = cmd
             .arg("run")
             .args(source)
-            .args(["--pin-path", env.pins.path.to_str().expect("utf-8")])
-            .args(["--cgroup", env.cgroup.path.to_str().expect("utf-8")])
-            .args(["--node-name", "node-a"])
+            .args(["--pin-path", pins.to_str().expect("utf-8")])
+            .args(["--cgroup", cgroup.to_str().expect("utf-8")])
+            .args(["--node-name", node_name])
             .args(["--healthz-addr", &format!("127.0.0.1:{healthz_port}")])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             .args(["--min-sync-interval", "10ms", "--manifests-poll", "20ms"])

@@ -1,0 +1,264 @@
+//! Direct server return (`--forwarding-mode dsr|hybrid`, `FWD_MODE`) for external traffic
+//! (eTP=Cluster) to a backend on another node, IPv4.
+//!
+//! First node (the one the client hit): instead of SNAT, the packet is DNATed only (the
+//! client stays its source) and carries the frontend in an IPv4 option of 8 bytes right
+//! after the 20-byte header (`proxy_common::dsr_opt`, Cilium's `dsr_opt_v4` layout:
+//! type 0x9a, length 8, frontend port, frontend address), then the stack forwards it to
+//! the backend's node by the route to the pod. The option rides on the packets that can
+//! open the flow on the backend's node: every TCP SYN and every UDP datagram (later TCP
+//! packets are only DNATed; the backend's node already knows the flow).
+//!
+//! Backend's node: a packet with the option gets a reply-direction conntrack entry
+//! (backend -> client: source := the frontend, `ct_flags::DSR`), loses the option and is
+//! delivered with the client as source. The backend's reply leaves this node through the
+//! usual reply stage (at TC egress of the interface towards the client) with the
+//! frontend as source, straight to the client: the first node sees no reply.
+//!
+//! MTU: a packet that must carry the option and would then exceed the MTU of its route
+//! (`bpf_fib_lookup` with `tot_len`) is not given it: a new flow is SNATed instead, a
+//! later UDP datagram of a DSR flow is sent without it (`tc_dsr_too_big`). IPv6 stays
+//! SNAT (no destination option yet).
+
+use aya_ebpf::{
+    bindings::{
+        bpf_adj_room_mode::BPF_ADJ_ROOM_NET, bpf_fib_lookup as FibParams,
+        BPF_FIB_LKUP_RET_FRAG_NEEDED,
+    },
+    helpers::generated::{bpf_csum_diff, bpf_fib_lookup},
+    programs::TcContext,
+    EbpfContext,
+};
+use proxy_common::{ct_flags, dsr_opt, fwd_mode, proto, Reason};
+
+use super::{
+    family::{Pkt, PktAccess, PktFamily, ETH_HLEN},
+    Step,
+};
+use crate::maps::{count, FWD_MODE};
+
+const TCP_SYN: u8 = 0x02;
+const TCP_ACK: u8 = 0x10;
+/// The IPv4 header without options, and with the DSR option.
+const IP_HLEN: usize = 20;
+const OPT_LEN: usize = dsr_opt::LEN4 as usize;
+
+/// The option as it sits in the packet (network order throughout).
+#[repr(C)]
+struct Opt4 {
+    kind: u8,
+    len: u8,
+    port: u16,
+    addr: u32,
+}
+
+#[inline(always)]
+fn mode() -> u32 {
+    FWD_MODE.get(0).copied().unwrap_or(fwd_mode::SNAT)
+}
+
+/// Whether this packet of a DSR flow must carry the option: a TCP SYN (not SYN-ACK), a
+/// UDP datagram.
+#[inline(always)]
+fn needs_opt<A>(p: &Pkt<A>) -> bool {
+    p.proto == proto::UDP
+        || (p.proto == proto::TCP && p.tcp_flags & TCP_SYN != 0 && p.tcp_flags & TCP_ACK == 0)
+}
+
+/// Whether an entry (either direction) is of a DSR flow.
+#[inline(always)]
+pub fn is_dsr<F: PktFamily>(v: *mut F::Val) -> bool {
+    let (flags, _, _) = F::ct_meta(v);
+    // SAFETY: a field of a live map value.
+    unsafe { *flags & ct_flags::DSR != 0 }
+}
+
+/// The outcome of a reply: `tc_dsr_reply` for a DSR flow's reply leaving the backend's
+/// node, `tc_reply` otherwise.
+#[inline(always)]
+pub fn reply_reason<F: PktFamily>(v: *mut F::Val) -> Reason {
+    if is_dsr::<F>(v) {
+        Reason::TcDsrReply
+    } else {
+        Reason::TcReply
+    }
+}
+
+/// Whether the mode asks for DSR for this packet's new flow: DSR for TCP and UDP, hybrid
+/// for TCP; IPv4 without options only.
+#[inline(always)]
+pub fn asked<F: PktFamily>(p: &Pkt<F::Addr>) -> bool {
+    if F::V6 || p.l4 != ETH_HLEN + IP_HLEN {
+        return false;
+    }
+    match mode() {
+        fwd_mode::DSR => p.proto == proto::TCP || p.proto == proto::UDP,
+        fwd_mode::HYBRID => p.proto == proto::TCP,
+        _ => false,
+    }
+}
+
+/// Whether a new flow to `backend` on another node goes by DSR instead of SNAT: the mode
+/// asks for it for this protocol, the packet is IPv4 without options, and the packet
+/// with the option fits the MTU of its route (else `tc_dsr_too_big`, SNAT).
+#[inline(never)]
+pub fn wanted<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>, backend: F::Addr) -> bool {
+    if !asked::<F>(p) {
+        return false;
+    }
+    if needs_opt(p) && !fits::<F>(ctx, p, backend) {
+        count(Reason::TcDsrTooBig);
+        return false;
+    }
+    true
+}
+
+/// The first packet of a new DSR flow, already DNATed: the option added when the packet
+/// needs it, then handed to the stack, which routes it to the backend's node.
+#[inline(never)]
+pub fn first<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Result<Step<F::Addr>, Reason> {
+    if !needs_opt(p) {
+        return Ok(Step::pass(Reason::TcNewFlow));
+    }
+    add_opt::<F>(ctx, p)?;
+    Ok(Step::pass(Reason::TcDsrEncap))
+}
+
+/// A later packet of a DSR flow, already DNATed: a SYN or a UDP datagram carries the
+/// option again (a retransmitted SYN, a backend's node that lost the entry), unless it
+/// would then not fit its route (sent without it, `tc_dsr_too_big`).
+#[inline(never)]
+pub fn again<F: PktFamily>(
+    ctx: &TcContext,
+    p: &Pkt<F::Addr>,
+    backend: F::Addr,
+) -> Result<Step<F::Addr>, Reason> {
+    if !needs_opt(p) || F::V6 || p.l4 != ETH_HLEN + IP_HLEN {
+        return Ok(Step::pass(Reason::TcFlow));
+    }
+    if !fits::<F>(ctx, p, backend) {
+        count(Reason::TcDsrTooBig);
+        return Ok(Step::pass(Reason::TcFlow));
+    }
+    add_opt::<F>(ctx, p)?;
+    Ok(Step::pass(Reason::TcDsrEncap))
+}
+
+/// Whether the packet, 8 bytes longer, fits the MTU of its route from the client to
+/// `backend` (`BPF_FIB_LKUP_RET_FRAG_NEEDED` otherwise). A failed lookup says "fits":
+/// the stack decides.
+#[inline(never)]
+fn fits<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>, backend: F::Addr) -> bool {
+    let Ok(tot) = ctx.load::<u16>(ETH_HLEN + 2) else {
+        return false;
+    };
+    // SAFETY: a zeroed plain-data struct.
+    let mut params: FibParams = unsafe { core::mem::zeroed() };
+    params.family = F::FAMILY;
+    params.l4_protocol = p.proto;
+    params.sport = p.sport;
+    params.dport = p.dport;
+    params.__bindgen_anon_1.tot_len = u16::from_be(tot).saturating_add(OPT_LEN as u16);
+    // SAFETY: the context's skb.
+    params.ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    F::fib_set(&mut params, p.saddr, backend);
+    // SAFETY: valid ctx and params.
+    let ret = unsafe {
+        bpf_fib_lookup(
+            ctx.as_ptr(),
+            &mut params,
+            core::mem::size_of::<FibParams>() as i32,
+            0,
+        )
+    };
+    ret != i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED)
+}
+
+/// Inserts the option after the 20-byte header (`bpf_skb_adjust_room`, `BPF_ADJ_ROOM_NET`)
+/// with the packet's original destination (the frontend; `p` was parsed before the
+/// DNAT), and fixes IHL, total length and the header checksum. The L4 checksum does not
+/// change (its pseudo-header has the L4 length).
+#[inline(never)]
+fn add_opt<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Result<(), Reason> {
+    let tot = u16::from_be(
+        ctx.load::<u16>(ETH_HLEN + 2)
+            .map_err(|_| Reason::TcRewriteFailed)?,
+    );
+    // The frontend's address: for IPv4 the first word of the family's 4-word form.
+    let addr = F::client(p.daddr).0[0];
+    ctx.adjust_room(OPT_LEN as i32, BPF_ADJ_ROOM_NET, 0)
+        .map_err(|_| Reason::TcRewriteFailed)?;
+    let opt = Opt4 {
+        kind: dsr_opt::TYPE4,
+        len: dsr_opt::LEN4,
+        port: p.dport,
+        addr,
+    };
+    PktAccess::store(ctx, ETH_HLEN + IP_HLEN, &opt).map_err(|_| Reason::TcRewriteFailed)?;
+    set_header::<7>(ctx, tot + OPT_LEN as u16)
+}
+
+/// On the backend's node (ingress): a packet with the DSR option. Records the reply entry
+/// (backend -> client: source := the frontend), removes the option, and lets the stack
+/// deliver it to the pod with the client as source. `None`: no option of ours (or this
+/// node is in SNAT mode: the option is not trusted, the packet goes on as it is).
+#[inline(never)]
+pub fn decap<F: PktFamily>(
+    ctx: &TcContext,
+    p: &Pkt<F::Addr>,
+    now: u64,
+) -> Result<Option<Reason>, Reason> {
+    if F::V6 || p.l4 != ETH_HLEN + IP_HLEN + OPT_LEN {
+        return Ok(None);
+    }
+    let Ok(head) = PktAccess::load::<[u8; 2]>(ctx, ETH_HLEN + IP_HLEN) else {
+        return Ok(None);
+    };
+    if head != [dsr_opt::TYPE4, dsr_opt::LEN4] || mode() == fwd_mode::SNAT {
+        return Ok(None);
+    }
+    let port: u16 =
+        PktAccess::load(ctx, ETH_HLEN + IP_HLEN + 2).map_err(|_| Reason::TcRewriteFailed)?;
+    let front: F::Addr =
+        PktAccess::load(ctx, ETH_HLEN + IP_HLEN + 4).map_err(|_| Reason::TcRewriteFailed)?;
+    let key = F::ct_key(p.daddr, p.saddr, p.dport, p.sport, p.proto, 1);
+    let val = F::ct_val((F::zero(), 0), (front, port), 0, 0, ct_flags::DSR, now);
+    F::ct_put(&key, &val).map_err(|()| Reason::TcCtWriteFailed)?;
+    let tot = u16::from_be(
+        PktAccess::load::<u16>(ctx, ETH_HLEN + 2).map_err(|_| Reason::TcRewriteFailed)?,
+    );
+    ctx.adjust_room(-(OPT_LEN as i32), BPF_ADJ_ROOM_NET, 0)
+        .map_err(|_| Reason::TcRewriteFailed)?;
+    set_header::<5>(ctx, tot - OPT_LEN as u16)?;
+    Ok(Some(Reason::TcDsrDecap))
+}
+
+/// Writes IHL `WORDS` and total length `tot` and recomputes the IPv4 header checksum
+/// over the `WORDS * 4` header bytes.
+#[inline(always)]
+fn set_header<const WORDS: usize>(ctx: &TcContext, tot: u16) -> Result<(), Reason> {
+    PktAccess::store(ctx, ETH_HLEN, &(0x40u8 | WORDS as u8))
+        .map_err(|_| Reason::TcRewriteFailed)?;
+    PktAccess::store(ctx, ETH_HLEN + 2, &tot.to_be()).map_err(|_| Reason::TcRewriteFailed)?;
+    PktAccess::store(ctx, ETH_HLEN + 10, &0u16).map_err(|_| Reason::TcRewriteFailed)?;
+    let mut words: [u32; WORDS] =
+        PktAccess::load(ctx, ETH_HLEN).map_err(|_| Reason::TcRewriteFailed)?;
+    // SAFETY: a buffer of `WORDS * 4` bytes on the stack.
+    let sum = unsafe {
+        bpf_csum_diff(
+            core::ptr::null_mut(),
+            0,
+            words.as_mut_ptr(),
+            (WORDS * 4) as u32,
+            0,
+        )
+    };
+    if sum < 0 {
+        return Err(Reason::TcRewriteFailed);
+    }
+    let mut s = sum as u64;
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    PktAccess::store(ctx, ETH_HLEN + 10, &!(s as u16)).map_err(|_| Reason::TcRewriteFailed)
+}
