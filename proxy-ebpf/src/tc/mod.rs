@@ -26,7 +26,8 @@
 //! Layout: this file holds the two program shells and the stage machine (reply, known
 //! flow, new flow); `family` the per-family packet layout and maps (on `lb::Family`, over
 //! the `PktAccess` trait), `ct` conntrack and the SNAT port allocator, `nat` rewriting and
-//! the FIB redirect, `icmp` ICMP errors about NATed flows, `unreach` the REJECT answers.
+//! the FIB redirect, `icmp` ICMP errors about NATed flows, `unreach` the REJECT answers,
+//! `dsr` direct server return (instead of SNAT, `--forwarding-mode dsr|hybrid`).
 //! The frontend lookup is `lb::frontend`, the rule the socket hooks and `proxyctl
 //! explain` use too. Each stage returns the outcome to count; the shells count it, so a
 //! failure (a conntrack entry not written, a rewrite a helper refused) is counted and the
