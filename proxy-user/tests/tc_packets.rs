@@ -860,7 +860,10 @@ fn a_rewrite_the_kernel_refuses_is_counted_and_dropped() {
 /// [`Pkt::parse`] then checks (the L4 checksum must be untouched by the option).
 fn split_dsr_option(frame: &[u8]) -> (SocketAddr, Vec<u8>) {
     assert_eq!(frame[12..14], [0x08, 0x00], "IPv4");
-    assert_eq!(frame[14], 0x47, "IHL 7: a 20-byte header and the 8-byte option");
+    assert_eq!(
+        frame[14], 0x47,
+        "IHL 7: a 20-byte header and the 8-byte option"
+    );
     let ip = &frame[14..42];
     assert_eq!(
         support::tc::fold(support::tc::sum16(ip)),
@@ -885,7 +888,10 @@ fn split_dsr_option(frame: &[u8]) -> (SocketAddr, Vec<u8>) {
 impl Bed {
     fn forwarding_mode(&self, mode: proxy_user::ForwardingMode) {
         proxy_user::fwd::set(&self.pins.path, mode).expect("FWD_MODE");
-        assert_eq!(proxy_user::fwd::get(&self.pins.path).expect("read"), Some(mode));
+        assert_eq!(
+            proxy_user::fwd::get(&self.pins.path).expect("read"),
+            Some(mode)
+        );
     }
 }
 
@@ -903,11 +909,7 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     first.forwarding_mode(ForwardingMode::Dsr);
     let np = Frontend::new(Ipv4Addr::UNSPECIFIED, 30080, Proto::Tcp);
     let np_udp = Frontend::new(Ipv4Addr::UNSPECIFIED, 30081, Proto::Udp);
-    let np6 = Frontend::new(
-        "::".parse::<IpAddr>().expect("ip"),
-        30080,
-        Proto::Tcp,
-    );
+    let np6 = Frontend::new("::".parse::<IpAddr>().expect("ip"), 30080, Proto::Tcp);
     for (fe, be) in [
         (np, "10.2.1.2:8080"),
         (np_udp, "10.2.1.2:8080"),
@@ -922,7 +924,10 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     // The SYN: DNAT, no SNAT, the option names the NodePort the client used.
     let syn = Pkt::tcp("198.51.100.7:40000", "192.0.2.1:30080", SYN);
     let (verdict, out) = first.run_raw("tc_ingress", &syn.build());
-    assert_eq!(verdict, TC_ACT_OK, "handed to the stack, routed to the backend's node");
+    assert_eq!(
+        verdict, TC_ACT_OK,
+        "handed to the stack, routed to the backend's node"
+    );
     let (front, plain) = split_dsr_option(&out);
     assert_eq!(front, sa("192.0.2.1:30080"));
     assert_eq!(

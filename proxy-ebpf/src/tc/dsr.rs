@@ -174,7 +174,10 @@ fn fits<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>, backend: F::Addr) -> bo
 /// change (its pseudo-header has the L4 length).
 #[inline(never)]
 fn add_opt<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Result<(), Reason> {
-    let tot = u16::from_be(ctx.load::<u16>(ETH_HLEN + 2).map_err(|_| Reason::TcRewriteFailed)?);
+    let tot = u16::from_be(
+        ctx.load::<u16>(ETH_HLEN + 2)
+            .map_err(|_| Reason::TcRewriteFailed)?,
+    );
     // The frontend's address: for IPv4 the first word of the family's 4-word form.
     let addr = F::client(p.daddr).0[0];
     ctx.adjust_room(OPT_LEN as i32, BPF_ADJ_ROOM_NET, 0)
@@ -208,12 +211,16 @@ pub fn decap<F: PktFamily>(
     if head != [dsr_opt::TYPE4, dsr_opt::LEN4] || mode() == fwd_mode::SNAT {
         return Ok(None);
     }
-    let port: u16 = PktAccess::load(ctx, ETH_HLEN + IP_HLEN + 2).map_err(|_| Reason::TcRewriteFailed)?;
-    let front: F::Addr = PktAccess::load(ctx, ETH_HLEN + IP_HLEN + 4).map_err(|_| Reason::TcRewriteFailed)?;
+    let port: u16 =
+        PktAccess::load(ctx, ETH_HLEN + IP_HLEN + 2).map_err(|_| Reason::TcRewriteFailed)?;
+    let front: F::Addr =
+        PktAccess::load(ctx, ETH_HLEN + IP_HLEN + 4).map_err(|_| Reason::TcRewriteFailed)?;
     let key = F::ct_key(p.daddr, p.saddr, p.dport, p.sport, p.proto, 1);
     let val = F::ct_val((F::zero(), 0), (front, port), 0, 0, ct_flags::DSR, now);
     F::ct_put(&key, &val).map_err(|()| Reason::TcCtWriteFailed)?;
-    let tot = u16::from_be(PktAccess::load::<u16>(ctx, ETH_HLEN + 2).map_err(|_| Reason::TcRewriteFailed)?);
+    let tot = u16::from_be(
+        PktAccess::load::<u16>(ctx, ETH_HLEN + 2).map_err(|_| Reason::TcRewriteFailed)?,
+    );
     ctx.adjust_room(-(OPT_LEN as i32), BPF_ADJ_ROOM_NET, 0)
         .map_err(|_| Reason::TcRewriteFailed)?;
     set_header::<5>(ctx, tot - OPT_LEN as u16)?;
@@ -224,10 +231,12 @@ pub fn decap<F: PktFamily>(
 /// over the `WORDS * 4` header bytes.
 #[inline(always)]
 fn set_header<const WORDS: usize>(ctx: &TcContext, tot: u16) -> Result<(), Reason> {
-    PktAccess::store(ctx, ETH_HLEN, &(0x40u8 | WORDS as u8)).map_err(|_| Reason::TcRewriteFailed)?;
+    PktAccess::store(ctx, ETH_HLEN, &(0x40u8 | WORDS as u8))
+        .map_err(|_| Reason::TcRewriteFailed)?;
     PktAccess::store(ctx, ETH_HLEN + 2, &tot.to_be()).map_err(|_| Reason::TcRewriteFailed)?;
     PktAccess::store(ctx, ETH_HLEN + 10, &0u16).map_err(|_| Reason::TcRewriteFailed)?;
-    let mut words: [u32; WORDS] = PktAccess::load(ctx, ETH_HLEN).map_err(|_| Reason::TcRewriteFailed)?;
+    let mut words: [u32; WORDS] =
+        PktAccess::load(ctx, ETH_HLEN).map_err(|_| Reason::TcRewriteFailed)?;
     // SAFETY: a buffer of `WORDS * 4` bytes on the stack.
     let sum = unsafe {
         bpf_csum_diff(

@@ -186,8 +186,10 @@ fn flow<F: PktFamily>(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason>
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     // On the backend's node: a DSR packet from the first node (`dsr`).
-    if let Some(r) = ingress.then(|| dsr::decap::<F>(ctx, p, now)).transpose()?.flatten() {
-        return Ok(Verdict::new(TC_ACT_OK as i32, r));
+    if ingress {
+        if let Some(r) = dsr::decap::<F>(ctx, p, now)? {
+            return Ok(Verdict::new(TC_ACT_OK as i32, r));
+        }
     }
     let step = match reply_path::<F>(ctx, p, ingress, now)? {
         Some(s) => s,
