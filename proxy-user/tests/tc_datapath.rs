@@ -807,14 +807,22 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     link(
         &c.ext,
         "eth1",
-        &["10.100.2.1/24"],
+        &["10.100.2.1/24", "fd00:102::1/64"],
         node_b,
         "ext0",
-        &["10.100.2.2/24"],
+        &["10.100.2.2/24", "fd00:102::2/64"],
     );
     // The client itself through the direct link; node 1's address (the SNAT source of
     // SNATed flows) still through node 1.
     node_b.ip(&["route", "add", "10.100.0.1/32", "via", "10.100.2.1"]);
+    node_b.ip(&[
+        "-6",
+        "route",
+        "add",
+        "fd00:100::1/128",
+        "via",
+        "fd00:102::1",
+    ]);
     let dir = manifests_dir();
     write(
         &dir,
@@ -930,8 +938,47 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     assert!(d(&b, &b0, "tc_dsr_decap") >= 2 * n, "{b:?}");
     assert!(d(&b, &b0, "tc_dsr_reply") >= 4 * n, "{b:?}");
 
+    // IPv6: the option in a Destination Options header; the same checks.
+    let tcp6: SocketAddr = format!("[fd00:100::2]:{NODEPORT}").parse().expect("v6");
+    let udp6: SocketAddr = format!("[fd00:100::2]:{}", NODEPORT + 1)
+        .parse()
+        .expect("v6");
+    wait_for("IPv6 path ready", Duration::from_secs(5), || {
+        let _g = c.ext.enter();
+        ask_tcp(tcp6).is_ok()
+    });
+    let (a0, b0) = (counters(&env.pins.path), counters(&pins_b.path));
+    let rx0 = rx_packets(&c.node_a, "nb0");
+    expect_pods(
+        &spread(&c.ext, 20, || ask_tcp(tcp6)),
+        &[("pod3", "fd00:100::1")],
+    );
+    expect_pods(
+        &spread(&c.ext, 20, || ask_udp(udp6)),
+        &[("pod3", "fd00:100::1")],
+    );
+    let rx = rx_packets(&c.node_a, "nb0") - rx0;
+    let (a, b) = (counters(&env.pins.path), counters(&pins_b.path));
+    eprintln!(
+        "IPv6: node 1 tc_dsr_encap +{} tc_reply +{}, nb0 received {rx}; node 2 tc_dsr_decap +{} \
+         tc_dsr_reply +{}",
+        d(&a, &a0, "tc_dsr_encap"),
+        d(&a, &a0, "tc_reply"),
+        d(&b, &b0, "tc_dsr_decap"),
+        d(&b, &b0, "tc_dsr_reply"),
+    );
+    assert!(d(&a, &a0, "tc_dsr_encap") >= 40, "{a:?}");
+    assert_eq!(
+        d(&a, &a0, "tc_reply") + d(&a, &a0, "tc_dsr_reply"),
+        0,
+        "{a:?}"
+    );
+    assert!(d(&b, &b0, "tc_dsr_decap") >= 40, "{b:?}");
+    assert!(d(&b, &b0, "tc_dsr_reply") >= 80, "{b:?}");
+    assert!(rx < 20, "node 1's link to node 2 received {rx} packets");
+
     // A datagram that the option would push over the link's MTU (1500): SNATed.
-    let too_big0 = a["tc_dsr_too_big"];
+    let too_big0 = counters(&env.pins.path)["tc_dsr_too_big"];
     let got = {
         let _g = c.ext.enter();
         ask_udp_from(udp, 20_900, 1472).expect("a full-size datagram is answered")

@@ -180,7 +180,8 @@ fn flow<F: PktFamily>(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason>
     // SAFETY: this CPU's scratch entry; a TC program is not preempted on its CPU.
     let p = unsafe { &mut (*scratch).pkt };
     if !parse_into::<F>(ctx, p) {
-        return Ok(Verdict::PASS);
+        // An IPv6 DSR packet (a destination option before TCP/UDP) is one of these.
+        return dsr::unparsed::<F>(ctx, ingress);
     }
     let p = &*p;
     // SAFETY: no preconditions.
