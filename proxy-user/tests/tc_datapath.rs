@@ -792,7 +792,8 @@ fn counters(pins: &Path) -> BTreeMap<&'static str, u64> {
 /// the NodePort it used; node 1 forwarded every request with the DSR option and saw no
 /// reply (no reply counted, no reply-direction conntrack entry used, its link to node 2
 /// received next to no packets while dozens of replies reached the client); node 2 read
-/// the option and sent the replies. A datagram too large for the option is SNATed
+/// the option and sent the replies. The same over IPv6 (fd00:102::/64 for the direct
+/// link, the option in a destination option). A datagram too large for the option is SNATed
 /// (`tc_dsr_too_big`). Then node 1 restarted in `hybrid` (TCP DSR, UDP SNAT) and in
 /// `snat` (the pod sees node 1 again).
 #[test]
