@@ -180,19 +180,27 @@ pub mod fwd_mode {
     /// Source NAT to the node's address: replies come back through this node.
     pub const SNAT: u32 = 0;
     /// Direct server return for TCP and UDP: the backend's node learns the client and the
-    /// frontend from an IPv4 option and replies straight to the client.
+    /// frontend from an IPv4 option (IPv6: a destination option) and replies straight to
+    /// the client.
     pub const DSR: u32 = 1;
     /// DSR for TCP, SNAT for UDP (as Cilium's `hybrid`).
     pub const HYBRID: u32 = 2;
 }
 
-/// The DSR IPv4 option (after Cilium's `dsr_opt_v4`): 8 bytes right after the 20-byte
-/// IPv4 header, `[type, length, frontend port (2), frontend address (4)]`, network order.
+/// The DSR option (after Cilium's `dsr_opt_v4`/`dsr_opt_v6`). IPv4: 8 bytes right after
+/// the 20-byte header, `[type, length, frontend port (2), frontend address (4)]`, network
+/// order.
 pub mod dsr_opt {
     /// Option type: the copied bit (so fragments keep it) | number 26, Cilium's value.
     pub const TYPE4: u8 = 0x9a;
     /// Option length in bytes (the IPv4 header grows from 20 to 28: IHL 7).
     pub const LEN4: u8 = 8;
+    /// IPv6: the option in a Destination Options header of 24 bytes after the 40-byte
+    /// header, `[next header, 2, TYPE6, LEN6, frontend address (16), port (2), 0, 0]`
+    /// (Cilium's `dsr_opt_v6`). Type 0x1b: the two high bits 0, "skip if unknown".
+    pub const TYPE6: u8 = 0x1b;
+    /// Option data length: address, port and 2 bytes of zero.
+    pub const LEN6: u8 = 20;
 }
 
 /// IP protocol numbers as they appear in `bpf_sock_addr.protocol` and in IP headers.

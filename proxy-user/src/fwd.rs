@@ -15,8 +15,8 @@ pub enum ForwardingMode {
     /// Source NAT to the node's address: replies come back through this node.
     #[default]
     Snat,
-    /// Direct server return for TCP and UDP (IPv4; IPv6 stays SNAT): the backend's node
-    /// replies straight to the client with the frontend as source.
+    /// Direct server return for TCP and UDP, IPv4 and IPv6: the backend's node replies
+    /// straight to the client with the frontend as source.
     Dsr,
     /// DSR for TCP, SNAT for UDP.
     Hybrid,

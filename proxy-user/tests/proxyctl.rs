@@ -918,6 +918,10 @@ tc_stale_backend       0      TC: UDP flow whose backend is gone: balanced afres
 tc_reject_limited      0      TC: ICMP port unreachable over the rate limit (1000/s per CPU): dropped
 tc_ct_write_failed     0      TC: a new flow's conntrack entries not written: dropped
 tc_rewrite_failed      0      TC: a packet rewrite refused half-way: dropped
+tc_dsr_encap           0      TC DSR, first node: sent to a remote backend with the frontend in the DSR option (client address kept, no SNAT)
+tc_dsr_decap           0      TC DSR, backend's node: DSR option read (reply entry recorded) and removed
+tc_dsr_reply           0      TC DSR, backend's node: reply sent straight to the client from the frontend
+tc_dsr_too_big         0      TC DSR: the option would exceed the route's MTU: new flow SNATed, later datagram sent without it
 
 BACKEND               ID  CONNS
 10.240.1.2:8080       1   4
@@ -1177,6 +1181,10 @@ tc_stale_backend       0      -      -
 tc_reject_limited      0      -      -
 tc_ct_write_failed     0      -      -
 tc_rewrite_failed      0      -      -
+tc_dsr_encap           0      -      -
+tc_dsr_decap           0      -      -
+tc_dsr_reply           0      -      -
+tc_dsr_too_big         0      -      -
 
 proxyctl watch: every 100ms, frame 2 of 2
 
@@ -1215,6 +1223,10 @@ tc_stale_backend       0      +0     0.0
 tc_reject_limited      0      +0     0.0
 tc_ct_write_failed     0      +0     0.0
 tc_rewrite_failed      0      +0     0.0
+tc_dsr_encap           0      +0     0.0
+tc_dsr_decap           0      +0     0.0
+tc_dsr_reply           0      +0     0.0
+tc_dsr_too_big         0      +0     0.0
 
 $ proxyctl dump
 frontend 0.0.0.0:30080/tcp id=6 count=2 flags=0x24 affinity=0

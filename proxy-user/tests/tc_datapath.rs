@@ -744,7 +744,10 @@ fn ask_udp_from(addr: SocketAddr, port: u16, size: usize) -> std::io::Result<(St
     sock.send_to(&vec![b'x'; size], addr)?;
     let mut buf = [0u8; 256];
     let (n, from) = sock.recv_from(&mut buf)?;
-    assert_eq!(from, addr, "the reply comes from the address the client used");
+    assert_eq!(
+        from, addr,
+        "the reply comes from the address the client used"
+    );
     let text = String::from_utf8_lossy(&buf[..n]).to_string();
     let mut parts = text.split_whitespace();
     Ok((
@@ -759,7 +762,11 @@ fn rx_packets(ns: &Netns, iface: &str) -> u64 {
         .args(["-n", &ns.name, "-s", "-j", "link", "show", "dev", iface])
         .output()
         .expect("run ip");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("ip -j");
     v[0]["stats64"]["rx"]["packets"]
         .as_u64()
@@ -785,7 +792,8 @@ fn counters(pins: &Path) -> BTreeMap<&'static str, u64> {
 /// the NodePort it used; node 1 forwarded every request with the DSR option and saw no
 /// reply (no reply counted, no reply-direction conntrack entry used, its link to node 2
 /// received next to no packets while dozens of replies reached the client); node 2 read
-/// the option and sent the replies. A datagram too large for the option is SNATed
+/// the option and sent the replies. The same over IPv6 (fd00:102::/64 for the direct
+/// link, the option in a destination option). A datagram too large for the option is SNATed
 /// (`tc_dsr_too_big`). Then node 1 restarted in `hybrid` (TCP DSR, UDP SNAT) and in
 /// `snat` (the pod sees node 1 again).
 #[test]
@@ -797,18 +805,44 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
         sysctl(ns, "net.ipv4.conf.all.rp_filter=0");
         sysctl(ns, "net.ipv4.conf.default.rp_filter=0");
     }
-    link(&c.ext, "eth1", &["10.100.2.1/24"], node_b, "ext0", &["10.100.2.2/24"]);
+    link(
+        &c.ext,
+        "eth1",
+        &["10.100.2.1/24", "fd00:102::1/64"],
+        node_b,
+        "ext0",
+        &["10.100.2.2/24", "fd00:102::2/64"],
+    );
     // The client itself through the direct link; node 1's address (the SNAT source of
     // SNATed flows) still through node 1.
     node_b.ip(&["route", "add", "10.100.0.1/32", "via", "10.100.2.1"]);
+    node_b.ip(&[
+        "-6",
+        "route",
+        "add",
+        "fd00:100::1/128",
+        "via",
+        "fd00:102::1",
+    ]);
     let dir = manifests_dir();
-    write(&dir, "web.yaml", &service("web", "10.96.0.10", "Cluster", "", &[3]));
+    write(
+        &dir,
+        "web.yaml",
+        &service("web", "10.96.0.10", "Cluster", "", &[3]),
+    );
     let dir_s = dir.to_str().expect("utf-8");
     let start_a = |mode: &str| {
         let mut a = AgentProcess::start_in(
             &env,
             Some(&c.node_a),
-            &["--manifests", dir_s, "--interfaces", "ext0,nb0", "--forwarding-mode", mode],
+            &[
+                "--manifests",
+                dir_s,
+                "--interfaces",
+                "ext0,nb0",
+                "--forwarding-mode",
+                mode,
+            ],
         );
         a.wait_healthy(Duration::from_secs(20));
         a
@@ -820,11 +854,22 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
         &cgroup_b.path,
         Some(node_b),
         "node-b",
-        &["--manifests", dir_s, "--interfaces", "na0,ext0", "--forwarding-mode", "dsr"],
+        &[
+            "--manifests",
+            dir_s,
+            "--interfaces",
+            "na0,ext0",
+            "--forwarding-mode",
+            "dsr",
+        ],
     );
     agent_b.wait_healthy(Duration::from_secs(20));
     let agent_a = start_a("dsr");
-    assert!(agent_a.logs().contains("mode=\"dsr\"") || agent_a.logs().contains("mode=dsr"), "{}", agent_a.logs());
+    assert!(
+        agent_a.logs().contains("mode=\"dsr\"") || agent_a.logs().contains("mode=dsr"),
+        "{}",
+        agent_a.logs()
+    );
 
     let tcp = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
     let udp = SocketAddr::from(([10, 100, 0, 2], NODEPORT + 1));
@@ -838,7 +883,10 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     let n = 40;
     // TCP: the pod sees the client; the connection works only if the replies come
     // from the NodePort the client used.
-    expect_pods(&spread(&c.ext, n, || ask_tcp(tcp)), &[("pod3", "10.100.0.1")]);
+    expect_pods(
+        &spread(&c.ext, n, || ask_tcp(tcp)),
+        &[("pod3", "10.100.0.1")],
+    );
     // UDP, each datagram from a port of its own (ask_udp_from checks the source).
     let port = std::cell::Cell::new(20_000u16);
     expect_pods(
@@ -874,7 +922,10 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     assert!(rx < 20, "node 1's link to node 2 received {rx} packets");
     let ct: Vec<(proxy_common::Ct4Key, proxy_common::Ct4Value)> =
         proxy_user::PinDir::new(&env.pins.path)
-            .hash(proxy_common::map_names::CT4, proxy_user::pins::Access::ReadOnly)
+            .hash(
+                proxy_common::map_names::CT4,
+                proxy_user::pins::Access::ReadOnly,
+            )
             .expect("CT4")
             .read_all()
             .expect("read CT4");
@@ -888,8 +939,47 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     assert!(d(&b, &b0, "tc_dsr_decap") >= 2 * n, "{b:?}");
     assert!(d(&b, &b0, "tc_dsr_reply") >= 4 * n, "{b:?}");
 
+    // IPv6: the option in a Destination Options header; the same checks.
+    let tcp6: SocketAddr = format!("[fd00:100::2]:{NODEPORT}").parse().expect("v6");
+    let udp6: SocketAddr = format!("[fd00:100::2]:{}", NODEPORT + 1)
+        .parse()
+        .expect("v6");
+    wait_for("IPv6 path ready", Duration::from_secs(5), || {
+        let _g = c.ext.enter();
+        ask_tcp(tcp6).is_ok()
+    });
+    let (a0, b0) = (counters(&env.pins.path), counters(&pins_b.path));
+    let rx0 = rx_packets(&c.node_a, "nb0");
+    expect_pods(
+        &spread(&c.ext, 20, || ask_tcp(tcp6)),
+        &[("pod3", "fd00:100::1")],
+    );
+    expect_pods(
+        &spread(&c.ext, 20, || ask_udp(udp6)),
+        &[("pod3", "fd00:100::1")],
+    );
+    let rx = rx_packets(&c.node_a, "nb0") - rx0;
+    let (a, b) = (counters(&env.pins.path), counters(&pins_b.path));
+    eprintln!(
+        "IPv6: node 1 tc_dsr_encap +{} tc_reply +{}, nb0 received {rx}; node 2 tc_dsr_decap +{} \
+         tc_dsr_reply +{}",
+        d(&a, &a0, "tc_dsr_encap"),
+        d(&a, &a0, "tc_reply"),
+        d(&b, &b0, "tc_dsr_decap"),
+        d(&b, &b0, "tc_dsr_reply"),
+    );
+    assert!(d(&a, &a0, "tc_dsr_encap") >= 40, "{a:?}");
+    assert_eq!(
+        d(&a, &a0, "tc_reply") + d(&a, &a0, "tc_dsr_reply"),
+        0,
+        "{a:?}"
+    );
+    assert!(d(&b, &b0, "tc_dsr_decap") >= 40, "{b:?}");
+    assert!(d(&b, &b0, "tc_dsr_reply") >= 80, "{b:?}");
+    assert!(rx < 20, "node 1's link to node 2 received {rx} packets");
+
     // A datagram that the option would push over the link's MTU (1500): SNATed.
-    let too_big0 = a["tc_dsr_too_big"];
+    let too_big0 = counters(&env.pins.path)["tc_dsr_too_big"];
     let got = {
         let _g = c.ext.enter();
         ask_udp_from(udp, 20_900, 1472).expect("a full-size datagram is answered")
@@ -900,7 +990,10 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     // hybrid: TCP by DSR, UDP by SNAT.
     drop(agent_a);
     let agent_a = start_a("hybrid");
-    expect_pods(&spread(&c.ext, 10, || ask_tcp(tcp)), &[("pod3", "10.100.0.1")]);
+    expect_pods(
+        &spread(&c.ext, 10, || ask_tcp(tcp)),
+        &[("pod3", "10.100.0.1")],
+    );
     let port = std::cell::Cell::new(21_000u16);
     expect_pods(
         &spread(&c.ext, 10, || {
@@ -912,7 +1005,10 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     // snat: as before DSR existed.
     drop(agent_a);
     let agent_a = start_a("snat");
-    expect_pods(&spread(&c.ext, 10, || ask_tcp(tcp)), &[("pod3", "10.100.0.2")]);
+    expect_pods(
+        &spread(&c.ext, 10, || ask_tcp(tcp)),
+        &[("pod3", "10.100.0.2")],
+    );
     drop(agent_a);
     drop(agent_b);
     let _ = fs::remove_dir_all(&dir);

@@ -762,7 +762,10 @@ fn a_rewrite_the_kernel_refuses_is_counted_and_dropped() {
 /// [`Pkt::parse`] then checks (the L4 checksum must be untouched by the option).
 fn split_dsr_option(frame: &[u8]) -> (SocketAddr, Vec<u8>) {
     assert_eq!(frame[12..14], [0x08, 0x00], "IPv4");
-    assert_eq!(frame[14], 0x47, "IHL 7: a 20-byte header and the 8-byte option");
+    assert_eq!(
+        frame[14], 0x47,
+        "IHL 7: a 20-byte header and the 8-byte option"
+    );
     let ip = &frame[14..42];
     assert_eq!(
         support::tc::fold(support::tc::sum16(ip)),
@@ -784,10 +787,44 @@ fn split_dsr_option(frame: &[u8]) -> (SocketAddr, Vec<u8>) {
     (SocketAddr::new(addr.into(), port), plain)
 }
 
+/// The IPv6 DSR option: a Destination Options header (next header 60) of 24 bytes after
+/// the 40-byte header, `[next, 2, 0x1b, 20, frontend address (16), port (2), 0, 0]`;
+/// returns the frontend and the frame without it (next header and payload length back).
+fn split_dsr_option6(frame: &[u8]) -> (SocketAddr, Vec<u8>) {
+    assert_eq!(frame[12..14], [0x86, 0xdd], "IPv6");
+    assert_eq!(frame[20], 60, "next header: destination options");
+    let payload = u16::from_be_bytes([frame[18], frame[19]]) as usize;
+    assert_eq!(
+        payload,
+        frame.len() - 54,
+        "payload length counts the header"
+    );
+    let ext = &frame[54..78];
+    assert_eq!(
+        ext[1..4],
+        [2, 0x1b, 20],
+        "header length, option type and length"
+    );
+    assert_eq!(ext[22..24], [0, 0]);
+    let addr: [u8; 16] = ext[4..20].try_into().expect("16");
+    let port = u16::from_be_bytes([ext[20], ext[21]]);
+    let mut plain = frame[..54].to_vec();
+    plain.extend(&frame[78..]);
+    plain[20] = ext[0];
+    plain[18..20].copy_from_slice(&((payload - 24) as u16).to_be_bytes());
+    (
+        SocketAddr::new(std::net::Ipv6Addr::from(addr).into(), port),
+        plain,
+    )
+}
+
 impl Bed {
     fn forwarding_mode(&self, mode: proxy_user::ForwardingMode) {
         proxy_user::fwd::set(&self.pins.path, mode).expect("FWD_MODE");
-        assert_eq!(proxy_user::fwd::get(&self.pins.path).expect("read"), Some(mode));
+        assert_eq!(
+            proxy_user::fwd::get(&self.pins.path).expect("read"),
+            Some(mode)
+        );
     }
 }
 
@@ -795,8 +832,8 @@ impl Bed {
 /// a backend on another node is DNATed only (the client stays the source, no SNAT) and its
 /// SYN carries the frontend in the DSR option; later packets go without it, UDP datagrams
 /// each with it. On the backend's node the option is read into a reply entry and removed;
-/// the backend's reply then leaves with the frontend as source. A node in SNAT mode
-/// ignores the option; IPv6 stays SNAT.
+/// the backend's reply then leaves with the frontend as source. IPv6 the same with a
+/// Destination Options header. A node in SNAT mode ignores the option.
 #[test]
 fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     use proxy_common::Reason;
@@ -805,11 +842,7 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     first.forwarding_mode(ForwardingMode::Dsr);
     let np = Frontend::new(Ipv4Addr::UNSPECIFIED, 30080, Proto::Tcp);
     let np_udp = Frontend::new(Ipv4Addr::UNSPECIFIED, 30081, Proto::Udp);
-    let np6 = Frontend::new(
-        "::".parse::<IpAddr>().expect("ip"),
-        30080,
-        Proto::Tcp,
-    );
+    let np6 = Frontend::new("::".parse::<IpAddr>().expect("ip"), 30080, Proto::Tcp);
     for (fe, be) in [
         (np, "10.2.1.2:8080"),
         (np_udp, "10.2.1.2:8080"),
@@ -824,7 +857,10 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     // The SYN: DNAT, no SNAT, the option names the NodePort the client used.
     let syn = Pkt::tcp("198.51.100.7:40000", "192.0.2.1:30080", SYN);
     let (verdict, out) = first.run_raw("tc_ingress", &syn.build());
-    assert_eq!(verdict, TC_ACT_OK, "handed to the stack, routed to the backend's node");
+    assert_eq!(
+        verdict, TC_ACT_OK,
+        "handed to the stack, routed to the backend's node"
+    );
     let (front, plain) = split_dsr_option(&out);
     assert_eq!(front, sa("192.0.2.1:30080"));
     assert_eq!(
@@ -874,11 +910,20 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     }
     assert_eq!(first.counter(Reason::TcDsrEncap), 4);
 
-    // IPv6 stays SNAT (no destination option yet).
+    // IPv6: the same option in a Destination Options header.
     let syn6 = Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:1::1]:30080", SYN);
-    let (_, out) = first.run("tc_ingress", &syn6);
-    assert_eq!(out.dst, sa("[2001:db8:2::2]:8080"));
-    assert_eq!(out.src.ip(), "2001:db8:1::1".parse::<IpAddr>().expect("ip"));
+    let (verdict, out6) = first.run_raw("tc_ingress", &syn6.build());
+    assert_eq!(verdict, TC_ACT_OK);
+    let (front, plain) = split_dsr_option6(&out6);
+    assert_eq!(front, sa("[2001:db8:1::1]:30080"));
+    assert_eq!(
+        Pkt::parse(&plain),
+        Pkt {
+            dst: sa("[2001:db8:2::2]:8080"),
+            ..syn6.clone()
+        }
+    );
+    assert_eq!(first.counter(Reason::TcDsrEncap), 5);
 
     // The backend's node, in DSR mode: the option is read and removed.
     let backend_node = Bed::new();
@@ -917,6 +962,22 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     assert_eq!(out.src, sa("192.0.2.1:30081"));
     assert_eq!(backend_node.counter(Reason::TcDsrDecap), 2);
     assert_eq!(backend_node.counter(Reason::TcDsrReply), 2);
+    // IPv6 too.
+    let (verdict, out) = backend_node.run_raw("tc_ingress", &out6);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        Pkt::parse(&out),
+        Pkt {
+            dst: sa("[2001:db8:2::2]:8080"),
+            ..syn6.clone()
+        },
+        "delivered without the header, the client as source"
+    );
+    let reply6 = Pkt::tcp("[2001:db8:2::2]:8080", "[2001:db8::7]:40000", SYN | ACK);
+    let (_, out) = backend_node.run("tc_egress", &reply6);
+    assert_eq!(out.src, sa("[2001:db8:1::1]:30080"));
+    assert_eq!(backend_node.counter(Reason::TcDsrDecap), 3);
+    assert_eq!(backend_node.counter(Reason::TcDsrReply), 3);
 
     // A node in SNAT mode does not trust the option: the packet goes on as it came.
     let snat_node = Bed::new();

@@ -15,17 +15,23 @@
 //! usual reply stage (at TC egress of the interface towards the client) with the
 //! frontend as source, straight to the client: the first node sees no reply.
 //!
+//! IPv6: the same in a Destination Options header of 24 bytes right after the 40-byte
+//! header (next header 60; Cilium's `dsr_opt_v6`: option type 0x1b, length 20, frontend
+//! address, frontend port, 2 bytes of zero); the backend's node removes the header.
+//!
 //! MTU: a packet that must carry the option and would then exceed the MTU of its route
 //! (`bpf_fib_lookup` with `tot_len`) is not given it: a new flow is SNATed instead, a
-//! later UDP datagram of a DSR flow is sent without it (`tc_dsr_too_big`). IPv6 stays
-//! SNAT (no destination option yet).
+//! later UDP datagram of a DSR flow is sent without it (`tc_dsr_too_big`).
 
 use aya_ebpf::{
     bindings::{
         bpf_adj_room_mode::BPF_ADJ_ROOM_NET, bpf_fib_lookup as FibParams,
-        BPF_FIB_LKUP_RET_FRAG_NEEDED,
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, TC_ACT_OK,
     },
-    helpers::generated::{bpf_csum_diff, bpf_fib_lookup},
+    helpers::{
+        bpf_ktime_get_ns,
+        generated::{bpf_csum_diff, bpf_fib_lookup},
+    },
     programs::TcContext,
     EbpfContext,
 };
@@ -33,15 +39,42 @@ use proxy_common::{ct_flags, dsr_opt, fwd_mode, proto, Reason};
 
 use super::{
     family::{Pkt, PktAccess, PktFamily, ETH_HLEN},
-    Step,
+    Step, Verdict,
 };
 use crate::maps::{count, FWD_MODE};
 
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
-/// The IPv4 header without options, and with the DSR option.
+/// The IPv4 header without options, and the DSR option.
 const IP_HLEN: usize = 20;
 const OPT_LEN: usize = dsr_opt::LEN4 as usize;
+/// The IPv6 header, and the Destination Options header with the DSR option.
+const IP6_HLEN: usize = 40;
+const OPT6_LEN: usize = 24;
+const NEXTHDR_DEST: u8 = 60;
+
+/// The family's fixed header length and the bytes the option adds.
+#[inline(always)]
+fn lens<F: PktFamily>() -> (usize, usize) {
+    if F::V6 {
+        (IP6_HLEN, OPT6_LEN)
+    } else {
+        (IP_HLEN, OPT_LEN)
+    }
+}
+
+/// The IPv6 Destination Options header carrying the DSR option.
+#[repr(C)]
+struct Opt6 {
+    next: u8,
+    /// In 8-byte units after the first 8: 2.
+    hdr_len: u8,
+    kind: u8,
+    len: u8,
+    addr: [u32; 4],
+    port: u16,
+    pad: u16,
+}
 
 /// The option as it sits in the packet (network order throughout).
 #[repr(C)]
@@ -88,7 +121,7 @@ pub fn reply_reason<F: PktFamily>(v: *mut F::Val) -> Reason {
 /// for TCP; IPv4 without options only.
 #[inline(always)]
 pub fn asked<F: PktFamily>(p: &Pkt<F::Addr>) -> bool {
-    if F::V6 || p.l4 != ETH_HLEN + IP_HLEN {
+    if p.l4 != ETH_HLEN + lens::<F>().0 {
         return false;
     }
     match mode() {
@@ -133,7 +166,7 @@ pub fn again<F: PktFamily>(
     p: &Pkt<F::Addr>,
     backend: F::Addr,
 ) -> Result<Step<F::Addr>, Reason> {
-    if !needs_opt(p) || F::V6 || p.l4 != ETH_HLEN + IP_HLEN {
+    if !needs_opt(p) || p.l4 != ETH_HLEN + lens::<F>().0 {
         return Ok(Step::pass(Reason::TcFlow));
     }
     if !fits::<F>(ctx, p, backend) {
@@ -144,21 +177,24 @@ pub fn again<F: PktFamily>(
     Ok(Step::pass(Reason::TcDsrEncap))
 }
 
-/// Whether the packet, 8 bytes longer, fits the MTU of its route from the client to
+/// Whether the packet, 8 (IPv6: 24) bytes longer, fits the MTU of its route from the client to
 /// `backend` (`BPF_FIB_LKUP_RET_FRAG_NEEDED` otherwise). A failed lookup says "fits":
 /// the stack decides.
 #[inline(never)]
 fn fits<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>, backend: F::Addr) -> bool {
-    let Ok(tot) = ctx.load::<u16>(ETH_HLEN + 2) else {
+    // IPv4: the total length; IPv6: the payload length, without the fixed header.
+    let Ok(len) = ctx.load::<u16>(ETH_HLEN + if F::V6 { 4 } else { 2 }) else {
         return false;
     };
+    let (base, extra) = lens::<F>();
+    let tot = u16::from_be(len).saturating_add((if F::V6 { base } else { 0 } + extra) as u16);
     // SAFETY: a zeroed plain-data struct.
     let mut params: FibParams = unsafe { core::mem::zeroed() };
     params.family = F::FAMILY;
     params.l4_protocol = p.proto;
     params.sport = p.sport;
     params.dport = p.dport;
-    params.__bindgen_anon_1.tot_len = u16::from_be(tot).saturating_add(OPT_LEN as u16);
+    params.__bindgen_anon_1.tot_len = tot;
     // SAFETY: the context's skb.
     params.ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
     F::fib_set(&mut params, p.saddr, backend);
@@ -180,6 +216,9 @@ fn fits<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>, backend: F::Addr) -> bo
 /// change (its pseudo-header has the L4 length).
 #[inline(never)]
 fn add_opt<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Result<(), Reason> {
+    if F::V6 {
+        return add_opt6::<F>(ctx, p);
+    }
     let tot = u16::from_be(
         ctx.load::<u16>(ETH_HLEN + 2)
             .map_err(|_| Reason::TcRewriteFailed)?,
@@ -196,6 +235,89 @@ fn add_opt<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Result<(), Reason
     };
     PktAccess::store(ctx, ETH_HLEN + IP_HLEN, &opt).map_err(|_| Reason::TcRewriteFailed)?;
     set_header::<7>(ctx, tot + OPT_LEN as u16)
+}
+
+/// IPv6: inserts the Destination Options header after the 40-byte header, points the
+/// header's next header at it and grows the payload length. The L4 checksum does not
+/// change (its pseudo-header has the L4 length and the final destination).
+#[inline(never)]
+fn add_opt6<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Result<(), Reason> {
+    let len = u16::from_be(
+        PktAccess::load::<u16>(ctx, ETH_HLEN + 4).map_err(|_| Reason::TcRewriteFailed)?,
+    );
+    ctx.adjust_room(OPT6_LEN as i32, BPF_ADJ_ROOM_NET, 0)
+        .map_err(|_| Reason::TcRewriteFailed)?;
+    let opt = Opt6 {
+        next: p.proto,
+        hdr_len: (OPT6_LEN / 8 - 1) as u8,
+        kind: dsr_opt::TYPE6,
+        len: dsr_opt::LEN6,
+        addr: F::client(p.daddr).0,
+        port: p.dport,
+        pad: 0,
+    };
+    PktAccess::store(ctx, ETH_HLEN + IP6_HLEN, &opt).map_err(|_| Reason::TcRewriteFailed)?;
+    PktAccess::store(ctx, ETH_HLEN + 6, &NEXTHDR_DEST).map_err(|_| Reason::TcRewriteFailed)?;
+    PktAccess::store(ctx, ETH_HLEN + 4, &(len + OPT6_LEN as u16).to_be())
+        .map_err(|_| Reason::TcRewriteFailed)
+}
+
+/// A packet the family's parser did not take: on the backend's node an IPv6 DSR packet
+/// (a Destination Options header before TCP/UDP) is one; anything else is not ours.
+#[inline(never)]
+pub fn unparsed<F: PktFamily>(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason> {
+    if !ingress || !F::V6 {
+        return Ok(Verdict::pass::<TcContext>());
+    }
+    Ok(match decap6::<F>(ctx)? {
+        Some(r) => Verdict::new(TC_ACT_OK as i32, r),
+        None => Verdict::pass::<TcContext>(),
+    })
+}
+
+/// IPv6 [`decap`]: the Destination Options header with our option is read into the reply
+/// entry and removed.
+#[inline(never)]
+fn decap6<F: PktFamily>(ctx: &TcContext) -> Result<Option<Reason>, Reason> {
+    let Ok(NEXTHDR_DEST) = PktAccess::load::<u8>(ctx, ETH_HLEN + 6) else {
+        return Ok(None);
+    };
+    let Ok(head) = PktAccess::load::<[u8; 4]>(ctx, ETH_HLEN + IP6_HLEN) else {
+        return Ok(None);
+    };
+    let next = head[0];
+    if (next != proto::TCP && next != proto::UDP)
+        || head[1..] != [(OPT6_LEN / 8 - 1) as u8, dsr_opt::TYPE6, dsr_opt::LEN6]
+        || mode() == fwd_mode::SNAT
+    {
+        return Ok(None);
+    }
+    let fail = |()| Reason::TcRewriteFailed;
+    let saddr: F::Addr = PktAccess::load(ctx, ETH_HLEN + 8).map_err(fail)?;
+    let daddr: F::Addr = PktAccess::load(ctx, ETH_HLEN + 24).map_err(fail)?;
+    let front: F::Addr = PktAccess::load(ctx, ETH_HLEN + IP6_HLEN + 4).map_err(fail)?;
+    let port: u16 = PktAccess::load(ctx, ETH_HLEN + IP6_HLEN + 20).map_err(fail)?;
+    let l4 = ETH_HLEN + IP6_HLEN + OPT6_LEN;
+    let sport: u16 = PktAccess::load(ctx, l4).map_err(fail)?;
+    let dport: u16 = PktAccess::load(ctx, l4 + 2).map_err(fail)?;
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let key = F::ct_key(daddr, saddr, dport, sport, next, 1);
+    record::<F>(&key, &(front, port), now)?;
+    let len = u16::from_be(PktAccess::load::<u16>(ctx, ETH_HLEN + 4).map_err(fail)?);
+    ctx.adjust_room(-(OPT6_LEN as i32), BPF_ADJ_ROOM_NET, 0)
+        .map_err(|_| Reason::TcRewriteFailed)?;
+    PktAccess::store(ctx, ETH_HLEN + 6, &next).map_err(fail)?;
+    PktAccess::store(ctx, ETH_HLEN + 4, &(len - OPT6_LEN as u16).to_be()).map_err(fail)?;
+    Ok(Some(Reason::TcDsrDecap))
+}
+
+/// The backend's node's reply entry of a DSR flow: backend -> client, source := the
+/// frontend (own frame: key and value are large for IPv6).
+#[inline(never)]
+fn record<F: PktFamily>(key: &F::Key, front: &(F::Addr, u16), now: u64) -> Result<(), Reason> {
+    let val = F::ct_val((F::zero(), 0), *front, 0, 0, ct_flags::DSR, now);
+    F::ct_put(key, &val).map_err(|()| Reason::TcCtWriteFailed)
 }
 
 /// On the backend's node (ingress): a packet with the DSR option. Records the reply entry
@@ -222,8 +344,7 @@ pub fn decap<F: PktFamily>(
     let front: F::Addr =
         PktAccess::load(ctx, ETH_HLEN + IP_HLEN + 4).map_err(|_| Reason::TcRewriteFailed)?;
     let key = F::ct_key(p.daddr, p.saddr, p.dport, p.sport, p.proto, 1);
-    let val = F::ct_val((F::zero(), 0), (front, port), 0, 0, ct_flags::DSR, now);
-    F::ct_put(&key, &val).map_err(|()| Reason::TcCtWriteFailed)?;
+    record::<F>(&key, &(front, port), now)?;
     let tot = u16::from_be(
         PktAccess::load::<u16>(ctx, ETH_HLEN + 2).map_err(|_| Reason::TcRewriteFailed)?,
     );

@@ -26,7 +26,8 @@
 //! Layout: this file holds the two program shells and the stage machine (reply, known
 //! flow, new flow); `family` the per-family packet layout and maps (on `lb::Family`, over
 //! the `PktAccess` trait), `ct` conntrack and the SNAT port allocator, `nat` rewriting and
-//! the FIB redirect, `icmp` ICMP errors about NATed flows, `unreach` the REJECT answers.
+//! the FIB redirect, `icmp` ICMP errors about NATed flows, `unreach` the REJECT answers,
+//! `dsr` direct server return (instead of SNAT, `--forwarding-mode dsr|hybrid`).
 //! The frontend lookup is `lb::frontend`, the rule the socket hooks and `proxyctl
 //! explain` use too. Each stage returns the outcome to count; the shells count it, so a
 //! failure (a conntrack entry not written, a rewrite a helper refused) is counted and the
@@ -201,7 +202,12 @@ pub(crate) fn flow<C: PktHook, F: PktFamily>(ctx: &C, ingress: bool) -> Result<V
     // SAFETY: this CPU's scratch entry; a TC program is not preempted on its CPU.
     let p = unsafe { &mut (*scratch).pkt };
     if !parse_into::<C, F>(ctx, p) {
-        return Ok(Verdict::pass::<C>());
+        // An IPv6 DSR packet (a destination option before TCP/UDP) is one of these: TC
+        // takes the option off; XDP hands it on.
+        return match ctx.tc() {
+            Some(tc) => dsr::unparsed::<F>(tc, ingress),
+            None => Ok(Verdict::pass::<C>()),
+        };
     }
     let p = &*p;
     // SAFETY: no preconditions.

@@ -125,7 +125,8 @@ struct RunArgs {
     /// IPs; externalTrafficPolicy Cluster) to a backend on another node: `snat` (source
     /// NAT to this node, replies come back through it), `dsr` (direct server return for
     /// TCP and UDP: the backend's node learns the client and the frontend from an IPv4
-    /// option and replies straight to the client; IPv6 stays SNAT) or `hybrid` (DSR for
+    /// option or an IPv6 destination option and replies straight to the client) or
+    /// `hybrid` (DSR for
     /// TCP, SNAT for UDP). Every node must run the same mode: a node in `snat` mode
     /// ignores the option.
     #[arg(long, env = "PROXY_FORWARDING_MODE", value_enum, default_value_t = ForwardingMode::Snat)]
