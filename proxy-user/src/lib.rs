@@ -21,7 +21,7 @@ pub mod store;
 pub mod writer;
 
 pub use bpf::BpfMaps;
-pub use loader::{install, uninstall, InstallOptions, TcAttachMode};
+pub use loader::{install, uninstall, Acceleration, InstallOptions, TcAttachMode};
 pub use model::{Backend, Frontend, Proto, ServiceEntry};
 pub use pins::{PinDir, DEFAULT_PIN_PATH};
 pub use store::{MapStore, MemStore};

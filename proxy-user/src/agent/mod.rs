@@ -57,6 +57,8 @@ pub struct AgentOptions {
     pub external_ip_cidrs: Option<Vec<(std::net::IpAddr, u8)>>,
     /// How the TC programs are attached (`auto`: TCX on kernels >= 6.6, clsact otherwise).
     pub tc_attach: loader::TcAttachMode,
+    /// `--acceleration`: XDP ahead of TC on the same interfaces.
+    pub acceleration: loader::Acceleration,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -81,6 +83,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         interfaces: interfaces.clone(),
         conntrack_flows: opts.conntrack_flows,
         tc_attach: opts.tc_attach,
+        acceleration: opts.acceleration,
     })
     .with_context(|| format!("installing the datapath at {}", opts.pin_path.display()))?;
     info!(
@@ -91,7 +94,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         "datapath ready"
     );
     if !interfaces.is_empty() {
-        info!(?interfaces, addresses = ?node_addrs, "TC datapath on the node's interfaces");
+        info!(?interfaces, addresses = ?node_addrs, acceleration = %opts.acceleration, "TC datapath on the node's interfaces");
     }
     let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     // Metrics and health first: reading a large pinned state back takes seconds, and

@@ -6,7 +6,7 @@ use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use proxy_user::{
     agent::{self, AgentOptions},
-    cleanup, loader, TcAttachMode, DEFAULT_PIN_PATH,
+    cleanup, loader, Acceleration, TcAttachMode, DEFAULT_PIN_PATH,
 };
 
 #[derive(Parser)]
@@ -44,6 +44,9 @@ enum Command {
         /// otherwise), `tcx` or `clsact`.
         #[arg(long, env = "PROXY_TC_ATTACH", value_enum, default_value_t = TcAttachMode::Auto)]
         tc_attach: TcAttachMode,
+        /// XDP ahead of TC on the interfaces (see `run --help`).
+        #[arg(long, env = "PROXY_ACCELERATION", value_enum, default_value_t = Acceleration::Off)]
+        acceleration: Acceleration,
     },
     /// Remove what kube-proxy left in this network namespace (its iptables chains and
     /// the jumps into them, its nftables tables, IPVS services, kube-ipvs0, ipsets) and
@@ -120,6 +123,13 @@ struct RunArgs {
     /// whatever mode attached them.
     #[arg(long, env = "PROXY_TC_ATTACH", value_enum, default_value_t = TcAttachMode::Auto)]
     tc_attach: TcAttachMode,
+    /// North-south acceleration: the XDP program ahead of TC on the same interfaces
+    /// handles NodePort / LoadBalancer IP / externalIP traffic from outside and the
+    /// replies of its flows (same lookup, conntrack and NAT as TC; what it cannot do goes
+    /// on to TC). `native`: in the driver (an interface whose driver has no native XDP is
+    /// an error naming it); `generic`: skb mode, any interface; `off`: TC only.
+    #[arg(long, env = "PROXY_ACCELERATION", value_enum, default_value_t = Acceleration::Off)]
+    acceleration: Acceleration,
     /// Program `spec.externalIPs` only inside these prefixes (comma-separated CIDRs, or
     /// `none` for no externalIPs at all); others are logged, counted and left out.
     /// Default: every externalIP, as kube-proxy does. Anyone who can create a Service
@@ -220,6 +230,7 @@ fn main() -> Result<()> {
                 conntrack_flows: args.conntrack_max,
                 external_ip_cidrs: args.external_ip_cidrs.map(|c| c.0),
                 tc_attach: args.tc_attach,
+                acceleration: args.acceleration,
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -233,6 +244,7 @@ fn main() -> Result<()> {
             interfaces,
             conntrack_max,
             tc_attach,
+            acceleration,
         } => {
             let r = proxy_user::migrate::install(&loader::InstallOptions {
                 pin_path: pin_path.clone(),
@@ -240,6 +252,7 @@ fn main() -> Result<()> {
                 interfaces,
                 conntrack_flows: conntrack_max,
                 tc_attach,
+                acceleration,
             })
             .with_context(|| format!("installing the datapath at {}", pin_path.display()))?;
             println!(
