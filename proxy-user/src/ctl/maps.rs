@@ -125,6 +125,8 @@ pub struct Maps {
     revnat4: PinnedHash<u32, RevNat4>,
     revnat6: PinnedHash<u32, RevNat6>,
     stats: PerCpuArray<MapData, u64>,
+    xdp_stats: Option<PerCpuArray<MapData, u64>>,
+    acceleration: u32,
     conns: PerCpuHashMap<MapData, u32, u64>,
     conns_fd: OwnedFd,
     ct4: Option<HashMap<MapData, Ct4Key, Ct4Value>>,
@@ -176,6 +178,10 @@ impl Maps {
         let affinity = opt!(names::AFFINITY);
         let src4 = opt!(names::SRC_RANGE4);
         let src6 = opt!(names::SRC_RANGE6);
+        let xdp_stats = opt!(names::XDP_STATS);
+        let acceleration = pins
+            .read_meta(proxy_common::meta::ACCELERATION, ro)
+            .unwrap_or(proxy_common::acceleration::OFF);
         let (conns, conns_fd) = req!(pins.typed_with_fd(names::BACKEND_CONNS, ro));
         Ok(Self {
             dir: dir.to_owned(),
@@ -186,6 +192,8 @@ impl Maps {
             revnat4: req!(pins.hash(names::REVNAT4, ro)),
             revnat6: req!(pins.hash(names::REVNAT6, ro)),
             stats: req!(pins.typed(names::STATS, ro)),
+            xdp_stats,
+            acceleration,
             conns,
             conns_fd,
             ct4,
@@ -219,6 +227,10 @@ impl Maps {
         self.read_services(&mut s)?;
         s.conns = self.read_conns()?;
         s.stats = self.read_stats()?;
+        if let Some(m) = &self.xdp_stats {
+            s.xdp_stats = read_counters(m, names::XDP_STATS)?;
+        }
+        s.acceleration = self.acceleration;
         s.node_addrs = self.read_node_addrs()?;
         s.src_ranges = self.read_src_ranges()?;
         s.services.src_ranges = s
