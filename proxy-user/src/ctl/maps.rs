@@ -216,6 +216,7 @@ impl Maps {
         Snapshot {
             now_ns: monotonic_ns(),
             missing_maps: self.missing.clone(),
+            acceleration: self.acceleration,
             ..Snapshot::default()
         }
     }
@@ -227,10 +228,7 @@ impl Maps {
         self.read_services(&mut s)?;
         s.conns = self.read_conns()?;
         s.stats = self.read_stats()?;
-        if let Some(m) = &self.xdp_stats {
-            s.xdp_stats = read_counters(m, names::XDP_STATS)?;
-        }
-        s.acceleration = self.acceleration;
+        s.xdp_stats = self.read_xdp_stats()?;
         s.node_addrs = self.read_node_addrs()?;
         s.src_ranges = self.read_src_ranges()?;
         s.services.src_ranges = s
@@ -284,6 +282,7 @@ impl Maps {
         self.read_backends(&mut s)?;
         s.conns = self.read_conns()?;
         s.stats = self.read_stats()?;
+        s.xdp_stats = self.read_xdp_stats()?;
         Ok(s)
     }
 
@@ -523,6 +522,14 @@ impl Maps {
     /// older build's pinned array reads 0).
     pub fn read_stats(&self) -> Result<Vec<(Reason, u64)>> {
         read_counters(&self.stats, names::STATS)
+    }
+
+    /// `XDP_STATS` like `STATS`; empty when it is not pinned (a build without XDP).
+    pub fn read_xdp_stats(&self) -> Result<Vec<(Reason, u64)>> {
+        match &self.xdp_stats {
+            Some(m) => read_counters(m, names::XDP_STATS),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// `NODE_ADDRS4/6`; `None` if neither is pinned.
