@@ -826,7 +826,11 @@ pub fn load_object(pin_path: &Path, ct_entries: u32) -> Result<aya::Ebpf, LoadEr
 /// Removes the pinned XDP links that `acceleration` does not want kept: all of them when
 /// it is `off`, all of them when they were attached in another mode (`META[ACCELERATION]`;
 /// they are re-attached in the new one).
-fn drop_other_xdp(pin_path: &Path, links: &Path, acceleration: Acceleration) -> Result<(), LoadError> {
+fn drop_other_xdp(
+    pin_path: &Path,
+    links: &Path,
+    acceleration: Acceleration,
+) -> Result<(), LoadError> {
     let pinned = PinDir::new(pin_path)
         .read_meta(meta::ACCELERATION, Access::ReadOnly)
         .map(Acceleration::from_meta)

@@ -825,7 +825,10 @@ fn nodeport_at_xdp_native_to_local_and_remote_backends() {
     // A flow whose next hop has no neighbour entry yet goes to TC (a few, at the start).
     assert!(xdp_new >= 120, "new flows at XDP: {xdp_new} of 180");
     assert!(tc_new <= handed_on, "TC only sees what XDP hands on");
-    assert!(xdp_reply >= 20, "remote replies restored at XDP: {xdp_reply}");
+    assert!(
+        xdp_reply >= 20,
+        "remote replies restored at XDP: {xdp_reply}"
+    );
     // proxyctl says which hook handles the NodePort from outside, and shows the counters.
     let ctl = |args: &[&str]| -> String {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_proxyctl"))
@@ -849,12 +852,14 @@ fn nodeport_at_xdp_native_to_local_and_remote_backends() {
     assert_eq!(hooks, ["socket", "xdp"], "{explain}");
     let stats: serde_json::Value = serde_json::from_str(&ctl(&["stats"])).expect("json");
     assert_eq!(stats["acceleration"], "native");
-    assert!(stats["xdp_counters"]
-        .as_array()
-        .expect("xdp counters")
-        .iter()
-        .any(|c| c["reason"] == "tc_new_flow" && c["count"].as_u64() >= Some(xdp_new)),
-        "{stats}");
+    assert!(
+        stats["xdp_counters"]
+            .as_array()
+            .expect("xdp counters")
+            .iter()
+            .any(|c| c["reason"] == "tc_new_flow" && c["count"].as_u64() >= Some(xdp_new)),
+        "{stats}"
+    );
 
     // A restarted agent adopts the XDP links (same programs); one started with
     // `--acceleration off` detaches them, and TC serves alone.
@@ -889,7 +894,11 @@ fn nodeport_at_xdp_native_to_local_and_remote_backends() {
         agent
     };
     let agent = start("native");
-    assert!(agent.logs().contains("adopted the pinned datapath"), "{}", agent.logs());
+    assert!(
+        agent.logs().contains("adopted the pinned datapath"),
+        "{}",
+        agent.logs()
+    );
     assert_eq!(xdp_ids(), ids, "adopted without reloading");
     expect_pods(&spread(&c.ext, 30, || ask_tcp(nodeport)), &all_pods);
     agent.stop();
@@ -901,7 +910,11 @@ fn nodeport_at_xdp_native_to_local_and_remote_backends() {
     }
     let before = pinned_counter(&xdp, Reason::TcNewFlow);
     expect_pods(&spread(&c.ext, 30, || ask_tcp(nodeport)), &all_pods);
-    assert_eq!(pinned_counter(&xdp, Reason::TcNewFlow), before, "no XDP any more");
+    assert_eq!(
+        pinned_counter(&xdp, Reason::TcNewFlow),
+        before,
+        "no XDP any more"
+    );
     assert!(pinned_counter(&tc, Reason::TcNewFlow) >= tc_new + 30);
     agent.stop();
     // Back on, then uninstall removes the links.

@@ -66,8 +66,7 @@ impl PktHook for TcContext {
     fn reject<F: PktFamily>(&self, p: &Pkt<F::Addr>) -> Option<i32> {
         use proxy_common::proto;
         Some(
-            if p.proto == proto::TCP && p.tcp_flags & TCP_SYN != 0 && p.tcp_flags & TCP_ACK == 0
-            {
+            if p.proto == proto::TCP && p.tcp_flags & TCP_SYN != 0 && p.tcp_flags & TCP_ACK == 0 {
                 unreach::tcp_rst::<F>(self, p)
             } else if p.proto == proto::UDP && unreach::allowed() {
                 unreach::udp::<F>(self)

@@ -426,7 +426,13 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
     if s.acceleration != proxy_common::acceleration::OFF {
         paths = paths
             .into_iter()
-            .map(|p| if p.path == "tc" { xdp_path(p, s.acceleration) } else { p })
+            .map(|p| {
+                if p.path == "tc" {
+                    xdp_path(p, s.acceleration)
+                } else {
+                    p
+                }
+            })
             .collect();
     }
     if primary.flags_raw & svc_flags::AFFINITY != 0 {

@@ -670,7 +670,10 @@ fn backend6(id: u32, b: &Backend6, warnings: &mut Vec<String>) -> Option<(Backen
 
 /// A `Reason`-indexed per-CPU counter array, summed over CPUs; a reason past its end
 /// (pins of an older build of the same ABI) reads 0.
-fn read_counters(map: &PerCpuArray<MapData, u64>, name: &'static str) -> Result<Vec<(Reason, u64)>> {
+fn read_counters(
+    map: &PerCpuArray<MapData, u64>,
+    name: &'static str,
+) -> Result<Vec<(Reason, u64)>> {
     Reason::ALL
         .iter()
         .map(|r| match map.get(&(*r as u32), 0) {
