@@ -24,7 +24,7 @@ pub mod writer;
 
 pub use bpf::BpfMaps;
 pub use fwd::ForwardingMode;
-pub use loader::{install, uninstall, InstallOptions, TcAttachMode};
+pub use loader::{install, uninstall, Acceleration, InstallOptions, TcAttachMode};
 pub use model::{Backend, Frontend, Proto, ServiceEntry};
 pub use pins::{PinDir, DEFAULT_PIN_PATH};
 pub use store::{MapStore, MemStore};

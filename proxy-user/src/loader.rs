@@ -14,6 +14,9 @@
 //!   this project, so that re-attaching replaces our own filter in place and detaching
 //!   never touches anyone else's. See [`TcAttachMode`].
 //!
+//! - `links/xdp-<iface>`: the pinned XDP link of an interface under `--acceleration
+//!   native|generic` (a BPF link: kernel >= 5.9), next to its TC hooks.
+//!
 //! A second [`install`] adopts: hooks whose link (or clsact record) is pinned are left
 //! exactly as they are (no reload, no gap in service); only missing ones are loaded and
 //! attached, sharing the pinned maps. [`uninstall`] detaches and unpins everything; a
@@ -32,11 +35,11 @@ use aya::{
         links::PinnedLink,
         tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcError, TcHandle},
         CgroupAttachMode, CgroupSockAddr, Link as _, LinkOrder, ProgramError, SchedClassifier,
-        TcAttachType,
+        TcAttachType, Xdp, XdpMode,
     },
     EbpfLoader,
 };
-use proxy_common::{map_names, meta, ABI_VERSION};
+use proxy_common::{acceleration, map_names, meta, ABI_VERSION};
 use tracing::{debug, info, warn};
 
 use crate::{
@@ -132,6 +135,56 @@ impl std::fmt::Display for TcAttachMode {
     }
 }
 
+/// `--acceleration`: whether north-south traffic is handled at XDP, ahead of TC, on the
+/// same interfaces.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Acceleration {
+    /// TC only.
+    #[default]
+    Off,
+    /// XDP in generic (skb) mode: works on every interface, after the skb is built.
+    Generic,
+    /// XDP in the driver (native mode); an interface whose driver cannot is an error.
+    Native,
+}
+
+impl Acceleration {
+    /// Its `META[ACCELERATION]` value.
+    pub fn meta(self) -> u32 {
+        match self {
+            Self::Off => acceleration::OFF,
+            Self::Generic => acceleration::GENERIC,
+            Self::Native => acceleration::NATIVE,
+        }
+    }
+
+    /// From `META[ACCELERATION]` (unknown values read as off).
+    pub fn from_meta(v: u32) -> Self {
+        match v {
+            acceleration::GENERIC => Self::Generic,
+            acceleration::NATIVE => Self::Native,
+            _ => Self::Off,
+        }
+    }
+
+    fn xdp_mode(self) -> XdpMode {
+        match self {
+            Self::Native => XdpMode::Driver,
+            _ => XdpMode::Skb,
+        }
+    }
+}
+
+impl std::fmt::Display for Acceleration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Off => "off",
+            Self::Generic => "generic",
+            Self::Native => "native",
+        })
+    }
+}
+
 fn tcx_supported() -> bool {
     aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0))
 }
@@ -194,6 +247,15 @@ pub enum LoadError {
         "TC attach mode tcx needs kernel >= 6.6: use `--tc-attach auto` or `--tc-attach clsact`"
     )]
     TcxUnsupported,
+    #[error(
+        "native XDP (driver mode) is not available on interface {iface}: {source}; \
+         use `--acceleration generic` (or `off`)"
+    )]
+    XdpNative {
+        iface: String,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
     #[error("pinned link {path}: {source}")]
     Link {
         path: PathBuf,
@@ -224,6 +286,10 @@ pub struct InstallOptions {
     /// How the TC programs are attached (hooks already pinned are adopted whatever the
     /// mode they were attached with).
     pub tc_attach: TcAttachMode,
+    /// XDP ahead of TC on the same interfaces (`--acceleration`). Pinned XDP links are
+    /// adopted when they were attached in this mode, re-attached when the mode changed,
+    /// removed when it is `off`.
+    pub acceleration: Acceleration,
 }
 
 /// Default conntrack size in flows per family (`--conntrack-max`).
@@ -293,7 +359,11 @@ fn fdinfo_memlock(fdinfo: &str) -> Option<u64> {
 enum Hook {
     Sock(&'static str),
     Tc { iface: String, ingress: bool },
+    Xdp { iface: String },
 }
+
+/// Prefix of the pinned XDP links (`links/xdp-<iface>`).
+pub(crate) const XDP_PIN_PREFIX: &str = "xdp-";
 
 impl Hook {
     fn program(&self) -> &'static str {
@@ -301,6 +371,7 @@ impl Hook {
             Hook::Sock(name) => name,
             Hook::Tc { ingress: true, .. } => "tc_ingress",
             Hook::Tc { ingress: false, .. } => "tc_egress",
+            Hook::Xdp { .. } => "xdp_ingress",
         }
     }
 
@@ -312,6 +383,7 @@ impl Hook {
             Hook::Tc { iface, ingress } => {
                 format!("tc-{iface}-{}", if *ingress { "ingress" } else { "egress" })
             }
+            Hook::Xdp { iface } => format!("{XDP_PIN_PREFIX}{iface}"),
         }
     }
 
@@ -525,8 +597,14 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
                 ingress,
             });
         }
+        if opts.acceleration != Acceleration::Off {
+            hooks.push(Hook::Xdp {
+                iface: iface.clone(),
+            });
+        }
     }
     let links = link_dir(pin_path);
+    drop_other_xdp(pin_path, &links, opts.acceleration)?;
     let missing: Vec<Hook> = hooks
         .into_iter()
         .filter(|hook| match hook.existing_pin(&links) {
@@ -541,6 +619,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     // cleanup (`sockdestroy`), from the kernel's record of the link.
     report.cgroup = adopted_cgroup(&links, &report.adopted, opts.cgroup.as_ref());
     if missing.is_empty() {
+        set_pinned_meta(pin_path, meta::ACCELERATION, opts.acceleration.meta())?;
         info!(pin_path = %pin_path.display(), "adopted the pinned datapath");
         return Ok(report);
     }
@@ -604,6 +683,36 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
                     fd_link.pin(&path).map_err(pin_err(&path))?;
                     made.push(hook.pin_name());
                 }
+                Hook::Xdp { iface } => {
+                    let prog: &mut Xdp = program.try_into().map_err(prog_err)?;
+                    if prog.fd().is_err() {
+                        prog.load().map_err(prog_err)?;
+                    }
+                    let mode = opts.acceleration;
+                    let link_id = prog.attach(iface, mode.xdp_mode()).map_err(|source| {
+                        if mode == Acceleration::Native {
+                            LoadError::XdpNative {
+                                iface: iface.clone(),
+                                source,
+                            }
+                        } else {
+                            LoadError::Attach {
+                                what: format!("{name} to interface {iface} (generic XDP)"),
+                                source,
+                            }
+                        }
+                    })?;
+                    let link = prog.take_link(link_id).map_err(prog_err)?;
+                    // A netlink attachment (kernels without XDP BPF links) cannot be
+                    // pinned: refused here, detached when `link` drops.
+                    let fd_link: FdLink = link.try_into().map_err(|source| LoadError::Link {
+                        path: PathBuf::from(iface),
+                        source,
+                    })?;
+                    let path = links.join(hook.pin_name());
+                    fd_link.pin(&path).map_err(pin_err(&path))?;
+                    made.push(hook.pin_name());
+                }
                 Hook::Tc { iface, ingress } => {
                     let prog: &mut SchedClassifier = program.try_into().map_err(prog_err)?;
                     // Loaded once, attached to every interface.
@@ -654,6 +763,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     if let Some(id) = log_program_id {
         let _ = write_meta(&mut ebpf, meta::LOG_PROGRAM_ID, id);
     }
+    write_meta(&mut ebpf, meta::ACCELERATION, opts.acceleration.meta())?;
     if report.cgroup.is_none() || missing.iter().any(|h| matches!(h, Hook::Sock(_))) {
         report.cgroup = Some(cgroup_dir);
     }
@@ -711,6 +821,46 @@ pub fn load_object(pin_path: &Path, ct_entries: u32) -> Result<aya::Ebpf, LoadEr
     write_meta(&mut ebpf, meta::ABI_VERSION, ABI_VERSION)?;
     write_meta(&mut ebpf, meta::OBJECT_HASH, object_hash())?;
     Ok(ebpf)
+}
+
+/// Removes the pinned XDP links that `acceleration` does not want kept: all of them when
+/// it is `off`, all of them when they were attached in another mode (`META[ACCELERATION]`;
+/// they are re-attached in the new one).
+fn drop_other_xdp(
+    pin_path: &Path,
+    links: &Path,
+    acceleration: Acceleration,
+) -> Result<(), LoadError> {
+    let pinned = PinDir::new(pin_path)
+        .read_meta(meta::ACCELERATION, Access::ReadOnly)
+        .map(Acceleration::from_meta)
+        .unwrap_or(Acceleration::Off);
+    if acceleration != Acceleration::Off && pinned == acceleration {
+        return Ok(());
+    }
+    let Ok(entries) = fs::read_dir(links) else {
+        return Ok(());
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(XDP_PIN_PREFIX) {
+            info!(link = name, from = %pinned, to = %acceleration, "XDP acceleration changed: detaching");
+            remove_pin(links, &name)?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes one `META` entry of the pinned maps.
+fn set_pinned_meta(pin_path: &Path, index: u32, value: u32) -> Result<(), LoadError> {
+    let err = |source| LoadError::Map {
+        name: map_names::META,
+        source,
+    };
+    let data = MapData::from_pin(pin_path.join(map_names::META)).map_err(err)?;
+    let mut meta: Array<MapData, u32> =
+        Array::try_from(aya::maps::Map::Array(data)).map_err(err)?;
+    meta.set(index, value, 0).map_err(err)
 }
 
 fn write_meta(ebpf: &mut aya::Ebpf, index: u32, value: u32) -> Result<(), LoadError> {
@@ -778,7 +928,7 @@ pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
     if let Ok(entries) = fs::read_dir(&links) {
         for e in entries.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            if n.starts_with("tc-") {
+            if n.starts_with("tc-") || n.starts_with(XDP_PIN_PREFIX) {
                 names.push(n);
             }
         }

@@ -320,6 +320,7 @@ fn pinned_datapath_survives_the_agent_and_is_adopted() {
         interfaces: Vec::new(),
         conntrack_flows: loader::DEFAULT_CONNTRACK_FLOWS,
         tc_attach: loader::TcAttachMode::Auto,
+        acceleration: loader::Acceleration::Off,
     })
     .expect("adopt again");
     assert_eq!(elsewhere.cgroup.as_ref(), Some(&env.cgroup.path));

@@ -10,17 +10,12 @@ mod support;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
-use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
-use proxy_common::{backend_flags, map_names, svc_flags, Ct4Key, Ct4Value};
-use proxy_user::{bpf, loader, model::Backend, BpfMaps, Frontend, Proto, ServiceEntry, Writer};
+use proxy_common::{map_names, svc_flags, Ct4Key, Ct4Value};
+use proxy_user::{Frontend, Proto};
 use support::{
-    packets::{
-        entry, sa, Bed, ACK, LOCAL, RST, SYN, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
-    },
+    packets::{entry, sa, Bed, ACK, LOCAL, RST, SYN, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
     tc::{icmp_error, parse_icmp_error, Pkt, TCP, UDP},
 };
-
-
 
 #[test]
 fn dnat_reverse_nat_and_checksums_ipv4_tcp_and_udp() {

@@ -34,11 +34,19 @@ fn a_new_flow_to_a_local_backend_is_translated_at_xdp_and_passed_to_the_stack() 
     let mut bed = Bed::new();
     let fe = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Proto::Tcp);
     bed.writer
-        .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], svc_flags::EXTERNAL_IP))
+        .upsert(&entry(
+            fe,
+            &[("10.1.1.2:8080", LOCAL)],
+            svc_flags::EXTERNAL_IP,
+        ))
         .expect("upsert");
     let dns = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 53, Proto::Udp);
     bed.writer
-        .upsert(&entry(dns, &[("10.1.1.2:5353", LOCAL)], svc_flags::EXTERNAL_IP))
+        .upsert(&entry(
+            dns,
+            &[("10.1.1.2:5353", LOCAL)],
+            svc_flags::EXTERNAL_IP,
+        ))
         .expect("upsert");
 
     // A SYN: DNAT to the local backend, client kept; handed to the stack, which routes
@@ -109,7 +117,11 @@ fn ipv6_dnat_at_xdp_with_checksums() {
     let mut bed = Bed::new();
     let fe = Frontend::new(ip("2001:db8:96::10"), 80, Proto::Tcp);
     bed.writer
-        .upsert(&entry(fe, &[("[2001:db8:2::2]:8080", LOCAL)], svc_flags::EXTERNAL_IP))
+        .upsert(&entry(
+            fe,
+            &[("[2001:db8:2::2]:8080", LOCAL)],
+            svc_flags::EXTERNAL_IP,
+        ))
         .expect("upsert");
     let syn = Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:96::10]:80", SYN);
     let (verdict, out) = bed.run("xdp_ingress", &syn);
@@ -123,7 +135,11 @@ fn ipv6_dnat_at_xdp_with_checksums() {
     );
     let fe = Frontend::new(ip("2001:db8:96::10"), 53, Proto::Udp);
     bed.writer
-        .upsert(&entry(fe, &[("[2001:db8:2::2]:5353", LOCAL)], svc_flags::EXTERNAL_IP))
+        .upsert(&entry(
+            fe,
+            &[("[2001:db8:2::2]:5353", LOCAL)],
+            svc_flags::EXTERNAL_IP,
+        ))
         .expect("upsert");
     let q = Pkt::udp("[2001:db8::7]:5000", "[2001:db8:96::10]:53");
     let (_, out) = bed.run("xdp_ingress", &q);
@@ -136,7 +152,11 @@ fn what_xdp_cannot_do_reaches_tc_untouched() {
     let mut bed = Bed::new();
     let fe = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Proto::Tcp);
     bed.writer
-        .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], svc_flags::EXTERNAL_IP))
+        .upsert(&entry(
+            fe,
+            &[("10.1.1.2:8080", LOCAL)],
+            svc_flags::EXTERNAL_IP,
+        ))
         .expect("upsert");
     let empty = Frontend::new(Ipv4Addr::new(10, 96, 0, 20), 80, Proto::Tcp);
     bed.writer
@@ -184,7 +204,11 @@ fn etp_local_and_source_ranges_at_xdp() {
     let fe = Frontend::new(lb, 80, Proto::Tcp);
     let flags = svc_flags::LOAD_BALANCER | svc_flags::ETP_LOCAL;
     bed.writer
-        .upsert(&entry(fe, &[("10.2.1.2:8080", 0), ("10.1.1.2:8080", LOCAL)], flags))
+        .upsert(&entry(
+            fe,
+            &[("10.2.1.2:8080", 0), ("10.1.1.2:8080", LOCAL)],
+            flags,
+        ))
         .expect("upsert");
     bed.writer
         .upsert(&entry(
@@ -238,7 +262,15 @@ fn fib_netns() -> (Netns, u32, u32) {
         ("10.9.0.254", "02:00:00:00:09:fe", "y0"),
     ] {
         ns.ip(&[
-            "neigh", "replace", via, "lladdr", mac, "nud", "permanent", "dev", dev,
+            "neigh",
+            "replace",
+            via,
+            "lladdr",
+            mac,
+            "nud",
+            "permanent",
+            "dev",
+            dev,
         ]);
     }
     ns.ip(&["route", "add", "10.2.0.0/16", "via", "192.0.2.254"]);
@@ -247,7 +279,14 @@ fn fib_netns() -> (Netns, u32, u32) {
     ns.ip(&["route", "add", "10.4.0.0/16", "via", "192.0.2.250"]);
     support::run(
         "ip",
-        &["netns", "exec", &ns.name, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
+        &[
+            "netns",
+            "exec",
+            &ns.name,
+            "sysctl",
+            "-qw",
+            "net.ipv4.ip_forward=1",
+        ],
     );
     let index = |dev: &str| -> u32 {
         let p = format!("/proc/sys/net/ipv4/conf/{dev}/forwarding");
@@ -349,7 +388,11 @@ fn remote_backends_are_snatted_and_forwarded_by_xdp_tx_or_redirect_after_a_fib_l
     let (verdict, out, _) = run(&syn, x0);
     assert_eq!((verdict, out), (XDP_PASS, syn.clone()));
     assert_eq!(bed.xdp_counter(Reason::XdpToStack), 1);
-    assert_eq!(bed.xdp_counter(Reason::TcNewFlow), 2, "not a new flow at XDP");
+    assert_eq!(
+        bed.xdp_counter(Reason::TcNewFlow),
+        2,
+        "not a new flow at XDP"
+    );
     let (_, out) = bed.run("tc_ingress", &syn);
     assert_eq!(out.dst, sa("10.4.1.2:8080"));
     assert_eq!(out.src.ip(), ip("192.0.2.1"));

@@ -64,6 +64,8 @@ pub struct AgentOptions {
     /// `--forwarding-mode`: SNAT or DSR for external traffic to a backend on another
     /// node (written to `FWD_MODE`).
     pub forwarding_mode: crate::ForwardingMode,
+    /// `--acceleration`: XDP ahead of TC on the same interfaces.
+    pub acceleration: loader::Acceleration,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -88,6 +90,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         interfaces: interfaces.clone(),
         conntrack_flows: opts.conntrack_flows,
         tc_attach: opts.tc_attach,
+        acceleration: opts.acceleration,
     })
     .with_context(|| format!("installing the datapath at {}", opts.pin_path.display()))?;
     info!(
@@ -98,7 +101,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         "datapath ready"
     );
     if !interfaces.is_empty() {
-        info!(?interfaces, addresses = ?node_addrs, "TC datapath on the node's interfaces");
+        info!(?interfaces, addresses = ?node_addrs, acceleration = %opts.acceleration, "TC datapath on the node's interfaces");
     }
     crate::fwd::set(&opts.pin_path, opts.forwarding_mode)
         .context("writing the forwarding mode (FWD_MODE)")?;

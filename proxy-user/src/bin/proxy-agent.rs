@@ -6,8 +6,8 @@ use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use proxy_user::{
     agent::{self, AgentOptions},
-    cleanup, cluster::lb_algorithm::LbAlgorithm, loader, ForwardingMode, TcAttachMode,
-    DEFAULT_PIN_PATH,
+    cleanup, cluster::lb_algorithm::LbAlgorithm, loader, Acceleration, ForwardingMode,
+    TcAttachMode, DEFAULT_PIN_PATH,
 };
 
 #[derive(Parser)]
@@ -45,6 +45,9 @@ enum Command {
         /// otherwise), `tcx` or `clsact`.
         #[arg(long, env = "PROXY_TC_ATTACH", value_enum, default_value_t = TcAttachMode::Auto)]
         tc_attach: TcAttachMode,
+        /// XDP ahead of TC on the interfaces (see `run --help`).
+        #[arg(long, env = "PROXY_ACCELERATION", value_enum, default_value_t = Acceleration::Off)]
+        acceleration: Acceleration,
     },
     /// Remove what kube-proxy left in this network namespace (its iptables chains and
     /// the jumps into them, its nftables tables, IPVS services, kube-ipvs0, ipsets) and
@@ -131,6 +134,13 @@ struct RunArgs {
     /// ignores the option.
     #[arg(long, env = "PROXY_FORWARDING_MODE", value_enum, default_value_t = ForwardingMode::Snat)]
     forwarding_mode: ForwardingMode,
+    /// North-south acceleration: the XDP program ahead of TC on the same interfaces
+    /// handles NodePort / LoadBalancer IP / externalIP traffic from outside and the
+    /// replies of its flows (same lookup, conntrack and NAT as TC; what it cannot do goes
+    /// on to TC). `native`: in the driver (an interface whose driver has no native XDP is
+    /// an error naming it); `generic`: skb mode, any interface; `off`: TC only.
+    #[arg(long, env = "PROXY_ACCELERATION", value_enum, default_value_t = Acceleration::Off)]
+    acceleration: Acceleration,
     /// Program `spec.externalIPs` only inside these prefixes (comma-separated CIDRs, or
     /// `none` for no externalIPs at all); others are logged, counted and left out.
     /// Default: every externalIP, as kube-proxy does. Anyone who can create a Service
@@ -260,6 +270,7 @@ fn main() -> Result<()> {
                 maglev: proxy_user::maglev::Params::new(args.maglev_table_size, &args.maglev_seed)
                     .map_err(|e| anyhow::anyhow!(e))?,
                 forwarding_mode: args.forwarding_mode,
+                acceleration: args.acceleration,
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -273,6 +284,7 @@ fn main() -> Result<()> {
             interfaces,
             conntrack_max,
             tc_attach,
+            acceleration,
         } => {
             let r = proxy_user::migrate::install(&loader::InstallOptions {
                 pin_path: pin_path.clone(),
@@ -280,6 +292,7 @@ fn main() -> Result<()> {
                 interfaces,
                 conntrack_flows: conntrack_max,
                 tc_attach,
+                acceleration,
             })
             .with_context(|| format!("installing the datapath at {}", pin_path.display()))?;
             println!(

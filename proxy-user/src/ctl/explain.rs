@@ -113,7 +113,8 @@ pub struct QueryView {
 /// One way traffic reaches the destination.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct PathView {
-    /// `socket` (cgroup connect/sendmsg hooks) or `tc` (node interfaces).
+    /// `socket` (cgroup connect/sendmsg hooks), `tc` (node interfaces) or `xdp` (node
+    /// interfaces under `--acceleration`, ahead of TC).
     pub path: &'static str,
     /// Who sends this traffic.
     pub traffic: String,
@@ -209,6 +210,29 @@ fn socket_path(v: &ServiceView, family: &str, peer: SocketAddr) -> PathView {
         detail,
         backends: choices(v),
     }
+}
+
+/// Traffic from outside under `--acceleration`: the XDP program on the node's interfaces
+/// runs the TC stages first; what it cannot do it hands to TC.
+fn xdp_path(mut p: PathView, accel: u32) -> PathView {
+    let mode = if accel == proxy_common::acceleration::NATIVE {
+        "native"
+    } else {
+        "generic"
+    };
+    p.path = "xdp";
+    p.traffic = format!(
+        "packets arriving from outside the node (XDP, {mode} mode, on the node's interfaces, \
+         ahead of TC)"
+    );
+    let tail = if p.outcome == "rejected" {
+        "; XDP hands these packets to TC untouched, which sends the REJECT answer"
+    } else {
+        "; IP fragments, ICMP errors and packets XDP cannot forward (no neighbour entry yet) \
+         go on to TC untouched, which handles them the same way"
+    };
+    p.detail.push_str(tail);
+    p
 }
 
 fn tc_path(v: &ServiceView, local_policy: bool, traffic: &str) -> PathView {
@@ -397,6 +421,19 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
             false,
             "packets routed through this node to the cluster IP (TC on the node's interfaces)",
         ));
+    }
+    // Under `--acceleration` the packet path starts at XDP (the same stages as TC).
+    if s.acceleration != proxy_common::acceleration::OFF {
+        paths = paths
+            .into_iter()
+            .map(|p| {
+                if p.path == "tc" {
+                    xdp_path(p, s.acceleration)
+                } else {
+                    p
+                }
+            })
+            .collect();
     }
     if primary.flags_raw & svc_flags::AFFINITY != 0 {
         notes.push(format!(

@@ -125,6 +125,8 @@ pub struct Maps {
     revnat4: PinnedHash<u32, RevNat4>,
     revnat6: PinnedHash<u32, RevNat6>,
     stats: PerCpuArray<MapData, u64>,
+    xdp_stats: Option<PerCpuArray<MapData, u64>>,
+    acceleration: u32,
     conns: PerCpuHashMap<MapData, u32, u64>,
     conns_fd: OwnedFd,
     ct4: Option<HashMap<MapData, Ct4Key, Ct4Value>>,
@@ -176,6 +178,10 @@ impl Maps {
         let affinity = opt!(names::AFFINITY);
         let src4 = opt!(names::SRC_RANGE4);
         let src6 = opt!(names::SRC_RANGE6);
+        let xdp_stats = opt!(names::XDP_STATS);
+        let acceleration = pins
+            .read_meta(proxy_common::meta::ACCELERATION, ro)
+            .unwrap_or(proxy_common::acceleration::OFF);
         let (conns, conns_fd) = req!(pins.typed_with_fd(names::BACKEND_CONNS, ro));
         Ok(Self {
             dir: dir.to_owned(),
@@ -186,6 +192,8 @@ impl Maps {
             revnat4: req!(pins.hash(names::REVNAT4, ro)),
             revnat6: req!(pins.hash(names::REVNAT6, ro)),
             stats: req!(pins.typed(names::STATS, ro)),
+            xdp_stats,
+            acceleration,
             conns,
             conns_fd,
             ct4,
@@ -208,6 +216,7 @@ impl Maps {
         Snapshot {
             now_ns: monotonic_ns(),
             missing_maps: self.missing.clone(),
+            acceleration: self.acceleration,
             ..Snapshot::default()
         }
     }
@@ -219,6 +228,7 @@ impl Maps {
         self.read_services(&mut s)?;
         s.conns = self.read_conns()?;
         s.stats = self.read_stats()?;
+        s.xdp_stats = self.read_xdp_stats()?;
         s.node_addrs = self.read_node_addrs()?;
         s.src_ranges = self.read_src_ranges()?;
         s.services.src_ranges = s
@@ -272,6 +282,7 @@ impl Maps {
         self.read_backends(&mut s)?;
         s.conns = self.read_conns()?;
         s.stats = self.read_stats()?;
+        s.xdp_stats = self.read_xdp_stats()?;
         Ok(s)
     }
 
@@ -513,6 +524,14 @@ impl Maps {
         read_counters(&self.stats, names::STATS)
     }
 
+    /// `XDP_STATS` like `STATS`; empty when it is not pinned (a build without XDP).
+    pub fn read_xdp_stats(&self) -> Result<Vec<(Reason, u64)>> {
+        match &self.xdp_stats {
+            Some(m) => read_counters(m, names::XDP_STATS),
+            None => Ok(Vec::new()),
+        }
+    }
+
     /// `NODE_ADDRS4/6`; `None` if neither is pinned.
     pub fn read_node_addrs(&self) -> Result<Option<BTreeSet<IpAddr>>> {
         if self.node4.is_none() && self.node6.is_none() {
@@ -651,7 +670,10 @@ fn backend6(id: u32, b: &Backend6, warnings: &mut Vec<String>) -> Option<(Backen
 
 /// A `Reason`-indexed per-CPU counter array, summed over CPUs; a reason past its end
 /// (pins of an older build of the same ABI) reads 0.
-fn read_counters(map: &PerCpuArray<MapData, u64>, name: &'static str) -> Result<Vec<(Reason, u64)>> {
+fn read_counters(
+    map: &PerCpuArray<MapData, u64>,
+    name: &'static str,
+) -> Result<Vec<(Reason, u64)>> {
     Reason::ALL
         .iter()
         .map(|r| match map.get(&(*r as u32), 0) {

@@ -25,6 +25,10 @@ pub struct Snapshot {
     pub conns: BTreeMap<u32, u64>,
     /// `STATS` summed over CPUs, in `Reason` order.
     pub stats: Vec<(Reason, u64)>,
+    /// `XDP_STATS` summed over CPUs, in `Reason` order (empty when not pinned).
+    pub xdp_stats: Vec<(Reason, u64)>,
+    /// `META[ACCELERATION]`: the XDP mode the agent installed (`proxy_common::acceleration`).
+    pub acceleration: u32,
     /// `NODE_ADDRS4/6`; `None` when those maps are not pinned.
     pub node_addrs: Option<BTreeSet<IpAddr>>,
     /// `SRC_RANGE4/6`: service id -> allowed source prefixes.

@@ -80,6 +80,10 @@ pub fn meaning(r: Reason) -> &'static str {
 pub struct StatsDoc {
     pub schema: u32,
     pub counters: Vec<CounterView>,
+    /// The XDP hook's counters (`XDP_STATS`), the same reasons; empty when not pinned.
+    pub xdp_counters: Vec<CounterView>,
+    /// `off`, `generic` or `native` (`--acceleration`).
+    pub acceleration: &'static str,
     pub backends: Vec<BackendConnsView>,
 }
 
@@ -122,9 +126,24 @@ pub fn build(s: &Snapshot) -> StatsDoc {
             connections: s.conns_of(id),
         })
         .collect();
+    let xdp_counters = s
+        .xdp_stats
+        .iter()
+        .map(|(r, count)| CounterView {
+            reason: r.name(),
+            count: *count,
+            meaning: meaning(*r),
+        })
+        .collect();
     StatsDoc {
         schema: super::SCHEMA,
         counters,
+        xdp_counters,
+        acceleration: match s.acceleration {
+            proxy_common::acceleration::NATIVE => "native",
+            proxy_common::acceleration::GENERIC => "generic",
+            _ => "off",
+        },
         backends,
     }
 }
@@ -137,6 +156,16 @@ pub fn render(doc: &StatsDoc) -> String {
     }
     let mut out = t.render("");
     out.push('\n');
+    // The XDP counters when XDP runs or ran (only the non-zero ones: the same reasons).
+    if doc.acceleration != "off" || doc.xdp_counters.iter().any(|c| c.count > 0) {
+        let mut x = Table::new(&["XDP COUNTER", "COUNT"]);
+        for c in doc.xdp_counters.iter().filter(|c| c.count > 0) {
+            x.row(vec![c.reason.into(), c.count.to_string()]);
+        }
+        out.push_str(&format!("acceleration: {}\n", doc.acceleration));
+        out.push_str(&x.render(""));
+        out.push('\n');
+    }
     if doc.backends.is_empty() {
         out.push_str("no backends\n");
         return out;

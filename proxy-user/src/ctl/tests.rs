@@ -649,3 +649,37 @@ fn explain_tells_no_local_endpoint_from_no_endpoint_at_all() {
     assert_eq!(outcome, "rejected");
     assert!(detail.contains("RST"), "{detail}");
 }
+
+#[test]
+fn explain_and_stats_show_the_xdp_hook_under_acceleration() {
+    let mut s = fixture();
+    let paths = |s: &Snapshot, q: &str| -> Vec<&'static str> {
+        explain_doc(s, q).paths.iter().map(|p| p.path).collect()
+    };
+    // Off (and pins of a build without XDP): TC handles traffic from outside.
+    assert_eq!(paths(&s, "192.168.50.1:30080"), ["socket", "tc"]);
+    assert_eq!(stats::build(&s).acceleration, "off");
+    s.acceleration = proxy_common::acceleration::NATIVE;
+    s.xdp_stats = Reason::ALL
+        .iter()
+        .map(|r| (*r, u64::from(*r == Reason::TcNewFlow) * 7))
+        .collect();
+    let np = explain_doc(&s, "192.168.50.1:30080");
+    assert_eq!(
+        np.paths.iter().map(|p| p.path).collect::<Vec<_>>(),
+        ["socket", "xdp"],
+        "external traffic at XDP, pods and the node's processes at the socket hooks"
+    );
+    assert_eq!(np.paths[1].frontend, "0.0.0.0:30080/tcp/ext-local");
+    assert!(np.paths[1].traffic.contains("native mode"));
+    assert!(np.paths[1].detail.contains("go on to TC"));
+    // Cluster IP traffic routed through the node too: XDP runs the same stages.
+    assert_eq!(paths(&s, "10.96.0.100:80"), ["socket", "xdp"]);
+    let doc = stats::build(&s);
+    assert_eq!(doc.acceleration, "native");
+    assert!(doc
+        .xdp_counters
+        .iter()
+        .any(|c| c.reason == "tc_new_flow" && c.count == 7));
+    assert!(stats::render(&doc).contains("XDP COUNTER"));
+}

@@ -54,7 +54,7 @@ use std::{
 use aya::{
     programs::{
         tc::{SchedClassifierLink, TcError},
-        CgroupSockAddr, SchedClassifier, TcAttachType,
+        CgroupSockAddr, SchedClassifier, TcAttachType, Xdp,
     },
     EbpfLoader,
 };
@@ -249,6 +249,13 @@ fn parse_hook(pin: &str) -> Option<PinnedHook> {
             clsact: None,
         });
     }
+    if let Some(iface) = pin.strip_prefix(loader::XDP_PIN_PREFIX) {
+        return (!iface.is_empty()).then(|| PinnedHook {
+            pin: pin.into(),
+            program: "xdp_ingress",
+            clsact: None,
+        });
+    }
     let rest = pin.strip_prefix("tc-")?;
     let (rest, clsact) = match rest.strip_suffix("-clsact") {
         Some(r) => (r, true),
@@ -313,6 +320,11 @@ fn swap_hooks(
             if prog.fd().is_err() {
                 prog.load().map_err(prog_err)?;
             }
+        } else if name.starts_with("xdp_") {
+            let prog: &mut Xdp = program.try_into().map_err(prog_err)?;
+            if prog.fd().is_err() {
+                prog.load().map_err(prog_err)?;
+            }
         } else {
             let prog: &mut CgroupSockAddr = program.try_into().map_err(prog_err)?;
             if prog.fd().is_err() {
@@ -351,6 +363,12 @@ fn swap_hooks(
         } else {
             let fd = if hook.program.starts_with("tc_") {
                 let prog: &mut SchedClassifier = program.try_into().map_err(prog_err)?;
+                if prog.fd().is_err() {
+                    prog.load().map_err(prog_err)?;
+                }
+                prog.fd().map_err(prog_err)?.as_fd().try_clone_to_owned()
+            } else if hook.program.starts_with("xdp_") {
+                let prog: &mut Xdp = program.try_into().map_err(prog_err)?;
                 if prog.fd().is_err() {
                     prog.load().map_err(prog_err)?;
                 }
@@ -842,6 +860,9 @@ mod tests {
             ("tc_egress", Some(("br-egress".to_string(), false)))
         );
         assert_eq!(parse_hook("tc-eth0-sideways"), None);
+        let h = parse_hook("xdp-eth0").expect("xdp");
+        assert_eq!((h.program, h.clsact), ("xdp_ingress", None));
+        assert_eq!(parse_hook("xdp-"), None);
         assert_eq!(parse_hook("SVC4"), None);
     }
 

@@ -187,6 +187,7 @@ impl TestEnv {
             interfaces: Vec::new(),
             conntrack_flows: loader::DEFAULT_CONNTRACK_FLOWS,
             tc_attach: loader::TcAttachMode::Auto,
+            acceleration: loader::Acceleration::Off,
         })
         .expect("install")
     }
