@@ -918,6 +918,7 @@ tc_stale_backend       0      TC: UDP flow whose backend is gone: balanced afres
 tc_reject_limited      0      TC: ICMP port unreachable over the rate limit (1000/s per CPU): dropped
 tc_ct_write_failed     0      TC: a new flow's conntrack entries not written: dropped
 tc_rewrite_failed      0      TC: a packet rewrite refused half-way: dropped
+xdp_to_stack           0      XDP: left untouched to the stack and TC (fragment, ICMP error, REJECT answer, FIB result XDP cannot forward by)
 tc_dsr_encap           0      TC DSR, first node: sent to a remote backend with the frontend in the DSR option (client address kept, no SNAT)
 tc_dsr_decap           0      TC DSR, backend's node: DSR option read (reply entry recorded) and removed
 tc_dsr_reply           0      TC DSR, backend's node: reply sent straight to the client from the frontend
@@ -1181,6 +1182,7 @@ tc_stale_backend       0      -      -
 tc_reject_limited      0      -      -
 tc_ct_write_failed     0      -      -
 tc_rewrite_failed      0      -      -
+xdp_to_stack           0      -      -
 tc_dsr_encap           0      -      -
 tc_dsr_decap           0      -      -
 tc_dsr_reply           0      -      -
@@ -1223,6 +1225,7 @@ tc_stale_backend       0      +0     0.0
 tc_reject_limited      0      +0     0.0
 tc_ct_write_failed     0      +0     0.0
 tc_rewrite_failed      0      +0     0.0
+xdp_to_stack           0      +0     0.0
 tc_dsr_encap           0      +0     0.0
 tc_dsr_decap           0      +0     0.0
 tc_dsr_reply           0      +0     0.0
