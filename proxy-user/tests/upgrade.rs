@@ -60,7 +60,7 @@ fn main() {
         cluster_ip_client(Path::new(&netns));
         return;
     }
-    let tests: [(&str, fn()); 4] = [
+    let tests: [(&str, fn()); 5] = [
         (
             "upgrade_from_previous_release_keeps_every_connection",
             upgrade_from_previous_release_keeps_every_connection,
@@ -76,6 +76,10 @@ fn main() {
         (
             "same_layout_new_build_swaps_programs_in_place",
             same_layout_new_build_swaps_programs_in_place,
+        ),
+        (
+            "a_build_with_more_outcome_counters_migrates_the_pinned_counter_array",
+            a_build_with_more_outcome_counters_migrates_the_pinned_counter_array,
         ),
     ];
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -1127,4 +1131,147 @@ fn same_layout_new_build_swaps_programs_in_place() {
     assert_eq!((filter_ids(), sock_ids()), (filters_after, sock_after));
     drop(agent);
     let _ = fs::remove_dir_all(&dir);
+}
+
+/// A per-CPU array of `entries` u64 counters created with `bpf(2)` and pinned at `path`
+/// (as an older build of the same ABI with fewer `Reason`s left `STATS`).
+fn pin_counter_array(path: &Path, entries: u32) {
+    #[repr(C)]
+    #[derive(Default)]
+    struct MapCreate {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+        pad: [u32; 27],
+    }
+    #[repr(C)]
+    struct ObjPin {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        pad: [u32; 5],
+    }
+    const BPF_MAP_CREATE: libc::c_long = 0;
+    const BPF_OBJ_PIN: libc::c_long = 6;
+    const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
+    let attr = MapCreate {
+        map_type: BPF_MAP_TYPE_PERCPU_ARRAY,
+        key_size: 4,
+        value_size: 8,
+        max_entries: entries,
+        ..Default::default()
+    };
+    // SAFETY: a bpf_attr prefix of the right size, owned for the call.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_CREATE,
+            &attr as *const MapCreate,
+            std::mem::size_of::<MapCreate>(),
+        )
+    };
+    assert!(
+        fd >= 0,
+        "BPF_MAP_CREATE: {}",
+        std::io::Error::last_os_error()
+    );
+    let cpath = std::ffi::CString::new(path.to_str().expect("utf-8")).expect("path");
+    let pin = ObjPin {
+        pathname: cpath.as_ptr() as u64,
+        bpf_fd: fd as u32,
+        file_flags: 0,
+        path_fd: 0,
+        pad: [0; 5],
+    };
+    // SAFETY: as above; the path outlives the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_PIN,
+            &pin as *const ObjPin,
+            std::mem::size_of::<ObjPin>(),
+        )
+    };
+    assert_eq!(r, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
+    // SAFETY: our fd; the pin keeps the map.
+    unsafe { libc::close(fd as i32) };
+}
+
+/// New outcome counters (`Reason`s) come within an ABI (issue 15 added XDP's and DSR's).
+/// A build with more of them than the pinned `STATS` array holds must not swap its
+/// programs in against that array (their new counters would go nowhere and `proxyctl
+/// stats` would fail on them): it migrates through the staging directory, which copies
+/// the counts into an array of the new size, while traffic goes on.
+fn a_build_with_more_outcome_counters_migrates_the_pinned_counter_array() {
+    use proxy_common::Reason;
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::new();
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let mut agent = Agent::start(&new_agent(), &env, &c, &dir, &[]);
+    agent.wait_healthy();
+    agent.stop();
+    // Pins as an older build of this ABI left them: a smaller STATS with a count in it,
+    // another object hash in META.
+    let old_count = Reason::COUNT - 5;
+    let stats = env.pins.path.join(map_names::STATS);
+    fs::remove_file(&stats).expect("unpin STATS");
+    pin_counter_array(&stats, old_count);
+    {
+        let map = aya::maps::MapData::from_pin(&stats).expect("STATS");
+        let mut a: aya::maps::PerCpuArray<_, u64> =
+            aya::maps::PerCpuArray::try_from(aya::maps::Map::PerCpuArray(map)).expect("array");
+        let cpus = aya::util::nr_cpus().expect("cpus");
+        let values = aya::maps::PerCpuValues::try_from(vec![7u64; cpus]).expect("values");
+        a.set(Reason::TcNewFlow as u32, values, 0)
+            .expect("write a count");
+        let map = aya::maps::MapData::from_pin(env.pins.path.join(map_names::META)).expect("META");
+        let mut meta: aya::maps::Array<_, u32> =
+            aya::maps::Array::try_from(aya::maps::Map::Array(map)).expect("array");
+        meta.set(meta::OBJECT_HASH, 0x0bad_b0d5, 0)
+            .expect("write META");
+    }
+    let ext = ExtClients::start(&c, 2);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut agent = Agent::start(&new_agent(), &env, &c, &dir, &[]);
+    agent.wait_healthy();
+    std::thread::sleep(Duration::from_millis(500));
+    let (tcp, udp, flows, errors) = ext.finish();
+    let log = agent.logs();
+    assert!(
+        log.contains("counts more outcomes than the pinned counter array holds"),
+        "{log}"
+    );
+    assert!(!log.contains("replaced the running programs"), "{log}");
+    let info = aya::maps::MapData::from_pin(&stats)
+        .expect("STATS")
+        .info()
+        .expect("info");
+    assert_eq!(info.max_entries(), Reason::COUNT, "STATS has every reason");
+    let counts = proxy_user::BpfMaps::open(&env.pins.path)
+        .expect("maps")
+        .stats()
+        .expect("every counter readable");
+    let new_flows = counts
+        .iter()
+        .find(|(r, _)| *r == Reason::TcNewFlow)
+        .map(|(_, v)| *v)
+        .expect("tc_new_flow");
+    let cpus = aya::util::nr_cpus().expect("cpus") as u64;
+    assert!(
+        new_flows >= 7 * cpus,
+        "the old count was copied: {new_flows} < {}",
+        7 * cpus
+    );
+    assert_eq!(
+        bpf::read_meta(&env.pins.path, meta::OBJECT_HASH).expect("META"),
+        migrate::object_hash()
+    );
+    // The shared maps (conntrack) stayed one: no TC flow lost in the swap.
+    assert!(errors.is_empty(), "{errors:?}");
+    assert!(flows.iter().all(Result::is_ok), "{flows:?}");
+    assert!(tcp.0 > 0 && udp.0 > 0, "traffic went on: {tcp:?} {udp:?}");
 }

@@ -6,8 +6,9 @@ use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use proxy_user::{
     agent::{self, AgentOptions},
-    cleanup, cluster::lb_algorithm::LbAlgorithm, loader, Acceleration, ForwardingMode,
-    TcAttachMode, DEFAULT_PIN_PATH,
+    cleanup,
+    cluster::lb_algorithm::LbAlgorithm,
+    loader, Acceleration, ForwardingMode, TcAttachMode, DEFAULT_PIN_PATH,
 };
 
 #[derive(Parser)]

@@ -58,7 +58,7 @@ use aya::{
     },
     EbpfLoader,
 };
-use proxy_common::{map_names, meta, ABI_VERSION};
+use proxy_common::{map_names, meta, Reason, ABI_VERSION};
 use tracing::{info, warn};
 
 use crate::{
@@ -194,7 +194,39 @@ pub fn prepare(pin_path: &Path) -> Result<(), LoadError> {
         );
         return migrate(pin_path, found);
     }
+    if let Some((map, pinned)) = counters_grew(pin_path)? {
+        info!(
+            map,
+            pinned,
+            wanted = Reason::COUNT,
+            "this build counts more outcomes than the pinned counter array holds: \
+             migrating through the staging directory (the counters are copied)"
+        );
+        return migrate(pin_path, found);
+    }
     replace_programs(pin_path, pinned_hash)
+}
+
+/// A pinned outcome-counter array (`STATS`, `XDP_STATS`: one entry per [`Reason`]) smaller
+/// than this build's `Reason::COUNT`: new reasons are added within an ABI (a new counter
+/// is not a layout change for the other maps), but a program swap keeps the pinned
+/// array, where the new reasons' counts would be lost and readers would fail. Such pins
+/// take the staged migration, which copies the counters into arrays of the new size.
+fn counters_grew(pin_path: &Path) -> Result<Option<(&'static str, u32)>, LoadError> {
+    for name in [map_names::STATS, map_names::XDP_STATS] {
+        let path = pin_path.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let fd = sys::obj_get(&path).map_err(io_err("opening", &path))?;
+        let entries = sys::map_info(fd.as_fd())
+            .map_err(io_err("reading the map info of", &path))?
+            .max_entries;
+        if entries < Reason::COUNT {
+            return Ok(Some((name, entries)));
+        }
+    }
+    Ok(None)
 }
 
 /// Same layout, another build: load this build's programs against the pinned maps and
