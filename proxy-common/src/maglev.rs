@@ -116,8 +116,20 @@ mod tests {
         assert_ne!(h0, flow_hash([0; 4], [0; 4], 0, 0, 17));
         assert_ne!(h0, flow_hash([0, 0, 0, 1], [0; 4], 0, 0, 0));
         assert_ne!(h0, flow_hash([0; 4], [0, 0, 0, 1], 0, 0, 0));
-        let a = flow_hash([0x0100_000a, 0, 0, 0], [0x0200_000a, 0, 0, 0], 0x1f90, 0x5000, 6);
-        let b = flow_hash([0x0100_000a, 0, 0, 0], [0x0200_000a, 0, 0, 0], 0x1f91, 0x5000, 6);
+        let a = flow_hash(
+            [0x0100_000a, 0, 0, 0],
+            [0x0200_000a, 0, 0, 0],
+            0x1f90,
+            0x5000,
+            6,
+        );
+        let b = flow_hash(
+            [0x0100_000a, 0, 0, 0],
+            [0x0200_000a, 0, 0, 0],
+            0x1f91,
+            0x5000,
+            6,
+        );
         assert_ne!(a, b);
         assert_ne!(a, h0);
     }

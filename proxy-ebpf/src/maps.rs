@@ -13,9 +13,9 @@ use aya_ebpf::{
     maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
 };
 use proxy_common::{
-    limits::*, AffinityKey, AffinityValue, Backend4, MaglevChunk, MaglevKey, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
-    NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat6, SrcRange4, SrcRange6, Svc4Key,
-    Svc6Key, SvcValue,
+    limits::*, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
+    MaglevChunk, MaglevKey, NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat6,
+    SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
 };
 
 use crate::tc::state::{Bucket, Scratch};

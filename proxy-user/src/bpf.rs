@@ -15,8 +15,8 @@ use aya::{
     Pod,
 };
 use proxy_common::{
-    map_names as names, Backend4, Backend6, MaglevChunk, MaglevKey, NodeConfig, Reason, RevNat4, RevNat6, SrcRange4,
-    SrcRange6, Svc4Key, Svc6Key, SvcValue,
+    map_names as names, Backend4, Backend6, MaglevChunk, MaglevKey, NodeConfig, Reason, RevNat4,
+    RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
 };
 
 use crate::{

@@ -216,9 +216,7 @@ pub fn moved_fraction<T: PartialEq>(
     let (mb, ma) = (before.len() as u32, after.len() as u32);
     let moved = flows
         .iter()
-        .filter(|h| {
-            name_before(before[index(**h, mb)]) != name_after(after[index(**h, ma)])
-        })
+        .filter(|h| name_before(before[index(**h, mb)]) != name_after(after[index(**h, ma)]))
         .count();
     moved as f64 / flows.len() as f64
 }
@@ -262,7 +260,10 @@ pub fn disruption(params: Params, n: usize, flows: usize) -> (f64, f64) {
     let (base, extra) = addrs.split_at(n);
     let flows = sample_flows(flows);
     let with = |set: &[SocketAddr]| -> Vec<(SocketAddr, u16)> {
-        set.iter().enumerate().map(|(i, a)| (*a, i as u16 + 1)).collect()
+        set.iter()
+            .enumerate()
+            .map(|(i, a)| (*a, i as u16 + 1))
+            .collect()
     };
     let before_set = with(base);
     let before = table(params, &before_set);
@@ -301,7 +302,11 @@ mod tests {
     use super::*;
 
     fn set(addrs: &[SocketAddr]) -> Vec<(SocketAddr, u16)> {
-        addrs.iter().enumerate().map(|(i, a)| (*a, i as u16 + 1)).collect()
+        addrs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| (*a, i as u16 + 1))
+            .collect()
     }
 
     #[test]
@@ -309,7 +314,9 @@ mod tests {
         assert!(validate_table_size(16381).is_ok());
         assert!(validate_table_size(251).is_ok());
         assert!(validate_table_size(131071).is_ok());
-        assert!(validate_table_size(16383).unwrap_err().contains("not prime"));
+        assert!(validate_table_size(16383)
+            .unwrap_err()
+            .contains("not prime"));
         assert!(validate_table_size(241).unwrap_err().contains("outside"));
         assert!(validate_table_size(131101).unwrap_err().contains("outside"));
         assert!(Params::new(65536, "x").is_err());
@@ -328,7 +335,10 @@ mod tests {
         assert_eq!(counts[0], 0);
         // Maglev gives every backend floor(M/N) or ceil(M/N) entries... within a few.
         for c in &counts[1..] {
-            assert!((1600..=1677).contains(c), "share {c} of 16381 for 10 backends");
+            assert!(
+                (1600..=1677).contains(c),
+                "share {c} of 16381 for 10 backends"
+            );
         }
     }
 
@@ -349,7 +359,10 @@ mod tests {
         let ta = table(p, &a);
         let tb = table(p, &b);
         let name = |s: &[(SocketAddr, u16)], v: u16| s.iter().find(|(_, x)| *x == v).unwrap().0;
-        assert!(ta.iter().zip(&tb).all(|(x, y)| name(&a, *x) == name(&b, *y)));
+        assert!(ta
+            .iter()
+            .zip(&tb)
+            .all(|(x, y)| name(&a, *x) == name(&b, *y)));
         // Another seed gives another table.
         let tc = table(Params::new(4093, "cluster-b").unwrap(), &a);
         assert_ne!(ta, tc);
@@ -365,8 +378,14 @@ mod tests {
         for (n, factor) in [(10usize, 1.2), (100, 2.5)] {
             let (left, added) = disruption(Params::default(), n, 100_000);
             let bound = factor / n as f64;
-            assert!(left <= bound, "N={n}: {left:.4} of flows moved when one left (bound {bound:.4})");
-            assert!(added <= bound, "N={n}: {added:.4} of flows moved when one joined (bound {bound:.4})");
+            assert!(
+                left <= bound,
+                "N={n}: {left:.4} of flows moved when one left (bound {bound:.4})"
+            );
+            assert!(
+                added <= bound,
+                "N={n}: {added:.4} of flows moved when one joined (bound {bound:.4})"
+            );
             // The flows of the backend that left must move: at least ~1/N.
             assert!(left >= 0.8 / n as f64, "N={n}: only {left:.4} moved");
         }

@@ -662,9 +662,10 @@ impl<S: MapStore> Writer<S> {
             });
             let want = maglev::chunks(&maglev::table(w.maglev, &inputs));
             let same = found.len() == want.len()
-                && want.iter().enumerate().all(|(i, c)| {
-                    dump.maglev.get(&(sid, i as u32)).is_some_and(|d| **d == *c)
-                });
+                && want
+                    .iter()
+                    .enumerate()
+                    .all(|(i, c)| dump.maglev.get(&(sid, i as u32)).is_some_and(|d| **d == *c));
             let n = found.iter().max().map_or(0, |m| m + 1);
             let state = if same {
                 (maglev::fingerprint(w.maglev, &inputs), n)
@@ -1154,8 +1155,11 @@ impl<S: MapStore> Writer<S> {
         }
 
         // The Maglev table, after the slots it names and before the flag in slot 0.
-        let addr_of_new: HashMap<u32, std::net::SocketAddr> =
-            ids.iter().zip(&backends).map(|(id, b)| (*id, b.addr)).collect();
+        let addr_of_new: HashMap<u32, std::net::SocketAddr> = ids
+            .iter()
+            .zip(&backends)
+            .map(|(id, b)| (*id, b.addr))
+            .collect();
         let old_maglev = old.and_then(|p| p.maglev);
         let mut maglev_state = None;
         let mut maglev_dels = Vec::new();
@@ -1166,8 +1170,7 @@ impl<S: MapStore> Writer<S> {
             value: Box::new(*c),
         };
         let del_chunk = |chunk: u32| Op::DelMaglev { service_id, chunk };
-        let undo_chunk = |chunk: u32| match old_table.as_ref().and_then(|t| t.get(chunk as usize))
-        {
+        let undo_chunk = |chunk: u32| match old_table.as_ref().and_then(|t| t.get(chunk as usize)) {
             Some(c) => put_chunk(chunk, c),
             // Not known (an adopted table of other parameters): undoing leaves no table,
             // and the datapath falls back to random for it.

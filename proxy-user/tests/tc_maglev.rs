@@ -130,7 +130,11 @@ fn two_nodes_pick_the_backend_user_space_computes_and_conntrack_pins_flows() {
     let a = Node::new(params);
     let b = Node::new(params);
     let (mut a, mut b) = (a, b);
-    let fe = Frontend::new("203.0.113.10".parse::<IpAddr>().expect("ip"), 80, Proto::Tcp);
+    let fe = Frontend::new(
+        "203.0.113.10".parse::<IpAddr>().expect("ip"),
+        80,
+        Proto::Tcp,
+    );
     let all = backends4(10);
     // Node A: the ten in order. Node B: another history (a subset first, then the rest in
     // reverse), so its slot numbers differ from A's.
@@ -147,7 +151,11 @@ fn two_nodes_pick_the_backend_user_space_computes_and_conntrack_pins_flows() {
             .map(|s| d.backends[&d.slots[&(fe, s)]].0.addr)
             .collect::<Vec<_>>()
     };
-    assert_ne!(slots(&a.writer), slots(&b.writer), "the two nodes' slots should differ");
+    assert_ne!(
+        slots(&a.writer),
+        slots(&b.writer),
+        "the two nodes' slots should differ"
+    );
 
     let flows: Vec<Pkt> = (0..300u32)
         .map(|i| {
@@ -175,7 +183,10 @@ fn two_nodes_pick_the_backend_user_space_computes_and_conntrack_pins_flows() {
     a.writer.upsert(&entry(fe, &rest, true)).expect("upsert A");
     b.writer.upsert(&entry(fe, &rest, true)).expect("upsert B");
     for f in &flows {
-        let ack = Pkt { flags: ACK, ..f.clone() };
+        let ack = Pkt {
+            flags: ACK,
+            ..f.clone()
+        };
         let before = expected(params, &all, f);
         if before != gone {
             assert_eq!(a.dst(&ack), before, "established flow moved on A");
@@ -217,7 +228,13 @@ fn ipv6_and_the_random_default_differ_from_maglev_only_by_the_flag() {
     a.writer.upsert(&entry(fe, &all, true)).expect("upsert");
     b.writer.upsert(&entry(fe, &rev, true)).expect("upsert");
     let flows: Vec<Pkt> = (0..100u16)
-        .map(|i| Pkt::tcp(&format!("[2001:db8::7]:{}", 30000 + i), "[2001:db8:96::10]:80", SYN))
+        .map(|i| {
+            Pkt::tcp(
+                &format!("[2001:db8::7]:{}", 30000 + i),
+                "[2001:db8:96::10]:80",
+                SYN,
+            )
+        })
         .collect();
     for f in &flows {
         let want = expected(params, &all, f);
@@ -235,7 +252,11 @@ fn ipv6_and_the_random_default_differ_from_maglev_only_by_the_flag() {
         })
         .filter(|f| b.dst(f) != expected(params, &all, f))
         .count();
-    assert!(differ > 20, "random choice matched Maglev for {} of 100", 100 - differ);
+    assert!(
+        differ > 20,
+        "random choice matched Maglev for {} of 100",
+        100 - differ
+    );
     let _ = TCP;
 }
 
@@ -258,12 +279,10 @@ fn a_maglev_frontend_costs_nine_4_kib_elements_at_the_default_table_size() {
     let backends = backends4(20);
     let n = 100u32;
     for i in 0..n {
-        let fe = Frontend::new(
-            std::net::Ipv4Addr::from(0xcb00_7100 + i),
-            80,
-            Proto::Tcp,
-        );
-        node.writer.upsert(&entry(fe, &backends, true)).expect("upsert");
+        let fe = Frontend::new(std::net::Ipv4Addr::from(0xcb00_7100 + i), 80, Proto::Tcp);
+        node.writer
+            .upsert(&entry(fe, &backends, true))
+            .expect("upsert");
     }
     let after = maglev_bytes();
     let per = (after - before) / u64::from(n);
@@ -273,6 +292,8 @@ fn a_maglev_frontend_costs_nine_4_kib_elements_at_the_default_table_size() {
     assert!(before < 3 << 20, "{before} B for the empty map");
     // A random frontend costs nothing in MAGLEV.
     let fe = Frontend::new(std::net::Ipv4Addr::new(203, 0, 114, 1), 80, Proto::Tcp);
-    node.writer.upsert(&entry(fe, &backends, false)).expect("upsert");
+    node.writer
+        .upsert(&entry(fe, &backends, false))
+        .expect("upsert");
     assert_eq!(maglev_bytes(), after);
 }

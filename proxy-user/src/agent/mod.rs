@@ -141,9 +141,9 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     let (mut writer, adopted) = tokio::task::spawn_blocking(move || {
         Writer::adopt_with(maps, crate::writer::BATCH_MIN_FRONTENDS, maglev)
     })
-        .await
-        .context("the adoption task failed")?
-        .context("reading the pinned maps back")?;
+    .await
+    .context("the adoption task failed")?
+    .context("reading the pinned maps back")?;
     let mut node_addresses = NodeAddresses::new(node_addrs);
     node_addresses
         .update(&mut writer, &[])

@@ -6,7 +6,9 @@ use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use proxy_user::{
     agent::{self, AgentOptions},
-    cleanup, cluster::lb_algorithm::LbAlgorithm, loader, TcAttachMode, DEFAULT_PIN_PATH,
+    cleanup,
+    cluster::lb_algorithm::LbAlgorithm,
+    loader, TcAttachMode, DEFAULT_PIN_PATH,
 };
 
 #[derive(Parser)]
@@ -307,8 +309,8 @@ fn main() -> Result<()> {
             flows,
             backends,
         } => {
-            let params =
-                proxy_user::maglev::Params::new(table_size, &seed).map_err(|e| anyhow::anyhow!(e))?;
+            let params = proxy_user::maglev::Params::new(table_size, &seed)
+                .map_err(|e| anyhow::anyhow!(e))?;
             for n in backends.into_iter().filter(|n| *n >= 2) {
                 let t = std::time::Instant::now();
                 let (left, added) = proxy_user::maglev::disruption(params, n, flows);

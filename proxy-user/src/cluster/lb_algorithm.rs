@@ -40,7 +40,9 @@ impl FromStr for LbAlgorithm {
         match s.trim().to_ascii_lowercase().as_str() {
             "random" => Ok(LbAlgorithm::Random),
             "maglev" => Ok(LbAlgorithm::Maglev),
-            _ => Err(format!("unknown load-balancing algorithm {s:?} (expected random or maglev)")),
+            _ => Err(format!(
+                "unknown load-balancing algorithm {s:?} (expected random or maglev)"
+            )),
         }
     }
 }
@@ -66,9 +68,21 @@ mod tests {
         let a = |v: &str| BTreeMap::from([(ANNOTATION.to_string(), v.to_string())]);
         assert_eq!(from_annotations(None), Ok(None));
         assert_eq!(from_annotations(Some(&BTreeMap::new())), Ok(None));
-        assert_eq!(from_annotations(Some(&a("maglev"))), Ok(Some(LbAlgorithm::Maglev)));
-        assert_eq!(from_annotations(Some(&a("Random"))), Ok(Some(LbAlgorithm::Random)));
-        assert_eq!(from_annotations(Some(&a("ring-hash"))), Err("ring-hash".to_string()));
-        assert!("x".parse::<LbAlgorithm>().unwrap_err().contains("random or maglev"));
+        assert_eq!(
+            from_annotations(Some(&a("maglev"))),
+            Ok(Some(LbAlgorithm::Maglev))
+        );
+        assert_eq!(
+            from_annotations(Some(&a("Random"))),
+            Ok(Some(LbAlgorithm::Random))
+        );
+        assert_eq!(
+            from_annotations(Some(&a("ring-hash"))),
+            Err("ring-hash".to_string())
+        );
+        assert!("x"
+            .parse::<LbAlgorithm>()
+            .unwrap_err()
+            .contains("random or maglev"));
     }
 }

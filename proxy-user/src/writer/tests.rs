@@ -1112,12 +1112,25 @@ fn maglev_table_is_written_before_the_flag_and_deleted_after_it() {
     w.upsert(&maglev_svc(fe, &[A, B, C])).expect("upsert");
     let l = log(&mut w);
     let lines: Vec<&str> = l.lines().collect();
-    let first_chunk = lines.iter().position(|l| l.starts_with("put maglev")).expect("a chunk");
-    let frontend = lines.iter().position(|l| l.starts_with("put frontend")).expect("slot 0");
-    let last_slot = lines.iter().rposition(|l| l.starts_with("put slot")).expect("slots");
+    let first_chunk = lines
+        .iter()
+        .position(|l| l.starts_with("put maglev"))
+        .expect("a chunk");
+    let frontend = lines
+        .iter()
+        .position(|l| l.starts_with("put frontend"))
+        .expect("slot 0");
+    let last_slot = lines
+        .iter()
+        .rposition(|l| l.starts_with("put slot"))
+        .expect("slots");
     assert!(last_slot < first_chunk && first_chunk < frontend, "{l}");
     // 4093 entries: 3 chunks.
-    assert_eq!(lines.iter().filter(|l| l.starts_with("put maglev")).count(), 3, "{l}");
+    assert_eq!(
+        lines.iter().filter(|l| l.starts_with("put maglev")).count(),
+        3,
+        "{l}"
+    );
     // The maps give every flow the backend the user-space table gives it.
     let d = w.store().inner.state.clone();
     let pods: Vec<(SocketAddr, u16)> = [A, B, C].iter().map(|p| pod(p)).zip(1..).collect();
@@ -1177,8 +1190,8 @@ fn maglev_tables_survive_adoption_without_writes_and_stale_ones_are_rewritten() 
 
     // A restart with the same parameters: the same desired state writes nothing.
     let store = std::mem::take(&mut w.store_mut().inner);
-    let (mut w2, report) = Writer::adopt_with(store, BATCH_MIN_FRONTENDS, small_maglev())
-        .expect("adopt");
+    let (mut w2, report) =
+        Writer::adopt_with(store, BATCH_MIN_FRONTENDS, small_maglev()).expect("adopt");
     assert!(report.repairs.is_empty(), "{report:?}");
     assert_eq!(report.orphans_deleted, 0);
     w2.store_mut().log.clear();
@@ -1190,7 +1203,11 @@ fn maglev_tables_survive_adoption_without_writes_and_stale_ones_are_rewritten() 
     let store = std::mem::take(w2.store_mut());
     let other = MaglevParams::new(4093, "another-seed").expect("prime");
     let (mut w3, report) = Writer::adopt_with(store, usize::MAX, other).expect("adopt");
-    assert_eq!(report.repairs.get("maglev_table_stale"), Some(&2), "{report:?}");
+    assert_eq!(
+        report.repairs.get("maglev_table_stale"),
+        Some(&2),
+        "{report:?}"
+    );
     w3.store_mut().log.clear();
     let r = w3.sync(desired);
     assert!(r.errors.is_empty());

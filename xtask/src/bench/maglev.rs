@@ -43,8 +43,11 @@ pub fn run(bin_dir: &Path, out_dir: &Path) -> Result<(Vec<Row>, String)> {
     }
     let md = table(&rows);
     std::fs::write(out_dir.join("maglev.md"), &md).context("writing maglev.md")?;
-    std::fs::write(out_dir.join("maglev.json"), serde_json::to_string_pretty(&rows)?)
-        .context("writing maglev.json")?;
+    std::fs::write(
+        out_dir.join("maglev.json"),
+        serde_json::to_string_pretty(&rows)?,
+    )
+    .context("writing maglev.json")?;
     Ok((rows, md))
 }
 

@@ -665,6 +665,10 @@ fn the_lb_algorithm_annotation_overrides_the_default_for_external_frontends_only
         .collect();
     assert_eq!(
         maglev,
-        ["0.0.0.0:30010/tcp", "0.0.0.0:30011/tcp", "0.0.0.0:30013/tcp"]
+        [
+            "0.0.0.0:30010/tcp",
+            "0.0.0.0:30011/tcp",
+            "0.0.0.0:30013/tcp"
+        ]
     );
 }
