@@ -649,3 +649,20 @@ fn explain_tells_no_local_endpoint_from_no_endpoint_at_all() {
     assert_eq!(outcome, "rejected");
     assert!(detail.contains("RST"), "{detail}");
 }
+
+/// A Maglev frontend: `services` shows the flag, `explain` says how TC chooses.
+#[test]
+fn maglev_frontends_are_shown_and_explained() {
+    let mut s = fixture();
+    let np = tcp("0.0.0.0", 30080);
+    let v = s.services.frontends.get_mut(&np).expect("nodeport");
+    v.flags |= svc_flags::MAGLEV;
+    let d = explain_doc(&s, "192.168.50.1:30080");
+    assert!(
+        d.notes.iter().any(|n| n.contains("lb-algorithm maglev")),
+        "{:?}",
+        d.notes
+    );
+    let plain = explain_doc(&fixture(), "192.168.50.1:30080");
+    assert!(!plain.notes.iter().any(|n| n.contains("maglev")));
+}
