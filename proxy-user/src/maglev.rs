@@ -62,7 +62,7 @@ pub fn is_prime(n: u32) -> bool {
     }
     let mut d = 2u32;
     while d.saturating_mul(d) <= n {
-        if n % d == 0 {
+        if n.is_multiple_of(d) {
             return false;
         }
         d += 1;
@@ -315,10 +315,14 @@ mod tests {
         assert!(validate_table_size(251).is_ok());
         assert!(validate_table_size(131071).is_ok());
         assert!(validate_table_size(16383)
-            .unwrap_err()
+            .expect_err("an error")
             .contains("not prime"));
-        assert!(validate_table_size(241).unwrap_err().contains("outside"));
-        assert!(validate_table_size(131101).unwrap_err().contains("outside"));
+        assert!(validate_table_size(241)
+            .expect_err("an error")
+            .contains("outside"));
+        assert!(validate_table_size(131101)
+            .expect_err("an error")
+            .contains("outside"));
         assert!(Params::new(65536, "x").is_err());
     }
 
@@ -344,7 +348,7 @@ mod tests {
 
     #[test]
     fn independent_computations_agree_whatever_the_order() {
-        let p = Params::new(4093, "cluster-a").unwrap();
+        let p = Params::new(4093, "cluster-a").expect("ok");
         let addrs = sample_backends(37);
         // Node A got the backends in one order, node B in reverse; the values (slot
         // numbers) differ per node but name the same backend.
@@ -358,13 +362,13 @@ mod tests {
         b.rotate_left(5);
         let ta = table(p, &a);
         let tb = table(p, &b);
-        let name = |s: &[(SocketAddr, u16)], v: u16| s.iter().find(|(_, x)| *x == v).unwrap().0;
+        let name = |s: &[(SocketAddr, u16)], v: u16| s.iter().find(|(_, x)| *x == v).expect("ok").0;
         assert!(ta
             .iter()
             .zip(&tb)
             .all(|(x, y)| name(&a, *x) == name(&b, *y)));
         // Another seed gives another table.
-        let tc = table(Params::new(4093, "cluster-b").unwrap(), &a);
+        let tc = table(Params::new(4093, "cluster-b").expect("ok"), &a);
         assert_ne!(ta, tc);
     }
 

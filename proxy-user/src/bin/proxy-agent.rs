@@ -64,6 +64,20 @@ enum Command {
         #[arg(long, env = "PROXY_PIN_PATH", default_value = DEFAULT_PIN_PATH)]
         pin_path: PathBuf,
     },
+    /// Maglev disruption (for `cargo xtask bench`): over `--flows` sample flows, the
+    /// fraction that change backend when one of N backends leaves and when one is added,
+    /// one JSON line per N. Pure computation, the agent's own table code.
+    #[command(hide = true)]
+    MaglevDisruption {
+        #[arg(long, default_value_t = proxy_common::limits::MAGLEV_TABLE_DEFAULT, value_parser = parse_table_size)]
+        table_size: u32,
+        #[arg(long, default_value = proxy_user::maglev::DEFAULT_SEED)]
+        seed: String,
+        #[arg(long, default_value_t = 100_000)]
+        flows: usize,
+        #[arg(long, value_delimiter = ',', default_value = "10,100")]
+        backends: Vec<usize>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -310,6 +324,31 @@ fn main() -> Result<()> {
                 anyhow::bail!(
                     "{} step(s) of the kube-proxy cleanup failed (see above)",
                     report.errors.len()
+                );
+            }
+        }
+        Command::MaglevDisruption {
+            table_size,
+            seed,
+            flows,
+            backends,
+        } => {
+            let params = proxy_user::maglev::Params::new(table_size, &seed)
+                .map_err(|e| anyhow::anyhow!(e))?;
+            for n in backends.into_iter().filter(|n| *n >= 2) {
+                let t = std::time::Instant::now();
+                let (left, added) = proxy_user::maglev::disruption(params, n, flows);
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "table_size": table_size,
+                        "backends": n,
+                        "flows": flows,
+                        "moved_on_leave": left,
+                        "moved_on_add": added,
+                        "ideal": 1.0 / n as f64,
+                        "seconds": t.elapsed().as_secs_f64(),
+                    })
                 );
             }
         }

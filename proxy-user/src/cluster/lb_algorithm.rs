@@ -82,7 +82,7 @@ mod tests {
         );
         assert!("x"
             .parse::<LbAlgorithm>()
-            .unwrap_err()
+            .expect_err("an error")
             .contains("random or maglev"));
     }
 }

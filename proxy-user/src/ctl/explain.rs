@@ -443,6 +443,15 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
             primary.affinity_timeout_seconds
         ));
     }
+    if primary.flags_raw & svc_flags::MAGLEV != 0 {
+        notes.push(
+            "lb-algorithm maglev: at TC a new flow from outside gets the backend the \
+             frontend's Maglev table (MAGLEV) gives the hash of its 5-tuple, the same on \
+             every node with the same --maglev-table-size and --maglev-seed; the socket \
+             hooks (pods, the node) stay random"
+                .to_string(),
+        );
+    }
     if primary.flags_raw & svc_flags::SOURCE_RANGES != 0 {
         notes.push(format!(
             "loadBalancerSourceRanges: only sources in {} are accepted from outside",

@@ -164,7 +164,7 @@ pub fn scope_name(s: u8) -> String {
 
 /// Every set frontend flag as a stable word (JSON `flags`); unknown bits as `bitN`.
 pub fn svc_flag_names(flags: u16) -> Vec<String> {
-    const NAMES: [(u16, &str); 7] = [
+    const NAMES: [(u16, &str); 8] = [
         (svc_flags::AFFINITY, "affinity"),
         (svc_flags::LOCAL_ONLY, "local-only"),
         (svc_flags::NODE_PORT, "node-port"),
@@ -172,6 +172,8 @@ pub fn svc_flag_names(flags: u16) -> Vec<String> {
         (svc_flags::LOAD_BALANCER, "load-balancer"),
         (svc_flags::ETP_LOCAL, "etp-local"),
         (svc_flags::SOURCE_RANGES, "source-ranges"),
+        // External flows at TC choose by Maglev (else random).
+        (svc_flags::MAGLEV, "maglev"),
     ];
     (0..16)
         .map(|bit| 1u16 << bit)
@@ -268,5 +270,19 @@ impl Snapshot {
             .iter()
             .find(|(r, _)| *r == reason)
             .map_or(0, |(_, v)| *v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flag_names_include_the_lb_algorithm() {
+        assert_eq!(
+            svc_flag_names(svc_flags::NODE_PORT | svc_flags::MAGLEV),
+            ["node-port", "maglev"]
+        );
+        assert_eq!(svc_flag_names(1 << 15), ["bit15"]);
     }
 }

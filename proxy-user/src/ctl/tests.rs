@@ -683,3 +683,20 @@ fn explain_and_stats_show_the_xdp_hook_under_acceleration() {
         .any(|c| c.reason == "tc_new_flow" && c.count == 7));
     assert!(stats::render(&doc).contains("XDP COUNTER"));
 }
+
+/// A Maglev frontend: `services` shows the flag, `explain` says how TC chooses.
+#[test]
+fn maglev_frontends_are_shown_and_explained() {
+    let mut s = fixture();
+    let np = tcp("0.0.0.0", 30080);
+    let v = s.services.frontends.get_mut(&np).expect("nodeport");
+    v.flags |= svc_flags::MAGLEV;
+    let d = explain_doc(&s, "192.168.50.1:30080");
+    assert!(
+        d.notes.iter().any(|n| n.contains("lb-algorithm maglev")),
+        "{:?}",
+        d.notes
+    );
+    let plain = explain_doc(&fixture(), "192.168.50.1:30080");
+    assert!(!plain.notes.iter().any(|n| n.contains("maglev")));
+}

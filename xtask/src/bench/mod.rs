@@ -25,6 +25,7 @@ mod api;
 mod client;
 mod iptables;
 mod ipvs;
+mod maglev;
 mod modes;
 mod nftables;
 mod plan;
@@ -341,6 +342,12 @@ fn run(args: &Args) -> Result<()> {
         pin_path: PathBuf::from("/sys/fs/bpf").join(topo::unique("ebpf-proxy-bench-")),
         manifests: manifests.0.clone(),
     };
+
+    // Maglev disruption: pure computation, seconds (also with --quick).
+    match maglev::run(&ctx.bin_dir, &out_dir) {
+        Ok((_, md)) => log(start, format!("Maglev disruption (maglev.md):\n{md}")),
+        Err(e) => log(start, format!("Maglev disruption not measured: {e:#}")),
+    }
 
     let mut results = Results::default();
     results.meta.command = std::iter::once("cargo xtask bench".to_string())
