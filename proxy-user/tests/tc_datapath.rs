@@ -758,7 +758,8 @@ fn link_details(ns: &Netns, iface: &str) -> String {
 /// remote one (SNAT), and the new flows and the remote replies were handled at XDP: its
 /// counters (`XDP_STATS`) have them, TC's (`STATS`) only what XDP handed on (a flow whose
 /// next hop had no neighbour entry yet). The XDP links are pinned, in driver mode,
-/// adopted by a restarted agent, detached by one started with `--acceleration off`,
+/// adopted by a restarted agent, swapped in place by another build of the same ABI,
+/// detached by one started with `--acceleration off`,
 /// attached in skb mode with `generic`, and removed by uninstall.
 #[test]
 fn nodeport_at_xdp_native_to_local_and_remote_backends() {
@@ -901,6 +902,33 @@ fn nodeport_at_xdp_native_to_local_and_remote_backends() {
     );
     assert_eq!(xdp_ids(), ids, "adopted without reloading");
     expect_pods(&spread(&c.ext, 30, || ask_tcp(nodeport)), &all_pods);
+    agent.stop();
+    // Pins as another build of the same ABI left them (another object hash in META): the
+    // new programs are swapped into the pinned XDP links in place (BPF_LINK_UPDATE).
+    {
+        let map = aya::maps::MapData::from_pin(env.pins.path.join(map_names::META)).expect("META");
+        let mut meta: aya::maps::Array<_, u32> =
+            aya::maps::Array::try_from(aya::maps::Map::Array(map)).expect("array");
+        meta.set(proxy_common::meta::OBJECT_HASH, 0x0bad_b0d5, 0)
+            .expect("write META");
+    }
+    let agent = start("native");
+    assert!(
+        agent.logs().contains("replaced the running programs"),
+        "{}",
+        agent.logs()
+    );
+    let swapped = xdp_ids();
+    assert!(
+        swapped.iter().all(|i| !i.is_empty() && !ids.contains(i)),
+        "{ids:?} -> {swapped:?}"
+    );
+    let before = pinned_counter(&xdp, Reason::TcNewFlow);
+    expect_pods(&spread(&c.ext, 30, || ask_tcp(nodeport)), &all_pods);
+    assert!(
+        pinned_counter(&xdp, Reason::TcNewFlow) >= before + 20,
+        "the new programs at XDP"
+    );
     agent.stop();
     let agent = start("off");
     for iface in ["ext0", "nb0"] {

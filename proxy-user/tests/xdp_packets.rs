@@ -242,6 +242,24 @@ fn etp_local_and_source_ranges_at_xdp() {
     assert_eq!(bed.run("xdp_ingress", &syn).0, XDP_DROP);
     assert_eq!(bed.xdp_counter(Reason::TcNoLocalBackend), 1);
     assert_eq!(bed.counter(Reason::TcNoLocalBackend), 0);
+
+    // loadBalancerSourceRanges: 198.51.100.0/24 allowed, others dropped at XDP.
+    let lb = Frontend::new(Ipv4Addr::new(203, 0, 113, 10), 443, Proto::Tcp);
+    let mut e = entry(
+        lb,
+        &[("10.1.1.2:8443", LOCAL)],
+        svc_flags::LOAD_BALANCER | svc_flags::SOURCE_RANGES,
+    );
+    e.source_ranges = vec![(ip("198.51.100.0"), 24)];
+    bed.writer.upsert(&e).expect("upsert");
+    let (verdict, out) = bed.run(
+        "xdp_ingress",
+        &Pkt::tcp("198.51.100.7:40000", "203.0.113.10:443", SYN),
+    );
+    assert_eq!((verdict, out.dst), (XDP_PASS, sa("10.1.1.2:8443")));
+    let denied = Pkt::tcp("192.0.2.50:40000", "203.0.113.10:443", SYN);
+    assert_eq!(bed.run("xdp_ingress", &denied).0, XDP_DROP);
+    assert_eq!(bed.xdp_counter(Reason::TcSourceDenied), 1);
 }
 
 /// A namespace whose FIB answers: `x0` (the node's 192.0.2.1/24, the client and
