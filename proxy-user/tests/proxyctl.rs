@@ -918,6 +918,7 @@ tc_stale_backend       0      TC: UDP flow whose backend is gone: balanced afres
 tc_reject_limited      0      TC: ICMP port unreachable over the rate limit (1000/s per CPU): dropped
 tc_ct_write_failed     0      TC: a new flow's conntrack entries not written: dropped
 tc_rewrite_failed      0      TC: a packet rewrite refused half-way: dropped
+xdp_to_stack           0      XDP: left untouched to the stack and TC (fragment, ICMP error, REJECT answer, FIB result XDP cannot forward by)
 
 BACKEND               ID  CONNS
 10.240.1.2:8080       1   4
@@ -1177,6 +1178,7 @@ tc_stale_backend       0      -      -
 tc_reject_limited      0      -      -
 tc_ct_write_failed     0      -      -
 tc_rewrite_failed      0      -      -
+xdp_to_stack           0      -      -
 
 proxyctl watch: every 100ms, frame 2 of 2
 
@@ -1215,6 +1217,7 @@ tc_stale_backend       0      +0     0.0
 tc_reject_limited      0      +0     0.0
 tc_ct_write_failed     0      +0     0.0
 tc_rewrite_failed      0      +0     0.0
+xdp_to_stack           0      +0     0.0
 
 $ proxyctl dump
 frontend 0.0.0.0:30080/tcp id=6 count=2 flags=0x24 affinity=0
