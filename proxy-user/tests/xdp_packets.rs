@@ -242,6 +242,24 @@ fn etp_local_and_source_ranges_at_xdp() {
     assert_eq!(bed.run("xdp_ingress", &syn).0, XDP_DROP);
     assert_eq!(bed.xdp_counter(Reason::TcNoLocalBackend), 1);
     assert_eq!(bed.counter(Reason::TcNoLocalBackend), 0);
+
+    // loadBalancerSourceRanges: 198.51.100.0/24 allowed, others dropped at XDP.
+    let lb = Frontend::new(Ipv4Addr::new(203, 0, 113, 10), 443, Proto::Tcp);
+    let mut e = entry(
+        lb,
+        &[("10.1.1.2:8443", LOCAL)],
+        svc_flags::LOAD_BALANCER | svc_flags::SOURCE_RANGES,
+    );
+    e.source_ranges = vec![(ip("198.51.100.0"), 24)];
+    bed.writer.upsert(&e).expect("upsert");
+    let (verdict, out) = bed.run(
+        "xdp_ingress",
+        &Pkt::tcp("198.51.100.7:40000", "203.0.113.10:443", SYN),
+    );
+    assert_eq!((verdict, out.dst), (XDP_PASS, sa("10.1.1.2:8443")));
+    let denied = Pkt::tcp("192.0.2.50:40000", "203.0.113.10:443", SYN);
+    assert_eq!(bed.run("xdp_ingress", &denied).0, XDP_DROP);
+    assert_eq!(bed.xdp_counter(Reason::TcSourceDenied), 1);
 }
 
 /// A namespace whose FIB answers: `x0` (the node's 192.0.2.1/24, the client and
@@ -397,4 +415,50 @@ fn remote_backends_are_snatted_and_forwarded_by_xdp_tx_or_redirect_after_a_fib_l
     assert_eq!(out.dst, sa("10.4.1.2:8080"));
     assert_eq!(out.src.ip(), ip("192.0.2.1"));
     assert_eq!(bed.counter(Reason::TcNewFlow), 1, "a new flow at TC");
+}
+
+/// `--acceleration native` on an interface whose driver has no native XDP (a bridge,
+/// made in a test namespace) fails with an error naming the interface, and leaves no
+/// hook of this install behind; `generic` attaches there (skb mode) and is pinned.
+#[test]
+fn native_acceleration_without_driver_support_is_refused_naming_the_interface() {
+    let env = support::TestEnv::outside_cgroup();
+    let ns = Netns::new(unique("ebp-xn-"));
+    ns.ip(&["link", "add", "br0", "type", "bridge"]);
+    ns.ip(&["link", "set", "br0", "up"]);
+    let _cleanup = support::tc::UninstallIn::new(&ns, &env.pins.path);
+    let install = |acceleration| {
+        let _g = ns.enter();
+        proxy_user::loader::install(&proxy_user::loader::InstallOptions {
+            pin_path: env.pins.path.clone(),
+            cgroup: Some(env.cgroup.path.clone()),
+            interfaces: vec!["br0".into()],
+            conntrack_flows: proxy_user::loader::DEFAULT_CONNTRACK_FLOWS,
+            tc_attach: proxy_user::loader::TcAttachMode::Auto,
+            acceleration,
+        })
+    };
+    let e = install(proxy_user::loader::Acceleration::Native).expect_err("no native XDP");
+    let text = e.to_string();
+    assert!(
+        text.contains("native XDP") && text.contains("br0") && text.contains("generic"),
+        "{text}"
+    );
+    let links = env.pins.path.join("links");
+    let left: Vec<_> = std::fs::read_dir(&links)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "rolled back: {left:?}");
+
+    let r = install(proxy_user::loader::Acceleration::Generic).expect("generic XDP");
+    assert!(r.attached.contains(&"xdp-br0".to_string()), "{r:?}");
+    let out = std::process::Command::new("ip")
+        .args(["-n", &ns.name, "-d", "link", "show", "br0"])
+        .output()
+        .expect("ip");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("xdpgeneric"));
+    assert_eq!(
+        proxy_user::bpf::read_meta(&env.pins.path, proxy_common::meta::ACCELERATION).expect("META"),
+        proxy_common::acceleration::GENERIC
+    );
 }
