@@ -10,11 +10,10 @@ mod support;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
-use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use proxy_common::{backend_flags, map_names, svc_flags, Ct4Key, Ct4Value};
 use proxy_user::{bpf, loader, model::Backend, BpfMaps, Frontend, Proto, ServiceEntry, Writer};
 use support::{
-    require_root,
+    progrun, require_root,
     tc::{icmp_error, parse_icmp_error, Pkt, TCP, UDP},
     PinDir,
 };
@@ -41,16 +40,7 @@ impl Bed {
     fn with_conntrack(flows: u32) -> Self {
         require_root();
         let pins = PinDir::new();
-        let entries = loader::conntrack_entries(flows).expect("size");
-        let mut ebpf = loader::load_object(&pins.path, entries).expect("load object");
-        for name in ["tc_ingress", "tc_egress"] {
-            let prog: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .expect("program")
-                .try_into()
-                .expect("classifier");
-            prog.load().expect("verifier accepts the TC program");
-        }
+        let ebpf = progrun::load_tc(&pins.path, flows).expect("load object and TC programs");
         let addrs: Vec<IpAddr> = vec![
             "192.0.2.1".parse().expect("ip"),
             "2001:db8:1::1".parse().expect("ip"),
@@ -334,22 +324,8 @@ fn etp_local_without_local_endpoints_drops_without_any_endpoint_rejects() {
 
 impl Bed {
     fn run_raw(&self, prog: &str, data: &[u8]) -> (u32, Vec<u8>) {
-        let p: &SchedClassifier = self
-            .ebpf
-            .program(prog)
-            .expect("program")
-            .try_into()
-            .expect("classifier");
-        let mut out = vec![0u8; 512];
-        let res = p
-            .test_run(TestRunOptions {
-                data_in: Some(data),
-                data_out: Some(&mut out),
-                ..TestRunOptions::new()
-            })
-            .expect("test run");
-        out.truncate(res.data_size_out as usize);
-        (res.return_value, out)
+        let r = progrun::run_classifier(&self.ebpf, prog, data, 1).expect("test run");
+        (r.verdict, r.out)
     }
 }
 

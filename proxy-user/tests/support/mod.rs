@@ -10,6 +10,8 @@
     reason = "each test binary uses a different part of the fixtures"
 )]
 
+pub mod pkt;
+pub mod progrun;
 pub mod tc;
 
 pub use proxy_testbed::{self as testbed, apiserver, *};
