@@ -763,7 +763,7 @@ fn split_dsr_option(frame: &[u8]) -> (SocketAddr, Vec<u8>) {
     );
     let ip = &frame[14..42];
     assert_eq!(
-        support::tc::fold(support::tc::sum16(ip)),
+        support::pkt::fold(support::pkt::sum16(ip)),
         0,
         "IPv4 header checksum over the option"
     );
@@ -777,7 +777,7 @@ fn split_dsr_option(frame: &[u8]) -> (SocketAddr, Vec<u8>) {
     plain[14] = 0x45;
     plain[16..18].copy_from_slice(&((tot - 8) as u16).to_be_bytes());
     plain[24..26].copy_from_slice(&[0, 0]);
-    let c = support::tc::fold(support::tc::sum16(&plain[14..34]));
+    let c = support::pkt::fold(support::pkt::sum16(&plain[14..34]));
     plain[24..26].copy_from_slice(&c.to_be_bytes());
     (SocketAddr::new(addr.into(), port), plain)
 }

@@ -18,7 +18,8 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// Debian packages the tests, the demo and the benchmarks use: iproute2 (namespaces,
 /// veth, tc), bpftool (debugging), iptables/nftables/ipvsadm/ipset (kube-proxy's modes,
 /// reproduced in namespaces by the cleanup tests and the benchmarks), kmod (modprobe),
-/// fonts-dejavu-core (the font the benchmark's plots are drawn with).
+/// fonts-dejavu-core (the font the benchmark's plots are drawn with), ethtool (the
+/// packet-rate bench: veth GRO and its XDP counters).
 const APT_PACKAGES: &[&str] = &[
     "iproute2",
     "bpftool",
@@ -29,6 +30,7 @@ const APT_PACKAGES: &[&str] = &[
     "ipset",
     "kmod",
     "fonts-dejavu-core",
+    "ethtool",
 ];
 
 pub fn ensure() -> Result<()> {

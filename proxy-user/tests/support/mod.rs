@@ -11,6 +11,8 @@
 )]
 
 pub mod packets;
+pub mod pkt;
+pub mod progrun;
 pub mod tc;
 
 pub use proxy_testbed::{self as testbed, apiserver, *};

@@ -38,22 +38,8 @@ impl Bed {
     pub fn with_conntrack(flows: u32) -> Self {
         require_root();
         let pins = PinDir::new();
-        let entries = loader::conntrack_entries(flows).expect("size");
-        let mut ebpf = loader::load_object(&pins.path, entries).expect("load object");
-        for name in ["tc_ingress", "tc_egress"] {
-            let prog: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .expect("program")
-                .try_into()
-                .expect("classifier");
-            prog.load().expect("verifier accepts the TC program");
-        }
-        let prog: &mut Xdp = ebpf
-            .program_mut("xdp_ingress")
-            .expect("program")
-            .try_into()
-            .expect("xdp");
-        prog.load().expect("verifier accepts the XDP program");
+        let ebpf = super::progrun::load_tc(&pins.path, flows)
+            .expect("load the object; the verifier accepts the TC and XDP programs");
         let addrs: Vec<IpAddr> = vec![
             "192.0.2.1".parse().expect("ip"),
             "2001:db8:1::1".parse().expect("ip"),

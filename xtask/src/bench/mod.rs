@@ -29,6 +29,7 @@ mod maglev;
 mod modes;
 mod nftables;
 mod plan;
+mod pps;
 mod report;
 mod stats;
 mod topo;
@@ -79,6 +80,17 @@ pub struct Args {
     /// With --api: skip the manifests / iptables / nftables programming at the same N.
     #[arg(long)]
     no_side_by_side: bool,
+    /// Only the packet-rate part (`pps.rs`: 64-byte UDP through the node per datapath,
+    /// and `BPF_PROG_RUN` ns per packet); --modes and --rounds apply to it.
+    #[arg(long, conflicts_with_all = ["api", "no_pps"])]
+    pps: bool,
+    /// Packet-rate part: run the node's NAPI on cli0 in its own SCHED_FIFO kernel thread
+    /// on CPU 1 (default: inline on the generator's CPU, see pps.rs).
+    #[arg(long)]
+    pps_threaded_napi: bool,
+    /// Skip the packet-rate part (it runs after the datapath part otherwise).
+    #[arg(long)]
+    no_pps: bool,
     /// Redraw results.md and the plots from an earlier run's results.json (into --out,
     /// or beside it), without measuring.
     #[arg(long, value_name = "RESULTS_JSON")]
@@ -342,6 +354,16 @@ fn run(args: &Args) -> Result<()> {
         pin_path: PathBuf::from("/sys/fs/bpf").join(topo::unique("ebpf-proxy-bench-")),
         manifests: manifests.0.clone(),
     };
+    let pps_cfg = pps::PpsConfig::new(cfg.quick, args.rounds, args.pps_threaded_napi);
+    if args.pps {
+        let r = pps::run(&ctx, &pps_cfg, args.modes.as_deref(), &out_dir, start)?;
+        log(
+            start,
+            format!("done: {}", out_dir.join("pps-results.json").display()),
+        );
+        println!("{}", r.markdown());
+        return Ok(());
+    }
 
     // Maglev disruption: pure computation, seconds (also with --quick).
     match maglev::run(&ctx.bin_dir, &out_dir) {
@@ -704,6 +726,17 @@ fn run(args: &Args) -> Result<()> {
     }
     // Stop everything (agents, namespaces, cgroup) before saying we're done.
     drop(states);
+    let pps = if args.no_pps {
+        None
+    } else {
+        Some(pps::run(
+            &ctx,
+            &pps_cfg,
+            args.modes.as_deref(),
+            &out_dir,
+            start,
+        )?)
+    };
     drop(cgroup);
     drop(manifests);
     log(
@@ -715,6 +748,9 @@ fn run(args: &Args) -> Result<()> {
         ),
     );
     println!("{}", results.markdown());
+    if let Some(p) = pps {
+        println!("{}", p.markdown());
+    }
     Ok(())
 }
 

@@ -196,6 +196,9 @@ pub struct Socket {
     /// agent: field order).
     tc: Option<TcDirs>,
     is_tc: bool,
+    /// `--acceleration` for the agent (the XDP variant of the TC mode; the packet-rate
+    /// part only, `pps.rs`).
+    acceleration: Option<&'static str>,
 }
 
 /// The TC mode's own directories, removed on drop.
@@ -230,6 +233,7 @@ struct Place {
     cgroup: PathBuf,
     netns: Option<PathBuf>,
     interfaces: Option<&'static str>,
+    acceleration: Option<&'static str>,
 }
 
 impl Agent {
@@ -256,6 +260,9 @@ impl Agent {
         };
         // TC programs only on the bench's own interfaces, never on this machine's.
         cmd.args(["run", "--interfaces", place.interfaces.unwrap_or("none")]);
+        if let Some(a) = place.acceleration {
+            cmd.args(["--acceleration", a]);
+        }
         let child = cmd
             .arg("--manifests")
             .arg(&place.manifests)
@@ -467,6 +474,16 @@ impl Socket {
         }
     }
 
+    /// The TC mode's agent with `--acceleration native` (XDP on the node's client-facing
+    /// interface), for the packet-rate part.
+    pub fn xdp() -> Self {
+        Self {
+            is_tc: true,
+            acceleration: Some("native"),
+            ..Self::default()
+        }
+    }
+
     fn place(&self, ctx: &Ctx) -> Result<Place> {
         Ok(match &self.tc {
             Some(dirs) => Place {
@@ -475,6 +492,7 @@ impl Socket {
                 cgroup: dirs.cgroup.clone(),
                 netns: Some(self.stack.as_ref().context("no stack")?.node.path()),
                 interfaces: Some("cli0"),
+                acceleration: self.acceleration,
             },
             None => Place {
                 manifests: ctx.manifests.clone(),
@@ -482,6 +500,7 @@ impl Socket {
                 cgroup: ctx.cgroup.clone(),
                 netns: None,
                 interfaces: None,
+                acceleration: None,
             },
         })
     }
@@ -514,14 +533,18 @@ impl Socket {
 
 impl Mode for Socket {
     fn name(&self) -> &'static str {
-        if self.is_tc {
+        if self.acceleration.is_some() {
+            "xdp"
+        } else if self.is_tc {
             "tc"
         } else {
             "socket"
         }
     }
     fn describe(&self) -> &'static str {
-        if self.is_tc {
+        if self.acceleration.is_some() {
+            "ebpf-proxy: the TC mode's agent with --acceleration native (XDP on the node's client-facing interface)"
+        } else if self.is_tc {
             "ebpf-proxy: per-packet TC datapath on the node's client-facing interface (DNAT, conntrack, reverse NAT), client outside the hooked cgroup"
         } else {
             "ebpf-proxy: cgroup connect4/sendmsg4/recvmsg4 hooks, maps written by proxy-agent"

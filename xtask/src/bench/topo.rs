@@ -175,6 +175,11 @@ pub struct Stack {
 }
 
 impl Stack {
+    /// The endpoints' namespace.
+    pub fn pods(&self) -> &Netns {
+        &self._pods
+    }
+
     pub fn new() -> Result<Self> {
         let client = Netns::new(unique("ebpb-c-"));
         let node = Netns::new(unique("ebpb-n-"));

@@ -1,0 +1,214 @@
+//! `BPF_PROG_RUN` ns per packet of the TC ingress program, for `cargo xtask bench` (its
+//! packet-rate part, `xtask/src/bench/pps.rs`, runs this as root and reads the JSON it
+//! prints; a bin, not an example, so that it builds with the agent and without the
+//! dev-dependencies). The object is loaded by the real loader on a per-run pin directory
+//! and the maps are filled by the real writer, as in `tests/tc_packets.rs` (whose
+//! loading and packet code this shares through `#[path]`).
+//!
+//! Cases, at 1 and 10,000 Services (each of 10 local endpoints; the measured frontend,
+//! 10.96.0.10:53/UDP, written last):
+//! - `miss`: a packet to 10.96.0.11:53, not a frontend: passed untouched. `repeat` R
+//!   in one call, the kernel's average per repetition.
+//! - `frontend hit, new flow`: a new client port per call (frontend lookup, backend
+//!   choice, conntrack entry created, DNAT). One repetition per call (a repetition runs
+//!   on the same skb, which the first one has already rewritten), the median of the
+//!   kernel's per-call figure over many calls.
+//! - `conntrack hit`: the same flow again (conntrack lookup, DNAT), as above.
+//! - `miss, 1 per call`: the `miss` packet with one repetition per call: what the
+//!   per-call figure adds (the timer's two clock reads) over `miss` with repeat.
+
+#[allow(dead_code, unused_imports)]
+#[path = "../../tests/support/pkt.rs"]
+mod pkt;
+#[allow(dead_code)]
+#[path = "../../tests/support/progrun.rs"]
+mod progrun;
+
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    path::PathBuf,
+};
+
+use anyhow::{bail, Context as _, Result};
+use pkt::Pkt;
+use proxy_common::backend_flags;
+use proxy_user::{bpf, loader, model::Backend, BpfMaps, Frontend, Proto, ServiceEntry, Writer};
+
+const TC_ACT_OK: u32 = 0;
+
+struct Pins(PathBuf);
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        if self.0.exists() && loader::uninstall(&self.0).is_err() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+fn entry(vip: Ipv4Addr, port: u16, proto: Proto, backends: Vec<SocketAddr>) -> ServiceEntry {
+    ServiceEntry {
+        backends: backends
+            .into_iter()
+            .map(|addr| Backend {
+                addr,
+                flags: backend_flags::LOCAL,
+            })
+            .collect(),
+        ..ServiceEntry::new(Frontend::new(vip, port, proto), [])
+    }
+}
+
+fn median(mut v: Vec<u32>) -> f64 {
+    v.sort_unstable();
+    f64::from(v[v.len() / 2])
+}
+
+fn main() -> Result<()> {
+    // SAFETY: plain getter.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("prog_run needs root (BPF)");
+    }
+    let quick = std::env::args().any(|a| a == "--quick");
+    let (calls, repeat, runs) = if quick {
+        (300, 20_000, 3)
+    } else {
+        (3000, 200_000, 5)
+    };
+    if !std::path::Path::new("/sys/fs/bpf").is_dir() {
+        bail!("/sys/fs/bpf is missing (cargo xtask setup mounts it)");
+    }
+    let mut results = Vec::new();
+    let mut xdp = Vec::new();
+    for services in [1usize, 10_000] {
+        let pins = Pins(PathBuf::from("/sys/fs/bpf").join(format!(
+            "ebpf-proxy-progrun-{}-{services}",
+            std::process::id()
+        )));
+        let ebpf = progrun::load_tc(&pins.0, loader::DEFAULT_CONNTRACK_FLOWS)?;
+        xdp = ebpf
+            .programs()
+            .filter(|(_, p)| matches!(p, aya::programs::Program::Xdp(_)))
+            .map(|(n, _)| n.to_string())
+            .collect();
+        bpf::set_node_addresses(&pins.0, &["192.0.2.1".parse()?])?;
+        let mut writer = Writer::new(BpfMaps::open(&pins.0)?);
+        for i in 0..services - 1 {
+            let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 97, 0, 0)) + i as u32);
+            let base = u32::from(Ipv4Addr::new(10, 228, 0, 0)) + 10 * i as u32;
+            let backends = (0..10)
+                .map(|e| SocketAddr::from((Ipv4Addr::from(base + e), 80)))
+                .collect();
+            writer
+                .upsert(&entry(vip, 80, Proto::Tcp, backends))
+                .with_context(|| format!("filler {i}"))?;
+        }
+        let target: Vec<SocketAddr> = (1..=10)
+            .map(|e| SocketAddr::from((Ipv4Addr::new(10, 224, 1, e), 53)))
+            .collect();
+        writer.upsert(&entry(
+            Ipv4Addr::new(10, 96, 0, 10),
+            53,
+            Proto::Udp,
+            target.clone(),
+        ))?;
+
+        let mut record = |case: &str, ns: f64, verdict: u32, how: &str| {
+            results.push(serde_json::json!({
+                "program": "tc_ingress",
+                "case": case,
+                "services": services,
+                "ns_per_packet": ns,
+                "verdict": verdict,
+                "how": how,
+            }));
+        };
+        // Miss, with repeat.
+        let miss = Pkt::udp("198.51.100.7:5000", "10.96.0.11:53").build();
+        let mut v = Vec::new();
+        let mut verdict = 0;
+        for _ in 0..runs {
+            let r = progrun::run_classifier(&ebpf, "tc_ingress", &miss, repeat)?;
+            if r.out != miss {
+                bail!("a miss was rewritten");
+            }
+            verdict = r.verdict;
+            v.push(r.duration_ns);
+        }
+        record(
+            "miss (not a frontend)",
+            median(v),
+            verdict,
+            &format!("repeat {repeat}, median of {runs} calls"),
+        );
+        // Miss, one per call.
+        let v: Vec<u32> = (0..calls)
+            .map(|_| progrun::run_classifier(&ebpf, "tc_ingress", &miss, 1).map(|r| r.duration_ns))
+            .collect::<Result<_>>()?;
+        record(
+            "miss, 1 per call (timing baseline)",
+            median(v),
+            verdict,
+            &format!("median of {calls} calls"),
+        );
+        // New flows: a new client port per call.
+        let mut v = Vec::new();
+        for i in 0..calls {
+            let p = Pkt::udp(&format!("198.51.100.7:{}", 10_000 + i), "10.96.0.10:53");
+            let r = progrun::run_classifier(&ebpf, "tc_ingress", &p.build(), 1)?;
+            let out = Pkt::parse(&r.out);
+            if r.verdict != TC_ACT_OK || !target.contains(&out.dst) {
+                bail!("new flow {i}: verdict {} to {}", r.verdict, out.dst);
+            }
+            verdict = r.verdict;
+            v.push(r.duration_ns);
+        }
+        record(
+            "frontend hit, new flow",
+            median(v),
+            verdict,
+            &format!("median of {calls} calls, one new flow each"),
+        );
+        // Conntrack hits: the first flow again.
+        let p = Pkt::udp("198.51.100.7:10000", "10.96.0.10:53").build();
+        let mut v = Vec::new();
+        let mut first = None;
+        for _ in 0..calls {
+            let r = progrun::run_classifier(&ebpf, "tc_ingress", &p, 1)?;
+            let dst = Pkt::parse(&r.out).dst;
+            if *first.get_or_insert(dst) != dst {
+                bail!("conntrack hit went to {dst}, the flow was at {first:?}");
+            }
+            verdict = r.verdict;
+            v.push(r.duration_ns);
+        }
+        record(
+            "conntrack hit",
+            median(v),
+            verdict,
+            &format!("median of {calls} calls, the same flow"),
+        );
+        drop(writer);
+        drop(ebpf);
+        drop(pins);
+    }
+    let not_measured = if xdp.is_empty() {
+        "XDP: not available in this build (no XDP program in the object).".to_string()
+    } else {
+        format!(
+            "XDP programs in the object ({}) are not measured here yet.",
+            xdp.join(", ")
+        )
+    };
+    println!(
+        "{}",
+        serde_json::json!({
+            "repeat": repeat,
+            "runs": runs,
+            "calls": calls,
+            "results": results,
+            "not_measured": not_measured,
+        })
+    );
+    Ok(())
+}

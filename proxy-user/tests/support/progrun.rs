@@ -1,0 +1,74 @@
+//! The TC programs under `BPF_PROG_TEST_RUN`, loaded by the real loader on a pin
+//! directory: shared by `tc_packets.rs` (verdict tables) and the bench's
+//! `examples/prog_run.rs` (ns per packet, `#[path]`). aya and proxy-user only.
+
+use std::path::Path;
+
+use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use proxy_user::loader;
+
+/// The TC programs every run loads.
+pub const TC_PROGRAMS: [&str; 2] = ["tc_ingress", "tc_egress"];
+
+/// The XDP program (`--acceleration`).
+pub const XDP_PROGRAM: &str = "xdp_ingress";
+
+/// The object loaded with its maps pinned under `pins` (conntrack tables of `flows`
+/// flows per family), both TC programs and the XDP program through the verifier.
+pub fn load_tc(pins: &Path, flows: u32) -> anyhow::Result<aya::Ebpf> {
+    let entries = loader::conntrack_entries(flows)?;
+    let mut ebpf = loader::load_object(pins, entries)?;
+    for name in TC_PROGRAMS {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow::anyhow!("no program {name}"))?
+            .try_into()?;
+        prog.load()?;
+    }
+    let prog: &mut aya::programs::Xdp = ebpf
+        .program_mut(XDP_PROGRAM)
+        .ok_or_else(|| anyhow::anyhow!("no program {XDP_PROGRAM}"))?
+        .try_into()?;
+    prog.load()?;
+    Ok(ebpf)
+}
+
+/// One `BPF_PROG_TEST_RUN` of `prog` (a TC classifier or the XDP program) on `data`, `repeat` times (the same
+/// skb each time: what the program writes stays for the next repetition).
+pub struct Run {
+    pub verdict: u32,
+    pub out: Vec<u8>,
+    /// The kernel's average per repetition (ns).
+    pub duration_ns: u32,
+}
+
+pub fn run_classifier(
+    ebpf: &aya::Ebpf,
+    prog: &str,
+    data: &[u8],
+    repeat: u32,
+) -> anyhow::Result<Run> {
+    let program = ebpf
+        .program(prog)
+        .ok_or_else(|| anyhow::anyhow!("no program {prog}"))?;
+    let mut out = vec![0u8; 512];
+    let opts = TestRunOptions {
+        data_in: Some(data),
+        data_out: Some(&mut out),
+        repeat,
+        ..TestRunOptions::new()
+    };
+    let res = if prog == XDP_PROGRAM {
+        let p: &aya::programs::Xdp = program.try_into()?;
+        p.test_run(opts)?
+    } else {
+        let p: &SchedClassifier = program.try_into()?;
+        p.test_run(opts)?
+    };
+    out.truncate(res.data_size_out as usize);
+    Ok(Run {
+        verdict: res.return_value,
+        out,
+        duration_ns: res.duration.as_nanos() as u32,
+    })
+}

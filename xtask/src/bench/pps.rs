@@ -1,0 +1,942 @@
+//! The packet-rate part of `cargo xtask bench` (issue 15, item 4): small UDP packets
+//! through the node, per datapath, in packets per second.
+//!
+//! ```text
+//!  client ns                   node ns (the mode's rules / programs)        pods ns
+//!  eth0 <----- veth -----> cli0 (threaded NAPI, CPU 1)  pods0 <-- veth --> eth0 (XDP_DROP sink)
+//!  generator (CPU 0)            ip_forward, DNAT per mode                   rx counted
+//! ```
+//!
+//! - **Generator**: our own in-kernel sender, the method of `xdp-trafficgen`:
+//!   `BPF_PROG_RUN` with `BPF_F_TEST_XDP_LIVE_FRAMES` of a 4-instruction XDP program
+//!   that redirects the frame out of the client's `eth0`; the kernel sends `repeat`
+//!   copies of one 60-byte frame (64 on a wire with the FCS) in batches of 64 without
+//!   leaving the syscall, so one core offers several times what one core can forward.
+//!   `xdp-trafficgen` 1.3.1 (Debian's) itself cannot run here: its object holds a
+//!   tracepoint program for `xdp_redirect_map_err`, which kernel 6.18 no longer has, so
+//!   libbpf refuses the whole object. `trafgen` (AF_PACKET) pays an skb per packet on the
+//!   sending side and would be the bottleneck.
+//! - **Pinning** (2 CPUs): the generator thread is pinned to CPU 0. By default the
+//!   node's work runs *inline* on that same CPU: veth needs a NAPI on `cli0` for XDP
+//!   frames (GRO on gives it one), and the NAPI runs in the softirq of the CPU that
+//!   scheduled it, right after each batch of 64 frames the generator sends; everything
+//!   the node does to a packet (XDP, GRO, TC, netfilter, routing, `pods0` transmit) and
+//!   the pod's sink run there. The run is self-clocked (offered = received), and the
+//!   figure is one core's rate for the generator plus the path: the generator's share
+//!   (building nothing, one redirect per frame) is the same for every mode. RPS is off
+//!   (veth default); CPU 1 is left to the rest of the machine. `--pps-threaded-napi`
+//!   moves `cli0`'s NAPI to a kernel thread of its own (`/sys/class/net/cli0/threaded`)
+//!   pinned to CPU 1 with SCHED_FIFO (as a softirq would, it preempts whatever runs
+//!   there), the generator alone on CPU 0: the "node on its own core" setup. On this
+//!   Firecracker VM that setup measures the cross-CPU wake-ups instead (each batch wakes
+//!   the thread; the veth ring holds 256 frames, and most overflow): 0.05-0.08 Mpps for
+//!   every mode, so it is not the default.
+//! - **Receiver**: a 2-instruction `XDP_DROP` program on the pod's `eth0` (native veth
+//!   XDP); the received count is the veth's `rx_queue_0_xdp_drops` (`ethtool -S`) over a
+//!   fixed interval after a warm-up. The node has static neighbour entries for the pod
+//!   addresses (the sink would drop ARP).
+//! - **One flow**: one 5-tuple (10.224.0.2:40000 -> the ClusterIP's UDP 53, or for
+//!   `direct` the first endpoint), so every mode is in its steady state: a conntrack hit
+//!   per packet (iptables, nftables, our TC); the first-packet costs are what the
+//!   `BPF_PROG_RUN` part measures.
+//! - **Modes** are the datapath bench's own (same rules, same agent, `modes.rs`):
+//!   `direct` (plain forwarding to the pod IP: the limit), `iptables-legacy`, `nftables`
+//!   (kube-proxy's ClusterIP rules in the node namespace), `tc` (the agent in the node
+//!   namespace with its TC programs on `cli0`), `xdp` (the same with `--acceleration
+//!   native`, when this build's agent has the flag). Rounds interleave the modes.
+
+use std::{
+    io,
+    net::Ipv4Addr,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    path::{Path, PathBuf},
+    process::Command,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _, Result};
+use serde::{Deserialize, Serialize};
+
+use super::{
+    log,
+    modes::{self, Ctx, Mode},
+    plan::{self, CLIENT_IP, DNS_PORT, TARGET_VIP},
+    stats,
+    topo::{self, ns_run, Netns, NetnsGuard},
+};
+
+/// The generator's CPU and the node's.
+const GENERATOR_CPU: usize = 0;
+const NODE_CPU: usize = 1;
+/// Frames per `BPF_PROG_RUN` call of the generator.
+const REPEAT: u32 = 16_384;
+/// The generator's source port.
+const SRC_PORT: u16 = 40_000;
+/// Ethernet frame length without FCS: a 64-byte frame on a wire.
+const FRAME_LEN: usize = 60;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PpsConfig {
+    pub quick: bool,
+    pub rounds: usize,
+    /// Measured interval per round, after the warm-up.
+    pub secs: f64,
+    pub warmup_secs: f64,
+    /// cli0's NAPI in its own SCHED_FIFO thread on CPU 1 (else inline: on the
+    /// generator's CPU, right after each batch it sends).
+    pub threaded_napi: bool,
+}
+
+impl PpsConfig {
+    pub fn new(quick: bool, rounds: Option<usize>, threaded_napi: bool) -> Self {
+        let mut c = if quick {
+            Self {
+                quick,
+                rounds: 1,
+                secs: 1.0,
+                warmup_secs: 0.3,
+                threaded_napi,
+            }
+        } else {
+            Self {
+                quick,
+                rounds: 5,
+                secs: 3.0,
+                warmup_secs: 0.5,
+                threaded_napi,
+            }
+        };
+        if let Some(r) = rounds {
+            c.rounds = r.max(1);
+        }
+        c
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PpsRound {
+    pub round: usize,
+    pub secs: f64,
+    pub received: u64,
+    pub mpps: f64,
+    /// What the generator sent in the same interval.
+    pub offered_mpps: f64,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PpsMode {
+    pub mode: String,
+    pub describe: String,
+    pub available: bool,
+    pub reason: Option<String>,
+    pub rounds: Vec<PpsRound>,
+    /// Median over rounds, Mpps received by the pod.
+    pub mpps: Option<f64>,
+    pub offered_mpps: Option<f64>,
+    /// `mpps` / direct's.
+    pub ratio_to_direct: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PpsResults {
+    pub config: serde_json::Value,
+    pub machine: std::collections::BTreeMap<String, String>,
+    pub pinning: Vec<String>,
+    pub modes: Vec<PpsMode>,
+    /// `BPF_PROG_RUN` ns per packet (`bench-prog-run`'s JSON), when it ran.
+    pub prog_run: Option<serde_json::Value>,
+    pub prog_run_error: Option<String>,
+    pub duration_seconds: f64,
+}
+
+/// Whether this build's agent has `--acceleration` (XDP).
+fn agent_has_xdp(ctx: &Ctx) -> bool {
+    Command::new(ctx.bin_dir.join("proxy-agent"))
+        .args(["run", "--help"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains("--acceleration"))
+        .unwrap_or(false)
+}
+
+/// The modes of this part, in the table's order (`None` = not in this build, why).
+fn pps_modes(ctx: &Ctx) -> Vec<(Box<dyn Mode>, Option<String>)> {
+    let xdp: (Box<dyn Mode>, Option<String>) = if agent_has_xdp(ctx) {
+        (Box::new(modes::Socket::xdp()), None)
+    } else {
+        (
+            Box::new(modes::Socket::xdp()),
+            Some("not available in this build (proxy-agent run has no --acceleration)".into()),
+        )
+    };
+    vec![
+        (Box::new(modes::Direct::default()), None),
+        (Box::new(modes::Iptables::new(modes::Backend::Legacy)), None),
+        (Box::new(modes::Nftables::default()), None),
+        (Box::new(modes::Socket::tc()), None),
+        xdp,
+    ]
+}
+
+/// One mode, programmed and prepared: the sink attached, NAPI threaded and pinned.
+struct Prepared {
+    mode: Box<dyn Mode>,
+    _sink: OwnedFd,
+    dst: Ipv4Addr,
+    frame: Vec<u8>,
+}
+
+pub fn run(
+    ctx: &Ctx,
+    cfg: &PpsConfig,
+    only: Option<&[String]>,
+    out_dir: &Path,
+    start: Instant,
+) -> Result<PpsResults> {
+    let t0 = Instant::now();
+    let mut results = PpsResults {
+        config: serde_json::to_value(cfg)?,
+        machine: super::machine(),
+        ..PpsResults::default()
+    };
+    if !cfg.threaded_napi {
+        results.pinning.push(format!(
+            "generator thread pinned to CPU {GENERATOR_CPU}; the node's receive, forwarding and the pod's sink run in the softirq of that same CPU, right after each batch of 64 frames the generator sends (self-clocked: offered = received); RPS off; CPU {NODE_CPU} is left to the rest of the machine"
+        ));
+    } else if super::client::cpus() < 2 {
+        results
+            .pinning
+            .push("one CPU only: generator and node share it".into());
+    } else {
+        results.pinning.push(format!(
+            "generator thread on CPU {GENERATOR_CPU}; cli0's threaded-NAPI kthread (the node's forwarding and the pod's sink) on CPU {NODE_CPU}, SCHED_FIFO; RPS off"
+        ));
+    }
+    log(start, "== packet rate (64-byte UDP, one flow) ==");
+    let mut prepared: Vec<(usize, Prepared)> = Vec::new();
+    for (mut mode, unavailable) in pps_modes(ctx) {
+        topo::check_interrupt()?;
+        let name = mode.name();
+        if only.is_some_and(|o| !o.iter().any(|m| m == name)) {
+            continue;
+        }
+        let mut entry = PpsMode {
+            mode: name.into(),
+            describe: mode.describe().into(),
+            ..PpsMode::default()
+        };
+        if let Some(why) = unavailable {
+            log(start, format!("  {name}: {why}"));
+            entry.reason = Some(why);
+            results.modes.push(entry);
+            continue;
+        }
+        match prepare(ctx, mode.as_mut(), cfg.threaded_napi) {
+            Ok((sink, dst, frame, pinned)) => {
+                log(start, format!("  {name}: ready ({pinned})"));
+                entry.available = true;
+                results.modes.push(entry);
+                prepared.push((
+                    results.modes.len() - 1,
+                    Prepared {
+                        mode,
+                        _sink: sink,
+                        dst,
+                        frame,
+                    },
+                ));
+            }
+            Err(e) => {
+                log(start, format!("  {name} not available: {e:#}"));
+                entry.reason = Some(format!("{e:#}"));
+                results.modes.push(entry);
+            }
+        }
+    }
+    for p in prepared.iter_mut() {
+        p.1.mode.pause(true);
+    }
+    for round in 0..cfg.rounds {
+        let k = prepared.len();
+        for i in 0..k {
+            topo::check_interrupt()?;
+            let (idx, p) = &prepared[(i + round) % k];
+            let stack = p.mode.stack().context("no stack")?;
+            let r = measure(stack, &p.frame, cfg).unwrap_or_else(|e| PpsRound {
+                error: Some(format!("{e:#}")),
+                ..PpsRound::default()
+            });
+            log(
+                start,
+                format!(
+                    "  round {}/{} {:<16} {:>6.3} Mpps received (offered {:.3}, to {}){}",
+                    round + 1,
+                    cfg.rounds,
+                    p.mode.name(),
+                    r.mpps,
+                    r.offered_mpps,
+                    p.dst,
+                    r.error
+                        .as_ref()
+                        .map(|e| format!("  (error: {e})"))
+                        .unwrap_or_default()
+                ),
+            );
+            results.modes[*idx].rounds.push(PpsRound { round, ..r });
+        }
+    }
+    drop(prepared);
+    for m in results.modes.iter_mut() {
+        let ok: Vec<&PpsRound> = m.rounds.iter().filter(|r| r.error.is_none()).collect();
+        m.mpps = stats::median(&ok.iter().map(|r| r.mpps).collect::<Vec<_>>());
+        m.offered_mpps = stats::median(&ok.iter().map(|r| r.offered_mpps).collect::<Vec<_>>());
+    }
+    let direct = results
+        .modes
+        .iter()
+        .find(|m| m.mode == "direct")
+        .and_then(|m| m.mpps);
+    for m in results.modes.iter_mut() {
+        m.ratio_to_direct = stats::ratio(m.mpps, direct);
+    }
+    log(start, "== BPF_PROG_RUN ns per packet ==");
+    match prog_run(cfg.quick) {
+        Ok(v) => results.prog_run = Some(v),
+        Err(e) => {
+            log(start, format!("  BPF_PROG_RUN part failed: {e:#}"));
+            results.prog_run_error = Some(format!("{e:#}"));
+        }
+    }
+    results.duration_seconds = t0.elapsed().as_secs_f64();
+    std::fs::write(
+        out_dir.join("pps-results.json"),
+        serde_json::to_string_pretty(&results)?,
+    )?;
+    std::fs::write(out_dir.join("pps-results.md"), results.markdown())?;
+    Ok(results)
+}
+
+/// Sets the mode up with one service (the target) programmed, then the sink, the
+/// neighbours and the NAPI thread. Returns the sink's link, the destination, the frame
+/// and what was pinned.
+fn prepare(
+    ctx: &Ctx,
+    mode: &mut dyn Mode,
+    threaded: bool,
+) -> Result<(OwnedFd, Ipv4Addr, Vec<u8>, String)> {
+    mode.setup(ctx).map_err(|e| anyhow::anyhow!(e))?;
+    if mode.programs() {
+        let services = plan::services(1, false);
+        mode.program(ctx, &services, Duration::from_secs(60))?
+            .context("programming one service took more than 60 s")?;
+    }
+    let stack = mode.stack().context("no stack")?;
+    let endpoints = plan::target_endpoints(false);
+    let dst = *mode
+        .targets(DNS_PORT, &endpoints)
+        .first()
+        .context("no target")?
+        .ip();
+    if !(dst == TARGET_VIP || endpoints.contains(&dst)) {
+        bail!("refusing to send to {dst}: not the bench's ClusterIP or pod");
+    }
+    // The node resolves the pods' addresses statically: the sink drops ARP.
+    let pod_mac = mac(stack.pods(), "eth0")?;
+    for i in 1..=plan::TARGET_ADDRESSES {
+        let ip = plan::target_endpoint(i).to_string();
+        ns_run(
+            &stack.node,
+            "ip",
+            &[
+                "neigh",
+                "replace",
+                &ip,
+                "lladdr",
+                &pod_mac,
+                "dev",
+                "pods0",
+                "nud",
+                "permanent",
+            ],
+            "",
+        )?;
+    }
+    let sink = {
+        let _ns = NetnsGuard::enter(&stack.pods().path());
+        let ifindex = ifindex("eth0")?;
+        let prog = load_xdp(&[mov_imm(0, XDP_DROP), exit()], "pps_sink")?;
+        attach_xdp(&prog, ifindex).context("attaching the XDP_DROP sink to the pod's eth0")?
+    };
+    // NAPI on cli0 (veth has one with GRO on or with XDP), in its own thread, pinned.
+    ns_run(&stack.node, "ethtool", &["-K", "cli0", "gro", "on"], "")?;
+    let pinned = if threaded {
+        thread_napi(&stack.node)?
+    } else {
+        format!("NAPI inline on CPU {GENERATOR_CPU}")
+    };
+    let frame = udp_frame(
+        &mac(&stack.client, "eth0")?,
+        &mac(&stack.node, "cli0")?,
+        CLIENT_IP,
+        dst,
+        SRC_PORT,
+        DNS_PORT,
+    )?;
+    Ok((sink, dst, frame, pinned))
+}
+
+/// cli0's NAPI in a kernel thread of its own, pinned to [`NODE_CPU`], SCHED_FIFO.
+fn thread_napi(node: &Netns) -> Result<String> {
+    let before = napi_threads("cli0");
+    let set = Command::new("ip")
+        .args(["netns", "exec", &node.name, "sh", "-c"])
+        .arg("echo 1 > /sys/class/net/cli0/threaded")
+        .status()
+        .context("ip netns exec")?;
+    if !set.success() {
+        bail!("could not make cli0's NAPI threaded");
+    }
+    let mut pinned = Vec::new();
+    for _ in 0..50 {
+        pinned = napi_threads("cli0")
+            .into_iter()
+            .filter(|p| !before.contains(p))
+            .collect();
+        if !pinned.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if pinned.is_empty() {
+        bail!("no napi/cli0-* kernel thread appeared");
+    }
+    for pid in &pinned {
+        set_affinity(*pid, NODE_CPU).with_context(|| format!("pinning napi thread {pid}"))?;
+        set_fifo(*pid).with_context(|| format!("making napi thread {pid} SCHED_FIFO"))?;
+    }
+    Ok(format!(
+        "napi thread {pinned:?} on CPU {NODE_CPU}, SCHED_FIFO"
+    ))
+}
+
+/// One round: the generator runs, the pod's count is read over the interval.
+fn measure(stack: &topo::Stack, frame: &[u8], cfg: &PpsConfig) -> Result<PpsRound> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicU64::new(0));
+    let (tx, rx) = std::sync::mpsc::channel::<Result<(), String>>();
+    let gen = {
+        let (stop, sent, frame) = (stop.clone(), sent.clone(), frame.to_vec());
+        let ns = stack.client.path();
+        std::thread::spawn(move || generator(&ns, &frame, &stop, &sent, &tx))
+    };
+    let result = (|| -> Result<PpsRound> {
+        match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => bail!("generator: {e}"),
+            Err(_) => bail!("generator did not start"),
+        }
+        std::thread::sleep(Duration::from_secs_f64(cfg.warmup_secs));
+        let (c0, s0, t0) = sample(stack.pods(), &sent)?;
+        std::thread::sleep(Duration::from_secs_f64(cfg.secs));
+        let (c1, s1, t1) = sample(stack.pods(), &sent)?;
+        let secs = t1.duration_since(t0).as_secs_f64();
+        let received = c1.saturating_sub(c0);
+        if received == 0 {
+            bail!("the pod received nothing");
+        }
+        Ok(PpsRound {
+            round: 0,
+            secs,
+            received,
+            mpps: received as f64 / secs / 1e6,
+            offered_mpps: s1.saturating_sub(s0) as f64 / secs / 1e6,
+            error: None,
+        })
+    })();
+    stop.store(true, Ordering::Relaxed);
+    let gen_result = gen.join();
+    match gen_result {
+        Ok(Err(e)) if result.is_ok() => Err(e.context("generator")),
+        _ => result,
+    }
+}
+
+/// The pod's received count, the generator's sent count, and when (the middle of the
+/// counter read).
+fn sample(pods: &Netns, sent: &AtomicU64) -> Result<(u64, u64, Instant)> {
+    let a = Instant::now();
+    let s0 = sent.load(Ordering::Relaxed);
+    let c = xdp_drops(pods, "eth0")?;
+    let s1 = sent.load(Ordering::Relaxed);
+    let b = Instant::now();
+    Ok((c, (s0 + s1) / 2, a + (b - a) / 2))
+}
+
+/// `ethtool -S`: the sum of the rx queues' `xdp_drops`.
+fn xdp_drops(ns: &Netns, dev: &str) -> Result<u64> {
+    let out = ns_run(ns, "ethtool", &["-S", dev], "")?;
+    let mut total = None;
+    for l in out.lines() {
+        let Some((k, v)) = l.trim().split_once(':') else {
+            continue;
+        };
+        if k.starts_with("rx_queue_") && k.ends_with("_xdp_drops") {
+            *total.get_or_insert(0u64) += v.trim().parse::<u64>().unwrap_or(0);
+        }
+    }
+    total.with_context(|| format!("ethtool -S {dev}: no rx_queue_*_xdp_drops"))
+}
+
+fn generator(
+    ns: &Path,
+    frame: &[u8],
+    stop: &AtomicBool,
+    sent: &AtomicU64,
+    ready: &std::sync::mpsc::Sender<Result<(), String>>,
+) -> Result<()> {
+    let _ns = NetnsGuard::enter(ns);
+    super::client::pin(GENERATOR_CPU);
+    let setup = (|| -> Result<OwnedFd> {
+        let ifindex = ifindex("eth0")?;
+        load_xdp(&generator_program(frame, ifindex)?, "pps_gen")
+    })();
+    let prog = match setup {
+        Ok(p) => {
+            let _ = ready.send(Ok(()));
+            p
+        }
+        Err(e) => {
+            let _ = ready.send(Err(format!("{e:#}")));
+            return Err(e);
+        }
+    };
+    while !stop.load(Ordering::Relaxed) {
+        test_run_live(&prog, frame, REPEAT)?;
+        sent.fetch_add(u64::from(REPEAT), Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+// ----- frames, interfaces -----------------------------------------------------------
+
+fn link_json(ns: &Netns, dev: &str) -> Result<serde_json::Value> {
+    let out = ns_run(ns, "ip", &["-j", "link", "show", dev], "")?;
+    let v: serde_json::Value = serde_json::from_str(&out).context("ip -j link")?;
+    v.get(0).cloned().context("ip -j link: empty")
+}
+
+fn mac(ns: &Netns, dev: &str) -> Result<String> {
+    link_json(ns, dev)?
+        .get("address")
+        .and_then(|a| a.as_str())
+        .map(str::to_string)
+        .with_context(|| format!("no MAC address for {dev}"))
+}
+
+fn ifindex(dev: &str) -> Result<u32> {
+    let name = std::ffi::CString::new(dev)?;
+    // SAFETY: a valid C string.
+    let i = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if i == 0 {
+        bail!("no interface {dev}: {}", io::Error::last_os_error());
+    }
+    Ok(i)
+}
+
+fn parse_mac(s: &str) -> Result<[u8; 6]> {
+    let b: Vec<u8> = s
+        .split(':')
+        .map(|h| u8::from_str_radix(h, 16))
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("MAC {s}"))?;
+    b.try_into()
+        .map_err(|_| anyhow::anyhow!("MAC {s}: not 6 bytes"))
+}
+
+fn csum_fold(mut sum: u32) -> u16 {
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+fn csum_add(data: &[u8], mut sum: u32) -> u32 {
+    for c in data.chunks(2) {
+        let w = if c.len() == 2 {
+            u16::from_be_bytes([c[0], c[1]])
+        } else {
+            u16::from_be_bytes([c[0], 0])
+        };
+        sum += u32::from(w);
+    }
+    sum
+}
+
+/// An Ethernet + IPv4 + UDP frame of [`FRAME_LEN`] bytes with valid checksums.
+pub fn udp_frame(
+    src_mac: &str,
+    dst_mac: &str,
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    sport: u16,
+    dport: u16,
+) -> Result<Vec<u8>> {
+    let mut f = vec![0u8; FRAME_LEN];
+    f[0..6].copy_from_slice(&parse_mac(dst_mac)?);
+    f[6..12].copy_from_slice(&parse_mac(src_mac)?);
+    f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+    let ip_len = FRAME_LEN - 14;
+    let udp_len = ip_len - 20;
+    {
+        let ip = &mut f[14..34];
+        ip[0] = 0x45;
+        ip[2..4].copy_from_slice(&(ip_len as u16).to_be_bytes());
+        ip[6] = 0x40; // DF
+        ip[8] = 64;
+        ip[9] = 17;
+        ip[12..16].copy_from_slice(&src.octets());
+        ip[16..20].copy_from_slice(&dst.octets());
+        let c = csum_fold(csum_add(ip, 0));
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+    }
+    f[34..36].copy_from_slice(&sport.to_be_bytes());
+    f[36..38].copy_from_slice(&dport.to_be_bytes());
+    f[38..40].copy_from_slice(&(udp_len as u16).to_be_bytes());
+    for (i, b) in f[42..].iter_mut().enumerate() {
+        *b = b'a' + (i % 26) as u8;
+    }
+    let mut pseudo = Vec::with_capacity(12);
+    pseudo.extend_from_slice(&src.octets());
+    pseudo.extend_from_slice(&dst.octets());
+    pseudo.extend_from_slice(&[0, 17]);
+    pseudo.extend_from_slice(&(udp_len as u16).to_be_bytes());
+    let mut c = csum_fold(csum_add(&f[34..], csum_add(&pseudo, 0)));
+    if c == 0 {
+        c = 0xffff;
+    }
+    f[40..42].copy_from_slice(&c.to_be_bytes());
+    Ok(f)
+}
+
+/// `napi/<dev>-<id>` kernel threads (every namespace's).
+fn napi_threads(dev: &str) -> Vec<i32> {
+    let prefix = format!("napi/{dev}-");
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| {
+        let e = e.ok()?;
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+        comm.trim().starts_with(&prefix).then_some(pid)
+    })
+    .collect()
+}
+
+/// `SCHED_FIFO` for the NAPI thread: it takes its CPU as soon as it has packets, as a
+/// softirq would (under `SCHED_OTHER` it waits for its turn behind whatever else runs
+/// on that CPU, while the veth ring of 256 frames overflows).
+fn set_fifo(pid: i32) -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: 50 };
+    // SAFETY: a valid sched_param for a pid we checked is a napi kthread.
+    if unsafe { libc::sched_setscheduler(pid, libc::SCHED_FIFO, &param) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn set_affinity(pid: i32, cpu: usize) -> io::Result<()> {
+    let cpu = cpu % super::client::cpus();
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes within it.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(pid, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+// ----- raw bpf(2): two tiny XDP programs, no object file ------------------------------
+
+const BPF_PROG_LOAD: i64 = 5;
+const BPF_PROG_TEST_RUN: i64 = 10;
+const BPF_LINK_CREATE: i64 = 28;
+const BPF_PROG_TYPE_XDP: u32 = 6;
+const BPF_XDP: u32 = 37;
+const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
+const BPF_F_TEST_XDP_LIVE_FRAMES: u32 = 1 << 1;
+const BPF_FUNC_REDIRECT: i32 = 23;
+const XDP_DROP: i32 = 1;
+
+/// `bpf_attr` as bytes (its largest member is well under 160 bytes; the rest is zero).
+#[repr(C, align(8))]
+struct Attr([u8; 160]);
+
+impl Attr {
+    fn new() -> Self {
+        Self([0; 160])
+    }
+    fn u32(&mut self, off: usize, v: u32) -> &mut Self {
+        self.0[off..off + 4].copy_from_slice(&v.to_ne_bytes());
+        self
+    }
+    fn u64(&mut self, off: usize, v: u64) -> &mut Self {
+        self.0[off..off + 8].copy_from_slice(&v.to_ne_bytes());
+        self
+    }
+    fn sys(&mut self, cmd: i64) -> io::Result<i64> {
+        // SAFETY: bpf(2) with a zero-padded attr of the size we pass; every pointer in
+        // it points into live buffers of the caller.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                cmd,
+                self.0.as_mut_ptr(),
+                self.0.len() as libc::c_uint,
+            )
+        };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(rc)
+    }
+}
+
+type Insn = [u8; 8];
+
+fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> Insn {
+    let mut i = [0u8; 8];
+    i[0] = code;
+    i[1] = (src << 4) | (dst & 0xf);
+    i[2..4].copy_from_slice(&off.to_le_bytes());
+    i[4..8].copy_from_slice(&imm.to_le_bytes());
+    i
+}
+fn mov_imm(dst: u8, imm: i32) -> Insn {
+    insn(0xb7, dst, 0, 0, imm) // BPF_ALU64 | BPF_MOV | BPF_K
+}
+fn call(helper: i32) -> Insn {
+    insn(0x85, 0, 0, 0, helper) // BPF_JMP | BPF_CALL
+}
+fn exit() -> Insn {
+    insn(0x95, 0, 0, 0, 0) // BPF_JMP | BPF_EXIT
+}
+
+/// The generator's XDP program: writes the whole frame (the pages of live frames are
+/// recycled as they come back, with whatever the path wrote into them: the node's MAC
+/// rewrite, TTL, DNAT), then `bpf_redirect(ifindex of eth0)`.
+fn generator_program(frame: &[u8], ifindex: u32) -> Result<Vec<Insn>> {
+    if !frame.len().is_multiple_of(4) {
+        bail!("frame length {} is not a multiple of 4", frame.len());
+    }
+    let words = frame.len() / 4;
+    let mut p = vec![
+        insn(0x61, 2, 1, 0, 0),                  // r2 = ctx->data
+        insn(0x61, 3, 1, 4, 0),                  // r3 = ctx->data_end
+        insn(0xbf, 4, 2, 0, 0),                  // r4 = r2
+        insn(0x07, 4, 0, 0, frame.len() as i32), // r4 += len
+        // if r4 > r3: skip the stores and the redirect (to the XDP_ABORTED exit)
+        insn(0x2d, 4, 3, (words + 4) as i16, 0),
+    ];
+    for (i, w) in frame.chunks(4).enumerate() {
+        let imm = i32::from_ne_bytes([w[0], w[1], w[2], w[3]]);
+        p.push(insn(0x62, 2, 0, (i * 4) as i16, imm)); // *(u32 *)(r2 + 4i) = imm
+    }
+    p.extend([
+        mov_imm(1, ifindex as i32),
+        mov_imm(2, 0),
+        call(BPF_FUNC_REDIRECT),
+        exit(),
+        mov_imm(0, 0),
+        exit(),
+    ]);
+    Ok(p)
+}
+
+fn load_xdp(insns: &[Insn], name: &str) -> Result<OwnedFd> {
+    let code: Vec<u8> = insns.iter().flatten().copied().collect();
+    let license = b"GPL\0";
+    let mut log = vec![0u8; 4096];
+    let mut attr = Attr::new();
+    attr.u32(0, BPF_PROG_TYPE_XDP)
+        .u32(4, insns.len() as u32)
+        .u64(8, code.as_ptr() as u64)
+        .u64(16, license.as_ptr() as u64)
+        .u32(24, 1)
+        .u32(28, log.len() as u32)
+        .u64(32, log.as_mut_ptr() as u64)
+        .u32(68, BPF_XDP);
+    let n = name.as_bytes();
+    attr.0[48..48 + n.len().min(15)].copy_from_slice(&n[..n.len().min(15)]);
+    let fd = attr.sys(BPF_PROG_LOAD).map_err(|e| {
+        let end = log.iter().position(|b| *b == 0).unwrap_or(0);
+        anyhow::anyhow!(
+            "loading XDP program {name}: {e}: {}",
+            String::from_utf8_lossy(&log[..end])
+        )
+    })?;
+    // SAFETY: a new fd the kernel gave us.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// A native-mode XDP link on `ifindex` of the calling thread's namespace; detached when
+/// the fd closes (also when the process dies).
+fn attach_xdp(prog: &OwnedFd, ifindex: u32) -> Result<OwnedFd> {
+    let mut attr = Attr::new();
+    attr.u32(0, prog.as_raw_fd() as u32)
+        .u32(4, ifindex)
+        .u32(8, BPF_XDP)
+        .u32(12, XDP_FLAGS_DRV_MODE);
+    let fd = attr.sys(BPF_LINK_CREATE).context("BPF_LINK_CREATE")?;
+    // SAFETY: a new fd the kernel gave us.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `repeat` copies of `frame` through `prog` in live-frames mode (really transmitted).
+fn test_run_live(prog: &OwnedFd, frame: &[u8], repeat: u32) -> Result<()> {
+    let mut attr = Attr::new();
+    attr.u32(0, prog.as_raw_fd() as u32)
+        .u32(8, frame.len() as u32)
+        .u64(16, frame.as_ptr() as u64)
+        .u32(32, repeat)
+        .u32(64, BPF_F_TEST_XDP_LIVE_FRAMES)
+        .u32(72, 64);
+    attr.sys(BPF_PROG_TEST_RUN)
+        .context("BPF_PROG_RUN (live frames)")?;
+    Ok(())
+}
+
+// ----- BPF_PROG_RUN ns per packet ---------------------------------------------------
+
+/// Runs `bench-prog-run` (built with the agent: the TC programs loaded with the real
+/// loader, maps filled by the real writer) and returns its JSON.
+fn prog_run(quick: bool) -> Result<serde_json::Value> {
+    let bin: PathBuf = crate::release_dir().join("bench-prog-run");
+    let mut cmd = Command::new(&bin);
+    if quick {
+        cmd.arg("--quick");
+    }
+    let out = topo::run_bounded(&mut cmd, "", Duration::from_secs(300))?
+        .context("bench-prog-run took more than 300 s")?;
+    serde_json::from_str(&out).with_context(|| format!("bench-prog-run's output: {out}"))
+}
+
+// ----- report -------------------------------------------------------------------------
+
+impl PpsResults {
+    pub fn markdown(&self) -> String {
+        use std::fmt::Write as _;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "## Packet rate: 64-byte UDP, one flow, client ns -> node ns -> pod ns\n"
+        );
+        for p in &self.pinning {
+            let _ = writeln!(s, "- {p}");
+        }
+        let _ = writeln!(
+            s,
+            "\n| mode | Mpps received (median) | × plain forwarding | offered by the generator (Mpps) | rounds |\n|---|---:|---:|---:|---:|"
+        );
+        for m in &self.modes {
+            if !m.available {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | – | – | 0 |",
+                    m.mode,
+                    m.reason.as_deref().unwrap_or("not available")
+                );
+                continue;
+            }
+            let f = |v: Option<f64>, d: usize| v.map_or("–".into(), |v| format!("{v:.d$}"));
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} |",
+                m.mode,
+                f(m.mpps, 3),
+                m.ratio_to_direct.map_or("–".into(), |r| format!("{r:.2}×")),
+                f(m.offered_mpps, 2),
+                m.rounds.iter().filter(|r| r.error.is_none()).count()
+            );
+        }
+        if let Some(p) = &self.prog_run {
+            s.push_str(&prog_run_markdown(p));
+        }
+        if let Some(e) = &self.prog_run_error {
+            let _ = writeln!(s, "\nBPF_PROG_RUN part failed: {e}");
+        }
+        s
+    }
+}
+
+fn prog_run_markdown(v: &serde_json::Value) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let repeat = v.get("repeat").and_then(|r| r.as_u64()).unwrap_or(0);
+    let _ = writeln!(
+        s,
+        "\n### BPF_PROG_RUN, ns per packet (repeat {repeat}, median of {} runs)\n",
+        v.get("runs").and_then(|r| r.as_u64()).unwrap_or(0)
+    );
+    let _ = writeln!(
+        s,
+        "| program | case | services | ns/packet | verdict |\n|---|---|---:|---:|---:|"
+    );
+    for r in v
+        .get("results")
+        .and_then(|r| r.as_array())
+        .into_iter()
+        .flatten()
+    {
+        let g = |k: &str| r.get(k).cloned().unwrap_or_default();
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} |",
+            g("program").as_str().unwrap_or(""),
+            g("case").as_str().unwrap_or(""),
+            super::report::thousands(g("services").as_u64().unwrap_or(0) as usize),
+            g("ns_per_packet")
+                .as_f64()
+                .map_or("–".into(), |n| format!("{n:.1}")),
+            g("verdict")
+        );
+    }
+    if let Some(missing) = v.get("not_measured").and_then(|m| m.as_str()) {
+        let _ = writeln!(s, "\n{missing}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_is_64_bytes_on_the_wire_with_valid_checksums() {
+        let f = udp_frame(
+            "02:00:00:00:00:01",
+            "02:00:00:00:00:02",
+            CLIENT_IP,
+            TARGET_VIP,
+            SRC_PORT,
+            DNS_PORT,
+        )
+        .expect("frame");
+        assert_eq!(f.len() + 4, 64);
+        assert_eq!(&f[0..6], &[2, 0, 0, 0, 0, 2]);
+        // A header with its checksum sums to 0xffff.
+        assert_eq!(csum_fold(csum_add(&f[14..34], 0)), 0);
+        let mut pseudo = Vec::new();
+        pseudo.extend_from_slice(&f[26..34]);
+        pseudo.extend_from_slice(&[0, 17, 0, 26]);
+        assert_eq!(csum_fold(csum_add(&f[34..], csum_add(&pseudo, 0))), 0);
+        assert_eq!(u16::from_be_bytes([f[36], f[37]]), 53);
+    }
+}
