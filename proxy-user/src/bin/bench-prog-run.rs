@@ -1,4 +1,4 @@
-//! `BPF_PROG_RUN` ns per packet of the TC ingress program, for `cargo xtask bench` (its
+//! `BPF_PROG_RUN` ns per packet of the TC ingress and XDP programs, for `cargo xtask bench` (its
 //! packet-rate part, `xtask/src/bench/pps.rs`, runs this as root and reads the JSON it
 //! prints; a bin, not an example, so that it builds with the agent and without the
 //! dev-dependencies). The object is loaded by the real loader on a per-run pin directory
@@ -35,6 +35,7 @@ use proxy_common::backend_flags;
 use proxy_user::{bpf, loader, model::Backend, BpfMaps, Frontend, Proto, ServiceEntry, Writer};
 
 const TC_ACT_OK: u32 = 0;
+const XDP_PASS: u32 = 2;
 
 struct Pins(PathBuf);
 
@@ -79,18 +80,12 @@ fn main() -> Result<()> {
         bail!("/sys/fs/bpf is missing (cargo xtask setup mounts it)");
     }
     let mut results = Vec::new();
-    let mut xdp = Vec::new();
     for services in [1usize, 10_000] {
         let pins = Pins(PathBuf::from("/sys/fs/bpf").join(format!(
             "ebpf-proxy-progrun-{}-{services}",
             std::process::id()
         )));
         let ebpf = progrun::load_tc(&pins.0, loader::DEFAULT_CONNTRACK_FLOWS)?;
-        xdp = ebpf
-            .programs()
-            .filter(|(_, p)| matches!(p, aya::programs::Program::Xdp(_)))
-            .map(|(n, _)| n.to_string())
-            .collect();
         bpf::set_node_addresses(&pins.0, &["192.0.2.1".parse()?])?;
         let mut writer = Writer::new(BpfMaps::open(&pins.0)?);
         for i in 0..services - 1 {
@@ -113,93 +108,93 @@ fn main() -> Result<()> {
             target.clone(),
         ))?;
 
-        let mut record = |case: &str, ns: f64, verdict: u32, how: &str| {
-            results.push(serde_json::json!({
-                "program": "tc_ingress",
-                "case": case,
-                "services": services,
-                "ns_per_packet": ns,
-                "verdict": verdict,
-                "how": how,
-            }));
-        };
-        // Miss, with repeat.
-        let miss = Pkt::udp("198.51.100.7:5000", "10.96.0.11:53").build();
-        let mut v = Vec::new();
-        let mut verdict = 0;
-        for _ in 0..runs {
-            let r = progrun::run_classifier(&ebpf, "tc_ingress", &miss, repeat)?;
-            if r.out != miss {
-                bail!("a miss was rewritten");
+        // TC ingress and XDP (`--acceleration`) on the same maps: each passes a packet for
+        // a local backend to the stack (`TC_ACT_OK`, `XDP_PASS`) after DNAT; each its own
+        // client ports, so that its new flows are new.
+        for (prog, pass, first_port) in [
+            ("tc_ingress", TC_ACT_OK, 10_000u32),
+            (progrun::XDP_PROGRAM, XDP_PASS, 30_000),
+        ] {
+            let mut record = |case: &str, ns: f64, verdict: u32, how: &str| {
+                results.push(serde_json::json!({
+                    "program": prog,
+                    "case": case,
+                    "services": services,
+                    "ns_per_packet": ns,
+                    "verdict": verdict,
+                    "how": how,
+                }));
+            };
+            // Miss, with repeat.
+            let miss = Pkt::udp("198.51.100.7:5000", "10.96.0.11:53").build();
+            let mut v = Vec::new();
+            let mut verdict = 0;
+            for _ in 0..runs {
+                let r = progrun::run_classifier(&ebpf, prog, &miss, repeat)?;
+                if r.out != miss {
+                    bail!("a miss was rewritten");
+                }
+                verdict = r.verdict;
+                v.push(r.duration_ns);
             }
-            verdict = r.verdict;
-            v.push(r.duration_ns);
-        }
-        record(
-            "miss (not a frontend)",
-            median(v),
-            verdict,
-            &format!("repeat {repeat}, median of {runs} calls"),
-        );
-        // Miss, one per call.
-        let v: Vec<u32> = (0..calls)
-            .map(|_| progrun::run_classifier(&ebpf, "tc_ingress", &miss, 1).map(|r| r.duration_ns))
-            .collect::<Result<_>>()?;
-        record(
-            "miss, 1 per call (timing baseline)",
-            median(v),
-            verdict,
-            &format!("median of {calls} calls"),
-        );
-        // New flows: a new client port per call.
-        let mut v = Vec::new();
-        for i in 0..calls {
-            let p = Pkt::udp(&format!("198.51.100.7:{}", 10_000 + i), "10.96.0.10:53");
-            let r = progrun::run_classifier(&ebpf, "tc_ingress", &p.build(), 1)?;
-            let out = Pkt::parse(&r.out);
-            if r.verdict != TC_ACT_OK || !target.contains(&out.dst) {
-                bail!("new flow {i}: verdict {} to {}", r.verdict, out.dst);
+            record(
+                "miss (not a frontend)",
+                median(v),
+                verdict,
+                &format!("repeat {repeat}, median of {runs} calls"),
+            );
+            // Miss, one per call.
+            let v: Vec<u32> = (0..calls)
+                .map(|_| progrun::run_classifier(&ebpf, prog, &miss, 1).map(|r| r.duration_ns))
+                .collect::<Result<_>>()?;
+            record(
+                "miss, 1 per call (timing baseline)",
+                median(v),
+                verdict,
+                &format!("median of {calls} calls"),
+            );
+            // New flows: a new client port per call.
+            let mut v = Vec::new();
+            for i in 0..calls {
+                let p = Pkt::udp(&format!("198.51.100.7:{}", first_port + i), "10.96.0.10:53");
+                let r = progrun::run_classifier(&ebpf, prog, &p.build(), 1)?;
+                let out = Pkt::parse(&r.out);
+                if r.verdict != pass || !target.contains(&out.dst) {
+                    bail!("new flow {i}: verdict {} to {}", r.verdict, out.dst);
+                }
+                verdict = r.verdict;
+                v.push(r.duration_ns);
             }
-            verdict = r.verdict;
-            v.push(r.duration_ns);
-        }
-        record(
-            "frontend hit, new flow",
-            median(v),
-            verdict,
-            &format!("median of {calls} calls, one new flow each"),
-        );
-        // Conntrack hits: the first flow again.
-        let p = Pkt::udp("198.51.100.7:10000", "10.96.0.10:53").build();
-        let mut v = Vec::new();
-        let mut first = None;
-        for _ in 0..calls {
-            let r = progrun::run_classifier(&ebpf, "tc_ingress", &p, 1)?;
-            let dst = Pkt::parse(&r.out).dst;
-            if *first.get_or_insert(dst) != dst {
-                bail!("conntrack hit went to {dst}, the flow was at {first:?}");
+            record(
+                "frontend hit, new flow",
+                median(v),
+                verdict,
+                &format!("median of {calls} calls, one new flow each"),
+            );
+            // Conntrack hits: the first flow again.
+            let p = Pkt::udp(&format!("198.51.100.7:{first_port}"), "10.96.0.10:53").build();
+            let mut v = Vec::new();
+            let mut first = None;
+            for _ in 0..calls {
+                let r = progrun::run_classifier(&ebpf, prog, &p, 1)?;
+                let dst = Pkt::parse(&r.out).dst;
+                if *first.get_or_insert(dst) != dst {
+                    bail!("conntrack hit went to {dst}, the flow was at {first:?}");
+                }
+                verdict = r.verdict;
+                v.push(r.duration_ns);
             }
-            verdict = r.verdict;
-            v.push(r.duration_ns);
+            record(
+                "conntrack hit",
+                median(v),
+                verdict,
+                &format!("median of {calls} calls, the same flow"),
+            );
         }
-        record(
-            "conntrack hit",
-            median(v),
-            verdict,
-            &format!("median of {calls} calls, the same flow"),
-        );
         drop(writer);
         drop(ebpf);
         drop(pins);
     }
-    let not_measured = if xdp.is_empty() {
-        "XDP: not available in this build (no XDP program in the object).".to_string()
-    } else {
-        format!(
-            "XDP programs in the object ({}) are not measured here yet.",
-            xdp.join(", ")
-        )
-    };
     println!(
         "{}",
         serde_json::json!({
@@ -207,7 +202,6 @@ fn main() -> Result<()> {
             "runs": runs,
             "calls": calls,
             "results": results,
-            "not_measured": not_measured,
         })
     );
     Ok(())
