@@ -714,15 +714,35 @@ impl<S: MapStore> Writer<S> {
             .filter(|fe| !desired.contains_key(fe))
             .copied()
             .collect();
-        let to_write = gone.len() + desired.values().filter(|e| self.needs_write(e)).count();
+        self.write_many(&gone, desired.values())
+    }
+
+    /// Removes `removals`, then writes `upserts` in their order (the caller's write order:
+    /// an entry's own writes keep the update order whatever the path). Many frontends to
+    /// write (at least the batch threshold, counting only entries that differ from the
+    /// maps): in batches, one call per phase and map (see the module doc); else, or when a
+    /// batch fails (everything undone), frontend by frontend. A frontend that fails is
+    /// reported (its error names it) and left as it was; the rest are still written.
+    pub fn write_many<'a>(
+        &mut self,
+        removals: &[Frontend],
+        upserts: impl IntoIterator<Item = &'a ServiceEntry> + Clone,
+    ) -> SyncReport {
+        let to_write = removals.len()
+            + upserts
+                .clone()
+                .into_iter()
+                .filter(|e| self.needs_write(e))
+                .count();
         if to_write > 0 && to_write >= self.batch_min {
-            if let Some(report) = self.sync_batched(&desired, &gone) {
+            if let Some(report) = self.sync_batched(upserts.clone(), removals) {
                 return report;
             }
         }
         let mut report = SyncReport::default();
-        for fe in gone {
-            match self.remove(&fe) {
+        for fe in removals {
+            match self.remove(fe) {
+                Ok(0) => {}
                 Ok(n) => {
                     report.ops += n;
                     report.removed += 1;
@@ -730,7 +750,7 @@ impl<S: MapStore> Writer<S> {
                 Err(e) => report.errors.push(e),
             }
         }
-        for entry in desired.values() {
+        for entry in upserts {
             match self.upsert(entry) {
                 Ok(0) => {}
                 Ok(n) => {
@@ -741,6 +761,16 @@ impl<S: MapStore> Writer<S> {
             }
         }
         report
+    }
+
+    /// Whether `fe` is programmed.
+    pub fn is_programmed(&self, fe: &Frontend) -> bool {
+        self.services.contains_key(fe)
+    }
+
+    /// Number of frontends programmed.
+    pub fn frontend_count(&self) -> usize {
+        self.services.len()
     }
 
     /// Whether `entry` differs from what is programmed (an estimate for choosing batches:
@@ -771,9 +801,9 @@ impl<S: MapStore> Writer<S> {
 
     /// One batched sync; `None` if a write failed (everything undone, the model as
     /// before): the caller then syncs frontend by frontend.
-    fn sync_batched(
+    fn sync_batched<'a>(
         &mut self,
-        desired: &BTreeMap<Frontend, ServiceEntry>,
+        desired: impl IntoIterator<Item = &'a ServiceEntry>,
         gone: &[Frontend],
     ) -> Option<SyncReport> {
         let saved = self.save();
@@ -790,7 +820,7 @@ impl<S: MapStore> Writer<S> {
                 self.commit_remove(fe, &old);
             }
         }
-        for entry in desired.values() {
+        for entry in desired {
             match self.stage_upsert(entry) {
                 Err(e) => report.errors.push(e),
                 Ok(mut staged) => {
