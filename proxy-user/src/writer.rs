@@ -34,9 +34,11 @@
 //! again frontend by frontend, which names the failing frontend and rolls back just it.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet},
     net::IpAddr,
 };
+
+use crate::fasthash::{HashMap, HashSet};
 
 use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
 use tracing::{error, warn};
@@ -367,7 +369,7 @@ impl<S: MapStore> Writer<S> {
         Self {
             store,
             services: BTreeMap::new(),
-            backend_ids: HashMap::new(),
+            backend_ids: HashMap::default(),
             backend_refs: BTreeMap::new(),
             backend_alloc: IdAlloc::default(),
             service_alloc: IdAlloc::default(),
@@ -469,7 +471,7 @@ impl<S: MapStore> Writer<S> {
         for value in dump.frontends.values() {
             w.service_alloc.mark(value.service_id);
         }
-        let mut owner: HashMap<u32, Frontend> = HashMap::new();
+        let mut owner: HashMap<u32, Frontend> = HashMap::default();
         for (fe, v) in &dump.frontends {
             let named = dump.revnat.get(&v.service_id).is_some_and(|(f, _)| f == fe);
             match owner.entry(v.service_id) {
@@ -482,7 +484,7 @@ impl<S: MapStore> Writer<S> {
                 std::collections::hash_map::Entry::Occupied(_) => {}
             }
         }
-        let mut ranges_by_id: HashMap<u32, BTreeSet<(IpAddr, u8)>> = HashMap::new();
+        let mut ranges_by_id: HashMap<u32, BTreeSet<(IpAddr, u8)>> = HashMap::default();
         for (id, a, p) in &dump.src_ranges {
             ranges_by_id.entry(*id).or_default().insert((*a, *p));
         }
@@ -512,7 +514,7 @@ impl<S: MapStore> Writer<S> {
                 }
             }
             let mut slots = Vec::with_capacity(usize::from(value.count));
-            let mut seen = HashSet::new();
+            let mut seen = HashSet::default();
             for slot in 1..=value.count {
                 let id = match dump.slots.get(&(*fe, slot)) {
                     None => {
@@ -1340,7 +1342,7 @@ fn validate(entry: &ServiceEntry) -> Result<Vec<Backend>, WriteError> {
     if fe.port == 0 {
         return Err(WriteError::ZeroPort { frontend: fe });
     }
-    let mut seen = HashSet::new();
+    let mut seen = HashSet::default();
     let mut out = Vec::with_capacity(entry.backends.len());
     for b in &entry.backends {
         if b.family() != fe.family() {
@@ -1378,7 +1380,7 @@ fn stable_layout(old: &[u32], wanted: &[u32]) -> Vec<u32> {
         .map(|id| (*id != 0 && wanted_set.contains(id)).then_some(*id))
         .collect();
     // Keep the first occurrence only (an adopted map could repeat an id).
-    let mut placed = HashSet::new();
+    let mut placed = HashSet::default();
     for s in layout.iter_mut() {
         if let Some(id) = *s {
             if !placed.insert(id) {
@@ -1418,7 +1420,7 @@ fn slot_no(index: usize) -> u16 {
 }
 
 fn unique(ids: &[u32]) -> Vec<u32> {
-    let mut seen = HashSet::new();
+    let mut seen = HashSet::default();
     ids.iter().copied().filter(|id| seen.insert(*id)).collect()
 }
 

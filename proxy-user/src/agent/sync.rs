@@ -13,7 +13,7 @@
 //! Time is passed in (`now`), so the logic is tested without sleeping.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet},
     net::IpAddr,
     sync::Arc,
     time::Instant,
@@ -31,6 +31,7 @@ use crate::{
         objects::{NodeInfo, ObjKey, ServiceInfo, SliceInfo, LABEL_SERVICE_NAME},
         Kind, Object, Update,
     },
+    fasthash::{HashMap, HashSet},
     model::{Frontend, Proto, ServiceEntry},
     store::MapStore,
     writer::{WriteError, Writer},
@@ -109,11 +110,11 @@ impl<S: MapStore> Syncer<S> {
             proxy_name,
             external_ips: ExternalIpPolicy::default(),
             metrics,
-            dirty: HashMap::new(),
+            dirty: HashMap::default(),
             full_due: None,
             claims: Claims::default(),
-            conflicts_reported: HashMap::new(),
-            refused: HashMap::new(),
+            conflicts_reported: HashMap::default(),
+            refused: HashMap::default(),
             held: BTreeMap::new(),
             pinned: None,
             synced_once: false,
@@ -262,7 +263,7 @@ impl<S: MapStore> Syncer<S> {
             return;
         }
         let pinned = self.pinned.get_or_insert_with(|| {
-            let mut by_service: HashMap<ObjKey, BTreeSet<Frontend>> = HashMap::new();
+            let mut by_service: HashMap<ObjKey, BTreeSet<Frontend>> = HashMap::default();
             for (fe, name) in self.writer.expected_dump().revnat.into_values() {
                 // `namespace/name:port` (see `cluster::index`).
                 let svc = name.split(':').next().unwrap_or("");
@@ -545,7 +546,7 @@ impl<S: MapStore> Syncer<S> {
         now: Instant,
         outcome: &mut SyncOutcome,
     ) {
-        let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> = HashMap::new();
+        let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> = HashMap::default();
         let mut touched: BTreeSet<Frontend> = BTreeSet::new();
         if full {
             self.claims.clear();
@@ -602,7 +603,7 @@ impl<S: MapStore> Syncer<S> {
         // write order; in batches when there are many (the first sync, a relist).
         let report = self.writer.write_many(&removals, &list);
         outcome.ops += report.ops;
-        let mut failed: HashSet<Frontend> = HashSet::new();
+        let mut failed: HashSet<Frontend> = HashSet::default();
         for e in report.errors {
             let Some(fe) = err_frontend(&e).copied() else {
                 continue;
