@@ -255,6 +255,9 @@ pub struct Index {
     services: BTreeMap<ObjKey, ServiceInfo>,
     slices: HashMap<ObjKey, SliceInfo>,
     slices_by_service: HashMap<ObjKey, Vec<ObjKey>>,
+    /// The Services with a `healthCheckNodePort` (few), so that what runs after every
+    /// sync ([`Index::health_check_ports`]) does not walk every Service.
+    with_health_check: BTreeSet<ObjKey>,
 }
 
 /// `key` itself, or the equal `own` (which shares its strings with the stored object).
@@ -280,11 +283,17 @@ impl Index {
         match info {
             Some(info) => {
                 let key = shared(key, &info.key);
+                if info.health_check_node_port.is_some() {
+                    self.with_health_check.insert(key.clone());
+                } else {
+                    self.with_health_check.remove(&key);
+                }
                 self.services.insert(key.clone(), info);
                 key
             }
             None => {
                 self.services.remove(&key);
+                self.with_health_check.remove(&key);
                 key
             }
         }
@@ -328,6 +337,12 @@ impl Index {
             .map(|(k, info)| (shared(k, &info.key), info))
             .collect();
         touched.extend(self.services.keys().cloned());
+        self.with_health_check = self
+            .services
+            .iter()
+            .filter(|(_, s)| s.health_check_node_port.is_some())
+            .map(|(k, _)| k.clone())
+            .collect();
         touched.into_iter().collect()
     }
 
@@ -373,8 +388,12 @@ impl Index {
     /// Service that has one (eTP=Local LoadBalancer Services).
     pub fn health_check_ports(&self) -> BTreeMap<u16, (ObjKey, usize)> {
         let mut out = BTreeMap::new();
-        for (key, svc) in &self.services {
-            let Some(port) = svc.health_check_node_port else {
+        for key in &self.with_health_check {
+            let Some(port) = self
+                .services
+                .get(key)
+                .and_then(|s| s.health_check_node_port)
+            else {
                 continue;
             };
             let mut local: BTreeSet<IpAddr> = BTreeSet::new();
