@@ -38,9 +38,11 @@
 //! again frontend by frontend, which names the failing frontend and rolls back just it.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet},
     net::IpAddr,
 };
+
+use crate::fasthash::{HashMap, HashSet};
 
 use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
 use tracing::{error, warn};
@@ -380,7 +382,7 @@ impl<S: MapStore> Writer<S> {
         Self {
             store,
             services: BTreeMap::new(),
-            backend_ids: HashMap::new(),
+            backend_ids: HashMap::default(),
             backend_refs: BTreeMap::new(),
             backend_alloc: IdAlloc::default(),
             service_alloc: IdAlloc::default(),
@@ -411,7 +413,7 @@ impl<S: MapStore> Writer<S> {
         layout: &[u32],
         addr_of: impl Fn(u32) -> Option<std::net::SocketAddr>,
     ) -> Vec<(std::net::SocketAddr, u16)> {
-        let mut seen = HashSet::new();
+        let mut seen = HashSet::default();
         layout
             .iter()
             .enumerate()
@@ -532,7 +534,7 @@ impl<S: MapStore> Writer<S> {
         for value in dump.frontends.values() {
             w.service_alloc.mark(value.service_id);
         }
-        let mut owner: HashMap<u32, Frontend> = HashMap::new();
+        let mut owner: HashMap<u32, Frontend> = HashMap::default();
         for (fe, v) in &dump.frontends {
             let named = dump.revnat.get(&v.service_id).is_some_and(|(f, _)| f == fe);
             match owner.entry(v.service_id) {
@@ -545,7 +547,7 @@ impl<S: MapStore> Writer<S> {
                 std::collections::hash_map::Entry::Occupied(_) => {}
             }
         }
-        let mut ranges_by_id: HashMap<u32, BTreeSet<(IpAddr, u8)>> = HashMap::new();
+        let mut ranges_by_id: HashMap<u32, BTreeSet<(IpAddr, u8)>> = HashMap::default();
         for (id, a, p) in &dump.src_ranges {
             ranges_by_id.entry(*id).or_default().insert((*a, *p));
         }
@@ -575,7 +577,7 @@ impl<S: MapStore> Writer<S> {
                 }
             }
             let mut slots = Vec::with_capacity(usize::from(value.count));
-            let mut seen = HashSet::new();
+            let mut seen = HashSet::default();
             for slot in 1..=value.count {
                 let id = match dump.slots.get(&(*fe, slot)) {
                     None => {
@@ -636,7 +638,7 @@ impl<S: MapStore> Writer<S> {
         }
         // Maglev tables: kept (no write) when equal to what the parameters in use give the
         // adopted slots; else marked for rewriting. Chunks of no flagged frontend go.
-        let mut maglev_by_id: HashMap<u32, Vec<u32>> = HashMap::new();
+        let mut maglev_by_id: HashMap<u32, Vec<u32>> = HashMap::default();
         for (sid, chunk) in dump.maglev.keys() {
             maglev_by_id.entry(*sid).or_default().push(*chunk);
         }
@@ -649,7 +651,7 @@ impl<S: MapStore> Writer<S> {
             })
             .map(|(fe, _)| *fe)
             .collect();
-        let mut kept_ids = HashSet::new();
+        let mut kept_ids = HashSet::default();
         for fe in flagged {
             let p = &w.services[&fe];
             let sid = p.value.service_id;
@@ -830,15 +832,35 @@ impl<S: MapStore> Writer<S> {
             .filter(|fe| !desired.contains_key(fe))
             .copied()
             .collect();
-        let to_write = gone.len() + desired.values().filter(|e| self.needs_write(e)).count();
+        self.write_many(&gone, desired.values())
+    }
+
+    /// Removes `removals`, then writes `upserts` in their order (the caller's write order:
+    /// an entry's own writes keep the update order whatever the path). Many frontends to
+    /// write (at least the batch threshold, counting only entries that differ from the
+    /// maps): in batches, one call per phase and map (see the module doc); else, or when a
+    /// batch fails (everything undone), frontend by frontend. A frontend that fails is
+    /// reported (its error names it) and left as it was; the rest are still written.
+    pub fn write_many<'a>(
+        &mut self,
+        removals: &[Frontend],
+        upserts: impl IntoIterator<Item = &'a ServiceEntry> + Clone,
+    ) -> SyncReport {
+        let to_write = removals.len()
+            + upserts
+                .clone()
+                .into_iter()
+                .filter(|e| self.needs_write(e))
+                .count();
         if to_write > 0 && to_write >= self.batch_min {
-            if let Some(report) = self.sync_batched(&desired, &gone) {
+            if let Some(report) = self.sync_batched(upserts.clone(), removals) {
                 return report;
             }
         }
         let mut report = SyncReport::default();
-        for fe in gone {
-            match self.remove(&fe) {
+        for fe in removals {
+            match self.remove(fe) {
+                Ok(0) => {}
                 Ok(n) => {
                     report.ops += n;
                     report.removed += 1;
@@ -846,7 +868,7 @@ impl<S: MapStore> Writer<S> {
                 Err(e) => report.errors.push(e),
             }
         }
-        for entry in desired.values() {
+        for entry in upserts {
             match self.upsert(entry) {
                 Ok(0) => {}
                 Ok(n) => {
@@ -857,6 +879,16 @@ impl<S: MapStore> Writer<S> {
             }
         }
         report
+    }
+
+    /// Whether `fe` is programmed.
+    pub fn is_programmed(&self, fe: &Frontend) -> bool {
+        self.services.contains_key(fe)
+    }
+
+    /// Number of frontends programmed.
+    pub fn frontend_count(&self) -> usize {
+        self.services.len()
     }
 
     /// Whether `entry` differs from what is programmed (an estimate for choosing batches:
@@ -887,9 +919,9 @@ impl<S: MapStore> Writer<S> {
 
     /// One batched sync; `None` if a write failed (everything undone, the model as
     /// before): the caller then syncs frontend by frontend.
-    fn sync_batched(
+    fn sync_batched<'a>(
         &mut self,
-        desired: &BTreeMap<Frontend, ServiceEntry>,
+        desired: impl IntoIterator<Item = &'a ServiceEntry>,
         gone: &[Frontend],
     ) -> Option<SyncReport> {
         let saved = self.save();
@@ -906,7 +938,7 @@ impl<S: MapStore> Writer<S> {
                 self.commit_remove(fe, &old);
             }
         }
-        for entry in desired.values() {
+        for entry in desired {
             match self.stage_upsert(entry) {
                 Err(e) => report.errors.push(e),
                 Ok(mut staged) => {
@@ -1501,7 +1533,7 @@ fn validate(entry: &ServiceEntry) -> Result<Vec<Backend>, WriteError> {
     if fe.port == 0 {
         return Err(WriteError::ZeroPort { frontend: fe });
     }
-    let mut seen = HashSet::new();
+    let mut seen = HashSet::default();
     let mut out = Vec::with_capacity(entry.backends.len());
     for b in &entry.backends {
         if b.family() != fe.family() {
@@ -1539,7 +1571,7 @@ fn stable_layout(old: &[u32], wanted: &[u32]) -> Vec<u32> {
         .map(|id| (*id != 0 && wanted_set.contains(id)).then_some(*id))
         .collect();
     // Keep the first occurrence only (an adopted map could repeat an id).
-    let mut placed = HashSet::new();
+    let mut placed = HashSet::default();
     for s in layout.iter_mut() {
         if let Some(id) = *s {
             if !placed.insert(id) {
@@ -1579,7 +1611,7 @@ fn slot_no(index: usize) -> u16 {
 }
 
 fn unique(ids: &[u32]) -> Vec<u32> {
-    let mut seen = HashSet::new();
+    let mut seen = HashSet::default();
     ids.iter().copied().filter(|id| seen.insert(*id)).collect()
 }
 

@@ -13,7 +13,7 @@
 //! Time is passed in (`now`), so the logic is tested without sleeping.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet},
     net::IpAddr,
     sync::Arc,
     time::Instant,
@@ -32,6 +32,7 @@ use crate::{
         objects::{NodeInfo, ObjKey, ServiceInfo, SliceInfo, LABEL_SERVICE_NAME},
         Kind, Object, Update,
     },
+    fasthash::{HashMap, HashSet},
     model::{Frontend, Proto, ServiceEntry},
     store::MapStore,
     writer::{WriteError, Writer},
@@ -112,11 +113,11 @@ impl<S: MapStore> Syncer<S> {
             proxy_name,
             external_ips: ExternalIpPolicy::default(),
             metrics,
-            dirty: HashMap::new(),
+            dirty: HashMap::default(),
             full_due: None,
             claims: Claims::default(),
-            conflicts_reported: HashMap::new(),
-            refused: HashMap::new(),
+            conflicts_reported: HashMap::default(),
+            refused: HashMap::default(),
             held: BTreeMap::new(),
             pinned: None,
             synced_once: false,
@@ -294,7 +295,7 @@ impl<S: MapStore> Syncer<S> {
             return;
         }
         let pinned = self.pinned.get_or_insert_with(|| {
-            let mut by_service: HashMap<ObjKey, BTreeSet<Frontend>> = HashMap::new();
+            let mut by_service: HashMap<ObjKey, BTreeSet<Frontend>> = HashMap::default();
             for (fe, name) in self.writer.expected_dump().revnat.into_values() {
                 // `namespace/name:port` (see `cluster::index`).
                 let svc = name.split(':').next().unwrap_or("");
@@ -548,7 +549,7 @@ impl<S: MapStore> Syncer<S> {
             .observe(done.duration_since(start).as_secs_f64());
         self.metrics
             .frontends
-            .set(self.writer.frontends().count() as i64);
+            .set(self.writer.frontend_count() as i64);
         self.metrics
             .backends
             .set(self.writer.backend_count() as i64);
@@ -577,7 +578,7 @@ impl<S: MapStore> Syncer<S> {
         now: Instant,
         outcome: &mut SyncOutcome,
     ) {
-        let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> = HashMap::new();
+        let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> = HashMap::default();
         let mut touched: BTreeSet<Frontend> = BTreeSet::new();
         if full {
             self.claims.clear();
@@ -604,13 +605,12 @@ impl<S: MapStore> Syncer<S> {
             touched.extend(self.claims.frontends().copied());
         }
 
-        let programmed: BTreeSet<Frontend> = self.writer.frontends().copied().collect();
         let mut removals = Vec::new();
         let mut upserts: Vec<(ObjKey, ServiceEntry)> = Vec::new();
         for fe in &touched {
             self.report_conflicts(fe);
             let Some(owner) = self.claims.owner(fe).cloned() else {
-                if programmed.contains(fe) {
+                if self.writer.is_programmed(fe) {
                     removals.push(*fe);
                 } else {
                     self.refused.remove(fe);
@@ -627,39 +627,43 @@ impl<S: MapStore> Syncer<S> {
                 upserts.push((owner, e.clone()));
             }
         }
-        // Removals first: they free map room for the additions.
-        for fe in removals {
-            match self.writer.remove(&fe) {
-                Ok(n) => {
-                    outcome.ops += n;
-                    self.refused.remove(&fe);
-                }
-                Err(e) => {
-                    outcome.failed += 1;
-                    self.write_failed(&e);
-                    // Nobody claims it any more: the next full re-diff removes it.
-                    self.full_due.get_or_insert(now);
-                }
-            }
-        }
         let (owners, mut list): (Vec<ObjKey>, Vec<ServiceEntry>) = upserts.into_iter().unzip();
         let owner_of: HashMap<Frontend, ObjKey> =
             list.iter().map(|e| e.frontend).zip(owners).collect();
         write_order(&mut list);
-        for entry in list {
-            let fe = entry.frontend;
-            let owner = &owner_of[&fe];
-            match self.writer.upsert(&entry) {
-                Ok(n) => {
-                    outcome.ops += n;
-                    self.refused.remove(&fe);
-                }
-                Err(e @ WriteError::Store { .. }) => {
+        // Removals first (they free map room for the additions), then the upserts in
+        // write order; in batches when there are many (the first sync, a relist).
+        let report = self.writer.write_many(&removals, &list);
+        outcome.ops += report.ops;
+        let mut failed: HashSet<Frontend> = HashSet::default();
+        for e in report.errors {
+            let Some(fe) = err_frontend(&e).copied() else {
+                continue;
+            };
+            failed.insert(fe);
+            match owner_of.get(&fe) {
+                // A removal: nobody claims it any more, the next full re-diff removes it.
+                None => {
                     outcome.failed += 1;
                     self.write_failed(&e);
-                    self.dirty.entry(owner.clone()).or_insert_with(Instant::now);
+                    self.full_due.get_or_insert(now);
                 }
-                Err(e) => self.refuse(owner, &e),
+                Some(owner) => match e {
+                    WriteError::Store { .. } => {
+                        outcome.failed += 1;
+                        self.write_failed(&e);
+                        self.dirty.entry(owner.clone()).or_insert_with(Instant::now);
+                    }
+                    _ => {
+                        let owner = owner.clone();
+                        self.refuse(&owner, &e);
+                    }
+                },
+            }
+        }
+        for fe in removals.iter().chain(list.iter().map(|e| &e.frontend)) {
+            if !failed.contains(fe) {
+                self.refused.remove(fe);
             }
         }
     }

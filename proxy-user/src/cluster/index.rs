@@ -6,14 +6,17 @@
 //! validated objects, tells which Services an update touched, and evaluates the rules.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
 use proxy_common::{backend_flags, svc_flags};
 
 use super::objects::{EndpointInfo, NodeInfo, ObjKey, ServiceInfo, SliceInfo};
-use crate::model::{Backend, Family, Frontend, ServiceEntry};
+use crate::{
+    fasthash::{HashMap, HashSet},
+    model::{Backend, Family, Frontend, ServiceEntry},
+};
 
 /// Every frontend of one Service with its backends: per cluster IP x port, and for the
 /// external addresses (NodePort on any node address, `externalIPs`, LoadBalancer ingress
@@ -38,7 +41,7 @@ pub fn service_entries(
             let mut candidates: Vec<(EndpointInfo, u16)> = Vec::new();
             // Where each address:port sits in `candidates`: linear in the endpoints, so a
             // Service with tens of thousands of them costs no more than its size.
-            let mut seen: HashMap<(IpAddr, u16), usize> = HashMap::new();
+            let mut seen: HashMap<(IpAddr, u16), usize> = HashMap::default();
             for slice in slices.iter().filter(|s| s.family == family) {
                 let Some(sp) = slice
                     .ports
@@ -65,7 +68,7 @@ pub fn service_entries(
             let eps: Vec<&EndpointInfo> = candidates.iter().map(|(e, _)| e).collect();
             // Keeps the order of `candidates` (the chosen endpoints are references into it).
             let backends = |chosen: &[&EndpointInfo]| -> Vec<Backend> {
-                let chosen: std::collections::HashSet<*const EndpointInfo> =
+                let chosen: HashSet<*const EndpointInfo> =
                     chosen.iter().map(|c| *c as *const EndpointInfo).collect();
                 let mut b: Vec<Backend> = candidates
                     .iter()
@@ -256,6 +259,9 @@ pub struct Index {
     services: BTreeMap<ObjKey, ServiceInfo>,
     slices: HashMap<ObjKey, SliceInfo>,
     slices_by_service: HashMap<ObjKey, Vec<ObjKey>>,
+    /// The Services with a `healthCheckNodePort` (few), so that what runs after every
+    /// sync ([`Index::health_check_ports`]) does not walk every Service.
+    with_health_check: BTreeSet<ObjKey>,
 }
 
 /// `key` itself, or the equal `own` (which shares its strings with the stored object).
@@ -281,11 +287,17 @@ impl Index {
         match info {
             Some(info) => {
                 let key = shared(key, &info.key);
+                if info.health_check_node_port.is_some() {
+                    self.with_health_check.insert(key.clone());
+                } else {
+                    self.with_health_check.remove(&key);
+                }
                 self.services.insert(key.clone(), info);
                 key
             }
             None => {
                 self.services.remove(&key);
+                self.with_health_check.remove(&key);
                 key
             }
         }
@@ -329,14 +341,20 @@ impl Index {
             .map(|(k, info)| (shared(k, &info.key), info))
             .collect();
         touched.extend(self.services.keys().cloned());
+        self.with_health_check = self
+            .services
+            .iter()
+            .filter(|(_, s)| s.health_check_node_port.is_some())
+            .map(|(k, _)| k.clone())
+            .collect();
         touched.into_iter().collect()
     }
 
     /// Replaces every slice at once. Returns the Services touched.
     pub fn replace_slices(&mut self, all: Vec<(ObjKey, SliceInfo)>) -> Vec<ObjKey> {
         let mut touched: BTreeSet<ObjKey> = self.slices_by_service.keys().cloned().collect();
-        self.slices = HashMap::with_capacity(all.len());
-        self.slices_by_service = HashMap::with_capacity(all.len());
+        self.slices = HashMap::with_capacity_and_hasher(all.len(), Default::default());
+        self.slices_by_service = HashMap::with_capacity_and_hasher(all.len(), Default::default());
         for (key, info) in all {
             self.set_slice(key, Some(info));
         }
@@ -374,8 +392,12 @@ impl Index {
     /// Service that has one (eTP=Local LoadBalancer Services).
     pub fn health_check_ports(&self) -> BTreeMap<u16, (ObjKey, usize)> {
         let mut out = BTreeMap::new();
-        for (key, svc) in &self.services {
-            let Some(port) = svc.health_check_node_port else {
+        for key in &self.with_health_check {
+            let Some(port) = self
+                .services
+                .get(key)
+                .and_then(|s| s.health_check_node_port)
+            else {
                 continue;
             };
             let mut local: BTreeSet<IpAddr> = BTreeSet::new();

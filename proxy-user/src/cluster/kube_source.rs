@@ -19,7 +19,17 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use super::counters::SourceCounters;
-use super::{manifests::decode, objects::label_selector, Kind, ObjKey, Object, Update};
+use k8s_openapi::{
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use super::{objects::label_selector, Kind, ObjKey, Object, Update};
 
 /// A client from `--kubeconfig`, else in-cluster config, else `$KUBECONFIG` /
 /// `~/.kube/config`.
@@ -161,23 +171,18 @@ async fn watch(
 }
 
 /// Decodes one untyped object; a malformed one is logged, counted and dropped.
+///
+/// Straight from the watcher's object (no re-serialization): the metadata kube-rs decoded
+/// is cut down to what the agent reads (name, namespace, labels, creation and deletion
+/// times: no annotations, managed fields or owner references are kept while a list is
+/// gathered), and only the fields the proxy reads are decoded from the rest.
 fn convert(kind: Kind, o: DynamicObject, metrics: &SourceCounters) -> Option<Object> {
+    let DynamicObject { metadata, data, .. } = o;
     let key = ObjKey::new(
-        o.metadata.namespace.clone().unwrap_or_default(),
-        o.metadata.name.clone().unwrap_or_default(),
+        metadata.namespace.as_deref().unwrap_or_default(),
+        metadata.name.as_deref().unwrap_or_default(),
     );
-    let mut value = match serde_json::to_value(&o) {
-        Ok(v) => v,
-        Err(e) => {
-            warn!(object = %key, "skipping {} {key}: {e}", kind.as_str());
-            metrics.skipped(kind.as_str(), "decode_error");
-            return None;
-        }
-    };
-    let ar = resource(kind);
-    value["apiVersion"] = ar.api_version.clone().into();
-    value["kind"] = ar.kind.clone().into();
-    match decode(kind, value) {
+    match decode_fields(kind, slim(metadata), &data) {
         Ok(obj) => Some(obj),
         Err(e) => {
             warn!(object = %key, reason = "decode_error", "skipping {} {key}: {e}", kind.as_str());
@@ -185,4 +190,51 @@ fn convert(kind: Kind, o: DynamicObject, metrics: &SourceCounters) -> Option<Obj
             None
         }
     }
+}
+
+/// The metadata fields the agent reads (`cluster::objects`).
+fn slim(m: ObjectMeta) -> ObjectMeta {
+    ObjectMeta {
+        name: m.name,
+        namespace: m.namespace,
+        labels: m.labels,
+        creation_timestamp: m.creation_timestamp,
+        deletion_timestamp: m.deletion_timestamp,
+        ..ObjectMeta::default()
+    }
+}
+
+/// `data[name]`, decoded (absent or null: `None`).
+fn field<T: DeserializeOwned>(data: &Value, name: &str) -> Result<Option<T>, serde_json::Error> {
+    match data.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => T::deserialize(v).map(Some),
+    }
+}
+
+/// An object of `kind` from its metadata and the rest of its fields.
+pub fn decode_fields(
+    kind: Kind,
+    metadata: ObjectMeta,
+    data: &Value,
+) -> Result<Object, serde_json::Error> {
+    Ok(match kind {
+        Kind::Service => Object::Service(Box::new(Service {
+            metadata,
+            spec: field(data, "spec")?,
+            status: field(data, "status")?,
+        })),
+        Kind::EndpointSlice => Object::Slice(Box::new(EndpointSlice {
+            metadata,
+            address_type: field(data, "addressType")?
+                .ok_or_else(|| serde::de::Error::missing_field("addressType"))?,
+            endpoints: field(data, "endpoints")?.unwrap_or_default(),
+            ports: field(data, "ports")?,
+        })),
+        Kind::Node => Object::Node(Box::new(Node {
+            metadata,
+            spec: field(data, "spec")?,
+            status: field(data, "status")?,
+        })),
+    })
 }

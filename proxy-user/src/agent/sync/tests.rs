@@ -672,3 +672,69 @@ fn the_lb_algorithm_annotation_overrides_the_default_for_external_frontends_only
         ]
     );
 }
+
+/// The first sync of many Services writes in batches (one call per phase and map, each
+/// checked by `MemStore` for one op per entry and one map per call), ends in the same maps
+/// as frontend-by-frontend writes, and an agent restarted on those maps writes nothing.
+#[test]
+fn a_large_first_sync_is_batched_and_a_restart_on_its_maps_writes_nothing() {
+    let t = Instant::now();
+    let n = 300;
+    let feed = |s: &mut Syncer<MemStore>| {
+        let svcs = (0..n)
+            .map(|i| {
+                svc(
+                    &format!("s{i}"),
+                    &format!("10.96.{}.{}", i / 200, i % 200 + 1),
+                )
+            })
+            .collect();
+        let slices = (0..n)
+            .map(|i| {
+                let ips: Vec<String> = (0..3)
+                    .map(|e| format!("10.1.{}.{}", i % 250, e + 1))
+                    .collect();
+                let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+                slice(&format!("s{i}-1"), &format!("s{i}"), &ips)
+            })
+            .collect();
+        s.handle(snapshot(Kind::Service, svcs), t);
+        s.handle(snapshot(Kind::EndpointSlice, slices), t);
+        s.handle(snapshot(Kind::Node, vec![]), t);
+    };
+    let (mut batched, _) = syncer(MemStore::default());
+    feed(&mut batched);
+    let out = batched.sync(t);
+    assert!(out.ran && out.full && out.failed == 0, "{out:?}");
+    let store = batched.writer().store();
+    assert!(
+        !store.batches.is_empty() && store.batches.len() < 20,
+        "batch calls: {:?}",
+        store.batches.len()
+    );
+    assert_eq!(store.batches.iter().sum::<usize>(), out.ops);
+    assert_eq!(batched.writer().frontend_count(), n);
+
+    let (mut single, _) = syncer(MemStore {
+        no_batches: true,
+        ..MemStore::default()
+    });
+    feed(&mut single);
+    let out1 = single.sync(t);
+    assert_eq!(out1.ops, out.ops);
+    assert!(single.writer().store().batches.is_empty());
+    assert_eq!(maps(&single), maps(&batched));
+
+    // Restart: a new agent adopts these maps and its first sync writes nothing.
+    let pinned = MemStore {
+        state: batched.writer().store().state.clone(),
+        ..MemStore::default()
+    };
+    let (mut again, _) = syncer(pinned);
+    feed(&mut again);
+    let out2 = again.sync(t);
+    assert!(out2.ran && out2.full);
+    assert_eq!(out2.ops, 0, "a restart on unchanged maps writes nothing");
+    assert!(again.writer().store().log.is_empty());
+    assert_eq!(maps(&again), maps(&batched));
+}

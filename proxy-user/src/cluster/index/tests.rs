@@ -330,8 +330,22 @@ fn ready_terminating_endpoints_are_used_as_written() {
     );
     assert_eq!(
         index.health_check_ports(),
-        BTreeMap::from([(32000, (key, 1))])
+        BTreeMap::from([(32000, (key.clone(), 1))])
     );
+    // The port follows the Service: changed to ClusterIP, relisted, deleted.
+    let plain = ServiceInfo::from_k8s(&basic().build(), None).expect("ok");
+    index.set_service(key.clone(), plain);
+    assert_eq!(index.health_check_ports(), BTreeMap::new());
+    let info = ServiceInfo::from_k8s(&svc, None)
+        .expect("ok")
+        .expect("some");
+    index.replace_services(vec![(key.clone(), info)]);
+    assert_eq!(
+        index.health_check_ports(),
+        BTreeMap::from([(32000, (key.clone(), 1))])
+    );
+    index.set_service(key, None);
+    assert_eq!(index.health_check_ports(), BTreeMap::new());
 }
 
 /// The same address:port in two slices of one Service: the non-terminating copy wins
