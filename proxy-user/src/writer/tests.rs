@@ -7,6 +7,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 
+use super::upsert::stable_layout;
 use super::*;
 use crate::store::{BatchFailed, BatchFault, MemStore};
 

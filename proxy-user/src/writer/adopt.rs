@@ -1,0 +1,331 @@
+//! Adoption: reading the pinned maps back into the writer's model, checking and
+//! repairing them (`AdoptReport`).
+
+use super::*;
+
+/// The order adoption writes its repairs and deletions in: what nothing reaches first,
+/// then rewrites in the update order, unreferenced backends last.
+pub(super) fn adopt_phase(op: &Op) -> usize {
+    match op {
+        Op::DelSlot { .. } | Op::DelMaglev { .. } => 0,
+        Op::DelSrcRange { .. } => 1,
+        Op::DelRevNat { .. } => 2,
+        Op::PutRevNat { .. } => 3,
+        Op::PutSrcRange { .. } => 4,
+        Op::PutSlot { .. } => 5,
+        Op::PutFrontend { .. } => 6,
+        Op::DelBackend { .. } => 7,
+        _ => 8,
+    }
+}
+
+impl<S: MapStore> Writer<S> {
+    /// A writer over maps that may hold a previous agent's state: reads them back,
+    /// rebuilds the model (ids, reference counts) and deletes entries nothing reaches.
+    /// Nothing the datapath uses is touched.
+    pub fn adopt(store: S) -> Result<(Self, AdoptReport), StoreError> {
+        Self::adopt_with_threshold(store, BATCH_MIN_FRONTENDS)
+    }
+
+    /// [`Self::adopt`] with the batch threshold set (orphans are deleted in batches when
+    /// there are at least that many).
+    pub fn adopt_with_threshold(
+        store: S,
+        batch_min: usize,
+    ) -> Result<(Self, AdoptReport), StoreError> {
+        Self::adopt_with(store, batch_min, MaglevParams::default())
+    }
+
+    /// [`Self::adopt_with_threshold`] with the Maglev parameters the agent uses: an
+    /// adopted table equal to the one they give is kept (not rewritten).
+    pub fn adopt_with(
+        store: S,
+        batch_min: usize,
+        maglev_params: MaglevParams,
+    ) -> Result<(Self, AdoptReport), StoreError> {
+        let dump = store.dump()?;
+        let mut w = Self::new(store);
+        w.batch_min = batch_min;
+        w.maglev = maglev_params;
+        w.node_addrs = dump.node_addrs.clone();
+        w.snat = dump.snat;
+        let mut report = AdoptReport::default();
+        let mut orphans = Vec::new();
+
+        for (id, (backend, proto)) in &dump.backends {
+            w.backend_alloc.mark(*id);
+            w.backend_ids.entry((*backend, *proto)).or_insert(*id);
+            w.backend_refs.insert(*id, ((*backend, *proto), 0));
+        }
+        // Ids unique: a service id held by two frontends (the second would share the
+        // first's reverse NAT) stays with the one its reverse-NAT entry names (else the
+        // first); the others get a fresh id, rewritten in their slots and slot 0.
+        for value in dump.frontends.values() {
+            w.service_alloc.mark(value.service_id);
+        }
+        let mut owner: HashMap<u32, Frontend> = HashMap::default();
+        for (fe, v) in &dump.frontends {
+            let named = dump.revnat.get(&v.service_id).is_some_and(|(f, _)| f == fe);
+            match owner.entry(v.service_id) {
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(*fe);
+                }
+                std::collections::hash_map::Entry::Occupied(mut e) if named => {
+                    e.insert(*fe);
+                }
+                std::collections::hash_map::Entry::Occupied(_) => {}
+            }
+        }
+        let mut ranges_by_id: HashMap<u32, BTreeSet<(IpAddr, u8)>> = HashMap::default();
+        for (id, a, p) in &dump.src_ranges {
+            ranges_by_id.entry(*id).or_default().insert((*a, *p));
+        }
+        for (fe, found) in &dump.frontends {
+            let mut value = *found;
+            let ranges = ranges_by_id
+                .get(&found.service_id)
+                .cloned()
+                .unwrap_or_default();
+            let duplicate = owner.get(&found.service_id) != Some(fe);
+            if duplicate {
+                value.service_id = w.service_alloc.alloc();
+                report.repair("duplicate_service_id");
+                warn!(
+                    frontend = %fe,
+                    shared_with = %owner[&found.service_id],
+                    old_id = found.service_id,
+                    new_id = value.service_id,
+                    "adoption: a service id held by two frontends; this one gets a new id"
+                );
+                for (addr, prefix) in &ranges {
+                    orphans.push(Op::PutSrcRange {
+                        service_id: value.service_id,
+                        addr: *addr,
+                        prefix: *prefix,
+                    });
+                }
+            }
+            let mut slots = Vec::with_capacity(usize::from(value.count));
+            let mut seen = HashSet::default();
+            for slot in 1..=value.count {
+                let id = match dump.slots.get(&(*fe, slot)) {
+                    None => {
+                        report.repair("missing_slot");
+                        warn!(frontend = %fe, slot, "adoption: slot missing below the count");
+                        0
+                    }
+                    Some(id) => match w.backend_refs.get(id) {
+                        None => {
+                            report.repair("dangling_slot");
+                            warn!(frontend = %fe, slot, backend = id, "adoption: slot names a missing backend");
+                            0
+                        }
+                        Some(((b, proto), _))
+                            if *proto != fe.proto || b.family() != fe.family() =>
+                        {
+                            report.repair("slot_backend_mismatch");
+                            warn!(frontend = %fe, slot, backend = id, "adoption: slot names a backend of another protocol or family");
+                            0
+                        }
+                        Some(_) => *id,
+                    },
+                };
+                if id == 0 {
+                    report.missing_slots += 1;
+                } else if let Some((_, refs)) = w.backend_refs.get_mut(&id) {
+                    // One reference per frontend, even if two slots share an id.
+                    if seen.insert(id) {
+                        *refs += 1;
+                    }
+                }
+                if duplicate && id != 0 {
+                    orphans.push(Op::PutSlot {
+                        frontend: *fe,
+                        slot,
+                        backend_id: id,
+                        service_id: value.service_id,
+                    });
+                }
+                slots.push(id);
+            }
+            if duplicate {
+                orphans.push(Op::PutFrontend {
+                    frontend: *fe,
+                    value,
+                });
+            }
+            w.services.insert(
+                *fe,
+                Programmed {
+                    value,
+                    name: String::new(),
+                    source_ranges: ranges,
+                    slots,
+                    maglev: None,
+                },
+            );
+        }
+        // Maglev tables: kept (no write) when equal to what the parameters in use give the
+        // adopted slots; else marked for rewriting. Chunks of no flagged frontend go.
+        let mut maglev_by_id: HashMap<u32, Vec<u32>> = HashMap::default();
+        for (sid, chunk) in dump.maglev.keys() {
+            maglev_by_id.entry(*sid).or_default().push(*chunk);
+        }
+        let flagged: Vec<Frontend> = w
+            .services
+            .iter()
+            .filter(|(fe, p)| {
+                p.value.flags & proxy_common::svc_flags::MAGLEV != 0
+                    && owner.get(&p.value.service_id) == Some(*fe)
+            })
+            .map(|(fe, _)| *fe)
+            .collect();
+        let mut kept_ids = HashSet::default();
+        for fe in flagged {
+            let p = &w.services[&fe];
+            let sid = p.value.service_id;
+            let Some(found) = maglev_by_id.get(&sid) else {
+                continue;
+            };
+            kept_ids.insert(sid);
+            let inputs = Self::maglev_inputs(&p.slots, |id| {
+                w.backend_refs.get(&id).map(|((b, _), _)| b.addr)
+            });
+            let want = maglev::chunks(&maglev::table(w.maglev, &inputs));
+            let same = found.len() == want.len()
+                && want
+                    .iter()
+                    .enumerate()
+                    .all(|(i, c)| dump.maglev.get(&(sid, i as u32)).is_some_and(|d| **d == *c));
+            let n = found.iter().max().map_or(0, |m| m + 1);
+            let state = if same {
+                (maglev::fingerprint(w.maglev, &inputs), n)
+            } else {
+                report.repair("maglev_table_stale");
+                (0, n)
+            };
+            if let Some(p) = w.services.get_mut(&fe) {
+                p.maglev = Some(state);
+            }
+        }
+        for (sid, chunk) in dump.maglev.keys() {
+            if !kept_ids.contains(sid) {
+                orphans.push(Op::DelMaglev {
+                    service_id: *sid,
+                    chunk: *chunk,
+                });
+            }
+        }
+        for (fe, slot) in dump.slots.keys() {
+            let live = w
+                .services
+                .get(fe)
+                .is_some_and(|p| usize::from(*slot) <= p.slots.len());
+            if !live {
+                orphans.push(Op::DelSlot {
+                    frontend: *fe,
+                    slot: *slot,
+                });
+            }
+        }
+        // Service ids in use per family: an entry of such an id naming another frontend is
+        // rewritten below, not deleted (a delete and a rewrite of one entry must not meet
+        // in one batch phase).
+        let live_sids: HashSet<(u32, crate::model::Family)> = w
+            .services
+            .iter()
+            .map(|(fe, p)| (p.value.service_id, fe.family()))
+            .collect();
+        for (id, (fe, _)) in &dump.revnat {
+            if !live_sids.contains(&(*id, fe.family())) {
+                orphans.push(Op::DelRevNat {
+                    service_id: *id,
+                    family: fe.family(),
+                });
+            }
+        }
+        let live_ids: HashSet<u32> = w.services.values().map(|p| p.value.service_id).collect();
+        for (id, addr, prefix) in &dump.src_ranges {
+            if !live_ids.contains(id) {
+                orphans.push(Op::DelSrcRange {
+                    service_id: *id,
+                    addr: *addr,
+                    prefix: *prefix,
+                });
+            }
+        }
+        // A frontend whose reverse-NAT entry is missing gets it back.
+        for (fe, p) in w.services.iter_mut() {
+            match dump.revnat.get(&p.value.service_id) {
+                Some((f, name)) if f == fe => p.name = name.clone(),
+                other => {
+                    if let Some((f, _)) = other {
+                        report.repair("revnat_rewritten");
+                        warn!(frontend = %fe, service_id = p.value.service_id, names = %f,
+                              "adoption: reverse-NAT entry names another frontend; rewritten");
+                    }
+                    orphans.push(Op::PutRevNat {
+                        service_id: p.value.service_id,
+                        frontend: *fe,
+                        name: String::new(),
+                    })
+                }
+            }
+        }
+        let unreferenced: Vec<(u32, BackendKey)> = w
+            .backend_refs
+            .iter()
+            .filter(|(_, (_, refs))| *refs == 0)
+            .map(|(id, (key, _))| (*id, *key))
+            .collect();
+        for (id, key) in unreferenced {
+            w.backend_refs.remove(&id);
+            if w.backend_ids.get(&key) == Some(&id) {
+                w.backend_ids.remove(&key);
+            }
+            w.backend_alloc.free(id);
+            orphans.push(Op::DelBackend {
+                id,
+                family: key.0.family(),
+            });
+        }
+        orphans.sort_by_key(adopt_phase);
+        if orphans.len() >= w.batch_min.max(2) {
+            // One batch per phase and map.
+            let mut phases: [Vec<Op>; 9] = Default::default();
+            for op in &orphans {
+                phases[adopt_phase(op)].push(op.clone());
+            }
+            for ops in phases {
+                let mut plan = Plan::default();
+                for op in ops {
+                    plan.push(op.clone(), op);
+                }
+                for (ops, _) in plan.by_group() {
+                    write_batch(&mut w.store, &ops, &mut w.counts).map_err(|(_, e)| e)?;
+                }
+            }
+        } else {
+            for op in &orphans {
+                w.store.apply(op)?;
+                w.counts.single += 1;
+            }
+        }
+        report.frontends = w.services.len();
+        report.backends = w.backend_refs.len();
+        report.orphans_deleted = orphans
+            .iter()
+            .filter(|op| {
+                matches!(
+                    op,
+                    Op::DelSlot { .. }
+                        | Op::DelSrcRange { .. }
+                        | Op::DelRevNat { .. }
+                        | Op::DelBackend { .. }
+                        | Op::DelMaglev { .. }
+                )
+            })
+            .count();
+        Ok((w, report))
+    }
+}

@@ -1,0 +1,209 @@
+//! Syncs: a desired set of entries written as the difference, frontend by frontend or in
+//! batches by phase (see the module doc of `writer`).
+
+use super::*;
+
+impl<S: MapStore> Writer<S> {
+    /// Makes the maps hold exactly `desired`: removes frontends not in it, writes the
+    /// changed ones. A frontend that fails is reported and left as it was; the rest are
+    /// still written. Many frontends to write: in batches (see the module doc).
+    pub fn sync(&mut self, desired: impl IntoIterator<Item = ServiceEntry>) -> SyncReport {
+        let desired: BTreeMap<Frontend, ServiceEntry> =
+            desired.into_iter().map(|e| (e.frontend, e)).collect();
+        // Removals first: they free map room for the additions.
+        let gone: Vec<Frontend> = self
+            .services
+            .keys()
+            .filter(|fe| !desired.contains_key(fe))
+            .copied()
+            .collect();
+        self.write_many(&gone, desired.values())
+    }
+
+    /// Removes `removals`, then writes `upserts` in their order (the caller's write order:
+    /// an entry's own writes keep the update order whatever the path). Many frontends to
+    /// write (at least the batch threshold, counting only entries that differ from the
+    /// maps): in batches, one call per phase and map (see the module doc); else, or when a
+    /// batch fails (everything undone), frontend by frontend. A frontend that fails is
+    /// reported (its error names it) and left as it was; the rest are still written.
+    pub fn write_many<'a>(
+        &mut self,
+        removals: &[Frontend],
+        upserts: impl IntoIterator<Item = &'a ServiceEntry> + Clone,
+    ) -> SyncReport {
+        let to_write = removals.len()
+            + upserts
+                .clone()
+                .into_iter()
+                .filter(|e| self.needs_write(e))
+                .count();
+        if to_write > 0 && to_write >= self.batch_min {
+            if let Some(report) = self.sync_batched(upserts.clone(), removals) {
+                return report;
+            }
+        }
+        let mut report = SyncReport::default();
+        for fe in removals {
+            match self.remove(fe) {
+                Ok(0) => {}
+                Ok(n) => {
+                    report.ops += n;
+                    report.removed += 1;
+                }
+                Err(e) => report.errors.push(e),
+            }
+        }
+        for entry in upserts {
+            match self.upsert(entry) {
+                Ok(0) => {}
+                Ok(n) => {
+                    report.ops += n;
+                    report.changed += 1;
+                }
+                Err(e) => report.errors.push(e),
+            }
+        }
+        report
+    }
+
+    /// Whether `fe` is programmed.
+    pub fn is_programmed(&self, fe: &Frontend) -> bool {
+        self.services.contains_key(fe)
+    }
+
+    /// Number of frontends programmed.
+    pub fn frontend_count(&self) -> usize {
+        self.services.len()
+    }
+
+    /// Whether `entry` differs from what is programmed (an estimate for choosing batches:
+    /// a duplicate backend, say, counts as a change).
+    pub(super) fn needs_write(&self, entry: &ServiceEntry) -> bool {
+        let Some(p) = self.services.get(&entry.frontend) else {
+            return true;
+        };
+        if p.name != entry.name
+            || p.value.flags != entry.flags
+            || p.value.affinity_timeout != entry.affinity_timeout
+            || p.slots.len() != entry.backends.len()
+            || p.source_ranges.len() != entry.source_ranges.len()
+            || entry
+                .source_ranges
+                .iter()
+                .any(|r| !p.source_ranges.contains(r))
+        {
+            return true;
+        }
+        let slots: HashSet<u32> = p.slots.iter().copied().collect();
+        entry.backends.iter().any(|b| {
+            self.backend_ids
+                .get(&(*b, entry.frontend.proto))
+                .is_none_or(|id| !slots.contains(id))
+        })
+    }
+
+    /// One batched sync; `None` if a write failed (everything undone, the model as
+    /// before): the caller then syncs frontend by frontend.
+    pub(super) fn sync_batched<'a>(
+        &mut self,
+        desired: impl IntoIterator<Item = &'a ServiceEntry>,
+        gone: &[Frontend],
+    ) -> Option<SyncReport> {
+        let saved = self.save();
+        self.deferred_frees = Some(Vec::new());
+        let mut report = SyncReport::default();
+        let mut phases: Vec<Plan> = (0..PHASES).map(|_| Plan::default()).collect();
+        for fe in gone {
+            if let Some((plan, old)) = self.stage_remove(fe) {
+                report.ops += plan.len();
+                report.removed += 1;
+                for (op, undo) in plan.pairs() {
+                    phases[phase(&op, true)].push(op, undo);
+                }
+                self.commit_remove(fe, &old);
+            }
+        }
+        for entry in desired {
+            match self.stage_upsert(entry) {
+                Err(e) => report.errors.push(e),
+                Ok(mut staged) => {
+                    let plan = std::mem::take(&mut staged.plan);
+                    if !plan.is_empty() {
+                        report.ops += plan.len();
+                        report.changed += 1;
+                    }
+                    for (op, undo) in plan.pairs() {
+                        phases[phase(&op, false)].push(op, undo);
+                    }
+                    self.commit_upsert(staged);
+                }
+            }
+        }
+        let frees = self.deferred_frees.take().unwrap_or_default();
+        match self.apply_phases(phases) {
+            Ok(()) => {
+                for (backend, id) in frees {
+                    if backend {
+                        self.backend_alloc.free(id);
+                    } else {
+                        self.service_alloc.free(id);
+                    }
+                }
+                Some(report)
+            }
+            Err((e, rollback_failed)) => {
+                self.restore(saved);
+                if rollback_failed {
+                    error!(
+                        error = %e,
+                        "a batched sync failed and undoing it failed too: the maps may \
+                         hold entries the model does not know until the next restart"
+                    );
+                } else {
+                    warn!(error = %e, "a batched sync failed and was undone; writing frontend by frontend");
+                }
+                None
+            }
+        }
+    }
+
+    /// Writes each phase's ops as one batch per map; on a failure undoes everything
+    /// written, phase by phase in reverse.
+    pub(super) fn apply_phases(&mut self, phases: Vec<Plan>) -> Result<(), (StoreError, bool)> {
+        let mut applied: Vec<Vec<Op>> = Vec::with_capacity(phases.len());
+        for plan in phases {
+            let mut undo_phase = Vec::new();
+            for (ops, undo) in plan.by_group() {
+                if let Err((i, e)) = write_batch(&mut self.store, &ops, &mut self.counts) {
+                    undo_phase.extend(undo.into_iter().take(i));
+                    applied.push(undo_phase);
+                    let failed = self.rollback(applied);
+                    return Err((e, failed));
+                }
+                undo_phase.extend(undo);
+            }
+            applied.push(undo_phase);
+        }
+        Ok(())
+    }
+
+    /// Applies the undo ops of each phase, last phase first, in batches. True if any
+    /// undo op failed (the others are still applied).
+    pub(super) fn rollback(&mut self, applied: Vec<Vec<Op>>) -> bool {
+        let mut failed = false;
+        for undo in applied.into_iter().rev() {
+            let mut plan = Plan::default();
+            for op in undo {
+                plan.push(op.clone(), op);
+            }
+            for (ops, _) in plan.by_group() {
+                let mut rest = &ops[..];
+                while let Err((i, _)) = write_batch(&mut self.store, rest, &mut self.counts) {
+                    failed = true;
+                    rest = &rest[i + 1..];
+                }
+            }
+        }
+        failed
+    }
+}

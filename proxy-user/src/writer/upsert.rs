@@ -1,0 +1,505 @@
+//! One frontend written or removed: staged as a [`Plan`], applied, committed to the model
+//! or undone.
+
+use super::*;
+
+impl<S: MapStore> Writer<S> {
+    /// Installs or updates one frontend. Returns the number of map operations (0 when the
+    /// maps already match).
+    pub fn upsert(&mut self, entry: &ServiceEntry) -> Result<usize, WriteError> {
+        let mut staged = self.stage_upsert(entry)?;
+        let plan = std::mem::take(&mut staged.plan);
+        if let Err((source, rollback_failed)) = self.apply_all(&plan.ops, &plan.undo) {
+            for (id, _) in &staged.new_backend_ids {
+                self.backend_alloc.free(*id);
+            }
+            if staged.new_service_id {
+                self.service_alloc.free(staged.service_id);
+            }
+            return Err(WriteError::Store {
+                frontend: staged.fe,
+                source,
+                rollback_failed,
+            });
+        }
+        self.commit_upsert(staged);
+        Ok(plan.len())
+    }
+
+    /// Plans one frontend's writes (allocating ids for new backends and a new frontend);
+    /// nothing is written and the model is unchanged but for the allocations.
+    pub(super) fn stage_upsert(
+        &mut self,
+        entry: &ServiceEntry,
+    ) -> Result<StagedUpsert, WriteError> {
+        let fe = entry.frontend;
+        let backends = validate(entry)?;
+        let old = self.services.get(&fe);
+        let old_slots: Vec<u32> = old.map_or_else(Vec::new, |p| p.slots.clone());
+
+        let mut plan = Plan::default();
+        let mut new_backend_ids = Vec::new();
+        let mut ids = Vec::with_capacity(backends.len());
+        for b in &backends {
+            let key = (*b, fe.proto);
+            let id = match self.backend_ids.get(&key) {
+                Some(id) => *id,
+                None => {
+                    let id = self.backend_alloc.alloc();
+                    new_backend_ids.push((id, key));
+                    plan.push(
+                        Op::PutBackend {
+                            id,
+                            backend: *b,
+                            proto: fe.proto,
+                        },
+                        Op::DelBackend {
+                            id,
+                            family: b.family(),
+                        },
+                    );
+                    id
+                }
+            };
+            ids.push(id);
+        }
+
+        let old = self.services.get(&fe);
+        let (service_id, new_service_id) = match old {
+            Some(p) => (p.value.service_id, false),
+            None => (self.service_alloc.alloc(), true),
+        };
+        let old = self.services.get(&fe);
+        let put_revnat = |name: &str| Op::PutRevNat {
+            service_id,
+            frontend: fe,
+            name: name.to_string(),
+        };
+        match old {
+            None => plan.push(
+                put_revnat(&entry.name),
+                Op::DelRevNat {
+                    service_id,
+                    family: fe.family(),
+                },
+            ),
+            Some(p) if p.name != entry.name => {
+                plan.push(put_revnat(&entry.name), put_revnat(&p.name))
+            }
+            Some(_) => {}
+        }
+
+        let want_ranges: BTreeSet<(IpAddr, u8)> = entry.source_ranges.iter().copied().collect();
+        let old_ranges = old.map(|p| p.source_ranges.clone()).unwrap_or_default();
+        let range = |put: bool, (addr, prefix): (IpAddr, u8)| {
+            if put {
+                Op::PutSrcRange {
+                    service_id,
+                    addr,
+                    prefix,
+                }
+            } else {
+                Op::DelSrcRange {
+                    service_id,
+                    addr,
+                    prefix,
+                }
+            }
+        };
+        for r in want_ranges.difference(&old_ranges) {
+            plan.push(range(true, *r), range(false, *r));
+        }
+
+        let layout = stable_layout(&old_slots, &ids);
+        for (i, id) in layout.iter().enumerate() {
+            let slot = slot_no(i);
+            let before = old_slots.get(i).copied();
+            if before == Some(*id) {
+                continue;
+            }
+            plan.push(
+                Op::PutSlot {
+                    frontend: fe,
+                    slot,
+                    backend_id: *id,
+                    service_id,
+                },
+                match before {
+                    Some(prev) if prev != 0 => Op::PutSlot {
+                        frontend: fe,
+                        slot,
+                        backend_id: prev,
+                        service_id,
+                    },
+                    _ => Op::DelSlot { frontend: fe, slot },
+                },
+            );
+        }
+
+        // The Maglev table, after the slots it names and before the flag in slot 0.
+        let addr_of_new: HashMap<u32, std::net::SocketAddr> = ids
+            .iter()
+            .zip(&backends)
+            .map(|(id, b)| (*id, b.addr))
+            .collect();
+        let old_maglev = old.and_then(|p| p.maglev);
+        let mut maglev_state = None;
+        let mut maglev_dels = Vec::new();
+        let old_table = old.and_then(|p| self.programmed_table(p));
+        let put_chunk = |chunk: u32, c: &proxy_common::MaglevChunk| Op::PutMaglev {
+            service_id,
+            chunk,
+            value: Box::new(*c),
+        };
+        let del_chunk = |chunk: u32| Op::DelMaglev { service_id, chunk };
+        let undo_chunk = |chunk: u32| match old_table.as_ref().and_then(|t| t.get(chunk as usize)) {
+            Some(c) => put_chunk(chunk, c),
+            // Not known (an adopted table of other parameters): undoing leaves no table,
+            // and the datapath falls back to random for it.
+            None => del_chunk(chunk),
+        };
+        if entry.flags & proxy_common::svc_flags::MAGLEV != 0 && !layout.is_empty() {
+            let inputs = Self::maglev_inputs(&layout, |id| addr_of_new.get(&id).copied());
+            let fp = maglev::fingerprint(self.maglev, &inputs);
+            let n = proxy_common::maglev::chunks(self.maglev.table_size);
+            if old_maglev.map(|(f, _)| f) != Some(fp) {
+                let chunks = maglev::chunks(&maglev::table(self.maglev, &inputs));
+                for (i, c) in chunks.iter().enumerate() {
+                    plan.push(put_chunk(i as u32, c), undo_chunk(i as u32));
+                }
+            }
+            if let Some((_, old_n)) = old_maglev {
+                maglev_dels.extend(n..old_n);
+            }
+            maglev_state = Some((fp, n));
+        } else if let Some((_, old_n)) = old_maglev {
+            maglev_dels.extend(0..old_n);
+        }
+
+        let value = FrontendValue {
+            service_id,
+            count: layout.len() as u16,
+            flags: entry.flags,
+            affinity_timeout: entry.affinity_timeout,
+        };
+        if old.map(|p| p.value) != Some(value) {
+            plan.push(
+                Op::PutFrontend {
+                    frontend: fe,
+                    value,
+                },
+                match old {
+                    Some(p) => Op::PutFrontend {
+                        frontend: fe,
+                        value: p.value,
+                    },
+                    None => Op::DelSlot {
+                        frontend: fe,
+                        slot: 0,
+                    },
+                },
+            );
+        }
+
+        for (i, old_id) in old_slots.iter().enumerate().skip(layout.len()) {
+            let slot = slot_no(i);
+            plan.push(
+                Op::DelSlot { frontend: fe, slot },
+                Op::PutSlot {
+                    frontend: fe,
+                    slot,
+                    backend_id: *old_id,
+                    service_id,
+                },
+            );
+        }
+
+        // Table chunks no longer used, once slot 0 no longer asks for them.
+        for chunk in maglev_dels {
+            plan.push(del_chunk(chunk), undo_chunk(chunk));
+        }
+
+        for r in old_ranges.difference(&want_ranges) {
+            plan.push(range(false, *r), range(true, *r));
+        }
+
+        // Backends this frontend stops using and nobody else uses.
+        let new_set: HashSet<u32> = layout.iter().copied().collect();
+        for id in unique(&old_slots) {
+            if id == 0 || new_set.contains(&id) {
+                continue;
+            }
+            if let Some((key, 1)) = self.backend_refs.get(&id) {
+                plan.push(
+                    Op::DelBackend {
+                        id,
+                        family: key.0.family(),
+                    },
+                    Op::PutBackend {
+                        id,
+                        backend: key.0,
+                        proto: key.1,
+                    },
+                );
+            }
+        }
+
+        Ok(StagedUpsert {
+            fe,
+            plan,
+            new_backend_ids,
+            service_id,
+            new_service_id,
+            value,
+            layout,
+            old_slots,
+            want_ranges,
+            name: entry.name.clone(),
+            maglev: maglev_state,
+        })
+    }
+
+    /// Makes the model say what a staged upsert wrote.
+    pub(super) fn commit_upsert(&mut self, s: StagedUpsert) {
+        for (id, key) in s.new_backend_ids {
+            self.backend_ids.insert(key, id);
+            self.backend_refs.insert(id, (key, 0));
+        }
+        let old_set: HashSet<u32> = s.old_slots.iter().copied().collect();
+        let new_set: HashSet<u32> = s.layout.iter().copied().collect();
+        for id in unique(&s.layout) {
+            if !old_set.contains(&id) {
+                if let Some((_, refs)) = self.backend_refs.get_mut(&id) {
+                    *refs += 1;
+                }
+            }
+        }
+        for id in unique(&s.old_slots) {
+            if id != 0 && !new_set.contains(&id) {
+                self.unref_backend(id);
+            }
+        }
+        self.services.insert(
+            s.fe,
+            Programmed {
+                value: s.value,
+                name: s.name,
+                source_ranges: s.want_ranges,
+                slots: s.layout,
+                maglev: s.maglev,
+            },
+        );
+    }
+
+    /// Removes one frontend. Returns the number of map operations (0 if it was absent).
+    pub fn remove(&mut self, fe: &Frontend) -> Result<usize, WriteError> {
+        let Some((plan, old)) = self.stage_remove(fe) else {
+            return Ok(0);
+        };
+        if let Err((source, rollback_failed)) = self.apply_all(&plan.ops, &plan.undo) {
+            return Err(WriteError::Store {
+                frontend: *fe,
+                source,
+                rollback_failed,
+            });
+        }
+        self.commit_remove(fe, &old);
+        Ok(plan.len())
+    }
+
+    /// Plans the removal of one frontend: slot 0 first, then its slots, source ranges,
+    /// reverse-NAT entry and the backends only it used.
+    pub(super) fn stage_remove(&self, fe: &Frontend) -> Option<(Plan, Programmed)> {
+        let old = self.services.get(fe)?.clone();
+        let sid = old.value.service_id;
+        let mut plan = Plan::default();
+        plan.push(
+            Op::DelSlot {
+                frontend: *fe,
+                slot: 0,
+            },
+            Op::PutFrontend {
+                frontend: *fe,
+                value: old.value,
+            },
+        );
+        for (i, id) in old.slots.iter().enumerate() {
+            plan.push(
+                Op::DelSlot {
+                    frontend: *fe,
+                    slot: slot_no(i),
+                },
+                Op::PutSlot {
+                    frontend: *fe,
+                    slot: slot_no(i),
+                    backend_id: *id,
+                    service_id: sid,
+                },
+            );
+        }
+        if let Some((_, n)) = old.maglev {
+            let table = self.programmed_table(&old);
+            for chunk in 0..n {
+                let undo = match table.as_ref().and_then(|t| t.get(chunk as usize)) {
+                    Some(c) => Op::PutMaglev {
+                        service_id: sid,
+                        chunk,
+                        value: Box::new(*c),
+                    },
+                    None => Op::DelMaglev {
+                        service_id: sid,
+                        chunk,
+                    },
+                };
+                plan.push(
+                    Op::DelMaglev {
+                        service_id: sid,
+                        chunk,
+                    },
+                    undo,
+                );
+            }
+        }
+        for (addr, prefix) in &old.source_ranges {
+            let (addr, prefix) = (*addr, *prefix);
+            plan.push(
+                Op::DelSrcRange {
+                    service_id: sid,
+                    addr,
+                    prefix,
+                },
+                Op::PutSrcRange {
+                    service_id: sid,
+                    addr,
+                    prefix,
+                },
+            );
+        }
+        plan.push(
+            Op::DelRevNat {
+                service_id: sid,
+                family: fe.family(),
+            },
+            Op::PutRevNat {
+                service_id: sid,
+                frontend: *fe,
+                name: old.name.clone(),
+            },
+        );
+        for id in unique(&old.slots) {
+            if let Some((key, 1)) = self.backend_refs.get(&id) {
+                plan.push(
+                    Op::DelBackend {
+                        id,
+                        family: key.0.family(),
+                    },
+                    Op::PutBackend {
+                        id,
+                        backend: key.0,
+                        proto: key.1,
+                    },
+                );
+            }
+        }
+        Some((plan, old))
+    }
+
+    pub(super) fn commit_remove(&mut self, fe: &Frontend, old: &Programmed) {
+        for id in unique(&old.slots) {
+            if id != 0 {
+                self.unref_backend(id);
+            }
+        }
+        self.free_service_id(old.value.service_id);
+        self.services.remove(fe);
+    }
+}
+
+/// Checks an entry before anything is written; returns its backends without duplicates,
+/// in the given order.
+pub(super) fn validate(entry: &ServiceEntry) -> Result<Vec<Backend>, WriteError> {
+    let fe = entry.frontend;
+    if fe.port == 0 {
+        return Err(WriteError::ZeroPort { frontend: fe });
+    }
+    let mut seen = HashSet::default();
+    let mut out = Vec::with_capacity(entry.backends.len());
+    for b in &entry.backends {
+        if b.family() != fe.family() {
+            return Err(WriteError::FamilyMismatch {
+                frontend: fe,
+                backend: *b,
+            });
+        }
+        if b.addr.port() == 0 {
+            return Err(WriteError::ZeroBackendPort {
+                frontend: fe,
+                backend: *b,
+            });
+        }
+        if seen.insert(*b) {
+            out.push(*b);
+        }
+    }
+    if out.len() > MAX_BACKENDS_PER_SERVICE as usize {
+        return Err(WriteError::TooManyBackends {
+            frontend: fe,
+            count: out.len(),
+        });
+    }
+    Ok(out)
+}
+
+/// The new slot order: backends that stay keep their slot, newcomers fill the holes
+/// left by departed ones and then go at the end, and the tail is moved into remaining
+/// holes so slots stay dense. Minimises rewritten slots.
+pub(super) fn stable_layout(old: &[u32], wanted: &[u32]) -> Vec<u32> {
+    let wanted_set: HashSet<u32> = wanted.iter().copied().collect();
+    let mut layout: Vec<Option<u32>> = old
+        .iter()
+        .map(|id| (*id != 0 && wanted_set.contains(id)).then_some(*id))
+        .collect();
+    // Keep the first occurrence only (an adopted map could repeat an id).
+    let mut placed = HashSet::default();
+    for s in layout.iter_mut() {
+        if let Some(id) = *s {
+            if !placed.insert(id) {
+                *s = None;
+            }
+        }
+    }
+    let mut newcomers = wanted.iter().filter(|id| !placed.contains(*id)).copied();
+    for s in layout.iter_mut() {
+        if s.is_none() {
+            *s = newcomers.next();
+        }
+    }
+    layout.extend(newcomers.map(Some));
+    // Compact: move the last entries into holes.
+    let mut i = 0;
+    while i < layout.len() {
+        if layout[i].is_none() {
+            while matches!(layout.last(), Some(None)) {
+                layout.pop();
+            }
+            if i < layout.len() {
+                layout.swap_remove(i);
+            }
+        }
+        i += 1;
+    }
+    while matches!(layout.last(), Some(None)) {
+        layout.pop();
+    }
+    layout.into_iter().flatten().collect()
+}
+
+pub(super) fn slot_no(index: usize) -> u16 {
+    // validate() bounds the number of backends to u16::MAX.
+    (index + 1) as u16
+}
+
+pub(super) fn unique(ids: &[u32]) -> Vec<u32> {
+    let mut seen = HashSet::default();
+    ids.iter().copied().filter(|id| seen.insert(*id)).collect()
+}
