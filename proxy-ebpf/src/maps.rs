@@ -18,10 +18,7 @@ use proxy_common::{
     SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
 };
 
-use crate::{
-    tc::state::{Bucket, Scratch},
-    xdp::Fwd,
-};
+use crate::tc::state::{Bucket, Fwd, Scratch};
 
 /// IPv4 frontends (slot 0) and their backend slots (1..=count).
 #[map]
@@ -180,7 +177,7 @@ pub static SCRATCH4: PerCpuArray<Scratch<u32>> = PerCpuArray::with_max_entries(1
 pub static SCRATCH6: PerCpuArray<Scratch<[u32; 4]>> = PerCpuArray::with_max_entries(1, 0);
 
 /// XDP per-CPU scratch: the FIB result a packet will be forwarded by, kept between the
-/// check before the rewrite and the forward after it (`xdp::Fwd`).
+/// check before the rewrite and the forward after it (`tc::state::Fwd`).
 #[map]
 pub static XDP_FWD: PerCpuArray<Fwd> = PerCpuArray::with_max_entries(1, 0);
 

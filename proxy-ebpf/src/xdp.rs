@@ -49,13 +49,6 @@ const IPPROTO_ICMP: u8 = 1;
 const IPPROTO_FRAGMENT: u8 = 44;
 const IPPROTO_ICMPV6: u8 = 58;
 
-/// Where a packet will be forwarded (`maps::XDP_FWD`): the FIB lookup's egress
-/// interface and Ethernet addresses, found before the rewrite.
-pub struct Fwd {
-    ifindex: u32,
-    macs: [u8; 12],
-}
-
 #[xdp]
 pub fn xdp_ingress(ctx: XdpContext) -> u32 {
     match try_xdp(&ctx) {

@@ -1,4 +1,5 @@
-//! The state the TC programs keep per CPU (`maps::SCRATCH4/6`, `maps::UNREACH_BUCKET`):
+//! The state the TC and XDP programs keep per CPU (`maps::SCRATCH4/6`,
+//! `maps::UNREACH_BUCKET`, `maps::XDP_FWD`):
 //! plain data that uses no map, so `maps.rs` (which declares every map) can name these
 //! types without importing the programs that use them.
 
@@ -49,4 +50,11 @@ pub struct Scratch<A> {
 pub struct Bucket {
     pub(super) credit_ns: u64,
     pub(super) last_ns: u64,
+}
+
+/// Where a packet will be forwarded at XDP (`maps::XDP_FWD`): the FIB lookup's egress
+/// interface and Ethernet addresses, found before the rewrite.
+pub struct Fwd {
+    pub ifindex: u32,
+    pub macs: [u8; 12],
 }
