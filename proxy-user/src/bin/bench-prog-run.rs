@@ -14,8 +14,17 @@
 //!   on the same skb, which the first one has already rewritten), the median of the
 //!   kernel's per-call figure over many calls.
 //! - `conntrack hit`: the same flow again (conntrack lookup, DNAT), as above.
+//! - `not IP`: the miss frame as ARP, `repeat` R: the program's entry and exit only, the
+//!   floor under every other case.
 //! - `miss, 1 per call`: the `miss` packet with one repetition per call: what the
 //!   per-call figure adds (the timer's two clock reads) over `miss` with repeat.
+//!
+//! Two figures per case: `ns_per_packet`, `BPF_PROG_RUN`'s own duration (its timer
+//! around the run: with one repetition per call that includes the timer's set-up), and
+//! `program_ns`, the program alone: the kernel's run-time statistics
+//! (`BPF_ENABLE_STATS`, what `bpftool prog` shows as `run_time_ns`/`run_cnt`) taken
+//! around the case, time over runs. Those are counted around each run of the program
+//! (two `sched_clock` reads, some tens of ns included), whatever the caller.
 
 #[allow(dead_code, unused_imports)]
 #[path = "../../tests/support/pkt.rs"]
@@ -33,6 +42,26 @@ use anyhow::{bail, Context as _, Result};
 use pkt::Pkt;
 use proxy_common::backend_flags;
 use proxy_user::{bpf, loader, model::Backend, BpfMaps, Frontend, Proto, ServiceEntry, Writer};
+
+/// The kernel's run-time statistics of `prog` so far: (ns, runs).
+fn run_stats(ebpf: &aya::Ebpf, prog: &str) -> Result<(u64, u64)> {
+    let info = ebpf
+        .program(prog)
+        .with_context(|| format!("no program {prog}"))?
+        .info()?;
+    Ok((info.run_time().as_nanos() as u64, info.run_count()))
+}
+
+/// The program's own ns per run over what `f` ran.
+fn program_ns(ebpf: &aya::Ebpf, prog: &str, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+    let (t0, n0) = run_stats(ebpf, prog)?;
+    f()?;
+    let (t1, n1) = run_stats(ebpf, prog)?;
+    if n1 <= n0 {
+        bail!("{prog}: the kernel counted no run (BPF_ENABLE_STATS off?)");
+    }
+    Ok((t1 - t0) as f64 / (n1 - n0) as f64)
+}
 
 const TC_ACT_OK: u32 = 0;
 const XDP_PASS: u32 = 2;
@@ -79,6 +108,9 @@ fn main() -> Result<()> {
     if !std::path::Path::new("/sys/fs/bpf").is_dir() {
         bail!("/sys/fs/bpf is missing (cargo xtask setup mounts it)");
     }
+    // Run-time statistics for every program while this fd is open (closed at exit).
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .context("BPF_ENABLE_STATS (kernel 5.8+)")?;
     let mut results = Vec::new();
     for services in [1usize, 10_000] {
         let pins = Pins(PathBuf::from("/sys/fs/bpf").join(format!(
@@ -115,12 +147,13 @@ fn main() -> Result<()> {
             ("tc_ingress", TC_ACT_OK, 10_000u32),
             (progrun::XDP_PROGRAM, XDP_PASS, 30_000),
         ] {
-            let mut record = |case: &str, ns: f64, verdict: u32, how: &str| {
+            let mut record = |case: &str, ns: f64, own: f64, verdict: u32, how: &str| {
                 results.push(serde_json::json!({
                     "program": prog,
                     "case": case,
                     "services": services,
                     "ns_per_packet": ns,
+                    "program_ns": own,
                     "verdict": verdict,
                     "how": how,
                 }));
@@ -129,45 +162,78 @@ fn main() -> Result<()> {
             let miss = Pkt::udp("198.51.100.7:5000", "10.96.0.11:53").build();
             let mut v = Vec::new();
             let mut verdict = 0;
-            for _ in 0..runs {
-                let r = progrun::run_classifier(&ebpf, prog, &miss, repeat)?;
-                if r.out != miss {
-                    bail!("a miss was rewritten");
+            let own = program_ns(&ebpf, prog, || {
+                for _ in 0..runs {
+                    let r = progrun::run_classifier(&ebpf, prog, &miss, repeat)?;
+                    if r.out != miss {
+                        bail!("a miss was rewritten");
+                    }
+                    verdict = r.verdict;
+                    v.push(r.duration_ns);
                 }
-                verdict = r.verdict;
-                v.push(r.duration_ns);
-            }
+                Ok(())
+            })?;
             record(
                 "miss (not a frontend)",
                 median(v),
+                own,
+                verdict,
+                &format!("repeat {repeat}, median of {runs} calls"),
+            );
+            // Not IP (the frame above as ARP): the program's entry and exit, the floor
+            // every other case pays.
+            let mut not_ip = miss.clone();
+            not_ip[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+            let mut v = Vec::new();
+            let own = program_ns(&ebpf, prog, || {
+                for _ in 0..runs {
+                    let r = progrun::run_classifier(&ebpf, prog, &not_ip, repeat)?;
+                    verdict = r.verdict;
+                    v.push(r.duration_ns);
+                }
+                Ok(())
+            })?;
+            record(
+                "not IP (the floor)",
+                median(v),
+                own,
                 verdict,
                 &format!("repeat {repeat}, median of {runs} calls"),
             );
             // Miss, one per call.
-            let v: Vec<u32> = (0..calls)
-                .map(|_| progrun::run_classifier(&ebpf, prog, &miss, 1).map(|r| r.duration_ns))
-                .collect::<Result<_>>()?;
+            let mut v = Vec::new();
+            let own = program_ns(&ebpf, prog, || {
+                v = (0..calls)
+                    .map(|_| progrun::run_classifier(&ebpf, prog, &miss, 1).map(|r| r.duration_ns))
+                    .collect::<Result<_>>()?;
+                Ok(())
+            })?;
             record(
                 "miss, 1 per call (timing baseline)",
                 median(v),
+                own,
                 verdict,
                 &format!("median of {calls} calls"),
             );
             // New flows: a new client port per call.
             let mut v = Vec::new();
-            for i in 0..calls {
-                let p = Pkt::udp(&format!("198.51.100.7:{}", first_port + i), "10.96.0.10:53");
-                let r = progrun::run_classifier(&ebpf, prog, &p.build(), 1)?;
-                let out = Pkt::parse(&r.out);
-                if r.verdict != pass || !target.contains(&out.dst) {
-                    bail!("new flow {i}: verdict {} to {}", r.verdict, out.dst);
+            let own = program_ns(&ebpf, prog, || {
+                for i in 0..calls {
+                    let p = Pkt::udp(&format!("198.51.100.7:{}", first_port + i), "10.96.0.10:53");
+                    let r = progrun::run_classifier(&ebpf, prog, &p.build(), 1)?;
+                    let out = Pkt::parse(&r.out);
+                    if r.verdict != pass || !target.contains(&out.dst) {
+                        bail!("new flow {i}: verdict {} to {}", r.verdict, out.dst);
+                    }
+                    verdict = r.verdict;
+                    v.push(r.duration_ns);
                 }
-                verdict = r.verdict;
-                v.push(r.duration_ns);
-            }
+                Ok(())
+            })?;
             record(
                 "frontend hit, new flow",
                 median(v),
+                own,
                 verdict,
                 &format!("median of {calls} calls, one new flow each"),
             );
@@ -175,18 +241,22 @@ fn main() -> Result<()> {
             let p = Pkt::udp(&format!("198.51.100.7:{first_port}"), "10.96.0.10:53").build();
             let mut v = Vec::new();
             let mut first = None;
-            for _ in 0..calls {
-                let r = progrun::run_classifier(&ebpf, prog, &p, 1)?;
-                let dst = Pkt::parse(&r.out).dst;
-                if *first.get_or_insert(dst) != dst {
-                    bail!("conntrack hit went to {dst}, the flow was at {first:?}");
+            let own = program_ns(&ebpf, prog, || {
+                for _ in 0..calls {
+                    let r = progrun::run_classifier(&ebpf, prog, &p, 1)?;
+                    let dst = Pkt::parse(&r.out).dst;
+                    if *first.get_or_insert(dst) != dst {
+                        bail!("conntrack hit went to {dst}, the flow was at {first:?}");
+                    }
+                    verdict = r.verdict;
+                    v.push(r.duration_ns);
                 }
-                verdict = r.verdict;
-                v.push(r.duration_ns);
-            }
+                Ok(())
+            })?;
             record(
                 "conntrack hit",
                 median(v),
+                own,
                 verdict,
                 &format!("median of {calls} calls, the same flow"),
             );

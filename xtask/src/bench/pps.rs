@@ -887,7 +887,7 @@ fn prog_run_markdown(v: &serde_json::Value) -> String {
     );
     let _ = writeln!(
         s,
-        "| program | case | services | ns/packet | verdict |\n|---|---|---:|---:|---:|"
+        "| program | case | services | ns/packet (BPF_PROG_RUN) | ns/packet (program alone) | verdict |\n|---|---|---:|---:|---:|---:|"
     );
     for r in v
         .get("results")
@@ -898,11 +898,14 @@ fn prog_run_markdown(v: &serde_json::Value) -> String {
         let g = |k: &str| r.get(k).cloned().unwrap_or_default();
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} |",
             g("program").as_str().unwrap_or(""),
             g("case").as_str().unwrap_or(""),
             super::report::thousands(g("services").as_u64().unwrap_or(0) as usize),
             g("ns_per_packet")
+                .as_f64()
+                .map_or("–".into(), |n| format!("{n:.1}")),
+            g("program_ns")
                 .as_f64()
                 .map_or("–".into(), |n| format!("{n:.1}")),
             g("verdict")
