@@ -515,9 +515,10 @@ impl Socket {
 
     /// The agent's pin directory (the TC variants'; the socket mode's is the run's).
     pub fn pin_path(&self, ctx: &Ctx) -> PathBuf {
-        match &self.tc {
-            Some(_) => PathBuf::from(format!("{}-{}", ctx.pin_path.display(), self.name())),
-            None => ctx.pin_path.clone(),
+        if self.is_tc {
+            PathBuf::from(format!("{}-{}", ctx.pin_path.display(), self.name()))
+        } else {
+            ctx.pin_path.clone()
         }
     }
 

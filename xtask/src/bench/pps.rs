@@ -196,7 +196,8 @@ pub struct PpsRound {
 /// Deltas of the node's counters over one round.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
 pub struct PathCounts {
-    /// Frames `cli0`'s XDP program saw (`rx_queue_0_xdp_packets`).
+    /// Frames `cli0`'s NAPI took (`rx_queue_0_xdp_packets`: counted with or without
+    /// an XDP program).
     pub xdp_packets: u64,
     pub xdp_redirect: u64,
     pub xdp_tx: u64,
@@ -229,10 +230,12 @@ impl PathCounts {
     }
 
     /// The path the frames took, from the counters, as a share of what the pod received.
-    fn verdict(&self, received: u64) -> String {
+    /// `xdp`: whether the mode has an XDP program on `cli0` (veth counts
+    /// `xdp_packets` for every frame its NAPI takes, program or not).
+    fn verdict(&self, received: u64, xdp: bool) -> String {
         let pct = |n: u64| (n as f64 * 100.0 / received.max(1) as f64).min(999.0);
         let fwd = pct(self.ip_forwarded);
-        if self.xdp_packets == 0 {
+        if !xdp {
             if fwd >= 50.0 {
                 format!("no XDP; stack forwarding ({fwd:.0}% IP-forwarded)")
             } else {
@@ -535,7 +538,7 @@ fn run_form(
                     r.offered_mpps,
                     p.dst,
                     p.dport,
-                    r.path.verdict(r.received),
+                    r.path.verdict(r.received, has_xdp(p.mode.name())),
                     r.error
                         .as_ref()
                         .map(|e| format!("  (error: {e})"))
@@ -550,7 +553,9 @@ fn run_form(
         let ok: Vec<&PpsRound> = m.rounds.iter().filter(|r| r.error.is_none()).collect();
         m.mpps = stats::median(&ok.iter().map(|r| r.mpps).collect::<Vec<_>>());
         m.offered_mpps = stats::median(&ok.iter().map(|r| r.offered_mpps).collect::<Vec<_>>());
-        m.verdict = ok.last().map(|r| r.path.verdict(r.received));
+        m.verdict = ok
+            .last()
+            .map(|r| r.path.verdict(r.received, has_xdp(&m.mode)));
     }
     let of = |name: &str| {
         table
@@ -567,6 +572,11 @@ fn run_form(
         m.ratio_to_tc = stats::ratio(m.mpps, tc);
     }
     Ok(table)
+}
+
+/// Whether the mode has an XDP program on `cli0` (ours or `xdp-fwd`'s).
+fn has_xdp(mode: &str) -> bool {
+    matches!(mode, "xdp" | "xdp-maglev" | "xdp-fwd")
 }
 
 /// What [`prepare`] made.
@@ -1223,7 +1233,7 @@ fn generator_program(frame: &[u8], ifindex: u32) -> Result<Vec<Insn>> {
 fn load_xdp(insns: &[Insn], name: &str) -> Result<OwnedFd> {
     let code: Vec<u8> = insns.iter().flatten().copied().collect();
     let license = b"GPL\0";
-    let mut log = vec![0u8; 4096];
+    let mut log = vec![0u8; 1 << 20];
     let mut attr = Attr::new();
     attr.u32(0, BPF_PROG_TYPE_XDP)
         .u32(4, insns.len() as u32)
@@ -1235,13 +1245,23 @@ fn load_xdp(insns: &[Insn], name: &str) -> Result<OwnedFd> {
         .u32(68, BPF_XDP);
     let n = name.as_bytes();
     attr.0[48..48 + n.len().min(15)].copy_from_slice(&n[..n.len().min(15)]);
-    let fd = attr.sys(BPF_PROG_LOAD).map_err(|e| {
-        let end = log.iter().position(|b| *b == 0).unwrap_or(0);
-        anyhow::anyhow!(
-            "loading XDP program {name}: {e}: {}",
-            String::from_utf8_lossy(&log[..end])
-        )
-    })?;
+    // Without a log first (a verbose log that does not fit fails the load with ENOSPC
+    // even when the program is fine); on failure again with one, for the message.
+    let quiet = {
+        let mut a = Attr(attr.0);
+        a.u32(24, 0).u32(28, 0).u64(32, 0);
+        a.sys(BPF_PROG_LOAD)
+    };
+    let fd = match quiet {
+        Ok(fd) => fd,
+        Err(_) => attr.sys(BPF_PROG_LOAD).map_err(|e| {
+            let end = log.iter().position(|b| *b == 0).unwrap_or(0);
+            anyhow::anyhow!(
+                "loading XDP program {name}: {e}: {}",
+                String::from_utf8_lossy(&log[..end])
+            )
+        })?,
+    };
     // SAFETY: a new fd the kernel gave us.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
