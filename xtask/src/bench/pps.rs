@@ -26,11 +26,12 @@
 //! - **veth and XDP_REDIRECT**: a frame redirected into a veth (`ndo_xdp_xmit`) is put on
 //!   the *peer's* ring, and the kernel accepts it only when the peer has NAPI: an XDP
 //!   program attached to the peer, or GRO on it (`veth_xdp_xmit` returns `-ENXIO`
-//!   otherwise and the frame is dropped, counted in the sender's `xdp_xmit_errors`). Here
+//!   otherwise and the frame is dropped). Here
 //!   both receiving sides qualify: `cli0` (the generator redirects into the client's
 //!   `eth0`, whose peer it is) has GRO on or the mode's XDP program, and the pod's `eth0`
 //!   (peer of `pods0`, where the node redirects) has the sink. No XDP program is needed
-//!   on the egress veth itself (`pods0`).
+//!   on the egress veth itself (`pods0`). The dropped frames are not in `ethtool -S`
+//!   (the `xdp:xdp_devmap_xmit` tracepoint shows them).
 //! - **Verdicts**: every round reads `cli0`'s XDP counters (`ethtool -S`:
 //!   `rx_queue_0_xdp_redirect`, `_xdp_tx`, `_xdp_packets`) and the node's IP forwarding
 //!   count (`/proc/net/snmp` `ForwDatagrams`), so the table says which path each mode
@@ -61,15 +62,6 @@
 //!   Firecracker VM that setup measures the cross-CPU wake-ups instead (each batch wakes
 //!   the thread; the veth ring holds 256 frames, and most overflow): 0.05-0.08 Mpps for
 //!   every mode, so it is not the default.
-//! - **Receiver**: a 2-instruction `XDP_DROP` program on the pod's `eth0` (native veth
-//!   XDP); the received count is the veth's `rx_queue_0_xdp_drops` (`ethtool -S`) over a
-//!   fixed interval after a warm-up. The node has static neighbour entries for the pod
-//!   addresses (the sink would drop ARP).
-//! - **One flow**: one 5-tuple (10.224.0.2:40000 -> the ClusterIP's UDP 53, or for
-//!   `direct` the first endpoint), so every mode is in its steady state: a conntrack hit
-//!   per packet (iptables, nftables, our TC); the first-packet costs are what the
-//!   `BPF_PROG_RUN` part measures.
-//! - **Modes** are the datapath bench's own (same rules, same agent, `modes.rs`):
 //! - **Receiver**: a 2-instruction `XDP_DROP` program on the pod's `eth0` (native veth
 //!   XDP); the received count is the veth's `rx_queue_0_xdp_drops` (`ethtool -S`) over a
 //!   fixed interval after a warm-up. The node has static neighbour entries for the pod
