@@ -792,6 +792,19 @@ fn measure(ctx: &Ctx, stack: &Stack, p: &Prepared, cfg: &PpsConfig) -> Result<Pp
         if received == 0 {
             bail!("the pod received nothing");
         }
+        // The remote form's XDP modes are there to measure XDP forwarding: a figure of
+        // frames that took another path is not reported as theirs.
+        let forwarding = p.dport == NODE_PORT || p.mode.name() == "xdp-fwd";
+        if forwarding && has_xdp(p.mode.name()) && (path.xdp_redirect + path.xdp_tx) * 2 < received
+        {
+            bail!(
+                "{} did not forward at XDP: {} (redirect {}, tx {} of {received})",
+                p.mode.name(),
+                path.verdict(received, true),
+                path.xdp_redirect,
+                path.xdp_tx
+            );
+        }
         Ok(PpsRound {
             round: 0,
             secs,
