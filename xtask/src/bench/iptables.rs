@@ -34,6 +34,11 @@ pub fn svc_chain(service: &Service, port: &Port) -> String {
     chains::service_chain(&service.port_name(port), port.proto.lower())
 }
 
+/// `KUBE-EXT-<hash>`: a NodePort's (and external IPs') chain.
+pub fn ext_chain(service: &Service, port: &Port) -> String {
+    chains::external_chain(&service.port_name(port), port.proto.lower())
+}
+
 pub fn sep_chain(service: &Service, port: &Port, endpoint: &str) -> String {
     chains::endpoint_chain(&service.port_name(port), port.proto.lower(), endpoint)
 }
@@ -208,6 +213,25 @@ impl Rules {
             let proto = port.proto.lower();
             let svc = svc_chain(service, port);
             let _ = writeln!(chains, ":{svc} - [0:0]");
+            if let Some(node_port) = port.node_port {
+                // eTP=Cluster: everything from outside is masqueraded, then the service
+                // chain picks an endpoint (kube-proxy's `externalTrafficChain`).
+                let ext = ext_chain(service, port);
+                let _ = writeln!(chains, ":{ext} - [0:0]");
+                let _ = writeln!(
+                    rules,
+                    "-A KUBE-NODEPORTS {} -m {proto} -p {proto} --dport {node_port} -j {ext}",
+                    comment(&spn)
+                );
+                let _ = writeln!(
+                    rules,
+                    "-A {ext} {} -j KUBE-MARK-MASQ",
+                    comment(&format!(
+                        "masquerade traffic for {spn} external destinations"
+                    ))
+                );
+                let _ = writeln!(rules, "-A {ext} -j {svc}");
+            }
             let _ = writeln!(
                 rules,
                 "-A {svc} {} -m {proto} -p {proto} -d {} --dport {} ! -s {CLUSTER_CIDR} -j KUBE-MARK-MASQ",
@@ -368,12 +392,14 @@ mod tests {
                 proto: Proto::Tcp,
                 port: 80,
                 target_port: 80,
+                node_port: None,
             }],
             endpoints: vec![
                 Ipv4Addr::new(192, 168, 104, 146),
                 Ipv4Addr::new(192, 168, 104, 147),
                 Ipv4Addr::new(192, 168, 238, 78),
             ],
+            remote: false,
         }
     }
 
@@ -552,6 +578,34 @@ COMMIT
         // Stale chains come from iptables-save output.
         let save = format!(":KUBE-SERVICES - [0:0]\n:{old} - [0:0]\n:{svc} - [0:0]\n");
         assert_eq!(stale_chains(&save, &swapped), vec![old]);
+    }
+
+    /// kube-proxy's NodePort rules for eTP=Cluster (its golden test's `ns2b/svc2b`
+    /// shape): KUBE-NODEPORTS jumps to KUBE-EXT, which marks for masquerade and goes to
+    /// the service chain.
+    #[test]
+    fn a_node_port_gets_kube_proxys_external_chain() {
+        let s = plan::remote_target();
+        let text = Rules::for_services(std::slice::from_ref(&s)).full(std::slice::from_ref(&s));
+        let ext = ext_chain(&s, &s.ports[0]);
+        let svc = svc_chain(&s, &s.ports[0]);
+        assert!(
+            ext.starts_with("KUBE-EXT-") && ext[9..] == svc[9..],
+            "{ext} {svc}"
+        );
+        for line in [
+            format!(":{ext} - [0:0]"),
+            format!("-A KUBE-NODEPORTS -m comment --comment bench/target:dns -m udp -p udp --dport 30053 -j {ext}"),
+            format!("-A {ext} -m comment --comment \"masquerade traffic for bench/target:dns external destinations\" -j KUBE-MARK-MASQ"),
+            format!("-A {ext} -j {svc}"),
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line}:\n{text}");
+        }
+        // No NodePort rule for a ClusterIP-only service.
+        let plain = plan::services(1, false);
+        assert!(!Rules::for_services(&plain)
+            .full(&plain)
+            .contains("KUBE-EXT-"));
     }
 
     #[test]

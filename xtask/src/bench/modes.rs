@@ -199,6 +199,8 @@ pub struct Socket {
     /// `--acceleration` for the agent (the XDP variant of the TC mode; the packet-rate
     /// part only, `pps.rs`).
     acceleration: Option<&'static str>,
+    /// `--lb-algorithm` for the agent (the XDP variant with Maglev, `pps.rs`).
+    lb_algorithm: Option<&'static str>,
 }
 
 /// The TC mode's own directories, removed on drop.
@@ -234,6 +236,7 @@ struct Place {
     netns: Option<PathBuf>,
     interfaces: Option<&'static str>,
     acceleration: Option<&'static str>,
+    lb_algorithm: Option<&'static str>,
 }
 
 impl Agent {
@@ -262,6 +265,9 @@ impl Agent {
         cmd.args(["run", "--interfaces", place.interfaces.unwrap_or("none")]);
         if let Some(a) = place.acceleration {
             cmd.args(["--acceleration", a]);
+        }
+        if let Some(a) = place.lb_algorithm {
+            cmd.args(["--lb-algorithm", a]);
         }
         let child = cmd
             .arg("--manifests")
@@ -403,14 +409,29 @@ fn service_json(s: &Service) -> String {
         .iter()
         .map(|p| {
             format!(
-                r#"{{"name":"{}","protocol":"{}","port":{},"targetPort":{}}}"#,
+                r#"{{"name":"{}","protocol":"{}","port":{},"targetPort":{}{}}}"#,
                 p.name,
                 p.proto.upper(),
                 p.port,
-                p.target_port
+                p.target_port,
+                p.node_port
+                    .map(|n| format!(r#","nodePort":{n}"#))
+                    .unwrap_or_default()
             )
         })
         .collect();
+    let kind = if s.ports.iter().any(|p| p.node_port.is_some()) {
+        "NodePort"
+    } else {
+        "ClusterIP"
+    };
+    // The agent runs with --node-name bench-node; a remote target's endpoints are on
+    // another node (SNAT for external traffic, eTP=Cluster).
+    let node = if s.remote {
+        "bench-node-2"
+    } else {
+        "bench-node"
+    };
     let slice_ports: Vec<String> = s
         .ports
         .iter()
@@ -429,20 +450,19 @@ fn service_json(s: &Service) -> String {
         // On this node (the agent runs with --node-name bench-node): no SNAT on the TC path,
         // like iptables' DNAT for pod-to-service traffic.
         .map(|e| {
-            format!(
-                r#"{{"addresses":["{e}"],"conditions":{{"ready":true}},"nodeName":"bench-node"}}"#
-            )
+            format!(r#"{{"addresses":["{e}"],"conditions":{{"ready":true}},"nodeName":"{node}"}}"#)
         })
         .collect();
     format!(
         concat!(
             r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}","namespace":"{ns}"}},"#,
-            r#""spec":{{"type":"ClusterIP","clusterIP":"{vip}","clusterIPs":["{vip}"],"ports":[{ports}]}}}},"#,
+            r#""spec":{{"type":"{kind}","clusterIP":"{vip}","clusterIPs":["{vip}"],"ports":[{ports}]}}}},"#,
             r#"{{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{{"name":"{name}-abcde","namespace":"{ns}","#,
             r#""labels":{{"kubernetes.io/service-name":"{name}"}}}},"addressType":"IPv4","ports":[{sports}],"endpoints":[{eps}]}}"#
         ),
         name = s.name,
         ns = plan::NAMESPACE,
+        kind = kind,
         vip = s.vip,
         ports = ports.join(","),
         sports = slice_ports.join(","),
@@ -484,15 +504,34 @@ impl Socket {
         }
     }
 
+    /// [`Socket::xdp`] with `--lb-algorithm maglev` (external frontends choose their
+    /// backend by Maglev), for the packet-rate part.
+    pub fn xdp_maglev() -> Self {
+        Self {
+            lb_algorithm: Some("maglev"),
+            ..Self::xdp()
+        }
+    }
+
+    /// The agent's pin directory (the TC variants'; the socket mode's is the run's).
+    pub fn pin_path(&self, ctx: &Ctx) -> PathBuf {
+        if self.is_tc {
+            PathBuf::from(format!("{}-{}", ctx.pin_path.display(), self.name()))
+        } else {
+            ctx.pin_path.clone()
+        }
+    }
+
     fn place(&self, ctx: &Ctx) -> Result<Place> {
         Ok(match &self.tc {
             Some(dirs) => Place {
                 manifests: dirs.manifests.clone(),
-                pin_path: PathBuf::from(format!("{}-tc", ctx.pin_path.display())),
+                pin_path: self.pin_path(ctx),
                 cgroup: dirs.cgroup.clone(),
                 netns: Some(self.stack.as_ref().context("no stack")?.node.path()),
                 interfaces: Some("cli0"),
                 acceleration: self.acceleration,
+                lb_algorithm: self.lb_algorithm,
             },
             None => Place {
                 manifests: ctx.manifests.clone(),
@@ -501,6 +540,7 @@ impl Socket {
                 netns: None,
                 interfaces: None,
                 acceleration: None,
+                lb_algorithm: None,
             },
         })
     }
@@ -533,7 +573,9 @@ impl Socket {
 
 impl Mode for Socket {
     fn name(&self) -> &'static str {
-        if self.acceleration.is_some() {
+        if self.lb_algorithm == Some("maglev") {
+            "xdp-maglev"
+        } else if self.acceleration.is_some() {
             "xdp"
         } else if self.is_tc {
             "tc"
@@ -542,7 +584,9 @@ impl Mode for Socket {
         }
     }
     fn describe(&self) -> &'static str {
-        if self.acceleration.is_some() {
+        if self.lb_algorithm == Some("maglev") {
+            "ebpf-proxy: the XDP mode's agent with --lb-algorithm maglev (external frontends pick their backend from the Maglev table)"
+        } else if self.acceleration.is_some() {
             "ebpf-proxy: the TC mode's agent with --acceleration native (XDP on the node's client-facing interface)"
         } else if self.is_tc {
             "ebpf-proxy: per-packet TC datapath on the node's client-facing interface (DNAT, conntrack, reverse NAT), client outside the hooked cgroup"
@@ -560,8 +604,10 @@ impl Mode for Socket {
         }
         self.stack = Some(new_stack()?);
         if self.is_tc {
-            let manifests = PathBuf::from(format!("{}-tc", ctx.manifests.display()));
-            let cgroup = PathBuf::from(format!("{}-tc", ctx.cgroup.display()));
+            // Per variant (tc, xdp, xdp-maglev may run side by side in the packet-rate
+            // part): pins, manifests and cgroup of their own.
+            let manifests = PathBuf::from(format!("{}-{}", ctx.manifests.display(), self.name()));
+            let cgroup = PathBuf::from(format!("{}-{}", ctx.cgroup.display(), self.name()));
             std::fs::create_dir_all(&manifests)
                 .map_err(|e| format!("{}: {e}", manifests.display()))?;
             std::fs::create_dir_all(&cgroup).map_err(|e| format!("{}: {e}", cgroup.display()))?;

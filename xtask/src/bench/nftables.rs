@@ -34,6 +34,15 @@ pub fn service_chain(service: &Service, port: &Port) -> String {
     )
 }
 
+/// `external-<hash>-ns/name/proto/port`: a NodePort's chain.
+pub fn external_chain(service: &Service, port: &Port) -> String {
+    let base = service_base(service, port);
+    format!(
+        "external-{}-{base}",
+        kube_rules::hash::chain_hash_string(&base, 8)
+    )
+}
+
 pub fn endpoint_chain(service: &Service, port: &Port, endpoint: &str) -> String {
     let base = format!(
         "{}__{}",
@@ -190,6 +199,16 @@ fn service_chains(service: &Service, flush: bool, out: &mut String) {
             endpoints.len(),
             vmap.join(" , ")
         );
+        if port.node_port.is_some() {
+            // eTP=Cluster: external traffic is masqueraded, then the service chain.
+            let ext = external_chain(service, port);
+            let _ = writeln!(out, "add chain {T} {ext}");
+            if flush {
+                let _ = writeln!(out, "flush chain {T} {ext}");
+            }
+            let _ = writeln!(out, "add rule {T} {ext} jump mark-for-masquerade");
+            let _ = writeln!(out, "add rule {T} {ext} goto {chain}");
+        }
     }
 }
 
@@ -204,6 +223,14 @@ fn elements(service: &Service, out: &mut String) {
             port.port,
             service_chain(service, port)
         );
+        if let Some(node_port) = port.node_port {
+            let _ = writeln!(
+                out,
+                "add element {T} service-nodeports {{ {} . {node_port} : goto {} }}",
+                port.proto.lower(),
+                external_chain(service, port)
+            );
+        }
     }
 }
 
@@ -267,6 +294,29 @@ mod tests {
         assert!(c.ends_with("-bench/target/tcp/http__10.224.1.1/80"), "{c}");
     }
 
+    /// kube-proxy's NodePort shape for eTP=Cluster (its golden test's `svc2`): a
+    /// `service-nodeports` element going to the `external-` chain, which marks for
+    /// masquerade and goes to the service chain.
+    #[test]
+    fn a_node_port_gets_kube_proxys_external_chain() {
+        let s = crate::bench::plan::remote_target();
+        let text = full(std::slice::from_ref(&s));
+        let ext = external_chain(&s, &s.ports[0]);
+        let svc = service_chain(&s, &s.ports[0]);
+        assert!(
+            ext.starts_with("external-") && ext.ends_with("-bench/target/udp/dns"),
+            "{ext}"
+        );
+        for line in [
+            format!("add chain {T} {ext}"),
+            format!("add rule {T} {ext} jump mark-for-masquerade"),
+            format!("add rule {T} {ext} goto {svc}"),
+            format!("add element {T} service-nodeports {{ udp . 30053 : goto {ext} }}"),
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line}:\n{text}");
+        }
+    }
+
     #[test]
     fn full_sync_has_kube_proxys_structure() {
         let s = Service {
@@ -277,8 +327,10 @@ mod tests {
                 proto: Proto::Tcp,
                 port: 80,
                 target_port: 80,
+                node_port: None,
             }],
             endpoints: vec![Ipv4Addr::new(10, 180, 0, 1), Ipv4Addr::new(10, 180, 0, 2)],
+            remote: false,
         };
         let text = full(std::slice::from_ref(&s));
         let svc = service_chain(&s, &s.ports[0]);

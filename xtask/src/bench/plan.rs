@@ -44,6 +44,9 @@ pub const HTTP_PORT: u16 = 80;
 pub const DNS_PORT: u16 = 53;
 /// TCP port that swallows a bulk stream.
 pub const BULK_PORT: u16 = 5201;
+/// The remote-backend target's UDP nodePort (packet-rate part), on the node's address
+/// [`NODE_CLIENT_SIDE`].
+pub const NODE_PORT: u16 = 30053;
 
 /// The most services the address plan holds (filler VIPs and endpoints stay in their
 /// ranges).
@@ -79,6 +82,9 @@ pub struct Port {
     pub proto: Proto,
     pub port: u16,
     pub target_port: u16,
+    /// The Service's `nodePort` for this port (a NodePort Service; the packet-rate
+    /// part's remote-backend form only).
+    pub node_port: Option<u16>,
 }
 
 /// One Service with its endpoints (all ready), as every mode programs it.
@@ -88,6 +94,9 @@ pub struct Service {
     pub vip: Ipv4Addr,
     pub ports: Vec<Port>,
     pub endpoints: Vec<Ipv4Addr>,
+    /// The endpoints are on another node (`nodeName` not the agent's): our datapath SNATs
+    /// external traffic to them (eTP=Cluster), as kube-proxy's masquerade does.
+    pub remote: bool,
 }
 
 impl Service {
@@ -113,6 +122,7 @@ fn http() -> Port {
         proto: Proto::Tcp,
         port: HTTP_PORT,
         target_port: HTTP_PORT,
+        node_port: None,
     }
 }
 
@@ -144,15 +154,18 @@ pub fn target(swapped: bool) -> Service {
                 proto: Proto::Udp,
                 port: DNS_PORT,
                 target_port: DNS_PORT,
+                node_port: None,
             },
             Port {
                 name: "bulk",
                 proto: Proto::Tcp,
                 port: BULK_PORT,
                 target_port: BULK_PORT,
+                node_port: None,
             },
         ],
         endpoints: target_endpoints(swapped),
+        remote: false,
     }
 }
 
@@ -168,6 +181,27 @@ pub fn filler(i: usize) -> Service {
         endpoints: (0..ENDPOINTS as u32)
             .map(|e| Ipv4Addr::from(base + e))
             .collect(),
+        remote: false,
+    }
+}
+
+/// The packet-rate part's remote-backend target: a NodePort Service (UDP 53, nodePort
+/// [`NODE_PORT`], eTP=Cluster) whose endpoints are the target's addresses, declared on
+/// another node, so external traffic to the NodePort is DNATed and SNATed and leaves the
+/// node towards the backend's node.
+pub fn remote_target() -> Service {
+    Service {
+        name: TARGET.into(),
+        vip: TARGET_VIP,
+        ports: vec![Port {
+            name: "dns",
+            proto: Proto::Udp,
+            port: DNS_PORT,
+            target_port: DNS_PORT,
+            node_port: Some(NODE_PORT),
+        }],
+        endpoints: target_endpoints(false),
+        remote: true,
     }
 }
 
