@@ -30,6 +30,7 @@ mod modes;
 mod nftables;
 mod plan;
 mod pps;
+mod progstats;
 mod report;
 mod stats;
 mod topo;

@@ -98,7 +98,7 @@ use super::{
     log,
     modes::{self, Ctx, Mode, Timing},
     plan::{self, Service, CLIENT_IP, DNS_PORT, NODE_CLIENT_SIDE, NODE_PORT, TARGET_VIP},
-    stats,
+    progstats, stats,
     topo::{self, ns_run, Netns, NetnsGuard, Stack},
 };
 
@@ -268,6 +268,13 @@ pub struct PpsMode {
     pub verdict: Option<String>,
     /// What the agent's maps say about the frontend (`maglev` flag), our modes only.
     pub frontend_flags: Option<String>,
+    /// The cli0 ingress program's own ns per packet under the flood (the kernel's
+    /// run-time statistics over one extra round, not counted in `mpps`), with the
+    /// program and its runs: modes with a program (ours, `xdp-fwd`).
+    pub program_ns: Option<f64>,
+    pub program: Option<String>,
+    pub program_runs: Option<u64>,
+    pub program_error: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -384,7 +391,7 @@ struct Prepared {
     mode: Box<dyn Mode>,
     pins: Option<PathBuf>,
     _sink: OwnedFd,
-    /// `xdp-fwd`'s program on cli0.
+    /// `xdp-fwd`'s program on cli0 (its link).
     _fwd: Option<OwnedFd>,
     dst: Ipv4Addr,
     dport: u16,
@@ -540,6 +547,7 @@ fn run_form(
             table.modes[*idx].rounds.push(PpsRound { round, ..r });
         }
     }
+    profile(ctx, cfg, &prepared, &mut table, start);
     drop(prepared);
     for m in table.modes.iter_mut() {
         let ok: Vec<&PpsRound> = m.rounds.iter().filter(|r| r.error.is_none()).collect();
@@ -564,6 +572,78 @@ fn run_form(
         m.ratio_to_tc = stats::ratio(m.mpps, tc);
     }
     Ok(table)
+}
+
+/// The program that handles the frames on `cli0`'s ingress, if the mode has one: our
+/// agent's (from its pinned link: XDP when it has XDP, else TC) or `xdp-fwd`'s.
+fn cli0_program(p: &Prepared) -> Option<Result<(String, u32)>> {
+    if let Some(fwd) = &p._fwd {
+        return Some(
+            progstats::link_prog_id(fwd)
+                .map(|id| ("xdp-fwd's program".to_string(), id))
+                .map_err(Into::into),
+        );
+    }
+    let pins = p.pins.as_ref()?;
+    let link = if has_xdp(p.mode.name()) {
+        "xdp-cli0"
+    } else {
+        "tc-cli0-ingress"
+    };
+    let path = pins.join("links").join(link);
+    Some(
+        progstats::linked_prog_id(&path)
+            .map(|id| (format!("the agent's links/{link}"), id))
+            .map_err(Into::into),
+    )
+}
+
+/// One more round per mode with a program on `cli0`, with the kernel's run-time
+/// statistics on (`BPF_ENABLE_STATS`): the program's own ns per packet under the
+/// flood. Apart from the measured rounds, because the statistics add two clock reads
+/// to every program run (the generator's and the sink's too).
+fn profile(
+    ctx: &Ctx,
+    cfg: &PpsConfig,
+    prepared: &[(usize, Prepared)],
+    table: &mut PpsTable,
+    start: Instant,
+) {
+    for (idx, p) in prepared {
+        let Some(prog) = cli0_program(p) else {
+            continue;
+        };
+        let m = &mut table.modes[*idx];
+        let r = (|| -> Result<(f64, u64, String)> {
+            let (what, id) = prog?;
+            let stack = p.mode.stack().context("no stack")?;
+            let _on = progstats::enable().context("BPF_ENABLE_STATS")?;
+            let before = progstats::run_stats(id)?;
+            measure(ctx, stack, p, cfg)?;
+            let after = progstats::run_stats(id)?;
+            let (ns, runs) = progstats::per_run(before, after)
+                .with_context(|| format!("{what} (id {id}) did not run"))?;
+            Ok((ns, runs, format!("{what} (id {id})")))
+        })();
+        match r {
+            Ok((ns, runs, what)) => {
+                log(
+                    start,
+                    format!(
+                        "  {:<16} program: {ns:.0} ns per packet over {runs} runs ({what})",
+                        p.mode.name()
+                    ),
+                );
+                m.program_ns = Some(ns);
+                m.program_runs = Some(runs);
+                m.program = Some(what);
+            }
+            Err(e) => {
+                log(start, format!("  {} program: {e:#}", p.mode.name()));
+                m.program_error = Some(format!("{e:#}"));
+            }
+        }
+    }
 }
 
 /// Whether the mode has an XDP program on `cli0` (ours or `xdp-fwd`'s).
@@ -1347,7 +1427,7 @@ impl PpsTable {
         let _ = writeln!(s, "\n### {}\n", self.title);
         let _ = writeln!(
             s,
-            "| mode | Mpps received (median) | × plain forwarding |{} × iptables-legacy | × our TC | path taken (cli0's XDP counters, node's IP forwarding) | offered (Mpps) | rounds |\n|---|---:|---:|{}---:|---:|---|---:|---:|",
+            "| mode | Mpps received (median) | × plain forwarding |{} × iptables-legacy | × our TC | program on cli0, ns/packet (live) | path taken (cli0's XDP counters, node's IP forwarding) | offered (Mpps) | rounds |\n|---|---:|---:|{}---:|---:|---:|---|---:|---:|",
             if remote { " × plain XDP forwarding |" } else { "" },
             if remote { "---:|" } else { "" }
         );
@@ -1356,7 +1436,7 @@ impl PpsTable {
             if !m.available {
                 let _ = writeln!(
                     s,
-                    "| {} | {} | – |{} – | – | – | – | 0 |",
+                    "| {} | {} | – |{} – | – | – | – | – | 0 |",
                     m.mode,
                     m.reason.as_deref().unwrap_or("not available"),
                     if remote { " – |" } else { "" }
@@ -1389,7 +1469,7 @@ impl PpsTable {
             }
             let _ = writeln!(
                 s,
-                "| {} | {} | {} |{} {} | {} | {} | {} | {} |",
+                "| {} | {} | {} |{} {} | {} | {} | {} | {} | {} |",
                 m.mode,
                 f(m.mpps, 3),
                 r(m.ratio_to_direct),
@@ -1400,6 +1480,7 @@ impl PpsTable {
                 },
                 r(m.ratio_to_iptables),
                 r(m.ratio_to_tc),
+                f(m.program_ns, 0),
                 path,
                 f(m.offered_mpps, 2),
                 m.rounds.iter().filter(|r| r.error.is_none()).count()
