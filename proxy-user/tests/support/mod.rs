@@ -12,6 +12,7 @@
 
 pub mod packets;
 pub mod tc;
+pub mod two_nodes;
 
 /// The `BPF_PROG_TEST_RUN` harness and crafted packets, in the library (shared with
 /// `bench-prog-run`).
