@@ -1,7 +1,10 @@
 //! The per-Service maps' keys and values: frontends (`SVC4/6`), backends (`BACKEND4/6`),
 //! reverse NAT (`REVNAT4/6`), source ranges (`SRC_RANGE4/6`), Maglev tables (`MAGLEV`).
 
-use crate::{limits, NAME_LEN};
+use crate::limits;
+
+/// Bytes of a service name kept in `REVNAT` values (`namespace/name:port`, truncated).
+pub const NAME_LEN: usize = 64;
 
 /// `SVC4` key. `port` is in network byte order, `addr` as the 4 bytes of the address.
 #[repr(C)]
