@@ -1,7 +1,47 @@
 //! The hooks' pins under `links/`: which pin a hook has, clsact filters attached and
 //! deleted by the reserved priority/handle, and [`uninstall`].
 
-use super::*;
+use std::{
+    fs, io,
+    path::{Path, PathBuf},
+};
+
+use aya::programs::{
+    links::PinnedLink,
+    tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcError, TcHandle},
+    Link as _, ProgramError, SchedClassifier, TcAttachType,
+};
+use proxy_common::map_names;
+use tracing::{debug, info};
+
+use super::error::{io_err, LoadError};
+
+/// Where a layout migration builds the new maps, inside the pin directory (same bpffs
+/// mount, so the pins can be renamed into place); see `migrate/`.
+pub const MIGRATE_STAGING_DIR: &str = "migrate-staging";
+
+/// The cgroup hooks, by program name (the function names in `proxy-ebpf/src/sock.rs`).
+pub const SOCK_PROGRAMS: [&str; 8] = [
+    "sock4_connect",
+    "sock4_sendmsg",
+    "sock4_recvmsg",
+    "sock4_getpeer",
+    "sock6_connect",
+    "sock6_sendmsg",
+    "sock6_recvmsg",
+    "sock6_getpeer",
+];
+
+/// What [`uninstall`] removed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UninstallReport {
+    pub links: Vec<String>,
+    pub maps: Vec<String>,
+}
+
+pub(super) fn link_dir(pin_path: &Path) -> PathBuf {
+    pin_path.join("links")
+}
 
 /// Priority (`tc` "pref") of the clsact filters this project attaches: 19280, `0x4b50`
 /// (ASCII "KP"). Reserved for ebpf-proxy: a filter at this priority and [`CLSACT_HANDLE`]

@@ -1,7 +1,12 @@
 //! Map sizes and memory: the conntrack size (`--conntrack-max`) and each pinned map's
 //! kernel memory.
 
-use super::*;
+use std::{fs, path::Path};
+
+use aya::maps::MapData;
+use proxy_common::map_names;
+
+use super::error::LoadError;
 
 /// Default conntrack size in flows per family (`--conntrack-max`).
 pub const DEFAULT_CONNTRACK_FLOWS: u32 = proxy_common::limits::MAX_CT / 2;

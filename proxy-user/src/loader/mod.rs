@@ -24,22 +24,15 @@
 //! those interfaces (an interface that is gone is skipped: its filters went with it).
 
 use std::{
-    fs, io,
+    fs,
     path::{Path, PathBuf},
 };
 
-use aya::{
-    maps::{Array, MapData},
-    programs::{
-        links::FdLink,
-        links::PinnedLink,
-        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcError, TcHandle},
-        CgroupAttachMode, CgroupSockAddr, Link as _, LinkOrder, ProgramError, SchedClassifier,
-        TcAttachType, Xdp, XdpMode,
-    },
-    EbpfLoader,
+use aya::programs::{
+    links::FdLink, tc::TcAttachOptions, CgroupAttachMode, CgroupSockAddr, LinkOrder,
+    SchedClassifier, Xdp,
 };
-use proxy_common::{acceleration, map_names, meta, ABI_VERSION};
+use proxy_common::{map_names, meta};
 use tracing::{debug, info, warn};
 
 use crate::{
@@ -49,14 +42,20 @@ use crate::{
 
 pub use crate::pins::DEFAULT_PIN_PATH;
 
+mod error;
 mod hooks;
 mod memory;
 mod modes;
 mod object;
 
+use error::io_err;
+pub use error::LoadError;
+
 pub(crate) use hooks::XDP_PIN_PREFIX;
-use hooks::{attach_clsact, remove_pin, tc_kind, Hook, CLSACT_SUFFIX};
-pub use hooks::{uninstall, CLSACT_HANDLE, CLSACT_PRIORITY};
+use hooks::{attach_clsact, link_dir, remove_pin, tc_kind, Hook, CLSACT_SUFFIX};
+pub use hooks::{
+    uninstall, UninstallReport, CLSACT_HANDLE, CLSACT_PRIORITY, MIGRATE_STAGING_DIR, SOCK_PROGRAMS,
+};
 use memory::pinned_max_entries;
 pub use memory::{conntrack_entries, map_memory, MapMemory, DEFAULT_CONNTRACK_FLOWS};
 use modes::tcx_supported;
@@ -64,102 +63,6 @@ pub use modes::{Acceleration, TcAttachMode};
 pub(crate) use object::EBPF_OBJECT;
 use object::{bump_memlock_rlimit, set_pinned_meta, write_meta};
 pub use object::{load_object, object_hash, spawn_kernel_logger};
-
-/// Where a layout migration builds the new maps, inside the pin directory (same bpffs
-/// mount, so the pins can be renamed into place); see `migrate/`.
-pub const MIGRATE_STAGING_DIR: &str = "migrate-staging";
-
-/// The cgroup hooks, by program name (the function names in `proxy-ebpf/src/sock.rs`).
-pub const SOCK_PROGRAMS: [&str; 8] = [
-    "sock4_connect",
-    "sock4_sendmsg",
-    "sock4_recvmsg",
-    "sock4_getpeer",
-    "sock6_connect",
-    "sock6_sendmsg",
-    "sock6_recvmsg",
-    "sock6_getpeer",
-];
-
-/// Loading or removing the datapath failed.
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    #[error(
-        "{path} is not on a bpf filesystem: mount one with `mount -t bpf bpf /sys/fs/bpf` \
-             (or run `cargo xtask setup`)"
-    )]
-    NotBpffs { path: PathBuf },
-    #[error(
-        "this binary was built without the eBPF object (bpf-linker was missing): \
-             run `cargo xtask build`"
-    )]
-    NoObject,
-    #[error("{what} {path}: {source}")]
-    Io {
-        what: &'static str,
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
-    #[error(transparent)]
-    Open(#[from] crate::pins::PinError),
-    #[error("loading the eBPF object: {0}")]
-    Ebpf(#[from] aya::EbpfError),
-    #[error("program {name}: {source}")]
-    Program {
-        name: &'static str,
-        #[source]
-        source: aya::programs::ProgramError,
-    },
-    #[error("map {name}: {source}")]
-    Map {
-        name: &'static str,
-        #[source]
-        source: aya::maps::MapError,
-    },
-    #[error("pinning {path}: {source}")]
-    Pin {
-        path: PathBuf,
-        #[source]
-        source: aya::pin::PinError,
-    },
-    #[error("attaching {what}: {source}")]
-    Attach {
-        what: String,
-        #[source]
-        source: aya::programs::ProgramError,
-    },
-    #[error(
-        "conntrack size {flows} flows is out of range ({}..={} flows per address family)",
-        proxy_common::limits::CT_FLOWS_MIN,
-        proxy_common::limits::CT_FLOWS_MAX
-    )]
-    ConntrackSize { flows: u32 },
-    #[error(
-        "TC attach mode tcx needs kernel >= 6.6: use `--tc-attach auto` or `--tc-attach clsact`"
-    )]
-    TcxUnsupported,
-    #[error(
-        "native XDP (driver mode) is not available on interface {iface}: {source}; \
-         use `--acceleration generic` (or `off`)"
-    )]
-    XdpNative {
-        iface: String,
-        #[source]
-        source: aya::programs::ProgramError,
-    },
-    #[error("pinned link {path}: {source}")]
-    Link {
-        path: PathBuf,
-        #[source]
-        source: aya::programs::links::LinkError,
-    },
-}
-
-fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> LoadError {
-    let path = path.to_owned();
-    move |source| LoadError::Io { what, path, source }
-}
 
 /// Where to install.
 #[derive(Clone, Debug)]
@@ -195,17 +98,6 @@ pub struct InstallReport {
     pub cgroup: Option<PathBuf>,
     /// `max_entries` of each conntrack table: the pinned one's when adopted.
     pub conntrack_entries: u32,
-}
-
-/// What [`uninstall`] removed.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct UninstallReport {
-    pub links: Vec<String>,
-    pub maps: Vec<String>,
-}
-
-fn link_dir(pin_path: &Path) -> PathBuf {
-    pin_path.join("links")
 }
 
 /// Loads and attaches whatever is not already pinned, and pins it.

@@ -1,7 +1,8 @@
 //! The attach modes: how the TC programs are attached (`--tc-attach`) and whether XDP runs
 //! ahead of them (`--acceleration`).
 
-use super::*;
+use aya::programs::XdpMode;
+use proxy_common::acceleration;
 
 /// How the TC programs are attached to the interfaces.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]

@@ -1,7 +1,17 @@
 //! The eBPF object: built in, hashed, loaded with its maps pinned, its `META` entries
 //! written; the kernel programs' log records forwarded.
 
-use super::*;
+use std::{fs, io, path::Path};
+
+use aya::{
+    maps::{Array, MapData},
+    EbpfLoader,
+};
+use proxy_common::{map_names, meta, ABI_VERSION};
+use tracing::warn;
+
+use super::error::{io_err, LoadError};
+use crate::pins::{Access, PinDir};
 
 /// The eBPF object built by `build.rs` (empty when built with the stub switch).
 pub(crate) static EBPF_OBJECT: &[u8] =

@@ -1,6 +1,23 @@
 //! One map's entries copied into another (converted, or insert-if-absent), and counted.
 
-use super::*;
+use std::{io, os::fd::AsFd, path::Path};
+
+use super::sys;
+
+/// A function converting one entry (key, value bytes of the old layout) to the new
+/// layout; `None` drops it (counted as not converted).
+pub type ConvertFn = fn(&[u8], &[u8]) -> Option<(Vec<u8>, Vec<u8>)>;
+
+/// How the entries of one map move from an older ABI.
+#[derive(Clone, Copy)]
+pub enum Convert {
+    /// Same layout: copied byte for byte (the sizes are checked).
+    Bytes,
+    /// Changed layout: each entry through this function.
+    With(ConvertFn),
+    /// Cannot be converted (the reason is logged with the count).
+    Drop(&'static str),
+}
 
 pub(super) fn map_info_at(path: &Path) -> io::Result<sys::MapInfo> {
     let fd = sys::obj_get(path)?;

@@ -1,7 +1,29 @@
 //! Same layout, another build: this build's programs loaded against the pinned maps and
 //! every pinned hook swapped to them (`BPF_LINK_UPDATE`, a clsact replace in place).
 
-use super::*;
+use std::{
+    fs, io,
+    os::fd::{AsFd, BorrowedFd},
+    path::Path,
+};
+
+use aya::{
+    programs::{
+        tc::{SchedClassifierLink, TcError},
+        CgroupSockAddr, SchedClassifier, TcAttachType, Xdp,
+    },
+    EbpfLoader,
+};
+use proxy_common::{map_names, meta};
+use tracing::info;
+
+use super::{
+    rules::{crash_point, io_err},
+    sys,
+};
+use crate::loader::{
+    self, object_hash, LoadError, CLSACT_HANDLE, CLSACT_PRIORITY, EBPF_OBJECT, SOCK_PROGRAMS,
+};
 
 /// Same layout, another build: load this build's programs against the pinned maps and
 /// swap every pinned hook to them.

@@ -44,123 +44,30 @@
 
 mod copy;
 mod hooks;
+mod rules;
 mod state;
 mod sys;
 pub mod v3;
 
-use std::{
-    fs, io,
-    os::fd::{AsFd, BorrowedFd},
-    path::{Path, PathBuf},
-};
+use std::{os::fd::AsFd, path::Path};
 
-use aya::{
-    programs::{
-        tc::{SchedClassifierLink, TcError},
-        CgroupSockAddr, SchedClassifier, TcAttachType, Xdp,
-    },
-    EbpfLoader,
-};
 use proxy_common::{map_names, meta, Reason, ABI_VERSION};
 use tracing::{info, warn};
 
 use crate::{
     bpf,
-    loader::{self, LoadError, CLSACT_HANDLE, CLSACT_PRIORITY, EBPF_OBJECT, SOCK_PROGRAMS},
+    loader::{self, LoadError, EBPF_OBJECT},
 };
 
 /// The staging directory inside the pin directory.
 pub use crate::loader::{object_hash, MIGRATE_STAGING_DIR as STAGING_DIR};
 
-pub use copy::{copy_map, CopyCount};
-use copy::{count_entries, map_info_at};
-use hooks::{pinned_hooks, replace_programs, swap_hooks, write_meta};
+pub use copy::{copy_map, Convert, ConvertFn, CopyCount};
+use hooks::replace_programs;
 use state::{migrate, resume_or_roll_back};
-/// The oldest `META` ABI this build migrates from (one release back: 3).
-pub const OLDEST_ABI: u32 = 3;
-/// Test hook: abort right after the named step.
-pub const CRASH_ENV: &str = "EBPF_PROXY_MIGRATE_CRASH_AT";
-/// Test hook: migrate through the staging directory even at the same ABI.
-pub const FORCE_ENV: &str = "EBPF_PROXY_MIGRATE_FORCE";
 
-/// The steps [`CRASH_ENV`] can name, in order. `swap-first` and `rename-first` stop
-/// after the first hook swapped / the first map renamed (half-done states).
-pub const STEPS: [&str; 7] = [
-    "staged",
-    "filled",
-    "swap-first",
-    "swapped",
-    "recopied",
-    "rename-first",
-    "meta",
-];
-
-/// Maps the datapath itself writes: copied again, insert-if-absent, around the swap.
-/// (Not `SOCK_REVNAT4/6`: from ABI 4 on they live in each socket's storage.)
-const DATAPATH_WRITTEN: [&str; 3] = [map_names::CT4, map_names::CT6, map_names::AFFINITY];
-
-/// A function converting one entry (key, value bytes of the old layout) to the new
-/// layout; `None` drops it (counted as not converted).
-pub type ConvertFn = fn(&[u8], &[u8]) -> Option<(Vec<u8>, Vec<u8>)>;
-
-/// How the entries of one map move from an older ABI.
-#[derive(Clone, Copy)]
-pub enum Convert {
-    /// Same layout: copied byte for byte (the sizes are checked).
-    Bytes,
-    /// Changed layout: each entry through this function.
-    With(ConvertFn),
-    /// Cannot be converted (the reason is logged with the count).
-    Drop(&'static str),
-}
-
-/// The conversion of map `map` from ABI `from` to this build's layout. **Every map
-/// whose key or value changed since `from` needs an arm here** (a function over the
-/// old structs of [`v3`]); maps without one are copied as bytes when their sizes still
-/// match, and dropped (named and counted in the log) when they do not.
-pub fn converter(from: u32, map: &str) -> Convert {
-    if force_mode() == Some(Force::Copy) {
-        // Test hook: every map as if its layout had changed.
-        return v3::convert(map).unwrap_or(Convert::Bytes);
-    }
-    match (from, map) {
-        // ABI 3 -> 4: one arm per map whose key or value changed, through the frozen
-        // ABI-3 structs (v3.rs). `STATS` grew (24 reasons) with the same key and value:
-        // copied as bytes into the larger array (a different size is never shared).
-        (3, map_names::SOCK_REVNAT4 | map_names::SOCK_REVNAT6) => {
-            Convert::Drop(v3::SOCK_REVNAT_GONE)
-        }
-        _ => Convert::Bytes,
-    }
-}
-
-/// [`FORCE_ENV`]: `1` migrates through the staging directory (sharing the maps whose
-/// layout is unchanged), `copy` also copies every map through its conversion function.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Force {
-    Staged,
-    Copy,
-}
-
-fn force_mode() -> Option<Force> {
-    match std::env::var(FORCE_ENV).ok()?.as_str() {
-        "1" => Some(Force::Staged),
-        "copy" => Some(Force::Copy),
-        _ => None,
-    }
-}
-
-fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> LoadError {
-    let path = path.to_owned();
-    move |source| LoadError::Io { what, path, source }
-}
-
-fn crash_point(step: &str) {
-    if std::env::var(CRASH_ENV).is_ok_and(|s| s == step) {
-        eprintln!("{CRASH_ENV}={step}: aborting (test hook)");
-        std::process::abort();
-    }
-}
+pub use rules::{converter, CRASH_ENV, FORCE_ENV, OLDEST_ABI, STEPS};
+use rules::{force_mode, io_err};
 
 /// [`loader::install`] after [`prepare`]: what `proxy-agent run` and `install` call, so a
 /// node's pinned datapath is upgraded (or an interrupted upgrade finished) before it is

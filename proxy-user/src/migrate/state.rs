@@ -1,7 +1,23 @@
 //! Another layout: the staged migration's marker and steps, resumed or rolled back after
 //! a crash (the module doc of `migrate` has the steps).
 
-use super::*;
+use std::{
+    fs, io,
+    os::fd::AsFd,
+    path::{Path, PathBuf},
+};
+
+use aya::EbpfLoader;
+use proxy_common::{map_names, meta, ABI_VERSION};
+use tracing::{info, warn};
+
+use super::{
+    copy::{copy_map, count_entries, map_info_at, Convert, CopyCount},
+    hooks::{pinned_hooks, swap_hooks, write_meta},
+    rules::{converter, crash_point, force_mode, io_err, Force, DATAPATH_WRITTEN},
+    sys, v3,
+};
+use crate::loader::{object_hash, LoadError, EBPF_OBJECT, MIGRATE_STAGING_DIR as STAGING_DIR};
 
 /// The migration's marker: `<staging>/abi<from>-<state>`.
 pub(super) fn read_marker(staging: &Path) -> Option<(u32, String)> {
