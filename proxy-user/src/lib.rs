@@ -19,6 +19,8 @@ pub mod migrate;
 pub mod model;
 pub mod node;
 pub mod pins;
+#[cfg(feature = "prog-run")]
+pub mod prog_run;
 pub mod sockdestroy;
 pub mod store;
 pub mod writer;

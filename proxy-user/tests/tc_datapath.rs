@@ -1,5 +1,6 @@
-//! The per-packet TC datapath in a two-node topology made of network namespaces, with the
-//! real `proxy-agent` running inside node 1 (TC on node 1's interfaces). Needs root.
+//! The per-packet TC datapath in a two-node topology made of network namespaces
+//! (`support/two_nodes.rs`, dual-stack), with the real `proxy-agent` running inside node 1
+//! (TC on node 1's interfaces). Needs root.
 //!
 //! ```text
 //!  ext 10.100.0.1 ──── 10.100.0.2 [node-a] 10.100.1.1 ──── 10.100.1.2 [node-b]
@@ -28,134 +29,12 @@ use std::{
 use support::{
     run,
     tc::{clsact_pin, our_one_filter, program_loaded, tc_filters, tcx_programs, UninstallIn},
+    two_nodes::{link, sysctl, Cluster},
     unique, AgentProcess, Netns, Server, TestEnv,
 };
 
 const NODEPORT: u16 = 30080;
 const HEALTH_CHECK_PORT: u16 = 32000;
-
-/// Field order is drop order: servers stop before their namespaces go.
-struct Cluster {
-    _servers: Vec<Server>,
-    ext: Netns,
-    node_a: Netns,
-    _node_b: Netns,
-    _pods: Vec<Netns>,
-}
-
-fn sysctl(ns: &Netns, key: &str) {
-    run("ip", &["netns", "exec", &ns.name, "sysctl", "-qw", key]);
-}
-
-fn no_dad(ns: &Netns) {
-    sysctl(ns, "net.ipv6.conf.all.accept_dad=0");
-    sysctl(ns, "net.ipv6.conf.default.accept_dad=0");
-}
-
-fn link(a: &Netns, a_if: &str, a_addrs: &[&str], b: &Netns, b_if: &str, b_addrs: &[&str]) {
-    run(
-        "ip",
-        &[
-            "link", "add", a_if, "netns", &a.name, "type", "veth", "peer", "name", b_if, "netns",
-            &b.name,
-        ],
-    );
-    for (ns, ifn, addrs) in [(a, a_if, a_addrs), (b, b_if, b_addrs)] {
-        for addr in addrs {
-            if addr.contains(':') {
-                ns.ip(&["-6", "addr", "add", addr, "dev", ifn, "nodad"]);
-            } else {
-                ns.ip(&["addr", "add", addr, "dev", ifn]);
-            }
-        }
-        ns.ip(&["link", "set", ifn, "up"]);
-    }
-}
-
-impl Cluster {
-    fn new() -> Self {
-        let ext = Netns::new(unique("ebp-ext-"));
-        let node_a = Netns::new(unique("ebp-na-"));
-        let node_b = Netns::new(unique("ebp-nb-"));
-        // No duplicate address detection on the links made below: link-local addresses
-        // would stay tentative for a second and IPv6 neighbour discovery with them.
-        for n in [&ext, &node_a, &node_b] {
-            no_dad(n);
-        }
-        link(
-            &ext,
-            "eth0",
-            &["10.100.0.1/24", "fd00:100::1/64"],
-            &node_a,
-            "ext0",
-            &["10.100.0.2/24", "fd00:100::2/64"],
-        );
-        link(
-            &node_a,
-            "nb0",
-            &["10.100.1.1/24", "fd00:101::1/64"],
-            &node_b,
-            "na0",
-            &["10.100.1.2/24", "fd00:101::2/64"],
-        );
-        // The client routes only the LoadBalancer/external range to node 1.
-        ext.ip(&["route", "add", "10.100.50.0/24", "via", "10.100.0.2"]);
-        ext.ip(&["-6", "route", "add", "fd00:150::/64", "via", "fd00:100::2"]);
-        node_a.ip(&["route", "add", "10.2.0.0/16", "via", "10.100.1.2"]);
-        node_a.ip(&["-6", "route", "add", "fd00:2::/32", "via", "fd00:101::2"]);
-        node_b.ip(&["route", "add", "10.100.0.0/24", "via", "10.100.1.1"]);
-        node_b.ip(&["-6", "route", "add", "fd00:100::/64", "via", "fd00:101::1"]);
-        for n in [&node_a, &node_b] {
-            sysctl(n, "net.ipv4.ip_forward=1");
-            sysctl(n, "net.ipv6.conf.all.forwarding=1");
-        }
-        let mut pods = Vec::new();
-        let mut servers = Vec::new();
-        for (i, (node, net4, net6)) in [
-            (&node_a, "10.1.1", "fd00:1:1"),
-            (&node_a, "10.1.2", "fd00:1:2"),
-            (&node_b, "10.2.1", "fd00:2:1"),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let pod = Netns::new(unique("ebp-pod-"));
-            no_dad(&pod);
-            let ifn = format!("pod{}", i + 1);
-            link(
-                node,
-                &ifn,
-                &[&format!("{net4}.1/24"), &format!("{net6}::1/64")],
-                &pod,
-                "eth0",
-                &[&format!("{net4}.2/24"), &format!("{net6}::2/64")],
-            );
-            pod.ip(&["route", "add", "default", "via", &format!("{net4}.1")]);
-            pod.ip(&[
-                "-6",
-                "route",
-                "add",
-                "default",
-                "via",
-                &format!("{net6}::1"),
-            ]);
-            let name = format!("pod{}", i + 1);
-            for ip in [format!("{net4}.2"), format!("{net6}::2")] {
-                let addr = SocketAddr::new(ip.parse().expect("ip"), 8080);
-                servers.push(Server::tcp_echo(&pod, addr, &name));
-                servers.push(Server::udp_peer(&pod, addr, &name));
-            }
-            pods.push(pod);
-        }
-        Self {
-            _servers: servers,
-            ext,
-            node_a,
-            _node_b: node_b,
-            _pods: pods,
-        }
-    }
-}
 
 fn manifests_dir() -> PathBuf {
     let p = std::env::temp_dir().join(unique("ebpf-proxy-tc-"));
@@ -309,7 +188,7 @@ fn expect_pods(got: &BTreeMap<String, BTreeSet<String>>, want: &[(&str, &str)]) 
 #[test]
 fn nodeport_lb_and_external_ips_through_tc_with_both_traffic_policies() {
     let env = TestEnv::outside_cgroup();
-    let c = Cluster::new();
+    let c = Cluster::dual_stack("ebp-");
     let dir = manifests_dir();
     // eTP=Cluster NodePort/LB service, and an eTP=Local one on other ports.
     write(&dir, "web.yaml", &service("web", "10.96.0.10", "Cluster", "  externalIPs: [10.100.50.2]\nstatus: {loadBalancer: {ingress: [{ip: 10.100.50.1}]}}\n", &[1, 2, 3]));
@@ -563,7 +442,7 @@ fn nodeport_lb_and_external_ips_through_tc_with_both_traffic_policies() {
 #[test]
 fn nodeport_through_clsact_filters_with_restart_and_uninstall() {
     let env = TestEnv::outside_cgroup();
-    let c = Cluster::new();
+    let c = Cluster::dual_stack("ebp-");
     let _cleanup = UninstallIn::new(&c.node_a, &env.pins.path);
     let dir = manifests_dir();
     write(
@@ -667,7 +546,7 @@ fn nodeport_through_clsact_filters_with_restart_and_uninstall() {
 #[test]
 fn many_udp_flows_to_one_remote_backend_are_all_snatted_and_answered() {
     let env = TestEnv::outside_cgroup();
-    let c = Cluster::new();
+    let c = Cluster::dual_stack("ebp-");
     let dir = manifests_dir();
     write(
         &dir,
@@ -799,8 +678,8 @@ fn counters(pins: &Path) -> BTreeMap<&'static str, u64> {
 #[test]
 fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     let env = TestEnv::outside_cgroup();
-    let c = Cluster::new();
-    let node_b = &c._node_b;
+    let c = Cluster::dual_stack("ebp-");
+    let node_b = &c.node_b;
     for ns in [&c.ext, node_b] {
         sysctl(ns, "net.ipv4.conf.all.rp_filter=0");
         sysctl(ns, "net.ipv4.conf.default.rp_filter=0");
@@ -1043,13 +922,13 @@ fn link_details(ns: &Netns, iface: &str) -> String {
 fn nodeport_at_xdp_native_to_local_and_remote_backends() {
     use proxy_common::{map_names, Reason};
     let env = TestEnv::outside_cgroup();
-    let c = Cluster::new();
+    let c = Cluster::dual_stack("ebp-");
     // The client's and node 2's ends of node 1's links, as a NIC would be: a veth
     // delivers XDP_TX/XDP_REDIRECTed frames only to a peer with NAPI on (an XDP program
     // or GRO), and by default sends packets with the L4 checksum left to "hardware"
     // (CHECKSUM_PARTIAL), which XDP cannot see: with TX checksumming off they carry full
     // checksums, as frames from a real NIC's wire do.
-    for (ns, dev) in [(&c.ext, "eth0"), (&c._node_b, "na0")] {
+    for (ns, dev) in [(&c.ext, "eth0"), (&c.node_b, "na0")] {
         run(
             "ip",
             &[
@@ -1290,8 +1169,8 @@ fn metric_value(text: &str, name: &str) -> Option<f64> {
 #[test]
 fn maglev_gives_one_backend_per_flow_on_both_nodes_and_a_backend_leaving_moves_only_its_flows() {
     let env = TestEnv::outside_cgroup();
-    let c = Cluster::new();
-    let node_b = &c._node_b;
+    let c = Cluster::dual_stack("ebp-");
+    let node_b = &c.node_b;
     for ns in [&c.ext, node_b] {
         sysctl(ns, "net.ipv4.conf.all.rp_filter=0");
         sysctl(ns, "net.ipv4.conf.default.rp_filter=0");
@@ -1315,9 +1194,9 @@ fn maglev_gives_one_backend_per_flow_on_both_nodes_and_a_backend_leaving_moves_o
     let mut servers = Vec::new();
     let mut backends = Vec::new();
     for (i, (pod, net, node)) in [
-        (&c._pods[0], "10.1.1", "node-a"),
-        (&c._pods[1], "10.1.2", "node-a"),
-        (&c._pods[2], "10.2.1", "node-b"),
+        (&c.pods[0], "10.1.1", "node-a"),
+        (&c.pods[1], "10.1.2", "node-a"),
+        (&c.pods[2], "10.2.1", "node-b"),
     ]
     .into_iter()
     .enumerate()

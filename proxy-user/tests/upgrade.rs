@@ -10,8 +10,8 @@
 //!                        │ 10.1.1.1   │ 10.1.2.1               │ 10.2.1.1
 //!                      pod1 .2      pod2 .2                  pod3 10.2.1.2
 //! ```
-//! The agent runs in node-a with TC on `ext0` and `nb0` and its socket hooks on a child
-//! cgroup. Clients: the external client (this process, outside the cgroup) opens new TCP
+//! (`support/two_nodes.rs`, IPv4 only.) The agent runs in node-a with TC on `ext0` and
+//! `nb0` and its socket hooks on a child cgroup. Clients: the external client (this process, outside the cgroup) opens new TCP
 //! connections and UDP exchanges to the NodePort (TC) and keeps long-lived TCP flows
 //! through it (pod3 is remote: those flows are SNATed, their replies need conntrack); a
 //! child process of this binary, moved into the cgroup and into node-a's namespace,
@@ -40,9 +40,10 @@ use std::{
 use proxy_common::{map_names, meta, ABI_VERSION};
 use proxy_user::{bpf, migrate};
 use support::{
-    http_get, run,
+    http_get,
     tc::{tcx_programs, UninstallIn},
-    unique, Netns, NetnsGuard, Server, TestEnv, SOCK_ATTACH_TYPES,
+    two_nodes::Cluster,
+    unique, NetnsGuard, TestEnv, SOCK_ATTACH_TYPES,
 };
 
 /// The variable `cargo xtask test` sets to the previous release's agent.
@@ -149,96 +150,7 @@ fn new_agent() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_proxy-agent"))
 }
 
-// --- topology (after tests/tc_datapath.rs, IPv4 only) ---
-
-struct Cluster {
-    _servers: Vec<Server>,
-    ext: Netns,
-    node_a: Netns,
-    _node_b: Netns,
-    _pods: Vec<Netns>,
-}
-
-fn sysctl(ns: &Netns, key: &str) {
-    run("ip", &["netns", "exec", &ns.name, "sysctl", "-qw", key]);
-}
-
-fn link(a: &Netns, a_if: &str, a_addr: &str, b: &Netns, b_if: &str, b_addr: &str) {
-    run(
-        "ip",
-        &[
-            "link", "add", a_if, "netns", &a.name, "type", "veth", "peer", "name", b_if, "netns",
-            &b.name,
-        ],
-    );
-    for (ns, ifn, addr) in [(a, a_if, a_addr), (b, b_if, b_addr)] {
-        ns.ip(&["addr", "add", addr, "dev", ifn]);
-        ns.ip(&["link", "set", ifn, "up"]);
-    }
-}
-
-impl Cluster {
-    fn new() -> Self {
-        let ext = Netns::new(unique("ebu-ext-"));
-        let node_a = Netns::new(unique("ebu-na-"));
-        let node_b = Netns::new(unique("ebu-nb-"));
-        link(
-            &ext,
-            "eth0",
-            "10.100.0.1/24",
-            &node_a,
-            "ext0",
-            "10.100.0.2/24",
-        );
-        link(
-            &node_a,
-            "nb0",
-            "10.100.1.1/24",
-            &node_b,
-            "na0",
-            "10.100.1.2/24",
-        );
-        node_a.ip(&["route", "add", "10.2.0.0/16", "via", "10.100.1.2"]);
-        node_b.ip(&["route", "add", "10.100.0.0/24", "via", "10.100.1.1"]);
-        for n in [&node_a, &node_b] {
-            sysctl(n, "net.ipv4.ip_forward=1");
-        }
-        let mut pods = Vec::new();
-        let mut servers = Vec::new();
-        for (i, (node, net)) in [
-            (&node_a, "10.1.1"),
-            (&node_a, "10.1.2"),
-            (&node_b, "10.2.1"),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let pod = Netns::new(unique("ebu-pod-"));
-            let ifn = format!("pod{}", i + 1);
-            link(
-                node,
-                &ifn,
-                &format!("{net}.1/24"),
-                &pod,
-                "eth0",
-                &format!("{net}.2/24"),
-            );
-            pod.ip(&["route", "add", "default", "via", &format!("{net}.1")]);
-            let addr = SocketAddr::new(format!("{net}.2").parse().expect("ip"), 8080);
-            let name = format!("pod{}", i + 1);
-            servers.push(Server::tcp_echo(&pod, addr, &name));
-            servers.push(Server::udp_peer(&pod, addr, &name));
-            pods.push(pod);
-        }
-        Self {
-            _servers: servers,
-            ext,
-            node_a,
-            _node_b: node_b,
-            _pods: pods,
-        }
-    }
-}
+// --- topology: support/two_nodes.rs, IPv4 only ---
 
 /// A NodePort Service (TCP 80 / nodePort 30080, UDP 53 / 30081) over the three pods.
 fn manifests() -> PathBuf {
@@ -808,7 +720,7 @@ fn upgrade_converting_every_map_keeps_established_flows() {
 fn upgrade_under_traffic(mode: &'static str) {
     let old = old_agent();
     let env = TestEnv::outside_cgroup();
-    let c = Cluster::new();
+    let c = Cluster::ipv4("ebu-");
     let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
     let dir = manifests();
 
@@ -929,7 +841,7 @@ fn upgrade_under_traffic(mode: &'static str) {
 fn crash_at_each_migration_step_then_restart() {
     let old = old_agent();
     let env = TestEnv::outside_cgroup();
-    let c = Cluster::new();
+    let c = Cluster::ipv4("ebu-");
     let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
     let dir = manifests();
     for step in migrate::STEPS {
@@ -1046,7 +958,7 @@ fn crash_at_each_migration_step_then_restart() {
 /// connection; the same build again adopts without reloading.
 fn same_layout_new_build_swaps_programs_in_place() {
     let env = TestEnv::outside_cgroup();
-    let c = Cluster::new();
+    let c = Cluster::ipv4("ebu-");
     let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
     let dir = manifests();
     let clsact = ["--tc-attach", "clsact"];
@@ -1208,7 +1120,7 @@ fn pin_counter_array(path: &Path, entries: u32) {
 fn a_build_with_more_outcome_counters_migrates_the_pinned_counter_array() {
     use proxy_common::Reason;
     let env = TestEnv::outside_cgroup();
-    let c = Cluster::new();
+    let c = Cluster::ipv4("ebu-");
     let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
     let dir = manifests();
     let mut agent = Agent::start(&new_agent(), &env, &c, &dir, &[]);

@@ -3,7 +3,7 @@
 //! prints; a bin, not an example, so that it builds with the agent and without the
 //! dev-dependencies). The object is loaded by the real loader on a per-run pin directory
 //! and the maps are filled by the real writer, as in `tests/tc_packets.rs` (whose
-//! loading and packet code this shares through `#[path]`).
+//! loading and packet code this shares: `proxy_user::prog_run`).
 //!
 //! Cases, at 1 and 10,000 Services (each of 10 local endpoints; the measured frontend,
 //! 10.96.0.10:53/UDP, written last):
@@ -26,21 +26,14 @@
 //! around the case, time over runs. Those are counted around each run of the program
 //! (two `sched_clock` reads, some tens of ns included), whatever the caller.
 
-#[allow(dead_code, unused_imports)]
-#[path = "../../tests/support/pkt.rs"]
-mod pkt;
-#[allow(dead_code)]
-#[path = "../../tests/support/progrun.rs"]
-mod progrun;
-
 use std::{
     net::{Ipv4Addr, SocketAddr},
     path::PathBuf,
 };
 
 use anyhow::{bail, Context as _, Result};
-use pkt::Pkt;
 use proxy_common::backend_flags;
+use proxy_user::prog_run::{self as progrun, pkt::Pkt};
 use proxy_user::{bpf, loader, model::Backend, BpfMaps, Frontend, Proto, ServiceEntry, Writer};
 
 /// The kernel's run-time statistics of `prog` so far: (ns, runs).

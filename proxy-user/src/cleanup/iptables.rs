@@ -6,34 +6,34 @@ use super::*;
 
 /// One iptables tool set (`iptables-nft-save`, `iptables-nft-restore`, ...).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Backend {
+pub struct IptablesToolSet {
     /// `iptables` or `ip6tables`.
     pub tool: &'static str,
     /// `legacy` or `nft`.
     pub mode: &'static str,
 }
 
-/// Every backend kube-proxy may have written to.
-pub const BACKENDS: [Backend; 4] = [
-    Backend {
+/// Every tool set kube-proxy may have written to (each family, each iptables backend).
+pub const IPTABLES_TOOL_SETS: [IptablesToolSet; 4] = [
+    IptablesToolSet {
         tool: "iptables",
         mode: "legacy",
     },
-    Backend {
+    IptablesToolSet {
         tool: "iptables",
         mode: "nft",
     },
-    Backend {
+    IptablesToolSet {
         tool: "ip6tables",
         mode: "legacy",
     },
-    Backend {
+    IptablesToolSet {
         tool: "ip6tables",
         mode: "nft",
     },
 ];
 
-impl Backend {
+impl IptablesToolSet {
     pub fn name(&self) -> String {
         format!("{}-{}", self.tool, self.mode)
     }
@@ -272,16 +272,16 @@ pub fn restore_script(table: &str, plan: &TablePlan) -> String {
 }
 
 pub(super) fn clean_iptables(
-    backend: Backend,
+    tools: IptablesToolSet,
     opts: &CleanupOptions,
     report: &mut Report,
     kept_set_refs: &mut BTreeSet<String>,
 ) {
-    let name = backend.name();
-    let tables: Vec<&str> = if backend.mode == "legacy" {
+    let name = tools.name();
+    let tables: Vec<&str> = if tools.mode == "legacy" {
         // Reading a legacy table that does not exist creates it: read only those the
         // kernel lists for this namespace.
-        match fs::read_to_string(backend.legacy_tables_file()) {
+        match fs::read_to_string(tools.legacy_tables_file()) {
             Ok(list) => {
                 let present: Vec<&str> = list.lines().map(str::trim).collect();
                 TABLES
@@ -293,7 +293,7 @@ pub(super) fn clean_iptables(
             Err(_) => {
                 report.notes.push(format!(
                     "{name}: no legacy tables in this network namespace ({} absent)",
-                    backend.legacy_tables_file()
+                    tools.legacy_tables_file()
                 ));
                 return;
             }

@@ -53,8 +53,8 @@ use tracing::{info, warn};
 
 pub use ipset::{kube_proxy_set_names, parse_ipset_save, IpSets};
 pub use iptables::{
-    parse_save, plan_table, restore_script, Backend, SavedChain, SavedRule, SavedTable, TablePlan,
-    BACKENDS,
+    parse_save, plan_table, restore_script, IptablesToolSet, SavedChain, SavedRule, SavedTable,
+    TablePlan, IPTABLES_TOOL_SETS,
 };
 pub use ipvs::{ipvs_owner, parse_ipvsadm_save, parse_links, Link, VirtualService};
 pub use kube_rules::{
@@ -242,8 +242,8 @@ pub fn cleanup_kube_proxy(opts: &CleanupOptions) -> Report {
     let ipvs = read_ipvs(&mut report);
 
     let mut kept_set_refs = BTreeSet::new();
-    for backend in BACKENDS {
-        clean_iptables(backend, opts, &mut report, &mut kept_set_refs);
+    for tools in IPTABLES_TOOL_SETS {
+        clean_iptables(tools, opts, &mut report, &mut kept_set_refs);
     }
     clean_nftables(opts, &mut report);
     let ipvs_ok = clean_ipvs(ipvs, links.as_ref(), sets.as_ref(), opts, &mut report);

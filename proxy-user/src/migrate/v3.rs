@@ -7,6 +7,8 @@
 
 use proxy_common as cur;
 
+use super::copy::{Convert, ConvertFn};
+
 /// The maps pinned by ABI 3.
 pub const MAP_NAMES: [&str; 19] = [
     "SVC4",
@@ -78,8 +80,8 @@ pub const SOCK_REVNAT_GONE: &str =
      user space cannot write: sockets connected before the upgrade show their backend \
      address to getpeername/recvmsg until they reconnect";
 
-pub fn convert(map: &str) -> Option<super::Convert> {
-    let f: super::ConvertFn = match map {
+pub fn convert(map: &str) -> Option<Convert> {
+    let f: ConvertFn = match map {
         "SVC4" => svc4,
         "SVC6" => svc6,
         "BACKEND4" => backend4,
@@ -91,10 +93,10 @@ pub fn convert(map: &str) -> Option<super::Convert> {
         "AFFINITY" => affinity,
         // ABI 4 keeps these per socket (SK_STORAGE): a socket's storage can only be
         // reached through the socket, not from here.
-        "SOCK_REVNAT4" | "SOCK_REVNAT6" => return Some(super::Convert::Drop(SOCK_REVNAT_GONE)),
+        "SOCK_REVNAT4" | "SOCK_REVNAT6" => return Some(Convert::Drop(SOCK_REVNAT_GONE)),
         _ => return None,
     };
-    Some(super::Convert::With(f))
+    Some(Convert::With(f))
 }
 
 /// Reads an old struct from bytes (`None` on a size mismatch: never trust a short entry).

@@ -11,9 +11,12 @@
 )]
 
 pub mod packets;
-pub mod pkt;
-pub mod progrun;
 pub mod tc;
+pub mod two_nodes;
+
+/// The `BPF_PROG_TEST_RUN` harness and crafted packets, in the library (shared with
+/// `bench-prog-run`).
+pub use proxy_user::prog_run::{self as progrun, pkt};
 
 pub use proxy_testbed::{self as testbed, apiserver, *};
 

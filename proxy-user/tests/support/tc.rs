@@ -2,8 +2,8 @@
 //! a clsact qdisc, the programs attached with TCX, the programs pinned under `links/`; and
 //! a guard that uninstalls a pin directory from inside the namespace that holds its
 //! interfaces (clsact filters are found by interface name). The crafted packets for
-//! `BPF_PROG_TEST_RUN` are in `pkt.rs` (shared with the bench's `prog_run` example) and
-//! re-exported here.
+//! `BPF_PROG_TEST_RUN` are in `proxy_user::prog_run::pkt` (shared with `bench-prog-run`)
+//! and re-exported here.
 
 use std::{
     path::{Path, PathBuf},

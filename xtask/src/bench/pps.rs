@@ -70,7 +70,7 @@
 //!   conntrack hit per packet (iptables, nftables, our TC and XDP); the first-packet
 //!   costs are what the `BPF_PROG_RUN` part measures. For the same reason `xdp` and
 //!   `xdp-maglev` differ only in how the flow's first packet chose its backend.
-//! - **Modes** are the datapath bench's own (same rules, same agent, `modes.rs`):
+//! - **Modes** are the datapath bench's own (same rules, same agent, `modes/`):
 //!   `direct`, `xdp-fwd` (remote form only), `iptables-legacy`, `nftables` (kube-proxy's
 //!   rules in the node namespace: NodePort `KUBE-NODEPORTS`/`KUBE-EXT-*` and
 //!   `service-nodeports`/`external-*` for the remote form, ClusterIP for the local one),
@@ -375,7 +375,7 @@ fn pps_modes(ctx: &Ctx, form: Form) -> Vec<Entry> {
         v.push(plain(Box::<XdpFwd>::default()));
     }
     v.push(plain(Box::new(modes::Iptables::new(
-        modes::Backend::Legacy,
+        modes::IptablesVariant::Legacy,
     ))));
     v.push(plain(Box::<modes::Nftables>::default()));
     v.push(ours(modes::Socket::tc(), false));

@@ -1,11 +1,16 @@
-//! The TC programs under `BPF_PROG_TEST_RUN`, loaded by the real loader on a pin
-//! directory: shared by `tc_packets.rs` (verdict tables) and the bench's
-//! `examples/prog_run.rs` (ns per packet, `#[path]`). aya and proxy-user only.
+//! The TC and XDP programs under `BPF_PROG_TEST_RUN`, loaded by the real loader on a pin
+//! directory, and crafted packets for them ([`pkt`]): shared by the tests
+//! (`tests/support` re-exports both; `tc_packets.rs`, `xdp_packets.rs` verdict tables) and
+//! `bench-prog-run` (ns per packet). Behind the `prog-run` feature (on by default; the
+//! agent does not use it).
+
+pub mod pkt;
 
 use std::path::Path;
 
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
-use proxy_user::loader;
+
+use crate::loader;
 
 /// The TC programs every run loads.
 pub const TC_PROGRAMS: [&str; 2] = ["tc_ingress", "tc_egress"];

@@ -1,6 +1,6 @@
 //! Crafted packets for `BPF_PROG_TEST_RUN`: built with valid checksums, parsed checking
 //! every checksum. Pure (std only): shared by the tests (`support::tc` re-exports it) and
-//! the bench's `examples/prog_run.rs` (`#[path]`).
+//! `bench-prog-run`.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 

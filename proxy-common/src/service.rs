@@ -1,0 +1,154 @@
+//! The per-Service maps' keys and values: frontends (`SVC4/6`), backends (`BACKEND4/6`),
+//! reverse NAT (`REVNAT4/6`), source ranges (`SRC_RANGE4/6`), Maglev tables (`MAGLEV`).
+
+use crate::limits;
+
+/// Bytes of a service name kept in `REVNAT` values (`namespace/name:port`, truncated).
+pub const NAME_LEN: usize = 64;
+
+/// `SVC4` key. `port` is in network byte order, `addr` as the 4 bytes of the address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Svc4Key {
+    pub addr: u32,
+    pub port: u16,
+    /// 0 for the frontend entry, `1..=count` for backend slots.
+    pub slot: u16,
+    pub proto: u8,
+    /// `scope::ALL` or `scope::EXTERNAL_LOCAL`.
+    pub scope: u8,
+    pub _pad: [u8; 2],
+}
+
+/// `SVC6` key; the address as four network-order words, as in `bpf_sock_addr.user_ip6`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Svc6Key {
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub slot: u16,
+    pub proto: u8,
+    pub scope: u8,
+    pub _pad: [u8; 2],
+}
+
+/// `SVC4`/`SVC6` value. In slot 0: `count`, `service_id`, `flags`, `affinity_timeout`.
+/// In slot n: `backend_id` (and `service_id`, for dumps).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SvcValue {
+    pub backend_id: u32,
+    pub service_id: u32,
+    pub count: u16,
+    pub flags: u16,
+    /// Session affinity timeout in seconds (0: no affinity).
+    pub affinity_timeout: u32,
+}
+
+/// `BACKEND4` value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Backend4 {
+    pub addr: u32,
+    pub port: u16,
+    pub proto: u8,
+    pub flags: u8,
+}
+
+/// `BACKEND6` value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Backend6 {
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub proto: u8,
+    pub flags: u8,
+}
+
+/// `REVNAT4` value (key: service id): the frontend and, for the CLI, the Service's
+/// name (`namespace/name:port`, NUL-padded).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RevNat4 {
+    pub addr: u32,
+    pub port: u16,
+    pub proto: u8,
+    pub scope: u8,
+    pub name: [u8; NAME_LEN],
+}
+
+/// `REVNAT6` value (key: service id).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RevNat6 {
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub proto: u8,
+    pub scope: u8,
+    pub name: [u8; NAME_LEN],
+}
+
+/// `SRC_RANGE4` LPM key data (after the 4-byte prefix length): service id, then the
+/// address; the prefix length counts 32 bits of service id plus the address prefix.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SrcRange4 {
+    pub service_id: u32,
+    pub addr: u32,
+}
+
+/// `SRC_RANGE6` LPM key data.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SrcRange6 {
+    pub service_id: u32,
+    pub addr: [u32; 4],
+}
+
+impl Svc4Key {
+    /// The key of slot `slot` of frontend `addr:port/proto` in `scope`.
+    pub const fn new(addr: u32, port: u16, proto: u8, scope: u8, slot: u16) -> Self {
+        Self {
+            addr,
+            port,
+            slot,
+            proto,
+            scope,
+            _pad: [0; 2],
+        }
+    }
+}
+
+impl Svc6Key {
+    /// The key of slot `slot` of frontend `addr:port/proto` in `scope`.
+    pub const fn new(addr: [u32; 4], port: u16, proto: u8, scope: u8, slot: u16) -> Self {
+        Self {
+            addr,
+            port,
+            slot,
+            proto,
+            scope,
+            _pad: [0; 2],
+        }
+    }
+}
+
+/// `MAGLEV` key: one chunk of the table of the frontend with `service_id`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MaglevKey {
+    pub service_id: u32,
+    /// Chunk number: slots `chunk * MAGLEV_CHUNK_SLOTS ..` of the table.
+    pub chunk: u32,
+}
+
+/// `MAGLEV` value: `MAGLEV_CHUNK_SLOTS` entries of a table of `table_size` entries, each
+/// a backend slot (`1..=count` of the frontend; 0 past the table's end).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaglevChunk {
+    /// M, the whole table's size (the same in every chunk of a table).
+    pub table_size: u32,
+    pub _pad: u32,
+    pub slots: [u16; limits::MAGLEV_CHUNK_SLOTS],
+}

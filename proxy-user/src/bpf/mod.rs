@@ -1,0 +1,186 @@
+//! The pinned BPF maps, opened by path: the real [`MapStore`] the writer uses (one-element
+//! writes through aya, batches through `crate::batch`), and the readers the CLI and tests
+//! use (outcome counters, per-backend counters). Opening goes through [`PinDir`], the ABI
+//! <-> model conversion through `crate::codec`.
+
+use std::{
+    collections::{BTreeMap, HashSet},
+    net::IpAddr,
+    os::fd::{AsFd as _, OwnedFd},
+    path::Path,
+};
+
+use aya::{
+    maps::{lpm_trie::LpmTrie, Array, MapData, MapError, PerCpuArray, PerCpuHashMap},
+    Pod,
+};
+use proxy_common::{
+    map_names as names, Backend4, Backend6, MaglevChunk, MaglevKey, NodeConfig, Reason, RevNat4,
+    RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
+};
+
+use crate::{
+    batch, codec,
+    codec::{BackendValue, NodeAddrKey, RevNatValue, SrcRangeKey, SvcKey},
+    model::Family,
+    pins::{Access, PinDir, PinnedHash},
+    store::{BatchFailed, Dump, Group, MapKind, MapStore, Op, StoreError},
+};
+
+mod store;
+
+use store::{ignore_missing, map_err};
+
+/// Opening the pinned maps failed (see [`crate::pins::PinError`]).
+pub type OpenError = crate::pins::PinError;
+
+type Pair<K, V> = PinnedHash<K, V>;
+
+fn open_pair<K: Pod, V: Pod>(pins: &PinDir, name: &str) -> Result<Pair<K, V>, OpenError> {
+    pins.hash(name, Access::ReadWrite)
+}
+
+/// Every map the writer and the CLI use, opened from the pin directory.
+pub struct BpfMaps {
+    pins: PinDir,
+    svc4: Pair<Svc4Key, SvcValue>,
+    svc6: Pair<Svc6Key, SvcValue>,
+    backend4: Pair<u32, Backend4>,
+    backend6: Pair<u32, Backend6>,
+    revnat4: Pair<u32, RevNat4>,
+    revnat6: Pair<u32, RevNat6>,
+    node4: Pair<u32, u8>,
+    node6: Pair<[u32; 4], u8>,
+    node_config: Array<MapData, NodeConfig>,
+    backend_conns: PerCpuHashMap<MapData, u32, u64>,
+    backend_conns_fd: OwnedFd,
+    stats: PerCpuArray<MapData, u64>,
+    src_range4: LpmTrie<MapData, SrcRange4, u8>,
+    src_range6: LpmTrie<MapData, SrcRange6, u8>,
+    maglev: Pair<MaglevKey, MaglevChunk>,
+    ncpus: usize,
+}
+
+impl std::fmt::Debug for BpfMaps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BpfMaps")
+            .field("dir", &self.pins.path())
+            .finish()
+    }
+}
+
+impl BpfMaps {
+    /// Opens the maps pinned under `dir` read-write, checking the ABI version the loader
+    /// recorded.
+    pub fn open(dir: &Path) -> Result<Self, OpenError> {
+        let pins = PinDir::new(dir);
+        pins.check_abi(Access::ReadWrite)?;
+        let rw = Access::ReadWrite;
+        let (backend_conns, backend_conns_fd) = pins.typed_with_fd(names::BACKEND_CONNS, rw)?;
+        Ok(Self {
+            svc4: open_pair(&pins, names::SVC4)?,
+            svc6: open_pair(&pins, names::SVC6)?,
+            backend4: open_pair(&pins, names::BACKEND4)?,
+            backend6: open_pair(&pins, names::BACKEND6)?,
+            revnat4: open_pair(&pins, names::REVNAT4)?,
+            revnat6: open_pair(&pins, names::REVNAT6)?,
+            node4: open_pair(&pins, names::NODE_ADDRS4)?,
+            node6: open_pair(&pins, names::NODE_ADDRS6)?,
+            node_config: pins.typed(names::NODE_CONFIG, rw)?,
+            backend_conns,
+            backend_conns_fd,
+            stats: pins.typed(names::STATS, rw)?,
+            src_range4: pins.typed(names::SRC_RANGE4, rw)?,
+            src_range6: pins.typed(names::SRC_RANGE6, rw)?,
+            maglev: open_pair(&pins, names::MAGLEV)?,
+            ncpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
+            pins,
+        })
+    }
+
+    /// The pin directory.
+    pub fn dir(&self) -> &Path {
+        self.pins.path()
+    }
+
+    /// Every outcome counter, summed over CPUs. A reason past the end of the pinned
+    /// array (pins made by an older build of the same ABI, before that reason existed)
+    /// reads 0.
+    pub fn stats(&self) -> Result<Vec<(Reason, u64)>, StoreError> {
+        Reason::ALL
+            .iter()
+            .map(|r| match self.stats.get(&(*r as u32), 0) {
+                Ok(v) => Ok((*r, v.iter().sum())),
+                Err(MapError::OutOfBounds { .. }) => Ok((*r, 0)),
+                Err(source) => Err(StoreError::Map {
+                    map: names::STATS,
+                    source,
+                }),
+            })
+            .collect()
+    }
+
+    /// Selections per backend id, summed over CPUs.
+    pub fn backend_conns(&self) -> Result<BTreeMap<u32, u64>, StoreError> {
+        if let Ok(v) = batch::lookup_percpu_sum::<u32>(self.backend_conns_fd.as_fd(), self.ncpus) {
+            return Ok(v.into_iter().collect());
+        }
+        let mut out = BTreeMap::new();
+        for item in self.backend_conns.iter() {
+            let (id, per_cpu) = item.map_err(|source| StoreError::Map {
+                map: names::BACKEND_CONNS,
+                source,
+            })?;
+            out.insert(id, per_cpu.iter().sum());
+        }
+        Ok(out)
+    }
+
+    /// The ids of `ids` that have per-backend counters.
+    fn conns_present(&self, ids: &[u32]) -> Result<Vec<u32>, StoreError> {
+        let present: HashSet<u32> = self.backend_conns()?.into_keys().collect();
+        Ok(ids
+            .iter()
+            .copied()
+            .filter(|i| present.contains(i))
+            .collect())
+    }
+
+    /// Deletes the per-backend counters of `ids` (a fresh id starts with fresh counters;
+    /// a deleted backend leaves none behind).
+    fn clear_conns(&mut self, ids: &[u32]) -> Result<(), StoreError> {
+        let present = self.conns_present(ids)?;
+        if batch::delete(self.backend_conns_fd.as_fd(), &present).is_err() {
+            for id in &present {
+                ignore_missing(self.backend_conns.remove(id))
+                    .map_err(map_err(names::BACKEND_CONNS))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes the node's addresses (`NODE_ADDRS4/6`, replacing what was there) and the SNAT
+/// addresses (`NODE_CONFIG`: the first address of each family), through the store's
+/// operations. The agent does this through its writer; this is for tests and tools.
+pub fn set_node_addresses(dir: &Path, addrs: &[IpAddr]) -> Result<(), StoreError> {
+    let mut maps = BpfMaps::open(dir).map_err(|e| StoreError::Corrupt {
+        map: names::NODE_ADDRS4,
+        detail: e.to_string(),
+    })?;
+    let have = maps.dump()?;
+    for op in crate::writer::node_address_ops(&have.node_addrs, have.snat, addrs).into_ops() {
+        maps.apply(&op)?;
+    }
+    Ok(())
+}
+
+/// Reads `META[ABI_VERSION]` from the pin directory.
+pub fn read_abi_version(dir: &Path) -> Result<u32, OpenError> {
+    PinDir::new(dir).abi_version(Access::ReadOnly)
+}
+
+/// Reads one `META` entry from the pin directory.
+pub fn read_meta(dir: &Path, index: u32) -> Result<u32, OpenError> {
+    PinDir::new(dir).read_meta(index, Access::ReadOnly)
+}

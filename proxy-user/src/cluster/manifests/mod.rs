@@ -1,0 +1,295 @@
+//! The manifests-directory source: Services, EndpointSlices and Nodes as YAML (or JSON)
+//! files, several documents per file, `kind: List` included; the directory is polled and
+//! only files whose size or modification time changed are read again.
+//!
+//! The first scan yields one [`Update::Snapshot`] per kind (the initial lists); later
+//! scans yield the difference as `Apply`/`Delete`. A file that does not parse is logged
+//! and counted, and the objects it held before stay as they were; a document that does
+//! not decode is skipped alone.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    fs, io,
+    path::{Path, PathBuf},
+    time::{Duration, SystemTime},
+};
+
+use serde::Deserialize as _;
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use super::counters::SourceCounters;
+use super::{Kind, ObjKey, Object, Update};
+
+mod parse;
+#[cfg(test)]
+mod tests;
+
+use parse::{check_nesting, parse_file, read_text};
+pub use parse::{decode, MAX_MANIFEST_BYTES, MAX_NESTING};
+
+#[derive(Debug)]
+struct FileState {
+    stamp: (SystemTime, u64),
+    /// Each object's kind, key and a hash of its JSON: changes are detected without
+    /// keeping the objects (at 10,000 Services copies would be most of the agent's
+    /// memory); a file is parsed again when one of its objects is needed.
+    objects: Vec<(Kind, ObjKey, u64)>,
+}
+
+/// Objects parsed during one scan, by kind, key and hash.
+type Parsed = HashMap<(Kind, ObjKey, u64), Object>;
+
+/// The directory's state between scans.
+#[derive(Debug)]
+pub struct ManifestsDir {
+    dir: PathBuf,
+    files: BTreeMap<PathBuf, FileState>,
+    /// What the agent was told, by kind and key (a hash of the JSON, to detect changes).
+    current: HashMap<(Kind, ObjKey), u64>,
+    scanned: bool,
+    metrics: SourceCounters,
+}
+
+impl ManifestsDir {
+    pub fn new(dir: impl Into<PathBuf>, metrics: SourceCounters) -> Self {
+        Self {
+            dir: dir.into(),
+            files: BTreeMap::new(),
+            current: HashMap::new(),
+            scanned: false,
+            metrics,
+        }
+    }
+
+    /// Reads what changed and returns the updates for the agent.
+    pub fn scan(&mut self) -> io::Result<Vec<Update>> {
+        let mut seen = Vec::new();
+        let mut changed = false;
+        let mut parsed: Parsed = HashMap::new();
+        for entry in fs::read_dir(&self.dir)? {
+            let entry = entry?;
+            let path = entry.path();
+            let is_manifest = path
+                .extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"));
+            if !is_manifest {
+                continue;
+            }
+            // Follows links; a link that leads nowhere (dangling, a loop) is reported.
+            let meta = match fs::metadata(&path) {
+                Ok(m) => m,
+                Err(e) => {
+                    let Ok(link) = fs::symlink_metadata(&path) else {
+                        continue; // removed meanwhile
+                    };
+                    if !link.file_type().is_symlink() {
+                        continue;
+                    }
+                    seen.push(path.clone());
+                    let stamp = (link.modified()?, link.len());
+                    let target = fs::read_link(&path).unwrap_or_default();
+                    let cause = format!("the link to {} cannot be followed: {e}", target.display());
+                    self.bad_file(&path, stamp, "broken_link", &cause);
+                    continue;
+                }
+            };
+            if !meta.is_file() {
+                continue;
+            }
+            seen.push(path.clone());
+            let stamp = (meta.modified()?, meta.len());
+            if self.files.get(&path).is_some_and(|f| f.stamp == stamp) {
+                continue;
+            }
+            if meta.len() > MAX_MANIFEST_BYTES {
+                let cause = format!(
+                    "{} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have",
+                    meta.len()
+                );
+                self.bad_file(&path, stamp, "too_large", &cause);
+                continue;
+            }
+            let text = match read_text(&path) {
+                Ok(t) => t,
+                Err(e) => {
+                    self.bad_file(&path, stamp, "read_error", &e.to_string());
+                    continue;
+                }
+            };
+            if let Err(cause) = check_nesting(&text) {
+                self.bad_file(&path, stamp, "too_deep", &cause);
+                continue;
+            }
+            changed = true;
+            match parse_file(&path, &text, &self.metrics) {
+                Ok(objects) => {
+                    let mut index = Vec::with_capacity(objects.len());
+                    for (kind, key, obj, hash) in objects {
+                        index.push((kind, key.clone(), hash));
+                        parsed.insert((kind, key, hash), obj);
+                    }
+                    self.files.insert(
+                        path,
+                        FileState {
+                            stamp,
+                            objects: index,
+                        },
+                    );
+                }
+                Err(e) => self.bad_file(&path, stamp, "parse_error", &e),
+            }
+        }
+        let before = self.files.len();
+        self.files.retain(|p, _| seen.contains(p));
+        changed |= self.files.len() != before;
+        // Nothing was read again and nothing went away: nothing to diff (the common case,
+        // every poll; rebuilding the union of thousands of objects would cost a core).
+        if self.scanned && !changed {
+            return Ok(Vec::new());
+        }
+
+        // The union of every file's objects (by reference: kind, key, hash, file).
+        let mut desired: HashMap<(Kind, &ObjKey), (u64, &PathBuf)> = HashMap::new();
+        for (path, f) in &self.files {
+            for (kind, key, hash) in &f.objects {
+                if desired.insert((*kind, key), (*hash, path)).is_some() {
+                    warn!(file = %path.display(), "{} {key} defined twice; the one in {} wins", kind.as_str(), path.display());
+                }
+            }
+        }
+        // The objects to send: all at the first scan, else the new and changed ones.
+        let first = !self.scanned;
+        let mut wanted: Vec<(Kind, ObjKey, u64, &PathBuf)> = desired
+            .iter()
+            .filter(|((kind, key), (hash, _))| {
+                first || self.current.get(&(*kind, (*key).clone())) != Some(hash)
+            })
+            .map(|((kind, key), (hash, path))| (*kind, (*key).clone(), *hash, *path))
+            .collect();
+        wanted.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        // A definition that now wins from a file not read in this scan (another file
+        // defining the same object went away): read that file again.
+        for (kind, key, hash, path) in &wanted {
+            if !parsed.contains_key(&(*kind, key.clone(), *hash)) {
+                if let Ok(text) = fs::read_to_string(path) {
+                    if let Ok(objects) = parse_file(path, &text, &self.metrics) {
+                        for (k, key, obj, h) in objects {
+                            parsed.insert((k, key, h), obj);
+                        }
+                    }
+                }
+            }
+        }
+        let mut take =
+            |kind: Kind, key: &ObjKey, hash: u64| parsed.remove(&(kind, key.clone(), hash));
+        let updates = if first {
+            self.scanned = true;
+            [Kind::Service, Kind::EndpointSlice, Kind::Node]
+                .into_iter()
+                .map(|k| Update::Snapshot {
+                    kind: k,
+                    objects: wanted
+                        .iter()
+                        .filter(|(kind, ..)| *kind == k)
+                        .filter_map(|(kind, key, hash, _)| take(*kind, key, *hash))
+                        .collect(),
+                    relist: false,
+                })
+                .collect()
+        } else {
+            let mut ups = Vec::new();
+            for (kind, key) in self.current.keys() {
+                if !desired.contains_key(&(*kind, key)) {
+                    ups.push(Update::Delete {
+                        kind: *kind,
+                        key: key.clone(),
+                    });
+                }
+            }
+            for (kind, key, hash, _) in &wanted {
+                if let Some(obj) = take(*kind, key, *hash) {
+                    ups.push(Update::Apply(obj));
+                }
+            }
+            ups
+        };
+        self.current = desired
+            .iter()
+            .map(|((k, key), (h, _))| ((*k, (*key).clone()), *h))
+            .collect();
+        Ok(updates)
+    }
+}
+
+impl ManifestsDir {
+    /// A file that cannot be used: named, logged and counted once per change of it (its
+    /// size and modification time, or the link's), and the objects it held before stay
+    /// (a half-saved file must not delete Services).
+    fn bad_file(&mut self, path: &Path, stamp: (SystemTime, u64), reason: &str, cause: &str) {
+        if self.files.get(path).is_some_and(|f| f.stamp == stamp) {
+            return;
+        }
+        let what = if reason == "parse_error" {
+            "does not parse"
+        } else {
+            "skipped"
+        };
+        warn!(file = %path.display(), reason, "manifest {} {what}, keeping its previous objects: {cause}", path.display());
+        self.metrics.skipped("file", reason);
+        match self.files.get_mut(path) {
+            Some(f) => f.stamp = stamp,
+            None => {
+                self.files.insert(
+                    path.to_path_buf(),
+                    FileState {
+                        stamp,
+                        objects: Vec::new(),
+                    },
+                );
+            }
+        }
+    }
+}
+
+/// Polls the directory every `interval` and sends what changed, until the receiver goes.
+/// Runs on a thread of its own: reading and parsing files (a pathological one included)
+/// never takes a thread of the async runtime, which serves health and metrics.
+pub fn spawn(
+    mut dir: ManifestsDir,
+    interval: Duration,
+    tx: mpsc::Sender<Update>,
+) -> io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("manifests".into())
+        .spawn(move || {
+            // The directory itself unreadable: reported once per new error.
+            let mut dir_error: Option<String> = None;
+            loop {
+                let started = std::time::Instant::now();
+                match dir.scan() {
+                    Ok(updates) => {
+                        dir_error = None;
+                        for u in updates {
+                            if tx.blocking_send(u).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        if dir_error.as_deref() != Some(&e.to_string()) {
+                            warn!(dir = %dir.dir.display(), "scanning the manifests directory: {e}");
+                            dir.metrics.skipped("file", "read_error");
+                            dir_error = Some(e.to_string());
+                        }
+                    }
+                }
+                if tx.is_closed() {
+                    return;
+                }
+                std::thread::sleep(interval.saturating_sub(started.elapsed()));
+            }
+        })
+}

@@ -1,0 +1,247 @@
+//! The manifests source over real files in a temporary directory.
+
+use super::*;
+
+fn write(dir: &Path, name: &str, text: &str) {
+    fs::write(dir.join(name), text).expect("write");
+    // Make sure the stamp changes even within the same mtime tick.
+}
+
+fn names(updates: &[Update]) -> Vec<String> {
+    updates
+        .iter()
+        .map(|u| match u {
+            Update::Snapshot { kind, objects, .. } => format!(
+                "snapshot {} [{}]",
+                kind.as_str(),
+                objects
+                    .iter()
+                    .map(|o| o.key().to_string())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ),
+            Update::Apply(o) => format!("apply {} {}", o.kind().as_str(), o.key()),
+            Update::Delete { kind, key } => format!("delete {} {key}", kind.as_str()),
+        })
+        .collect()
+}
+
+const SVC: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec:\n  clusterIP: 10.96.0.10\n  ports: [{name: http, port: 80}]\n";
+const SLICE: &str = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: default, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: [10.0.0.1]}]\n";
+
+#[test]
+fn first_scan_snapshots_then_diffs() {
+    let tmp = tempdir();
+    let metrics = SourceCounters::default();
+    write(&tmp, "web.yaml", &format!("{SVC}---\n{SLICE}"));
+    write(&tmp, "notes.txt", "not a manifest");
+    let mut dir = ManifestsDir::new(&tmp, metrics.clone());
+    assert_eq!(
+        names(&dir.scan().expect("scan")),
+        [
+            "snapshot Service [default/web]",
+            "snapshot EndpointSlice [default/web-1]",
+            "snapshot Node []"
+        ]
+    );
+    assert!(dir.scan().expect("scan").is_empty(), "nothing changed");
+
+    // Change the slice, add a second service in a new file as a List.
+    write(
+        &tmp,
+        "web.yaml",
+        &format!("{SVC}---\n{}", SLICE.replace("10.0.0.1", "10.0.0.2")),
+    );
+    write(
+        &tmp,
+        "more.json",
+        r#"{"kind":"List","items":[{"apiVersion":"v1","kind":"Service","metadata":{"name":"dns","namespace":"kube-system"},"spec":{"clusterIP":"10.96.0.53","ports":[{"port":53,"protocol":"UDP"}]}}]}"#,
+    );
+    bump(&tmp.join("web.yaml"));
+    let mut got = names(&dir.scan().expect("scan"));
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            "apply EndpointSlice default/web-1",
+            "apply Service kube-system/dns"
+        ]
+    );
+
+    // A broken file keeps its objects; fixing it later works.
+    write(&tmp, "web.yaml", "kind: Service\nmetadata: [broken\n");
+    bump(&tmp.join("web.yaml"));
+    assert!(dir.scan().expect("scan").is_empty());
+    assert_eq!(metrics.skipped_count("file", "parse_error"), 1);
+
+    // Deleting the file deletes its objects.
+    fs::remove_file(tmp.join("web.yaml")).expect("rm");
+    let mut got = names(&dir.scan().expect("scan"));
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            "delete EndpointSlice default/web-1",
+            "delete Service default/web"
+        ]
+    );
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
+
+#[test]
+fn a_document_that_does_not_decode_is_skipped_alone() {
+    let tmp = tempdir();
+    let metrics = SourceCounters::default();
+    let bad =
+        "apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec:\n  ports: [{port: eighty}]\n";
+    write(&tmp, "mixed.yaml", &format!("{bad}---\n{SVC}"));
+    let mut dir = ManifestsDir::new(&tmp, metrics.clone());
+    let ups = names(&dir.scan().expect("scan"));
+    assert_eq!(ups[0], "snapshot Service [default/web]");
+    assert_eq!(metrics.skipped_count("Service", "decode_error"), 1);
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
+
+#[test]
+fn a_definition_that_wins_again_is_read_back_from_its_file() {
+    let tmp = tempdir();
+    let metrics = SourceCounters::default();
+    // b.yaml sorts after a.yaml, so its definition wins.
+    write(&tmp, "a.yaml", SVC);
+    write(&tmp, "b.yaml", &SVC.replace("10.96.0.10", "10.96.0.11"));
+    let mut dir = ManifestsDir::new(&tmp, metrics);
+    let first = dir.scan().expect("scan");
+    let Update::Snapshot { objects, .. } = &first[0] else {
+        panic!("snapshot first");
+    };
+    let Object::Service(svc) = &objects[0] else {
+        panic!("a Service");
+    };
+    let ip = |s: &k8s_openapi::api::core::v1::Service| {
+        s.spec.as_ref().and_then(|s| s.cluster_ip.clone())
+    };
+    assert_eq!(ip(svc).as_deref(), Some("10.96.0.11"));
+    // b.yaml goes: a.yaml's definition (not read again by mtime) is sent.
+    fs::remove_file(tmp.join("b.yaml")).expect("rm");
+    let ups = dir.scan().expect("scan");
+    assert_eq!(names(&ups), ["apply Service default/web"]);
+    let Update::Apply(Object::Service(svc)) = &ups[0] else {
+        panic!("apply");
+    };
+    assert_eq!(ip(svc).as_deref(), Some("10.96.0.10"));
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
+
+#[test]
+fn each_bad_file_is_reported_once_per_change() {
+    let tmp = tempdir();
+    let metrics = SourceCounters::default();
+    write(&tmp, "good.yaml", SVC);
+    fs::write(
+        tmp.join("latin1.yaml"),
+        b"kind: Service\nmetadata: {name: caf\xe9}\n",
+    )
+    .expect("write");
+    std::os::unix::fs::symlink(tmp.join("missing.yaml"), tmp.join("dangling.yaml"))
+        .expect("symlink");
+    std::os::unix::fs::symlink(tmp.join("loop-b.yaml"), tmp.join("loop-a.yaml")).expect("symlink");
+    std::os::unix::fs::symlink(tmp.join("loop-a.yaml"), tmp.join("loop-b.yaml")).expect("symlink");
+    let mut dir = ManifestsDir::new(&tmp, metrics.clone());
+    let first = names(&dir.scan().expect("scan"));
+    assert_eq!(first[0], "snapshot Service [default/web]");
+    for _ in 0..20 {
+        assert!(dir.scan().expect("scan").is_empty());
+    }
+    assert_eq!(
+        metrics.skipped_count("file", "read_error"),
+        1,
+        "invalid UTF-8"
+    );
+    assert_eq!(
+        metrics.skipped_count("file", "broken_link"),
+        3,
+        "the dangling link and both links of the loop"
+    );
+    // A change of the bad file is reported again, once.
+    fs::write(
+        tmp.join("latin1.yaml"),
+        b"kind: Service\nmetadata: {name: \xff}\n",
+    )
+    .expect("write");
+    bump(&tmp.join("latin1.yaml"));
+    for _ in 0..5 {
+        assert!(dir.scan().expect("scan").is_empty());
+    }
+    assert_eq!(metrics.skipped_count("file", "read_error"), 2);
+    // The dangling link's target appears: its objects are read.
+    fs::write(
+        tmp.join("target.txt"),
+        SVC.replace("name: web", "name: linked")
+            .replace("10.96.0.10", "10.96.0.12"),
+    )
+    .expect("write");
+    fs::remove_file(tmp.join("dangling.yaml")).expect("rm");
+    std::os::unix::fs::symlink(tmp.join("target.txt"), tmp.join("dangling.yaml")).expect("symlink");
+    assert_eq!(
+        names(&dir.scan().expect("scan")),
+        ["apply Service default/linked"]
+    );
+    assert_eq!(metrics.skipped_count("file", "broken_link"), 3);
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
+
+#[test]
+fn a_file_nested_too_deep_is_refused_before_parsing() {
+    let tmp = tempdir();
+    let metrics = SourceCounters::default();
+    write(&tmp, "good.yaml", SVC);
+    // 196 KiB nested 100,000 levels, as in the report.
+    let deep = format!(
+        "kind: Service\nspec: {}{}\n",
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
+    write(&tmp, "deep.yaml", &deep);
+    let compact = format!("kind: Service\nspec:\n{}x\n", "- ".repeat(100_000));
+    write(&tmp, "compact.yaml", &compact);
+    let mut dir = ManifestsDir::new(&tmp, metrics.clone());
+    let start = std::time::Instant::now();
+    let first = names(&dir.scan().expect("scan"));
+    let took = start.elapsed();
+    assert_eq!(first[0], "snapshot Service [default/web]");
+    assert_eq!(metrics.skipped_count("file", "too_deep"), 2);
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    // Brackets inside quotes and comments are text.
+    let quoted = format!(
+        "{SVC}metadata2: '{}' # {}\n",
+        "[".repeat(200),
+        "{".repeat(200)
+    );
+    assert_eq!(check_nesting(&quoted), Ok(()));
+    assert!(check_nesting(&format!("a: {}", "[".repeat(MAX_NESTING + 1))).is_err());
+    assert_eq!(
+        check_nesting(&format!("a: {}", "[".repeat(MAX_NESTING))),
+        Ok(())
+    );
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
+
+fn tempdir() -> PathBuf {
+    let p = std::env::temp_dir().join(format!(
+        "ebpf-proxy-manifests-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    ));
+    fs::create_dir_all(&p).expect("mkdir");
+    p
+}
+
+/// Moves the mtime forward so a rewrite within the same clock tick is seen.
+fn bump(path: &Path) {
+    let f = fs::File::options().append(true).open(path).expect("open");
+    let later = SystemTime::now() + Duration::from_secs(5);
+    f.set_modified(later).expect("set mtime");
+}

@@ -1,0 +1,159 @@
+//! `EndpointSlice` validated and reduced to [`SliceInfo`] (endpoints with their
+//! conditions resolved, topology hints).
+
+use super::*;
+
+/// One endpoint of a slice, conditions resolved (KEP-1672: nil ready = ready, nil
+/// serving = ready, nil terminating = not terminating). 48 bytes and no allocation of its
+/// own: the node name is interned, topology hints (rare) are boxed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointInfo {
+    pub addr: IpAddr,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    /// `nodeName`, interned.
+    pub node: Option<Atom>,
+    /// `hints` (KEP-2433/3015), when the endpoint has any.
+    pub hints: Option<Box<Hints>>,
+}
+
+/// An endpoint's topology hints, interned.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Hints {
+    pub zones: Box<[Atom]>,
+    pub nodes: Box<[Atom]>,
+}
+
+impl EndpointInfo {
+    /// `hints.forZones[].name`.
+    pub fn zone_hints(&self) -> &[Atom] {
+        self.hints.as_deref().map_or(&[], |h| &h.zones)
+    }
+
+    /// `hints.forNodes[].name`.
+    pub fn node_hints(&self) -> &[Atom] {
+        self.hints.as_deref().map_or(&[], |h| &h.nodes)
+    }
+
+    /// Whether the endpoint runs on the node `name`.
+    pub fn on_node(&self, name: &str) -> bool {
+        self.node.as_deref() == Some(name)
+    }
+}
+
+/// One `ports[]` entry of a slice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlicePort {
+    /// Interned.
+    pub name: Atom,
+    pub port: u16,
+    pub proto: Proto,
+}
+
+/// An EndpointSlice reduced to what the datapath needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceInfo {
+    pub key: ObjKey,
+    /// The Service it belongs to (same namespace, `kubernetes.io/service-name`).
+    pub service: ObjKey,
+    pub family: Family,
+    pub ports: Box<[SlicePort]>,
+    pub endpoints: Box<[EndpointInfo]>,
+}
+
+impl SliceInfo {
+    /// `Ok(None)`: ignored by design (FQDN slices, not selected by labels).
+    pub fn from_k8s(slice: &EndpointSlice, proxy_name: Option<&str>) -> Result<Option<Self>, Skip> {
+        let key = ObjKey::of(&slice.metadata);
+        if key.name.is_empty() {
+            return Err(Skip::NoName);
+        }
+        if !selected(slice.metadata.labels.as_ref(), proxy_name) {
+            return Ok(None);
+        }
+        let service_name = slice
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(LABEL_SERVICE_NAME))
+            .ok_or(Skip::NoServiceLabel)?;
+        let family = match slice.address_type.as_str() {
+            "IPv4" => Family::V4,
+            "IPv6" => Family::V6,
+            "FQDN" => return Ok(None),
+            other => return Err(Skip::BadAddressType(other.to_string())),
+        };
+        let mut ports = Vec::new();
+        for p in slice.ports.iter().flatten() {
+            let name = p.name.as_deref().unwrap_or_default();
+            // A nil port means "all ports" (headless services only): nothing to balance.
+            let Some(port) = p.port else { continue };
+            let port = u16::try_from(port)
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or(Skip::BadPort {
+                    name: name.to_string(),
+                    port: i64::from(port),
+                })?;
+            ports.push(SlicePort {
+                name: intern(name),
+                port,
+                proto: parse_proto(p.protocol.as_deref())?,
+            });
+        }
+        let mut endpoints = Vec::with_capacity(slice.endpoints.len());
+        for ep in &slice.endpoints {
+            // kube-proxy uses the first address only.
+            let Some(raw) = ep.addresses.first() else {
+                continue;
+            };
+            let addr: IpAddr = raw
+                .parse()
+                .ok()
+                .filter(|a| Family::of(a) == family)
+                .ok_or_else(|| Skip::BadEndpointAddress(raw.clone(), family))?;
+            let cond = ep.conditions.as_ref();
+            let ready = cond.and_then(|c| c.ready).unwrap_or(true);
+            let serving = cond.and_then(|c| c.serving).unwrap_or(ready);
+            let terminating = cond.and_then(|c| c.terminating).unwrap_or(false);
+            let hints = ep.hints.as_ref().map(|h| Hints {
+                zones: h
+                    .for_zones
+                    .iter()
+                    .flatten()
+                    .map(|z| intern(&z.name))
+                    .collect(),
+                nodes: h
+                    .for_nodes
+                    .iter()
+                    .flatten()
+                    .map(|n| intern(&n.name))
+                    .collect(),
+            });
+            endpoints.push(EndpointInfo {
+                addr,
+                // Taken as written: with publishNotReadyAddresses the controller writes
+                // ready=true for a terminating pod, and kube-proxy selects on IsReady()
+                // alone (topology.go CategorizeEndpoints).
+                ready,
+                serving,
+                terminating,
+                node: ep.node_name.as_deref().map(intern),
+                hints: hints
+                    .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
+                    .map(Box::new),
+            });
+        }
+        Ok(Some(Self {
+            service: ObjKey {
+                namespace: key.namespace.clone(),
+                name: Arc::from(service_name.as_str()),
+            },
+            key,
+            family,
+            ports: ports.into_boxed_slice(),
+            endpoints: endpoints.into_boxed_slice(),
+        }))
+    }
+}

@@ -1,0 +1,157 @@
+//! The point lookups behind `proxyctl explain` ([`Maps::snapshot_for`]): one frontend, its
+//! twins, backends and names, without a full scan.
+
+use super::*;
+
+impl Maps {
+    /// What `explain` needs for `addr:port/proto`, by point lookups (no full scan on a
+    /// node with 50,000 services): the exact frontend and its ext-local twin, the NodePort
+    /// frontend on that port (address 0) and its twin, their slots, backends, names,
+    /// counters and source ranges, and the node's addresses. Only when nothing matches,
+    /// the frontends on the same address are collected by a scan, for a hint.
+    pub fn snapshot_for(&self, addr: IpAddr, port: u16, proto: Proto) -> Result<Snapshot> {
+        let mut s = self.empty_snapshot();
+        s.node_addrs = self.read_node_addrs()?;
+        let any: IpAddr = match addr {
+            IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        };
+        let mut found = false;
+        for a in [addr, any] {
+            for sc in [
+                proxy_common::scope::ALL,
+                proxy_common::scope::EXTERNAL_LOCAL,
+            ] {
+                let fe = Frontend::new(a, port, proto).with_scope(sc);
+                found |= self.load_frontend(&mut s, fe)?;
+            }
+        }
+        if !found {
+            self.frontends_on(&mut s, addr)?;
+        }
+        if s.services
+            .frontends
+            .values()
+            .any(|v| v.flags & proxy_common::svc_flags::SOURCE_RANGES != 0)
+        {
+            s.src_ranges = self.read_src_ranges()?;
+        }
+        Ok(s)
+    }
+
+    pub(super) fn svc_get(&self, fe: &Frontend, slot: u16) -> Result<Option<SvcValue>> {
+        match codec::svc_key(fe, slot) {
+            codec::SvcKey::V4(k) => lookup(&self.svc4, &k, names::SVC4),
+            codec::SvcKey::V6(k) => lookup(&self.svc6, &k, names::SVC6),
+        }
+    }
+
+    /// Loads one frontend with its slots, backends, name and counters; false if absent.
+    pub(super) fn load_frontend(&self, s: &mut Snapshot, fe: Frontend) -> Result<bool> {
+        let Some(v) = self.svc_get(&fe, 0)? else {
+            return Ok(false);
+        };
+        s.services
+            .frontends
+            .insert(fe, codec::decode_frontend_value(&v));
+        for slot in 1..=v.count {
+            if let Some(sv) = self.svc_get(&fe, slot)? {
+                s.services.slots.insert((fe, slot), sv.backend_id);
+                self.load_backend(s, sv.backend_id)?;
+            }
+        }
+        if let Some(entry) = self.revnat(v.service_id, fe.addr.is_ipv4())? {
+            s.services.revnat.insert(v.service_id, entry);
+        }
+        Ok(true)
+    }
+
+    /// A reverse-NAT entry (frontend and name); `None`: absent or unreadable protocol.
+    pub(super) fn revnat(&self, id: u32, v4: bool) -> Result<Option<(Frontend, String)>> {
+        Ok(if v4 {
+            lookup(&self.revnat4, &id, names::REVNAT4)?.and_then(|r| codec::decode_revnat4(&r))
+        } else {
+            lookup(&self.revnat6, &id, names::REVNAT6)?.and_then(|r| codec::decode_revnat6(&r))
+        })
+    }
+
+    pub(super) fn load_backend(&self, s: &mut Snapshot, id: u32) -> Result<()> {
+        if s.services.backends.contains_key(&id) {
+            return Ok(());
+        }
+        let b = match lookup(&self.backend4, &id, names::BACKEND4)? {
+            Some(b) => backend4(id, &b, &mut s.warnings),
+            None => lookup(&self.backend6, &id, names::BACKEND6)?
+                .and_then(|b| backend6(id, &b, &mut s.warnings)),
+        };
+        if let Some(b) = b {
+            s.services.backends.insert(id, b);
+        }
+        match self.conns.get(&id, 0) {
+            Ok(per_cpu) => {
+                s.conns.insert(id, per_cpu.iter().sum());
+            }
+            Err(MapError::KeyNotFound) => {}
+            Err(e) => {
+                return Err(Error::Read {
+                    map: names::BACKEND_CONNS,
+                    source: e,
+                })
+            }
+        }
+        Ok(())
+    }
+
+    /// Slot 0 of every frontend on `addr` (any port, protocol, scope), with its name.
+    pub(super) fn frontends_on(&self, s: &mut Snapshot, addr: IpAddr) -> Result<()> {
+        self.scan_slot0(s, addr)?;
+        let ids: Vec<(u32, bool)> = s
+            .services
+            .frontends
+            .iter()
+            .map(|(fe, v)| (v.service_id, fe.addr.is_ipv4()))
+            .collect();
+        for (id, v4) in ids {
+            if let Some(entry) = self.revnat(id, v4)? {
+                s.services.revnat.insert(id, entry);
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn scan_slot0(&self, s: &mut Snapshot, addr: IpAddr) -> Result<()> {
+        match addr {
+            IpAddr::V4(a) => {
+                let want = codec::svc_key(&Frontend::new(a, 0, Proto::Tcp), 0);
+                let codec::SvcKey::V4(want) = want else {
+                    return Ok(());
+                };
+                for (k, v) in self.svc4.read_all().map_err(read_err(names::SVC4))? {
+                    if k.slot == 0 && k.addr == want.addr {
+                        if let Some(fe) = codec::decode_svc4(&k) {
+                            s.services
+                                .frontends
+                                .insert(fe, codec::decode_frontend_value(&v));
+                        }
+                    }
+                }
+            }
+            IpAddr::V6(a) => {
+                let want = codec::svc_key(&Frontend::new(a, 0, Proto::Tcp), 0);
+                let codec::SvcKey::V6(want) = want else {
+                    return Ok(());
+                };
+                for (k, v) in self.svc6.read_all().map_err(read_err(names::SVC6))? {
+                    if k.slot == 0 && k.addr == want.addr {
+                        if let Some(fe) = codec::decode_svc6(&k) {
+                            s.services
+                                .frontends
+                                .insert(fe, codec::decode_frontend_value(&v));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

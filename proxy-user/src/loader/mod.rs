@@ -1,0 +1,376 @@
+//! Loading, attaching, pinning, adopting and removing the datapath.
+//!
+//! Layout under the pin directory (default `/sys/fs/bpf/ebpf-proxy`):
+//! - one file per map (`SVC4`, `BACKEND4`, ... see `proxy_common::map_names`);
+//! - `links/<program>`: one pinned link per cgroup hook, which keeps the hook attached
+//!   while no agent runs;
+//! - `links/tc-<iface>-ingress`, `links/tc-<iface>-egress`: the pinned TCX link of each TC
+//!   hook (attach mode `tcx`, the default on kernels >= 6.6);
+//! - `links/tc-<iface>-ingress-clsact`, `links/tc-<iface>-egress-clsact`: in attach mode
+//!   `clsact` (kernels < 6.6, or forced), the TC program is a netlink filter in the
+//!   interface's clsact qdisc, which is no BPF link and cannot be pinned: the loaded
+//!   *program* is pinned there instead, as the record that the filter exists. The filter
+//!   always has the priority [`CLSACT_PRIORITY`] and handle [`CLSACT_HANDLE`], reserved for
+//!   this project, so that re-attaching replaces our own filter in place and detaching
+//!   never touches anyone else's. See [`TcAttachMode`].
+//!
+//! - `links/xdp-<iface>`: the pinned XDP link of an interface under `--acceleration
+//!   native|generic` (a BPF link: kernel >= 5.9), next to its TC hooks.
+//!
+//! A second [`install`] adopts: hooks whose link (or clsact record) is pinned are left
+//! exactly as they are (no reload, no gap in service); only missing ones are loaded and
+//! attached, sharing the pinned maps. [`uninstall`] detaches and unpins everything; a
+//! clsact filter is found by interface name, so uninstall runs in the network namespace of
+//! those interfaces (an interface that is gone is skipped: its filters went with it).
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+use aya::programs::{
+    links::FdLink, tc::TcAttachOptions, CgroupAttachMode, CgroupSockAddr, LinkOrder,
+    SchedClassifier, Xdp,
+};
+use proxy_common::{map_names, meta};
+use tracing::{debug, info, warn};
+
+use crate::{
+    cgroup,
+    pins::{Access, PinDir},
+};
+
+pub use crate::pins::DEFAULT_PIN_PATH;
+
+mod error;
+mod hooks;
+mod memory;
+mod modes;
+mod object;
+
+use error::io_err;
+pub use error::LoadError;
+
+pub(crate) use hooks::XDP_PIN_PREFIX;
+use hooks::{attach_clsact, link_dir, remove_pin, tc_kind, Hook, CLSACT_SUFFIX};
+pub use hooks::{
+    uninstall, UninstallReport, CLSACT_HANDLE, CLSACT_PRIORITY, MIGRATE_STAGING_DIR, SOCK_PROGRAMS,
+};
+use memory::pinned_max_entries;
+pub use memory::{conntrack_entries, map_memory, MapMemory, DEFAULT_CONNTRACK_FLOWS};
+use modes::tcx_supported;
+pub use modes::{Acceleration, TcAttachMode};
+pub(crate) use object::EBPF_OBJECT;
+use object::{bump_memlock_rlimit, set_pinned_meta, write_meta};
+pub use object::{load_object, object_hash, spawn_kernel_logger};
+
+/// Where to install.
+#[derive(Clone, Debug)]
+pub struct InstallOptions {
+    /// bpffs directory for the pins.
+    pub pin_path: PathBuf,
+    /// cgroup v2 directory the socket hooks attach to; `None`: the root of the host's
+    /// cgroup2 mount.
+    pub cgroup: Option<PathBuf>,
+    /// Interfaces (in the caller's network namespace) for the TC programs, ingress and
+    /// egress.
+    pub interfaces: Vec<String>,
+    /// Size of each conntrack table (CT4, CT6) in flows; a flow takes two entries. Used
+    /// when the tables are created: pinned tables keep the size they were made with.
+    pub conntrack_flows: u32,
+    /// How the TC programs are attached (hooks already pinned are adopted whatever the
+    /// mode they were attached with).
+    pub tc_attach: TcAttachMode,
+    /// XDP ahead of TC on the same interfaces (`--acceleration`). Pinned XDP links are
+    /// adopted when they were attached in this mode, re-attached when the mode changed,
+    /// removed when it is `off`.
+    pub acceleration: Acceleration,
+}
+
+/// What [`install`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InstallReport {
+    /// Hooks found pinned and left running (their link names under `links/`).
+    pub adopted: Vec<String>,
+    /// Hooks loaded and attached now.
+    pub attached: Vec<String>,
+    /// The cgroup the new hooks were attached to.
+    pub cgroup: Option<PathBuf>,
+    /// `max_entries` of each conntrack table: the pinned one's when adopted.
+    pub conntrack_entries: u32,
+}
+
+/// Loads and attaches whatever is not already pinned, and pins it.
+pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
+    let pin_path = &opts.pin_path;
+    let parent = pin_path.parent().unwrap_or(Path::new("/"));
+    let on_bpffs = crate::fs::magic(if pin_path.exists() { pin_path } else { parent })
+        .map_err(io_err("checking", parent))?;
+    if on_bpffs != crate::fs::BPF_FS_MAGIC {
+        return Err(LoadError::NotBpffs {
+            path: pin_path.clone(),
+        });
+    }
+    fs::create_dir_all(link_dir(pin_path)).map_err(io_err("creating", pin_path))?;
+
+    // Maps of another ABI would be misread by the new programs: refuse.
+    let pins = PinDir::new(pin_path);
+    if pins.has_maps() {
+        pins.check_abi(Access::ReadWrite)?;
+    }
+
+    let mut report = InstallReport::default();
+    let ct_entries = conntrack_entries(opts.conntrack_flows)?;
+    report.conntrack_entries = ct_entries;
+    if let Some(pinned) = pinned_max_entries(&pin_path.join(map_names::CT4)) {
+        if pinned != ct_entries {
+            warn!(
+                pinned_flows = pinned / 2,
+                wanted_flows = ct_entries / 2,
+                "the pinned conntrack tables keep their size (resizing would drop every \
+                 tracked flow); `proxy-agent uninstall` and a restart apply the new size"
+            );
+        }
+        report.conntrack_entries = pinned;
+    }
+    let mut hooks: Vec<Hook> = SOCK_PROGRAMS.iter().map(|p| Hook::Sock(p)).collect();
+    for iface in &opts.interfaces {
+        for ingress in [true, false] {
+            hooks.push(Hook::Tc {
+                iface: iface.clone(),
+                ingress,
+            });
+        }
+        if opts.acceleration != Acceleration::Off {
+            hooks.push(Hook::Xdp {
+                iface: iface.clone(),
+            });
+        }
+    }
+    let links = link_dir(pin_path);
+    drop_other_xdp(pin_path, &links, opts.acceleration)?;
+    let missing: Vec<Hook> = hooks
+        .into_iter()
+        .filter(|hook| match hook.existing_pin(&links) {
+            Some(name) => {
+                report.adopted.push(name);
+                false
+            }
+            None => true,
+        })
+        .collect();
+    // Adopted socket hooks: the cgroup they are attached to, for the stale-socket
+    // cleanup (`sockdestroy`), from the kernel's record of the link.
+    report.cgroup = adopted_cgroup(&links, &report.adopted, opts.cgroup.as_ref());
+    if missing.is_empty() {
+        set_pinned_meta(pin_path, meta::ACCELERATION, opts.acceleration.meta())?;
+        info!(pin_path = %pin_path.display(), "adopted the pinned datapath");
+        return Ok(report);
+    }
+    if EBPF_OBJECT.is_empty() {
+        return Err(LoadError::NoObject);
+    }
+    let tc_mode = opts.tc_attach.resolve();
+    if tc_mode == TcAttachMode::Tcx
+        && missing.iter().any(|h| matches!(h, Hook::Tc { .. }))
+        && !tcx_supported()
+    {
+        return Err(LoadError::TcxUnsupported);
+    }
+    bump_memlock_rlimit();
+
+    let cgroup_dir = match &opts.cgroup {
+        Some(dir) => dir.clone(),
+        None => cgroup::cgroup2_mount()
+            .map_err(io_err("finding cgroup2", Path::new("/proc/self/mountinfo")))?,
+    };
+    cgroup::check_cgroup2_dir(&cgroup_dir).map_err(io_err("checking", &cgroup_dir))?;
+
+    let mut ebpf = load_object(pin_path, ct_entries)?;
+
+    // What this call made, for the rollback and the report: pin names.
+    let mut made: Vec<String> = Vec::new();
+    let mut log_program_id = None;
+    let result = (|| {
+        for hook in &missing {
+            let name = hook.program();
+            let prog_err = |source| LoadError::Program { name, source };
+            let program = ebpf.program_mut(name).ok_or(LoadError::Program {
+                name,
+                source: aya::programs::ProgramError::UnexpectedProgramType,
+            })?;
+            let pin_err = |path: &Path| {
+                let path = path.to_owned();
+                move |source| LoadError::Pin { path, source }
+            };
+            match hook {
+                Hook::Sock(_) => {
+                    let cgroup_file = fs::File::open(&cgroup_dir)
+                        .map_err(io_err("opening cgroup", &cgroup_dir))?;
+                    let prog: &mut CgroupSockAddr = program.try_into().map_err(prog_err)?;
+                    prog.load().map_err(prog_err)?;
+                    if let Ok(info) = prog.info() {
+                        log_program_id.get_or_insert(info.id());
+                    }
+                    // With BPF links (kernel >= 5.7) the kernel requires flags == 0
+                    // (`Single`) and still lets other programs' links share the hook
+                    // ("Invalid argument" otherwise).
+                    let link_id = prog
+                        .attach(cgroup_file, CgroupAttachMode::Single)
+                        .map_err(prog_err)?;
+                    let link = prog.take_link(link_id).map_err(prog_err)?;
+                    let fd_link: FdLink = link.try_into().map_err(|source| LoadError::Link {
+                        path: cgroup_dir.clone(),
+                        source,
+                    })?;
+                    let path = links.join(hook.pin_name());
+                    fd_link.pin(&path).map_err(pin_err(&path))?;
+                    made.push(hook.pin_name());
+                }
+                Hook::Xdp { iface } => {
+                    let prog: &mut Xdp = program.try_into().map_err(prog_err)?;
+                    if prog.fd().is_err() {
+                        prog.load().map_err(prog_err)?;
+                    }
+                    let mode = opts.acceleration;
+                    let link_id = prog.attach(iface, mode.xdp_mode()).map_err(|source| {
+                        if mode == Acceleration::Native {
+                            LoadError::XdpNative {
+                                iface: iface.clone(),
+                                source,
+                            }
+                        } else {
+                            LoadError::Attach {
+                                what: format!("{name} to interface {iface} (generic XDP)"),
+                                source,
+                            }
+                        }
+                    })?;
+                    let link = prog.take_link(link_id).map_err(prog_err)?;
+                    // A netlink attachment (kernels without XDP BPF links) cannot be
+                    // pinned: refused here, detached when `link` drops.
+                    let fd_link: FdLink = link.try_into().map_err(|source| LoadError::Link {
+                        path: PathBuf::from(iface),
+                        source,
+                    })?;
+                    let path = links.join(hook.pin_name());
+                    fd_link.pin(&path).map_err(pin_err(&path))?;
+                    made.push(hook.pin_name());
+                }
+                Hook::Tc { iface, ingress } => {
+                    let prog: &mut SchedClassifier = program.try_into().map_err(prog_err)?;
+                    // Loaded once, attached to every interface.
+                    if prog.fd().is_err() {
+                        prog.load().map_err(prog_err)?;
+                    }
+                    if tc_mode == TcAttachMode::Clsact {
+                        let pin = format!("{}{CLSACT_SUFFIX}", hook.pin_name());
+                        attach_clsact(prog, name, iface, *ingress)?;
+                        // Recorded (for the rollback) before the pin exists: the filter
+                        // is there already.
+                        made.push(pin.clone());
+                        let path = links.join(&pin);
+                        prog.pin(&path).map_err(pin_err(&path))?;
+                    } else {
+                        let tcx = TcAttachOptions::TcxOrder(LinkOrder::default());
+                        let link_id = prog
+                            .attach_with_options(iface, tc_kind(*ingress), tcx)
+                            .map_err(|source| LoadError::Attach {
+                                what: format!("{name} to interface {iface}"),
+                                source,
+                            })?;
+                        let link = prog.take_link(link_id).map_err(prog_err)?;
+                        let fd_link: FdLink =
+                            link.try_into().map_err(|source| LoadError::Link {
+                                path: PathBuf::from(iface),
+                                source,
+                            })?;
+                        let path = links.join(hook.pin_name());
+                        fd_link.pin(&path).map_err(pin_err(&path))?;
+                        made.push(hook.pin_name());
+                    }
+                }
+            }
+            debug!(hook = made.last().map(String::as_str), "attached");
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        // Leave no half-installed hook set behind from this call.
+        for pin in &made {
+            if let Err(e) = remove_pin(&links, pin) {
+                warn!(pin, "rolling back: {e}");
+            }
+        }
+        return Err(e);
+    }
+    if let Some(id) = log_program_id {
+        let _ = write_meta(&mut ebpf, meta::LOG_PROGRAM_ID, id);
+    }
+    write_meta(&mut ebpf, meta::ACCELERATION, opts.acceleration.meta())?;
+    if report.cgroup.is_none() || missing.iter().any(|h| matches!(h, Hook::Sock(_))) {
+        report.cgroup = Some(cgroup_dir);
+    }
+    report.attached = made;
+    info!(
+        pin_path = %pin_path.display(),
+        attached = report.attached.len(),
+        adopted = report.adopted.len(),
+        "datapath installed"
+    );
+    Ok(report)
+}
+
+/// The cgroup the first adopted socket hook's link is attached to; `wanted` (`--cgroup`)
+/// and the cgroup2 root are tried first. `None` (with a warning) if it cannot be found.
+fn adopted_cgroup(links: &Path, adopted: &[String], wanted: Option<&PathBuf>) -> Option<PathBuf> {
+    let name = adopted
+        .iter()
+        .find(|n| SOCK_PROGRAMS.contains(&n.as_str()))?;
+    let mount = match cgroup::cgroup2_mount() {
+        Ok(m) => m,
+        Err(e) => {
+            warn!("finding cgroup2 for the adopted hooks: {e}");
+            return wanted.cloned();
+        }
+    };
+    let candidates: Vec<PathBuf> = wanted.into_iter().cloned().chain([mount.clone()]).collect();
+    match crate::sockdestroy::hooked_cgroup(&links.join(name), &mount, &candidates) {
+        Ok(dir) => Some(dir),
+        Err(e) => {
+            warn!(
+                link = name.as_str(),
+                "the adopted hooks' cgroup: {e}; stale connected UDP sockets will not be destroyed"
+            );
+            None
+        }
+    }
+}
+
+/// Removes the pinned XDP links that `acceleration` does not want kept: all of them when
+/// it is `off`, all of them when they were attached in another mode (`META[ACCELERATION]`;
+/// they are re-attached in the new one).
+fn drop_other_xdp(
+    pin_path: &Path,
+    links: &Path,
+    acceleration: Acceleration,
+) -> Result<(), LoadError> {
+    let pinned = PinDir::new(pin_path)
+        .read_meta(meta::ACCELERATION, Access::ReadOnly)
+        .map(Acceleration::from_meta)
+        .unwrap_or(Acceleration::Off);
+    if acceleration != Acceleration::Off && pinned == acceleration {
+        return Ok(());
+    }
+    let Ok(entries) = fs::read_dir(links) else {
+        return Ok(());
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(XDP_PIN_PREFIX) {
+            info!(link = name, from = %pinned, to = %acceleration, "XDP acceleration changed: detaching");
+            remove_pin(links, &name)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,135 @@
+//! The eBPF object: built in, hashed, loaded with its maps pinned, its `META` entries
+//! written; the kernel programs' log records forwarded.
+
+use std::{fs, io, path::Path};
+
+use aya::{
+    maps::{Array, MapData},
+    EbpfLoader,
+};
+use proxy_common::{map_names, meta, ABI_VERSION};
+use tracing::warn;
+
+use super::error::{io_err, LoadError};
+use crate::pins::{Access, PinDir};
+
+/// The eBPF object built by `build.rs` (empty when built with the stub switch).
+pub(crate) static EBPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
+
+/// A hash of this build's eBPF object (FNV-1a, folded to 32 bits; never 0, which means
+/// "none"), recorded in `META[OBJECT_HASH]`: another build's programs are swapped in.
+pub fn object_hash() -> u32 {
+    static HASH: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *HASH.get_or_init(|| {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in EBPF_OBJECT {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        match (h ^ (h >> 32)) as u32 {
+            0 => 1,
+            v => v,
+        }
+    })
+}
+
+/// Loads the eBPF object with its maps pinned (or reused) under `pin_path` and records
+/// the ABI version; programs are not loaded into the kernel yet. For `install`, and for
+/// tests that run a program with `BPF_PROG_TEST_RUN`.
+///
+/// `ct_entries` sizes the conntrack tables when they are created here (not when pinned).
+pub fn load_object(pin_path: &Path, ct_entries: u32) -> Result<aya::Ebpf, LoadError> {
+    if EBPF_OBJECT.is_empty() {
+        return Err(LoadError::NoObject);
+    }
+    fs::create_dir_all(pin_path).map_err(io_err("creating", pin_path))?;
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(pin_path)
+        .map_max_entries(map_names::CT4, ct_entries)
+        .map_max_entries(map_names::CT6, ct_entries)
+        .load(EBPF_OBJECT)?;
+    write_meta(&mut ebpf, meta::ABI_VERSION, ABI_VERSION)?;
+    write_meta(&mut ebpf, meta::OBJECT_HASH, object_hash())?;
+    Ok(ebpf)
+}
+
+/// Writes one `META` entry of the pinned maps.
+pub(super) fn set_pinned_meta(pin_path: &Path, index: u32, value: u32) -> Result<(), LoadError> {
+    let err = |source| LoadError::Map {
+        name: map_names::META,
+        source,
+    };
+    let data = MapData::from_pin(pin_path.join(map_names::META)).map_err(err)?;
+    let mut meta: Array<MapData, u32> =
+        Array::try_from(aya::maps::Map::Array(data)).map_err(err)?;
+    meta.set(index, value, 0).map_err(err)
+}
+
+pub(super) fn write_meta(ebpf: &mut aya::Ebpf, index: u32, value: u32) -> Result<(), LoadError> {
+    let err = |source| LoadError::Map {
+        name: map_names::META,
+        source,
+    };
+    let map = ebpf.map_mut(map_names::META).ok_or_else(|| {
+        err(aya::maps::MapError::InvalidName {
+            name: map_names::META.into(),
+        })
+    })?;
+    let mut meta: Array<&mut MapData, u32> = Array::try_from(map).map_err(err)?;
+    meta.set(index, value, 0).map_err(err)
+}
+
+/// Forwards the kernel programs' aya-log records (rare warnings) to this process's
+/// `log`/`tracing` output until the returned task is dropped. Works for adopted programs
+/// too: it finds their ring buffer through the program id the loader recorded.
+pub fn spawn_kernel_logger(pin_path: &Path) -> Option<tokio::task::JoinHandle<()>> {
+    let id = PinDir::new(pin_path)
+        .read_meta(meta::LOG_PROGRAM_ID, Access::ReadOnly)
+        .ok()
+        .filter(|id| *id != 0)?;
+    let logger = match aya_log::EbpfLogger::init_from_id(id) {
+        Ok(l) => l,
+        Err(e) => {
+            warn!(program_id = id, "kernel log records unavailable: {e}");
+            return None;
+        }
+    };
+    // SAFETY: the logger owns its ring buffer's fd for its whole life, and the AsyncFd
+    // owns the logger.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
+    };
+    let mut fd = match registered {
+        Ok(fd) => fd,
+        Err(e) => {
+            warn!("kernel log records unavailable: {e}");
+            return None;
+        }
+    };
+    Some(tokio::spawn(async move {
+        loop {
+            let Ok(mut guard) = fd.readable_mut().await else {
+                return;
+            };
+            guard.get_inner_mut().flush();
+            guard.clear_ready();
+        }
+    }))
+}
+
+/// Raises RLIMIT_MEMLOCK for kernels that still charge BPF memory to it (< 5.11).
+/// Newer kernels use memcg accounting; failing here is then harmless.
+pub(super) fn bump_memlock_rlimit() {
+    let rlim = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: plain syscall with a valid struct.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &rlim) } != 0 {
+        warn!(
+            error = %io::Error::last_os_error(),
+            "could not raise RLIMIT_MEMLOCK (fine on kernels >= 5.11)"
+        );
+    }
+}

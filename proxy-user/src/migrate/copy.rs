@@ -1,0 +1,112 @@
+//! One map's entries copied into another (converted, or insert-if-absent), and counted.
+
+use std::{io, os::fd::AsFd, path::Path};
+
+use super::sys;
+
+/// A function converting one entry (key, value bytes of the old layout) to the new
+/// layout; `None` drops it (counted as not converted).
+pub type ConvertFn = fn(&[u8], &[u8]) -> Option<(Vec<u8>, Vec<u8>)>;
+
+/// How the entries of one map move from an older ABI.
+#[derive(Clone, Copy)]
+pub enum Convert {
+    /// Same layout: copied byte for byte (the sizes are checked).
+    Bytes,
+    /// Changed layout: each entry through this function.
+    With(ConvertFn),
+    /// Cannot be converted (the reason is logged with the count).
+    Drop(&'static str),
+}
+
+pub(super) fn map_info_at(path: &Path) -> io::Result<sys::MapInfo> {
+    let fd = sys::obj_get(path)?;
+    sys::map_info(fd.as_fd())
+}
+
+/// What one map's copy did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyCount {
+    /// Entries written to the new map.
+    pub copied: u64,
+    /// Entries skipped because the new map had them already (insert-if-absent).
+    pub present: u64,
+    /// Entries that could not be converted.
+    pub dropped: u64,
+}
+
+/// Entries in the map pinned at `path`.
+pub(super) fn count_entries(path: &Path) -> io::Result<u64> {
+    let fd = sys::obj_get(path)?;
+    let info = sys::map_info(fd.as_fd())?;
+    let mut key = vec![0u8; info.key_size as usize];
+    let mut next = key.clone();
+    let mut n = 0u64;
+    let mut have = false;
+    while sys::next_key(fd.as_fd(), have.then_some(&key[..]), &mut next)? {
+        n += 1;
+        std::mem::swap(&mut key, &mut next);
+        have = true;
+        if n > u64::from(info.max_entries) * 2 + 16 {
+            break;
+        }
+    }
+    Ok(n)
+}
+
+/// Copies the entries of the map pinned at `old` into the one pinned at `new`, through
+/// `conv`. `only_absent`: insert-if-absent (hash maps), for the copies around the swap.
+pub fn copy_map(old: &Path, new: &Path, conv: Convert, only_absent: bool) -> io::Result<CopyCount> {
+    let old_fd = sys::obj_get(old)?;
+    let new_fd = sys::obj_get(new)?;
+    let oi = sys::map_info(old_fd.as_fd())?;
+    let ni = sys::map_info(new_fd.as_fd())?;
+    let mut count = CopyCount::default();
+    let mut key = vec![0u8; oi.key_size as usize];
+    let mut next = key.clone();
+    let mut value = vec![0u8; oi.value_buf_len()?];
+    let same_shape =
+        oi.map_type == ni.map_type && oi.key_size == ni.key_size && oi.value_size == ni.value_size;
+    let is_array =
+        oi.map_type == sys::map_type::ARRAY || oi.map_type == sys::map_type::PERCPU_ARRAY;
+    let flags = if only_absent && !is_array {
+        sys::NOEXIST
+    } else {
+        sys::ANY
+    };
+    let mut have = false;
+    // LRU maps restart a walk whose key was evicted: bound the walk.
+    let limit = u64::from(oi.max_entries) * 2 + 16;
+    let mut steps = 0u64;
+    while sys::next_key(old_fd.as_fd(), have.then_some(&key[..]), &mut next)? {
+        std::mem::swap(&mut key, &mut next);
+        have = true;
+        steps += 1;
+        if steps > limit {
+            break;
+        }
+        if !sys::lookup(old_fd.as_fd(), &key, &mut value)? {
+            continue; // gone meanwhile
+        }
+        let written = match conv {
+            Convert::Bytes if same_shape => sys::update(new_fd.as_fd(), &key, &value, flags)?,
+            Convert::Bytes | Convert::Drop(_) => {
+                count.dropped += 1;
+                continue;
+            }
+            Convert::With(f) => match f(&key, &value) {
+                Some((k, v)) => sys::update(new_fd.as_fd(), &k, &v, flags)?,
+                None => {
+                    count.dropped += 1;
+                    continue;
+                }
+            },
+        };
+        if written {
+            count.copied += 1;
+        } else {
+            count.present += 1;
+        }
+    }
+    Ok(count)
+}

@@ -1,0 +1,285 @@
+//! Same layout, another build: this build's programs loaded against the pinned maps and
+//! every pinned hook swapped to them (`BPF_LINK_UPDATE`, a clsact replace in place).
+
+use std::{
+    fs, io,
+    os::fd::{AsFd, BorrowedFd},
+    path::Path,
+};
+
+use aya::{
+    programs::{
+        tc::{SchedClassifierLink, TcError},
+        CgroupSockAddr, SchedClassifier, TcAttachType, Xdp,
+    },
+    EbpfLoader,
+};
+use proxy_common::{map_names, meta};
+use tracing::info;
+
+use super::{
+    rules::{crash_point, io_err},
+    sys,
+};
+use crate::loader::{
+    self, object_hash, LoadError, CLSACT_HANDLE, CLSACT_PRIORITY, EBPF_OBJECT, SOCK_PROGRAMS,
+};
+
+/// Same layout, another build: load this build's programs against the pinned maps and
+/// swap every pinned hook to them.
+pub(super) fn replace_programs(pin_path: &Path, pinned_hash: u32) -> Result<(), LoadError> {
+    let hooks = pinned_hooks(pin_path)?;
+    if hooks.is_empty() {
+        return Ok(());
+    }
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(pin_path)
+        .load(EBPF_OBJECT)?;
+    let log_id = swap_hooks(&mut ebpf, pin_path, &hooks, false, &mut || Ok(()))?;
+    let meta_fd = sys::obj_get(&pin_path.join(map_names::META))
+        .map_err(io_err("opening", &pin_path.join(map_names::META)))?;
+    write_meta(meta_fd.as_fd(), meta::OBJECT_HASH, object_hash(), pin_path)?;
+    if let Some(id) = log_id {
+        write_meta(meta_fd.as_fd(), meta::LOG_PROGRAM_ID, id, pin_path)?;
+    }
+    info!(
+        hooks = hooks.len(),
+        from_object = format!("{pinned_hash:08x}"),
+        to_object = format!("{:08x}", object_hash()),
+        "replaced the running programs with this build's (same map layout, no gap)"
+    );
+    Ok(())
+}
+
+pub(super) fn write_meta(
+    fd: BorrowedFd<'_>,
+    index: u32,
+    value: u32,
+    dir: &Path,
+) -> Result<(), LoadError> {
+    sys::update(fd, &index.to_ne_bytes(), &value.to_ne_bytes(), sys::ANY)
+        .map(drop)
+        .map_err(io_err("writing META in", dir))
+}
+
+/// One pinned hook under `links/`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct PinnedHook {
+    /// Its pin name.
+    pin: String,
+    /// The program it runs.
+    program: &'static str,
+    /// `Some((iface, ingress))` for a clsact record (a pinned program, not a link).
+    clsact: Option<(String, bool)>,
+}
+
+/// Parses a pin name under `links/`; `None` for a name this project does not make.
+pub(super) fn parse_hook(pin: &str) -> Option<PinnedHook> {
+    if let Some(p) = SOCK_PROGRAMS.iter().find(|p| **p == pin) {
+        return Some(PinnedHook {
+            pin: pin.into(),
+            program: p,
+            clsact: None,
+        });
+    }
+    if let Some(iface) = pin.strip_prefix(loader::XDP_PIN_PREFIX) {
+        return (!iface.is_empty()).then(|| PinnedHook {
+            pin: pin.into(),
+            program: "xdp_ingress",
+            clsact: None,
+        });
+    }
+    let rest = pin.strip_prefix("tc-")?;
+    let (rest, clsact) = match rest.strip_suffix("-clsact") {
+        Some(r) => (r, true),
+        None => (rest, false),
+    };
+    let (iface, ingress) = if let Some(i) = rest.strip_suffix("-ingress") {
+        (i, true)
+    } else {
+        (rest.strip_suffix("-egress")?, false)
+    };
+    Some(PinnedHook {
+        pin: pin.into(),
+        program: if ingress { "tc_ingress" } else { "tc_egress" },
+        clsact: clsact.then(|| (iface.to_string(), ingress)),
+    })
+}
+
+/// The hooks pinned under `<pin>/links`, TC first (so the two directions of a flow
+/// change programs as close together as possible).
+pub(super) fn pinned_hooks(pin_path: &Path) -> Result<Vec<PinnedHook>, LoadError> {
+    let links = pin_path.join("links");
+    let mut hooks = Vec::new();
+    match fs::read_dir(&links) {
+        Ok(entries) => {
+            for e in entries {
+                let e = e.map_err(io_err("listing", &links))?;
+                if let Some(h) = parse_hook(&e.file_name().to_string_lossy()) {
+                    hooks.push(h);
+                }
+            }
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err("listing", &links)(e)),
+    }
+    hooks.sort_by_key(|h| (!h.pin.starts_with("tc-"), h.pin.clone()));
+    Ok(hooks)
+}
+
+/// Loads the programs the hooks need from `ebpf` and swaps each hook to its program
+/// (`crash` enables the `swap-first` crash point). Returns a loaded socket program's id
+/// (for `META[LOG_PROGRAM_ID]`).
+pub(super) fn swap_hooks(
+    ebpf: &mut aya::Ebpf,
+    pin_path: &Path,
+    hooks: &[PinnedHook],
+    crash: bool,
+    before_swap: &mut dyn FnMut() -> Result<(), LoadError>,
+) -> Result<Option<u32>, LoadError> {
+    let links = pin_path.join("links");
+    let mut log_id = None;
+    // Load (verify) every program first: the swaps below then follow each other within
+    // microseconds, and `before_swap` runs right before the first.
+    for hook in hooks {
+        let name = hook.program;
+        let prog_err = |source| LoadError::Program { name, source };
+        let program = ebpf.program_mut(name).ok_or(LoadError::Program {
+            name,
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        })?;
+        if name.starts_with("tc_") {
+            let prog: &mut SchedClassifier = program.try_into().map_err(prog_err)?;
+            if prog.fd().is_err() {
+                prog.load().map_err(prog_err)?;
+            }
+        } else if name.starts_with("xdp_") {
+            let prog: &mut Xdp = program.try_into().map_err(prog_err)?;
+            if prog.fd().is_err() {
+                prog.load().map_err(prog_err)?;
+            }
+        } else {
+            let prog: &mut CgroupSockAddr = program.try_into().map_err(prog_err)?;
+            if prog.fd().is_err() {
+                prog.load().map_err(prog_err)?;
+            }
+        }
+    }
+    before_swap()?;
+    for (i, hook) in hooks.iter().enumerate() {
+        let name = hook.program;
+        let prog_err = |source| LoadError::Program { name, source };
+        let program = ebpf.program_mut(name).ok_or(LoadError::Program {
+            name,
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        })?;
+        let path = links.join(&hook.pin);
+        if let Some((iface, ingress)) = &hook.clsact {
+            let prog: &mut SchedClassifier = program.try_into().map_err(prog_err)?;
+            if prog.fd().is_err() {
+                prog.load().map_err(prog_err)?;
+            }
+            replace_clsact(prog, iface, *ingress)?;
+            // The record is the pinned program: re-pin the new one. A crash in between
+            // leaves the filter without a record, which install re-creates by replacing
+            // the filter in place (EEXIST path).
+            match fs::remove_file(&path) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    return Err(io_err("unpinning", &path)(e))
+                }
+                _ => {}
+            }
+            prog.pin(&path).map_err(|source| LoadError::Pin {
+                path: path.clone(),
+                source,
+            })?;
+        } else {
+            let fd = if hook.program.starts_with("tc_") {
+                let prog: &mut SchedClassifier = program.try_into().map_err(prog_err)?;
+                if prog.fd().is_err() {
+                    prog.load().map_err(prog_err)?;
+                }
+                prog.fd().map_err(prog_err)?.as_fd().try_clone_to_owned()
+            } else if hook.program.starts_with("xdp_") {
+                let prog: &mut Xdp = program.try_into().map_err(prog_err)?;
+                if prog.fd().is_err() {
+                    prog.load().map_err(prog_err)?;
+                }
+                prog.fd().map_err(prog_err)?.as_fd().try_clone_to_owned()
+            } else {
+                let prog: &mut CgroupSockAddr = program.try_into().map_err(prog_err)?;
+                if prog.fd().is_err() {
+                    prog.load().map_err(prog_err)?;
+                }
+                if let Ok(info) = prog.info() {
+                    log_id.get_or_insert(info.id());
+                }
+                prog.fd().map_err(prog_err)?.as_fd().try_clone_to_owned()
+            }
+            .map_err(io_err("duplicating a program fd for", &path))?;
+            let link = sys::obj_get(&path).map_err(io_err("opening the pinned link", &path))?;
+            sys::link_update(link.as_fd(), fd.as_fd())
+                .map_err(io_err("BPF_LINK_UPDATE of", &path))?;
+        }
+        if i == 0 && crash {
+            crash_point("swap-first");
+        }
+    }
+    Ok(log_id)
+}
+
+/// Replaces the program of our clsact filter on `iface` in place (same priority and
+/// handle: `RTM_NEWTFILTER` without `NLM_F_EXCL`, no gap).
+pub(super) fn replace_clsact(
+    prog: &mut SchedClassifier,
+    iface: &str,
+    ingress: bool,
+) -> Result<(), LoadError> {
+    let what = || format!("replacing the clsact filter on {iface}");
+    let kind = if ingress {
+        TcAttachType::Ingress
+    } else {
+        TcAttachType::Egress
+    };
+    let old = SchedClassifierLink::attached(iface, kind, CLSACT_PRIORITY, CLSACT_HANDLE, None)
+        .map_err(|e| LoadError::Attach {
+            what: what(),
+            source: TcError::IoError(e).into(),
+        })?;
+    let id = prog
+        .attach_to_link(old)
+        .map_err(|source| LoadError::Attach {
+            what: what(),
+            source,
+        })?;
+    let link = prog.take_link(id).map_err(|source| LoadError::Attach {
+        what: what(),
+        source,
+    })?;
+    // Dropping aya's netlink link object would delete the filter (see the loader).
+    std::mem::forget(link);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hook_pins_parse_to_their_programs() {
+        let h = parse_hook("sock4_connect").expect("sock");
+        assert_eq!((h.program, h.clsact), ("sock4_connect", None));
+        let h = parse_hook("tc-eth0-ingress").expect("tcx");
+        assert_eq!((h.program, h.clsact), ("tc_ingress", None));
+        let h = parse_hook("tc-br-egress-egress-clsact").expect("clsact");
+        assert_eq!(
+            (h.program, h.clsact),
+            ("tc_egress", Some(("br-egress".to_string(), false)))
+        );
+        assert_eq!(parse_hook("tc-eth0-sideways"), None);
+        let h = parse_hook("xdp-eth0").expect("xdp");
+        assert_eq!((h.program, h.clsact), ("xdp_ingress", None));
+        assert_eq!(parse_hook("xdp-"), None);
+        assert_eq!(parse_hook("SVC4"), None);
+    }
+}

@@ -1,0 +1,81 @@
+//! What a migration goes by: the oldest ABI it starts from, its steps and test hooks, the
+//! maps the datapath itself writes, and each map's conversion ([`converter`]).
+
+use std::{io, path::Path};
+
+use proxy_common::map_names;
+
+use super::{copy::Convert, v3};
+use crate::loader::LoadError;
+
+/// The oldest `META` ABI this build migrates from (one release back: 3).
+pub const OLDEST_ABI: u32 = 3;
+/// Test hook: abort right after the named step.
+pub const CRASH_ENV: &str = "EBPF_PROXY_MIGRATE_CRASH_AT";
+/// Test hook: migrate through the staging directory even at the same ABI.
+pub const FORCE_ENV: &str = "EBPF_PROXY_MIGRATE_FORCE";
+
+/// The steps [`CRASH_ENV`] can name, in order. `swap-first` and `rename-first` stop
+/// after the first hook swapped / the first map renamed (half-done states).
+pub const STEPS: [&str; 7] = [
+    "staged",
+    "filled",
+    "swap-first",
+    "swapped",
+    "recopied",
+    "rename-first",
+    "meta",
+];
+
+/// Maps the datapath itself writes: copied again, insert-if-absent, around the swap.
+/// (Not `SOCK_REVNAT4/6`: from ABI 4 on they live in each socket's storage.)
+pub(super) const DATAPATH_WRITTEN: [&str; 3] =
+    [map_names::CT4, map_names::CT6, map_names::AFFINITY];
+
+/// The conversion of map `map` from ABI `from` to this build's layout. **Every map
+/// whose key or value changed since `from` needs an arm here** (a function over the
+/// old structs of [`v3`]); maps without one are copied as bytes when their sizes still
+/// match, and dropped (named and counted in the log) when they do not.
+pub fn converter(from: u32, map: &str) -> Convert {
+    if force_mode() == Some(Force::Copy) {
+        // Test hook: every map as if its layout had changed.
+        return v3::convert(map).unwrap_or(Convert::Bytes);
+    }
+    match (from, map) {
+        // ABI 3 -> 4: one arm per map whose key or value changed, through the frozen
+        // ABI-3 structs (v3.rs). `STATS` grew (24 reasons) with the same key and value:
+        // copied as bytes into the larger array (a different size is never shared).
+        (3, map_names::SOCK_REVNAT4 | map_names::SOCK_REVNAT6) => {
+            Convert::Drop(v3::SOCK_REVNAT_GONE)
+        }
+        _ => Convert::Bytes,
+    }
+}
+
+/// [`FORCE_ENV`]: `1` migrates through the staging directory (sharing the maps whose
+/// layout is unchanged), `copy` also copies every map through its conversion function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Force {
+    Staged,
+    Copy,
+}
+
+pub(super) fn force_mode() -> Option<Force> {
+    match std::env::var(FORCE_ENV).ok()?.as_str() {
+        "1" => Some(Force::Staged),
+        "copy" => Some(Force::Copy),
+        _ => None,
+    }
+}
+
+pub(super) fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> LoadError {
+    let path = path.to_owned();
+    move |source| LoadError::Io { what, path, source }
+}
+
+pub(super) fn crash_point(step: &str) {
+    if std::env::var(CRASH_ENV).is_ok_and(|s| s == step) {
+        eprintln!("{CRASH_ENV}={step}: aborting (test hook)");
+        std::process::abort();
+    }
+}

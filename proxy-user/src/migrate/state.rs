@@ -1,0 +1,348 @@
+//! Another layout: the staged migration's marker and steps, resumed or rolled back after
+//! a crash (the module doc of `migrate` has the steps).
+
+use std::{
+    fs, io,
+    os::fd::AsFd,
+    path::{Path, PathBuf},
+};
+
+use aya::EbpfLoader;
+use proxy_common::{map_names, meta, ABI_VERSION};
+use tracing::{info, warn};
+
+use super::{
+    copy::{copy_map, count_entries, map_info_at, Convert, CopyCount},
+    hooks::{pinned_hooks, swap_hooks, write_meta},
+    rules::{converter, crash_point, force_mode, io_err, Force, DATAPATH_WRITTEN},
+    sys, v3,
+};
+use crate::loader::{object_hash, LoadError, EBPF_OBJECT, MIGRATE_STAGING_DIR as STAGING_DIR};
+
+/// The migration's marker: `<staging>/abi<from>-<state>`.
+pub(super) fn read_marker(staging: &Path) -> Option<(u32, String)> {
+    let entries = fs::read_dir(staging).ok()?;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if let Some(rest) = name.strip_prefix("abi") {
+            if let Some((abi, state)) = rest.split_once('-') {
+                if let Ok(abi) = abi.parse() {
+                    return Some((abi, state.to_string()));
+                }
+            }
+        }
+    }
+    None
+}
+
+pub(super) fn set_marker(staging: &Path, from: u32, state: &str) -> Result<(), LoadError> {
+    let new = staging.join(format!("abi{from}-{state}"));
+    match read_marker(staging) {
+        Some((abi, old)) => {
+            let old = staging.join(format!("abi{abi}-{old}"));
+            fs::rename(&old, &new).map_err(io_err("moving the migration marker to", &new))
+        }
+        None => fs::create_dir(&new).map_err(io_err("creating the migration marker", &new)),
+    }
+}
+
+/// A start found the staging directory: roll back or resume.
+pub(super) fn resume_or_roll_back(pin_path: &Path) -> Result<(), LoadError> {
+    let staging = pin_path.join(STAGING_DIR);
+    let marker = read_marker(&staging);
+    match marker.as_ref().map(|(a, s)| (*a, s.as_str())) {
+        None | Some((_, "staged" | "filled")) => {
+            warn!(
+                state = ?marker,
+                "an interrupted layout migration had not swapped any hook: rolling back \
+                 (the old programs kept serving)"
+            );
+            fs::remove_dir_all(&staging).map_err(io_err("removing", &staging))
+        }
+        Some((from, state)) => {
+            warn!(
+                from_abi = from,
+                state, "resuming an interrupted layout migration"
+            );
+            let mut m = Migration::new(pin_path, from);
+            m.run_from(state, None)
+        }
+    }
+}
+
+/// Migrates the pinned maps of ABI `from` to this build's layout (see the module doc).
+pub(super) fn migrate(pin_path: &Path, from: u32) -> Result<(), LoadError> {
+    let started = std::time::Instant::now();
+    let mut m = Migration::new(pin_path, from);
+    fs::create_dir(&m.staging).map_err(io_err("creating", &m.staging))?;
+    set_marker(&m.staging, from, "staged")?;
+    let ct_entries = map_info_at(&pin_path.join(map_names::CT4))
+        .map(|i| i.max_entries)
+        .unwrap_or(crate::loader::DEFAULT_CONNTRACK_FLOWS * 2);
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(&m.staging)
+        .map_max_entries(map_names::CT4, ct_entries)
+        .map_max_entries(map_names::CT6, ct_entries)
+        .load(EBPF_OBJECT)?;
+    if m.share_unchanged()? > 0 {
+        // Load again: the programs must reference the shared maps.
+        drop(ebpf);
+        ebpf = EbpfLoader::new()
+            .default_map_pin_directory(&m.staging)
+            .load(EBPF_OBJECT)?;
+    }
+    crash_point("staged");
+    m.copy_all(false)?;
+    set_marker(&m.staging, from, "filled")?;
+    crash_point("filled");
+    m.run_from("filled", Some(&mut ebpf))?;
+    info!(
+        from_abi = from,
+        to_abi = ABI_VERSION,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "layout migration done"
+    );
+    Ok(())
+}
+
+pub(super) struct Migration {
+    pin_path: PathBuf,
+    staging: PathBuf,
+    from: u32,
+}
+
+impl Migration {
+    fn new(pin_path: &Path, from: u32) -> Self {
+        Self {
+            pin_path: pin_path.to_owned(),
+            staging: pin_path.join(STAGING_DIR),
+            from,
+        }
+    }
+
+    /// Maps whose layout did not change (same type, key and value sizes, flags and size;
+    /// no conversion) are not copied but shared: the old map is pinned in the staging
+    /// directory in place of the new one, so old and new programs see the same entries
+    /// (conntrack above all) while the hooks change programs. Returns how many.
+    fn share_unchanged(&self) -> Result<usize, LoadError> {
+        if force_mode() == Some(Force::Copy) {
+            return Ok(0);
+        }
+        let mut shared = Vec::new();
+        for name in self.staged_maps()? {
+            if name == map_names::META || !matches!(converter(self.from, &name), Convert::Bytes) {
+                continue;
+            }
+            let (old, new) = (self.pin_path.join(&name), self.staging.join(&name));
+            let Ok(old_fd) = sys::obj_get(&old) else {
+                continue;
+            };
+            let oi = sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
+            let ni = map_info_at(&new).map_err(io_err("reading", &new))?;
+            let sized_at_load = name == map_names::CT4 || name == map_names::CT6;
+            let same = oi.map_type == ni.map_type
+                && oi.key_size == ni.key_size
+                && oi.value_size == ni.value_size
+                && oi.map_flags == ni.map_flags
+                && (oi.max_entries == ni.max_entries || sized_at_load);
+            if same {
+                fs::remove_file(&new).map_err(io_err("unpinning", &new))?;
+                sys::obj_pin(old_fd.as_fd(), &new).map_err(io_err("pinning", &new))?;
+                shared.push(name);
+            }
+        }
+        info!(
+            ?shared,
+            "maps of an unchanged layout are shared, not copied"
+        );
+        Ok(shared.len())
+    }
+
+    /// The maps staged (pinned) in the staging directory: the new layout's set.
+    fn staged_maps(&self) -> Result<Vec<String>, LoadError> {
+        let mut names = Vec::new();
+        for e in fs::read_dir(&self.staging).map_err(io_err("listing", &self.staging))? {
+            let e = e.map_err(io_err("listing", &self.staging))?;
+            if e.file_type().is_ok_and(|t| t.is_file()) {
+                names.push(e.file_name().to_string_lossy().into_owned());
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+
+    /// Copies every old map into its staged counterpart (`only_datapath`: just the maps
+    /// the programs write, insert-if-absent). `META` is never copied: the new one is
+    /// written here.
+    fn copy_all(&mut self, only_datapath: bool) -> Result<(), LoadError> {
+        let staged = self.staged_maps()?;
+        let mut total = CopyCount::default();
+        for name in &staged {
+            if name == map_names::META {
+                continue;
+            }
+            if only_datapath && !DATAPATH_WRITTEN.contains(&name.as_str()) {
+                continue;
+            }
+            let old = self.pin_path.join(name);
+            if !old.exists() {
+                if !only_datapath {
+                    info!(map = %name, "new map in this layout: starts empty");
+                }
+                continue;
+            }
+            let shared = match (map_info_at(&old), map_info_at(&self.staging.join(name))) {
+                (Ok(a), Ok(b)) => a.id == b.id,
+                _ => false,
+            };
+            if shared {
+                continue;
+            }
+            let conv = converter(self.from, name);
+            let count = copy_map(&old, &self.staging.join(name), conv, only_datapath)
+                .map_err(io_err("copying the entries of", &old))?;
+            if count.dropped > 0 {
+                let why = match conv {
+                    Convert::Drop(why) => why,
+                    Convert::With(_) => "the converter refused them",
+                    Convert::Bytes => "the layout changed and no converter exists",
+                };
+                warn!(map = %name, entries = count.dropped, why, "entries not converted");
+            }
+            tracing::debug!(map = %name, ?count, only_datapath, "copied");
+            total.copied += count.copied;
+            total.present += count.present;
+            total.dropped += count.dropped;
+        }
+        if !only_datapath {
+            // Maps of the old layout that this one no longer has.
+            for name in self.old_only_maps() {
+                let entries = count_entries(&self.pin_path.join(&name)).unwrap_or(0);
+                warn!(
+                    map = %name,
+                    entries,
+                    "not converted: this layout has no such map (removed after the swap)"
+                );
+                total.dropped += entries;
+            }
+            let meta_path = self.staging.join(map_names::META);
+            let meta = sys::obj_get(&meta_path).map_err(io_err("opening", &meta_path))?;
+            write_meta(meta.as_fd(), meta::ABI_VERSION, ABI_VERSION, &self.staging)?;
+            write_meta(
+                meta.as_fd(),
+                meta::OBJECT_HASH,
+                object_hash(),
+                &self.staging,
+            )?;
+        }
+        info!(
+            from_abi = self.from,
+            copied = total.copied,
+            already_present = total.present,
+            not_converted = total.dropped,
+            pass = if only_datapath {
+                "datapath-written"
+            } else {
+                "full"
+            },
+            "copied the pinned maps into the new layout"
+        );
+        Ok(())
+    }
+
+    /// Old pins (maps of the previous layouts) that this build has no more
+    /// (`map_names::ALL` is this build's set).
+    fn old_only_maps(&self) -> Vec<String> {
+        v3::MAP_NAMES
+            .iter()
+            .filter(|n| !map_names::ALL.contains(n))
+            .filter(|n| self.pin_path.join(n).is_file())
+            .map(|n| n.to_string())
+            .collect()
+    }
+
+    /// Runs the migration on from the state `state` (a marker's), with the new object
+    /// already loaded against the staging maps when given.
+    fn run_from(&mut self, state: &str, ebpf: Option<&mut aya::Ebpf>) -> Result<(), LoadError> {
+        let from = self.from;
+        let order = [
+            "filled", "swapping", "swapped", "recopied", "renaming", "meta",
+        ];
+        let at = order.iter().position(|s| *s == state).ok_or_else(|| {
+            io_err("reading the migration marker in", &self.staging)(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("unknown migration state {state:?}"),
+            ))
+        })?;
+        if at <= 1 {
+            let mut loaded;
+            let ebpf = match ebpf {
+                Some(e) => e,
+                None => {
+                    // Resuming: the staged maps are all still in the staging directory.
+                    loaded = EbpfLoader::new()
+                        .default_map_pin_directory(&self.staging)
+                        .load(EBPF_OBJECT)?;
+                    &mut loaded
+                }
+            };
+            let hooks = pinned_hooks(&self.pin_path)?;
+            // Right before the swap (programs loaded): the flows opened since the full
+            // copy, to narrow the window in which the old programs write alone.
+            let pin_path = self.pin_path.clone();
+            let log_id = swap_hooks(ebpf, &pin_path, &hooks, true, &mut || {
+                self.copy_all(true)?;
+                set_marker(&self.staging, from, "swapping")
+            })?;
+            if let Some(id) = log_id {
+                let meta_path = self.staging.join(map_names::META);
+                let meta = sys::obj_get(&meta_path).map_err(io_err("opening", &meta_path))?;
+                write_meta(meta.as_fd(), meta::LOG_PROGRAM_ID, id, &self.staging)?;
+            }
+            info!(
+                hooks = hooks.len(),
+                "swapped every hook to the new programs"
+            );
+            set_marker(&self.staging, from, "swapped")?;
+            crash_point("swapped");
+        }
+        if at <= 2 {
+            // What the old programs wrote until the swap.
+            self.copy_all(true)?;
+            set_marker(&self.staging, from, "recopied")?;
+            crash_point("recopied");
+        }
+        if at <= 4 {
+            set_marker(&self.staging, from, "renaming")?;
+            let staged = self.staged_maps()?;
+            let mut first = true;
+            for name in staged.iter().filter(|n| *n != map_names::META) {
+                self.move_pin(name)?;
+                if first {
+                    crash_point("rename-first");
+                    first = false;
+                }
+            }
+            // META last: until here the pin directory still reads as the old ABI.
+            if staged.iter().any(|n| n == map_names::META) {
+                self.move_pin(map_names::META)?;
+            }
+            set_marker(&self.staging, from, "meta")?;
+            crash_point("meta");
+        }
+        for name in self.old_only_maps() {
+            let path = self.pin_path.join(&name);
+            fs::remove_file(&path).map_err(io_err("unpinning", &path))?;
+            info!(map = %name, "removed the old layout's map");
+        }
+        fs::remove_dir_all(&self.staging).map_err(io_err("removing", &self.staging))?;
+        Ok(())
+    }
+
+    /// `rename(2)` of a staged pin over the old one (atomic; the old map goes when its
+    /// last program does).
+    fn move_pin(&self, name: &str) -> Result<(), LoadError> {
+        let to = self.pin_path.join(name);
+        fs::rename(self.staging.join(name), &to).map_err(io_err("moving the staged pin to", &to))
+    }
+}
