@@ -233,7 +233,10 @@ async fn a_bad_object_is_skipped_alone_in_lists_and_watches() {
     api.delete("Service", "default", "bad-watch");
     match h.next().await {
         Update::Delete { kind, key } => {
-            assert_eq!((kind, key.to_string().as_str()), (Kind::Service, "default/bad-watch"))
+            assert_eq!(
+                (kind, key.to_string().as_str()),
+                (Kind::Service, "default/bad-watch")
+            )
         }
         other => panic!("{other:?}"),
     }
@@ -253,7 +256,10 @@ async fn a_cut_watch_resumes_from_the_last_bookmark() {
     wait_watches(&api, 1).await;
     let first = watches(&api);
     let listed_at = api.resource_version();
-    assert!(first[0].contains(&format!("resourceVersion={listed_at}&")), "{first:#?}");
+    assert!(
+        first[0].contains(&format!("resourceVersion={listed_at}&")),
+        "{first:#?}"
+    );
     // Another kind changes (the global resourceVersion moves); the next bookmark (every
     // second on the fake server) carries it.
     api.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}}));

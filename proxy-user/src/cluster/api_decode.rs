@@ -190,30 +190,33 @@ mod tests {
               {"metadata":{"name":"b\u0041","namespace":"ns"},
                "spec":{"ports":[{"port":"eighty"}]}}
             ]}"#;
-        let p = page(json).unwrap();
+        let p = page(json).expect("present");
         assert_eq!(p.metadata.resource_version.as_deref(), Some("42"));
         assert_eq!(p.metadata.continue_token.as_deref(), Some("abc"));
-        let items = p.items.unwrap();
+        let items = p.items.expect("present");
         assert_eq!(items.len(), 2);
-        let Object::Service(a) = object(Kind::Service, items[0].get()).unwrap() else {
+        let Object::Service(a) = object(Kind::Service, items[0].get()).expect("present") else {
             panic!("not a Service");
         };
         assert_eq!(a.metadata.name.as_deref(), Some("a"));
-        assert_eq!(a.metadata.labels.as_ref().unwrap()["x"], "y");
+        assert_eq!(a.metadata.labels.as_ref().expect("present")["x"], "y");
         assert!(a.metadata.annotations.is_none() && a.metadata.managed_fields.is_none());
         assert_eq!(
-            a.spec.as_ref().unwrap().cluster_ip.as_deref(),
+            a.spec.as_ref().expect("present").cluster_ip.as_deref(),
             Some("10.0.0.1")
         );
         // The bad one fails, but its name (escaped) is still readable.
         assert!(object(Kind::Service, items[1].get()).is_err());
-        assert_eq!(meta(items[1].get()).unwrap().key().to_string(), "ns/bA");
+        assert_eq!(
+            meta(items[1].get()).expect("present").key().to_string(),
+            "ns/bA"
+        );
     }
 
     #[test]
     fn a_slice_needs_its_address_type() {
         let ok = r#"{"metadata":{"name":"s"},"addressType":"IPv4","endpoints":null}"#;
-        let Object::Slice(s) = object(Kind::EndpointSlice, ok).unwrap() else {
+        let Object::Slice(s) = object(Kind::EndpointSlice, ok).expect("present") else {
             panic!("not a slice");
         };
         assert!(s.endpoints.is_empty() && s.ports.is_none());
@@ -223,17 +226,20 @@ mod tests {
     #[test]
     fn events_and_statuses() {
         let e = event(r#"{"type":"BOOKMARK","object":{"metadata":{"resourceVersion":"7"}}}"#)
-            .unwrap();
+            .expect("present");
         assert_eq!(e.kind, "BOOKMARK");
         assert_eq!(
-            meta(e.object.get()).unwrap().resource_version.as_deref(),
+            meta(e.object.get())
+                .expect("present")
+                .resource_version
+                .as_deref(),
             Some("7")
         );
         let e = event(
             r#"{"type":"ERROR","object":{"kind":"Status","code":410,"reason":"Expired","message":"too old"}}"#,
         )
-        .unwrap();
-        let s = status(e.object.get()).unwrap();
+        .expect("present");
+        let s = status(e.object.get()).expect("present");
         assert_eq!((s.code, s.reason.as_str()), (410, "Expired"));
     }
 }

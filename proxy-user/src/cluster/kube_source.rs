@@ -146,7 +146,12 @@ impl Reader {
                         if listed {
                             self.metrics.watch_restarted(kind);
                         }
-                        info!(kind, objects = objects.len(), relist = listed, "list complete");
+                        info!(
+                            kind,
+                            objects = objects.len(),
+                            relist = listed,
+                            "list complete"
+                        );
                         let u = Update::Snapshot {
                             kind: self.kind,
                             objects,
@@ -234,7 +239,10 @@ impl Reader {
             }
         }
         let rv = list_rv.ok_or_else(|| {
-            Failure::Other(format!("{} list without a resourceVersion", self.kind.as_str()))
+            Failure::Other(format!(
+                "{} list without a resourceVersion",
+                self.kind.as_str()
+            ))
         })?;
         Ok((objects, rv))
     }
@@ -284,8 +292,8 @@ impl Reader {
             if text.is_empty() {
                 continue;
             }
-            let event = api_decode::event(text)
-                .map_err(|e| Failure::Other(format!("watch event: {e}")))?;
+            let event =
+                api_decode::event(text).map_err(|e| Failure::Other(format!("watch event: {e}")))?;
             let object = event.object.get();
             let update = match event.kind.as_ref() {
                 "ERROR" => {
@@ -327,13 +335,20 @@ impl Reader {
                         })
                     }
                     Err(e) => {
-                        warn!(kind = self.kind.as_str(), reason = "decode_error", "skipping a deletion: {e}");
+                        warn!(
+                            kind = self.kind.as_str(),
+                            reason = "decode_error",
+                            "skipping a deletion: {e}"
+                        );
                         self.metrics.skipped(self.kind.as_str(), "decode_error");
                         None
                     }
                 },
                 other => {
-                    warn!(kind = self.kind.as_str(), "unknown watch event type {other:?}: ignored");
+                    warn!(
+                        kind = self.kind.as_str(),
+                        "unknown watch event type {other:?}: ignored"
+                    );
                     None
                 }
             };

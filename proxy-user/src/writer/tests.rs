@@ -1264,8 +1264,15 @@ fn a_batched_sync_in_rounds_holds_one_round_and_writes_what_one_round_writes() {
         // or its removal): the rounds are really separate.
         let batches = &w.store().inner.batches;
         assert!(batches.len() > 4, "step {step}: {batches:?}");
-        assert!(batches.iter().all(|n| *n <= 7 * 3), "step {step}: {batches:?}");
-        assert_eq!(w.store().dump().expect("dump"), w.expected_dump(), "step {step}");
+        assert!(
+            batches.iter().all(|n| *n <= 7 * 3),
+            "step {step}: {batches:?}"
+        );
+        assert_eq!(
+            w.store().dump().expect("dump"),
+            w.expected_dump(),
+            "step {step}"
+        );
         // The same service as in one round; from empty maps the same ids too (later,
         // ids freed in one round are reused by the next, where one round reuses them
         // only after the sync).
