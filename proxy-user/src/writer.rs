@@ -26,16 +26,21 @@
 //! Every write is planned as a [`Plan`]: each op with the op that undoes it.
 //!
 //! **Batches.** A [`Writer::sync`] that writes many frontends (at least
-//! [`BATCH_MIN_FRONTENDS`]: the first sync, a relist, the periodic full re-diff) plans
-//! every frontend first and then writes phase by phase across all of them, one batch call
-//! per phase and map (`BPF_MAP_UPDATE_BATCH` / `BPF_MAP_DELETE_BATCH`): removals (slot 0,
-//! slots, source ranges, reverse NAT, backends), then the order above (backends, reverse
-//! NAT, source ranges, slots, slot 0, surplus slots, stale source ranges, backends). Each
-//! frontend's own writes keep the update order; ops of different frontends never touch
-//! one entry (ids freed during the sync are only reused after it). A batch call that
-//! fails is finished element by element (`store::write_batch`); an element that fails
-//! even alone undoes every write of the sync in reverse phase order, and the sync is run
-//! again frontend by frontend, which names the failing frontend and rolls back just it.
+//! [`BATCH_MIN_FRONTENDS`]: the first sync, a relist, the periodic full re-diff) writes
+//! in rounds of [`BATCH_CHUNK_FRONTENDS`] frontends (removals first, then upserts in
+//! their order): each round plans its frontends and then writes phase by phase across
+//! all of them, one batch call per phase and map (`BPF_MAP_UPDATE_BATCH` /
+//! `BPF_MAP_DELETE_BATCH`): removals (slot 0, slots, source ranges, reverse NAT,
+//! backends), then the order above (backends, reverse NAT, source ranges, slots, slot 0,
+//! surplus slots, stale source ranges, backends). Each frontend's own writes keep the
+//! update order (all of a frontend's ops are in one round); ops of different frontends
+//! never touch one entry (ids freed during a round are only reused after it). Only one
+//! round's ops are held at once. A batch call that fails is finished element by element
+//! (`store::write_batch`); an element that fails even alone undoes every write of its
+//! round in reverse phase order, the model is brought back to the end of the previous
+//! round (restored from before the sync, then the written rounds planned again without
+//! writing: planning is deterministic), and the rest of the sync is run frontend by
+//! frontend, which names the failing frontend and rolls back just it.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -55,6 +60,12 @@ use crate::{
 
 /// A sync writing at least this many frontends writes in batches.
 pub const BATCH_MIN_FRONTENDS: usize = 32;
+
+/// A batched sync plans and writes this many frontends per round: the ops (and their
+/// undo ops) held at once are those of one round, not of the whole sync (2.2 million at
+/// 50,000 Services x 10 endpoints), while each batch call still carries tens of
+/// thousands of elements.
+pub const BATCH_CHUNK_FRONTENDS: usize = 4096;
 
 /// Why a frontend could not be programmed. Every variant names the frontend.
 #[derive(Debug, thiserror::Error)]
@@ -217,6 +228,8 @@ pub struct Writer<S> {
     snat: Snat,
     /// Frontends a sync must write for it to use batches.
     batch_min: usize,
+    /// Frontends planned and written per round of a batched sync.
+    batch_chunk: usize,
     /// Elements written by batch and one by one, since the last take.
     counts: WriteCounts,
     /// During a batched sync: ids freed (true: backend, false: service), released only
@@ -265,6 +278,7 @@ impl<S: MapStore> Writer<S> {
             node_addrs: BTreeSet::new(),
             snat: Snat::default(),
             batch_min: BATCH_MIN_FRONTENDS,
+            batch_chunk: BATCH_CHUNK_FRONTENDS,
             counts: WriteCounts::default(),
             deferred_frees: None,
             maglev: MaglevParams::default(),
@@ -313,6 +327,11 @@ impl<S: MapStore> Writer<S> {
     /// `usize::MAX`: never).
     pub fn set_batch_threshold(&mut self, frontends: usize) {
         self.batch_min = frontends;
+    }
+
+    /// Sets how many frontends a batched sync plans and writes per round (at least 1).
+    pub fn set_batch_chunk(&mut self, frontends: usize) {
+        self.batch_chunk = frontends.max(1);
     }
 
     /// Map elements written by batch calls and one by one since the last call.

@@ -1,35 +1,23 @@
-//! The Kubernetes API source: kube-rs watches on Services and EndpointSlices (with
-//! kube-proxy's label selector) and on this node's Node object. Watches restart with
-//! backoff; every (re)list is passed on as one snapshot, so a relist after a `410 Gone`
-//! or a reconnect is a full re-diff in which objects deleted meanwhile disappear.
-//!
-//! Objects are watched untyped and decoded one by one, so a malformed object is logged
-//! with its namespace/name, counted and skipped without stopping the watch.
+//! The Kubernetes API source: list+watch of Services and EndpointSlices (with
+//! kube-proxy's label selector) and of this node's Node object, read by [`Reader`] (our
+//! own, over kube's `Client`): paged lists decoded straight from their bytes into the
+//! fields the proxy reads, then watches with bookmarks. Every (re)list is passed on as
+//! one snapshot, so a relist after a `410 Expired` is a full re-diff in which objects
+//! deleted meanwhile disappear. A malformed object is logged with its namespace/name,
+//! counted and skipped without stopping the list or the watch.
 
-use std::path::Path;
+use std::{path::Path, time::Duration};
 
-use futures::StreamExt as _;
+use futures::AsyncBufReadExt as _;
 use kube::{
-    api::{Api, ApiResource, DynamicObject, GroupVersionKind},
     config::{KubeConfigOptions, Kubeconfig},
-    runtime::{watcher, WatchStreamExt as _},
     Client, Config,
 };
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-use super::counters::SourceCounters;
-use k8s_openapi::{
-    api::{
-        core::v1::{Node, Service},
-        discovery::v1::EndpointSlice,
-    },
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
-};
-use serde::de::DeserializeOwned;
-use serde_json::Value;
-
-use super::{objects::label_selector, Kind, ObjKey, Object, Update};
+use super::{api_decode, counters::SourceCounters};
+use super::{objects::label_selector, Kind, Object, Update};
 
 /// A client from `--kubeconfig`, else in-cluster config, else `$KUBECONFIG` /
 /// `~/.kube/config`.
@@ -49,13 +37,13 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
     Ok(Client::try_from(config)?)
 }
 
-fn resource(kind: Kind) -> ApiResource {
-    let gvk = match kind {
-        Kind::Service => GroupVersionKind::gvk("", "v1", "Service"),
-        Kind::EndpointSlice => GroupVersionKind::gvk("discovery.k8s.io", "v1", "EndpointSlice"),
-        Kind::Node => GroupVersionKind::gvk("", "v1", "Node"),
-    };
-    ApiResource::from_gvk(&gvk)
+/// The collection's path on the API server.
+fn path(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Service => "/api/v1/services",
+        Kind::EndpointSlice => "/apis/discovery.k8s.io/v1/endpointslices",
+        Kind::Node => "/api/v1/nodes",
+    }
 }
 
 /// Objects per list page: client-go's and kube-rs's default (`limit=500` + `continue`), so
@@ -63,20 +51,13 @@ fn resource(kind: Kind) -> ApiResource {
 /// Services arrives in 200 pages.
 pub const LIST_PAGE_SIZE: u32 = 500;
 
-/// The watchers' configuration: paged list-then-watch from the most recent version
-/// (`resourceVersion` unset, a consistent read), with watch bookmarks, so a reconnect
-/// resumes from the last bookmark instead of relisting. A `410 Expired` on a continue
-/// token (the list's snapshot compacted mid-list) or on a watch makes kube-rs relist from
-/// the start, which `watch` passes on as one snapshot.
-///
-/// Not streaming lists (`sendInitialEvents=true`, KEP-3157): kube-rs 5 has no fallback
-/// when the server does not serve them (the WatchList feature gate off, or an apiserver
-/// before 1.27: the watch is refused with a 4xx, or served without the
-/// `k8s.io/initial-events-end` bookmark, and the watcher retries or waits forever), and it
-/// cannot tell in advance; kube-proxy's informers list-then-watch as well.
-fn watcher_config() -> watcher::Config {
-    watcher::Config::default().page_size(LIST_PAGE_SIZE)
-}
+/// The server-side watch timeout asked for (kube-rs's and client-go's default range).
+const WATCH_TIMEOUT_SECS: u64 = 290;
+/// A watch silent (not even a bookmark) for this much longer than its timeout is dead.
+const WATCH_IDLE_MARGIN: Duration = Duration::from_secs(5);
+/// Backoff between failed attempts (kube-rs's default: 0.8 s doubling to 30 s).
+const BACKOFF_MIN: Duration = Duration::from_millis(800);
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// Starts the three watches; each sends its updates to `tx` until the receiver goes.
 pub fn spawn(
@@ -87,154 +68,335 @@ pub fn spawn(
     metrics: SourceCounters,
 ) {
     let selector = label_selector(proxy_name);
-    for (kind, config) in [
-        (Kind::Service, watcher_config().labels(&selector)),
-        (Kind::EndpointSlice, watcher_config().labels(&selector)),
+    for (kind, selector) in [
+        (Kind::Service, Selector::Labels(selector.clone())),
+        (Kind::EndpointSlice, Selector::Labels(selector)),
         (
             Kind::Node,
-            watcher_config().fields(&format!("metadata.name={node_name}")),
+            Selector::Fields(format!("metadata.name={node_name}")),
         ),
     ] {
-        tokio::spawn(watch(
-            client.clone(),
+        let reader = Reader {
+            client: client.clone(),
             kind,
-            config,
-            tx.clone(),
-            metrics.clone(),
-        ));
-    }
-}
-
-async fn watch(
-    client: Client,
-    kind: Kind,
-    config: watcher::Config,
-    tx: mpsc::Sender<Update>,
-    metrics: SourceCounters,
-) {
-    let ar = resource(kind);
-    let api: Api<DynamicObject> = Api::all_with(client, &ar);
-    let mut stream = watcher(api, config).default_backoff().boxed();
-    let mut buffer: Vec<Object> = Vec::new();
-    let mut listed = false;
-    while let Some(event) = stream.next().await {
-        let update = match event {
-            Ok(watcher::Event::Init) => {
-                buffer.clear();
-                None
-            }
-            Ok(watcher::Event::InitApply(o)) => {
-                buffer.extend(convert(kind, o, &metrics));
-                None
-            }
-            Ok(watcher::Event::InitDone) => {
-                if listed {
-                    metrics.watch_restarted(kind.as_str());
-                }
-                info!(
-                    kind = kind.as_str(),
-                    objects = buffer.len(),
-                    relist = listed,
-                    "list complete"
-                );
-                let u = Update::Snapshot {
-                    kind,
-                    objects: std::mem::take(&mut buffer),
-                    relist: listed,
-                };
-                listed = true;
-                Some(u)
-            }
-            Ok(watcher::Event::Apply(o)) => convert(kind, o, &metrics).map(Update::Apply),
-            Ok(watcher::Event::Delete(o)) => Some(Update::Delete {
-                kind,
-                key: ObjKey::new(
-                    o.metadata.namespace.unwrap_or_default(),
-                    o.metadata.name.unwrap_or_default(),
-                ),
-            }),
-            Err(e) => {
-                warn!(
-                    kind = kind.as_str(),
-                    "watch error (retrying with backoff): {e}"
-                );
-                metrics.watch_failed(kind.as_str());
-                None
-            }
+            selector,
+            tx: tx.clone(),
+            metrics: metrics.clone(),
         };
-        if let Some(u) = update {
-            if tx.send(u).await.is_err() {
-                return;
+        tokio::spawn(reader.run());
+    }
+}
+
+/// A list's or watch's selector.
+#[derive(Clone, Debug)]
+pub enum Selector {
+    Labels(String),
+    Fields(String),
+}
+
+/// One kind's list+watch, kube-proxy's informer protocol over plain HTTP (kube's
+/// `Client` for auth, TLS and the kubeconfig):
+/// - a paged list (`limit=500` + `continue`, `resourceVersion` unset: a consistent read),
+///   each page decoded straight from its bytes (`api_decode`), passed on as one
+///   [`Update::Snapshot`];
+/// - then a watch from the list's resourceVersion with bookmarks; every event and
+///   bookmark advances the resourceVersion, and a watch that ends (its timeout, a cut
+///   connection) is re-established from there;
+/// - a `410 Expired` (a stale continue token mid-list, or a watch from a compacted
+///   version) starts a fresh list, passed on as one snapshot (`relist: true`), in which
+///   objects deleted meanwhile are missing;
+/// - other errors retry with backoff (0.8 s doubling to 30 s, reset by any success);
+/// - an object that does not decode is logged naming it, counted
+///   (`objects_skipped_total{reason="decode_error"}`) and skipped; the list or watch goes on.
+///
+/// Not streaming lists (`sendInitialEvents=true`, KEP-3157): a server without them (the
+/// WatchList feature gate off, or older than 1.27) refuses the watch or serves it without
+/// the `k8s.io/initial-events-end` bookmark, and there is no way to tell in advance;
+/// kube-proxy's informers list-then-watch as well.
+pub struct Reader {
+    pub client: Client,
+    pub kind: Kind,
+    pub selector: Selector,
+    pub tx: mpsc::Sender<Update>,
+    pub metrics: SourceCounters,
+}
+
+/// How a list or watch attempt ended.
+enum Failure {
+    /// `410 Expired`/`Gone` (its message): list again from scratch.
+    Expired(String),
+    /// Anything else: retry (the same step) after a backoff.
+    Other(String),
+    /// The receiver is gone: stop.
+    Closed,
+}
+
+impl Reader {
+    pub async fn run(self) {
+        let kind = self.kind.as_str();
+        let mut backoff = BACKOFF_MIN;
+        let mut listed = false;
+        // The resourceVersion to watch from; `None`: list first.
+        let mut rv: Option<String> = None;
+        let mut expired_in_a_row = 0u32;
+        loop {
+            let result = match rv.as_mut() {
+                None => match self.list().await {
+                    Ok((objects, list_rv)) => {
+                        if listed {
+                            self.metrics.watch_restarted(kind);
+                        }
+                        info!(
+                            kind,
+                            objects = objects.len(),
+                            relist = listed,
+                            "list complete"
+                        );
+                        let u = Update::Snapshot {
+                            kind: self.kind,
+                            objects,
+                            relist: listed,
+                        };
+                        if self.tx.send(u).await.is_err() {
+                            return;
+                        }
+                        listed = true;
+                        rv = Some(list_rv);
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                },
+                Some(v) => self.watch(v, &mut backoff).await,
+            };
+            match result {
+                Ok(()) => {
+                    backoff = BACKOFF_MIN;
+                    expired_in_a_row = 0;
+                }
+                Err(Failure::Closed) => return,
+                Err(Failure::Expired(message)) => {
+                    warn!(kind, "410 Expired, listing again: {message}");
+                    self.metrics.watch_failed(kind);
+                    rv = None;
+                    expired_in_a_row += 1;
+                    // Straight away the first time; a server that keeps answering 410
+                    // gets the backoff.
+                    if expired_in_a_row > 1 {
+                        tokio::time::sleep(jitter(backoff)).await;
+                        backoff = (backoff * 2).min(BACKOFF_MAX);
+                    }
+                }
+                Err(Failure::Other(e)) => {
+                    warn!(kind, "watch error (retrying with backoff): {e}");
+                    self.metrics.watch_failed(kind);
+                    tokio::time::sleep(jitter(backoff)).await;
+                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                }
+            }
+        }
+    }
+
+    fn query(&self, extra: &[(&str, &str)]) -> String {
+        let mut q = form_urlencoded::Serializer::new(String::new());
+        match &self.selector {
+            Selector::Labels(s) if !s.is_empty() => {
+                q.append_pair("labelSelector", s);
+            }
+            Selector::Fields(s) if !s.is_empty() => {
+                q.append_pair("fieldSelector", s);
+            }
+            _ => {}
+        }
+        for (k, v) in extra {
+            q.append_pair(k, v);
+        }
+        format!("{}?{}", path(self.kind), q.finish())
+    }
+
+    /// Every object, page by page; and the list's resourceVersion.
+    async fn list(&self) -> Result<(Vec<Object>, String), Failure> {
+        let limit = LIST_PAGE_SIZE.to_string();
+        let mut objects = Vec::new();
+        let mut token: Option<String> = None;
+        let mut list_rv = None;
+        loop {
+            let mut params = vec![("limit", limit.as_str())];
+            if let Some(t) = &token {
+                params.push(("continue", t.as_str()));
+            }
+            let text = self.get(&self.query(&params)).await?;
+            let page = api_decode::page(&text)
+                .map_err(|e| Failure::Other(format!("{} list page: {e}", self.kind.as_str())))?;
+            for item in page.items.iter().flatten() {
+                objects.extend(self.decode(item.get()));
+            }
+            if list_rv.is_none() {
+                list_rv = page.metadata.resource_version.map(|v| v.into_owned());
+            }
+            match page.metadata.continue_token {
+                Some(t) if !t.is_empty() => token = Some(t.into_owned()),
+                _ => break,
+            }
+        }
+        let rv = list_rv.ok_or_else(|| {
+            Failure::Other(format!(
+                "{} list without a resourceVersion",
+                self.kind.as_str()
+            ))
+        })?;
+        Ok((objects, rv))
+    }
+
+    async fn get(&self, uri: &str) -> Result<String, Failure> {
+        let req = http::Request::get(uri)
+            .body(Vec::new())
+            .map_err(|e| Failure::Other(e.to_string()))?;
+        self.client.request_text(req).await.map_err(failure)
+    }
+
+    /// One watch from `rv` until it ends; `rv` follows every event and bookmark. `Ok`: it
+    /// ended cleanly (its timeout) or was cut after delivering events: watch again.
+    async fn watch(&self, rv: &mut String, backoff: &mut Duration) -> Result<(), Failure> {
+        let timeout = WATCH_TIMEOUT_SECS.to_string();
+        let uri = self.query(&[
+            ("watch", "true"),
+            ("resourceVersion", rv.as_str()),
+            ("allowWatchBookmarks", "true"),
+            ("timeoutSeconds", timeout.as_str()),
+        ]);
+        let req = http::Request::get(uri)
+            .body(Vec::new())
+            .map_err(|e| Failure::Other(e.to_string()))?;
+        let mut body = self.client.request_stream(req).await.map_err(failure)?;
+        let idle = Duration::from_secs(WATCH_TIMEOUT_SECS) + WATCH_IDLE_MARGIN;
+        let mut line = Vec::new();
+        let mut got_events = false;
+        loop {
+            line.clear();
+            let read = tokio::time::timeout(idle, body.read_until(b'\n', &mut line)).await;
+            match read {
+                Err(_) => return Err(Failure::Other("watch idle past its timeout".into())),
+                Ok(Ok(0)) => return Ok(()),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) if got_events => {
+                    // Cut mid-stream after delivering: resume from the last version.
+                    warn!(kind = self.kind.as_str(), "watch cut ({e}): resuming");
+                    return Ok(());
+                }
+                Ok(Err(e)) => return Err(Failure::Other(format!("watch stream: {e}"))),
+            }
+            let text = match std::str::from_utf8(&line) {
+                Ok(t) => t.trim(),
+                Err(e) => return Err(Failure::Other(format!("watch event not UTF-8: {e}"))),
+            };
+            if text.is_empty() {
+                continue;
+            }
+            let event =
+                api_decode::event(text).map_err(|e| Failure::Other(format!("watch event: {e}")))?;
+            let object = event.object.get();
+            let update = match event.kind.as_ref() {
+                "ERROR" => {
+                    let s = api_decode::status(object).unwrap_or_default();
+                    if s.code == 410 || s.reason == "Expired" || s.reason == "Gone" {
+                        return Err(Failure::Expired(s.message));
+                    }
+                    return Err(Failure::Other(format!(
+                        "watch ERROR {} {}: {}",
+                        s.code, s.reason, s.message
+                    )));
+                }
+                "BOOKMARK" => {
+                    if let Some(v) = api_decode::meta(object)
+                        .ok()
+                        .and_then(|m| m.resource_version)
+                    {
+                        *rv = v.into_owned();
+                    }
+                    None
+                }
+                "ADDED" | "MODIFIED" => {
+                    if let Some(v) = api_decode::meta(object)
+                        .ok()
+                        .and_then(|m| m.resource_version)
+                    {
+                        *rv = v.into_owned();
+                    }
+                    self.decode(object).map(Update::Apply)
+                }
+                "DELETED" => match api_decode::meta(object) {
+                    Ok(m) => {
+                        if let Some(v) = &m.resource_version {
+                            *rv = v.to_string();
+                        }
+                        Some(Update::Delete {
+                            kind: self.kind,
+                            key: m.key(),
+                        })
+                    }
+                    Err(e) => {
+                        warn!(
+                            kind = self.kind.as_str(),
+                            reason = "decode_error",
+                            "skipping a deletion: {e}"
+                        );
+                        self.metrics.skipped(self.kind.as_str(), "decode_error");
+                        None
+                    }
+                },
+                other => {
+                    warn!(
+                        kind = self.kind.as_str(),
+                        "unknown watch event type {other:?}: ignored"
+                    );
+                    None
+                }
+            };
+            if !got_events {
+                got_events = true;
+                *backoff = BACKOFF_MIN;
+            }
+            if let Some(u) = update {
+                if self.tx.send(u).await.is_err() {
+                    return Err(Failure::Closed);
+                }
+            }
+        }
+    }
+
+    /// One object; a malformed one is logged naming it, counted and dropped.
+    fn decode(&self, json: &str) -> Option<Object> {
+        match api_decode::object(self.kind, json) {
+            Ok(o) => Some(o),
+            Err(e) => {
+                let key = api_decode::meta(json)
+                    .map(|m| m.key().to_string())
+                    .unwrap_or_else(|_| "(no readable metadata)".into());
+                let kind = self.kind.as_str();
+                warn!(object = %key, reason = "decode_error", "skipping {kind} {key}: {e}");
+                self.metrics.skipped(kind, "decode_error");
+                None
             }
         }
     }
 }
 
-/// Decodes one untyped object; a malformed one is logged, counted and dropped.
-///
-/// Straight from the watcher's object (no re-serialization): the metadata kube-rs decoded
-/// is cut down to what the agent reads (name, namespace, labels, creation and deletion
-/// times: no annotations, managed fields or owner references are kept while a list is
-/// gathered), and only the fields the proxy reads are decoded from the rest.
-fn convert(kind: Kind, o: DynamicObject, metrics: &SourceCounters) -> Option<Object> {
-    let DynamicObject { metadata, data, .. } = o;
-    let key = ObjKey::new(
-        metadata.namespace.as_deref().unwrap_or_default(),
-        metadata.name.as_deref().unwrap_or_default(),
-    );
-    match decode_fields(kind, slim(metadata), &data) {
-        Ok(obj) => Some(obj),
-        Err(e) => {
-            warn!(object = %key, reason = "decode_error", "skipping {} {key}: {e}", kind.as_str());
-            metrics.skipped(kind.as_str(), "decode_error");
-            None
+/// `410 Expired`/`Gone` or another error.
+fn failure(e: kube::Error) -> Failure {
+    match e {
+        kube::Error::Api(s) if s.code == 410 || s.reason == "Expired" || s.reason == "Gone" => {
+            Failure::Expired(s.message)
         }
+        e => Failure::Other(e.to_string()),
     }
 }
 
-/// The metadata fields the agent reads (`cluster::objects`).
-fn slim(m: ObjectMeta) -> ObjectMeta {
-    ObjectMeta {
-        name: m.name,
-        namespace: m.namespace,
-        labels: m.labels,
-        creation_timestamp: m.creation_timestamp,
-        deletion_timestamp: m.deletion_timestamp,
-        ..ObjectMeta::default()
-    }
-}
-
-/// `data[name]`, decoded (absent or null: `None`).
-fn field<T: DeserializeOwned>(data: &Value, name: &str) -> Result<Option<T>, serde_json::Error> {
-    match data.get(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => T::deserialize(v).map(Some),
-    }
-}
-
-/// An object of `kind` from its metadata and the rest of its fields.
-pub fn decode_fields(
-    kind: Kind,
-    metadata: ObjectMeta,
-    data: &Value,
-) -> Result<Object, serde_json::Error> {
-    Ok(match kind {
-        Kind::Service => Object::Service(Box::new(Service {
-            metadata,
-            spec: field(data, "spec")?,
-            status: field(data, "status")?,
-        })),
-        Kind::EndpointSlice => Object::Slice(Box::new(EndpointSlice {
-            metadata,
-            address_type: field(data, "addressType")?
-                .ok_or_else(|| serde::de::Error::missing_field("addressType"))?,
-            endpoints: field(data, "endpoints")?.unwrap_or_default(),
-            ports: field(data, "ports")?,
-        })),
-        Kind::Node => Object::Node(Box::new(Node {
-            metadata,
-            spec: field(data, "spec")?,
-            status: field(data, "status")?,
-        })),
-    })
+/// `d` plus up to a quarter of it, so agents that lost the server together do not all
+/// come back in the same instant.
+fn jitter(d: Duration) -> Duration {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|t| t.subsec_nanos())
+        .unwrap_or(0);
+    d + d / 4 * (nanos % 1000) / 1000
 }

@@ -1,6 +1,7 @@
 //! The Kubernetes side: objects, the desired-state index, and the two sources of truth
 //! (the API server's watches and a manifests directory) that feed the agent.
 
+pub mod api_decode;
 pub mod conflicts;
 pub mod counters;
 pub mod external_ips;

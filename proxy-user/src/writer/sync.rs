@@ -31,19 +31,15 @@ impl<S: MapStore> Writer<S> {
         removals: &[Frontend],
         upserts: impl IntoIterator<Item = &'a ServiceEntry> + Clone,
     ) -> SyncReport {
-        let to_write = removals.len()
-            + upserts
-                .clone()
-                .into_iter()
-                .filter(|e| self.needs_write(e))
-                .count();
-        if to_write > 0 && to_write >= self.batch_min {
-            if let Some(report) = self.sync_batched(upserts.clone(), removals) {
-                return report;
-            }
-        }
-        let mut report = SyncReport::default();
-        for fe in removals {
+        let upserts: Vec<&ServiceEntry> = upserts.into_iter().collect();
+        let to_write = removals.len() + upserts.iter().filter(|e| self.needs_write(e)).count();
+        let (mut report, removed, upserted) = if to_write > 0 && to_write >= self.batch_min {
+            self.sync_batched(&upserts, removals)
+        } else {
+            (SyncReport::default(), 0, 0)
+        };
+        // Frontend by frontend: all of it, or what a failed batched round left.
+        for fe in &removals[removed..] {
             match self.remove(fe) {
                 Ok(0) => {}
                 Ok(n) => {
@@ -53,7 +49,7 @@ impl<S: MapStore> Writer<S> {
                 Err(e) => report.errors.push(e),
             }
         }
-        for entry in upserts {
+        for entry in &upserts[upserted..] {
             match self.upsert(entry) {
                 Ok(0) => {}
                 Ok(n) => {
@@ -102,18 +98,76 @@ impl<S: MapStore> Writer<S> {
         })
     }
 
-    /// One batched sync; `None` if a write failed (everything undone, the model as
-    /// before): the caller then syncs frontend by frontend.
-    pub(super) fn sync_batched<'a>(
+    /// A batched sync in rounds of `batch_chunk` frontends (removals `gone`, then
+    /// `desired`). Returns the report of the rounds written and how many removals and
+    /// upserts they covered: all, or (a round failed: its writes undone, the model as
+    /// after the previous round) those before the failed round, for the caller to write
+    /// frontend by frontend.
+    pub(super) fn sync_batched(
         &mut self,
-        desired: impl IntoIterator<Item = &'a ServiceEntry>,
+        desired: &[&ServiceEntry],
         gone: &[Frontend],
-    ) -> Option<SyncReport> {
+    ) -> (SyncReport, usize, usize) {
         let saved = self.save();
+        let total = gone.len() + desired.len();
+        let chunk = self.batch_chunk.max(1);
+        let mut report = SyncReport::default();
+        let mut start = 0;
+        while start < total {
+            let end = (start + chunk).min(total);
+            let (phases, round) = self.plan_round(gone, desired, start..end);
+            let frees = self.deferred_frees.take().unwrap_or_default();
+            match self.apply_phases(phases) {
+                Ok(()) => {
+                    self.release(frees);
+                    report.ops += round.ops;
+                    report.changed += round.changed;
+                    report.removed += round.removed;
+                    report.errors.extend(round.errors);
+                    start = end;
+                }
+                Err((e, rollback_failed)) => {
+                    // Back to the model after the last written round: from before the
+                    // sync, the written rounds planned again (deterministic) unwritten.
+                    self.restore(saved);
+                    let mut at = 0;
+                    while at < start {
+                        let to = (at + chunk).min(start);
+                        let _ = self.plan_round(gone, desired, at..to);
+                        let frees = self.deferred_frees.take().unwrap_or_default();
+                        self.release(frees);
+                        at = to;
+                    }
+                    if rollback_failed {
+                        error!(
+                            error = %e,
+                            "a batched sync failed and undoing it failed too: the maps may \
+                             hold entries the model does not know until the next restart"
+                        );
+                    } else {
+                        warn!(error = %e, "a batched sync failed and was undone; writing frontend by frontend");
+                    }
+                    let removed = start.min(gone.len());
+                    return (report, removed, start - removed);
+                }
+            }
+        }
+        (report, gone.len(), desired.len())
+    }
+
+    /// Plans (and commits to the model) units `range` of a sync (`gone`, then `desired`),
+    /// the ops sorted into phases; ids freed are left in `deferred_frees`.
+    fn plan_round(
+        &mut self,
+        gone: &[Frontend],
+        desired: &[&ServiceEntry],
+        range: std::ops::Range<usize>,
+    ) -> (Vec<Plan>, SyncReport) {
         self.deferred_frees = Some(Vec::new());
         let mut report = SyncReport::default();
         let mut phases: Vec<Plan> = (0..PHASES).map(|_| Plan::default()).collect();
-        for fe in gone {
+        let removals = range.start.min(gone.len())..range.end.min(gone.len());
+        for fe in &gone[removals] {
             if let Some((plan, old)) = self.stage_remove(fe) {
                 report.ops += plan.len();
                 report.removed += 1;
@@ -123,7 +177,8 @@ impl<S: MapStore> Writer<S> {
                 self.commit_remove(fe, &old);
             }
         }
-        for entry in desired {
+        let upserts = range.start.saturating_sub(gone.len())..range.end.saturating_sub(gone.len());
+        for entry in &desired[upserts] {
             match self.stage_upsert(entry) {
                 Err(e) => report.errors.push(e),
                 Ok(mut staged) => {
@@ -139,30 +194,16 @@ impl<S: MapStore> Writer<S> {
                 }
             }
         }
-        let frees = self.deferred_frees.take().unwrap_or_default();
-        match self.apply_phases(phases) {
-            Ok(()) => {
-                for (backend, id) in frees {
-                    if backend {
-                        self.backend_alloc.free(id);
-                    } else {
-                        self.service_alloc.free(id);
-                    }
-                }
-                Some(report)
-            }
-            Err((e, rollback_failed)) => {
-                self.restore(saved);
-                if rollback_failed {
-                    error!(
-                        error = %e,
-                        "a batched sync failed and undoing it failed too: the maps may \
-                         hold entries the model does not know until the next restart"
-                    );
-                } else {
-                    warn!(error = %e, "a batched sync failed and was undone; writing frontend by frontend");
-                }
-                None
+        (phases, report)
+    }
+
+    /// Releases ids freed during a written round.
+    fn release(&mut self, frees: Vec<(bool, u32)>) {
+        for (backend, id) in frees {
+            if backend {
+                self.backend_alloc.free(id);
+            } else {
+                self.service_alloc.free(id);
             }
         }
     }

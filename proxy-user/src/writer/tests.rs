@@ -1238,3 +1238,102 @@ fn maglev_in_a_batched_sync_keeps_the_order() {
     assert!(r.errors.is_empty());
     assert!(w.store().inner.state.maglev.is_empty());
 }
+
+// ---- Batched syncs in rounds ---------------------------------------------------------
+
+#[test]
+fn a_batched_sync_in_rounds_holds_one_round_and_writes_what_one_round_writes() {
+    // Rounds of 7 frontends: the checking store checks every element of every batch.
+    let mut w = batch_writer();
+    w.set_batch_chunk(7);
+    let mut whole = batch_writer();
+    for (step, desired) in [many(40, 3, 0), many(33, 3, 5), many(40, 2, 9)]
+        .into_iter()
+        .enumerate()
+    {
+        w.store_mut().inner.batches.clear();
+        let a = w.sync(desired.clone());
+        let b = whole.sync(desired);
+        assert!(a.errors.is_empty(), "step {step}: {:?}", a.errors);
+        assert_eq!(
+            (a.ops, a.changed, a.removed),
+            (b.ops, b.changed, b.removed),
+            "step {step}"
+        );
+        // No batch carries more than one round's ops (3 slots + 3 backends a frontend,
+        // or its removal): the rounds are really separate.
+        let batches = &w.store().inner.batches;
+        assert!(batches.len() > 4, "step {step}: {batches:?}");
+        assert!(
+            batches.iter().all(|n| *n <= 7 * 3),
+            "step {step}: {batches:?}"
+        );
+        assert_eq!(
+            w.store().dump().expect("dump"),
+            w.expected_dump(),
+            "step {step}"
+        );
+        // The same service as in one round; from empty maps the same ids too (later,
+        // ids freed in one round are reused by the next, where one round reuses them
+        // only after the sync).
+        assert_eq!(
+            served(&w.store().dump().expect("dump")),
+            served(&whole.store().dump().expect("dump")),
+            "step {step}"
+        );
+        if step == 0 {
+            assert_eq!(
+                w.store().dump().expect("dump"),
+                whole.store().dump().expect("dump")
+            );
+        }
+    }
+}
+
+#[test]
+fn a_failed_round_is_undone_and_the_rest_written_one_by_one() {
+    // Room for 40 frontends of 2 slots (3 entries each) but not for a 41st.
+    let capacity = 40 * 3;
+    let store = || CheckingStore {
+        batches: true,
+        inner: MemStore {
+            svc_capacity: Some(capacity),
+            ..MemStore::default()
+        },
+        ..CheckingStore::default()
+    };
+    let mut w = Writer::new(store());
+    w.set_batch_chunk(8);
+    w.sync(many(40, 2, 0));
+    w.set_batch_threshold(0);
+    w.take_write_counts();
+    // 4 frontends removed (round 1), 36 changed, 5 new in the last round: the last new
+    // one does not fit, after 5 rounds written.
+    let mut desired = many(36, 2, 3);
+    let mut extra = many(45, 2, 7);
+    desired.extend(extra.drain(40..));
+    let report = w.sync(desired.clone());
+    assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
+    let err = report.errors[0].to_string();
+    assert!(err.contains("map SVC is full"), "{err}");
+    assert!(!err.contains("incompletely"), "{err}");
+    // The model after the replayed rounds is the maps.
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+    let counts = w.take_write_counts();
+    assert!(counts.batch > 0 && counts.single > 0, "{counts:?}");
+    // What a one-by-one writer serves with the same input.
+    let mut seq = Writer::new(store());
+    seq.set_batch_threshold(usize::MAX);
+    seq.sync(many(40, 2, 0));
+    let r = seq.sync(desired);
+    assert_eq!(r.errors.len(), 1);
+    assert_eq!(r.errors[0].to_string(), err);
+    assert_eq!(
+        served(&w.store().dump().expect("dump")),
+        served(&seq.store().dump().expect("dump"))
+    );
+    // And the next sync still writes nothing more than needed.
+    let again = w.sync(many(30, 2, 4));
+    assert!(again.errors.is_empty(), "{:?}", again.errors);
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+}

@@ -31,10 +31,6 @@ mod socket;
 pub use kube_proxy::{Iptables, IptablesVariant, Ipvs, Nftables};
 pub use socket::{metric, Socket};
 
-/// The old name of [`IptablesVariant`], still used by `pps.rs` and `api.rs` (changed on
-/// other branches now): to be replaced there once they are merged.
-pub use kube_proxy::IptablesVariant as Backend;
-
 /// What programming took: the total and its steps (seconds).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Timing {
