@@ -11,6 +11,10 @@
 //! twins are written in (`cluster::conflicts`).
 //!
 //! Time is passed in (`now`), so the logic is tested without sleeping.
+//!
+//! Over 600 lines on purpose: one type, `Syncer`, whose change tracking, initial-list gating and
+//! write path share its state (the conflict and external-IP rules it applies live in
+//! `cluster/`, its tests in `sync/tests.rs`).
 
 use std::{
     collections::{BTreeMap, BTreeSet},

@@ -3,6 +3,8 @@
 //! article's chain names), a Local-policy DNS service, a Service without endpoints, a
 //! NodePort with `externalTrafficPolicy: Local` and affinity, a LoadBalancer with source
 //! ranges, an IPv6 Service, a broken frontend, two node addresses and conntrack flows.
+//!
+//! Over 600 lines: tests only (one golden per view).
 
 use std::{
     collections::BTreeSet,

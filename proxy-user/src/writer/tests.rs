@@ -4,6 +4,8 @@
 //! fd00:10::N:8080. Every test compares the whole operation log or map dump with a golden
 //! text, and every store used here checks after *each* operation that the datapath could
 //! not see a half-written frontend.
+//!
+//! Over 600 lines: tests only (goldens of the update order).
 
 use std::net::{IpAddr, SocketAddr};
 

@@ -37,6 +37,10 @@
 //!
 //! The server runs on its own single-threaded tokio runtime on a background thread, so it
 //! works from plain `#[test]` functions and from `#[tokio::test]` ones alike.
+//!
+//! Over 600 lines on purpose: one server's protocol (lists, paging and continue tokens,
+//! watches, bookmarks, streaming lists, 410s), every part over the one store and its
+//! history; its own tests are `tests/apiserver_selftest.rs`.
 
 use std::{
     collections::{BTreeMap, HashMap},

@@ -1,4 +1,6 @@
 //! Sync-loop logic against the in-memory store, with time passed in.
+//!
+//! Over 600 lines: tests only.
 
 use std::time::{Duration, Instant};
 

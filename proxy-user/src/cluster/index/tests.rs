@@ -4,6 +4,8 @@
 //! IP plan: ClusterIPs 172.30.0.0/16 and fd00:30::/64; endpoints 10.180.0.0/16 and
 //! fd00:180::/64, target port 8080 ("http") unless said otherwise; this node is "node-a"
 //! in zone "zone-a".
+//!
+//! Over 600 lines: tests only (one table of Service rules).
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use serde_json::{json, Value};

@@ -1,0 +1,252 @@
+//! Raw `bpf(2)` for the packet-rate bench's own small XDP programs (no object file):
+//! the generator (`BPF_PROG_RUN` live frames), the pod's `XDP_DROP` sink and `xdp-fwd`'s
+//! plain FIB forwarding, loaded and attached by link.
+
+use super::*;
+
+pub(super) const BPF_PROG_LOAD: i64 = 5;
+pub(super) const BPF_PROG_TEST_RUN: i64 = 10;
+pub(super) const BPF_LINK_CREATE: i64 = 28;
+pub(super) const BPF_PROG_TYPE_XDP: u32 = 6;
+pub(super) const BPF_XDP: u32 = 37;
+pub(super) const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
+pub(super) const BPF_F_TEST_XDP_LIVE_FRAMES: u32 = 1 << 1;
+pub(super) const BPF_FUNC_REDIRECT: i32 = 23;
+pub(super) const BPF_FUNC_FIB_LOOKUP: i32 = 69;
+pub(super) const XDP_DROP: i32 = 1;
+pub(super) const XDP_PASS: i32 = 2;
+
+/// `bpf_attr` as bytes (its largest member is well under 160 bytes; the rest is zero).
+#[repr(C, align(8))]
+pub(super) struct Attr([u8; 160]);
+
+impl Attr {
+    fn new() -> Self {
+        Self([0; 160])
+    }
+    fn u32(&mut self, off: usize, v: u32) -> &mut Self {
+        self.0[off..off + 4].copy_from_slice(&v.to_ne_bytes());
+        self
+    }
+    fn u64(&mut self, off: usize, v: u64) -> &mut Self {
+        self.0[off..off + 8].copy_from_slice(&v.to_ne_bytes());
+        self
+    }
+    fn sys(&mut self, cmd: i64) -> io::Result<i64> {
+        // SAFETY: bpf(2) with a zero-padded attr of the size we pass; every pointer in
+        // it points into live buffers of the caller.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                cmd,
+                self.0.as_mut_ptr(),
+                self.0.len() as libc::c_uint,
+            )
+        };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(rc)
+    }
+}
+
+pub(super) type Insn = [u8; 8];
+
+pub(super) fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> Insn {
+    let mut i = [0u8; 8];
+    i[0] = code;
+    i[1] = (src << 4) | (dst & 0xf);
+    i[2..4].copy_from_slice(&off.to_le_bytes());
+    i[4..8].copy_from_slice(&imm.to_le_bytes());
+    i
+}
+pub(super) fn mov_imm(dst: u8, imm: i32) -> Insn {
+    insn(0xb7, dst, 0, 0, imm) // BPF_ALU64 | BPF_MOV | BPF_K
+}
+pub(super) fn call(helper: i32) -> Insn {
+    insn(0x85, 0, 0, 0, helper) // BPF_JMP | BPF_CALL
+}
+pub(super) fn exit() -> Insn {
+    insn(0x95, 0, 0, 0, 0) // BPF_JMP | BPF_EXIT
+}
+
+/// `xdp-fwd`'s program: plain XDP forwarding as the kernel's `samples/bpf/xdp_fwd_kern.c`
+/// does it, for IPv4: `bpf_fib_lookup` of the packet's addresses from the interface it
+/// came in on; on success, the TTL decremented (incremental checksum update), the MAC
+/// addresses rewritten to the FIB's next hop and `bpf_redirect` to the FIB's interface;
+/// anything else `XDP_PASS`. No NAT, no conntrack: the XDP ceiling of this path.
+pub(super) fn fib_forward_program() -> Vec<Insn> {
+    /// Jump target: the `XDP_PASS` exit at the end.
+    const PASS: bool = true;
+    // `bpf_fib_lookup` params at r10-64 (64 bytes): family @0, l4_protocol @1,
+    // ifindex @8, ipv4_src @16, ipv4_dst @32, smac @52, dmac @58.
+    const P: i16 = -64;
+    let mut p: Vec<(Insn, bool)> = Vec::new();
+    let bounds = [
+        insn(0x61, 2, 6, 0, 0),  // r2 = data
+        insn(0x61, 3, 6, 4, 0),  // r3 = data_end
+        insn(0xbf, 4, 2, 0, 0),  // r4 = r2
+        insn(0x07, 4, 0, 0, 34), // r4 += 14 + 20
+    ];
+    p.push((insn(0xbf, 6, 1, 0, 0), false)); // r6 = ctx
+    p.extend(bounds.map(|x| (x, false)));
+    p.push((insn(0x2d, 4, 3, 0, 0), PASS)); // if r4 > r3: pass
+    p.push((insn(0x69, 4, 2, 12, 0), false)); // r4 = eth proto (u16)
+    p.push((insn(0x55, 4, 0, 0, 0x0008), PASS)); // != htons(ETH_P_IP): pass
+    let mut fill = vec![];
+    for k in 0..8 {
+        fill.push(insn(0x7a, 10, 0, P + 8 * k, 0)); // *(u64 *)(r10 - 64 + 8k) = 0
+    }
+    fill.extend([
+        insn(0x72, 10, 0, P, 2),      // family = AF_INET
+        insn(0x71, 4, 2, 23, 0),      // r4 = ip->protocol
+        insn(0x73, 10, 4, P + 1, 0),  // l4_protocol
+        insn(0x61, 4, 6, 12, 0),      // r4 = ctx->ingress_ifindex
+        insn(0x63, 10, 4, P + 8, 0),  // ifindex
+        insn(0x61, 4, 2, 26, 0),      // r4 = ip->saddr
+        insn(0x63, 10, 4, P + 16, 0), // ipv4_src
+        insn(0x61, 4, 2, 30, 0),      // r4 = ip->daddr
+        insn(0x63, 10, 4, P + 32, 0), // ipv4_dst
+        insn(0xbf, 1, 6, 0, 0),       // r1 = ctx
+        insn(0xbf, 2, 10, 0, 0),      // r2 = r10
+        insn(0x07, 2, 0, 0, i32::from(P)),
+        mov_imm(3, 64),
+        mov_imm(4, 0),
+        call(BPF_FUNC_FIB_LOOKUP),
+    ]);
+    p.extend(fill.into_iter().map(|x| (x, false)));
+    p.push((insn(0x55, 0, 0, 0, 0), PASS)); // not BPF_FIB_LKUP_RET_SUCCESS: pass
+    p.extend(bounds.map(|x| (x, false)));
+    p.push((insn(0x2d, 4, 3, 0, 0), PASS));
+    let mut out = vec![
+        // ip_decrease_ttl(): check += htons(0x0100) with end-around carry, --ttl.
+        insn(0x69, 4, 2, 24, 0),     // r4 = ip->check (as stored)
+        insn(0x07, 4, 0, 0, 1),      // + htons(0x0100) on a little-endian machine
+        insn(0xa5, 4, 0, 1, 0xffff), // if r4 < 0xffff: skip the carry
+        insn(0x07, 4, 0, 0, 1),      // + 1
+        insn(0x6b, 2, 4, 24, 0),     // ip->check = r4
+        insn(0x71, 4, 2, 22, 0),     // r4 = ip->ttl
+        insn(0x07, 4, 0, 0, -1),     // - 1
+        insn(0x73, 2, 4, 22, 0),     // ip->ttl = r4
+    ];
+    // Ethernet destination = the FIB's dmac, source = its smac (2-byte aligned reads).
+    for (from, to) in [(58, 0), (60, 2), (62, 4), (52, 6), (54, 8), (56, 10)] {
+        out.push(insn(0x69, 4, 10, P + from, 0));
+        out.push(insn(0x6b, 2, 4, to, 0));
+    }
+    out.extend([
+        insn(0x61, 1, 10, P + 8, 0), // r1 = params.ifindex (the egress interface)
+        mov_imm(2, 0),
+        call(BPF_FUNC_REDIRECT),
+        exit(),
+    ]);
+    p.extend(out.into_iter().map(|x| (x, false)));
+    let pass_at = p.len();
+    p.push((mov_imm(0, XDP_PASS), false));
+    p.push((exit(), false));
+    p.iter()
+        .enumerate()
+        .map(|(at, (x, to_pass))| {
+            let mut x = *x;
+            if *to_pass {
+                let off = (pass_at as i64 - at as i64 - 1) as i16;
+                x[2..4].copy_from_slice(&off.to_le_bytes());
+            }
+            x
+        })
+        .collect()
+}
+
+/// The generator's XDP program: writes the whole frame (the pages of live frames are
+/// recycled as they come back, with whatever the path wrote into them: the node's MAC
+/// rewrite, TTL, DNAT), then `bpf_redirect(ifindex of eth0)`.
+pub(super) fn generator_program(frame: &[u8], ifindex: u32) -> Result<Vec<Insn>> {
+    if !frame.len().is_multiple_of(4) {
+        bail!("frame length {} is not a multiple of 4", frame.len());
+    }
+    let words = frame.len() / 4;
+    let mut p = vec![
+        insn(0x61, 2, 1, 0, 0),                  // r2 = ctx->data
+        insn(0x61, 3, 1, 4, 0),                  // r3 = ctx->data_end
+        insn(0xbf, 4, 2, 0, 0),                  // r4 = r2
+        insn(0x07, 4, 0, 0, frame.len() as i32), // r4 += len
+        // if r4 > r3: skip the stores and the redirect (to the XDP_ABORTED exit)
+        insn(0x2d, 4, 3, (words + 4) as i16, 0),
+    ];
+    for (i, w) in frame.chunks(4).enumerate() {
+        let imm = i32::from_ne_bytes([w[0], w[1], w[2], w[3]]);
+        p.push(insn(0x62, 2, 0, (i * 4) as i16, imm)); // *(u32 *)(r2 + 4i) = imm
+    }
+    p.extend([
+        mov_imm(1, ifindex as i32),
+        mov_imm(2, 0),
+        call(BPF_FUNC_REDIRECT),
+        exit(),
+        mov_imm(0, 0),
+        exit(),
+    ]);
+    Ok(p)
+}
+
+pub(super) fn load_xdp(insns: &[Insn], name: &str) -> Result<OwnedFd> {
+    let code: Vec<u8> = insns.iter().flatten().copied().collect();
+    let license = b"GPL\0";
+    let mut log = vec![0u8; 1 << 20];
+    let mut attr = Attr::new();
+    attr.u32(0, BPF_PROG_TYPE_XDP)
+        .u32(4, insns.len() as u32)
+        .u64(8, code.as_ptr() as u64)
+        .u64(16, license.as_ptr() as u64)
+        .u32(24, 1)
+        .u32(28, log.len() as u32)
+        .u64(32, log.as_mut_ptr() as u64)
+        .u32(68, BPF_XDP);
+    let n = name.as_bytes();
+    attr.0[48..48 + n.len().min(15)].copy_from_slice(&n[..n.len().min(15)]);
+    // Without a log first (a verbose log that does not fit fails the load with ENOSPC
+    // even when the program is fine); on failure again with one, for the message.
+    let quiet = {
+        let mut a = Attr(attr.0);
+        a.u32(24, 0).u32(28, 0).u64(32, 0);
+        a.sys(BPF_PROG_LOAD)
+    };
+    let fd = match quiet {
+        Ok(fd) => fd,
+        Err(_) => attr.sys(BPF_PROG_LOAD).map_err(|e| {
+            let end = log.iter().position(|b| *b == 0).unwrap_or(0);
+            anyhow::anyhow!(
+                "loading XDP program {name}: {e}: {}",
+                String::from_utf8_lossy(&log[..end])
+            )
+        })?,
+    };
+    // SAFETY: a new fd the kernel gave us.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// A native-mode XDP link on `ifindex` of the calling thread's namespace; detached when
+/// the fd closes (also when the process dies).
+pub(super) fn attach_xdp(prog: &OwnedFd, ifindex: u32) -> Result<OwnedFd> {
+    let mut attr = Attr::new();
+    attr.u32(0, prog.as_raw_fd() as u32)
+        .u32(4, ifindex)
+        .u32(8, BPF_XDP)
+        .u32(12, XDP_FLAGS_DRV_MODE);
+    let fd = attr.sys(BPF_LINK_CREATE).context("BPF_LINK_CREATE")?;
+    // SAFETY: a new fd the kernel gave us.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `repeat` copies of `frame` through `prog` in live-frames mode (really transmitted).
+pub(super) fn test_run_live(prog: &OwnedFd, frame: &[u8], repeat: u32) -> Result<()> {
+    let mut attr = Attr::new();
+    attr.u32(0, prog.as_raw_fd() as u32)
+        .u32(8, frame.len() as u32)
+        .u64(16, frame.as_ptr() as u64)
+        .u32(32, repeat)
+        .u32(64, BPF_F_TEST_XDP_LIVE_FRAMES)
+        .u32(72, 64);
+    attr.sys(BPF_PROG_TEST_RUN)
+        .context("BPF_PROG_RUN (live frames)")?;
+    Ok(())
+}
