@@ -227,18 +227,37 @@ fn run_api(args: &Args) -> Result<()> {
         .out
         .clone()
         .unwrap_or_else(|| root.join("target/bench-api"));
-    topo::ensure_bpffs();
-    topo::install_interrupt_handler();
-    let cgroup = topo::BenchCgroup::new()?;
-    let manifests = topo::TempDir::new("ebpf-proxy-bench-manifests-")?;
-    let ctx = Ctx {
-        exe: std::env::current_exe().context("the xtask binary")?,
-        bin_dir: crate::release_dir(),
-        cgroup: cgroup.path.clone(),
-        pin_path: PathBuf::from("/sys/fs/bpf").join(topo::unique("ebpf-proxy-bench-")),
-        manifests: manifests.0.clone(),
-    };
-    api::run(&cfg, &ctx, &out_dir)
+    let bench = Bench::new()?;
+    api::run(&cfg, &bench.ctx, &out_dir)
+}
+
+/// What every bench run sets up first: bpffs, the interrupt handler, the run's child
+/// cgroup and manifests directory, and the modes' context over them (removed on drop).
+struct Bench {
+    ctx: Ctx,
+    _cgroup: topo::BenchCgroup,
+    _manifests: topo::TempDir,
+}
+
+impl Bench {
+    fn new() -> Result<Self> {
+        topo::ensure_bpffs();
+        topo::install_interrupt_handler();
+        let cgroup = topo::BenchCgroup::new()?;
+        let manifests = topo::TempDir::new("ebpf-proxy-bench-manifests-")?;
+        let ctx = Ctx {
+            exe: std::env::current_exe().context("the xtask binary")?,
+            bin_dir: crate::release_dir(),
+            cgroup: cgroup.path.clone(),
+            pin_path: PathBuf::from("/sys/fs/bpf").join(topo::unique("ebpf-proxy-bench-")),
+            manifests: manifests.0.clone(),
+        };
+        Ok(Self {
+            ctx,
+            _cgroup: cgroup,
+            _manifests: manifests,
+        })
+    }
 }
 
 fn replot(json: &std::path::Path, out: Option<&std::path::Path>) -> Result<()> {

@@ -28,24 +28,44 @@ const PROG_INFO_LEN: usize = 208;
 const LINK_INFO_PROG_ID: usize = 8;
 const LINK_INFO_LEN: usize = 64;
 
+/// `bpf_attr` as bytes (its largest member is well under 160 bytes; the rest is zero):
+/// this module's calls and the packet-rate bench's own programs (`pps/xdp_progs.rs`).
 #[repr(C, align(8))]
-struct Attr([u8; 128]);
+#[derive(Clone)]
+pub struct Attr([u8; 160]);
 
-fn bpf(cmd: i64, attr: &mut Attr) -> io::Result<i64> {
-    // SAFETY: bpf(2) with a zero-padded attr of the size we pass; its pointers point
-    // into buffers the caller keeps alive across the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            cmd,
-            attr.0.as_mut_ptr(),
-            attr.0.len() as libc::c_uint,
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
+impl Attr {
+    pub fn new() -> Self {
+        Self([0; 160])
     }
-    Ok(rc)
+    pub fn u32(&mut self, off: usize, v: u32) -> &mut Self {
+        self.0[off..off + 4].copy_from_slice(&v.to_ne_bytes());
+        self
+    }
+    pub fn u64(&mut self, off: usize, v: u64) -> &mut Self {
+        self.0[off..off + 8].copy_from_slice(&v.to_ne_bytes());
+        self
+    }
+    pub fn bytes(&mut self, off: usize, v: &[u8]) -> &mut Self {
+        self.0[off..off + v.len()].copy_from_slice(v);
+        self
+    }
+    pub fn sys(&mut self, cmd: i64) -> io::Result<i64> {
+        // SAFETY: bpf(2) with a zero-padded attr of the size we pass; every pointer in
+        // it points into buffers the caller keeps alive across the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                cmd,
+                self.0.as_mut_ptr(),
+                self.0.len() as libc::c_uint,
+            )
+        };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(rc)
+    }
 }
 
 fn owned(fd: i64) -> OwnedFd {
@@ -57,17 +77,19 @@ fn owned(fd: i64) -> OwnedFd {
 pub struct StatsOn(#[allow(dead_code)] OwnedFd);
 
 pub fn enable() -> io::Result<StatsOn> {
-    let mut a = Attr([0; 128]);
-    a.0[0..4].copy_from_slice(&BPF_STATS_RUN_TIME.to_ne_bytes());
-    bpf(BPF_ENABLE_STATS, &mut a).map(|fd| StatsOn(owned(fd)))
+    Attr::new()
+        .u32(0, BPF_STATS_RUN_TIME)
+        .sys(BPF_ENABLE_STATS)
+        .map(|fd| StatsOn(owned(fd)))
 }
 
 fn info(fd: &OwnedFd, buf: &mut [u8]) -> io::Result<()> {
-    let mut a = Attr([0; 128]);
-    a.0[0..4].copy_from_slice(&(fd.as_raw_fd() as u32).to_ne_bytes());
-    a.0[4..8].copy_from_slice(&(buf.len() as u32).to_ne_bytes());
-    a.0[8..16].copy_from_slice(&(buf.as_mut_ptr() as u64).to_ne_bytes());
-    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut a).map(|_| ())
+    Attr::new()
+        .u32(0, fd.as_raw_fd() as u32)
+        .u32(4, buf.len() as u32)
+        .u64(8, buf.as_mut_ptr() as u64)
+        .sys(BPF_OBJ_GET_INFO_BY_FD)
+        .map(|_| ())
 }
 
 fn u64_at(b: &[u8], off: usize) -> u64 {
@@ -78,13 +100,11 @@ fn u64_at(b: &[u8], off: usize) -> u64 {
 pub fn linked_prog_id(link_pin: &Path) -> io::Result<u32> {
     let path = CString::new(link_pin.as_os_str().as_encoded_bytes())
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let mut a = Attr([0; 128]);
-    a.0[0..8].copy_from_slice(&(path.as_ptr() as u64).to_ne_bytes());
-    let link = owned(
-        bpf(BPF_OBJ_GET, &mut a)
-            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", link_pin.display())))?,
-    );
-    link_prog_id(&link)
+    let link = Attr::new()
+        .u64(0, path.as_ptr() as u64)
+        .sys(BPF_OBJ_GET)
+        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", link_pin.display())))?;
+    link_prog_id(&owned(link))
 }
 
 /// The program id behind a link we hold an fd of.
@@ -100,9 +120,7 @@ pub fn link_prog_id(link: &OwnedFd) -> io::Result<u32> {
 
 /// (ns, runs) of program `id` so far.
 pub fn run_stats(id: u32) -> io::Result<(u64, u64)> {
-    let mut a = Attr([0; 128]);
-    a.0[0..4].copy_from_slice(&id.to_ne_bytes());
-    let prog = owned(bpf(BPF_PROG_GET_FD_BY_ID, &mut a)?);
+    let prog = owned(Attr::new().u32(0, id).sys(BPF_PROG_GET_FD_BY_ID)?);
     let mut buf = [0u8; PROG_INFO_LEN];
     info(&prog, &mut buf)?;
     Ok((

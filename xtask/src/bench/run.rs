@@ -35,20 +35,11 @@ pub(super) fn run(args: &Args) -> Result<()> {
         .clone()
         .unwrap_or_else(|| root.join("target/bench"));
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    topo::ensure_bpffs();
-    topo::install_interrupt_handler();
-    let cgroup = topo::BenchCgroup::new()?;
-    let manifests = topo::TempDir::new("ebpf-proxy-bench-manifests-")?;
-    let ctx = Ctx {
-        exe: std::env::current_exe().context("the xtask binary")?,
-        bin_dir: crate::release_dir(),
-        cgroup: cgroup.path.clone(),
-        pin_path: PathBuf::from("/sys/fs/bpf").join(topo::unique("ebpf-proxy-bench-")),
-        manifests: manifests.0.clone(),
-    };
+    let bench = super::Bench::new()?;
+    let ctx = &bench.ctx;
     let pps_cfg = pps::PpsConfig::new(cfg.quick, args.rounds, args.pps_threaded_napi);
     if args.pps {
-        let r = pps::run(&ctx, &pps_cfg, args.modes.as_deref(), &out_dir, start)?;
+        let r = pps::run(ctx, &pps_cfg, args.modes.as_deref(), &out_dir, start)?;
         log(
             start,
             format!("done: {}", out_dir.join("pps-results.json").display()),
@@ -111,8 +102,8 @@ pub(super) fn run(args: &Args) -> Result<()> {
         }
         log(start, format!("setting up {}", mode.name()));
         let setup = mode
-            .setup(&ctx)
-            .and_then(|()| safety_check(&ctx, mode.as_ref()));
+            .setup(ctx)
+            .and_then(|()| safety_check(ctx, mode.as_ref()));
         let (available, reason) = match setup {
             Ok(()) => (true, None),
             Err(r) => {
@@ -188,7 +179,7 @@ pub(super) fn run(args: &Args) -> Result<()> {
                     format!("  {name}: programming {} services", report::thousands(n)),
                 );
                 let limit = Duration::from_secs_f64(cfg.program_limit_secs);
-                match st.mode.program(&ctx, &services, limit) {
+                match st.mode.program(ctx, &services, limit) {
                     Ok(Some(t)) => {
                         log(start, format!("  {name}: programmed in {:.3} s", t.seconds));
                         st.last_program = Some((n, t.seconds));
@@ -204,7 +195,7 @@ pub(super) fn run(args: &Args) -> Result<()> {
                         );
                         log(start, format!("  {name} gives up: {why}"));
                         st.gave_up = Some(why.clone());
-                        if let Err(e) = st.mode.clear(&ctx) {
+                        if let Err(e) = st.mode.clear(ctx) {
                             log(start, format!("  {name}: clearing after giving up: {e:#}"));
                         }
                         scale
@@ -216,7 +207,7 @@ pub(super) fn run(args: &Args) -> Result<()> {
                         let why = format!("{e:#}");
                         log(start, format!("  {name} failed: {why}"));
                         st.gave_up = Some(format!("failed at {} services", report::thousands(n)));
-                        let _ = st.mode.clear(&ctx);
+                        let _ = st.mode.clear(ctx);
                         scale
                             .modes
                             .push(ModeScale::new(name, Status::Failed, Some(why)));
@@ -225,11 +216,11 @@ pub(super) fn run(args: &Args) -> Result<()> {
                 }
             }
             // A short check that the target answers through this mode.
-            if let Err(e) = verify(&ctx, st.mode.as_ref(), false) {
+            if let Err(e) = verify(ctx, st.mode.as_ref(), false) {
                 let why = format!("{e:#}");
                 log(start, format!("  {name} failed its check: {why}"));
                 st.gave_up = Some(format!("failed at {} services", report::thousands(n)));
-                let _ = st.mode.clear(&ctx);
+                let _ = st.mode.clear(ctx);
                 scale
                     .modes
                     .push(ModeScale::new(name, Status::Failed, Some(why)));
@@ -269,7 +260,7 @@ pub(super) fn run(args: &Args) -> Result<()> {
                 let r = &mut running[ri];
                 let st = &states[r.idx];
                 let endpoints = plan::target_endpoints(r.swapped);
-                match datapath_round(&ctx, &cfg, st.mode.as_ref(), &endpoints, round) {
+                match datapath_round(ctx, &cfg, st.mode.as_ref(), &endpoints, round) {
                     Ok((res, tcp, udp)) => {
                         log(
                             start,
@@ -313,7 +304,7 @@ pub(super) fn run(args: &Args) -> Result<()> {
                 st.mode.pause(false);
                 std::thread::sleep(Duration::from_secs_f64(cfg.settle_secs));
                 let outcome =
-                    endpoint_change(&ctx, &cfg, st.mode.as_mut(), &mut services, r.swapped);
+                    endpoint_change(ctx, &cfg, st.mode.as_mut(), &mut services, r.swapped);
                 st.mode.pause(true);
                 r.change_spent += t.elapsed();
                 let mut ch = ChangeResult {
@@ -388,7 +379,7 @@ pub(super) fn run(args: &Args) -> Result<()> {
                 .filter(|s| s.available && s.gave_up.is_none())
             {
                 let t = Instant::now();
-                if let Err(e) = st.mode.clear(&ctx) {
+                if let Err(e) = st.mode.clear(ctx) {
                     log(start, format!("  {}: clearing: {e:#}", st.mode.name()));
                     st.gave_up = Some(format!("could not clear its rules: {e:#}"));
                 } else if t.elapsed() > Duration::from_secs(1) {
@@ -422,15 +413,14 @@ pub(super) fn run(args: &Args) -> Result<()> {
         None
     } else {
         Some(pps::run(
-            &ctx,
+            ctx,
             &pps_cfg,
             args.modes.as_deref(),
             &out_dir,
             start,
         )?)
     };
-    drop(cgroup);
-    drop(manifests);
+    drop(bench);
     log(
         start,
         format!(

@@ -3,6 +3,7 @@
 //! plain FIB forwarding, loaded and attached by link.
 
 use super::*;
+use crate::bench::progstats::Attr;
 
 pub(super) const BPF_PROG_LOAD: i64 = 5;
 pub(super) const BPF_PROG_TEST_RUN: i64 = 10;
@@ -15,40 +16,6 @@ pub(super) const BPF_FUNC_REDIRECT: i32 = 23;
 pub(super) const BPF_FUNC_FIB_LOOKUP: i32 = 69;
 pub(super) const XDP_DROP: i32 = 1;
 pub(super) const XDP_PASS: i32 = 2;
-
-/// `bpf_attr` as bytes (its largest member is well under 160 bytes; the rest is zero).
-#[repr(C, align(8))]
-pub(super) struct Attr([u8; 160]);
-
-impl Attr {
-    fn new() -> Self {
-        Self([0; 160])
-    }
-    fn u32(&mut self, off: usize, v: u32) -> &mut Self {
-        self.0[off..off + 4].copy_from_slice(&v.to_ne_bytes());
-        self
-    }
-    fn u64(&mut self, off: usize, v: u64) -> &mut Self {
-        self.0[off..off + 8].copy_from_slice(&v.to_ne_bytes());
-        self
-    }
-    fn sys(&mut self, cmd: i64) -> io::Result<i64> {
-        // SAFETY: bpf(2) with a zero-padded attr of the size we pass; every pointer in
-        // it points into live buffers of the caller.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                cmd,
-                self.0.as_mut_ptr(),
-                self.0.len() as libc::c_uint,
-            )
-        };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(rc)
-    }
-}
 
 pub(super) type Insn = [u8; 8];
 
@@ -202,11 +169,11 @@ pub(super) fn load_xdp(insns: &[Insn], name: &str) -> Result<OwnedFd> {
         .u64(32, log.as_mut_ptr() as u64)
         .u32(68, BPF_XDP);
     let n = name.as_bytes();
-    attr.0[48..48 + n.len().min(15)].copy_from_slice(&n[..n.len().min(15)]);
+    attr.bytes(48, &n[..n.len().min(15)]);
     // Without a log first (a verbose log that does not fit fails the load with ENOSPC
     // even when the program is fine); on failure again with one, for the message.
     let quiet = {
-        let mut a = Attr(attr.0);
+        let mut a = attr.clone();
         a.u32(24, 0).u32(28, 0).u64(32, 0);
         a.sys(BPF_PROG_LOAD)
     };
