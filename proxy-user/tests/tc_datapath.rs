@@ -29,7 +29,7 @@ use std::{
 use support::{
     run,
     tc::{clsact_pin, our_one_filter, program_loaded, tc_filters, tcx_programs, UninstallIn},
-    two_nodes::{link, sysctl, Cluster},
+    two_nodes::Cluster,
     unique, AgentProcess, Netns, Server, TestEnv,
 };
 
@@ -680,29 +680,9 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     let env = TestEnv::outside_cgroup();
     let c = Cluster::dual_stack("ebp-");
     let node_b = &c.node_b;
-    for ns in [&c.ext, node_b] {
-        sysctl(ns, "net.ipv4.conf.all.rp_filter=0");
-        sysctl(ns, "net.ipv4.conf.default.rp_filter=0");
-    }
-    link(
-        &c.ext,
-        "eth1",
-        &["10.100.2.1/24", "fd00:102::1/64"],
-        node_b,
-        "ext0",
-        &["10.100.2.2/24", "fd00:102::2/64"],
-    );
     // The client itself through the direct link; node 1's address (the SNAT source of
     // SNATed flows) still through node 1.
-    node_b.ip(&["route", "add", "10.100.0.1/32", "via", "10.100.2.1"]);
-    node_b.ip(&[
-        "-6",
-        "route",
-        "add",
-        "fd00:100::1/128",
-        "via",
-        "fd00:102::1",
-    ]);
+    c.link_client_to_node_b();
     let dir = manifests_dir();
     write(
         &dir,
@@ -1171,24 +1151,11 @@ fn maglev_gives_one_backend_per_flow_on_both_nodes_and_a_backend_leaving_moves_o
     let env = TestEnv::outside_cgroup();
     let c = Cluster::dual_stack("ebp-");
     let node_b = &c.node_b;
-    for ns in [&c.ext, node_b] {
-        sysctl(ns, "net.ipv4.conf.all.rp_filter=0");
-        sysctl(ns, "net.ipv4.conf.default.rp_filter=0");
-    }
     // The client's link to node 2; node 2 answers the clients over it and reaches node
     // 1's pods through node 1. A second client address.
-    link(
-        &c.ext,
-        "eth1",
-        &["10.100.2.1/24"],
-        node_b,
-        "ext0",
-        &["10.100.2.2/24"],
-    );
+    c.link_client_to_node_b();
     c.ext.ip(&["addr", "add", "10.100.0.3/24", "dev", "eth0"]);
-    for client in ["10.100.0.1/32", "10.100.0.3/32"] {
-        node_b.ip(&["route", "add", client, "via", "10.100.2.1"]);
-    }
+    node_b.ip(&["route", "add", "10.100.0.3/32", "via", "10.100.2.1"]);
     node_b.ip(&["route", "add", "10.1.0.0/16", "via", "10.100.1.1"]);
     // Six backends: a second address in each pod, with a server of its own.
     let mut servers = Vec::new();

@@ -58,6 +58,35 @@ pub fn link(a: &Netns, a_if: &str, a_addrs: &[&str], b: &Netns, b_if: &str, b_ad
 }
 
 impl Cluster {
+    /// A second client link, straight to node-b (`eth1` 10.100.2.1 / fd00:102::1 <->
+    /// `ext0` .2), as a router's other path: reverse-path filtering off on both ends, and
+    /// node-b answers the client (10.100.0.1, fd00:100::1) over it, while node-a's
+    /// addresses stay behind node-a. Dual-stack clusters only.
+    pub fn link_client_to_node_b(&self) {
+        for ns in [&self.ext, &self.node_b] {
+            sysctl(ns, "net.ipv4.conf.all.rp_filter=0");
+            sysctl(ns, "net.ipv4.conf.default.rp_filter=0");
+        }
+        link(
+            &self.ext,
+            "eth1",
+            &["10.100.2.1/24", "fd00:102::1/64"],
+            &self.node_b,
+            "ext0",
+            &["10.100.2.2/24", "fd00:102::2/64"],
+        );
+        self.node_b
+            .ip(&["route", "add", "10.100.0.1/32", "via", "10.100.2.1"]);
+        self.node_b.ip(&[
+            "-6",
+            "route",
+            "add",
+            "fd00:100::1/128",
+            "via",
+            "fd00:102::1",
+        ]);
+    }
+
     /// IPv4 and IPv6; namespaces named `<prefix>ext-...`, `<prefix>na-...`, ...
     pub fn dual_stack(prefix: &str) -> Self {
         Self::new(prefix, true)
