@@ -18,7 +18,7 @@ use proxy_common::{
     SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
 };
 
-use crate::tc::state::{Bucket, Fwd, Scratch};
+use crate::tc::state::{Bucket, Fib, Scratch};
 
 /// IPv4 frontends (slot 0) and their backend slots (1..=count).
 #[map]
@@ -176,10 +176,11 @@ pub static SCRATCH4: PerCpuArray<Scratch<u32>> = PerCpuArray::with_max_entries(1
 #[map]
 pub static SCRATCH6: PerCpuArray<Scratch<[u32; 4]>> = PerCpuArray::with_max_entries(1, 0);
 
-/// XDP per-CPU scratch: the FIB result a packet will be forwarded by, kept between the
-/// check before the rewrite and the forward after it (`tc::state::Fwd`).
+/// Per-CPU `bpf_fib_lookup` argument and result (`tc::state::Fib`), of TC's redirect and
+/// of XDP (kept there between the check before the rewrite and the forward after it):
+/// 64 bytes off the stack, whose 512 the verifier counts over the whole call chain.
 #[map]
-pub static XDP_FWD: PerCpuArray<Fwd> = PerCpuArray::with_max_entries(1, 0);
+pub static FIB: PerCpuArray<Fib> = PerCpuArray::with_max_entries(1, 0);
 
 /// Per-CPU token bucket of the ICMP port unreachable answers (`tc::unreach`).
 #[map]

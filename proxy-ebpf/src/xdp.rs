@@ -36,8 +36,8 @@ use proxy_common::Reason;
 
 use crate::{
     lb::{V4, V6},
-    maps::{count_xdp, XDP_FWD},
-    tc::{flow, PktAccess, PktFamily, PktHook, Verdict, ETH_P_IP, ETH_P_IPV6},
+    maps::{count_xdp, FIB},
+    tc::{fib_params, flow, PktAccess, PktFamily, PktHook, Verdict, ETH_P_IP, ETH_P_IPV6},
 };
 
 const ETH_HLEN: usize = 14;
@@ -197,8 +197,17 @@ impl PktAccess for XdpContext {
     #[inline(always)]
     fn store<T>(&self, off: usize, v: &T) -> Result<(), ()> {
         let p = at::<T>(self, off)?;
-        // SAFETY: in bounds (checked); XDP packet data is writable.
-        unsafe { core::ptr::write_unaligned(p, core::ptr::read(v)) };
+        // A non-overlapping copy (a map value or the stack into the packet): LLVM expands
+        // it into loads and stores. `write_unaligned(p, read(v))` became a call of the
+        // BPF target's byte-at-a-time `memmove` for the 12 bytes of MAC addresses.
+        // SAFETY: in bounds (checked); XDP packet data is writable and `v` is not in it.
+        unsafe {
+            core::ptr::copy_nonoverlapping(
+                (v as *const T).cast::<u8>(),
+                p.cast::<u8>(),
+                core::mem::size_of::<T>(),
+            )
+        };
         Ok(())
     }
 
@@ -267,55 +276,47 @@ impl PktHook for XdpContext {
 }
 
 /// FIB lookup for a packet from `src` to `dst` arriving on this interface; on success
-/// the egress interface and MAC addresses are kept in `XDP_FWD` for [`send`]. False for
-/// anything else (no neighbour entry, no route, local delivery, forwarding disabled):
-/// the caller hands the packet to TC untouched.
+/// the egress interface and MAC addresses stay in this CPU's `FIB` entry for [`send`].
+/// False for anything else (no neighbour entry, no route, local delivery, forwarding
+/// disabled): the caller hands the packet to TC untouched.
 #[inline(never)]
 fn fib_check<F: PktFamily>(ctx: &XdpContext, src: F::Addr, dst: F::Addr, proto: u8) -> bool {
-    let Some(fwd) = XDP_FWD.get_ptr_mut(0) else {
+    let Some(params) = fib_params() else {
         return false;
     };
-    // SAFETY: a zeroed plain-data struct.
-    let mut params: FibParams = unsafe { core::mem::zeroed() };
+    // SAFETY: this CPU's entry, cleared by `fib_params`.
+    let params = unsafe { &mut *params };
     params.family = F::FAMILY;
     params.l4_protocol = proto;
     params.ifindex = ctx.ingress_ifindex() as u32;
-    F::fib_set(&mut params, src, dst);
+    F::fib_set(params, src, dst);
     // SAFETY: valid ctx and params.
     let ret = unsafe {
         bpf_fib_lookup(
             ctx.as_ptr(),
-            &mut params,
+            params as *mut FibParams,
             core::mem::size_of::<FibParams>() as i32,
             0,
         )
     };
-    if ret != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
-        return false;
-    }
-    // SAFETY: this CPU's entry; the program is not preempted on its CPU.
-    let fwd = unsafe { &mut *fwd };
-    fwd.ifindex = params.ifindex;
-    fwd.macs[..6].copy_from_slice(&params.dmac);
-    fwd.macs[6..].copy_from_slice(&params.smac);
-    true
+    ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS)
 }
 
 /// Sends the translated packet where [`fib_check`] found: `XDP_TX` back out of the
 /// interface it came in on, `XDP_REDIRECT` to another.
 #[inline(never)]
 fn send(ctx: &XdpContext) -> i32 {
-    let Some(fwd) = XDP_FWD.get_ptr(0) else {
+    let Some(fib) = FIB.get_ptr(0) else {
         return xdp_action::XDP_DROP as i32;
     };
     // SAFETY: this CPU's entry, written by `fib_check` for this packet.
-    let fwd = unsafe { &*fwd };
-    if ctx.store(0, &fwd.macs).is_err() {
+    let params = unsafe { &(*fib).params };
+    if ctx.store(0, &params.dmac).is_err() || ctx.store(6, &params.smac).is_err() {
         return xdp_action::XDP_DROP as i32;
     }
-    if fwd.ifindex as usize == ctx.ingress_ifindex() {
+    if params.ifindex as usize == ctx.ingress_ifindex() {
         return xdp_action::XDP_TX as i32;
     }
     // SAFETY: plain helper.
-    unsafe { bpf_redirect(fwd.ifindex, 0) as i32 }
+    unsafe { bpf_redirect(params.ifindex, 0) as i32 }
 }

@@ -18,6 +18,13 @@ const TCP_RST: u8 = 0x04;
 /// First and number of SNAT ports (the kernel's default ephemeral range).
 pub const SNAT_PORT_MIN: u32 = 32768;
 pub const SNAT_PORT_SPAN: u32 = 28232;
+/// Whether `port` (network order) is in the SNAT range, so that a packet to it may be
+/// the reply of a SNATed flow.
+#[inline(always)]
+pub fn may_be_snat_port(port: u16) -> bool {
+    u32::from(u16::from_be(port)).wrapping_sub(SNAT_PORT_MIN) < SNAT_PORT_SPAN
+}
+
 /// Random probes before the scan.
 const SNAT_TRIES: u32 = 4;
 

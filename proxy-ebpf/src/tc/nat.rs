@@ -13,7 +13,7 @@ use aya_ebpf::{
 use proxy_common::Reason;
 
 use super::family::{Pkt, PktAccess, PktFamily};
-use crate::maps::count;
+use crate::maps::{count, FIB};
 
 /// Rewrites a packet: destination := `dnat`, source := `snat` (zero addresses: leave
 /// that end alone), ports included. A failure may leave the packet half-rewritten: the
@@ -56,6 +56,30 @@ pub fn rewrite<F: PktFamily, C: PktAccess>(
     Ok(())
 }
 
+const _: () =
+    assert!(core::mem::size_of::<FibParams>() == 64 && core::mem::align_of::<FibParams>() == 4);
+
+/// This CPU's `bpf_fib_lookup` argument (`maps::FIB`), all zero. Cleared with sixteen
+/// 4-byte stores: a zeroed struct on the stack (`mem::zeroed()`) compiled to a call of
+/// the BPF target's byte-at-a-time `memset`, a 64-iteration loop per packet and the
+/// largest single item of the XDP program's profile. Volatile, so LLVM does not fold the
+/// stores back into that call.
+#[inline(always)]
+pub fn fib_params() -> Option<*mut FibParams> {
+    let p = FIB.get_ptr_mut(0)?;
+    // SAFETY: this CPU's entry (a program is not preempted on its CPU); sixteen aligned
+    // words inside its 64 bytes; all-zero bytes are a valid `bpf_fib_lookup`.
+    unsafe {
+        let params = &raw mut (*p).params;
+        let w = params as *mut u32;
+        macro_rules! clear {
+            ($($i:literal)*) => { $(w.add($i).write_volatile(0);)* };
+        }
+        clear!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+        Some(params)
+    }
+}
+
 /// Forwards a packet by FIB lookup and redirect (needed when its source is now one of
 /// the node's addresses: the stack would drop it as a martian). Falls back to the stack,
 /// counting `tc_fib_miss` (in addition to the packet's outcome, which its path chose).
@@ -63,30 +87,27 @@ pub fn rewrite<F: PktFamily, C: PktAccess>(
 // ("Looks like the BPF stack limit is exceeded" when everything is inlined).
 #[inline(never)]
 pub fn fib_redirect<F: PktFamily>(ctx: &TcContext, src: F::Addr, dst: F::Addr, proto: u8) -> i32 {
-    // SAFETY: a zeroed plain-data struct.
-    let mut params: FibParams = unsafe { core::mem::zeroed() };
+    let Some(params) = fib_params() else {
+        return TC_ACT_OK as i32;
+    };
+    // SAFETY: this CPU's entry, cleared above.
+    let params = unsafe { &mut *params };
     params.family = F::FAMILY;
     params.l4_protocol = proto;
     // SAFETY: the context's skb.
     params.ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
-    F::fib_set(&mut params, src, dst);
+    F::fib_set(params, src, dst);
     // SAFETY: valid ctx and params.
     let ret = unsafe {
         bpf_fib_lookup(
             ctx.as_ptr(),
-            &mut params,
+            params as *mut FibParams,
             core::mem::size_of::<FibParams>() as i32,
             0,
         )
     };
     if ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
-        let macs: [u8; 12] = {
-            let mut m = [0u8; 12];
-            m[..6].copy_from_slice(&params.dmac);
-            m[6..].copy_from_slice(&params.smac);
-            m
-        };
-        if ctx.store(0, &macs, 0).is_err() {
+        if ctx.store(0, &params.dmac, 0).is_err() || ctx.store(6, &params.smac, 0).is_err() {
             return TC_ACT_OK as i32;
         }
         // SAFETY: plain helper.

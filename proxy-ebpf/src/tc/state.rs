@@ -1,9 +1,9 @@
 //! The state the TC and XDP programs keep per CPU (`maps::SCRATCH4/6`,
-//! `maps::UNREACH_BUCKET`, `maps::XDP_FWD`):
+//! `maps::UNREACH_BUCKET`, `maps::FIB`):
 //! plain data that uses no map, so `maps.rs` (which declares every map) can name these
 //! types without importing the programs that use them.
 
-use aya_ebpf::bindings::BPF_F_MARK_MANGLED_0;
+use aya_ebpf::bindings::{bpf_fib_lookup as FibParams, BPF_F_MARK_MANGLED_0};
 use proxy_common::proto;
 
 /// A parsed packet: where its fields are and what they hold (network byte order).
@@ -52,9 +52,9 @@ pub struct Bucket {
     pub(super) last_ns: u64,
 }
 
-/// Where a packet will be forwarded at XDP (`maps::XDP_FWD`): the FIB lookup's egress
-/// interface and Ethernet addresses, found before the rewrite.
-pub struct Fwd {
-    pub ifindex: u32,
-    pub macs: [u8; 12],
+/// A `bpf_fib_lookup` argument and result (`maps::FIB`). XDP keeps the result (egress
+/// interface, Ethernet addresses) here between the check before the rewrite and the
+/// forward after it.
+pub struct Fib {
+    pub params: FibParams,
 }
