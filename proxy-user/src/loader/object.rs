@@ -133,3 +133,97 @@ pub(super) fn bump_memlock_rlimit() {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use object::{Object as _, ObjectSection as _, ObjectSymbol as _, RelocationTarget};
+
+    use super::EBPF_OBJECT;
+
+    /// The functions of the TC and XDP programs a packet of a known flow runs through.
+    const KNOWN_FLOW_PATH: &[&str] = &[
+        "tc_ingress",
+        "tc_egress",
+        "xdp_ingress",
+        "4flow",
+        "10parse_into",
+        "10reply_path",
+        "10known_path",
+        "12refresh_orig",
+        "7rewrite",
+        "9fib_check",
+        "4send",
+        "12fib_redirect",
+        "7backend",
+        "7for_tc4",
+        "7for_tc6",
+    ];
+
+    /// For every relocation of the object, the function it is in and the symbol it
+    /// names (a map, or a function the BPF target links in).
+    fn relocations() -> Vec<(String, String)> {
+        assert!(
+            !EBPF_OBJECT.is_empty(),
+            "built without the eBPF object (PROXY_EBPF_STUB or no bpf-linker): run `cargo xtask setup`"
+        );
+        let file = object::File::parse(EBPF_OBJECT).expect("the eBPF object parses as ELF");
+        let mut out = Vec::new();
+        for section in file.sections() {
+            let funcs: Vec<_> = file
+                .symbols()
+                .filter(|s| s.section_index() == Some(section.index()) && s.size() > 0)
+                .map(|s| (s.address(), s.size(), s.name().unwrap_or("?").to_string()))
+                .collect();
+            for (offset, reloc) in section.relocations() {
+                let RelocationTarget::Symbol(idx) = reloc.target() else {
+                    continue;
+                };
+                let target = file
+                    .symbol_by_index(idx)
+                    .and_then(|s| s.name().map(str::to_string))
+                    .unwrap_or_default();
+                let func = funcs
+                    .iter()
+                    .find(|(a, size, _)| (*a..a + size).contains(&offset))
+                    .map(|(_, _, n)| n.clone())
+                    .unwrap_or_default();
+                out.push((func, target));
+            }
+        }
+        out
+    }
+
+    fn on_known_flow_path(func: &str) -> bool {
+        KNOWN_FLOW_PATH.iter().any(|f| func.contains(f))
+    }
+
+    /// On the BPF target a zeroed struct, an unaligned array store or another
+    /// struct-sized copy can compile to a call of the byte-at-a-time `memset`/`memmove`/
+    /// `memcpy` loops the target links in: a 64-byte `memset` per forwarded packet was the
+    /// largest item of the XDP program's profile (docs/benchmarks.md, "The per-packet cost
+    /// cut"). None may be called on the path of a packet of a known flow.
+    #[test]
+    fn no_byte_loop_calls_on_the_known_flow_path() {
+        let relocs = relocations();
+        // The scan sees the path: its functions name the conntrack maps.
+        for map in ["CT4", "CT6", "FIB"] {
+            assert!(
+                relocs
+                    .iter()
+                    .any(|(f, t)| t == map && on_known_flow_path(f)),
+                "no relocation to {map} found in the known-flow functions: the scan is broken"
+            );
+        }
+        let calls: Vec<_> = relocs
+            .iter()
+            .filter(|(f, t)| {
+                ["memset", "memmove", "memcpy", "memcmp", "bcmp"].contains(&t.as_str())
+                    && on_known_flow_path(f)
+            })
+            .collect();
+        assert!(
+            calls.is_empty(),
+            "byte-loop calls on the known-flow path: {calls:#?}"
+        );
+    }
+}
