@@ -299,7 +299,7 @@ mod tests {
             panic!("not a reduced Service");
         };
         assert_eq!(
-            r.info.as_ref().map(|_| ()).unwrap_err().label(),
+            r.info.as_ref().map(|_| ()).expect_err("invalid").label(),
             "bad_cluster_ip"
         );
     }
