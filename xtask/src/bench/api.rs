@@ -183,6 +183,10 @@ pub struct ApiScale {
     /// agent's own work once the lists have arrived.
     #[serde(default)]
     pub restart_last_page_to_healthy_secs: Option<f64>,
+    /// The restarted agent's VmHWM once healthy (MiB): its lists are read while it
+    /// adopts the pins, so both are held at once.
+    #[serde(default)]
+    pub restart_hwm_mib: Option<f64>,
     /// Map writes of the first sync after the restart (0 = adopted as pinned).
     pub restart_map_writes: Option<u64>,
     /// The same N through the other paths: mode name -> programming seconds (None: did
@@ -758,14 +762,16 @@ fn one_scale(
     let since = |t: Option<&Instant>| t.map(|t| healthy_at.duration_since(*t).as_secs_f64());
     scale.restart_list_to_healthy_secs = since(pages.iter().min());
     scale.restart_last_page_to_healthy_secs = since(pages.iter().max());
+    scale.restart_hwm_mib = agent.memory_mib().1;
     log(
         start,
         format!(
-            "  restart on the pins: healthy after {:.2} s ({:.2} s after the first list page, {:.2} s after the last), {:?} map writes",
+            "  restart on the pins: healthy after {:.2} s ({:.2} s after the first list page, {:.2} s after the last), {:?} map writes, VmHWM {:.1} MiB",
             healthy.as_secs_f64(),
             scale.restart_list_to_healthy_secs.unwrap_or_default(),
             scale.restart_last_page_to_healthy_secs.unwrap_or_default(),
-            scale.restart_map_writes
+            scale.restart_map_writes,
+            scale.restart_hwm_mib.unwrap_or_default()
         ),
     );
     if std::env::var_os("BENCH_AGENT_LOG").is_some() {
