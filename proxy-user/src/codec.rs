@@ -77,6 +77,21 @@ pub fn decode_svc6(k: &Svc6Key) -> Option<Frontend> {
 }
 
 /// Puts one `SVC` entry read back into a dump: slot 0 as the frontend, others as slots.
+/// [`put_svc`] into vectors (built into the dump's maps in bulk).
+pub fn push_svc(
+    frontends: &mut Vec<(Frontend, crate::store::FrontendValue)>,
+    slots: &mut Vec<((Frontend, u16), u32)>,
+    fe: Frontend,
+    slot: u16,
+    v: &SvcValue,
+) {
+    if slot == 0 {
+        frontends.push((fe, decode_frontend_value(v)));
+    } else {
+        slots.push(((fe, slot), v.backend_id));
+    }
+}
+
 pub fn put_svc(d: &mut Dump, fe: Frontend, slot: u16, v: &SvcValue) {
     if slot == 0 {
         d.frontends.insert(fe, decode_frontend_value(v));

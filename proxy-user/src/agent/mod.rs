@@ -147,6 +147,30 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     .with_context(|| format!("binding the health address {}", opts.healthz_addr))?;
     info!(metrics = %m, healthz = %h, "serving /metrics, /healthz and /livez");
 
+    // The sources start before the pinned maps are read back: the lists (seconds at tens
+    // of thousands of Services) arrive and are decoded while adoption runs on another
+    // thread, and wait in the channel for the syncer (which writes nothing before every
+    // initial list is in).
+    let (tx, rx) = mpsc::channel(4096);
+    match &opts.manifests {
+        Some(dir) => {
+            info!(dir = %dir.display(), "source: manifests directory");
+            let source = manifests::ManifestsDir::new(dir, metrics.source.clone());
+            manifests::spawn(source, opts.manifests_poll, tx)
+                .context("starting the manifests thread")?;
+        }
+        None => {
+            let client = kube_source::client(opts.kubeconfig.as_deref()).await?;
+            info!(node = %opts.node_name, "source: Kubernetes API");
+            kube_source::spawn(
+                client,
+                opts.proxy_name.as_deref(),
+                &opts.node_name,
+                tx,
+                metrics.source.clone(),
+            );
+        }
+    }
     let maps = BpfMaps::open(&opts.pin_path)?;
     // Off the runtime: the servers above keep answering while the maps are read back.
     let maglev = opts.maglev;
@@ -176,26 +200,6 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
             .inc_by(*n as u64);
     }
 
-    let (tx, rx) = mpsc::channel(4096);
-    match &opts.manifests {
-        Some(dir) => {
-            info!(dir = %dir.display(), "source: manifests directory");
-            let source = manifests::ManifestsDir::new(dir, metrics.source.clone());
-            manifests::spawn(source, opts.manifests_poll, tx)
-                .context("starting the manifests thread")?;
-        }
-        None => {
-            let client = kube_source::client(opts.kubeconfig.as_deref()).await?;
-            info!(node = %opts.node_name, "source: Kubernetes API");
-            kube_source::spawn(
-                client,
-                opts.proxy_name.as_deref(),
-                &opts.node_name,
-                tx,
-                metrics.source.clone(),
-            );
-        }
-    }
     let node = NodeInfo {
         name: opts.node_name.clone(),
         ..NodeInfo::default()

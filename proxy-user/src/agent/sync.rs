@@ -34,7 +34,7 @@ use crate::{
         index::Index,
         lb_algorithm::{self, LbAlgorithm},
         objects::{NodeInfo, ObjKey, ServiceInfo, SliceInfo, LABEL_SERVICE_NAME},
-        Kind, Object, Update,
+        Kind, Object, Reduced, Update,
     },
     fasthash::{HashMap, HashSet},
     model::{Frontend, Proto, ServiceEntry},
@@ -217,15 +217,15 @@ impl<S: MapStore> Syncer<S> {
     }
 
     /// The Service's algorithm for external traffic: its `ebpf-proxy.io/lb-algorithm`
-    /// annotation, else `--lb-algorithm`. An unknown value is said, counted
+    /// annotation (`value`), else `--lb-algorithm`. An unknown value is said, counted
     /// (`objects_skipped_total{kind="Service",reason="lb_algorithm_unknown"}`) and the
     /// default used: the Service is still programmed.
-    fn lb_algorithm(&self, svc: &k8s_openapi::api::core::v1::Service) -> LbAlgorithm {
-        match lb_algorithm::from_annotations(svc.metadata.annotations.as_ref()) {
-            Ok(Some(a)) => a,
-            Ok(None) => self.lb_default,
-            Err(value) => {
-                let key = display_key(&svc.metadata);
+    fn lb_algorithm(&self, key: &ObjKey, value: Option<&str>) -> LbAlgorithm {
+        match value.map(str::parse::<LbAlgorithm>) {
+            Some(Ok(a)) => a,
+            None => self.lb_default,
+            Some(Err(_)) => {
+                let value = value.unwrap_or_default();
                 warn!(
                     service = %key, value = %value,
                     "Service {key}: annotation {}: {value:?} is not random or maglev; using the default ({})",
@@ -237,19 +237,54 @@ impl<S: MapStore> Syncer<S> {
         }
     }
 
-    fn service_info(
-        &self,
-        svc: &k8s_openapi::api::core::v1::Service,
-    ) -> Result<Option<ServiceInfo>, ()> {
-        let mut info = ServiceInfo::from_k8s(svc, self.proxy_name.as_deref()).map_err(|skip| {
-            let key = display_key(&svc.metadata);
+    /// An object as the syncer takes it: reduced (by the API reader already, else here).
+    fn reduce(&self, obj: Object) -> Incoming {
+        let proxy = self.proxy_name.as_deref();
+        match obj {
+            Object::Service(svc) => Incoming::Service(Reduced {
+                key: obj_key(&svc.metadata),
+                info: ServiceInfo::from_k8s(&svc, proxy),
+                tag: svc
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(lb_algorithm::ANNOTATION))
+                    .map(|v| Box::from(v.as_str())),
+            }),
+            Object::ReducedService(r) => Incoming::Service(*r),
+            Object::Slice(s) => {
+                let info = SliceInfo::from_k8s(&s, proxy);
+                let tag = match &info {
+                    Err(_) => s
+                        .metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(LABEL_SERVICE_NAME))
+                        .map(|n| Box::from(n.as_str())),
+                    Ok(_) => None,
+                };
+                Incoming::Slice(Reduced {
+                    key: obj_key(&s.metadata),
+                    info,
+                    tag,
+                })
+            }
+            Object::ReducedSlice(r) => Incoming::Slice(*r),
+            Object::Node(n) => Incoming::Node(n),
+        }
+    }
+
+    /// A reduced Service, with the agent's rules applied (its algorithm, the allowed
+    /// externalIPs, no SCTP); `Err`: unusable, logged and counted.
+    fn service_info(&self, r: Reduced<ServiceInfo>) -> Result<Option<ServiceInfo>, ()> {
+        let key = &r.key;
+        let mut info = r.info.map_err(|skip| {
             warn!(service = %key, reason = skip.label(), "skipping Service {key}: {skip}");
             self.metrics.skipped("Service", skip.label());
         })?;
         if let Some(info) = info.as_mut() {
-            info.maglev = self.lb_algorithm(svc) == LbAlgorithm::Maglev;
+            info.maglev = self.lb_algorithm(key, r.tag.as_deref()) == LbAlgorithm::Maglev;
             for ip in self.external_ips.apply(info) {
-                let key = display_key(&svc.metadata);
                 warn!(
                     service = %key, external_ip = %ip,
                     "Service {key}: externalIP {ip} is outside --external-ip-cidrs; not programmed"
@@ -260,7 +295,6 @@ impl<S: MapStore> Syncer<S> {
             // here has no SCTP to test the socket hooks with): such a port is left out,
             // said and counted, and the Service's other ports work.
             if info.ports.iter().any(|p| p.proto == Proto::Sctp) {
-                let key = display_key(&svc.metadata);
                 for p in info.ports.iter().filter(|p| p.proto == Proto::Sctp) {
                     warn!(
                         service = %key, port = p.port,
@@ -280,12 +314,9 @@ impl<S: MapStore> Syncer<S> {
         Ok(info)
     }
 
-    fn slice_info(
-        &self,
-        s: &k8s_openapi::api::discovery::v1::EndpointSlice,
-    ) -> Result<Option<SliceInfo>, ()> {
-        SliceInfo::from_k8s(s, self.proxy_name.as_deref()).map_err(|skip| {
-            let key = display_key(&s.metadata);
+    fn slice_info(&self, r: Reduced<SliceInfo>) -> Result<Option<SliceInfo>, ()> {
+        let key = &r.key;
+        r.info.map_err(|skip| {
             warn!(endpointslice = %key, reason = skip.label(), "skipping EndpointSlice {key}: {skip}");
             self.metrics.skipped("EndpointSlice", skip.label());
         })
@@ -357,11 +388,13 @@ impl<S: MapStore> Syncer<S> {
         let mut still_invalid: BTreeSet<ObjKey> = BTreeSet::new();
         match kind {
             Kind::Service => {
-                let mut all = Vec::new();
+                let mut all = Vec::with_capacity(objects.len());
                 for o in objects {
-                    let Object::Service(svc) = o else { continue };
-                    let key = obj_key(&svc.metadata);
-                    match self.service_info(&svc) {
+                    let Incoming::Service(r) = self.reduce(o) else {
+                        continue;
+                    };
+                    let key = r.key.clone();
+                    match self.service_info(r) {
                         Ok(Some(info)) => all.push((key, info)),
                         Ok(None) => {}
                         // Malformed in a relist: keep the last good version, if any;
@@ -380,23 +413,21 @@ impl<S: MapStore> Syncer<S> {
                 self.touch(touched, now);
             }
             Kind::EndpointSlice => {
-                let mut all = Vec::new();
+                let mut all = Vec::with_capacity(objects.len());
                 let mut invalid = Vec::new();
                 for o in objects {
-                    let Object::Slice(s) = o else { continue };
-                    let key = obj_key(&s.metadata);
-                    match self.slice_info(&s) {
+                    let Incoming::Slice(mut r) = self.reduce(o) else {
+                        continue;
+                    };
+                    let key = r.key.clone();
+                    let service = r.tag.take();
+                    match self.slice_info(r) {
                         Ok(Some(info)) => all.push((key, info)),
                         Ok(None) => {}
                         Err(()) => {
                             if let Some(prev) = self.index.slice(&key) {
                                 all.push((key, prev.clone()));
-                            } else if let Some(svc) = s
-                                .metadata
-                                .labels
-                                .as_ref()
-                                .and_then(|l| l.get(LABEL_SERVICE_NAME))
-                            {
+                            } else if let Some(svc) = service {
                                 still_invalid.insert(key.clone());
                                 invalid.push((ObjKey::new(key.namespace.clone(), svc), key));
                             }
@@ -430,19 +461,19 @@ impl<S: MapStore> Syncer<S> {
     }
 
     fn apply(&mut self, obj: Object, now: Instant) {
-        match obj {
-            Object::Service(svc) => {
-                let key = obj_key(&svc.metadata);
+        match self.reduce(obj) {
+            Incoming::Service(r) => {
+                let key = r.key.clone();
                 // Malformed: logged and counted; the last good version stays.
-                if let Ok(info) = self.service_info(&svc) {
+                if let Ok(info) = self.service_info(r) {
                     self.release(Kind::Service, &key, now);
                     let k = self.index.set_service(key, info);
                     self.touch([k], now);
                 }
             }
-            Object::Slice(s) => {
-                let key = obj_key(&s.metadata);
-                if let Ok(info) = self.slice_info(&s) {
+            Incoming::Slice(r) => {
+                let key = r.key.clone();
+                if let Ok(info) = self.slice_info(r) {
                     self.release(Kind::EndpointSlice, &key, now);
                     if self.listed.contains(&Kind::Service) {
                         self.report_orphan(&key, info.as_ref());
@@ -451,7 +482,7 @@ impl<S: MapStore> Syncer<S> {
                     self.touch(touched, now);
                 }
             }
-            Object::Node(n) => self.set_node(Some(&n), now),
+            Incoming::Node(n) => self.set_node(Some(&n), now),
         }
     }
 
@@ -513,16 +544,18 @@ impl<S: MapStore> Syncer<S> {
         let full = self.full_due.is_some();
         let keys: Vec<(ObjKey, Instant)> = if full {
             let since = self.full_due.take().unwrap_or(now);
-            let mut all: BTreeMap<ObjKey, Instant> = self
+            // Every Service (the index's keys come sorted), the held ones, and the dirty
+            // ones with their own times: sorted, one per key (a dirty key's time wins).
+            let mut all: Vec<(ObjKey, Instant, bool)> = self
                 .index
                 .service_keys()
                 .chain(self.held.keys())
-                .map(|k| (k.clone(), since))
+                .map(|k| (k.clone(), since, false))
+                .chain(self.dirty.drain().map(|(k, t)| (k, t, true)))
                 .collect();
-            for (k, t) in self.dirty.drain() {
-                all.insert(k, t);
-            }
-            all.into_iter().collect()
+            all.sort_by(|a, b| a.0.cmp(&b.0).then(b.2.cmp(&a.2)));
+            all.dedup_by(|later, first| later.0 == first.0);
+            all.into_iter().map(|(k, t, _)| (k, t)).collect()
         } else {
             let mut keys: Vec<_> = self.dirty.drain().collect();
             keys.sort();
@@ -582,6 +615,7 @@ impl<S: MapStore> Syncer<S> {
         now: Instant,
         outcome: &mut SyncOutcome,
     ) {
+        let started = Instant::now();
         let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> = HashMap::default();
         let mut touched: BTreeSet<Frontend> = BTreeSet::new();
         if full {
@@ -627,8 +661,9 @@ impl<S: MapStore> Syncer<S> {
             let es = entries
                 .entry(owner.clone())
                 .or_insert_with(|| self.index.entries(&owner));
-            if let Some(e) = es.iter().find(|e| e.frontend == *fe) {
-                upserts.push((owner, e.clone()));
+            // Taken out (each frontend is visited once): the entries are not copied.
+            if let Some(i) = es.iter().position(|e| e.frontend == *fe) {
+                upserts.push((owner, es.remove(i)));
             }
         }
         let (owners, mut list): (Vec<ObjKey>, Vec<ServiceEntry>) = upserts.into_iter().unzip();
@@ -637,7 +672,15 @@ impl<S: MapStore> Syncer<S> {
         write_order(&mut list);
         // Removals first (they free map room for the additions), then the upserts in
         // write order; in batches when there are many (the first sync, a relist).
+        let planned = Instant::now();
         let report = self.writer.write_many(&removals, &list);
+        debug!(
+            frontends = list.len(),
+            removals = removals.len(),
+            desired_ms = planned.duration_since(started).as_secs_f64() * 1e3,
+            write_ms = planned.elapsed().as_secs_f64() * 1e3,
+            "sync: desired state built, written"
+        );
         outcome.ops += report.ops;
         let mut failed: HashSet<Frontend> = HashSet::default();
         for e in report.errors {
@@ -742,8 +785,11 @@ fn obj_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) ->
     )
 }
 
-fn display_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
-    obj_key(meta).to_string()
+/// An object reduced for the syncer.
+enum Incoming {
+    Service(Reduced<ServiceInfo>),
+    Slice(Reduced<SliceInfo>),
+    Node(Box<Node>),
 }
 
 #[cfg(test)]

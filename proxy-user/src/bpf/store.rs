@@ -422,29 +422,38 @@ impl MapStore for BpfMaps {
     }
 
     fn dump(&self) -> Result<Dump, StoreError> {
+        // The large maps are gathered as vectors and built in bulk (`BTreeMap::from_iter`
+        // sorts, then builds the tree bottom up): inserting a million entries one by one
+        // in hash order was most of the time of adopting 50,000 Services.
         let mut d = Dump::default();
+        let mut backends = Vec::new();
         for (id, b) in self.backend4.read_all().map_err(map_err(names::BACKEND4))? {
             let b = codec::decode_backend4(&b).ok_or_else(|| {
                 corrupt(names::BACKEND4, format!("backend {id}: proto {}", b.proto))
             })?;
-            d.backends.insert(id, b);
+            backends.push((id, b));
         }
         for (id, b) in self.backend6.read_all().map_err(map_err(names::BACKEND6))? {
             let b = codec::decode_backend6(&b).ok_or_else(|| {
                 corrupt(names::BACKEND6, format!("backend {id}: proto {}", b.proto))
             })?;
-            d.backends.insert(id, b);
+            backends.push((id, b));
         }
+        d.backends = backends.into_iter().collect();
+        let mut frontends = Vec::new();
+        let mut slots = Vec::new();
         for (k, v) in self.svc4.read_all().map_err(map_err(names::SVC4))? {
             let fe = codec::decode_svc4(&k)
                 .ok_or_else(|| corrupt(names::SVC4, format!("proto {}", k.proto)))?;
-            codec::put_svc(&mut d, fe, k.slot, &v);
+            codec::push_svc(&mut frontends, &mut slots, fe, k.slot, &v);
         }
         for (k, v) in self.svc6.read_all().map_err(map_err(names::SVC6))? {
             let fe = codec::decode_svc6(&k)
                 .ok_or_else(|| corrupt(names::SVC6, format!("proto {}", k.proto)))?;
-            codec::put_svc(&mut d, fe, k.slot, &v);
+            codec::push_svc(&mut frontends, &mut slots, fe, k.slot, &v);
         }
+        d.frontends = frontends.into_iter().collect();
+        d.slots = slots.into_iter().collect();
         for (id, r) in self.revnat4.read_all().map_err(map_err(names::REVNAT4))? {
             let entry = codec::decode_revnat4(&r)
                 .ok_or_else(|| corrupt(names::REVNAT4, format!("proto {}", r.proto)))?;

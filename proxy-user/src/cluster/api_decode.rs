@@ -6,7 +6,12 @@
 //! borrowed names, unknown fields skipped), so a malformed object fails alone and is
 //! named. No `serde_json::Value`, no buffering of the page as serde `Content` (what a
 //! `#[serde(flatten)]` list type costs), no metadata the agent never reads (managed
-//! fields, annotations, owner references).
+//! fields, annotations but the one read, owner references).
+//!
+//! Services and EndpointSlices are reduced here, item by item as each page is decoded,
+//! to [`ServiceInfo`]/[`SliceInfo`] ([`Reduced`]): the API object of one item lives only
+//! while it is converted, so a list is never held as API objects (every field an
+//! `Option<String>`) and again as compact structs.
 
 use std::{borrow::Cow, collections::BTreeMap};
 
@@ -20,7 +25,10 @@ use k8s_openapi::{
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::{Kind, ObjKey, Object};
+use super::{
+    objects::{ServiceInfo, SliceInfo, LABEL_SERVICE_NAME},
+    Kind, ObjKey, Object, Reduced,
+};
 
 /// The metadata fields the agent reads (`cluster::objects`), plus the resourceVersion.
 #[derive(Deserialize, Default)]
@@ -31,6 +39,10 @@ pub struct Meta<'a> {
     #[serde(borrow)]
     pub namespace: Option<Cow<'a, str>>,
     pub labels: Option<BTreeMap<String, String>>,
+    /// Only the annotation the agent reads; the others (kubectl's last applied
+    /// configuration can be kilobytes) are skipped unread.
+    #[serde(borrow)]
+    pub annotations: Option<Annotations<'a>>,
     pub creation_timestamp: Option<Time>,
     pub deletion_timestamp: Option<Time>,
     #[serde(borrow)]
@@ -55,6 +67,14 @@ impl Meta<'_> {
             ..ObjectMeta::default()
         }
     }
+}
+
+/// The annotations the agent reads.
+#[derive(Deserialize, Default)]
+pub struct Annotations<'a> {
+    /// `ebpf-proxy.io/lb-algorithm` ([`super::lb_algorithm::ANNOTATION`]).
+    #[serde(borrow, rename = "ebpf-proxy.io/lb-algorithm")]
+    pub lb_algorithm: Option<Cow<'a, str>>,
 }
 
 /// Only an object's metadata (a deletion, a bookmark, naming an object that failed).
@@ -90,25 +110,56 @@ struct NodeItem<'a> {
     status: Option<NodeStatus>,
 }
 
-/// One object of `kind`, decoded from its JSON.
-pub fn object(kind: Kind, json: &str) -> Result<Object, serde_json::Error> {
+/// One object of `kind`, decoded from its JSON; Services and EndpointSlices reduced at
+/// once (for the agent named `proxy_name`, whose label selection they go through).
+/// `Err`: it does not decode at all (the caller names it by [`meta`] and skips it).
+pub fn object(
+    kind: Kind,
+    json: &str,
+    proxy_name: Option<&str>,
+) -> Result<Object, serde_json::Error> {
     Ok(match kind {
         Kind::Service => {
             let s: ServiceItem = serde_json::from_str(json)?;
-            Object::Service(Box::new(Service {
+            let lb = s
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.lb_algorithm.as_deref())
+                .map(Box::from);
+            let key = s.metadata.key();
+            let svc = Service {
                 metadata: s.metadata.into_object_meta(),
                 spec: s.spec,
                 status: s.status,
+            };
+            Object::ReducedService(Box::new(Reduced {
+                key,
+                info: ServiceInfo::from_k8s(&svc, proxy_name),
+                tag: lb,
             }))
         }
         Kind::EndpointSlice => {
             let s: SliceItem = serde_json::from_str(json)?;
-            Object::Slice(Box::new(EndpointSlice {
+            let key = s.metadata.key();
+            let slice = EndpointSlice {
                 metadata: s.metadata.into_object_meta(),
                 address_type: s.address_type,
                 endpoints: s.endpoints.unwrap_or_default(),
                 ports: s.ports,
-            }))
+            };
+            let info = SliceInfo::from_k8s(&slice, proxy_name);
+            // The Service a slice that does not validate belongs to (see `Reduced::tag`).
+            let tag = match &info {
+                Err(_) => slice
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(LABEL_SERVICE_NAME))
+                    .map(|n| Box::from(n.as_str())),
+                Ok(_) => None,
+            };
+            Object::ReducedSlice(Box::new(Reduced { key, info, tag }))
         }
         Kind::Node => {
             let n: NodeItem = serde_json::from_str(json)?;
@@ -195,18 +246,22 @@ mod tests {
         assert_eq!(p.metadata.continue_token.as_deref(), Some("abc"));
         let items = p.items.expect("present");
         assert_eq!(items.len(), 2);
-        let Object::Service(a) = object(Kind::Service, items[0].get()).expect("present") else {
-            panic!("not a Service");
+        // Reduced as it is decoded: nothing of the API object is kept.
+        let Object::ReducedService(a) =
+            object(Kind::Service, items[0].get(), None).expect("present")
+        else {
+            panic!("not a reduced Service");
         };
-        assert_eq!(a.metadata.name.as_deref(), Some("a"));
-        assert_eq!(a.metadata.labels.as_ref().expect("present")["x"], "y");
-        assert!(a.metadata.annotations.is_none() && a.metadata.managed_fields.is_none());
+        assert_eq!(a.key.to_string(), "ns/a");
+        assert!(a.tag.is_none(), "no lb-algorithm annotation");
+        let info = a.info.as_ref().expect("valid").as_ref().expect("selected");
         assert_eq!(
-            a.spec.as_ref().expect("present").cluster_ip.as_deref(),
-            Some("10.0.0.1")
+            &*info.cluster_ips,
+            &["10.0.0.1".parse::<std::net::IpAddr>().expect("ip")]
         );
+        assert_eq!(info.ports[0].port, 80);
         // The bad one fails, but its name (escaped) is still readable.
-        assert!(object(Kind::Service, items[1].get()).is_err());
+        assert!(object(Kind::Service, items[1].get(), None).is_err());
         assert_eq!(
             meta(items[1].get()).expect("present").key().to_string(),
             "ns/bA"
@@ -214,13 +269,64 @@ mod tests {
     }
 
     #[test]
+    fn the_lb_algorithm_annotation_is_read_and_the_proxy_name_selects() {
+        assert_eq!(
+            super::super::lb_algorithm::ANNOTATION,
+            "ebpf-proxy.io/lb-algorithm",
+            "the serde rename of Annotations::lb_algorithm"
+        );
+        let json = r#"{"metadata":{"name":"m","namespace":"ns",
+              "annotations":{"kubectl.kubernetes.io/last-applied-configuration":"{}",
+                             "ebpf-proxy.io/lb-algorithm":"maglev"},
+              "labels":{"service.kubernetes.io/service-proxy-name":"other"}},
+            "spec":{"clusterIP":"10.0.0.2","ports":[{"port":80}]}}"#;
+        let Object::ReducedService(r) =
+            object(Kind::Service, json, Some("other")).expect("decodes")
+        else {
+            panic!("not a reduced Service");
+        };
+        assert_eq!(r.tag.as_deref(), Some("maglev"));
+        assert!(matches!(r.info, Ok(Some(_))), "selected by its proxy name");
+        // Another agent's: decoded, ignored by design.
+        let Object::ReducedService(r) = object(Kind::Service, json, None).expect("decodes") else {
+            panic!("not a reduced Service");
+        };
+        assert!(matches!(r.info, Ok(None)));
+        // Unusable (a bad clusterIP): reduced to its cause, for the agent to log and count.
+        let bad = r#"{"metadata":{"name":"b","namespace":"ns"},
+            "spec":{"clusterIP":"10.0.0.300","ports":[{"port":80}]}}"#;
+        let Object::ReducedService(r) = object(Kind::Service, bad, None).expect("decodes") else {
+            panic!("not a reduced Service");
+        };
+        assert_eq!(
+            r.info.as_ref().map(|_| ()).expect_err("invalid").label(),
+            "bad_cluster_ip"
+        );
+    }
+
+    #[test]
     fn a_slice_needs_its_address_type() {
-        let ok = r#"{"metadata":{"name":"s"},"addressType":"IPv4","endpoints":null}"#;
-        let Object::Slice(s) = object(Kind::EndpointSlice, ok).expect("present") else {
+        let ok = r#"{"metadata":{"name":"s","namespace":"ns",
+              "labels":{"kubernetes.io/service-name":"web"}},
+            "addressType":"IPv4","endpoints":null}"#;
+        let Object::ReducedSlice(s) = object(Kind::EndpointSlice, ok, None).expect("present")
+        else {
             panic!("not a slice");
         };
-        assert!(s.endpoints.is_empty() && s.ports.is_none());
-        assert!(object(Kind::EndpointSlice, r#"{"metadata":{"name":"s"}}"#).is_err());
+        let info = s.info.as_ref().expect("valid").as_ref().expect("selected");
+        assert!(info.endpoints.is_empty() && info.ports.is_empty());
+        assert_eq!(info.service.to_string(), "ns/web");
+        assert!(object(Kind::EndpointSlice, r#"{"metadata":{"name":"s"}}"#, None).is_err());
+        // One that does not validate keeps its Service's name (the agent holds it).
+        let bad = r#"{"metadata":{"name":"s","namespace":"ns",
+              "labels":{"kubernetes.io/service-name":"web"}},
+            "addressType":"IPv4","endpoints":[{"addresses":["fe80::1"]}]}"#;
+        let Object::ReducedSlice(s) = object(Kind::EndpointSlice, bad, None).expect("present")
+        else {
+            panic!("not a slice");
+        };
+        assert!(s.info.is_err());
+        assert_eq!(s.tag.as_deref(), Some("web"));
     }
 
     #[test]

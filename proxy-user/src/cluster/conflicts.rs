@@ -11,10 +11,9 @@
 //! order their updates arrived in, so it is the same after an agent restart; it is
 //! decided again as soon as any claimant changes or goes (see [`Claims::set`]).
 
-use std::{
-    cmp::Ordering,
-    collections::{BTreeSet, HashMap},
-};
+use std::{cmp::Ordering, collections::BTreeSet};
+
+use crate::fasthash::HashMap;
 
 use super::ObjKey;
 use crate::model::{Frontend, ServiceEntry};

@@ -82,6 +82,7 @@ pub fn spawn(
             selector,
             tx: tx.clone(),
             metrics: metrics.clone(),
+            proxy_name: proxy_name.map(str::to_string),
         };
         tokio::spawn(reader.run());
     }
@@ -97,8 +98,9 @@ pub enum Selector {
 /// One kind's list+watch, kube-proxy's informer protocol over plain HTTP (kube's
 /// `Client` for auth, TLS and the kubeconfig):
 /// - a paged list (`limit=500` + `continue`, `resourceVersion` unset: a consistent read),
-///   each page decoded straight from its bytes (`api_decode`), passed on as one
-///   [`Update::Snapshot`];
+///   each page decoded straight from its bytes (`api_decode`), every Service and slice
+///   reduced to its compact form as its page is decoded (the page's text is dropped
+///   before the next is fetched), passed on as one [`Update::Snapshot`];
 /// - then a watch from the list's resourceVersion with bookmarks; every event and
 ///   bookmark advances the resourceVersion, and a watch that ends (its timeout, a cut
 ///   connection) is re-established from there;
@@ -119,6 +121,9 @@ pub struct Reader {
     pub selector: Selector,
     pub tx: mpsc::Sender<Update>,
     pub metrics: SourceCounters,
+    /// `--proxy-name`: Services and slices are reduced as they are decoded
+    /// (`api_decode::object`), which applies the agent's label selection.
+    pub proxy_name: Option<String>,
 }
 
 /// How a list or watch attempt ended.
@@ -366,7 +371,7 @@ impl Reader {
 
     /// One object; a malformed one is logged naming it, counted and dropped.
     fn decode(&self, json: &str) -> Option<Object> {
-        match api_decode::object(self.kind, json) {
+        match api_decode::object(self.kind, json, self.proxy_name.as_deref()) {
             Ok(o) => Some(o),
             Err(e) => {
                 let key = api_decode::meta(json)

@@ -18,6 +18,8 @@ use k8s_openapi::api::{
 
 pub use objects::ObjKey;
 
+use objects::{ServiceInfo, Skip, SliceInfo};
+
 /// The kinds of object the agent reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kind {
@@ -36,19 +38,38 @@ impl Kind {
     }
 }
 
-/// One object, decoded.
+/// One object, decoded: an API object (the manifests source; reduced by the agent), or
+/// already reduced by the API reader as its list page or watch event was decoded
+/// ([`Reduced`]: nothing of the API object is kept).
 #[derive(Clone, Debug)]
 pub enum Object {
     Service(Box<Service>),
     Slice(Box<EndpointSlice>),
     Node(Box<Node>),
+    ReducedService(Box<Reduced<ServiceInfo>>),
+    ReducedSlice(Box<Reduced<SliceInfo>>),
+}
+
+/// An object reduced where it was decoded (`cluster::api_decode`): its key, what
+/// `ServiceInfo::from_k8s` / `SliceInfo::from_k8s` made of it (`Ok(None)`: ignored by
+/// design; `Err`: the cause it is unusable, which the agent logs and counts), and the
+/// one string each kind still needs from the API object.
+#[derive(Clone, Debug)]
+pub struct Reduced<T> {
+    pub key: ObjKey,
+    pub info: Result<Option<T>, Skip>,
+    /// A Service's `ebpf-proxy.io/lb-algorithm` annotation (the agent resolves it: it
+    /// knows the default, logs and counts an unknown value); a slice's
+    /// `kubernetes.io/service-name` label (a slice that does not validate at start holds
+    /// its Service at what the pinned maps hold).
+    pub tag: Option<Box<str>>,
 }
 
 impl Object {
     pub fn kind(&self) -> Kind {
         match self {
-            Object::Service(_) => Kind::Service,
-            Object::Slice(_) => Kind::EndpointSlice,
+            Object::Service(_) | Object::ReducedService(_) => Kind::Service,
+            Object::Slice(_) | Object::ReducedSlice(_) => Kind::EndpointSlice,
             Object::Node(_) => Kind::Node,
         }
     }
@@ -58,6 +79,8 @@ impl Object {
             Object::Service(o) => &o.metadata,
             Object::Slice(o) => &o.metadata,
             Object::Node(o) => &o.metadata,
+            Object::ReducedService(r) => return r.key.clone(),
+            Object::ReducedSlice(r) => return r.key.clone(),
         };
         ObjKey::new(
             meta.namespace.clone().unwrap_or_default(),

@@ -43,7 +43,9 @@ impl<S: MapStore> Writer<S> {
         batch_min: usize,
         maglev_params: MaglevParams,
     ) -> Result<(Self, AdoptReport), StoreError> {
+        let started = std::time::Instant::now();
         let dump = store.dump()?;
+        let read = started.elapsed();
         let mut w = Self::new(store);
         w.batch_min = batch_min;
         w.maglev = maglev_params;
@@ -52,11 +54,17 @@ impl<S: MapStore> Writer<S> {
         let mut report = AdoptReport::default();
         let mut orphans = Vec::new();
 
-        for (id, (backend, proto)) in &dump.backends {
+        w.backend_ids.reserve(dump.backends.len());
+        for (id, key) in &dump.backends {
             w.backend_alloc.mark(*id);
-            w.backend_ids.entry((*backend, *proto)).or_insert(*id);
-            w.backend_refs.insert(*id, ((*backend, *proto), 0));
+            w.backend_ids.entry(*key).or_insert(*id);
         }
+        // In id order: built in bulk.
+        w.backend_refs = dump
+            .backends
+            .iter()
+            .map(|(id, key)| (*id, (*key, 0)))
+            .collect();
         // Ids unique: a service id held by two frontends (the second would share the
         // first's reverse NAT) stays with the one its reverse-NAT entry names (else the
         // first); the others get a fresh id, rewritten in their slots and slot 0.
@@ -106,15 +114,33 @@ impl<S: MapStore> Writer<S> {
                 }
             }
             let mut slots = Vec::with_capacity(usize::from(value.count));
-            let mut seen = HashSet::default();
+            // Distinct ids seen (one reference per frontend even if two slots share one):
+            // the slots themselves when few, else a set.
+            let mut seen: Option<HashSet<u32>> = (value.count > 32).then(|| {
+                HashSet::with_capacity_and_hasher(usize::from(value.count), Default::default())
+            });
+            // This frontend's slots, in order (one tree walk, not a lookup per slot).
+            let mut found = (value.count > 0)
+                .then(|| dump.slots.range((*fe, 1)..=(*fe, value.count)))
+                .into_iter()
+                .flatten()
+                .peekable();
             for slot in 1..=value.count {
-                let id = match dump.slots.get(&(*fe, slot)) {
+                let at = match found.peek() {
+                    Some(((_, s), id)) if *s == slot => {
+                        let id = **id;
+                        found.next();
+                        Some(id)
+                    }
+                    _ => None,
+                };
+                let id = match at {
                     None => {
                         report.repair("missing_slot");
                         warn!(frontend = %fe, slot, "adoption: slot missing below the count");
                         0
                     }
-                    Some(id) => match w.backend_refs.get(id) {
+                    Some(id) => match w.backend_refs.get_mut(&id) {
                         None => {
                             report.repair("dangling_slot");
                             warn!(frontend = %fe, slot, backend = id, "adoption: slot names a missing backend");
@@ -127,16 +153,20 @@ impl<S: MapStore> Writer<S> {
                             warn!(frontend = %fe, slot, backend = id, "adoption: slot names a backend of another protocol or family");
                             0
                         }
-                        Some(_) => *id,
+                        Some((_, refs)) => {
+                            let first = match seen.as_mut() {
+                                Some(set) => set.insert(id),
+                                None => !slots.contains(&id),
+                            };
+                            if first {
+                                *refs += 1;
+                            }
+                            id
+                        }
                     },
                 };
                 if id == 0 {
                     report.missing_slots += 1;
-                } else if let Some((_, refs)) = w.backend_refs.get_mut(&id) {
-                    // One reference per frontend, even if two slots share an id.
-                    if seen.insert(id) {
-                        *refs += 1;
-                    }
                 }
                 if duplicate && id != 0 {
                     orphans.push(Op::PutSlot {
@@ -216,11 +246,18 @@ impl<S: MapStore> Writer<S> {
                 });
             }
         }
+        // In frontend order, one lookup per frontend.
+        let mut current: Option<(Frontend, usize)> = None;
         for (fe, slot) in dump.slots.keys() {
-            let live = w
-                .services
-                .get(fe)
-                .is_some_and(|p| usize::from(*slot) <= p.slots.len());
+            let count = match current {
+                Some((f, n)) if f == *fe => n,
+                _ => {
+                    let n = w.services.get(fe).map_or(0, |p| p.slots.len());
+                    current = Some((*fe, n));
+                    n
+                }
+            };
+            let live = usize::from(*slot) <= count;
             if !live {
                 orphans.push(Op::DelSlot {
                     frontend: *fe,
@@ -289,6 +326,13 @@ impl<S: MapStore> Writer<S> {
                 family: key.0.family(),
             });
         }
+        tracing::debug!(
+            frontends = w.services.len(),
+            backends = w.backend_refs.len(),
+            read_ms = read.as_secs_f64() * 1e3,
+            model_ms = (started.elapsed() - read).as_secs_f64() * 1e3,
+            "adoption: the maps read back, the model rebuilt"
+        );
         orphans.sort_by_key(adopt_phase);
         if orphans.len() >= w.batch_min.max(2) {
             // One batch per phase and map.

@@ -21,18 +21,21 @@ impl<S: MapStore> Writer<S> {
     }
 
     /// Removes `removals`, then writes `upserts` in their order (the caller's write order:
-    /// an entry's own writes keep the update order whatever the path). Many frontends to
-    /// write (at least the batch threshold, counting only entries that differ from the
-    /// maps): in batches, one call per phase and map (see the module doc); else, or when a
-    /// batch fails (everything undone), frontend by frontend. A frontend that fails is
-    /// reported (its error names it) and left as it was; the rest are still written.
+    /// an entry's own writes keep the update order whatever the path). Entries equal to
+    /// what the maps hold ([`Self::unchanged`]: a restart on unchanged pins, a full
+    /// re-diff) are passed over without planning anything. Many frontends to write (at
+    /// least the batch threshold): in batches, one call per phase and map (see the module
+    /// doc); else, or when a batch fails (everything undone), frontend by frontend. A
+    /// frontend that fails is reported (its error names it) and left as it was; the rest
+    /// are still written.
     pub fn write_many<'a>(
         &mut self,
         removals: &[Frontend],
-        upserts: impl IntoIterator<Item = &'a ServiceEntry> + Clone,
+        upserts: impl IntoIterator<Item = &'a ServiceEntry>,
     ) -> SyncReport {
-        let upserts: Vec<&ServiceEntry> = upserts.into_iter().collect();
-        let to_write = removals.len() + upserts.iter().filter(|e| self.needs_write(e)).count();
+        let upserts: Vec<&ServiceEntry> =
+            upserts.into_iter().filter(|e| !self.unchanged(e)).collect();
+        let to_write = removals.len() + upserts.len();
         let (mut report, removed, upserted) = if to_write > 0 && to_write >= self.batch_min {
             self.sync_batched(&upserts, removals)
         } else {
@@ -72,30 +75,86 @@ impl<S: MapStore> Writer<S> {
         self.services.len()
     }
 
-    /// Whether `entry` differs from what is programmed (an estimate for choosing batches:
-    /// a duplicate backend, say, counts as a change).
-    pub(super) fn needs_write(&self, entry: &ServiceEntry) -> bool {
-        let Some(p) = self.services.get(&entry.frontend) else {
-            return true;
+    /// Whether writing `entry` would write nothing: exactly the entries for which
+    /// [`Self::stage_upsert`] plans no op and reports no error (an entry that does not
+    /// validate is never unchanged, so its error is still reported). Checked without
+    /// allocating for up to [`INLINE_BACKENDS`] backends: this runs for every frontend of
+    /// a full re-diff.
+    pub(super) fn unchanged(&self, entry: &ServiceEntry) -> bool {
+        let fe = entry.frontend;
+        let Some(p) = self.services.get(&fe) else {
+            return false;
         };
-        if p.name != entry.name
+        if fe.port == 0
+            || p.name != entry.name
             || p.value.flags != entry.flags
             || p.value.affinity_timeout != entry.affinity_timeout
             || p.slots.len() != entry.backends.len()
-            || p.source_ranges.len() != entry.source_ranges.len()
-            || entry
-                .source_ranges
-                .iter()
-                .any(|r| !p.source_ranges.contains(r))
+            || usize::from(p.value.count) != p.slots.len()
+            || !same_ranges(&entry.source_ranges, &p.source_ranges)
         {
-            return true;
+            return false;
         }
-        let slots: HashSet<u32> = p.slots.iter().copied().collect();
-        entry.backends.iter().any(|b| {
-            self.backend_ids
-                .get(&(*b, entry.frontend.proto))
-                .is_none_or(|id| !slots.contains(id))
-        })
+        // The slots are a permutation of the entry's backends (each valid, each with an id,
+        // no duplicate on either side): `stable_layout` keeps them as they are.
+        let n = p.slots.len();
+        let mut inline = [0u32; INLINE_BACKENDS];
+        let mut heap = Vec::new();
+        let ids: &mut [u32] = if n <= INLINE_BACKENDS {
+            &mut inline[..n]
+        } else {
+            heap.resize(n, 0);
+            &mut heap
+        };
+        for (slot, b) in ids.iter_mut().zip(&entry.backends) {
+            if b.family() != fe.family() || b.addr.port() == 0 {
+                return false;
+            }
+            match self.backend_ids.get(&(*b, fe.proto)) {
+                Some(id) => *slot = *id,
+                None => return false,
+            }
+        }
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            return false;
+        }
+        if p.slots
+            .iter()
+            .any(|id| *id == 0 || ids.binary_search(id).is_err())
+        {
+            return false;
+        }
+        // Slots distinct: as many as the ids, all among them, none repeated.
+        let mut slots_sorted = [0u32; INLINE_BACKENDS];
+        if n <= INLINE_BACKENDS {
+            slots_sorted[..n].copy_from_slice(&p.slots);
+            let s = &mut slots_sorted[..n];
+            s.sort_unstable();
+            if s.windows(2).any(|w| w[0] == w[1]) {
+                return false;
+            }
+        } else {
+            let mut s = p.slots.clone();
+            s.sort_unstable();
+            if s.windows(2).any(|w| w[0] == w[1]) {
+                return false;
+            }
+        }
+        // The Maglev table: the one the current parameters give these slots, or none.
+        if entry.flags & proxy_common::svc_flags::MAGLEV != 0 && n > 0 {
+            let Some((fp, chunks)) = p.maglev else {
+                return false;
+            };
+            let inputs = Self::maglev_inputs(&p.slots, |id| {
+                self.backend_refs.get(&id).map(|((b, _), _)| b.addr)
+            });
+            fp != 0
+                && chunks == proxy_common::maglev::chunks(self.maglev.table_size)
+                && maglev::fingerprint(self.maglev, &inputs) == fp
+        } else {
+            p.maglev.is_none()
+        }
     }
 
     /// A batched sync in rounds of `batch_chunk` frontends (removals `gone`, then
@@ -247,4 +306,16 @@ impl<S: MapStore> Writer<S> {
         }
         failed
     }
+}
+
+/// Backends checked by [`Writer::unchanged`] without a heap allocation.
+const INLINE_BACKENDS: usize = 64;
+
+/// `want` (a list, maybe with repeats) holds exactly the ranges of `have`.
+fn same_ranges(want: &[(IpAddr, u8)], have: &BTreeSet<(IpAddr, u8)>) -> bool {
+    if want.is_empty() || have.is_empty() {
+        return want.is_empty() && have.is_empty();
+    }
+    want.iter().all(|r| have.contains(r))
+        && have.len() == want.iter().collect::<BTreeSet<_>>().len()
 }

@@ -176,6 +176,17 @@ pub struct ApiScale {
     /// Changes whose own observation could not be told apart (a periodic resync between).
     pub changes_unattributed: usize,
     pub restart_to_healthy_secs: Option<f64>,
+    /// Restart: the first list page served to the new agent -> `/healthz` 200 (s).
+    #[serde(default)]
+    pub restart_list_to_healthy_secs: Option<f64>,
+    /// Restart: the last list page served to the new agent -> `/healthz` 200 (s): the
+    /// agent's own work once the lists have arrived.
+    #[serde(default)]
+    pub restart_last_page_to_healthy_secs: Option<f64>,
+    /// The restarted agent's VmHWM once healthy (MiB): its lists are read while it
+    /// adopts the pins, so both are held at once.
+    #[serde(default)]
+    pub restart_hwm_mib: Option<f64>,
     /// Map writes of the first sync after the restart (0 = adopted as pinned).
     pub restart_map_writes: Option<u64>,
     /// The same N through the other paths: mode name -> programming seconds (None: did
@@ -336,7 +347,16 @@ impl ApiAgent {
             .args(["--healthz-addr", &format!("127.0.0.1:{healthz}")])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
             // The `sync` lines (with their map write counts) and warnings.
-            .env("RUST_LOG", "warn,proxy_user::agent::sync=debug")
+            // `BENCH_AGENT_LOG` adds to it (a profile's timestamps: `proxy_user=info`).
+            .env(
+                "RUST_LOG",
+                match std::env::var("BENCH_AGENT_LOG") {
+                    Ok(more) if !more.is_empty() => {
+                        format!("warn,proxy_user::agent::sync=debug,{more}")
+                    }
+                    _ => "warn,proxy_user::agent::sync=debug".to_string(),
+                },
+            )
             .stdout(out.try_clone()?)
             .stderr(out)
             .spawn()
@@ -727,18 +747,40 @@ fn one_scale(
     }
 
     // Restart on the pins.
+    agent.stop();
+    api.clear_requests();
     agent.restart()?;
     let healthy = agent.wait_healthy(limit)?;
+    let healthy_at = Instant::now();
     scale.restart_to_healthy_secs = Some(healthy.as_secs_f64());
     scale.restart_map_writes = agent.first_sync_ops();
+    let pages: Vec<Instant> = ["Service", "EndpointSlice"]
+        .iter()
+        .flat_map(|k| api.list_times(k))
+        .filter(|t| *t <= healthy_at)
+        .collect();
+    let since = |t: Option<&Instant>| t.map(|t| healthy_at.duration_since(*t).as_secs_f64());
+    scale.restart_list_to_healthy_secs = since(pages.iter().min());
+    scale.restart_last_page_to_healthy_secs = since(pages.iter().max());
+    scale.restart_hwm_mib = agent.memory_mib().1;
     log(
         start,
         format!(
-            "  restart on the pins: healthy after {:.2} s, {:?} map writes",
+            "  restart on the pins: healthy after {:.2} s ({:.2} s after the first list page, {:.2} s after the last), {:?} map writes, VmHWM {:.1} MiB",
             healthy.as_secs_f64(),
-            scale.restart_map_writes
+            scale.restart_list_to_healthy_secs.unwrap_or_default(),
+            scale.restart_last_page_to_healthy_secs.unwrap_or_default(),
+            scale.restart_map_writes,
+            scale.restart_hwm_mib.unwrap_or_default()
         ),
     );
+    if std::env::var_os("BENCH_AGENT_LOG").is_some() {
+        // The restarted agent's log, kept for its timestamps (the run's directory goes).
+        let keep = std::env::temp_dir().join(format!("bench-api-agent-{n}.log"));
+        if fs::copy(&log_path, &keep).is_ok() {
+            log(start, format!("  agent log kept at {}", keep.display()));
+        }
+    }
     drop(agent);
     drop(api);
 
@@ -981,8 +1023,8 @@ pub fn markdown(r: &ApiResults) -> String {
             r.machine.get("mem_mib").map_or("?", String::as_str),
         );
     }
-    md += "| Services x 10 | first list byte -> all frontends (s) | start -> /healthz 200 (s) | list pages | VmRSS (MiB) | VmHWM (MiB) | CPU at rest (%) | change, agent p50 / p99 (ms) | change, accepted -> written p50 / p99 (ms) | restart on pins -> healthy (s) | map writes on restart |\n";
-    md += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    md += "| Services x 10 | first list byte -> all frontends (s) | start -> /healthz 200 (s) | list pages | VmRSS (MiB) | VmHWM (MiB) | CPU at rest (%) | change, agent p50 / p99 (ms) | change, accepted -> written p50 / p99 (ms) | restart on pins -> healthy (s) | restart, first / last list page -> healthy (s) | map writes on restart |\n";
+    md += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     for s in &r.scales {
         let d = |d: &Option<Dist>| {
             d.as_ref().map_or("-".into(), |d| {
@@ -990,7 +1032,7 @@ pub fn markdown(r: &ApiResults) -> String {
             })
         };
         md += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} |\n",
             report::thousands(s.services),
             f(s.list_to_programmed_secs, 3),
             f(s.start_to_healthy_secs, 2),
@@ -1001,6 +1043,8 @@ pub fn markdown(r: &ApiResults) -> String {
             d(&s.change_agent),
             d(&s.change_visible),
             f(s.restart_to_healthy_secs, 2),
+            f(s.restart_list_to_healthy_secs, 2),
+            f(s.restart_last_page_to_healthy_secs, 2),
             s.restart_map_writes.map_or("-".into(), |w| w.to_string()),
         );
     }

@@ -740,3 +740,143 @@ fn a_large_first_sync_is_batched_and_a_restart_on_its_maps_writes_nothing() {
     assert!(again.writer().store().log.is_empty());
     assert_eq!(maps(&again), maps(&batched));
 }
+
+/// A restart on pins that are no longer current (while no agent ran: one Service's
+/// endpoint replaced, one Service gone, one new, one switched to Maglev by its
+/// annotation) writes exactly the difference: the same ops and the same maps as an
+/// agent that stayed up and applied the changes, and no op on a frontend that did not
+/// change. The objects are reduced as the API reader reduces them (`api_decode`), so the
+/// annotation goes through that path, and the unchanged frontends (Maglev ones among
+/// them) go through `Writer::unchanged`.
+#[test]
+fn a_restart_on_changed_pins_writes_exactly_the_difference() {
+    use crate::{cluster::api_decode, store::Op};
+    let t = Instant::now();
+    let n = 120;
+    let service = |i: usize, maglev: bool| {
+        let mut v = json!({"metadata": {"namespace": "default", "name": format!("s{i}")},
+            "spec": {"type": "NodePort", "clusterIP": format!("10.96.{}.{}", i / 200, i % 200 + 1),
+                     "ports": [{"name": "http", "port": 80, "nodePort": 30000 + i}]}});
+        if maglev {
+            v["metadata"]["annotations"] = json!({"ebpf-proxy.io/lb-algorithm": "maglev"});
+        }
+        api_decode::object(Kind::Service, &v.to_string(), None).expect("decodes")
+    };
+    let endpoints = |i: usize, changed: bool| {
+        let eps: Vec<_> = (0..3)
+            .map(|e| {
+                let last = if changed && e == 1 { 200 } else { e + 1 };
+                json!({"addresses": [format!("10.1.{}.{}", i % 250, last)]})
+            })
+            .collect();
+        let v = json!({"metadata": {"namespace": "default", "name": format!("s{i}-1"),
+                                    "labels": {"kubernetes.io/service-name": format!("s{i}")}},
+            "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}], "endpoints": eps});
+        api_decode::object(Kind::EndpointSlice, &v.to_string(), None).expect("decodes")
+    };
+    // s3 is Maglev from the start (its table is adopted and kept); after the change s5
+    // has a new endpoint, s6 is gone, s120 is new, s7 turns Maglev.
+    let before = |i: usize| i < n;
+    let after = |i: usize| i != 6 && i <= n;
+    let feed = |s: &mut Syncer<MemStore>, changed: bool| {
+        let keep = |i: &usize| if changed { after(*i) } else { before(*i) };
+        let svcs = (0..=n)
+            .filter(keep)
+            .map(|i| service(i, i == 3 || (changed && i == 7)))
+            .collect();
+        let slices = (0..=n)
+            .filter(keep)
+            .map(|i| endpoints(i, changed && i == 5))
+            .collect();
+        s.handle(snapshot(Kind::Service, svcs), t);
+        s.handle(snapshot(Kind::EndpointSlice, slices), t);
+        s.handle(snapshot(Kind::Node, vec![]), t);
+    };
+    let (mut up, _) = syncer(MemStore::default());
+    feed(&mut up, false);
+    let out = up.sync(t);
+    assert!(out.ran && out.failed == 0 && out.ops > 0, "{out:?}");
+    let pinned = up.writer().store().state.clone();
+    up.writer_mut().store_mut().log.clear();
+
+    // The agent that stayed up gets the changes as watch events.
+    up.handle(Update::Apply(endpoints(5, true)), t);
+    up.handle(
+        Update::Delete {
+            kind: Kind::EndpointSlice,
+            key: ObjKey::new("default", "s6-1"),
+        },
+        t,
+    );
+    up.handle(
+        Update::Delete {
+            kind: Kind::Service,
+            key: ObjKey::new("default", "s6"),
+        },
+        t,
+    );
+    up.handle(Update::Apply(service(n, false)), t);
+    up.handle(Update::Apply(endpoints(n, false)), t);
+    up.handle(Update::Apply(service(7, true)), t);
+    let expected = up.sync(t);
+    assert!(expected.ops > 0 && expected.failed == 0, "{expected:?}");
+    let expected_log = up.writer_mut().store_mut().take_log();
+
+    // A new agent on the old pins, with the new lists.
+    let (mut restarted, _) = syncer(MemStore {
+        state: pinned,
+        ..MemStore::default()
+    });
+    feed(&mut restarted, true);
+    let out = restarted.sync(t);
+    assert!(out.ran && out.full && out.failed == 0, "{out:?}");
+    assert_eq!(maps(&restarted), maps(&up), "the same maps");
+    // Which hold the changes (not only what the agent that stayed up holds).
+    let m = maps(&restarted);
+    assert!(
+        m.contains("(10.1.5.200:8080)") && !m.contains("(10.1.5.2:8080)"),
+        "{m}"
+    );
+    assert!(
+        !m.contains("10.96.0.7:80/tcp") && !m.contains("(10.1.6.1:8080)"),
+        "{m}"
+    );
+    assert!(m.contains("frontend 10.96.0.121:80/tcp"), "{m}");
+    let flags = |port: u16| {
+        let fe = Frontend::new(std::net::Ipv4Addr::UNSPECIFIED, port, Proto::Tcp);
+        restarted.writer().store().state.frontends[&fe].flags
+    };
+    use proxy_common::svc_flags::MAGLEV;
+    assert!(flags(30007) & MAGLEV != 0 && flags(30003) & MAGLEV != 0);
+    assert!(flags(30008) & MAGLEV == 0);
+    assert_eq!(
+        out.ops, expected.ops,
+        "the same number of writes as the agent that stayed up:\n{expected_log}"
+    );
+    let changed: BTreeSet<u16> = [5, 6, 7, n].iter().map(|i| 30000 + *i as u16).collect();
+    let changed_ips: BTreeSet<String> = [5, 6, 7, n]
+        .iter()
+        .map(|i| format!("10.96.{}.{}", i / 200, i % 200 + 1))
+        .collect();
+    for op in &restarted.writer().store().log {
+        let fe = match op {
+            Op::PutSlot { frontend, .. }
+            | Op::DelSlot { frontend, .. }
+            | Op::PutFrontend { frontend, .. }
+            | Op::PutRevNat { frontend, .. } => frontend,
+            _ => continue,
+        };
+        assert!(
+            changed.contains(&fe.port) || changed_ips.contains(&fe.addr.to_string()),
+            "an op on an unchanged frontend: {op}"
+        );
+    }
+    // And a second restart on the now current pins writes nothing.
+    let (mut again, _) = syncer(MemStore {
+        state: restarted.writer().store().state.clone(),
+        ..MemStore::default()
+    });
+    feed(&mut again, true);
+    assert_eq!(again.sync(t).ops, 0);
+    assert!(again.writer().store().log.is_empty());
+}

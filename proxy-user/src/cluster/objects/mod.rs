@@ -74,10 +74,32 @@ pub fn intern(s: &str) -> Atom {
 
 /// `namespace/name` of an object: the namespace interned, the name shared by the clones
 /// of one key (32 bytes, cloned without allocating).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ObjKey {
     pub namespace: Atom,
     pub name: Atom,
+}
+
+/// By namespace, then name (as derived), without comparing the bytes of strings that
+/// are one shared copy (interned namespaces; the clones of one key): the desired state's
+/// maps and sets of tens of thousands of keys compare mostly such strings.
+impl Ord for ObjKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        fn by(a: &Atom, b: &Atom) -> std::cmp::Ordering {
+            if Arc::ptr_eq(a, b) {
+                std::cmp::Ordering::Equal
+            } else {
+                a.cmp(b)
+            }
+        }
+        by(&self.namespace, &other.namespace).then_with(|| by(&self.name, &other.name))
+    }
+}
+
+impl PartialOrd for ObjKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
 }
 
 impl ObjKey {
