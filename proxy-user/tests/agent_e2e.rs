@@ -190,14 +190,24 @@ fn agent_follows_the_manifests_directory() {
         *sorted.last().expect("some") < Duration::from_secs(1),
         "traffic must follow within one second: {latencies:?}"
     );
-    let metrics = agent.metrics();
+    // The sync's gauges are set after its map writes, so traffic can see the deletion
+    // a moment before `/metrics` does (a scrape in between still counts the frontend).
+    let t0 = Instant::now();
+    let metrics = loop {
+        let m = agent.metrics();
+        if m.contains("ebpf_proxy_programmed_frontends 0") || t0.elapsed() > Duration::from_secs(2)
+        {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
     assert!(
         metrics.contains("ebpf_proxy_network_programming_duration_seconds_count"),
         "{metrics}"
     );
     assert!(
         metrics.contains("ebpf_proxy_programmed_frontends 0"),
-        "{metrics}"
+        "the deleted Service's frontend is still counted 2 s later: {metrics}"
     );
     for line in metrics
         .lines()
