@@ -37,7 +37,9 @@ use proxy_common::Reason;
 use crate::{
     lb::{V4, V6},
     maps::{count_xdp, FIB},
-    tc::{fib_params, flow, PktAccess, PktFamily, PktHook, Verdict, ETH_P_IP, ETH_P_IPV6},
+    tc::{
+        csum_add, fib_params, flow, PktAccess, PktFamily, PktHook, Verdict, ETH_P_IP, ETH_P_IPV6,
+    },
 };
 
 const ETH_HLEN: usize = 14;
@@ -151,13 +153,6 @@ fn at<T>(ctx: &XdpContext, off: usize) -> Result<*mut T, ()> {
     Ok((start + off) as *mut T)
 }
 
-/// One's-complement addition with end-around carry.
-#[inline(always)]
-fn add(s: u32, v: u32) -> u32 {
-    let (r, carry) = s.overflowing_add(v);
-    r + u32::from(carry)
-}
-
 #[inline(always)]
 fn fold(mut s: u32) -> u16 {
     s = (s & 0xffff) + (s >> 16);
@@ -174,19 +169,21 @@ fn replaced(old: u16, from: u64, to: u64, size: u64) -> u16 {
     let mut s = u32::from(!old);
     match size {
         4 => {
-            s = add(s, !(from as u32));
-            s = add(s, to as u32);
+            s = csum_add(s, !(from as u32));
+            s = csum_add(s, to as u32);
         }
         2 => {
-            s = add(s, u32::from(!(from as u16)));
-            s = add(s, u32::from(to as u16));
+            s = csum_add(s, u32::from(!(from as u16)));
+            s = csum_add(s, u32::from(to as u16));
         }
-        _ => s = add(s, to as u32),
+        _ => s = csum_add(s, to as u32),
     }
     !fold(s)
 }
 
 impl PktAccess for XdpContext {
+    const DIRECT: bool = true;
+
     #[inline(always)]
     fn load<T>(&self, off: usize) -> Result<T, ()> {
         let p = at::<T>(self, off)?;

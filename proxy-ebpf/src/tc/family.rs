@@ -36,6 +36,18 @@ pub trait PktAccess {
     /// Replaces `from` by `to` in the L4 checksum at `off` (`flags`: size, pseudo-header,
     /// UDP's mangled zero, as for `bpf_l4_csum_replace`).
     fn l4_csum_replace(&self, off: usize, from: u64, to: u64, flags: u64) -> Result<(), ()>;
+    /// Whether the program reads and writes the packet's bytes itself and computes the
+    /// checksums (XDP), rather than through the kernel's skb helpers (TC, which keep the
+    /// skb's checksum state): then a NAT rewrite sums its changes and updates each
+    /// checksum once.
+    const DIRECT: bool = false;
+}
+
+/// One's-complement addition with end-around carry.
+#[inline(always)]
+pub fn csum_add(s: u32, v: u32) -> u32 {
+    let (r, carry) = s.overflowing_add(v);
+    r + u32::from(carry)
 }
 
 impl PktAccess for TcContext {
@@ -81,6 +93,11 @@ pub trait PktFamily: Family {
         new: Self::Addr,
     ) -> Result<(), ()>;
     fn snat_addr() -> Self::Addr;
+    /// Offset of the source (`src`) or destination address in the frame.
+    fn addr_off(src: bool) -> usize;
+    /// `new` - `old` in one's-complement arithmetic (RFC 1624: ~old + new, word by word),
+    /// in the packet's byte order, for a checksum updated by the program.
+    fn addr_delta(old: Self::Addr, new: Self::Addr) -> u32;
     fn source_allowed(service_id: u32, a: Self::Addr) -> bool;
     fn ct_key(
         s: Self::Addr,
@@ -194,6 +211,16 @@ impl PktFamily for V4 {
         )?;
         ctx.l3_csum_replace(ETH_HLEN + 10, u64::from(old), u64::from(new), 4)?;
         ctx.store(off, &new)
+    }
+
+    #[inline(always)]
+    fn addr_off(src: bool) -> usize {
+        ETH_HLEN + if src { 12 } else { 16 }
+    }
+
+    #[inline(always)]
+    fn addr_delta(old: u32, new: u32) -> u32 {
+        csum_add(!old, new)
     }
 
     #[inline(always)]
@@ -361,6 +388,19 @@ impl PktFamily for V6 {
             u64::from(BPF_F_PSEUDO_HDR) | p.l4_flags(),
         )?;
         ctx.store(off, &new)
+    }
+
+    #[inline(always)]
+    fn addr_off(src: bool) -> usize {
+        ETH_HLEN + if src { 8 } else { 24 }
+    }
+
+    #[inline(always)]
+    fn addr_delta(old: [u32; 4], new: [u32; 4]) -> u32 {
+        let mut s = csum_add(!old[0], new[0]);
+        s = csum_add(s, csum_add(!old[1], new[1]));
+        s = csum_add(s, csum_add(!old[2], new[2]));
+        csum_add(s, csum_add(!old[3], new[3]))
     }
 
     #[inline(always)]

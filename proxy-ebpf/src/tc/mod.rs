@@ -47,7 +47,7 @@ pub use state::Scratch;
 pub(crate) use nat::fib_params;
 
 pub(crate) use self::{
-    family::{PktAccess, PktFamily},
+    family::{csum_add, PktAccess, PktFamily},
     hook::PktHook,
 };
 
