@@ -199,6 +199,13 @@ pub fn name_bytes(name: &str) -> [u8; proxy_common::NAME_LEN] {
     out
 }
 
+/// Whether two names are stored alike in the `REVNAT` maps (the same first `NAME_LEN`
+/// bytes): a name read back from the maps is the truncated one, so a longer name that
+/// starts with it needs no write.
+pub fn same_stored_name(a: &str, b: &str) -> bool {
+    a == b || name_bytes(a) == name_bytes(b)
+}
+
 pub fn name_from_bytes(b: &[u8]) -> String {
     let end = b.iter().position(|c| *c == 0).unwrap_or(b.len());
     String::from_utf8_lossy(&b[..end]).into_owned()

@@ -525,7 +525,9 @@ impl MapStore for MemStore {
                 frontend,
                 name,
             } => {
-                s.revnat.insert(*service_id, (*frontend, name.clone()));
+                // Truncated as the kernel's map keeps it (`NAME_LEN` bytes).
+                let kept = crate::model::name_from_bytes(&crate::model::name_bytes(name));
+                s.revnat.insert(*service_id, (*frontend, kept));
             }
             Op::DelRevNat { service_id, .. } => {
                 s.revnat.remove(service_id);

@@ -86,7 +86,7 @@ impl<S: MapStore> Writer<S> {
             return false;
         };
         if fe.port == 0
-            || p.name != entry.name
+            || !crate::model::same_stored_name(&p.name, &entry.name)
             || p.value.flags != entry.flags
             || p.value.affinity_timeout != entry.affinity_timeout
             || p.slots.len() != entry.backends.len()

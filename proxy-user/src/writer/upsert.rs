@@ -83,7 +83,7 @@ impl<S: MapStore> Writer<S> {
                     family: fe.family(),
                 },
             ),
-            Some(p) if p.name != entry.name => {
+            Some(p) if !crate::model::same_stored_name(&p.name, &entry.name) => {
                 plan.push(put_revnat(&entry.name), put_revnat(&p.name))
             }
             Some(_) => {}

@@ -880,3 +880,73 @@ fn a_restart_on_changed_pins_writes_exactly_the_difference() {
     assert_eq!(again.sync(t).ops, 0);
     assert!(again.writer().store().log.is_empty());
 }
+
+/// Kubernetes names are up to 63 characters (namespace and Service alike), so
+/// "namespace/name:port" can be longer than the `NAME_LEN` bytes a `REVNAT` entry keeps;
+/// the maps hold it truncated (`MemStore` too, like the kernel's map). A restart on
+/// unchanged pins must still write nothing (issue 14: restart with pins, 0 map writes),
+/// and a full re-diff of the agent that stayed up too.
+#[test]
+fn a_restart_on_unchanged_pins_writes_nothing_for_names_longer_than_the_map_keeps() {
+    use crate::cluster::api_decode;
+    let t = Instant::now();
+    let ns = "n".repeat(63);
+    let name = |i: usize| format!("{}{i:03}", "s".repeat(60));
+    let feed = |s: &mut Syncer<MemStore>| {
+        let svcs = (0..3)
+            .map(|i| {
+                let v = json!({"metadata": {"namespace": ns, "name": name(i)},
+                    "spec": {"clusterIP": format!("10.96.7.{}", i + 1),
+                             "ports": [{"name": "https-metrics", "port": 443}]}});
+                api_decode::object(Kind::Service, &v.to_string(), None).expect("decodes")
+            })
+            .collect();
+        let slices = (0..3)
+            .map(|i| {
+                let v = json!({"metadata": {"namespace": ns, "name": format!("{}-1", name(i)),
+                                            "labels": {"kubernetes.io/service-name": name(i)}},
+                    "addressType": "IPv4", "ports": [{"name": "https-metrics", "port": 8443}],
+                    "endpoints": [{"addresses": [format!("10.1.7.{}", i + 1)]}]});
+                api_decode::object(Kind::EndpointSlice, &v.to_string(), None).expect("decodes")
+            })
+            .collect();
+        s.handle(snapshot(Kind::Service, svcs), t);
+        s.handle(snapshot(Kind::EndpointSlice, slices), t);
+        s.handle(snapshot(Kind::Node, vec![]), t);
+    };
+    let (mut up, _) = syncer(MemStore::default());
+    feed(&mut up);
+    let out = up.sync(t);
+    assert!(out.ran && out.failed == 0 && out.ops > 0, "{out:?}");
+    let stored: Vec<String> = up
+        .writer()
+        .store()
+        .state
+        .revnat
+        .values()
+        .map(|(_, n)| n.clone())
+        .collect();
+    assert!(
+        stored.len() == 3 && stored.iter().all(|n| n.len() <= proxy_common::NAME_LEN),
+        "the names are kept truncated: {stored:?}"
+    );
+    assert!(
+        format!("{ns}/{}:https-metrics", name(0)).len() > proxy_common::NAME_LEN,
+        "the test's names must be longer than the map keeps"
+    );
+
+    let (mut restarted, _) = syncer(MemStore {
+        state: up.writer().store().state.clone(),
+        ..MemStore::default()
+    });
+    feed(&mut restarted);
+    let out = restarted.sync(t);
+    assert!(out.ran && out.full && out.failed == 0, "{out:?}");
+    assert_eq!(
+        out.ops,
+        0,
+        "a restart on unchanged pins rewrote: {:?}",
+        restarted.writer().store().log
+    );
+    assert_eq!(maps(&restarted), maps(&up));
+}
