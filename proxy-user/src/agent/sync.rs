@@ -33,7 +33,7 @@ use crate::{
         external_ips::ExternalIpPolicy,
         index::Index,
         lb_algorithm::{self, LbAlgorithm},
-        objects::{NodeInfo, ObjKey, ServiceInfo, SliceInfo, LABEL_SERVICE_NAME},
+        objects::{NodeInfo, ObjKey, ServiceInfo, SliceInfo},
         Kind, Object, Reduced, Update,
     },
     fasthash::{HashMap, HashSet},
@@ -252,23 +252,7 @@ impl<S: MapStore> Syncer<S> {
                     .map(|v| Box::from(v.as_str())),
             }),
             Object::ReducedService(r) => Incoming::Service(*r),
-            Object::Slice(s) => {
-                let info = SliceInfo::from_k8s(&s, proxy);
-                let tag = match &info {
-                    Err(_) => s
-                        .metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|l| l.get(LABEL_SERVICE_NAME))
-                        .map(|n| Box::from(n.as_str())),
-                    Ok(_) => None,
-                };
-                Incoming::Slice(Reduced {
-                    key: obj_key(&s.metadata),
-                    info,
-                    tag,
-                })
-            }
+            Object::Slice(s) => Incoming::Slice(Reduced::slice(obj_key(&s.metadata), &s, proxy)),
             Object::ReducedSlice(r) => Incoming::Slice(*r),
             Object::Node(n) => Incoming::Node(n),
         }

@@ -25,10 +25,7 @@ use k8s_openapi::{
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::{
-    objects::{ServiceInfo, SliceInfo, LABEL_SERVICE_NAME},
-    Kind, ObjKey, Object, Reduced,
-};
+use super::{objects::ServiceInfo, Kind, ObjKey, Object, Reduced};
 
 /// The metadata fields the agent reads (`cluster::objects`), plus the resourceVersion.
 #[derive(Deserialize, Default)]
@@ -148,18 +145,7 @@ pub fn object(
                 endpoints: s.endpoints.unwrap_or_default(),
                 ports: s.ports,
             };
-            let info = SliceInfo::from_k8s(&slice, proxy_name);
-            // The Service a slice that does not validate belongs to (see `Reduced::tag`).
-            let tag = match &info {
-                Err(_) => slice
-                    .metadata
-                    .labels
-                    .as_ref()
-                    .and_then(|l| l.get(LABEL_SERVICE_NAME))
-                    .map(|n| Box::from(n.as_str())),
-                Ok(_) => None,
-            };
-            Object::ReducedSlice(Box::new(Reduced { key, info, tag }))
+            Object::ReducedSlice(Box::new(Reduced::slice(key, &slice, proxy_name)))
         }
         Kind::Node => {
             let n: NodeItem = serde_json::from_str(json)?;

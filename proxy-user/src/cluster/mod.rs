@@ -65,6 +65,24 @@ pub struct Reduced<T> {
     pub tag: Option<Box<str>>,
 }
 
+impl Reduced<SliceInfo> {
+    /// An EndpointSlice reduced (`SliceInfo::from_k8s`), with its Service's name as the
+    /// tag when it does not validate.
+    pub fn slice(key: ObjKey, s: &EndpointSlice, proxy_name: Option<&str>) -> Self {
+        let info = SliceInfo::from_k8s(s, proxy_name);
+        let tag = match &info {
+            Err(_) => s
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(objects::LABEL_SERVICE_NAME))
+                .map(|n| Box::from(n.as_str())),
+            Ok(_) => None,
+        };
+        Self { key, info, tag }
+    }
+}
+
 impl Object {
     pub fn kind(&self) -> Kind {
         match self {
