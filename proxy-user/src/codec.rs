@@ -76,7 +76,6 @@ pub fn decode_svc6(k: &Svc6Key) -> Option<Frontend> {
     Some(Frontend::new(v6_from_words(k.addr), port_host(k.port), proto).with_scope(k.scope))
 }
 
-/// Puts one `SVC` entry read back into a dump: slot 0 as the frontend, others as slots.
 /// [`put_svc`] into vectors (built into the dump's maps in bulk).
 pub fn push_svc(
     frontends: &mut Vec<(Frontend, crate::store::FrontendValue)>,
@@ -92,6 +91,7 @@ pub fn push_svc(
     }
 }
 
+/// Puts one `SVC` entry read back into a dump: slot 0 as the frontend, others as slots.
 pub fn put_svc(d: &mut Dump, fe: Frontend, slot: u16, v: &SvcValue) {
     if slot == 0 {
         d.frontends.insert(fe, decode_frontend_value(v));

@@ -59,9 +59,6 @@ pub fn rewrite<F: PktFamily, C: PktAccess>(
     Ok(())
 }
 
-const _: () =
-    assert!(core::mem::size_of::<FibParams>() == 64 && core::mem::align_of::<FibParams>() == 4);
-
 /// [`rewrite`] where the program computes the checksums (`PktAccess::DIRECT`, XDP): the
 /// changes are summed first (the addresses count in the IPv4 header and in the L4
 /// pseudo-header, the ports in L4), then each checksum is updated once and the fields
@@ -77,6 +74,9 @@ fn rewrite_direct<F: PktFamily, C: PktAccess>(
     let fail = |()| Reason::TcRewriteFailed;
     let port = |old: u16, new: u16| csum_add(u32::from(!old), u32::from(new));
     let (new_dst, new_src) = (!F::is_zero(&dnat.0), !F::is_zero(&snat.0));
+    if !new_dst && !new_src {
+        return Ok(());
+    }
     let mut l3 = 0u32;
     let mut l4 = 0u32;
     if new_dst {
@@ -90,9 +90,6 @@ fn rewrite_direct<F: PktFamily, C: PktAccess>(
         if snat.1 != p.sport {
             l4 = csum_add(l4, port(p.sport, snat.1));
         }
-    }
-    if !new_dst && !new_src {
-        return Ok(());
     }
     // Size 0: the sum folded in as it is (what `bpf_csum_diff` would return).
     ctx.l4_csum_replace(p.csum_off(), 0, u64::from(csum_add(l4, l3)), p.l4_flags())
@@ -115,6 +112,10 @@ fn rewrite_direct<F: PktFamily, C: PktAccess>(
     }
     Ok(())
 }
+
+// `fib_params` clears the argument as sixteen aligned 4-byte words.
+const _: () =
+    assert!(core::mem::size_of::<FibParams>() == 64 && core::mem::align_of::<FibParams>() == 4);
 
 /// This CPU's `bpf_fib_lookup` argument (`maps::FIB`), all zero. Cleared with sixteen
 /// 4-byte stores: a zeroed struct on the stack (`mem::zeroed()`) compiled to a call of
