@@ -83,9 +83,12 @@ pub mod map_names {
     /// `[forwarding mode]` (`fwd_mode`): SNAT or DSR for external traffic to a backend on
     /// another node, written by the agent (`--forwarding-mode`).
     pub const FWD_MODE: &str = "FWD_MODE";
+    /// `[generation]`: bumped by the agent after it deletes backends, so the packet path
+    /// re-checks a UDP flow's backend only when one may have gone (`ct_flags::GEN_SHIFT`).
+    pub const BACKEND_GEN: &str = "BACKEND_GEN";
 
     /// Every pinned map.
-    pub const ALL: [&str; 22] = [
+    pub const ALL: [&str; 23] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -108,6 +111,7 @@ pub mod map_names {
         XDP_STATS,
         MAGLEV,
         FWD_MODE,
+        BACKEND_GEN,
     ];
 }
 
@@ -139,6 +143,26 @@ pub mod ct_flags {
     /// with the DSR option instead of SNAT; on the backend's node, the reply entry
     /// learnt from that option (the reply leaves with the frontend as source).
     pub const DSR: u32 = 1 << 3;
+    /// Bits 8..31 of an original-direction entry: the `BACKEND_GEN` generation at which
+    /// the packet path last found the flow's backend still in `BACKEND{4,6}` (UDP only;
+    /// 0: never checked). While it equals the map's generation the per-packet backend
+    /// lookup is skipped; the agent bumps the generation after deleting backends.
+    pub const GEN_SHIFT: u32 = 8;
+    /// The generation bits (see [`GEN_SHIFT`]).
+    pub const GEN_MASK: u32 = !0 << GEN_SHIFT;
+    /// The flag bits proper (everything but the generation).
+    pub const FLAGS_MASK: u32 = !GEN_MASK;
+}
+
+/// `BACKEND_GEN[0]`: the next generation after `g`, in the 24 bits a conntrack entry
+/// keeps (`ct_flags::GEN_SHIFT`), never 0 (0 means "not checked" in an entry).
+pub const fn next_backend_gen(g: u32) -> u32 {
+    let n = g.wrapping_add(1) & (ct_flags::GEN_MASK >> ct_flags::GEN_SHIFT);
+    if n == 0 {
+        1
+    } else {
+        n
+    }
 }
 
 /// `FWD_MODE[0]`: how the TC path forwards external traffic (eTP=Cluster) to a backend
@@ -301,6 +325,19 @@ mod user {
 mod tests {
     use super::*;
     use core::mem::{align_of, size_of};
+
+    /// The backend generation counts up in the 24 bits an entry keeps and never comes
+    /// back to 0 (an entry's "not checked yet"), and it leaves the flag bits alone.
+    #[test]
+    fn the_backend_generation_wraps_past_zero_in_24_bits() {
+        assert_eq!(next_backend_gen(0), 1);
+        assert_eq!(next_backend_gen(41), 42);
+        let max = ct_flags::GEN_MASK >> ct_flags::GEN_SHIFT;
+        assert_eq!(max, (1 << 24) - 1);
+        assert_eq!(next_backend_gen(max), 1);
+        assert_eq!(ct_flags::FLAGS_MASK & ct_flags::DSR, ct_flags::DSR);
+        assert_eq!(ct_flags::FLAGS_MASK & (max << ct_flags::GEN_SHIFT), 0);
+    }
 
     /// Size equals the sum of the field sizes: no implicit padding anywhere, which the
     /// kernel needs (hash keys are compared byte by byte, padding would be garbage).

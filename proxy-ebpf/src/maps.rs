@@ -120,6 +120,12 @@ pub static XDP_STATS: PerCpuArray<u64> = PerCpuArray::pinned(Reason::COUNT, 0);
 pub static BACKEND_CONNS: PerCpuHashMap<u32, u64> =
     PerCpuHashMap::pinned(MAX_BACKENDS, BPF_F_NO_PREALLOC);
 
+/// `[generation]`: bumped by the agent after it deletes backends. A UDP flow's entry
+/// records the generation at which its backend was last found (`ct_flags::GEN_SHIFT`);
+/// the backend is looked up again only when the two differ.
+#[map]
+pub static BACKEND_GEN: Array<u32> = Array::pinned(1, 0);
+
 /// `[ABI_VERSION, ..]`, written by the loader; unused by the programs.
 #[map]
 pub static META: Array<u32> = Array::pinned(META_ENTRIES, 0);

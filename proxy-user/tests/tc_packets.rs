@@ -479,6 +479,16 @@ fn a_udp_flow_whose_backend_is_gone_is_balanced_afresh_tcp_is_not() {
     let syn = Pkt::tcp("198.51.100.7:40000", "10.96.0.50:80", SYN);
     assert_eq!(bed.run("tc_ingress", &q).1.dst, sa("10.1.1.2:5353"));
     assert_eq!(bed.run("tc_ingress", &syn).1.dst, sa("10.1.1.2:8080"));
+    // Its second datagram finds the backend and records the generation it found it at:
+    // later datagrams skip the backend lookup until backends are deleted.
+    assert_eq!(bed.run("tc_ingress", &q).1.dst, sa("10.1.1.2:5353"));
+    let gen = bed.writer.store().backend_gen().expect("BACKEND_GEN");
+    assert_ne!(gen, 0, "opening the maps read-write bumps the generation");
+    assert_eq!(
+        udp_entry_gen(&bed, 5000),
+        gen,
+        "the flow's entry records the generation its backend was found at"
+    );
     // Both endpoints replaced (the old pod is gone from the maps).
     bed.writer
         .upsert(&entry(dns, &[("10.1.1.9:5353", LOCAL)], 0))
@@ -486,6 +496,8 @@ fn a_udp_flow_whose_backend_is_gone_is_balanced_afresh_tcp_is_not() {
     bed.writer
         .upsert(&entry(web, &[("10.1.1.9:8080", LOCAL)], 0))
         .expect("upsert");
+    let after = bed.writer.store().backend_gen().expect("BACKEND_GEN");
+    assert_ne!(after, gen, "deleting the old backends bumps the generation");
     // The same UDP flow moves to the live backend, and its replies are restored.
     assert_eq!(bed.run("tc_ingress", &q).1.dst, sa("10.1.1.9:5353"));
     let reply = Pkt::udp("10.1.1.9:5353", "198.51.100.7:5000");
@@ -493,6 +505,58 @@ fn a_udp_flow_whose_backend_is_gone_is_balanced_afresh_tcp_is_not() {
     // The TCP flow stays where it was (a removed endpoint may still be draining).
     let ack = Pkt::tcp("198.51.100.7:40000", "10.96.0.50:80", ACK);
     assert_eq!(bed.run("tc_ingress", &ack).1.dst, sa("10.1.1.2:8080"));
+    // The same through batched syncs: two backends deleted in one batch call.
+    bed.writer.set_batch_threshold(1);
+    let sync = |bed: &mut Bed, dns_backends: &[(&str, u8)]| {
+        let report = bed.writer.sync([
+            entry(dns, dns_backends, 0),
+            entry(web, &[("10.1.1.9:8080", LOCAL)], 0),
+        ]);
+        assert!(report.errors.is_empty(), "{report:?}");
+        bed.writer.take_write_counts()
+    };
+    sync(
+        &mut bed,
+        &[("10.1.1.11:5353", LOCAL), ("10.1.1.12:5353", LOCAL)],
+    );
+    let on = bed.run("tc_ingress", &q).1.dst;
+    assert!(
+        [sa("10.1.1.11:5353"), sa("10.1.1.12:5353")].contains(&on),
+        "{on}"
+    );
+    assert_eq!(bed.run("tc_ingress", &q).1.dst, on);
+    let gen = bed.writer.store().backend_gen().expect("BACKEND_GEN");
+    assert_eq!(
+        udp_entry_gen(&bed, 5000),
+        gen,
+        "checked at the current generation"
+    );
+    let counts = sync(
+        &mut bed,
+        &[("10.1.1.13:5353", LOCAL), ("10.1.1.14:5353", LOCAL)],
+    );
+    assert!(
+        counts.batch_calls > 0 && counts.fallbacks == 0 && counts.single == 0,
+        "the sync went through the batch calls only: {counts:?}"
+    );
+    let moved = bed.run("tc_ingress", &q).1.dst;
+    assert!(
+        [sa("10.1.1.13:5353"), sa("10.1.1.14:5353")].contains(&moved),
+        "the flow left its deleted backend: {moved}"
+    );
+}
+
+/// The backend generation kept in the original conntrack entry of the UDP flow from
+/// client port `sport` (`ct_flags::GEN_SHIFT`).
+fn udp_entry_gen(bed: &Bed, sport: u16) -> u32 {
+    let ct: aya::maps::HashMap<_, Ct4Key, Ct4Value> =
+        aya::maps::HashMap::try_from(bed.ebpf.map(map_names::CT4).expect("CT4")).expect("map");
+    let key = ct
+        .keys()
+        .map(|k| k.expect("key"))
+        .find(|k| k.proto == proxy_common::proto::UDP && k.dir == 0 && k.sport == sport.to_be())
+        .expect("the flow's original entry");
+    ct.get(&key, 0).expect("entry").flags >> proxy_common::ct_flags::GEN_SHIFT
 }
 
 #[test]

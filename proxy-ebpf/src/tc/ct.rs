@@ -12,6 +12,7 @@ use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, generated::bpf_lo
 use proxy_common::{ct_flags, ct_timeouts, proto, Reason};
 
 use super::family::{backend, Pkt, PktFamily};
+use crate::maps::BACKEND_GEN;
 
 const TCP_FIN: u8 = 0x01;
 const TCP_RST: u8 = 0x04;
@@ -52,10 +53,34 @@ fn expired(proto: u8, flags: u32, last_seen: u64, now: u64) -> bool {
 
 /// The flow's backend id still names the backend it was translated to.
 #[inline(always)]
-pub fn backend_is<F: PktFamily>(v: *mut F::Val, dnat: (F::Addr, u16)) -> bool {
+fn backend_is<F: PktFamily>(v: *mut F::Val, dnat: (F::Addr, u16)) -> bool {
     // SAFETY: a live map value.
     let id = F::ct_backend_id(unsafe { &*v });
     matches!(backend::<F>(id), Some((a, port, _)) if a == dnat.0 && port == dnat.1)
+}
+
+/// Whether the flow's backend is still there, looked up only when a backend may have
+/// gone since the entry last found it: the entry keeps the `BACKEND_GEN` generation of
+/// its last successful check (`ct_flags::GEN_SHIFT`), and the agent bumps the
+/// generation after deleting backends. An array read instead of a hash lookup for
+/// almost every packet. The generation is read before the backend, so a bump racing
+/// with the check leaves the older generation in the entry and the next packet checks
+/// again.
+#[inline(always)]
+pub fn backend_still_there<F: PktFamily>(v: *mut F::Val, dnat: (F::Addr, u16)) -> bool {
+    let gen = BACKEND_GEN.get(0).copied().unwrap_or(0);
+    let (flags, _, _) = F::ct_meta(v);
+    // SAFETY: a pointer into a live map value.
+    let f = unsafe { *flags };
+    if gen != 0 && f >> ct_flags::GEN_SHIFT == gen {
+        return true;
+    }
+    if !backend_is::<F>(v, dnat) {
+        return false;
+    }
+    // SAFETY: as above.
+    unsafe { *flags = (f & ct_flags::FLAGS_MASK) | (gen << ct_flags::GEN_SHIFT) };
+    true
 }
 
 /// Marks a packet on an entry: refreshes it, counts it, notes FIN/RST. Returns false if

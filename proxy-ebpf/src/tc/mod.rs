@@ -327,8 +327,9 @@ fn known_path<C: PktHook, F: PktFamily>(
     let (dnat, snat) = F::ct_nat(unsafe { &*v });
     // A UDP flow whose backend is gone starts over (kube-proxy deletes the UDP conntrack
     // entries of removed endpoints). TCP keeps its backend: a removed endpoint may still
-    // be draining its connections. Counted in addition to the new flow's outcome.
-    if p.proto == proto::UDP && !ct::backend_is::<F>(v, dnat) {
+    // be draining its connections. Counted in addition to the new flow's outcome. The
+    // lookup is made only when backends were deleted since this flow's last check.
+    if p.proto == proto::UDP && !ct::backend_still_there::<F>(v, dnat) {
         C::count(Reason::TcStaleBackend);
         return Ok(None);
     }

@@ -40,6 +40,13 @@ fn open_pair<K: Pod, V: Pod>(pins: &PinDir, name: &str) -> Result<Pair<K, V>, Op
     pins.hash(name, Access::ReadWrite)
 }
 
+/// `BACKEND_GEN[0]` := its next generation.
+fn bump_gen(map: &mut Array<MapData, u32>) -> Result<u32, MapError> {
+    let next = proxy_common::next_backend_gen(map.get(&0, 0)?);
+    map.set(0, next, 0)?;
+    Ok(next)
+}
+
 /// Every map the writer and the CLI use, opened from the pin directory.
 pub struct BpfMaps {
     pins: PinDir,
@@ -58,6 +65,7 @@ pub struct BpfMaps {
     src_range4: LpmTrie<MapData, SrcRange4, u8>,
     src_range6: LpmTrie<MapData, SrcRange6, u8>,
     maglev: Pair<MaglevKey, MaglevChunk>,
+    backend_gen: Array<MapData, u32>,
     ncpus: usize,
 }
 
@@ -71,13 +79,14 @@ impl std::fmt::Debug for BpfMaps {
 
 impl BpfMaps {
     /// Opens the maps pinned under `dir` read-write, checking the ABI version the loader
-    /// recorded.
+    /// recorded. Bumps `BACKEND_GEN` (see [`Self::bump_backend_gen`]): an earlier writer
+    /// may have deleted backends and stopped before its own bump.
     pub fn open(dir: &Path) -> Result<Self, OpenError> {
         let pins = PinDir::new(dir);
         pins.check_abi(Access::ReadWrite)?;
         let rw = Access::ReadWrite;
         let (backend_conns, backend_conns_fd) = pins.typed_with_fd(names::BACKEND_CONNS, rw)?;
-        Ok(Self {
+        let mut maps = Self {
             svc4: open_pair(&pins, names::SVC4)?,
             svc6: open_pair(&pins, names::SVC6)?,
             backend4: open_pair(&pins, names::BACKEND4)?,
@@ -93,9 +102,29 @@ impl BpfMaps {
             src_range4: pins.typed(names::SRC_RANGE4, rw)?,
             src_range6: pins.typed(names::SRC_RANGE6, rw)?,
             maglev: open_pair(&pins, names::MAGLEV)?,
+            backend_gen: pins.typed(names::BACKEND_GEN, rw)?,
             ncpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
             pins,
-        })
+        };
+        bump_gen(&mut maps.backend_gen).map_err(|source| OpenError::Map {
+            path: maps.pins.map_path(names::BACKEND_GEN),
+            source,
+        })?;
+        Ok(maps)
+    }
+
+    /// `BACKEND_GEN[0]` := the next generation, after backends were deleted: every UDP
+    /// flow's next packet looks its backend up again (once), and a flow whose backend is
+    /// gone is balanced afresh (`proxy-ebpf` `ct::backend_still_there`).
+    pub fn bump_backend_gen(&mut self) -> Result<u32, StoreError> {
+        bump_gen(&mut self.backend_gen).map_err(map_err(names::BACKEND_GEN))
+    }
+
+    /// `BACKEND_GEN[0]`, the backend generation (0: never bumped).
+    pub fn backend_gen(&self) -> Result<u32, StoreError> {
+        self.backend_gen
+            .get(&0, 0)
+            .map_err(map_err(names::BACKEND_GEN))
     }
 
     /// The pin directory.

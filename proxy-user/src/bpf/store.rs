@@ -154,6 +154,8 @@ impl MapStore for BpfMaps {
                     Family::V6 => ignore_missing(self.backend6.map.remove(id))
                         .map_err(map_err(names::BACKEND6))?,
                 }
+                // After the delete: flows on this backend are checked on their next packet.
+                self.bump_backend_gen()?;
                 ignore_missing(self.backend_conns.remove(id)).map_err(map_err(names::BACKEND_CONNS))
             }
             Op::PutSlot { .. } | Op::PutFrontend { .. } | Op::DelSlot { .. } => {
@@ -302,6 +304,10 @@ impl MapStore for BpfMaps {
                 };
                 let r = batch::delete(fd, &ids);
                 let done = r.as_ref().map_or_else(|e| e.done, |_| ids.len());
+                if done > 0 {
+                    // After the deletes, once for the batch (see the one-op case).
+                    self.bump_backend_gen().map_err(fail)?;
+                }
                 self.clear_conns(&ids[..done]).map_err(fail)?;
                 r.map_err(batch_failed)
             }

@@ -9,7 +9,7 @@ use proxy_common::{ct_flags, ct_timeouts, proto};
 use serde::Serialize;
 
 use super::{
-    snapshot::{ct_flag_names, CtEntry, Snapshot},
+    snapshot::{ct_backend_gen, ct_flag_names, CtEntry, Snapshot},
     table::Table,
 };
 use crate::model::Proto;
@@ -45,6 +45,9 @@ pub struct FlowView {
     pub backend: Option<String>,
     pub flags: Vec<String>,
     pub flags_raw: u32,
+    /// The `BACKEND_GEN` generation at which the packet path last found this UDP flow's
+    /// backend (0: not checked yet); looked up again when `BACKEND_GEN[0]` differs.
+    pub backend_gen: u32,
     pub packets: u64,
     pub last_seen_ns: u64,
     pub age_seconds: f64,
@@ -106,6 +109,7 @@ fn flow_view(s: &Snapshot, e: &CtEntry) -> FlowView {
         backend: s.backend(e.backend_id).map(|(b, _)| b.addr.to_string()),
         flags: ct_flag_names(e.flags),
         flags_raw: e.flags,
+        backend_gen: ct_backend_gen(e.flags),
         packets: e.packets,
         last_seen_ns: e.last_seen_ns,
         age_seconds: age as f64 / 1e9,

@@ -185,14 +185,16 @@ pub fn svc_flag_names(flags: u16) -> Vec<String> {
         .collect()
 }
 
-/// Every set conntrack flag as a word.
+/// Every set conntrack flag as a word (the backend generation in bits 8..31 is not a
+/// flag: see [`ct_backend_gen`]).
 pub fn ct_flag_names(flags: u32) -> Vec<String> {
-    const NAMES: [(u32, &str); 3] = [
+    const NAMES: [(u32, &str); 4] = [
         (ct_flags::SNAT, "snat"),
         (ct_flags::CLOSING, "closing"),
         (ct_flags::SEEN_REPLY, "seen-reply"),
+        (ct_flags::DSR, "dsr"),
     ];
-    (0..32)
+    (0..ct_flags::GEN_SHIFT)
         .map(|bit| 1u32 << bit)
         .filter(|b| flags & b != 0)
         .map(|b| match NAMES.iter().find(|(v, _)| *v == b) {
@@ -200,6 +202,12 @@ pub fn ct_flag_names(flags: u32) -> Vec<String> {
             None => format!("bit{}", b.trailing_zeros()),
         })
         .collect()
+}
+
+/// The `BACKEND_GEN` generation at which the packet path last found a UDP flow's backend
+/// (0: not checked yet).
+pub fn ct_backend_gen(flags: u32) -> u32 {
+    flags >> ct_flags::GEN_SHIFT
 }
 
 /// `ready` or `terminating`, from `backend_flags`.

@@ -702,3 +702,15 @@ fn maglev_frontends_are_shown_and_explained() {
     let plain = explain_doc(&fixture(), "192.168.50.1:30080");
     assert!(!plain.notes.iter().any(|n| n.contains("maglev")));
 }
+
+/// The backend generation the packet path keeps in a UDP entry's flags (bits 8..31) is
+/// shown as `backend_gen`, not as flag bits; every flag bit has its name.
+#[test]
+fn conntrack_flag_names_leave_the_backend_generation_out() {
+    use super::snapshot::{ct_backend_gen, ct_flag_names};
+    let flags = ct_flags::SNAT | ct_flags::SEEN_REPLY | ct_flags::DSR | (7 << ct_flags::GEN_SHIFT);
+    assert_eq!(ct_flag_names(flags), ["snat", "seen-reply", "dsr"]);
+    assert_eq!(ct_backend_gen(flags), 7);
+    assert_eq!(ct_flag_names(ct_flags::CLOSING), ["closing"]);
+    assert_eq!(ct_backend_gen(ct_flags::CLOSING), 0);
+}
