@@ -1,6 +1,11 @@
 //! End to end: the real `proxy-agent` binary with a manifests directory, pods as network
 //! namespaces running TCP servers, a client namespace in the test cgroup (see `support`).
 //! Needs root; fails without it.
+//!
+//! Over 600 lines: one suite (the agent end to end over its manifests source). Each file
+//! under `tests/` is a test binary of its own that links the whole crate, so a suite is
+//! split into modules only when its scenarios stop sharing set-up (shared helpers live in
+//! `tests/support/`).
 
 mod support;
 

@@ -3,6 +3,11 @@
 //! and `kube::runtime::watcher` must see it as a kube-apiserver (initial list, live events,
 //! label selectors, reconnects, 410 relists, server restarts), and the wire format must
 //! hold up to a raw HTTP client. Unprivileged; everything binds to 127.0.0.1 only.
+//!
+//! Over 600 lines: one suite (the test apiserver's kube-apiserver behaviours). Each file
+//! under `tests/` is a test binary of its own that links the whole crate, so a suite is
+//! split into modules only when its scenarios stop sharing set-up (shared helpers live in
+//! `tests/support/`).
 
 use std::{
     collections::BTreeSet,

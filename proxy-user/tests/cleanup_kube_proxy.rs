@@ -21,6 +21,11 @@
 //! IP plan (IPv4 / IPv6): services 10.96.0.0/16 / fd00:96::/112, pods 10.244.0.0/16 /
 //! fd00:244::/56, load balancer 203.0.113.10 / 2001:db8:113::10, node 192.0.2.5 /
 //! 2001:db8:2::5. Nothing is routed; no packet is sent.
+//!
+//! Over 600 lines: one suite (the cleanup's scenarios per kube-proxy mode). Each file under
+//! `tests/` is a test binary of its own that links the whole crate, so a suite is split
+//! into modules only when its scenarios stop sharing set-up (shared helpers live in
+//! `tests/support/`).
 
 mod support;
 

@@ -11,6 +11,11 @@
 //! two cannot drift). When `kubectl` is installed, `kubectl kustomize` renders the base and
 //! both overlays and the rendered objects get the same checks with each overlay's changes;
 //! otherwise the overlays' patches are checked one by one.
+//!
+//! Over 600 lines: one suite (the checks of every shipped manifest and overlay). Each file
+//! under `tests/` is a test binary of its own that links the whole crate, so a suite is
+//! split into modules only when its scenarios stop sharing set-up (shared helpers live in
+//! `tests/support/`).
 
 use std::{
     collections::{BTreeMap, BTreeSet},

@@ -17,6 +17,11 @@
 //! included) is the same memcg code. The test checks that the maps really are charged
 //! there (the cgroup's usage with no agent running covers the maps' memory), so it
 //! cannot pass by measuring the wrong hierarchy.
+//!
+//! Over 600 lines: one suite (the DaemonSet memory limit, measured). Each file under
+//! `tests/` is a test binary of its own that links the whole crate, so a suite is split
+//! into modules only when its scenarios stop sharing set-up (shared helpers live in
+//! `tests/support/`).
 
 mod support;
 

@@ -23,6 +23,11 @@
 //! Needs root; fails (never skips) without it. `PROXYCTL_GOLDEN_OUT=FILE` writes the
 //! transcript this run produced, to review and paste into `GOLDEN` after a deliberate
 //! change of output.
+//!
+//! Over 600 lines: one suite (every proxyctl view against live maps, with its golden
+//! transcript). Each file under `tests/` is a test binary of its own that links the whole
+//! crate, so a suite is split into modules only when its scenarios stop sharing set-up
+//! (shared helpers live in `tests/support/`).
 
 mod support;
 

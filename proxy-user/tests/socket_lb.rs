@@ -3,6 +3,11 @@
 //! servers in pod namespaces, a client in its own namespace (see `support`).
 //!
 //! Needs root; fails (never skips) without it. Serialized by the fixture's lock.
+//!
+//! Over 600 lines: one suite (the socket hooks against real sockets). Each file under
+//! `tests/` is a test binary of its own that links the whole crate, so a suite is split
+//! into modules only when its scenarios stop sharing set-up (shared helpers live in
+//! `tests/support/`).
 
 mod support;
 

@@ -14,6 +14,11 @@
 //!
 //! The first test runs with the default TC attach mode (TCX on this kernel); the second
 //! forces `--tc-attach clsact` (netlink filters, the fallback for kernels < 6.6).
+//!
+//! Over 600 lines: one suite (the TC/XDP north-south scenarios over one two-node topology).
+//! Each file under `tests/` is a test binary of its own that links the whole crate, so a
+//! suite is split into modules only when its scenarios stop sharing set-up (shared helpers
+//! live in `tests/support/`).
 
 mod support;
 

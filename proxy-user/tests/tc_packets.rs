@@ -5,6 +5,11 @@
 //! Plan: client 198.51.100.7 / 2001:db8::7, node 192.0.2.1 / 2001:db8:1::1 (also the SNAT
 //! address), frontend 10.96.0.10:80 and NodePort 30080, local backend 10.1.1.2:8080,
 //! remote backend 10.2.1.2:8080.
+//!
+//! Over 600 lines: one suite (the TC program, packet by packet through BPF_PROG_RUN). Each
+//! file under `tests/` is a test binary of its own that links the whole crate, so a suite
+//! is split into modules only when its scenarios stop sharing set-up (shared helpers live
+//! in `tests/support/`).
 
 mod support;
 

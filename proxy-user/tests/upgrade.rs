@@ -19,6 +19,11 @@
 //!
 //! This file has its own `main` (`harness = false`) because the ClusterIP client must be
 //! a separate process (a cgroup holds processes; the external client must stay out).
+//!
+//! Over 600 lines: one suite (the upgrade scenarios over one running datapath). Each file
+//! under `tests/` is a test binary of its own that links the whole crate, so a suite is
+//! split into modules only when its scenarios stop sharing set-up (shared helpers live in
+//! `tests/support/`).
 
 mod support;
 
