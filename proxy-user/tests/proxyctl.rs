@@ -474,6 +474,35 @@ fn json_reads_back_what_was_written() {
     let age = flows[0]["age_seconds"].as_f64().expect("age");
     assert!((5.4..60.0).contains(&age), "age {age}");
 
+    // explain --from: the tracked NodePort flow keeps its conntrack entry's backend; a new
+    // flow from another port is random (the Service is not Maglev); a v6 client of a v4
+    // destination is a usage error naming both.
+    let from =
+        |client: &str| parse(&["explain", "192.168.50.1:30080", "--from", client])["flow"].clone();
+    let tracked = from("198.51.100.7:51000");
+    assert_eq!(
+        (tracked["by"].clone(), tracked["endpoint"].clone()),
+        ("conntrack".into(), "10.244.9.3:8080".into()),
+        "{tracked}"
+    );
+    assert_eq!(from("198.51.100.7:51001")["by"], "random");
+    assert!(parse(&["explain", "192.168.50.1:30080"])["flow"].is_null());
+    let r = run(proxyctl_cmd(
+        &pin,
+        &[
+            "explain",
+            "192.168.50.1:30080",
+            "--from",
+            "[2001:db8::7]:51000",
+        ],
+    ));
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("[2001:db8::7]:51000") && r.stderr.contains("192.168.50.1:30080/tcp"),
+        "{}",
+        r.stderr
+    );
+
     // watch -o json: one object per frame.
     let w = ok(
         &pin,

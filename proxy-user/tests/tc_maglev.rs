@@ -118,6 +118,21 @@ fn expected(params: maglev::Params, backends: &[SocketAddr], pkt: &Pkt) -> Socke
     with[usize::from(slot) - 1].0
 }
 
+/// What `proxyctl explain DEST --from CLIENT` says of `pkt`'s flow: how its backend is
+/// chosen, and which.
+fn flow_of(maps: &proxy_user::ctl::Maps, pkt: &Pkt) -> (&'static str, Option<SocketAddr>) {
+    use proxy_user::ctl::explain;
+    let q = explain::parse_query(&format!("{}/tcp", pkt.dst))
+        .expect("query")
+        .with_from(Some(pkt.src))
+        .expect("same family");
+    let s = maps
+        .snapshot_for(q.addr, q.port, q.proto, q.from)
+        .expect("snapshot");
+    let flow = explain::explain(&s, &q).flow.expect("a flow");
+    (flow.by, flow.endpoint.map(|e| e.parse().expect("endpoint")))
+}
+
 fn backends4(n: u8) -> Vec<SocketAddr> {
     (1..=n)
         .map(|i| format!("10.1.0.{i}:8080").parse().expect("addr"))
@@ -167,10 +182,27 @@ fn two_nodes_pick_the_backend_user_space_computes_and_conntrack_pins_flows() {
         })
         .collect();
     let mut per_backend = std::collections::BTreeMap::new();
-    for f in &flows {
+    let maps = proxy_user::ctl::Maps::open(&a._pins.path).expect("proxyctl opens node A's maps");
+    for (i, f) in flows.iter().enumerate() {
         let want = expected(params, &all, f);
+        // `proxyctl explain --from` names the backend before the flow exists (Maglev)
+        // and after (conntrack), on the first flows.
+        if i < 40 {
+            assert_eq!(
+                flow_of(&maps, f),
+                ("maglev", Some(want)),
+                "explain before, {f:?}"
+            );
+        }
         assert_eq!(a.dst(f), want, "node A, {f:?}");
         assert_eq!(b.dst(f), want, "node B, {f:?}");
+        if i < 40 {
+            assert_eq!(
+                flow_of(&maps, f),
+                ("conntrack", Some(want)),
+                "explain after, {f:?}"
+            );
+        }
         *per_backend.entry(want).or_insert(0) += 1;
     }
     // Spread over all ten.

@@ -27,7 +27,7 @@ mod tests;
 
 use std::{
     io::{self, IsTerminal as _, Write},
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
     path::PathBuf,
     process::ExitCode,
     time::{Duration, Instant},
@@ -112,6 +112,11 @@ pub enum Command {
         /// `10.96.0.10:53/udp`, `[fd00::10]:80` (protocol defaults to tcp).
         #[arg(value_parser = explain::parse_query)]
         destination: explain::Query,
+        /// One flow from outside: the client's `ADDRESS:PORT` (`198.51.100.7:40000`); says
+        /// which backend that flow has (conntrack) or a new one would get (Maglev: the
+        /// table's slot for its hash; else random).
+        #[arg(long, value_parser = explain::parse_client)]
+        from: Option<SocketAddr>,
     },
     /// A live view of connections per backend and outcome counters, with rates.
     Watch {
@@ -206,8 +211,12 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 out.write_all(stats::render(&doc).as_bytes())?;
             }
         }
-        Command::Explain { destination: q } => {
-            let s = maps.snapshot_for(q.addr, q.port, q.proto)?;
+        Command::Explain {
+            destination: q,
+            from,
+        } => {
+            let q = &q.with_from(*from).map_err(Error::Usage)?;
+            let s = maps.snapshot_for(q.addr, q.port, q.proto, q.from)?;
             warn(&s);
             let doc = explain::explain(&s, q);
             if as_json {

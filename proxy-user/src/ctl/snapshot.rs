@@ -37,12 +37,28 @@ pub struct Snapshot {
     pub flows: Option<Vec<CtEntry>>,
     /// `AFFINITY` entries; `None` when the map is not pinned.
     pub affinity: Option<Vec<AffinityEntry>>,
+    /// What `explain --from` looked up for one flow; `None` without `--from`.
+    pub flow: Option<FlowFacts>,
     /// `CLOCK_MONOTONIC` when the snapshot was taken (the clock of `bpf_ktime_get_ns`).
     pub now_ns: u64,
     /// Optional maps that are not pinned (a datapath without the TC part).
     pub missing_maps: BTreeSet<&'static str>,
     /// Entries that could not be decoded (an unknown protocol number, say), skipped.
     pub warnings: Vec<String>,
+}
+
+/// The map entries one flow's backend depends on (`proxyctl explain --from`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlowFacts {
+    /// The client: the source address and port of the flow's packets.
+    pub from: SocketAddr,
+    /// The flow's original-direction `CT4/6` entry (client -> the destination asked
+    /// about), if the flow is tracked.
+    pub tracked: Option<CtEntry>,
+    /// `MAGLEV` tables of the frontends loaded that have `svc_flags::MAGLEV`, by service
+    /// id: the whole table (`table_size` slots). A table with a missing chunk, or chunks
+    /// of two sizes, is left out (the datapath then falls back to random).
+    pub maglev: BTreeMap<u32, Vec<u16>>,
 }
 
 /// An address prefix (`loadBalancerSourceRanges`).

@@ -714,3 +714,129 @@ fn conntrack_flag_names_leave_the_backend_generation_out() {
     assert_eq!(ct_flag_names(ct_flags::CLOSING), ["closing"]);
     assert_eq!(ct_backend_gen(ct_flags::CLOSING), 0);
 }
+
+/// `explain DEST --from CLIENT`: a tracked flow keeps its conntrack entry's backend, an
+/// expired one is a new flow; a new flow to a Maglev frontend gets the backend of the slot
+/// the frontend's table gives its 5-tuple hash; any other new flow is random.
+#[test]
+fn explain_from_a_client_names_the_flows_backend() {
+    use super::snapshot::FlowFacts;
+    use crate::maglev;
+    let with_from = |q: &str, from: &str| {
+        explain::parse_query(q)
+            .expect("query")
+            .with_from(Some(explain::parse_client(from).expect("client")))
+            .expect("same family")
+    };
+    // A LoadBalancer IP with Maglev over the article's three pods, its table computed as
+    // the writer computes it.
+    let mut s = fixture();
+    let lb = tcp("192.0.2.20", 80);
+    let mut f = Fixture(s);
+    f.frontend(
+        lb,
+        10,
+        "default/maglev:http",
+        svc_flags::LOAD_BALANCER | svc_flags::MAGLEV,
+        0,
+        &[1, 2, 3],
+    );
+    s = f.0;
+    let params = maglev::Params::new(251, "explain-test").expect("prime");
+    let table = maglev::table(
+        params,
+        &[
+            (sa("192.168.104.146:80"), 1),
+            (sa("192.168.104.147:80"), 2),
+            (sa("192.168.238.78:80"), 3),
+        ],
+    );
+    let mut picked = BTreeSet::new();
+    for port in 40000..40064u16 {
+        let client = format!("198.51.100.9:{port}");
+        let q = with_from("192.0.2.20:80", &client);
+        s.flow = Some(FlowFacts {
+            from: sa(&client),
+            tracked: None,
+            maglev: [(10, table.clone())].into(),
+        });
+        let flow = explain::explain(&s, &q).flow.expect("a flow");
+        assert_eq!(flow.by, "maglev", "{flow:?}");
+        let h = proxy_common::maglev::flow_hash(
+            [
+                crate::model::v4_word("198.51.100.9".parse().expect("ip")),
+                0,
+                0,
+                0,
+            ],
+            [
+                crate::model::v4_word("192.0.2.20".parse().expect("ip")),
+                0,
+                0,
+                0,
+            ],
+            port.to_be(),
+            80u16.to_be(),
+            6,
+        );
+        let slot = table[maglev::index(h, 251)];
+        assert_eq!(flow.slot, Some(slot), "{flow:?}");
+        assert_eq!(
+            flow.endpoint.as_deref(),
+            Some(
+                [
+                    "192.168.104.146:80",
+                    "192.168.104.147:80",
+                    "192.168.238.78:80"
+                ][slot as usize - 1]
+            )
+        );
+        picked.insert(slot);
+    }
+    assert_eq!(picked.len(), 3, "64 clients spread over the three slots");
+    // Without a usable table the datapath falls back to random, and says so.
+    s.flow = Some(FlowFacts {
+        from: sa("198.51.100.9:40000"),
+        tracked: None,
+        maglev: Default::default(),
+    });
+    let flow = explain::explain(&s, &with_from("192.0.2.20:80", "198.51.100.9:40000"))
+        .flow
+        .expect("a flow");
+    assert_eq!((flow.by, flow.endpoint), ("random", None));
+    assert!(
+        flow.detail.contains("falls back to random"),
+        "{}",
+        flow.detail
+    );
+
+    // The fixture's tracked NodePort flow keeps its backend (TCP, even a terminating one).
+    let mut s = fixture();
+    let tracked = s.flows.as_ref().expect("flows")[1];
+    s.flow = Some(FlowFacts {
+        from: sa("198.51.100.7:51000"),
+        tracked: Some(tracked),
+        maglev: Default::default(),
+    });
+    let q = with_from("192.168.50.1:30080", "198.51.100.7:51000");
+    let flow = explain::explain(&s, &q).flow.expect("a flow");
+    assert_eq!(flow.by, "conntrack", "{flow:?}");
+    assert_eq!(flow.endpoint.as_deref(), Some("10.244.2.7:8080"));
+    assert!(explain::render(&explain::explain(&s, &q), false)
+        .contains("The flow from 198.51.100.7:51000"));
+    // Idle past its timeout: the next packet is a new flow (eTP=Local: the local twin's
+    // one backend).
+    s.now_ns = tracked.last_seen_ns + proxy_common::ct_timeouts::TCP_ESTABLISHED + S;
+    let flow = explain::explain(&s, &q).flow.expect("a flow");
+    assert_eq!(flow.by, "random", "{flow:?}");
+    assert!(flow.detail.contains("expired"), "{}", flow.detail);
+    // A client of the other family is refused, naming both.
+    let err = explain::parse_query("192.168.50.1:30080")
+        .expect("query")
+        .with_from(Some(sa("[2001:db8::7]:5000")))
+        .expect_err("v6 client, v4 destination");
+    assert!(
+        err.contains("[2001:db8::7]:5000") && err.contains("192.168.50.1:30080/tcp"),
+        "{err}"
+    );
+}

@@ -20,8 +20,11 @@ use super::{
 };
 use crate::model::{Frontend, Proto};
 
+mod flow;
 mod paths;
 mod render;
+
+pub use flow::FlowChoiceView;
 
 use paths::{service_port, socket_path, tc_path, xdp_path};
 pub use render::render;
@@ -35,6 +38,9 @@ pub struct Query {
     /// The query was a v4-mapped IPv6 address (`[::ffff:a.b.c.d]:p`), looked up as IPv4
     /// like the datapath does.
     pub mapped: bool,
+    /// `--from CLIENT:PORT`: explain one flow from this client (its conntrack entry, the
+    /// backend a new flow would get at TC/XDP).
+    pub from: Option<SocketAddr>,
 }
 
 /// Parses `ADDRESS:PORT[/PROTO]` (`[v6]:PORT[/PROTO]`); the protocol defaults to tcp.
@@ -61,7 +67,43 @@ pub fn parse_query(s: &str) -> Result<Query, String> {
         port: sa.port(),
         proto,
         mapped,
+        from: None,
     })
+}
+
+/// Parses `--from CLIENT:PORT` (`[v6]:PORT`): a client address and source port.
+pub fn parse_client(s: &str) -> Result<SocketAddr, String> {
+    let sa: SocketAddr = s.parse().map_err(|_| {
+        format!("{s:?}: expected CLIENT:PORT, e.g. 198.51.100.7:40000 or [2001:db8::7]:40000")
+    })?;
+    if sa.port() == 0 {
+        return Err(format!("{s:?}: a flow's source port is never 0"));
+    }
+    Ok(match sa.ip() {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), sa.port()),
+            None => sa,
+        },
+        IpAddr::V4(_) => sa,
+    })
+}
+
+impl Query {
+    /// The query with `--from`: refused when the client's family is not the
+    /// destination's (no packet carries both).
+    pub fn with_from(self, from: Option<SocketAddr>) -> Result<Self, String> {
+        if let Some(f) = from {
+            if f.is_ipv4() != self.addr.is_ipv4() {
+                return Err(format!(
+                    "--from {f}: an {} client cannot send to {} (an {} destination)",
+                    if f.is_ipv4() { "IPv4" } else { "IPv6" },
+                    self.destination(),
+                    if self.addr.is_ipv4() { "IPv4" } else { "IPv6" },
+                ));
+            }
+        }
+        Ok(Self { from, ..self })
+    }
 }
 
 impl Query {
@@ -104,6 +146,9 @@ pub struct ExplainDoc {
     /// What kube-proxy in iptables mode would have written (null without a Service name,
     /// or when nothing matched).
     pub iptables: Option<Rules>,
+    /// `--from`: the backend of that one flow from outside (null without `--from`, or
+    /// when nothing matched).
+    pub flow: Option<FlowChoiceView>,
     pub notes: Vec<String>,
 }
 
@@ -202,6 +247,8 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
 
     let kind = primary.kind;
     let mut paths = Vec::new();
+    // The frontend the packet path uses (None: it drops), for `--from`.
+    let mut tc_view = Some(&primary);
     if kind != Kind::NodePort || via_node_port {
         paths.push(socket_path(
             &primary,
@@ -212,6 +259,11 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
     if kind.is_external() {
         let etp_local = primary.flags_raw & svc_flags::ETP_LOCAL != 0;
         let from_outside = "packets arriving from outside the node (TC on the node's interfaces)";
+        tc_view = match (&twin, etp_local) {
+            (Some(t), true) => Some(t),
+            (None, true) => None,
+            _ => Some(&primary),
+        };
         match (&twin, etp_local) {
             (Some(t), true) => paths.push(tc_path(t, true, from_outside)),
             (None, true) => {
@@ -295,6 +347,13 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
                 .into(),
         );
     }
+    let flow = s.flow.as_ref().filter(|_| q.from.is_some()).map(|f| {
+        let path = paths
+            .iter()
+            .find(|p| p.path == "tc" || p.path == "xdp")
+            .map_or("tc", |p| p.path);
+        flow::choice(s, f, tc_view, path, q)
+    });
     let mut frontends = vec![primary.clone()];
     frontends.extend(twin);
     ExplainDoc {
@@ -308,6 +367,7 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
         paths,
         frontends,
         iptables,
+        flow,
         notes,
     }
 }
@@ -388,6 +448,7 @@ fn unmatched(
         paths: Vec::new(),
         frontends: Vec::new(),
         iptables: None,
+        flow: None,
         notes,
     }
 }

@@ -161,6 +161,18 @@ pub fn render(doc: &ExplainDoc, wide: bool) -> String {
         out.push_str(&t.render("  "));
     }
 
+    if let Some(f) = &doc.flow {
+        out.push_str(&format!(
+            "\nThe flow from {} (from outside, at {}): {}{}\n  {}\n",
+            f.client,
+            f.path.to_uppercase(),
+            f.by,
+            f.endpoint
+                .as_deref()
+                .map_or_else(String::new, |e| format!(" -> {e}")),
+            f.detail
+        ));
+    }
     if let Some(rules) = &doc.iptables {
         out.push_str(&format!(
             "\nkube-proxy (iptables mode) would have written ({}-save):\n",

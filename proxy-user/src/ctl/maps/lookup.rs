@@ -2,6 +2,22 @@
 //! twins, backends and names, without a full scan.
 
 use super::*;
+use crate::{
+    ctl::snapshot::FlowFacts,
+    model::{v4_word, v6_words},
+};
+
+fn ct_get<K: aya::Pod, V: aya::Pod>(
+    m: &HashMap<MapData, K, V>,
+    k: &K,
+    map: &'static str,
+) -> Result<Option<V>> {
+    match m.get(k, 0) {
+        Ok(v) => Ok(Some(v)),
+        Err(MapError::KeyNotFound) => Ok(None),
+        Err(source) => Err(Error::Read { map, source }),
+    }
+}
 
 impl Maps {
     /// What `explain` needs for `addr:port/proto`, by point lookups (no full scan on a
@@ -9,7 +25,16 @@ impl Maps {
     /// frontend on that port (address 0) and its twin, their slots, backends, names,
     /// counters and source ranges, and the node's addresses. Only when nothing matches,
     /// the frontends on the same address are collected by a scan, for a hint.
-    pub fn snapshot_for(&self, addr: IpAddr, port: u16, proto: Proto) -> Result<Snapshot> {
+    ///
+    /// With `from` (a client address and port, `explain --from`), also the flow's
+    /// conntrack entry and the Maglev tables of the frontends found ([`FlowFacts`]).
+    pub fn snapshot_for(
+        &self,
+        addr: IpAddr,
+        port: u16,
+        proto: Proto,
+        from: Option<SocketAddr>,
+    ) -> Result<Snapshot> {
         let mut s = self.empty_snapshot();
         s.node_addrs = self.read_node_addrs()?;
         let any: IpAddr = match addr {
@@ -36,7 +61,99 @@ impl Maps {
         {
             s.src_ranges = self.read_src_ranges()?;
         }
+        if let Some(from) = from {
+            s.flow = Some(self.flow_facts(&s, from, addr, port, proto)?);
+        }
         Ok(s)
+    }
+
+    /// The conntrack entry of the flow `from` -> `addr:port/proto` (as the packets carry
+    /// it: the key the datapath writes for the original direction), and the Maglev
+    /// tables of the Maglev frontends in `s`.
+    fn flow_facts(
+        &self,
+        s: &Snapshot,
+        from: SocketAddr,
+        addr: IpAddr,
+        port: u16,
+        proto: Proto,
+    ) -> Result<FlowFacts> {
+        let tracked = match (from.ip(), addr) {
+            (IpAddr::V4(c), IpAddr::V4(d)) => {
+                let key = Ct4Key {
+                    saddr: v4_word(c),
+                    daddr: v4_word(d),
+                    sport: from.port().to_be(),
+                    dport: port.to_be(),
+                    proto: proto.number(),
+                    dir: 0,
+                    _pad: [0; 2],
+                };
+                match &self.ct4 {
+                    Some(m) => ct_get(m, &key, names::CT4)?.map(|v| read::ct4_entry(&key, &v)),
+                    None => None,
+                }
+            }
+            (IpAddr::V6(c), IpAddr::V6(d)) => {
+                let key = Ct6Key {
+                    saddr: v6_words(c),
+                    daddr: v6_words(d),
+                    sport: from.port().to_be(),
+                    dport: port.to_be(),
+                    proto: proto.number(),
+                    dir: 0,
+                    _pad: [0; 2],
+                };
+                match &self.ct6 {
+                    Some(m) => ct_get(m, &key, names::CT6)?.map(|v| read::ct6_entry(&key, &v)),
+                    None => None,
+                }
+            }
+            _ => None,
+        };
+        let mut maglev = BTreeMap::new();
+        for v in s.services.frontends.values() {
+            if v.flags & proxy_common::svc_flags::MAGLEV != 0 {
+                if let Some(t) = self.maglev_table(v.service_id)? {
+                    maglev.insert(v.service_id, t);
+                }
+            }
+        }
+        Ok(FlowFacts {
+            from,
+            tracked,
+            maglev,
+        })
+    }
+
+    /// The whole Maglev table of `service_id` (`None`: not pinned, missing, or chunks
+    /// of two table sizes: what the datapath would not use either).
+    fn maglev_table(&self, service_id: u32) -> Result<Option<Vec<u16>>> {
+        let Some(m) = &self.maglev else {
+            return Ok(None);
+        };
+        let get = |chunk: u32| match m.get(&MaglevKey { service_id, chunk }, 0) {
+            Ok(c) => Ok(Some(c)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(source) => Err(Error::Read {
+                map: names::MAGLEV,
+                source,
+            }),
+        };
+        let Some(first) = get(0)? else {
+            return Ok(None);
+        };
+        let size = first.table_size;
+        let mut table = Vec::with_capacity(size as usize);
+        for chunk in 0..proxy_common::maglev::chunks(size) {
+            let c = if chunk == 0 { Some(first) } else { get(chunk)? };
+            match c {
+                Some(c) if c.table_size == size => table.extend_from_slice(&c.slots),
+                _ => return Ok(None),
+            }
+        }
+        table.truncate(size as usize);
+        Ok(Some(table))
     }
 
     pub(super) fn svc_get(&self, fe: &Frontend, slot: u16) -> Result<Option<SvcValue>> {

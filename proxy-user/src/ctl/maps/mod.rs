@@ -17,8 +17,8 @@ use aya::maps::{
 };
 use proxy_common::{
     affinity_kind, map_names as names, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key,
-    Ct4Value, Ct6Key, Ct6Value, Reason, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
-    SvcValue,
+    Ct4Value, Ct6Key, Ct6Value, MaglevChunk, MaglevKey, Reason, RevNat4, RevNat6, SrcRange4,
+    SrcRange6, Svc4Key, Svc6Key, SvcValue,
 };
 
 use super::{
@@ -141,6 +141,7 @@ pub struct Maps {
     affinity: Option<HashMap<MapData, AffinityKey, AffinityValue>>,
     src4: Option<LpmTrie<MapData, SrcRange4, u8>>,
     src6: Option<LpmTrie<MapData, SrcRange6, u8>>,
+    maglev: Option<HashMap<MapData, MaglevKey, MaglevChunk>>,
     missing: BTreeSet<&'static str>,
 }
 
@@ -184,6 +185,7 @@ impl Maps {
         let src4 = opt!(names::SRC_RANGE4);
         let src6 = opt!(names::SRC_RANGE6);
         let xdp_stats = opt!(names::XDP_STATS);
+        let maglev = opt!(names::MAGLEV);
         let acceleration = pins
             .read_meta(proxy_common::meta::ACCELERATION, ro)
             .unwrap_or(proxy_common::acceleration::OFF);
@@ -208,6 +210,7 @@ impl Maps {
             affinity,
             src4,
             src6,
+            maglev,
             missing,
         })
     }

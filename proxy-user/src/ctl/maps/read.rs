@@ -152,45 +152,52 @@ impl Maps {
         if let Some(m) = &self.ct4 {
             for item in m.iter() {
                 let (k, v) = item.map_err(read_err(names::CT4))?;
-                let sa =
-                    |a: u32, p: u16| SocketAddr::new(IpAddr::V4(v4_from_word(a)), port_host(p));
-                out.push(CtEntry {
-                    proto: k.proto,
-                    dir: k.dir,
-                    src: sa(k.saddr, k.sport),
-                    dst: sa(k.daddr, k.dport),
-                    dnat: (v.dnat_addr != 0).then(|| sa(v.dnat_addr, v.dnat_port)),
-                    snat: (v.snat_addr != 0).then(|| sa(v.snat_addr, v.snat_port)),
-                    service_id: v.service_id,
-                    backend_id: v.backend_id,
-                    flags: v.flags,
-                    last_seen_ns: v.last_seen,
-                    packets: v.packets,
-                });
+                out.push(ct4_entry(&k, &v));
             }
         }
         if let Some(m) = &self.ct6 {
             for item in m.iter() {
                 let (k, v) = item.map_err(read_err(names::CT6))?;
-                let sa = |a: [u32; 4], p: u16| {
-                    SocketAddr::new(IpAddr::V6(v6_from_words(a)), port_host(p))
-                };
-                out.push(CtEntry {
-                    proto: k.proto,
-                    dir: k.dir,
-                    src: sa(k.saddr, k.sport),
-                    dst: sa(k.daddr, k.dport),
-                    dnat: (v.dnat_addr != [0; 4]).then(|| sa(v.dnat_addr, v.dnat_port)),
-                    snat: (v.snat_addr != [0; 4]).then(|| sa(v.snat_addr, v.snat_port)),
-                    service_id: v.service_id,
-                    backend_id: v.backend_id,
-                    flags: v.flags,
-                    last_seen_ns: v.last_seen,
-                    packets: v.packets,
-                });
+                out.push(ct6_entry(&k, &v));
             }
         }
         Ok(Some(out))
+    }
+}
+
+/// A `CT4` entry in model terms.
+pub(super) fn ct4_entry(k: &Ct4Key, v: &Ct4Value) -> CtEntry {
+    let sa = |a: u32, p: u16| SocketAddr::new(IpAddr::V4(v4_from_word(a)), port_host(p));
+    CtEntry {
+        proto: k.proto,
+        dir: k.dir,
+        src: sa(k.saddr, k.sport),
+        dst: sa(k.daddr, k.dport),
+        dnat: (v.dnat_addr != 0).then(|| sa(v.dnat_addr, v.dnat_port)),
+        snat: (v.snat_addr != 0).then(|| sa(v.snat_addr, v.snat_port)),
+        service_id: v.service_id,
+        backend_id: v.backend_id,
+        flags: v.flags,
+        last_seen_ns: v.last_seen,
+        packets: v.packets,
+    }
+}
+
+/// A `CT6` entry in model terms.
+pub(super) fn ct6_entry(k: &Ct6Key, v: &Ct6Value) -> CtEntry {
+    let sa = |a: [u32; 4], p: u16| SocketAddr::new(IpAddr::V6(v6_from_words(a)), port_host(p));
+    CtEntry {
+        proto: k.proto,
+        dir: k.dir,
+        src: sa(k.saddr, k.sport),
+        dst: sa(k.daddr, k.dport),
+        dnat: (v.dnat_addr != [0; 4]).then(|| sa(v.dnat_addr, v.dnat_port)),
+        snat: (v.snat_addr != [0; 4]).then(|| sa(v.snat_addr, v.snat_port)),
+        service_id: v.service_id,
+        backend_id: v.backend_id,
+        flags: v.flags,
+        last_seen_ns: v.last_seen,
+        packets: v.packets,
     }
 }
 
