@@ -4,7 +4,7 @@
 use super::*;
 use crate::{
     ctl::snapshot::FlowFacts,
-    model::{v4_word, v6_words},
+    model::{port_net, v4_word, v6_words},
 };
 
 fn ct_get<K: aya::Pod, V: aya::Pod>(
@@ -78,36 +78,15 @@ impl Maps {
         port: u16,
         proto: Proto,
     ) -> Result<FlowFacts> {
-        let tracked = match (from.ip(), addr) {
-            (IpAddr::V4(c), IpAddr::V4(d)) => {
-                let key = Ct4Key {
-                    saddr: v4_word(c),
-                    daddr: v4_word(d),
-                    sport: from.port().to_be(),
-                    dport: port.to_be(),
-                    proto: proto.number(),
-                    dir: 0,
-                    _pad: [0; 2],
-                };
-                match &self.ct4 {
-                    Some(m) => ct_get(m, &key, names::CT4)?.map(|v| read::ct4_entry(&key, &v)),
-                    None => None,
-                }
+        let (sport, dport, proto) = (port_net(from.port()), port_net(port), proto.number());
+        let tracked = match (from.ip(), addr, &self.ct4, &self.ct6) {
+            (IpAddr::V4(c), IpAddr::V4(d), Some(m), _) => {
+                let key = Ct4Key::new(v4_word(c), v4_word(d), sport, dport, proto, 0);
+                ct_get(m, &key, names::CT4)?.map(|v| read::ct4_entry(&key, &v))
             }
-            (IpAddr::V6(c), IpAddr::V6(d)) => {
-                let key = Ct6Key {
-                    saddr: v6_words(c),
-                    daddr: v6_words(d),
-                    sport: from.port().to_be(),
-                    dport: port.to_be(),
-                    proto: proto.number(),
-                    dir: 0,
-                    _pad: [0; 2],
-                };
-                match &self.ct6 {
-                    Some(m) => ct_get(m, &key, names::CT6)?.map(|v| read::ct6_entry(&key, &v)),
-                    None => None,
-                }
+            (IpAddr::V6(c), IpAddr::V6(d), _, Some(m)) => {
+                let key = Ct6Key::new(v6_words(c), v6_words(d), sport, dport, proto, 0);
+                ct_get(m, &key, names::CT6)?.map(|v| read::ct6_entry(&key, &v))
             }
             _ => None,
         };
