@@ -292,6 +292,67 @@ fn ipv6_and_the_random_default_differ_from_maglev_only_by_the_flag() {
     let _ = TCP;
 }
 
+/// `--maglev-fill bounded`: the datapath reads the bounded table as it reads Maglev's
+/// (two nodes with other histories send every flow where user space computes), and when
+/// one of ten backends leaves, new flows move little more than those it held.
+#[test]
+fn the_bounded_fill_is_followed_by_the_datapath_on_both_nodes() {
+    let params = maglev::Params::new(4093, "bounded-test")
+        .expect("prime")
+        .with_fill(maglev::Fill::Bounded);
+    let (mut a, mut b) = (Node::new(params), Node::new(params));
+    let fe = Frontend::new(
+        "203.0.113.10".parse::<IpAddr>().expect("ip"),
+        80,
+        Proto::Tcp,
+    );
+    let all = backends4(10);
+    let mut rev = all.clone();
+    rev.reverse();
+    a.writer.upsert(&entry(fe, &all, true)).expect("upsert A");
+    b.writer.upsert(&entry(fe, &rev, true)).expect("upsert B");
+    let flows: Vec<Pkt> = (0..200u32)
+        .map(|i| {
+            Pkt::tcp(
+                &format!("198.51.100.{}:{}", 1 + i % 200, 21000 + i),
+                "203.0.113.10:80",
+                SYN,
+            )
+        })
+        .collect();
+    for f in &flows {
+        let want = expected(params, &all, f);
+        assert_eq!(a.dst(f), want, "node A, {f:?}");
+        assert_eq!(b.dst(f), want, "node B, {f:?}");
+    }
+    let gone = all[6];
+    let rest: Vec<SocketAddr> = all.iter().copied().filter(|x| *x != gone).collect();
+    a.writer.upsert(&entry(fe, &rest, true)).expect("upsert A");
+    b.writer.upsert(&entry(fe, &rest, true)).expect("upsert B");
+    let (mut moved, mut held) = (0, 0);
+    for (i, f) in flows.iter().enumerate() {
+        let f = Pkt {
+            src: SocketAddr::new(f.src.ip(), 50000 + i as u16),
+            ..f.clone()
+        };
+        let want = expected(params, &rest, &f);
+        assert_eq!(a.dst(&f), want, "node A after the change, {f:?}");
+        assert_eq!(b.dst(&f), want, "node B after the change, {f:?}");
+        let before = expected(params, &all, &f);
+        held += usize::from(before == gone);
+        moved += usize::from(before != want);
+    }
+    // The flows of the backend that left move, and only a few others (1.2 x theirs).
+    assert!(
+        held > 0 && moved >= held,
+        "{moved} moved, {held} were on it"
+    );
+    assert!(
+        moved * 10 <= held * 12 + 10,
+        "{moved} of 200 moved, {held} were on it"
+    );
+}
+
 /// The kernel's own count (`memlock` of the map's fdinfo, `htab_map_mem_usage`) of what
 /// the Maglev tables cost: 100 Maglev frontends at the default M = 16,381, compared with
 /// the map before them. The figure docs/ARCHITECTURE.md states.

@@ -77,6 +77,8 @@ enum Command {
         flows: usize,
         #[arg(long, value_delimiter = ',', default_value = "10,100")]
         backends: Vec<usize>,
+        #[arg(long, value_enum, default_value_t = proxy_user::maglev::Fill::Population)]
+        fill: proxy_user::maglev::Fill,
     },
 }
 
@@ -183,6 +185,12 @@ struct RunArgs {
     /// same, so that they all pick the same backend for a flow.
     #[arg(long, env = "PROXY_MAGLEV_SEED", default_value = proxy_user::maglev::DEFAULT_SEED)]
     maglev_seed: String,
+    /// How the Maglev tables are filled: `population` (Maglev's own: even shares, one
+    /// backend of N leaving moves ~1/N of new flows at large tables, 2.3/N at N = 100 and
+    /// M = 16381) or `bounded` (rendezvous hashing with bounded loads: ~1.1/N moves, each
+    /// backend within 5 % of an even share). Every node must use the same.
+    #[arg(long, env = "PROXY_MAGLEV_FILL", value_enum, default_value_t = proxy_user::maglev::Fill::Population)]
+    maglev_fill: proxy_user::maglev::Fill,
 }
 
 /// `--maglev-table-size`: a prime in the allowed range.
@@ -283,7 +291,8 @@ fn main() -> Result<()> {
                 tc_attach: args.tc_attach,
                 lb_algorithm: args.lb_algorithm,
                 maglev: proxy_user::maglev::Params::new(args.maglev_table_size, &args.maglev_seed)
-                    .map_err(|e| anyhow::anyhow!(e))?,
+                    .map_err(|e| anyhow::anyhow!(e))?
+                    .with_fill(args.maglev_fill),
                 forwarding_mode: args.forwarding_mode,
                 acceleration: args.acceleration,
             };
@@ -332,9 +341,11 @@ fn main() -> Result<()> {
             seed,
             flows,
             backends,
+            fill,
         } => {
             let params = proxy_user::maglev::Params::new(table_size, &seed)
-                .map_err(|e| anyhow::anyhow!(e))?;
+                .map_err(|e| anyhow::anyhow!(e))?
+                .with_fill(fill);
             for n in backends.into_iter().filter(|n| *n >= 2) {
                 let t = std::time::Instant::now();
                 let (left, added) = proxy_user::maglev::disruption(params, n, flows);
@@ -342,6 +353,7 @@ fn main() -> Result<()> {
                     "{}",
                     serde_json::json!({
                         "table_size": table_size,
+                        "fill": fill.name(),
                         "backends": n,
                         "flows": flows,
                         "moved_on_leave": left,

@@ -147,7 +147,7 @@ fn maglev_pick(out: &mut FlowChoiceView, b: &SlotView, m: usize) {
     out.detail = format!(
         "a new flow gets the backend of slot {} ({}): entry {} of the frontend's Maglev \
          table (M = {m}) for the flow's hash {:#010x}, the same on every node with the same \
-         --maglev-table-size and --maglev-seed; conntrack then keeps it",
+         --maglev-table-size, --maglev-seed and --maglev-fill; conntrack then keeps it",
         b.slot,
         b.endpoint.as_deref().unwrap_or("?"),
         out.table_index.unwrap_or(0),

@@ -319,7 +319,7 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
         notes.push(
             "lb-algorithm maglev: at TC a new flow from outside gets the backend the \
              frontend's Maglev table (MAGLEV) gives the hash of its 5-tuple, the same on \
-             every node with the same --maglev-table-size and --maglev-seed; the socket \
+             every node with the same --maglev-table-size, --maglev-seed and --maglev-fill; the socket \
              hooks (pods, the node) stay random"
                 .to_string(),
         );
