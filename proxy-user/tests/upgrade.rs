@@ -987,7 +987,9 @@ fn same_layout_new_build_swaps_programs_in_place() {
     };
     let (filters_before, sock_before) = (filter_ids(), sock_ids());
     let maps_before = map_ids(&env.pins.path);
-    // Pins as another build left them: another object hash in META.
+    // Pins as another build left them: another object hash in META, and no pin of a map
+    // added since (BACKEND_GEN), which the swap must create.
+    fs::remove_file(env.pins.path.join(map_names::BACKEND_GEN)).expect("unpin BACKEND_GEN");
     {
         let map = aya::maps::MapData::from_pin(env.pins.path.join(map_names::META)).expect("META");
         let mut meta: aya::maps::Array<_, u32> =
@@ -1023,8 +1025,19 @@ fn same_layout_new_build_swaps_programs_in_place() {
         );
     }
     assert_eq!(sock_after.len(), 8);
-    // The maps are the same objects (no migration), META names this build.
-    assert_eq!(map_ids(&env.pins.path), maps_before);
+    // The maps are the same objects (no migration), but for the one created; META names
+    // this build.
+    let without_gen = |ids: Vec<(String, u32)>| -> Vec<(String, u32)> {
+        ids.into_iter()
+            .filter(|(n, _)| n != map_names::BACKEND_GEN)
+            .collect()
+    };
+    let maps_after = map_ids(&env.pins.path);
+    assert!(
+        maps_after.iter().any(|(n, _)| n == map_names::BACKEND_GEN),
+        "BACKEND_GEN pinned again: {maps_after:?}"
+    );
+    assert_eq!(without_gen(maps_after), without_gen(maps_before));
     assert_eq!(
         bpf::read_meta(&env.pins.path, meta::OBJECT_HASH).expect("META"),
         migrate::object_hash()
