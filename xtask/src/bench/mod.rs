@@ -71,7 +71,7 @@ pub struct Args {
     /// Only these modes, comma-separated (default: all).
     #[arg(long, value_delimiter = ',')]
     modes: Option<Vec<String>>,
-    /// The control plane over the Kubernetes API instead (`api.rs`): programming from the
+    /// The control plane over the Kubernetes API instead (`api/`): programming from the
     /// paged API list, single changes, restart on pins, memory; side by side with the
     /// manifests path and kube-proxy's rule loads. Scales from --services (default
     /// 1,000, 10,000, 50,000, 100,000; --quick 1,000).
