@@ -4,7 +4,7 @@
 //!
 //! - **World.** Every mode gets its own stack of namespaces (client pod -> node ->
 //!   pods, `topo.rs`); kube-proxy's rules are loaded inside that node namespace, exactly
-//!   as kube-proxy writes them (`iptables.rs`, `nftables.rs`, `ipvs.rs`); our socket
+//!   as kube-proxy writes them (`iptables/`, `nftables.rs`, `ipvs.rs`); our socket
 //!   mode runs the real `proxy-agent run --manifests` with its hooks on a child cgroup
 //!   that only the socket mode's clients join. `direct` sends to the pod IPs (the
 //!   physical limit).
