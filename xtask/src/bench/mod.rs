@@ -84,12 +84,12 @@ pub struct Args {
     /// With --api: skip the manifests / iptables / nftables programming at the same N.
     #[arg(long)]
     no_side_by_side: bool,
-    /// Only the packet-rate part (`pps.rs`: 64-byte UDP through the node per datapath,
+    /// Only the packet-rate part (`pps/`: 64-byte UDP through the node per datapath,
     /// and `BPF_PROG_RUN` ns per packet); --modes and --rounds apply to it.
     #[arg(long, conflicts_with_all = ["api", "no_pps"])]
     pps: bool,
     /// Packet-rate part: run the node's NAPI on cli0 in its own SCHED_FIFO kernel thread
-    /// on CPU 1 (default: inline on the generator's CPU, see pps.rs).
+    /// on CPU 1 (default: inline on the generator's CPU, see pps/).
     #[arg(long)]
     pps_threaded_napi: bool,
     /// Skip the packet-rate part (it runs after the datapath part otherwise).
