@@ -4,7 +4,7 @@
 //!
 //! - **World.** Every mode gets its own stack of namespaces (client pod -> node ->
 //!   pods, `topo.rs`); kube-proxy's rules are loaded inside that node namespace, exactly
-//!   as kube-proxy writes them (`iptables.rs`, `nftables.rs`, `ipvs.rs`); our socket
+//!   as kube-proxy writes them (`iptables/`, `nftables.rs`, `ipvs.rs`); our socket
 //!   mode runs the real `proxy-agent run --manifests` with its hooks on a child cgroup
 //!   that only the socket mode's clients join. `direct` sends to the pod IPs (the
 //!   physical limit).
@@ -71,7 +71,7 @@ pub struct Args {
     /// Only these modes, comma-separated (default: all).
     #[arg(long, value_delimiter = ',')]
     modes: Option<Vec<String>>,
-    /// The control plane over the Kubernetes API instead (`api.rs`): programming from the
+    /// The control plane over the Kubernetes API instead (`api/`): programming from the
     /// paged API list, single changes, restart on pins, memory; side by side with the
     /// manifests path and kube-proxy's rule loads. Scales from --services (default
     /// 1,000, 10,000, 50,000, 100,000; --quick 1,000).
@@ -84,12 +84,12 @@ pub struct Args {
     /// With --api: skip the manifests / iptables / nftables programming at the same N.
     #[arg(long)]
     no_side_by_side: bool,
-    /// Only the packet-rate part (`pps.rs`: 64-byte UDP through the node per datapath,
+    /// Only the packet-rate part (`pps/`: 64-byte UDP through the node per datapath,
     /// and `BPF_PROG_RUN` ns per packet); --modes and --rounds apply to it.
     #[arg(long, conflicts_with_all = ["api", "no_pps"])]
     pps: bool,
     /// Packet-rate part: run the node's NAPI on cli0 in its own SCHED_FIFO kernel thread
-    /// on CPU 1 (default: inline on the generator's CPU, see pps.rs).
+    /// on CPU 1 (default: inline on the generator's CPU, see pps/).
     #[arg(long)]
     pps_threaded_napi: bool,
     /// Skip the packet-rate part (it runs after the datapath part otherwise).

@@ -2,12 +2,27 @@
 //!
 //! Over 600 lines: tests only.
 
-use std::time::{Duration, Instant};
+use std::{
+    collections::BTreeSet,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use serde_json::json;
 
-use super::*;
-use crate::{cluster::manifests::decode, store::MemStore};
+use super::Syncer;
+use crate::{
+    agent::metrics::Metrics,
+    cluster::{
+        lb_algorithm::LbAlgorithm,
+        manifests::decode,
+        objects::{NodeInfo, ObjKey},
+        Kind, Object, Update,
+    },
+    model::{Frontend, Proto},
+    store::MemStore,
+    writer::Writer,
+};
 
 fn svc(name: &str, ip: &str) -> Object {
     decode(

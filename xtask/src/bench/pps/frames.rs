@@ -1,7 +1,20 @@
 //! The packet-rate bench's frames and interfaces: the 64-byte UDP frame, MAC and
 //! ifindex lookups, checksums, NAPI threads and CPU pinning.
 
-use super::*;
+use std::{io, net::Ipv4Addr};
+
+use anyhow::{bail, Context as _, Result};
+
+use crate::bench::topo::{ns_run, Netns};
+
+/// The generator's CPU and the node's.
+pub(super) const GENERATOR_CPU: usize = 0;
+pub(super) const NODE_CPU: usize = 1;
+
+/// The generator's source port.
+pub(super) const SRC_PORT: u16 = 40_000;
+/// Ethernet frame length without FCS: a 64-byte frame on a wire.
+pub(super) const FRAME_LEN: usize = 60;
 
 pub(super) fn link_json(ns: &Netns, dev: &str) -> Result<serde_json::Value> {
     let out = ns_run(ns, "ip", &["-j", "link", "show", dev], "")?;
@@ -146,6 +159,7 @@ pub(super) fn set_affinity(pid: i32, cpu: usize) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::plan::{CLIENT_IP, DNS_PORT, TARGET_VIP};
 
     #[test]
     fn frame_is_64_bytes_on_the_wire_with_valid_checksums() {

@@ -77,152 +77,39 @@
 //!   `tc` (the agent in the node namespace with its TC programs on `cli0`), `xdp` (the
 //!   same with `--acceleration native`), `xdp-maglev` (and `--lb-algorithm maglev`;
 //!   remote form only: Maglev is for external frontends). Rounds interleave the modes.
+//!
+//! Layout: this file runs the rounds of each form; `entries.rs` the modes of each table
+//! (with `xdp-fwd`); `setup.rs` one mode made ready; `measure.rs` one measured round and
+//! the generator; `counters.rs` the kernel's counters it reads; `profile.rs` the live
+//! program profile; `frames.rs` the frame and interfaces; `xdp_progs.rs` its own
+//! raw-`bpf(2)` XDP programs; `results.rs` what it records; `report.rs` its tables.
 
-use std::{
-    io,
-    net::Ipv4Addr,
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
-    path::{Path, PathBuf},
-    process::Command,
-    sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
-        Arc,
-    },
-    time::{Duration, Instant},
-};
-
-use anyhow::{bail, Context as _, Result};
-use serde::{Deserialize, Serialize};
-
-use super::{
-    log,
-    modes::{self, Ctx, Mode, Timing},
-    plan::{self, Service, CLIENT_IP, DNS_PORT, NODE_CLIENT_SIDE, NODE_PORT, TARGET_VIP},
-    progstats, stats,
-    topo::{self, ns_run, Netns, NetnsGuard, Stack},
-};
-
+mod counters;
+mod entries;
 mod frames;
+mod measure;
+mod profile;
 mod report;
 mod results;
 mod setup;
 mod xdp_progs;
 
-use frames::*;
-pub use results::*;
-use setup::*;
-use xdp_progs::*;
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
 
-/// The generator's CPU and the node's.
-const GENERATOR_CPU: usize = 0;
-const NODE_CPU: usize = 1;
-/// Frames per `BPF_PROG_RUN` call of the generator.
-const REPEAT: u32 = 16_384;
-/// The generator's source port.
-const SRC_PORT: u16 = 40_000;
-/// Ethernet frame length without FCS: a 64-byte frame on a wire.
-const FRAME_LEN: usize = 60;
+use anyhow::{Context as _, Result};
 
-/// Whether this build's agent has `--acceleration` (XDP).
-fn agent_has_xdp(ctx: &Ctx) -> bool {
-    Command::new(ctx.bin_dir.join("proxy-agent"))
-        .args(["run", "--help"])
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).contains("--acceleration"))
-        .unwrap_or(false)
-}
-
-/// Plain XDP forwarding: `direct`'s stack, with [`fib_forward_program`] attached to
-/// `cli0` by [`prepare`]; the frames go to the pod IP.
-#[derive(Default)]
-struct XdpFwd(modes::Direct);
-
-impl Mode for XdpFwd {
-    fn name(&self) -> &'static str {
-        "xdp-fwd"
-    }
-    fn describe(&self) -> &'static str {
-        "plain XDP forwarding to the pod IP (bpf_fib_lookup, TTL, MACs, bpf_redirect; no NAT): the XDP limit"
-    }
-    fn setup(&mut self, ctx: &Ctx) -> Result<(), String> {
-        self.0.setup(ctx)
-    }
-    fn stack(&self) -> Option<&Stack> {
-        self.0.stack()
-    }
-    fn targets(&self, port: u16, endpoints: &[Ipv4Addr]) -> Vec<std::net::SocketAddrV4> {
-        self.0.targets(port, endpoints)
-    }
-    fn programs(&self) -> bool {
-        false
-    }
-    fn program(&mut self, ctx: &Ctx, s: &[Service], l: Duration) -> Result<Option<Timing>> {
-        self.0.program(ctx, s, l)
-    }
-    fn change(
-        &mut self,
-        ctx: &Ctx,
-        s: &[Service],
-        old: &Service,
-        l: Duration,
-    ) -> Result<Option<Timing>> {
-        self.0.change(ctx, s, old, l)
-    }
-    fn clear(&mut self, ctx: &Ctx) -> Result<()> {
-        self.0.clear(ctx)
-    }
-}
-
-/// One entry of a table: the mode, our agent's pin directory (for its counters), and
-/// why it cannot run in this build, if so.
-struct Entry {
-    mode: Box<dyn Mode>,
-    pins: Option<PathBuf>,
-    unavailable: Option<String>,
-}
-
-/// The modes of one form, in the table's order.
-fn pps_modes(ctx: &Ctx, form: Form) -> Vec<Entry> {
-    let has_xdp = agent_has_xdp(ctx);
-    let plain = |mode: Box<dyn Mode>| Entry {
-        mode,
-        pins: None,
-        unavailable: None,
-    };
-    let ours = |s: modes::Socket, xdp: bool| Entry {
-        pins: Some(s.pin_path(ctx)),
-        unavailable: (xdp && !has_xdp).then(|| {
-            "not available in this build (proxy-agent run has no --acceleration)".to_string()
-        }),
-        mode: Box::new(s),
-    };
-    let mut v = vec![plain(Box::<modes::Direct>::default())];
-    if form == Form::Remote {
-        v.push(plain(Box::<XdpFwd>::default()));
-    }
-    v.push(plain(Box::new(modes::Iptables::new(
-        modes::IptablesVariant::Legacy,
-    ))));
-    v.push(plain(Box::<modes::Nftables>::default()));
-    v.push(ours(modes::Socket::tc(), false));
-    v.push(ours(modes::Socket::xdp(), true));
-    if form == Form::Remote {
-        v.push(ours(modes::Socket::xdp_maglev(), true));
-    }
-    v
-}
-
-/// One mode, programmed and prepared: the sink attached, NAPI threaded and pinned.
-struct Prepared {
-    mode: Box<dyn Mode>,
-    pins: Option<PathBuf>,
-    _sink: OwnedFd,
-    /// `xdp-fwd`'s program on cli0 (its link).
-    _fwd: Option<OwnedFd>,
-    dst: Ipv4Addr,
-    dport: u16,
-    frame: Vec<u8>,
-}
+use super::{log, modes::Ctx, stats, topo};
+use entries::{pps_modes, Entry};
+use frames::{GENERATOR_CPU, NODE_CPU};
+use measure::measure;
+use profile::profile;
+pub use results::PpsConfig;
+use results::{Form, PpsMode, PpsResults, PpsRound, PpsTable};
+use setup::{frontend_flags, has_xdp, prepare, Prepared};
 
 pub fn run(
     ctx: &Ctx,
@@ -398,243 +285,6 @@ fn run_form(
         m.ratio_to_tc = stats::ratio(m.mpps, tc);
     }
     Ok(table)
-}
-
-/// The program that handles the frames on `cli0`'s ingress, if the mode has one: our
-/// agent's (from its pinned link: XDP when it has XDP, else TC) or `xdp-fwd`'s.
-fn cli0_program(p: &Prepared) -> Option<Result<(String, u32)>> {
-    if let Some(fwd) = &p._fwd {
-        return Some(
-            progstats::link_prog_id(fwd)
-                .map(|id| ("xdp-fwd's program".to_string(), id))
-                .map_err(Into::into),
-        );
-    }
-    let pins = p.pins.as_ref()?;
-    let link = if has_xdp(p.mode.name()) {
-        "xdp-cli0"
-    } else {
-        "tc-cli0-ingress"
-    };
-    let path = pins.join("links").join(link);
-    Some(
-        progstats::linked_prog_id(&path)
-            .map(|id| (format!("the agent's links/{link}"), id))
-            .map_err(Into::into),
-    )
-}
-
-/// One more round per mode with a program on `cli0`, with the kernel's run-time
-/// statistics on (`BPF_ENABLE_STATS`): the program's own ns per packet under the
-/// flood. Apart from the measured rounds, because the statistics add two clock reads
-/// to every program run (the generator's and the sink's too).
-fn profile(
-    ctx: &Ctx,
-    cfg: &PpsConfig,
-    prepared: &[(usize, Prepared)],
-    table: &mut PpsTable,
-    start: Instant,
-) {
-    for (idx, p) in prepared {
-        let Some(prog) = cli0_program(p) else {
-            continue;
-        };
-        let m = &mut table.modes[*idx];
-        let r = (|| -> Result<(f64, u64, String)> {
-            let (what, id) = prog?;
-            let stack = p.mode.stack().context("no stack")?;
-            let _on = progstats::enable().context("BPF_ENABLE_STATS")?;
-            let before = progstats::run_stats(id)?;
-            measure(ctx, stack, p, cfg)?;
-            let after = progstats::run_stats(id)?;
-            let (ns, runs) = progstats::per_run(before, after)
-                .with_context(|| format!("{what} (id {id}) did not run"))?;
-            Ok((ns, runs, format!("{what} (id {id})")))
-        })();
-        match r {
-            Ok((ns, runs, what)) => {
-                log(
-                    start,
-                    format!(
-                        "  {:<16} program: {ns:.0} ns per packet over {runs} runs ({what})",
-                        p.mode.name()
-                    ),
-                );
-                m.program_ns = Some(ns);
-                m.program_runs = Some(runs);
-                m.program = Some(what);
-            }
-            Err(e) => {
-                log(start, format!("  {} program: {e:#}", p.mode.name()));
-                m.program_error = Some(format!("{e:#}"));
-            }
-        }
-    }
-}
-
-/// One round: the generator runs, the pod's count (and the node's path counters, and
-/// our agent's XDP counters) are read over the interval.
-fn measure(ctx: &Ctx, stack: &Stack, p: &Prepared, cfg: &PpsConfig) -> Result<PpsRound> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let sent = Arc::new(AtomicU64::new(0));
-    let (tx, rx) = std::sync::mpsc::channel::<Result<(), String>>();
-    let gen = {
-        let (stop, sent, frame) = (stop.clone(), sent.clone(), p.frame.clone());
-        let ns = stack.client.path();
-        std::thread::spawn(move || generator(&ns, &frame, &stop, &sent, &tx))
-    };
-    let xdp_modes =
-        p.mode.name().starts_with("xdp-") && p.mode.name() != "xdp-fwd" || p.mode.name() == "xdp";
-    let result = (|| -> Result<PpsRound> {
-        match rx.recv_timeout(Duration::from_secs(10)) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => bail!("generator: {e}"),
-            Err(_) => bail!("generator did not start"),
-        }
-        std::thread::sleep(Duration::from_secs_f64(cfg.warmup_secs));
-        let stats0 = match (&p.pins, xdp_modes) {
-            (Some(pins), true) => Some(xdp_stats(ctx, pins)?),
-            _ => None,
-        };
-        let path0 = PathCounts::read(&stack.node)?;
-        let (c0, s0, t0) = sample(stack.pods(), &sent)?;
-        std::thread::sleep(Duration::from_secs_f64(cfg.secs));
-        let (c1, s1, t1) = sample(stack.pods(), &sent)?;
-        let path = PathCounts::read(&stack.node)?.since(path0);
-        let xdp = match (&p.pins, stats0) {
-            (Some(pins), Some(before)) => {
-                let after = xdp_stats(ctx, pins)?;
-                Some(
-                    after
-                        .into_iter()
-                        .map(|(k, v)| {
-                            let d = v.saturating_sub(before.get(&k).copied().unwrap_or(0));
-                            (k, d)
-                        })
-                        .filter(|(_, d)| *d > 0)
-                        .collect(),
-                )
-            }
-            _ => None,
-        };
-        let secs = t1.duration_since(t0).as_secs_f64();
-        let received = c1.saturating_sub(c0);
-        if received == 0 {
-            bail!("the pod received nothing");
-        }
-        // The remote form's XDP modes are there to measure XDP forwarding: a figure of
-        // frames that took another path is not reported as theirs.
-        let forwarding = p.dport == NODE_PORT || p.mode.name() == "xdp-fwd";
-        if forwarding && has_xdp(p.mode.name()) && (path.xdp_redirect + path.xdp_tx) * 2 < received
-        {
-            bail!(
-                "{} did not forward at XDP: {} (redirect {}, tx {} of {received})",
-                p.mode.name(),
-                path.verdict(received, true),
-                path.xdp_redirect,
-                path.xdp_tx
-            );
-        }
-        Ok(PpsRound {
-            round: 0,
-            secs,
-            received,
-            mpps: received as f64 / secs / 1e6,
-            offered_mpps: s1.saturating_sub(s0) as f64 / secs / 1e6,
-            path,
-            xdp_stats: xdp,
-            error: None,
-        })
-    })();
-    stop.store(true, Ordering::Relaxed);
-    let gen_result = gen.join();
-    match gen_result {
-        Ok(Err(e)) if result.is_ok() => Err(e.context("generator")),
-        _ => result,
-    }
-}
-
-/// The pod's received count, the generator's sent count, and when (the middle of the
-/// counter read).
-fn sample(pods: &Netns, sent: &AtomicU64) -> Result<(u64, u64, Instant)> {
-    let a = Instant::now();
-    let s0 = sent.load(Ordering::Relaxed);
-    let c = xdp_drops(pods, "eth0")?;
-    let s1 = sent.load(Ordering::Relaxed);
-    let b = Instant::now();
-    Ok((c, (s0 + s1) / 2, a + (b - a) / 2))
-}
-
-/// `ethtool -S` of a veth: (name, value) pairs.
-fn veth_stats(ns: &Netns, dev: &str) -> Result<Vec<(String, u64)>> {
-    let out = ns_run(ns, "ethtool", &["-S", dev], "")?;
-    Ok(out
-        .lines()
-        .filter_map(|l| {
-            let (k, v) = l.trim().split_once(':')?;
-            Some((k.trim().to_string(), v.trim().parse().ok()?))
-        })
-        .collect())
-}
-
-/// `ethtool -S`: the sum of the rx queues' `xdp_drops`.
-fn xdp_drops(ns: &Netns, dev: &str) -> Result<u64> {
-    let mut total = None;
-    for (k, v) in veth_stats(ns, dev)? {
-        if k.starts_with("rx_queue_") && k.ends_with("_xdp_drops") {
-            *total.get_or_insert(0u64) += v;
-        }
-    }
-    total.with_context(|| format!("ethtool -S {dev}: no rx_queue_*_xdp_drops"))
-}
-
-/// The namespace's `Ip: ForwDatagrams` (`/proc/net/snmp`, read from inside it).
-fn ip_forwarded(ns: &Netns) -> Result<u64> {
-    let out = ns_run(ns, "cat", &["/proc/net/snmp"], "")?;
-    let mut ip = out.lines().filter(|l| l.starts_with("Ip:"));
-    let (names, values) = (ip.next(), ip.next());
-    let (Some(names), Some(values)) = (names, values) else {
-        bail!("/proc/net/snmp: no Ip lines");
-    };
-    let i = names
-        .split_whitespace()
-        .position(|n| n == "ForwDatagrams")
-        .context("/proc/net/snmp: no ForwDatagrams")?;
-    values
-        .split_whitespace()
-        .nth(i)
-        .and_then(|v| v.parse().ok())
-        .context("/proc/net/snmp: ForwDatagrams value")
-}
-
-fn generator(
-    ns: &Path,
-    frame: &[u8],
-    stop: &AtomicBool,
-    sent: &AtomicU64,
-    ready: &std::sync::mpsc::Sender<Result<(), String>>,
-) -> Result<()> {
-    let _ns = NetnsGuard::enter(ns);
-    super::client::pin(GENERATOR_CPU);
-    let setup = (|| -> Result<OwnedFd> {
-        let ifindex = ifindex("eth0")?;
-        load_xdp(&generator_program(frame, ifindex)?, "pps_gen")
-    })();
-    let prog = match setup {
-        Ok(p) => {
-            let _ = ready.send(Ok(()));
-            p
-        }
-        Err(e) => {
-            let _ = ready.send(Err(format!("{e:#}")));
-            return Err(e);
-        }
-    };
-    while !stop.load(Ordering::Relaxed) {
-        test_run_live(&prog, frame, REPEAT)?;
-        sent.fetch_add(u64::from(REPEAT), Ordering::Relaxed);
-    }
-    Ok(())
 }
 
 // ----- BPF_PROG_RUN ns per packet ---------------------------------------------------

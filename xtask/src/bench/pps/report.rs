@@ -1,7 +1,7 @@
 //! The packet-rate part's Markdown: its two tables, the targets, the `BPF_PROG_RUN`
 //! table.
 
-use super::*;
+use super::results::{Form, PpsResults, PpsTable};
 
 impl PpsResults {
     pub fn markdown(&self) -> String {

@@ -1,7 +1,11 @@
 //! What the packet-rate part records: its configuration, rounds, per-mode figures and
 //! tables (serialized to `pps-results.json`).
 
-use super::*;
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+
+use super::counters::{ip_forwarded, veth_stats};
+use crate::bench::topo::Netns;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct PpsConfig {

@@ -2,7 +2,29 @@
 //! pod's sink, the neighbours, `xdp-fwd`'s program, the NAPI thread; and reading our
 //! agent's frontend flags and XDP counters.
 
-use super::*;
+use std::{
+    net::Ipv4Addr,
+    os::fd::OwnedFd,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use anyhow::{bail, Context as _, Result};
+
+use super::{
+    frames::{
+        ifindex, mac, napi_threads, set_affinity, set_fifo, udp_frame, GENERATOR_CPU, NODE_CPU,
+        SRC_PORT,
+    },
+    results::Form,
+    xdp_progs::{attach_xdp, exit, fib_forward_program, load_xdp, mov_imm, XDP_DROP},
+};
+use crate::bench::{
+    modes::{Ctx, Mode},
+    plan::{self, CLIENT_IP, DNS_PORT, NODE_CLIENT_SIDE, NODE_PORT, TARGET_VIP},
+    topo::{ns_run, Netns, NetnsGuard},
+};
 
 /// Whether the mode has an XDP program on `cli0` (ours or `xdp-fwd`'s).
 pub(super) fn has_xdp(mode: &str) -> bool {
@@ -178,4 +200,16 @@ pub(super) fn thread_napi(node: &Netns) -> Result<String> {
     Ok(format!(
         "napi thread {pinned:?} on CPU {NODE_CPU}, SCHED_FIFO"
     ))
+}
+
+/// One mode, programmed and prepared: the sink attached, NAPI threaded and pinned.
+pub(super) struct Prepared {
+    pub(super) mode: Box<dyn Mode>,
+    pub(super) pins: Option<PathBuf>,
+    pub(super) _sink: OwnedFd,
+    /// `xdp-fwd`'s program on cli0 (its link).
+    pub(super) _fwd: Option<OwnedFd>,
+    pub(super) dst: Ipv4Addr,
+    pub(super) dport: u16,
+    pub(super) frame: Vec<u8>,
 }

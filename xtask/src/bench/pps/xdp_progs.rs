@@ -2,7 +2,10 @@
 //! the generator (`BPF_PROG_RUN` live frames), the pod's `XDP_DROP` sink and `xdp-fwd`'s
 //! plain FIB forwarding, loaded and attached by link.
 
-use super::*;
+use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+
+use anyhow::{bail, Context as _, Result};
+
 use crate::bench::progstats::Attr;
 
 pub(super) const BPF_PROG_LOAD: i64 = 5;

@@ -1,0 +1,165 @@
+//! The [`Syncer`]: its state (index, writer, change tracking, claims, what is held and
+//! reported), its construction and accessors; and [`SyncOutcome`], what one sync did.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    sync::Arc,
+    time::Instant,
+};
+
+use crate::{
+    agent::metrics::Metrics,
+    cluster::{
+        conflicts::Claims,
+        external_ips::ExternalIpPolicy,
+        index::Index,
+        lb_algorithm::LbAlgorithm,
+        objects::{NodeInfo, ObjKey},
+        Kind,
+    },
+    fasthash::HashMap,
+    model::Frontend,
+    store::MapStore,
+    writer::Writer,
+};
+
+/// The result of one sync.
+#[derive(Debug, Default)]
+pub struct SyncOutcome {
+    /// Whether anything was attempted (false while waiting for the initial lists).
+    pub ran: bool,
+    /// Map operations written.
+    pub ops: usize,
+    /// Map writes that failed and are worth retrying (the store refused them: a full
+    /// map, an error of the kernel); their Services stay dirty. Entries the writer
+    /// refuses by their content (more backends than a frontend holds, ...) are skipped
+    /// objects, not failures: retrying would not help.
+    pub failed: usize,
+    /// Whether it was a full re-diff.
+    pub full: bool,
+}
+
+/// What a Service that did not validate when the agent started keeps: the frontends the
+/// pinned maps held for it, untouched until a valid version of every object in
+/// `objects` arrives (or the object goes).
+#[derive(Debug, Default)]
+pub(super) struct Held {
+    pub(super) objects: BTreeSet<(Kind, ObjKey)>,
+    pub(super) frontends: BTreeSet<Frontend>,
+}
+
+/// Index + writer + change tracking.
+pub struct Syncer<S> {
+    pub(super) writer: Writer<S>,
+    pub(super) index: Index,
+    pub(super) proxy_name: Option<String>,
+    pub(super) external_ips: ExternalIpPolicy,
+    pub(super) metrics: Arc<Metrics>,
+    /// Services whose frontends may differ from the maps, with the time the first
+    /// unsynced change to them was received.
+    pub(super) dirty: HashMap<ObjKey, Instant>,
+    /// A full re-diff is due (initial sync, relist, periodic resync), since when.
+    pub(super) full_due: Option<Instant>,
+    /// Who claims which frontend (and so who owns it).
+    pub(super) claims: Claims,
+    /// Losing claimants already reported, per frontend (each reported once).
+    pub(super) conflicts_reported: HashMap<Frontend, BTreeSet<ObjKey>>,
+    /// Frontends the writer refused by content, with the Service and cause (reported
+    /// once per Service and cause, until the frontend is written or goes).
+    pub(super) refused: HashMap<Frontend, (ObjKey, &'static str)>,
+    /// Services kept as the pinned maps hold them (see [`Held`]).
+    pub(super) held: BTreeMap<ObjKey, Held>,
+    /// The pinned maps' frontends by the Service named in their reverse-NAT entry, read
+    /// once when the first invalid object is seen at start.
+    pub(super) pinned: Option<HashMap<ObjKey, BTreeSet<Frontend>>>,
+    /// Whether a sync has run (before: the maps are a previous agent's).
+    pub(super) synced_once: bool,
+    /// Which initial lists have arrived.
+    pub(super) listed: BTreeSet<Kind>,
+    needs: BTreeSet<Kind>,
+    /// Slices already reported as waiting for a missing Service (logged once each).
+    pub(super) orphans_reported: BTreeSet<ObjKey>,
+    /// `--lb-algorithm`: the default for Services without the annotation.
+    pub(super) lb_default: LbAlgorithm,
+}
+
+impl<S: MapStore> Syncer<S> {
+    /// `needs`: the kinds whose initial list must arrive before anything is written.
+    pub fn new(
+        writer: Writer<S>,
+        node: NodeInfo,
+        proxy_name: Option<String>,
+        needs: impl IntoIterator<Item = Kind>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            writer,
+            index: Index::new(node),
+            proxy_name,
+            external_ips: ExternalIpPolicy::default(),
+            metrics,
+            dirty: HashMap::default(),
+            full_due: None,
+            claims: Claims::default(),
+            conflicts_reported: HashMap::default(),
+            refused: HashMap::default(),
+            held: BTreeMap::new(),
+            pinned: None,
+            synced_once: false,
+            listed: BTreeSet::new(),
+            needs: needs.into_iter().collect(),
+            orphans_reported: BTreeSet::new(),
+            lb_default: LbAlgorithm::default(),
+        }
+    }
+
+    /// The algorithm for external traffic of Services without the annotation.
+    pub fn with_lb_algorithm(mut self, default: LbAlgorithm) -> Self {
+        self.lb_default = default;
+        self
+    }
+
+    /// Programs `spec.externalIPs` only inside `cidrs` (`None`: all).
+    pub fn with_external_ip_cidrs(mut self, cidrs: Option<Vec<(IpAddr, u8)>>) -> Self {
+        self.external_ips = ExternalIpPolicy::new(cidrs);
+        self
+    }
+
+    pub fn writer(&self) -> &Writer<S> {
+        &self.writer
+    }
+
+    pub fn index(&self) -> &Index {
+        &self.index
+    }
+
+    pub fn writer_mut(&mut self) -> &mut Writer<S> {
+        &mut self.writer
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Every initial list has arrived.
+    pub fn ready(&self) -> bool {
+        self.needs.is_subset(&self.listed)
+    }
+
+    /// Something is waiting to be written.
+    pub fn pending(&self) -> bool {
+        self.full_due.is_some() || !self.dirty.is_empty()
+    }
+
+    /// Asks for a full re-diff (periodic resync).
+    pub fn request_full(&mut self, now: Instant) {
+        self.full_due.get_or_insert(now);
+    }
+
+    pub(super) fn touch(&mut self, keys: impl IntoIterator<Item = ObjKey>, now: Instant) {
+        for k in keys {
+            self.dirty.entry(k).or_insert(now);
+        }
+    }
+}

@@ -1,0 +1,265 @@
+//! The sync and its write path: which frontends the dirty Services (or all, on a full
+//! re-diff) claim, each frontend's owner (`cluster::conflicts`), removals then upserts in
+//! write order through the [`Writer`](crate::writer::Writer), and what failed or was
+//! refused, reported once and retried or skipped.
+
+use std::{collections::BTreeSet, time::Instant};
+
+use tracing::{debug, warn};
+
+use super::syncer::{SyncOutcome, Syncer};
+use crate::{
+    agent::metrics::ReasonLabel,
+    cluster::{
+        conflicts::{write_order, Rank},
+        objects::ObjKey,
+    },
+    fasthash::{HashMap, HashSet},
+    model::{Frontend, ServiceEntry},
+    store::MapStore,
+    writer::WriteError,
+};
+
+impl<S: MapStore> Syncer<S> {
+    /// Writes what is pending. Call when [`Self::ready`] and [`Self::pending`].
+    pub fn sync(&mut self, now: Instant) -> SyncOutcome {
+        if !self.ready() {
+            return SyncOutcome::default();
+        }
+        let start = Instant::now();
+        let full = self.full_due.is_some();
+        let keys: Vec<(ObjKey, Instant)> = if full {
+            let since = self.full_due.take().unwrap_or(now);
+            // Every Service (the index's keys come sorted), the held ones, and the dirty
+            // ones with their own times: sorted, one per key (a dirty key's time wins).
+            let mut all: Vec<(ObjKey, Instant, bool)> = self
+                .index
+                .service_keys()
+                .chain(self.held.keys())
+                .map(|k| (k.clone(), since, false))
+                .chain(self.dirty.drain().map(|(k, t)| (k, t, true)))
+                .collect();
+            all.sort_by(|a, b| a.0.cmp(&b.0).then(b.2.cmp(&a.2)));
+            all.dedup_by(|later, first| later.0 == first.0);
+            all.into_iter().map(|(k, t, _)| (k, t)).collect()
+        } else {
+            let mut keys: Vec<_> = self.dirty.drain().collect();
+            keys.sort();
+            keys
+        };
+
+        let mut outcome = SyncOutcome {
+            ran: true,
+            full,
+            ..SyncOutcome::default()
+        };
+        if full {
+            self.report_orphans();
+        }
+        self.write(&keys, full, now, &mut outcome);
+        self.synced_once = true;
+
+        let done = Instant::now();
+        for (key, since) in &keys {
+            if !self.dirty.contains_key(key) {
+                self.metrics
+                    .network_programming
+                    .observe(done.saturating_duration_since(*since).as_secs_f64());
+            }
+        }
+        self.metrics
+            .sync_duration
+            .observe(done.duration_since(start).as_secs_f64());
+        self.metrics
+            .frontends
+            .set(self.writer.frontend_count() as i64);
+        self.metrics
+            .backends
+            .set(self.writer.backend_count() as i64);
+        if outcome.failed == 0 {
+            self.metrics.mark_synced();
+        }
+        debug!(
+            full,
+            services = keys.len(),
+            ops = outcome.ops,
+            failed = outcome.failed,
+            took_ms = done.duration_since(start).as_secs_f64() * 1e3,
+            "sync"
+        );
+        outcome
+    }
+
+    /// Writes the frontends `keys` claim or claimed (`full`: every frontend, removing
+    /// what nobody claims, pinned leftovers of a previous agent included). Each frontend
+    /// gets its owner's entry (`cluster::conflicts`): a change of owner is one rewrite
+    /// of the frontend, never a removal followed by an insert.
+    fn write(
+        &mut self,
+        keys: &[(ObjKey, Instant)],
+        full: bool,
+        now: Instant,
+        outcome: &mut SyncOutcome,
+    ) {
+        let started = Instant::now();
+        let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> = HashMap::default();
+        let mut touched: BTreeSet<Frontend> = BTreeSet::new();
+        if full {
+            self.claims.clear();
+            touched.extend(self.writer.frontends().copied());
+        }
+        for (key, _) in keys {
+            let (es, fes): (Vec<ServiceEntry>, BTreeSet<Frontend>) = match self.held.get(key) {
+                // Held: claims what the pinned maps hold for it, writes nothing.
+                Some(h) => (Vec::new(), h.frontends.clone()),
+                None => {
+                    let es = self.index.entries(key);
+                    let fes = es.iter().map(|e| e.frontend).collect();
+                    (es, fes)
+                }
+            };
+            let created = self.index.service(key).and_then(|s| s.creation_timestamp);
+            // Its own frontends (their entries may have changed) and every frontend whose
+            // claimants changed (their owner may have).
+            touched.extend(fes.iter().copied());
+            touched.extend(self.claims.set(Rank::new(created, key.clone()), fes));
+            entries.insert(key.clone(), es);
+        }
+        if full {
+            touched.extend(self.claims.frontends().copied());
+        }
+
+        let mut removals = Vec::new();
+        let mut upserts: Vec<(ObjKey, ServiceEntry)> = Vec::new();
+        for fe in &touched {
+            self.report_conflicts(fe);
+            let Some(owner) = self.claims.owner(fe).cloned() else {
+                if self.writer.is_programmed(fe) {
+                    removals.push(*fe);
+                } else {
+                    self.refused.remove(fe);
+                }
+                continue;
+            };
+            if self.held.contains_key(&owner) {
+                continue;
+            }
+            let es = entries
+                .entry(owner.clone())
+                .or_insert_with(|| self.index.entries(&owner));
+            // Taken out (each frontend is visited once): the entries are not copied.
+            if let Some(i) = es.iter().position(|e| e.frontend == *fe) {
+                upserts.push((owner, es.remove(i)));
+            }
+        }
+        let (owners, mut list): (Vec<ObjKey>, Vec<ServiceEntry>) = upserts.into_iter().unzip();
+        let owner_of: HashMap<Frontend, ObjKey> =
+            list.iter().map(|e| e.frontend).zip(owners).collect();
+        write_order(&mut list);
+        // Removals first (they free map room for the additions), then the upserts in
+        // write order; in batches when there are many (the first sync, a relist).
+        let planned = Instant::now();
+        let report = self.writer.write_many(&removals, &list);
+        debug!(
+            frontends = list.len(),
+            removals = removals.len(),
+            desired_ms = planned.duration_since(started).as_secs_f64() * 1e3,
+            write_ms = planned.elapsed().as_secs_f64() * 1e3,
+            "sync: desired state built, written"
+        );
+        outcome.ops += report.ops;
+        let mut failed: HashSet<Frontend> = HashSet::default();
+        for e in report.errors {
+            let Some(fe) = err_frontend(&e).copied() else {
+                continue;
+            };
+            failed.insert(fe);
+            match owner_of.get(&fe) {
+                // A removal: nobody claims it any more, the next full re-diff removes it.
+                None => {
+                    outcome.failed += 1;
+                    self.write_failed(&e);
+                    self.full_due.get_or_insert(now);
+                }
+                Some(owner) => match e {
+                    WriteError::Store { .. } => {
+                        outcome.failed += 1;
+                        self.write_failed(&e);
+                        self.dirty.entry(owner.clone()).or_insert_with(Instant::now);
+                    }
+                    _ => {
+                        let owner = owner.clone();
+                        self.refuse(&owner, &e);
+                    }
+                },
+            }
+        }
+        for fe in removals.iter().chain(list.iter().map(|e| &e.frontend)) {
+            if !failed.contains(fe) {
+                self.refused.remove(fe);
+            }
+        }
+    }
+
+    /// A frontend the writer refused by its content: the Service is skipped (its
+    /// frontend keeps what the maps held, if anything), reported once per cause.
+    fn refuse(&mut self, key: &ObjKey, err: &WriteError) {
+        let Some(fe) = err_frontend(err) else { return };
+        let reason = err.reason();
+        let known = self.refused.values().any(|(k, r)| k == key && *r == reason);
+        if self.refused.insert(*fe, (key.clone(), reason)).is_none() && !known {
+            warn!(service = %key, reason, "skipping Service {key}: {err}; the rest is programmed");
+            self.metrics.skipped("Service", reason);
+        }
+    }
+
+    /// Reports each Service that claims `fe` without owning it, once.
+    fn report_conflicts(&mut self, fe: &Frontend) {
+        let losers: BTreeSet<ObjKey> = self.claims.losers(fe).cloned().collect();
+        let owner = self.claims.owner(fe).cloned();
+        let reported = self.conflicts_reported.entry(*fe).or_default();
+        reported.retain(|k| losers.contains(k));
+        let mut new = Vec::new();
+        for k in &losers {
+            if reported.insert(k.clone()) {
+                new.push(k.clone());
+            }
+        }
+        if reported.is_empty() {
+            self.conflicts_reported.remove(fe);
+        }
+        if let Some(owner) = owner {
+            for key in new {
+                self.conflict(fe, &key, &owner);
+            }
+        }
+    }
+
+    fn conflict(&self, fe: &Frontend, key: &ObjKey, other: &ObjKey) {
+        warn!(
+            service = %key, frontend = %fe,
+            "Service {key}: frontend {fe} belongs to Service {other} (created earlier, or same time and a smaller namespace/name); skipped"
+        );
+        self.metrics.skipped("Service", "frontend_conflict");
+    }
+
+    fn write_failed(&self, err: &WriteError) {
+        warn!(reason = err.reason(), "map write failed: {err}");
+        self.metrics
+            .map_write_errors
+            .get_or_create(&ReasonLabel {
+                reason: err.reason().to_string(),
+            })
+            .inc();
+    }
+}
+
+fn err_frontend(e: &WriteError) -> Option<&Frontend> {
+    match e {
+        WriteError::FamilyMismatch { frontend, .. }
+        | WriteError::ZeroPort { frontend }
+        | WriteError::ZeroBackendPort { frontend, .. }
+        | WriteError::TooManyBackends { frontend, .. }
+        | WriteError::Store { frontend, .. } => Some(frontend),
+    }
+}

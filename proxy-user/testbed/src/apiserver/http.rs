@@ -1,0 +1,145 @@
+//! HTTP/1.1 on the wire: one request head read, a response written, the API's `Status`
+//! body for errors, and URL decoding of paths and queries.
+
+use std::io;
+
+use serde_json::{json, Value};
+use tokio::{
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+    net::tcp::{OwnedReadHalf, OwnedWriteHalf},
+};
+
+pub(super) struct Request {
+    pub(super) line: String,
+    pub(super) method: String,
+    pub(super) target: String,
+    pub(super) close: bool,
+}
+
+pub(super) fn status(code: u16, reason: &str, message: impl Into<String>) -> Value {
+    json!({
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message.into(),
+        "reason": reason,
+        "code": code,
+    })
+}
+
+/// Reads one request head (and skips a body, if any). `Ok(None)` on a clean EOF.
+pub(super) async fn read_request(
+    reader: &mut BufReader<OwnedReadHalf>,
+) -> io::Result<Option<Request>> {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).await? == 0 {
+            return Ok(None);
+        }
+        if !line.trim().is_empty() {
+            break;
+        }
+    }
+    let line = line.trim_end().to_owned();
+    let mut parts = line.split(' ');
+    let method = parts.next().unwrap_or_default().to_owned();
+    let target = parts.next().unwrap_or_default().to_owned();
+    let version = parts.next().unwrap_or_default();
+    let mut close = version == "HTTP/1.0";
+    let mut content_length = 0usize;
+    loop {
+        let mut header = String::new();
+        if reader.read_line(&mut header).await? == 0 {
+            return Ok(None);
+        }
+        let header = header.trim_end();
+        if header.is_empty() {
+            break;
+        }
+        if let Some((name, value)) = header.split_once(':') {
+            let value = value.trim().to_ascii_lowercase();
+            match name.trim().to_ascii_lowercase().as_str() {
+                "content-length" => content_length = value.parse().unwrap_or(0),
+                "connection" if value.contains("close") => close = true,
+                "connection" if value.contains("keep-alive") => close = false,
+                _ => {}
+            }
+        }
+    }
+    if content_length > 0 {
+        let mut body = vec![0; content_length];
+        reader.read_exact(&mut body).await?;
+    }
+    Ok(Some(Request {
+        line,
+        method,
+        target,
+        close,
+    }))
+}
+
+fn reason_phrase(code: u16) -> &'static str {
+    match code {
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        410 => "Gone",
+        422 => "Unprocessable Entity",
+        504 => "Gateway Timeout",
+        _ => "Unknown",
+    }
+}
+
+pub(super) async fn write_json(
+    writer: &mut OwnedWriteHalf,
+    code: u16,
+    body: &Value,
+    close: bool,
+) -> io::Result<()> {
+    write_text(writer, code, &body.to_string(), close).await
+}
+
+pub(super) async fn write_text(
+    writer: &mut OwnedWriteHalf,
+    code: u16,
+    body: &str,
+    close: bool,
+) -> io::Result<()> {
+    let response = format!(
+        "HTTP/1.1 {code} {}\r\nContent-Type: application/json\r\nCache-Control: no-cache, private\r\nContent-Length: {}\r\n{}\r\n{body}",
+        reason_phrase(code),
+        body.len(),
+        if close { "Connection: close\r\n" } else { "" },
+    );
+    writer.write_all(response.as_bytes()).await
+}
+
+/// Decodes `%XX` escapes and `+` (form encoding, as kube-rs sends queries).
+pub(super) fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = s
+                    .get(i + 1..i + 3)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok());
+                match hex {
+                    Some(byte) => {
+                        out.push(byte);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}

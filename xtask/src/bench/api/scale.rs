@@ -1,0 +1,255 @@
+//! One N (see the module documentation of `api`): programming from nothing, memory and
+//! CPU at rest, single endpoint changes, the restart on the pins, and the same N through
+//! the other paths side by side.
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result};
+
+use super::{
+    agent::{ApiAgent, Place},
+    objects::{base_endpoints, fresh, loaded_apiserver, slice_obj, ENDPOINTS},
+    results::{ApiConfig, ApiScale, Dist},
+};
+use crate::bench::{
+    log,
+    modes::{self, metric, Ctx, Mode},
+    plan, report, topo,
+};
+
+/// Spacing of the single changes: past the agent's default `--min-sync-interval` (50 ms),
+/// so each change is synced on its own.
+const CHANGE_SPACING: Duration = Duration::from_millis(60);
+
+pub(super) fn one_scale(
+    cfg: &ApiConfig,
+    ctx: &Ctx,
+    n: usize,
+    scale: &mut ApiScale,
+    gave_up: &mut BTreeMap<String, String>,
+    start: Instant,
+) -> Result<()> {
+    let limit = Duration::from_secs_f64(cfg.program_limit_secs);
+    let t = Instant::now();
+    let api = loaded_apiserver(n);
+    log(
+        start,
+        format!("  apiserver loaded in {:.1} s", t.elapsed().as_secs_f64()),
+    );
+    let mut place = Place::new()?;
+    let (pins, cgroup) = place.agent(0)?;
+    let kubeconfig = place.kubeconfig(&api);
+    let log_path = place.dir.0.join("agent-0.log");
+    api.clear_requests();
+    let mut agent = ApiAgent::start(&ctx.bin_dir, &kubeconfig, &pins, &cgroup, &log_path)?;
+    let spawned = agent.started;
+    let healthy = agent.wait_healthy(limit)?;
+    scale.start_to_healthy_secs = Some(healthy.as_secs_f64());
+    let programmed = agent
+        .wait_metric(
+            "ebpf_proxy_programmed_frontends",
+            |v| v >= n as f64,
+            limit.saturating_sub(healthy),
+        )?
+        .context("not all frontends programmed in the bound")?;
+    let first_list = ["Service", "EndpointSlice"]
+        .iter()
+        .filter_map(|k| api.list_times(k).first().copied())
+        .min()
+        .context("no list was served")?;
+    scale.list_pages = api.list_times("Service").len() + api.list_times("EndpointSlice").len();
+    scale.list_to_programmed_secs = Some(programmed.duration_since(first_list).as_secs_f64());
+    scale.start_to_programmed_secs = Some(programmed.duration_since(spawned).as_secs_f64());
+    log(
+        start,
+        format!(
+            "  healthy after {:.2} s; first list byte -> {n} frontends {:.3} s ({} pages)",
+            healthy.as_secs_f64(),
+            scale.list_to_programmed_secs.unwrap_or_default(),
+            scale.list_pages
+        ),
+    );
+
+    // At rest.
+    std::thread::sleep(Duration::from_millis(500));
+    let cpu0 = agent.cpu_seconds();
+    let t = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(cfg.idle_secs));
+    let cpu1 = agent.cpu_seconds();
+    if let (Some(a), Some(b)) = (cpu0, cpu1) {
+        scale.idle_cpu_percent = Some((b - a) / t.elapsed().as_secs_f64() * 100.0);
+    }
+    (scale.rss_mib, scale.hwm_mib) = agent.memory_mib();
+    log(
+        start,
+        format!(
+            "  VmRSS {:.1} MiB, VmHWM {:.1} MiB, CPU at rest {:.2} %",
+            scale.rss_mib.unwrap_or_default(),
+            scale.hwm_mib.unwrap_or_default(),
+            scale.idle_cpu_percent.unwrap_or_default()
+        ),
+    );
+
+    // Single endpoint changes.
+    let name = "ebpf_proxy_network_programming_duration_seconds";
+    let (mut agent_secs, mut visible_secs) = (Vec::new(), Vec::new());
+    for j in 0..cfg.changes {
+        topo::check_interrupt()?;
+        let i = (j * 7919 + n / 2) % n;
+        let mut eps = base_endpoints(i);
+        eps[j % ENDPOINTS] = fresh(j);
+        let m = agent.metrics_text()?;
+        let (sum0, count0) = (
+            metric(&m, &format!("{name}_sum")).unwrap_or(0.0),
+            metric(&m, &format!("{name}_count")).unwrap_or(0.0),
+        );
+        api.apply(slice_obj(i, &eps));
+        let accepted = Instant::now();
+        let Some(seen) = agent.wait_metric(
+            &format!("{name}_count"),
+            |c| c > count0,
+            Duration::from_secs(30),
+        )?
+        else {
+            scale
+                .errors
+                .push(format!("change {j} not reported in 30 s"));
+            continue;
+        };
+        visible_secs.push(seen.duration_since(accepted).as_secs_f64());
+        let m = agent.metrics_text()?;
+        let (sum1, count1) = (
+            metric(&m, &format!("{name}_sum")).unwrap_or(0.0),
+            metric(&m, &format!("{name}_count")).unwrap_or(0.0),
+        );
+        if count1 == count0 + 1.0 {
+            agent_secs.push(sum1 - sum0);
+        } else {
+            scale.changes_unattributed += 1;
+        }
+        std::thread::sleep(CHANGE_SPACING);
+    }
+    scale.change_agent = Dist::from_secs(&agent_secs);
+    scale.change_visible = Dist::from_secs(&visible_secs);
+    if let (Some(a), Some(v)) = (&scale.change_agent, &scale.change_visible) {
+        log(
+            start,
+            format!(
+                "  {} changes: agent p50 {:.2} ms p99 {:.2} ms; accepted -> written p50 {:.2} ms p99 {:.2} ms",
+                v.count, a.p50_ms, a.p99_ms, v.p50_ms, v.p99_ms
+            ),
+        );
+    }
+
+    // Restart on the pins.
+    agent.stop();
+    api.clear_requests();
+    agent.restart()?;
+    let healthy = agent.wait_healthy(limit)?;
+    let healthy_at = Instant::now();
+    scale.restart_to_healthy_secs = Some(healthy.as_secs_f64());
+    scale.restart_map_writes = agent.first_sync_ops();
+    let pages: Vec<Instant> = ["Service", "EndpointSlice"]
+        .iter()
+        .flat_map(|k| api.list_times(k))
+        .filter(|t| *t <= healthy_at)
+        .collect();
+    let since = |t: Option<&Instant>| t.map(|t| healthy_at.duration_since(*t).as_secs_f64());
+    scale.restart_list_to_healthy_secs = since(pages.iter().min());
+    scale.restart_last_page_to_healthy_secs = since(pages.iter().max());
+    scale.restart_hwm_mib = agent.memory_mib().1;
+    log(
+        start,
+        format!(
+            "  restart on the pins: healthy after {:.2} s ({:.2} s after the first list page, {:.2} s after the last), {:?} map writes, VmHWM {:.1} MiB",
+            healthy.as_secs_f64(),
+            scale.restart_list_to_healthy_secs.unwrap_or_default(),
+            scale.restart_last_page_to_healthy_secs.unwrap_or_default(),
+            scale.restart_map_writes,
+            scale.restart_hwm_mib.unwrap_or_default()
+        ),
+    );
+    if std::env::var_os("BENCH_AGENT_LOG").is_some() {
+        // The restarted agent's log, kept for its timestamps (the run's directory goes).
+        let keep = std::env::temp_dir().join(format!("bench-api-agent-{n}.log"));
+        if fs::copy(&log_path, &keep).is_ok() {
+            log(start, format!("  agent log kept at {}", keep.display()));
+        }
+    }
+    drop(agent);
+    drop(api);
+
+    if cfg.side_by_side {
+        let side_limit = Duration::from_secs_f64(cfg.side_limit_secs);
+        side_by_side(ctx, n, scale, side_limit, gave_up, start);
+    }
+    Ok(())
+}
+
+/// The manifests path and kube-proxy's rule loads at the same N (within the datapath
+/// bench's address plan).
+fn side_by_side(
+    ctx: &Ctx,
+    n: usize,
+    scale: &mut ApiScale,
+    limit: Duration,
+    gave_up: &mut BTreeMap<String, String>,
+    start: Instant,
+) {
+    if n > plan::MAX_SERVICES {
+        scale.errors.push(format!(
+            "side by side: {} services exceed the datapath bench's address plan ({})",
+            report::thousands(n),
+            report::thousands(plan::MAX_SERVICES)
+        ));
+        return;
+    }
+    let services = plan::services(n, false);
+    let mut others: Vec<Box<dyn Mode>> = vec![
+        Box::new(modes::Socket::default()),
+        Box::new(modes::Iptables::new(modes::IptablesVariant::Nft)),
+        Box::new(modes::Nftables::default()),
+    ];
+    for mode in &mut others {
+        let label = match mode.name() {
+            "socket" => "manifests".to_string(),
+            other => other.to_string(),
+        };
+        if let Some(why) = gave_up.get(&label) {
+            scale.errors.push(format!("{label}: not run ({why})"));
+            continue;
+        }
+        if let Err(why) = mode.setup(ctx) {
+            scale.errors.push(format!("{label}: not available: {why}"));
+            continue;
+        }
+        match mode.program(ctx, &services, limit) {
+            Ok(t) => {
+                let secs = t.map(|t| t.seconds);
+                log(start, format!("  {label}: {secs:?} s"));
+                if secs.is_none() {
+                    gave_up.insert(
+                        label.clone(),
+                        format!(
+                            "over the {:.0} s bound at {}",
+                            limit.as_secs_f64(),
+                            report::thousands(n)
+                        ),
+                    );
+                }
+                scale.side_by_side.insert(label.clone(), secs);
+                if label == "manifests" {
+                    scale.manifests_rss_mib = mode.agent().and_then(|a| a.rss_mib);
+                }
+            }
+            Err(e) => scale.errors.push(format!("{label}: {e:#}")),
+        }
+        if let Err(e) = mode.clear(ctx) {
+            scale.errors.push(format!("{label}: clear: {e:#}"));
+        }
+    }
+}
