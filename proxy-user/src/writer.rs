@@ -215,10 +215,9 @@ impl AdoptReport {
 pub struct Writer<S> {
     store: S,
     services: BTreeMap<Frontend, Programmed>,
-    /// Canonical id of each backend.
-    backend_ids: HashMap<BackendKey, u32>,
-    /// Every live backend id: its backend and how many frontends reference it.
-    backend_refs: BTreeMap<u32, (BackendKey, u32)>,
+    /// Every live backend id: its backend and how many frontends reference it; the
+    /// canonical id of each backend.
+    backends: Backends,
     backend_alloc: IdAlloc,
     service_alloc: IdAlloc,
     /// UDP backends no frontend uses any more, since the last [`Self::take_released_udp`].
@@ -242,8 +241,7 @@ pub struct Writer<S> {
 /// The model's state, saved before a batched sync (restored if it fails).
 struct Saved {
     services: BTreeMap<Frontend, Programmed>,
-    backend_ids: HashMap<BackendKey, u32>,
-    backend_refs: BTreeMap<u32, (BackendKey, u32)>,
+    backends: Backends,
     backend_alloc: IdAlloc,
     service_alloc: IdAlloc,
     released_udp: Vec<std::net::SocketAddr>,
@@ -270,8 +268,7 @@ impl<S: MapStore> Writer<S> {
         Self {
             store,
             services: BTreeMap::new(),
-            backend_ids: HashMap::default(),
-            backend_refs: BTreeMap::new(),
+            backends: Backends::default(),
             backend_alloc: IdAlloc::default(),
             service_alloc: IdAlloc::default(),
             released_udp: Vec::new(),
@@ -316,9 +313,7 @@ impl<S: MapStore> Writer<S> {
     /// the one written (its fingerprint matches): what undoing a change restores.
     fn programmed_table(&self, p: &Programmed) -> Option<Vec<proxy_common::MaglevChunk>> {
         let (fp, _) = p.maglev?;
-        let inputs = Self::maglev_inputs(&p.slots, |id| {
-            self.backend_refs.get(&id).map(|((b, _), _)| b.addr)
-        });
+        let inputs = Self::maglev_inputs(&p.slots, |id| self.backends.addr(id));
         (fp != 0 && maglev::fingerprint(self.maglev, &inputs) == fp)
             .then(|| maglev::chunks(&maglev::table(self.maglev, &inputs)))
     }
@@ -375,7 +370,7 @@ impl<S: MapStore> Writer<S> {
         gone.dedup();
         if !gone.is_empty() {
             let live: HashSet<std::net::SocketAddr> = self
-                .backend_ids
+                .backends
                 .keys()
                 .filter(|(_, p)| *p == Proto::Udp)
                 .map(|(b, _)| b.addr)
@@ -401,14 +396,13 @@ impl<S: MapStore> Writer<S> {
 
     /// Number of distinct backends currently programmed.
     pub fn backend_count(&self) -> usize {
-        self.backend_refs.len()
+        self.backends.len()
     }
 
     fn save(&self) -> Saved {
         Saved {
             services: self.services.clone(),
-            backend_ids: self.backend_ids.clone(),
-            backend_refs: self.backend_refs.clone(),
+            backends: self.backends.clone(),
             backend_alloc: self.backend_alloc.clone(),
             service_alloc: self.service_alloc.clone(),
             released_udp: self.released_udp.clone(),
@@ -417,8 +411,7 @@ impl<S: MapStore> Writer<S> {
 
     fn restore(&mut self, s: Saved) {
         self.services = s.services;
-        self.backend_ids = s.backend_ids;
-        self.backend_refs = s.backend_refs;
+        self.backends = s.backends;
         self.backend_alloc = s.backend_alloc;
         self.service_alloc = s.service_alloc;
         self.released_udp = s.released_udp;
@@ -457,8 +450,8 @@ impl<S: MapStore> Writer<S> {
                 }
             }
         }
-        for (id, (key, _)) in &self.backend_refs {
-            d.backends.insert(*id, *key);
+        for (id, (key, _)) in self.backends.iter() {
+            d.backends.insert(id, key);
         }
         d.node_addrs = self.node_addrs.clone();
         d.snat = self.snat;
@@ -466,18 +459,15 @@ impl<S: MapStore> Writer<S> {
     }
 
     fn unref_backend(&mut self, id: u32) {
-        let Some((key, refs)) = self.backend_refs.get_mut(&id) else {
+        let Some(refs) = self.backends.refs_mut(id) else {
             return;
         };
         *refs -= 1;
         if *refs == 0 {
-            let key = *key;
-            if key.1 == Proto::Udp {
-                self.released_udp.push(key.0.addr);
-            }
-            self.backend_refs.remove(&id);
-            if self.backend_ids.get(&key) == Some(&id) {
-                self.backend_ids.remove(&key);
+            if let Some(key) = self.backends.remove(id) {
+                if key.1 == Proto::Udp {
+                    self.released_udp.push(key.0.addr);
+                }
             }
             self.free_backend_id(id);
         }
@@ -502,10 +492,12 @@ impl<S: MapStore> Writer<S> {
 }
 
 mod adopt;
+mod backends;
 mod plan;
 mod sync;
 mod upsert;
 
+use backends::Backends;
 pub use plan::{node_address_ops, Plan};
 use plan::{phase, PHASES};
 use upsert::slot_no;

@@ -51,10 +51,17 @@ impl PartialOrd for Rank {
 }
 
 /// Who claims which frontend, and so who owns it.
+///
+/// Compact, as every Service is in it (one claimant per frontend in a cluster whose
+/// addresses are unique): a frontend's claimants are a sorted vector (one 48-byte
+/// allocation for one claimant; a `BTreeSet` allocated a 540-byte node for it), a
+/// Service's frontends a sorted boxed slice.
 #[derive(Debug, Default)]
 pub struct Claims {
-    by_frontend: HashMap<Frontend, BTreeSet<Rank>>,
-    by_service: HashMap<ObjKey, (Rank, BTreeSet<Frontend>)>,
+    /// Each frontend's claimants, strongest first, each once.
+    by_frontend: HashMap<Frontend, Vec<Rank>>,
+    /// Each claimant's rank and frontends (sorted, unique).
+    by_service: HashMap<ObjKey, (Rank, Box<[Frontend]>)>,
 }
 
 impl Claims {
@@ -66,34 +73,39 @@ impl Claims {
         let key = rank.key.clone();
         let old = self.by_service.remove(&key);
         if let Some((old_rank, old_fes)) = &old {
-            for fe in old_fes {
+            for fe in old_fes.iter() {
                 if old_rank != &rank || !frontends.contains(fe) {
                     self.unclaim(fe, old_rank);
                     touched.insert(*fe);
                 }
             }
         }
-        let old_fes = old.as_ref().map(|(r, f)| (r, f));
         for fe in &frontends {
-            let unchanged = old_fes.is_some_and(|(r, f)| r == &rank && f.contains(fe));
+            let unchanged = old
+                .as_ref()
+                .is_some_and(|(r, f)| r == &rank && f.binary_search(fe).is_ok());
             if !unchanged {
-                self.by_frontend
-                    .entry(*fe)
-                    .or_default()
-                    .insert(rank.clone());
+                let claimants = self.by_frontend.entry(*fe).or_default();
+                if let Err(at) = claimants.binary_search(&rank) {
+                    claimants.insert(at, rank.clone());
+                }
                 touched.insert(*fe);
             }
         }
         if !frontends.is_empty() {
-            self.by_service.insert(key, (rank, frontends));
+            // A BTreeSet iterates in order: the slice is sorted.
+            self.by_service
+                .insert(key, (rank, frontends.into_iter().collect()));
         }
         touched
     }
 
     fn unclaim(&mut self, fe: &Frontend, rank: &Rank) {
-        if let Some(set) = self.by_frontend.get_mut(fe) {
-            set.remove(rank);
-            if set.is_empty() {
+        if let Some(claimants) = self.by_frontend.get_mut(fe) {
+            if let Ok(at) = claimants.binary_search(rank) {
+                claimants.remove(at);
+            }
+            if claimants.is_empty() {
                 self.by_frontend.remove(fe);
             }
         }
@@ -121,9 +133,9 @@ impl Claims {
         self.by_frontend.keys()
     }
 
-    /// The frontends a Service claims.
-    pub fn of(&self, key: &ObjKey) -> Option<&BTreeSet<Frontend>> {
-        self.by_service.get(key).map(|(_, f)| f)
+    /// The frontends a Service claims (sorted).
+    pub fn of(&self, key: &ObjKey) -> Option<&[Frontend]> {
+        self.by_service.get(key).map(|(_, f)| &**f)
     }
 
     pub fn clear(&mut self) {

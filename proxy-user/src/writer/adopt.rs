@@ -54,17 +54,12 @@ impl<S: MapStore> Writer<S> {
         let mut report = AdoptReport::default();
         let mut orphans = Vec::new();
 
-        w.backend_ids.reserve(dump.backends.len());
+        w.backends.reserve(dump.backends.len());
+        // In id order: the first id of a backend found twice is its canonical one.
         for (id, key) in &dump.backends {
             w.backend_alloc.mark(*id);
-            w.backend_ids.entry(*key).or_insert(*id);
+            w.backends.insert(*id, *key, 0, false);
         }
-        // In id order: built in bulk.
-        w.backend_refs = dump
-            .backends
-            .iter()
-            .map(|(id, key)| (*id, (*key, 0)))
-            .collect();
         // Ids unique: a service id held by two frontends (the second would share the
         // first's reverse NAT) stays with the one its reverse-NAT entry names (else the
         // first); the others get a fresh id, rewritten in their slots and slot 0.
@@ -140,25 +135,23 @@ impl<S: MapStore> Writer<S> {
                         warn!(frontend = %fe, slot, "adoption: slot missing below the count");
                         0
                     }
-                    Some(id) => match w.backend_refs.get_mut(&id) {
+                    Some(id) => match w.backends.get(id) {
                         None => {
                             report.repair("dangling_slot");
                             warn!(frontend = %fe, slot, backend = id, "adoption: slot names a missing backend");
                             0
                         }
-                        Some(((b, proto), _))
-                            if *proto != fe.proto || b.family() != fe.family() =>
-                        {
+                        Some(((b, proto), _)) if proto != fe.proto || b.family() != fe.family() => {
                             report.repair("slot_backend_mismatch");
                             warn!(frontend = %fe, slot, backend = id, "adoption: slot names a backend of another protocol or family");
                             0
                         }
-                        Some((_, refs)) => {
+                        Some(_) => {
                             let first = match seen.as_mut() {
                                 Some(set) => set.insert(id),
                                 None => !slots.contains(&id),
                             };
-                            if first {
+                            if let (true, Some(refs)) = (first, w.backends.refs_mut(id)) {
                                 *refs += 1;
                             }
                             id
@@ -218,9 +211,7 @@ impl<S: MapStore> Writer<S> {
                 continue;
             };
             kept_ids.insert(sid);
-            let inputs = Self::maglev_inputs(&p.slots, |id| {
-                w.backend_refs.get(&id).map(|((b, _), _)| b.addr)
-            });
+            let inputs = Self::maglev_inputs(&p.slots, |id| w.backends.addr(id));
             let want = maglev::chunks(&maglev::table(w.maglev, &inputs));
             let same = found.len() == want.len()
                 && want
@@ -310,16 +301,13 @@ impl<S: MapStore> Writer<S> {
             }
         }
         let unreferenced: Vec<(u32, BackendKey)> = w
-            .backend_refs
+            .backends
             .iter()
             .filter(|(_, (_, refs))| *refs == 0)
-            .map(|(id, (key, _))| (*id, *key))
+            .map(|(id, (key, _))| (id, key))
             .collect();
         for (id, key) in unreferenced {
-            w.backend_refs.remove(&id);
-            if w.backend_ids.get(&key) == Some(&id) {
-                w.backend_ids.remove(&key);
-            }
+            w.backends.remove(id);
             w.backend_alloc.free(id);
             orphans.push(Op::DelBackend {
                 id,
@@ -328,7 +316,7 @@ impl<S: MapStore> Writer<S> {
         }
         tracing::debug!(
             frontends = w.services.len(),
-            backends = w.backend_refs.len(),
+            backends = w.backends.len(),
             read_ms = read.as_secs_f64() * 1e3,
             model_ms = (started.elapsed() - read).as_secs_f64() * 1e3,
             "adoption: the maps read back, the model rebuilt"
@@ -356,7 +344,8 @@ impl<S: MapStore> Writer<S> {
             }
         }
         report.frontends = w.services.len();
-        report.backends = w.backend_refs.len();
+        report.backends = w.backends.len();
+        w.backends.shrink_to_fit();
         report.orphans_deleted = orphans
             .iter()
             .filter(|op| {

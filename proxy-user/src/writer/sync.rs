@@ -110,8 +110,8 @@ impl<S: MapStore> Writer<S> {
             if b.family() != fe.family() || b.addr.port() == 0 {
                 return false;
             }
-            match self.backend_ids.get(&(*b, fe.proto)) {
-                Some(id) => *slot = *id,
+            match self.backends.id_of(&(*b, fe.proto)) {
+                Some(id) => *slot = id,
                 None => return false,
             }
         }
@@ -146,9 +146,7 @@ impl<S: MapStore> Writer<S> {
             let Some((fp, chunks)) = p.maglev else {
                 return false;
             };
-            let inputs = Self::maglev_inputs(&p.slots, |id| {
-                self.backend_refs.get(&id).map(|((b, _), _)| b.addr)
-            });
+            let inputs = Self::maglev_inputs(&p.slots, |id| self.backends.addr(id));
             fp != 0
                 && chunks == proxy_common::maglev::chunks(self.maglev.table_size)
                 && maglev::fingerprint(self.maglev, &inputs) == fp

@@ -42,8 +42,8 @@ impl<S: MapStore> Writer<S> {
         let mut ids = Vec::with_capacity(backends.len());
         for b in &backends {
             let key = (*b, fe.proto);
-            let id = match self.backend_ids.get(&key) {
-                Some(id) => *id,
+            let id = match self.backends.id_of(&key) {
+                Some(id) => id,
                 None => {
                     let id = self.backend_alloc.alloc();
                     new_backend_ids.push((id, key));
@@ -229,7 +229,7 @@ impl<S: MapStore> Writer<S> {
             if id == 0 || new_set.contains(&id) {
                 continue;
             }
-            if let Some((key, 1)) = self.backend_refs.get(&id) {
+            if let Some((key, 1)) = self.backends.get(id) {
                 plan.push(
                     Op::DelBackend {
                         id,
@@ -262,14 +262,13 @@ impl<S: MapStore> Writer<S> {
     /// Makes the model say what a staged upsert wrote.
     pub(super) fn commit_upsert(&mut self, s: StagedUpsert) {
         for (id, key) in s.new_backend_ids {
-            self.backend_ids.insert(key, id);
-            self.backend_refs.insert(id, (key, 0));
+            self.backends.insert(id, key, 0, true);
         }
         let old_set: HashSet<u32> = s.old_slots.iter().copied().collect();
         let new_set: HashSet<u32> = s.layout.iter().copied().collect();
         for id in unique(&s.layout) {
             if !old_set.contains(&id) {
-                if let Some((_, refs)) = self.backend_refs.get_mut(&id) {
+                if let Some(refs) = self.backends.refs_mut(id) {
                     *refs += 1;
                 }
             }
@@ -387,7 +386,7 @@ impl<S: MapStore> Writer<S> {
             },
         );
         for id in unique(&old.slots) {
-            if let Some((key, 1)) = self.backend_refs.get(&id) {
+            if let Some((key, 1)) = self.backends.get(id) {
                 plan.push(
                     Op::DelBackend {
                         id,
