@@ -1,5 +1,5 @@
 //! Self-tests of the fake kube-apiserver (`proxy_testbed::apiserver`, in
-//! `proxy-user/testbed/src/apiserver.rs`): kube-rs's real client
+//! `proxy-user/testbed/src/apiserver/`): kube-rs's real client
 //! and `kube::runtime::watcher` must see it as a kube-apiserver (initial list, live events,
 //! label selectors, reconnects, 410 relists, server restarts), and the wire format must
 //! hold up to a raw HTTP client. Unprivileged; everything binds to 127.0.0.1 only.

@@ -1,0 +1,174 @@
+//! [`MemStore`]: the in-memory [`MapStore`] of the writer's and the agent's unit tests.
+
+use std::{collections::BTreeSet, io};
+
+use super::*;
+
+/// An in-memory [`MapStore`] that records every operation, with an optional capacity on
+/// the service map to exercise the "map full" paths.
+#[derive(Debug, Default)]
+pub struct MemStore {
+    pub state: Dump,
+    pub log: Vec<Op>,
+    /// Maximum number of `SVC` entries (slot 0 and slots together), like `max_entries`.
+    pub svc_capacity: Option<usize>,
+    /// The size of every batch applied, in order.
+    pub batches: Vec<usize>,
+    /// Make every batch call fail after applying this many ops, with this errno (the
+    /// per-element fallback then writes the rest).
+    pub batch_fault: Option<BatchFault>,
+    /// No batch calls at all (like a store or kernel without them).
+    pub no_batches: bool,
+}
+
+/// A forced failure of [`MemStore`]'s batch calls.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchFault {
+    pub after: usize,
+    pub errno: i32,
+}
+
+impl MemStore {
+    /// The operation log as text, one op per line, and clears it.
+    pub fn take_log(&mut self) -> String {
+        let s = self.log.iter().map(|op| format!("{op}\n")).collect();
+        self.log.clear();
+        s
+    }
+
+    fn svc_len(&self) -> usize {
+        self.state.frontends.len() + self.state.slots.len()
+    }
+
+    /// Checks the batch contract: one group, distinct entries.
+    pub fn check_batch(ops: &[Op]) {
+        let mut keys = BTreeSet::new();
+        for op in ops {
+            assert_eq!(op.group(), ops[0].group(), "one group per batch: {op}");
+            assert!(
+                keys.insert(op.key()),
+                "two ops on one entry in a batch: {op}"
+            );
+        }
+    }
+
+    fn check_svc_room(&self, exists: bool) -> Result<(), StoreError> {
+        match self.svc_capacity {
+            Some(cap) if !exists && self.svc_len() >= cap => Err(StoreError::Full { map: "SVC" }),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl MapStore for MemStore {
+    fn apply(&mut self, op: &Op) -> Result<(), StoreError> {
+        let s = &mut self.state;
+        match op {
+            Op::PutBackend { id, backend, proto } => {
+                s.backends.insert(*id, (*backend, *proto));
+            }
+            Op::DelBackend { id, .. } => {
+                s.backends.remove(id);
+            }
+            Op::PutSlot {
+                frontend,
+                slot,
+                backend_id,
+                ..
+            } => {
+                let exists = self.state.slots.contains_key(&(*frontend, *slot));
+                self.check_svc_room(exists)?;
+                self.state.slots.insert((*frontend, *slot), *backend_id);
+            }
+            Op::PutFrontend { frontend, value } => {
+                let exists = self.state.frontends.contains_key(frontend);
+                self.check_svc_room(exists)?;
+                self.state.frontends.insert(*frontend, *value);
+            }
+            Op::DelSlot { frontend, slot: 0 } => {
+                s.frontends.remove(frontend);
+            }
+            Op::DelSlot { frontend, slot } => {
+                s.slots.remove(&(*frontend, *slot));
+            }
+            Op::PutRevNat {
+                service_id,
+                frontend,
+                name,
+            } => {
+                // Truncated as the kernel's map keeps it (`NAME_LEN` bytes).
+                let kept = crate::model::name_from_bytes(&crate::model::name_bytes(name));
+                s.revnat.insert(*service_id, (*frontend, kept));
+            }
+            Op::DelRevNat { service_id, .. } => {
+                s.revnat.remove(service_id);
+            }
+            Op::PutSrcRange {
+                service_id,
+                addr,
+                prefix,
+            } => {
+                s.src_ranges.insert((*service_id, *addr, *prefix));
+            }
+            Op::DelSrcRange {
+                service_id,
+                addr,
+                prefix,
+            } => {
+                s.src_ranges.remove(&(*service_id, *addr, *prefix));
+            }
+            Op::PutNodeAddr { addr } => {
+                s.node_addrs.insert(*addr);
+            }
+            Op::DelNodeAddr { addr } => {
+                s.node_addrs.remove(addr);
+            }
+            Op::PutNodeConfig { snat } => s.snat = *snat,
+            Op::PutMaglev {
+                service_id,
+                chunk,
+                value,
+            } => {
+                s.maglev.insert((*service_id, *chunk), value.clone());
+            }
+            Op::DelMaglev { service_id, chunk } => {
+                s.maglev.remove(&(*service_id, *chunk));
+            }
+        }
+        self.log.push(op.clone());
+        Ok(())
+    }
+
+    fn dump(&self) -> Result<Dump, StoreError> {
+        Ok(self.state.clone())
+    }
+
+    fn supports_batch(&self, _: Group) -> bool {
+        !self.no_batches
+    }
+
+    fn apply_batch(&mut self, ops: &[Op]) -> Result<(), BatchFailed> {
+        Self::check_batch(ops);
+        let stop = self.batch_fault.map(|f| (f.after.min(ops.len()), f.errno));
+        for (i, op) in ops.iter().enumerate() {
+            if let Some((after, errno)) = stop {
+                if i == after {
+                    self.batches.push(i);
+                    return Err(BatchFailed {
+                        applied: i,
+                        error: io::Error::from_raw_os_error(errno),
+                    });
+                }
+            }
+            if self.apply(op).is_err() {
+                self.batches.push(i);
+                return Err(BatchFailed {
+                    applied: i,
+                    error: io::Error::from_raw_os_error(libc::E2BIG),
+                });
+            }
+        }
+        self.batches.push(ops.len());
+        Ok(())
+    }
+}
