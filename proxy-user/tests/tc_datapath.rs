@@ -618,6 +618,8 @@ fn many_udp_flows_to_one_remote_backend_are_all_snatted_and_answered() {
         &lost[..lost.len().min(10)],
         agent.logs()
     );
+    drop(agent);
+    let _ = fs::remove_dir_all(&dir);
 }
 
 /// One datagram of `size` bytes from the client's port `port` (a flow of its own), the

@@ -1204,4 +1204,5 @@ fn a_build_with_more_outcome_counters_migrates_the_pinned_counter_array() {
     assert!(errors.is_empty(), "{errors:?}");
     assert!(flows.iter().all(Result::is_ok), "{flows:?}");
     assert!(tcp.0 > 0 && udp.0 > 0, "traffic went on: {tcp:?} {udp:?}");
+    let _ = fs::remove_dir_all(&dir);
 }
