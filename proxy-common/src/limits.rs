@@ -1,8 +1,14 @@
 //! Map sizes. Hash maps are created with `BPF_F_NO_PREALLOC`, so a large limit costs
 //! memory only for entries in use (as cilium's lb maps do).
 
-/// Frontend + slot entries per family: 50,000 services x (1 + 10 endpoints) fits twice.
+/// Frontend + slot entries per family, as compiled: 50,000 services x (1 + 10 endpoints)
+/// fits twice. The agent sizes `SVC4`/`SVC6` at load time (`--service-map-entries`).
 pub const MAX_SVC_ENTRIES: u32 = 1 << 20;
+/// The smallest and largest `--service-map-entries` the agent accepts. The bucket array
+/// (16 B per entry of `max_entries`, rounded up to a power of two) is charged at creation:
+/// 16 MiB per family at the default, 256 MiB at the largest.
+pub const SVC_ENTRIES_MIN: u32 = 64;
+pub const SVC_ENTRIES_MAX: u32 = 1 << 24;
 /// Distinct backends (pod address + port) per family.
 pub const MAX_BACKENDS: u32 = 1 << 20;
 /// Frontends (service ids) per family.

@@ -1400,3 +1400,148 @@ fn a_service_over_the_backend_limit_is_skipped_and_the_node_stays_healthy() {
     assert_eq!(n, 1, "logged once:\n{logs}");
     assert!(!logs.contains("sync incomplete"), "no retry loop:\n{logs}");
 }
+
+/// Waits until the metrics contain every one of `want`; returns them.
+fn wait_metrics(agent: &AgentProcess, want: &[&str], timeout: Duration) -> String {
+    let t = Instant::now();
+    loop {
+        // Not listening yet while it starts.
+        let m = support::http_get(agent.metrics_port, "/metrics")
+            .map_or_else(|e| e.to_string(), |r| r.1);
+        if want.iter().all(|w| m.contains(w)) {
+            return m;
+        }
+        assert!(t.elapsed() < timeout, "{want:?} not in the metrics:\n{m}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The frontends (slot 0) and slot entries the pinned `SVC4` holds per VIP.
+fn svc4_entries(pins: &Path) -> std::collections::BTreeMap<std::net::IpAddr, usize> {
+    use proxy_user::MapStore as _;
+    let maps = proxy_user::bpf::BpfMaps::open(pins).expect("open the pinned maps");
+    let dump = maps.dump().expect("dump");
+    let mut per_vip = std::collections::BTreeMap::new();
+    for fe in dump.frontends.keys() {
+        *per_vip.entry(fe.addr).or_insert(0) += 1;
+    }
+    for (fe, _) in dump.slots.keys() {
+        *per_vip.entry(fe.addr).or_insert(0) += 1;
+    }
+    per_vip
+}
+
+#[test]
+fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    // `web`: 2 entries (its frontend and one slot). Six Services of 10 endpoints: 11
+    // entries each. A map of 64 entries holds `web` and five of them (57), not a sixth.
+    dir.write(
+        "web.yaml",
+        &format!(
+            "{}---\n{}",
+            service("web", VIP, 80),
+            slice("web-1", "web", TARGET, &[ready(&pod(1))])
+        ),
+    );
+    let big_vip = |k: usize| format!("10.96.1.{k}");
+    for k in 1..=6 {
+        let addrs: Vec<String> = (1..=10).map(|i| format!("10.200.{k}.{i}")).collect();
+        let eps: Vec<_> = addrs.iter().map(|a| ready(a)).collect();
+        dir.write(
+            &format!("big{k}.yaml"),
+            &format!(
+                "{}---\n{}",
+                service(&format!("big{k}"), &big_vip(k), 80),
+                slice(&format!("big{k}-1"), &format!("big{k}"), TARGET, &eps)
+            ),
+        );
+    }
+    let [m, d] = dir.arg();
+    // Out of range: refused at start with the flag's range, before anything is made.
+    let mut bad = AgentProcess::start(&env, &[m, d, "--service-map-entries", "10"]);
+    let status = bad.child.wait().expect("wait");
+    assert!(!status.success());
+    let logs = bad.logs();
+    assert!(
+        logs.contains("service map size 10 entries is out of range (64..=16777216"),
+        "{logs}"
+    );
+    assert!(!env.pins.path.join("SVC4").exists(), "nothing was created");
+
+    let mut agent = AgentProcess::start(&env, &[m, d, "--service-map-entries", "64"]);
+    let metrics = wait_metrics(
+        &agent,
+        &[
+            "ebpf_proxy_service_map_entries 64\n",
+            "ebpf_proxy_programmed_frontends 6\n",
+            "reason=\"map_full\"}",
+        ],
+        Duration::from_secs(30),
+    );
+    eprintln!(
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("map_write_errors"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let svc4 = aya::maps::MapData::from_pin(env.pins.path.join("SVC4")).expect("SVC4 pin");
+    assert_eq!(svc4.info().expect("info").max_entries(), 64);
+    drop(svc4);
+    // The Service that did not fit: named with the map, and not in the maps at all.
+    let logs = agent.logs();
+    let failed: Vec<usize> = (1..=6)
+        .filter(|k| {
+            logs.lines()
+                .any(|l| l.contains(&format!("default/big{k}")) && l.contains("SVC4 is full"))
+        })
+        .collect();
+    assert_eq!(failed.len(), 1, "exactly one Service did not fit:\n{logs}");
+    let failed = failed[0];
+    let entries = svc4_entries(&env.pins.path);
+    let vip_of = |k: usize| big_vip(k).parse::<std::net::IpAddr>().expect("ip");
+    assert_eq!(
+        entries.get(&vip_of(failed)),
+        None,
+        "no half-written Service"
+    );
+    for k in (1..=6).filter(|&k| k != failed) {
+        assert_eq!(
+            entries.get(&vip_of(k)),
+            Some(&11),
+            "big{k} whole: {entries:?}"
+        );
+    }
+    // The rest is served; health answers, and says why it is not 200.
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    let (code, body) = agent.healthz();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("could not write 1 frontend(s)"), "{body}");
+
+    // Room made (another Service deleted): the retry writes the one refused; healthy.
+    let other = (1..=6).find(|&k| k != failed).expect("another");
+    dir.remove(&format!("big{other}.yaml"));
+    agent.wait_healthy(Duration::from_secs(30));
+    let entries = svc4_entries(&env.pins.path);
+    assert_eq!(entries.get(&vip_of(failed)), Some(&11), "{entries:?}");
+    assert_eq!(entries.get(&vip_of(other)), None, "{entries:?}");
+    agent.stop();
+
+    // Another size on a restart: the pinned maps keep theirs (with a warning).
+    let mut agent = AgentProcess::start(&env, &[m, d, "--service-map-entries", "4096"]);
+    agent.wait_healthy(Duration::from_secs(30));
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("ebpf_proxy_service_map_entries 64\n"),
+        "{metrics}"
+    );
+    let logs = agent.stop();
+    assert!(
+        logs.contains("the pinned service maps keep their size"),
+        "{logs}"
+    );
+}

@@ -869,6 +869,15 @@ fn check(objects: &[Object], expect: &Expect, origin: &str) {
         tested_conntrack,
         "{origin}: the conntrack size sizes the preallocated maps the memory test measures"
     );
+    // The service maps' bucket arrays are charged at creation too: the size shipped is
+    // one the agent accepts.
+    let svc: u32 = get("PROXY_SERVICE_MAP_ENTRIES")
+        .parse()
+        .unwrap_or_else(|e| panic!("{origin}: PROXY_SERVICE_MAP_ENTRIES: {e}"));
+    assert!(
+        proxy_user::loader::service_entries(svc).is_ok(),
+        "{origin}: PROXY_SERVICE_MAP_ENTRIES {svc}"
+    );
 }
 
 const MIB: u64 = 1 << 20;

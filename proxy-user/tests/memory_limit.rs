@@ -77,6 +77,7 @@ fn quantity_bytes(q: &str) -> u64 {
 struct Shipped {
     memory_limit: u64,
     conntrack_max: String,
+    service_map_entries: String,
     grace: Duration,
     /// The startup probe (on /livez, before the liveness probe runs): initialDelaySeconds +
     /// periodSeconds x failureThreshold.
@@ -107,6 +108,10 @@ fn shipped() -> Shipped {
         conntrack_max: data
             .get("PROXY_CONNTRACK_MAX")
             .expect("PROXY_CONNTRACK_MAX")
+            .clone(),
+        service_map_entries: data
+            .get("PROXY_SERVICE_MAP_ENTRIES")
+            .expect("PROXY_SERVICE_MAP_ENTRIES")
             .clone(),
         startup_budget: {
             let p = agent.startup_probe.as_ref().expect("startupProbe");
@@ -519,6 +524,8 @@ fn shipped_memory_limit_survives_cold_start_and_restart_at_10k_services() {
         dir.to_str().expect("utf-8"),
         "--conntrack-max",
         &shipped.conntrack_max,
+        "--service-map-entries",
+        &shipped.service_map_entries,
     ];
     let before = memcg.usage();
     let test_start = Instant::now();

@@ -324,6 +324,7 @@ fn pinned_datapath_survives_the_agent_and_is_adopted() {
         cgroup: Some(support::cgroup2_mount()),
         interfaces: Vec::new(),
         conntrack_flows: loader::DEFAULT_CONNTRACK_FLOWS,
+        service_entries: loader::DEFAULT_SERVICE_ENTRIES,
         tc_attach: loader::TcAttachMode::Auto,
         acceleration: loader::Acceleration::Off,
     })

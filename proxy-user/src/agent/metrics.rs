@@ -4,7 +4,7 @@
 use std::{
     net::SocketAddr,
     sync::{
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc, Mutex,
     },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
@@ -58,6 +58,7 @@ pub struct Metrics {
     pub services: Gauge,
     /// Size of each conntrack table in flows (the pinned tables' size).
     pub conntrack_max: Gauge,
+    pub service_map_entries: Gauge,
     /// Connected UDP sockets destroyed because their backend left.
     pub stale_udp_sockets: Counter,
     /// Watch restarts (relists) per resource.
@@ -113,6 +114,7 @@ impl Metrics {
             backends: Gauge::default(),
             services: Gauge::default(),
             conntrack_max: Gauge::default(),
+            service_map_entries: Gauge::default(),
             stale_udp_sockets: Counter::default(),
             watch_restarts: source.watch_restarts.clone(),
             watch_errors: source.watch_errors.clone(),
@@ -159,6 +161,12 @@ impl Metrics {
             "conntrack_max",
             "Size of each conntrack table (CT4, CT6) in flows; LRU when full",
             m.conntrack_max.clone(),
+        );
+        registry.register(
+            "service_map_entries",
+            "max_entries of each service map (SVC4, SVC6): a frontend takes one entry \
+             plus one per backend slot",
+            m.service_map_entries.clone(),
         );
         registry.register(
             "stale_udp_sockets_destroyed",
@@ -253,6 +261,8 @@ pub struct Health {
     last_sync: Mutex<Option<Instant>>,
     stale_after: Duration,
     node_deleting: AtomicBool,
+    /// Frontends the last sync could not write (0 after a complete one).
+    last_failed: AtomicUsize,
 }
 
 impl Health {
@@ -262,10 +272,18 @@ impl Health {
             last_sync: Mutex::new(None),
             stale_after,
             node_deleting: AtomicBool::new(false),
+            last_failed: AtomicUsize::new(0),
         }
     }
 
+    /// A sync that left `failed` frontends unwritten (each named in the log and counted
+    /// in `map_write_errors_total`): not a successful sync; `check` says why.
+    pub fn mark_failed(&self, failed: usize) {
+        self.last_failed.store(failed, Ordering::Relaxed);
+    }
+
     pub fn mark_synced(&self) {
+        self.last_failed.store(0, Ordering::Relaxed);
         self.synced_once.store(true, Ordering::Relaxed);
         *self.last_sync.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
     }
@@ -280,7 +298,14 @@ impl Health {
         if self.node_deleting.load(Ordering::Relaxed) {
             return Err("the node is being deleted".into());
         }
+        let failed = self.last_failed.load(Ordering::Relaxed);
         if !self.synced_once.load(Ordering::Relaxed) {
+            if failed > 0 {
+                return Err(format!(
+                    "no complete sync yet: the last sync could not write {failed} \
+                     frontend(s) (see map_write_errors_total and the log); retrying"
+                ));
+            }
             return Err("no sync yet: waiting for the initial lists".into());
         }
         let last = *self.last_sync.lock().unwrap_or_else(|p| p.into_inner());
@@ -391,6 +416,20 @@ mod tests {
             err.contains("limit 0.1 s") || err.contains("limit 0.0 s") || err.contains("ago"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn health_says_why_while_syncs_fail_to_write() {
+        let h = Health::new(Duration::from_secs(60));
+        assert_eq!(
+            h.check(),
+            Err("no sync yet: waiting for the initial lists".to_string())
+        );
+        h.mark_failed(3);
+        let err = h.check().expect_err("an incomplete sync is not a sync");
+        assert!(err.contains("could not write 3 frontend(s)"), "{err}");
+        h.mark_synced();
+        assert!(h.check().is_ok());
     }
 
     #[test]

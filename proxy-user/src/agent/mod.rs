@@ -53,6 +53,8 @@ pub struct AgentOptions {
     pub interfaces: Option<Vec<String>>,
     /// Conntrack table size in flows per address family (`--conntrack-max`).
     pub conntrack_flows: u32,
+    /// `max_entries` of `SVC4`/`SVC6` (`--service-map-entries`).
+    pub service_entries: u32,
     /// `--external-ip-cidrs`: prefixes `spec.externalIPs` must be in (`None`: any).
     pub external_ip_cidrs: Option<Vec<(std::net::IpAddr, u8)>>,
     /// How the TC programs are attached (`auto`: TCX on kernels >= 6.6, clsact otherwise).
@@ -89,6 +91,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         cgroup: opts.cgroup.clone(),
         interfaces: interfaces.clone(),
         conntrack_flows: opts.conntrack_flows,
+        service_entries: opts.service_entries,
         tc_attach: opts.tc_attach,
         acceleration: opts.acceleration,
     })
@@ -98,6 +101,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         adopted = installed.adopted.len(),
         cgroup = ?installed.cgroup,
         conntrack_flows = installed.conntrack_entries / 2,
+        service_map_entries = installed.service_entries,
         "datapath ready"
     );
     if !interfaces.is_empty() {
@@ -116,6 +120,9 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     metrics
         .conntrack_max
         .set(i64::from(installed.conntrack_entries / 2));
+    metrics
+        .service_map_entries
+        .set(i64::from(installed.service_entries));
     let map_memory = loader::map_memory(&opts.pin_path);
     info!(
         total_bytes = map_memory.iter().map(|m| m.bytes).sum::<u64>(),
@@ -413,6 +420,8 @@ async fn after_sync<S: crate::MapStore>(
     }
     if out.failed == 0 {
         health.mark_synced();
+    } else {
+        health.mark_failed(out.failed);
     }
 }
 

@@ -42,6 +42,9 @@ enum Command {
         /// Conntrack table size in flows per address family (see `run --help`).
         #[arg(long, env = "PROXY_CONNTRACK_MAX", default_value_t = loader::DEFAULT_CONNTRACK_FLOWS)]
         conntrack_max: u32,
+        /// Size of each service map in entries (see `run --help`).
+        #[arg(long, env = "PROXY_SERVICE_MAP_ENTRIES", default_value_t = loader::DEFAULT_SERVICE_ENTRIES)]
+        service_map_entries: u32,
         /// How the TC programs are attached: `auto` (TCX on kernels >= 6.6, clsact
         /// otherwise), `tcx` or `clsact`.
         #[arg(long, env = "PROXY_TC_ATTACH", value_enum, default_value_t = TcAttachMode::Auto)]
@@ -112,7 +115,7 @@ struct RunArgs {
     #[arg(long, env = "PROXY_HEALTHZ_ADDR", default_value = "0.0.0.0:10256")]
     healthz_addr: SocketAddr,
     /// Shortest time between two syncs; changes arriving meanwhile are written together.
-    #[arg(long, env = "PROXY_MIN_SYNC_INTERVAL", default_value = "50ms", value_parser = parse_duration)]
+    #[arg(long, env = "PROXY_MIN_SYNC_INTERVAL", default_value = "10ms", value_parser = parse_duration)]
     min_sync_interval: Duration,
     /// Period of the full re-diff of desired state against the maps.
     #[arg(long, env = "PROXY_SYNC_INTERVAL", default_value = "30s", value_parser = parse_duration)]
@@ -136,6 +139,14 @@ struct RunArgs {
     /// tables keep their size until `proxy-agent uninstall`.
     #[arg(long, env = "PROXY_CONNTRACK_MAX", default_value_t = loader::DEFAULT_CONNTRACK_FLOWS)]
     conntrack_max: u32,
+    /// Size of each service map (SVC4, SVC6) in entries: a frontend (a Service's port on
+    /// one of its addresses: ClusterIP, NodePort, externalIP, LoadBalancer IP) takes one
+    /// entry plus one per endpoint. The default, 1,048,576, holds 50,000 Services x 10
+    /// endpoints twice; a write beyond it fails with `map_full` (that frontend's change
+    /// is rolled back, the others are written). Applies when the maps are created: pinned
+    /// maps keep their size until `proxy-agent uninstall`.
+    #[arg(long, env = "PROXY_SERVICE_MAP_ENTRIES", default_value_t = loader::DEFAULT_SERVICE_ENTRIES)]
+    service_map_entries: u32,
     /// How the TC programs are attached: `auto` (TCX links on kernels >= 6.6, clsact
     /// netlink filters otherwise), `tcx` or `clsact`. Hooks already pinned are adopted
     /// whatever mode attached them.
@@ -309,6 +320,7 @@ fn main() -> Result<()> {
                     list => Some(list.split(',').map(|s| s.trim().to_string()).collect()),
                 },
                 conntrack_flows: args.conntrack_max,
+                service_entries: args.service_map_entries,
                 external_ip_cidrs: args.external_ip_cidrs.map(|c| c.0),
                 tc_attach: args.tc_attach,
                 lb_algorithm: args.lb_algorithm,
@@ -329,6 +341,7 @@ fn main() -> Result<()> {
             cgroup,
             interfaces,
             conntrack_max,
+            service_map_entries,
             tc_attach,
             acceleration,
         } => {
@@ -337,6 +350,7 @@ fn main() -> Result<()> {
                 cgroup,
                 interfaces,
                 conntrack_flows: conntrack_max,
+                service_entries: service_map_entries,
                 tc_attach,
                 acceleration,
             })

@@ -60,6 +60,13 @@ pub enum LoadError {
     )]
     ConntrackSize { flows: u32 },
     #[error(
+        "service map size {entries} entries is out of range ({}..={} frontend and slot \
+         entries per address family)",
+        proxy_common::limits::SVC_ENTRIES_MIN,
+        proxy_common::limits::SVC_ENTRIES_MAX
+    )]
+    ServiceMapSize { entries: u32 },
+    #[error(
         "TC attach mode tcx needs kernel >= 6.6: use `--tc-attach auto` or `--tc-attach clsact`"
     )]
     TcxUnsupported,

@@ -20,6 +20,18 @@ pub fn conntrack_entries(flows: u32) -> Result<u32, LoadError> {
     Ok(flows * 2)
 }
 
+/// Default `max_entries` of `SVC4`/`SVC6` (`--service-map-entries`).
+pub const DEFAULT_SERVICE_ENTRIES: u32 = proxy_common::limits::MAX_SVC_ENTRIES;
+
+/// `--service-map-entries` checked against the accepted range.
+pub fn service_entries(entries: u32) -> Result<u32, LoadError> {
+    use proxy_common::limits::{SVC_ENTRIES_MAX, SVC_ENTRIES_MIN};
+    if !(SVC_ENTRIES_MIN..=SVC_ENTRIES_MAX).contains(&entries) {
+        return Err(LoadError::ServiceMapSize { entries });
+    }
+    Ok(entries)
+}
+
 /// `max_entries` of the pinned map at `path`, if there is one.
 pub(super) fn pinned_max_entries(path: &Path) -> Option<u32> {
     let map = aya::maps::MapData::from_pin(path).ok()?;

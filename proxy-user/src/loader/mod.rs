@@ -57,12 +57,15 @@ pub use hooks::{
     uninstall, UninstallReport, CLSACT_HANDLE, CLSACT_PRIORITY, MIGRATE_STAGING_DIR, SOCK_PROGRAMS,
 };
 use memory::pinned_max_entries;
-pub use memory::{conntrack_entries, map_memory, MapMemory, DEFAULT_CONNTRACK_FLOWS};
+pub use memory::{
+    conntrack_entries, map_memory, service_entries, MapMemory, DEFAULT_CONNTRACK_FLOWS,
+    DEFAULT_SERVICE_ENTRIES,
+};
 use modes::tcx_supported;
 pub use modes::{Acceleration, TcAttachMode};
 pub(crate) use object::EBPF_OBJECT;
 use object::{bump_memlock_rlimit, set_pinned_meta, write_meta};
-pub use object::{load_object, object_hash, spawn_kernel_logger};
+pub use object::{load_object, load_object_sized, object_hash, spawn_kernel_logger};
 
 /// Where to install.
 #[derive(Clone, Debug)]
@@ -78,6 +81,10 @@ pub struct InstallOptions {
     /// Size of each conntrack table (CT4, CT6) in flows; a flow takes two entries. Used
     /// when the tables are created: pinned tables keep the size they were made with.
     pub conntrack_flows: u32,
+    /// `max_entries` of each service map (`SVC4`, `SVC6`: a frontend takes one entry
+    /// plus one per backend slot). Used when the maps are created: pinned maps keep
+    /// theirs.
+    pub service_entries: u32,
     /// How the TC programs are attached (hooks already pinned are adopted whatever the
     /// mode they were attached with).
     pub tc_attach: TcAttachMode,
@@ -98,6 +105,8 @@ pub struct InstallReport {
     pub cgroup: Option<PathBuf>,
     /// `max_entries` of each conntrack table: the pinned one's when adopted.
     pub conntrack_entries: u32,
+    /// `max_entries` of each service map: the pinned one's when adopted.
+    pub service_entries: u32,
 }
 
 /// Loads and attaches whatever is not already pinned, and pins it.
@@ -132,6 +141,20 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
             );
         }
         report.conntrack_entries = pinned;
+    }
+    let svc_entries = service_entries(opts.service_entries)?;
+    report.service_entries = svc_entries;
+    if let Some(pinned) = pinned_max_entries(&pin_path.join(map_names::SVC4)) {
+        if pinned != svc_entries {
+            warn!(
+                pinned_entries = pinned,
+                wanted_entries = svc_entries,
+                "the pinned service maps keep their size (a new map would have to be \
+                 refilled under the running programs); `proxy-agent uninstall` and a \
+                 restart apply the new size"
+            );
+        }
+        report.service_entries = pinned;
     }
     let mut hooks: Vec<Hook> = SOCK_PROGRAMS.iter().map(|p| Hook::Sock(p)).collect();
     for iface in &opts.interfaces {
@@ -186,7 +209,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     };
     cgroup::check_cgroup2_dir(&cgroup_dir).map_err(io_err("checking", &cgroup_dir))?;
 
-    let mut ebpf = load_object(pin_path, ct_entries)?;
+    let mut ebpf = load_object_sized(pin_path, ct_entries, svc_entries)?;
 
     // What this call made, for the rollback and the report: pin names.
     let mut made: Vec<String> = Vec::new();

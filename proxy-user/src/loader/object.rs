@@ -40,6 +40,16 @@ pub fn object_hash() -> u32 {
 ///
 /// `ct_entries` sizes the conntrack tables when they are created here (not when pinned).
 pub fn load_object(pin_path: &Path, ct_entries: u32) -> Result<aya::Ebpf, LoadError> {
+    load_object_sized(pin_path, ct_entries, super::memory::DEFAULT_SERVICE_ENTRIES)
+}
+
+/// [`load_object`] with `SVC4`/`SVC6` of `svc_entries` (maps created now; pinned maps
+/// keep the size they were made with).
+pub fn load_object_sized(
+    pin_path: &Path,
+    ct_entries: u32,
+    svc_entries: u32,
+) -> Result<aya::Ebpf, LoadError> {
     if EBPF_OBJECT.is_empty() {
         return Err(LoadError::NoObject);
     }
@@ -48,6 +58,8 @@ pub fn load_object(pin_path: &Path, ct_entries: u32) -> Result<aya::Ebpf, LoadEr
         .default_map_pin_directory(pin_path)
         .map_max_entries(map_names::CT4, ct_entries)
         .map_max_entries(map_names::CT6, ct_entries)
+        .map_max_entries(map_names::SVC4, svc_entries)
+        .map_max_entries(map_names::SVC6, svc_entries)
         .load(EBPF_OBJECT)?;
     write_meta(&mut ebpf, meta::ABI_VERSION, ABI_VERSION)?;
     write_meta(&mut ebpf, meta::OBJECT_HASH, object_hash())?;

@@ -191,6 +191,7 @@ impl TestEnv {
             cgroup: Some(self.cgroup.path.clone()),
             interfaces: Vec::new(),
             conntrack_flows: loader::DEFAULT_CONNTRACK_FLOWS,
+            service_entries: loader::DEFAULT_SERVICE_ENTRIES,
             tc_attach: loader::TcAttachMode::Auto,
             acceleration: loader::Acceleration::Off,
         })

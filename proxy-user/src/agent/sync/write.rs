@@ -178,13 +178,13 @@ impl<S: MapStore> Syncer<S> {
                 // A removal: nobody claims it any more, the next full re-diff removes it.
                 None => {
                     outcome.failed += 1;
-                    self.write_failed(&e);
+                    self.write_failed(None, &e);
                     self.full_due.get_or_insert(now);
                 }
                 Some(owner) => match e {
                     WriteError::Store { .. } => {
                         outcome.failed += 1;
-                        self.write_failed(&e);
+                        self.write_failed(Some(owner), &e);
                         self.dirty.entry(owner.clone()).or_insert_with(Instant::now);
                     }
                     _ => {
@@ -243,8 +243,16 @@ impl<S: MapStore> Syncer<S> {
         self.metrics.skipped("Service", "frontend_conflict");
     }
 
-    fn write_failed(&self, err: &WriteError) {
-        warn!(reason = err.reason(), "map write failed: {err}");
+    /// A frontend's write failed (a removal's when `owner` is `None`): logged with the
+    /// Service it is written for, counted by cause.
+    fn write_failed(&self, owner: Option<&ObjKey>, err: &WriteError) {
+        match owner {
+            Some(svc) => warn!(
+                service = %svc, reason = err.reason(),
+                "Service {svc}: map write failed: {err}; retrying"
+            ),
+            None => warn!(reason = err.reason(), "map write failed (a removal): {err}"),
+        }
         self.metrics
             .map_write_errors
             .get_or_create(&ReasonLabel {

@@ -12,7 +12,7 @@ use std::{
 use anyhow::{bail, Context as _, Result};
 use proxy_testbed::apiserver::FakeApiServer;
 
-use super::objects::NODE;
+use super::objects::{ENDPOINTS, NODE};
 use crate::bench::{modes::metric, topo};
 
 /// A `proxy-agent run --kubeconfig` process; stopped (pins removed) on drop.
@@ -25,7 +25,23 @@ pub(super) struct ApiAgent {
     healthz: u16,
     pub(super) metrics: u16,
     log: PathBuf,
+    service_map_entries: u32,
+    /// Starts again after losing a port race (`check_alive`).
+    respawns: u32,
     pub(super) started: Instant,
+}
+
+/// `--service-map-entries` for `services` Services of [`ENDPOINTS`] endpoints: the
+/// agent's default while they fit (a Service's frontend takes one entry and one per
+/// endpoint), else the next power of two, as an operator sizing a large cluster would.
+pub(super) fn service_map_entries(services: usize) -> u32 {
+    const DEFAULT: u32 = 1 << 20;
+    let needed = services * (1 + ENDPOINTS);
+    if needed <= DEFAULT as usize {
+        DEFAULT
+    } else {
+        u32::try_from(needed.next_power_of_two()).unwrap_or(u32::MAX)
+    }
 }
 
 impl ApiAgent {
@@ -35,6 +51,7 @@ impl ApiAgent {
         pin_path: &Path,
         cgroup: &Path,
         log: &Path,
+        services: usize,
     ) -> Result<Self> {
         let mut agent = Self {
             child: None,
@@ -45,6 +62,8 @@ impl ApiAgent {
             healthz: 0,
             metrics: 0,
             log: log.to_path_buf(),
+            service_map_entries: service_map_entries(services),
+            respawns: 0,
             started: Instant::now(),
         };
         agent.spawn()?;
@@ -65,6 +84,8 @@ impl ApiAgent {
             .arg("--cgroup")
             .arg(&self.cgroup)
             .args(["--node-name", NODE])
+            .arg("--service-map-entries")
+            .arg(self.service_map_entries.to_string())
             // This machine's own namespace: never its interfaces, never its iptables.
             .args(["--interfaces", "none", "--cleanup-kube-proxy=false"])
             .args(["--healthz-addr", &format!("127.0.0.1:{healthz}")])
@@ -79,6 +100,13 @@ impl ApiAgent {
                     }
                     _ => "warn,proxy_user::agent::sync=debug".to_string(),
                 },
+            )
+            // `BENCH_AGENT_ARGS`: more flags for every agent of the run (whitespace-
+            // separated), e.g. `--min-sync-interval 10ms` to see what the default costs.
+            .args(
+                std::env::var("BENCH_AGENT_ARGS")
+                    .unwrap_or_default()
+                    .split_whitespace(),
             )
             .stdout(out.try_clone()?)
             .stderr(out)
@@ -96,6 +124,18 @@ impl ApiAgent {
     fn check_alive(&mut self) -> Result<()> {
         if let Some(c) = self.child.as_mut() {
             if let Some(status) = c.try_wait()? {
+                // The ports were free when picked, but another process (30 agents
+                // opening connections from the same ephemeral range) may take one
+                // before this agent binds it: start again on fresh ports, the clock
+                // from the new start.
+                let log = fs::read_to_string(&self.log).unwrap_or_default();
+                if self.respawns < 3
+                    && log.contains("binding the")
+                    && log.contains("Address already in use")
+                {
+                    self.respawns += 1;
+                    return self.spawn();
+                }
                 bail!("proxy-agent exited ({status}):\n{}", self.log_tail());
             }
         }

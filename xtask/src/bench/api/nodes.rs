@@ -49,6 +49,7 @@ pub(super) fn nodes(
             &pins,
             &cgroup,
             &log_path,
+            n,
         )?);
     }
     for agent in &mut agents {

@@ -23,8 +23,8 @@ pub fn markdown(r: &ApiResults) -> String {
             r.machine.get("mem_mib").map_or("?", String::as_str),
         );
     }
-    md += "| Services x 10 | first list byte -> all frontends (s) | start -> /healthz 200 (s) | list pages | VmRSS (MiB) | VmHWM (MiB) | CPU at rest (%) | change, agent p50 / p99 (ms) | change, accepted -> written p50 / p99 (ms) | restart on pins -> healthy (s) | restart, first / last list page -> healthy (s) | map writes on restart |\n";
-    md += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    md += "| Services x 10 | service map entries | first list byte -> all frontends (s) | start -> /healthz 200 (s) | list pages | VmRSS (MiB) | VmHWM (MiB) | CPU at rest (%) | change, agent p50 / p99 (ms) | change, accepted -> written p50 / p99 (ms) | restart on pins -> healthy (s) | restart, first / last list page -> healthy (s) | map writes on restart |\n";
+    md += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     for s in &r.scales {
         let d = |d: &Option<Dist>| {
             d.as_ref().map_or("-".into(), |d| {
@@ -32,8 +32,10 @@ pub fn markdown(r: &ApiResults) -> String {
             })
         };
         md += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} |\n",
             report::thousands(s.services),
+            s.service_map_entries
+                .map_or("-".into(), |e| report::thousands(e as usize)),
             f(s.list_to_programmed_secs, 3),
             f(s.start_to_healthy_secs, 2),
             s.list_pages,
@@ -266,6 +268,7 @@ mod tests {
         let r = ApiResults {
             scales: vec![ApiScale {
                 services: 1000,
+                service_map_entries: Some(1 << 20),
                 list_to_programmed_secs: Some(0.2),
                 rss_mib: Some(30.0),
                 change_agent: Dist::from_secs(&[0.001, 0.002, 0.003]),
@@ -274,7 +277,7 @@ mod tests {
             ..ApiResults::default()
         };
         let md = markdown(&r);
-        assert!(md.contains("| 1,000 | 0.200 |"), "{md}");
+        assert!(md.contains("| 1,000 | 1,048,576 | 0.200 |"), "{md}");
         assert!(md.contains("2.00 / 3.00 (n=3)"), "{md}");
         assert!(svg(&r).contains("<polyline"));
     }

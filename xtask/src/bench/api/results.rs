@@ -100,6 +100,9 @@ impl Dist {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ApiScale {
     pub services: usize,
+    /// The agent's `--service-map-entries` (its default unless N needs more).
+    #[serde(default)]
+    pub service_map_entries: Option<u32>,
     /// First list byte -> all frontends in the maps (s).
     pub list_to_programmed_secs: Option<f64>,
     /// Process start -> `/healthz` 200 (s).

@@ -21,8 +21,8 @@ use crate::bench::{
     plan, report, topo,
 };
 
-/// Spacing of the single changes: past the agent's default `--min-sync-interval` (50 ms),
-/// so each change is synced on its own.
+/// Spacing of the single changes: past the agent's `--min-sync-interval` (10 ms by
+/// default, 50 ms before), so each change is synced on its own.
 const CHANGE_SPACING: Duration = Duration::from_millis(60);
 
 pub(super) fn one_scale(
@@ -45,7 +45,8 @@ pub(super) fn one_scale(
     let kubeconfig = place.kubeconfig(&api);
     let log_path = place.dir.0.join("agent-0.log");
     api.clear_requests();
-    let mut agent = ApiAgent::start(&ctx.bin_dir, &kubeconfig, &pins, &cgroup, &log_path)?;
+    let mut agent = ApiAgent::start(&ctx.bin_dir, &kubeconfig, &pins, &cgroup, &log_path, n)?;
+    scale.service_map_entries = Some(super::agent::service_map_entries(n));
     let spawned = agent.started;
     let healthy = agent.wait_healthy(limit)?;
     scale.start_to_healthy_secs = Some(healthy.as_secs_f64());
