@@ -10,7 +10,9 @@ use aya_ebpf::{
     },
     helpers::generated::bpf_sk_storage_get,
     macros::{btf_map, map},
-    maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
+    maps::{
+        lpm_trie::LpmTrie, Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap,
+    },
 };
 use proxy_common::{
     limits::*, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
@@ -18,7 +20,7 @@ use proxy_common::{
     SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
 };
 
-use crate::tc::state::{Bucket, Fib, Scratch};
+use crate::tc::state::{Bucket, Fib, FibHop, FibHopKey4, FibHopKey6, Scratch};
 
 /// IPv4 frontends (slot 0) and their backend slots (1..=count).
 #[map]
@@ -187,6 +189,23 @@ pub static SCRATCH6: PerCpuArray<Scratch<[u32; 4]>> = PerCpuArray::with_max_entr
 /// 64 bytes off the stack, whose 512 the verifier counts over the whole call chain.
 #[map]
 pub static FIB: PerCpuArray<Fib> = PerCpuArray::with_max_entries(1, 0);
+
+/// XDP's recent FIB answers per (ingress interface, source, destination), reused for
+/// `xdp::FIB_HOP_TTL_NS`: the FIB lookup was a third of the program's time on a known
+/// flow. Per CPU (no shared cache line between CPUs), LRU (a full cache forgets the
+/// oldest next hop); not pinned: a cache, empty after every load.
+#[map]
+pub static FIB_HOP4: LruPerCpuHashMap<FibHopKey4, FibHop> =
+    LruPerCpuHashMap::with_max_entries(FIB_HOP_ENTRIES, 0);
+
+/// IPv6 counterpart of `FIB_HOP4`.
+#[map]
+pub static FIB_HOP6: LruPerCpuHashMap<FibHopKey6, FibHop> =
+    LruPerCpuHashMap::with_max_entries(FIB_HOP_ENTRIES, 0);
+
+/// Next hops each FIB cache holds (per CPU): backends and clients a node forwards to
+/// in one TTL.
+const FIB_HOP_ENTRIES: u32 = 4096;
 
 /// Per-CPU token bucket of the ICMP port unreachable answers (`tc::unreach`).
 #[map]

@@ -38,7 +38,8 @@ use crate::{
     lb::{V4, V6},
     maps::{count_xdp, FIB},
     tc::{
-        csum_add, fib_params, flow, PktAccess, PktFamily, PktHook, Verdict, ETH_P_IP, ETH_P_IPV6,
+        csum_add, fib_params, flow, state::FibHop, PktAccess, PktFamily, PktHook, Verdict,
+        ETH_P_IP, ETH_P_IPV6,
     },
 };
 
@@ -250,8 +251,8 @@ impl PktHook for XdpContext {
     }
 
     #[inline(always)]
-    fn can_forward<F: PktFamily>(&self, src: F::Addr, dst: F::Addr, proto: u8) -> bool {
-        fib_check::<F>(self, src, dst, proto)
+    fn can_forward<F: PktFamily>(&self, src: F::Addr, dst: F::Addr, proto: u8, now: u64) -> bool {
+        fib_check::<F>(self, src, dst, proto, now)
     }
 
     #[inline(always)]
@@ -272,12 +273,42 @@ impl PktHook for XdpContext {
     }
 }
 
+/// How long a FIB answer is reused for packets with the same interface, source and
+/// destination (`FIB_HOP4/6`): a route or neighbour change (a MAC address replaced, a
+/// route removed) is followed within this time, as the kernel's own neighbour entries
+/// are trusted for seconds. The conntrack clock ticks with the kernel's (a few ms).
+pub const FIB_HOP_TTL_NS: u64 = 100_000_000;
+
 /// FIB lookup for a packet from `src` to `dst` arriving on this interface; on success
 /// the egress interface and MAC addresses stay in this CPU's `FIB` entry for [`send`].
 /// False for anything else (no neighbour entry, no route, local delivery, forwarding
-/// disabled): the caller hands the packet to TC untouched.
+/// disabled): the caller hands the packet to TC untouched. A success is cached for
+/// [`FIB_HOP_TTL_NS`] (failures are not: the next packet asks again).
 #[inline(never)]
-fn fib_check<F: PktFamily>(ctx: &XdpContext, src: F::Addr, dst: F::Addr, proto: u8) -> bool {
+fn fib_check<F: PktFamily>(
+    ctx: &XdpContext,
+    src: F::Addr,
+    dst: F::Addr,
+    proto: u8,
+    now: u64,
+) -> bool {
+    let ifindex = ctx.ingress_ifindex() as u32;
+    if let Some(hop) = F::fib_hop(ifindex, src, dst) {
+        // SAFETY: this CPU's value of a live entry.
+        let hop = unsafe { &*hop };
+        if now.wrapping_sub(hop.stamp) < FIB_HOP_TTL_NS {
+            let Some(fib) = FIB.get_ptr_mut(0) else {
+                return false;
+            };
+            // SAFETY: this CPU's entry; `send` reads only these three fields.
+            unsafe {
+                (*fib).params.ifindex = hop.ifindex;
+                (*fib).params.smac = hop.smac;
+                (*fib).params.dmac = hop.dmac;
+            }
+            return true;
+        }
+    }
     let Some(params) = fib_params() else {
         return false;
     };
@@ -285,7 +316,7 @@ fn fib_check<F: PktFamily>(ctx: &XdpContext, src: F::Addr, dst: F::Addr, proto: 
     let params = unsafe { &mut *params };
     params.family = F::FAMILY;
     params.l4_protocol = proto;
-    params.ifindex = ctx.ingress_ifindex() as u32;
+    params.ifindex = ifindex;
     F::fib_set(params, src, dst);
     // SAFETY: valid ctx and params.
     let ret = unsafe {
@@ -296,7 +327,21 @@ fn fib_check<F: PktFamily>(ctx: &XdpContext, src: F::Addr, dst: F::Addr, proto: 
             0,
         )
     };
-    ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS)
+    if ret != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+        return false;
+    }
+    F::fib_hop_put(
+        ifindex,
+        src,
+        dst,
+        &FibHop {
+            stamp: now,
+            ifindex: params.ifindex,
+            smac: params.smac,
+            dmac: params.dmac,
+        },
+    );
+    true
 }
 
 /// Sends the translated packet where [`fib_check`] found: `XDP_TX` back out of the

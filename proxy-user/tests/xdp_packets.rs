@@ -13,6 +13,7 @@
 mod support;
 
 use std::net::{IpAddr, Ipv4Addr};
+use std::time::{Duration, Instant};
 
 use proxy_common::{svc_flags, Reason};
 use proxy_user::{Frontend, Proto};
@@ -415,6 +416,92 @@ fn remote_backends_are_snatted_and_forwarded_by_xdp_tx_or_redirect_after_a_fib_l
     assert_eq!(out.dst, sa("10.4.1.2:8080"));
     assert_eq!(out.src.ip(), ip("192.0.2.1"));
     assert_eq!(bed.counter(Reason::TcNewFlow), 1, "a new flow at TC");
+}
+
+/// Pins the calling thread to the CPU it runs on (the FIB cache is per CPU); returns the
+/// affinity to restore.
+fn pin_to_this_cpu() -> libc::cpu_set_t {
+    // SAFETY: sched_{get,set}affinity/sched_getcpu on this thread with sets we own.
+    unsafe {
+        let mut before: libc::cpu_set_t = std::mem::zeroed();
+        libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut before);
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(libc::sched_getcpu().max(0) as usize, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set),
+            0,
+            "pinning the test thread"
+        );
+        before
+    }
+}
+
+/// XDP reuses a FIB answer for 100 ms (`xdp::FIB_HOP_TTL_NS`) and then asks the FIB
+/// again: a neighbour's new MAC address and a changed route are followed once it has
+/// passed, and not before (the cache is really used).
+#[test]
+fn a_cached_next_hop_follows_neighbour_and_route_changes_within_its_ttl() {
+    let mut bed = Bed::new();
+    let (ns, x0, _y0) = fib_netns();
+    let np = Frontend::new(Ipv4Addr::UNSPECIFIED, 30081, Proto::Udp);
+    bed.writer
+        .upsert(&entry(np, &[("10.3.1.2:8080", 0)], svc_flags::NODE_PORT))
+        .expect("upsert");
+    let _in_ns = ns.enter();
+    let before = pin_to_this_cpu();
+    let q = Pkt::udp("198.51.100.7:5000", "192.0.2.1:30081");
+    let send = || {
+        let (v, out) = bed.run_ctx("xdp_ingress", &q.build(), Some(x0));
+        (v, out[0..6].to_vec())
+    };
+    let ttl = Duration::from_millis(100);
+    // Past the TTL, with the kernel's coarse clock a tick or two behind.
+    let past_ttl = ttl + Duration::from_millis(60);
+
+    let (v, dmac) = send();
+    assert_eq!((v, dmac), (XDP_REDIRECT, vec![2, 0, 0, 0, 9, 0xfe]));
+    // The router's MAC address changes.
+    ns.ip(&[
+        "neigh",
+        "replace",
+        "10.9.0.254",
+        "lladdr",
+        "02:00:00:00:09:ee",
+        "nud",
+        "permanent",
+        "dev",
+        "y0",
+    ]);
+    let changed = Instant::now();
+    let (v, dmac) = send();
+    let soon = changed.elapsed();
+    if soon < ttl / 2 {
+        assert_eq!(
+            (v, dmac),
+            (XDP_REDIRECT, vec![2, 0, 0, 0, 9, 0xfe]),
+            "within the TTL the cached answer is used ({soon:?} after the change)"
+        );
+    }
+    std::thread::sleep(past_ttl);
+    let (v, dmac) = send();
+    assert_eq!(
+        (v, dmac),
+        (XDP_REDIRECT, vec![2, 0, 0, 0, 9, 0xee]),
+        "the new MAC address once the TTL has passed"
+    );
+    // The route moves to the client's side: XDP_TX out of x0 to its router.
+    ns.ip(&["route", "replace", "10.3.0.0/16", "via", "192.0.2.254"]);
+    std::thread::sleep(past_ttl);
+    let (v, dmac) = send();
+    assert_eq!((v, dmac), (XDP_TX, vec![2, 0, 0, 0, 0, 0xfe]));
+    // The route goes: XDP hands the packet to TC untouched, after the TTL.
+    ns.ip(&["route", "del", "10.3.0.0/16"]);
+    std::thread::sleep(past_ttl);
+    let frame = q.build();
+    let (v, out) = bed.run_ctx("xdp_ingress", &frame, Some(x0));
+    // SAFETY: restoring this thread's own affinity.
+    unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &before) };
+    assert_eq!((v, out), (XDP_PASS, frame), "no route: to TC untouched");
 }
 
 /// `--acceleration native` on an interface whose driver has no native XDP (a bridge,

@@ -19,9 +19,12 @@ use proxy_common::{
     affinity_kind, proto, Ct4Key, Ct4Value, Ct6Key, Ct6Value, SrcRange4, SrcRange6,
 };
 
+use super::state::{FibHop, FibHopKey4, FibHopKey6};
 use super::Scratch;
 use crate::lb::{Family, V4, V6};
-use crate::maps::{CT4, CT6, NODE_CONFIG, SCRATCH4, SCRATCH6, SRC_RANGE4, SRC_RANGE6};
+use crate::maps::{
+    CT4, CT6, FIB_HOP4, FIB_HOP6, NODE_CONFIG, SCRATCH4, SCRATCH6, SRC_RANGE4, SRC_RANGE6,
+};
 
 pub const ETH_HLEN: usize = 14;
 
@@ -124,6 +127,10 @@ pub trait PktFamily: Family {
     fn ct_nat(v: &Self::Val) -> ((Self::Addr, u16), (Self::Addr, u16));
     fn ct_meta(v: *mut Self::Val) -> (*mut u32, *mut u64, *mut u64);
     fn fib_set(p: &mut FibParams, src: Self::Addr, dst: Self::Addr);
+    /// XDP's cached FIB answer for a packet from `src` to `dst` arriving on `ifindex`.
+    fn fib_hop(ifindex: u32, src: Self::Addr, dst: Self::Addr) -> Option<*const FibHop>;
+    /// Caches a FIB answer (a failed insert only costs the next packet a FIB lookup).
+    fn fib_hop_put(ifindex: u32, src: Self::Addr, dst: Self::Addr, hop: &FibHop);
     /// Per-CPU scratch space for the parsed packet and a new flow's choice: kept off the
     /// stack, whose 512 bytes the verifier counts over the whole call chain.
     fn scratch() -> Option<*mut Scratch<Self::Addr>>;
@@ -329,6 +336,18 @@ impl PktFamily for V4 {
         p.__bindgen_anon_3.ipv4_src = src;
         p.__bindgen_anon_4.ipv4_dst = dst;
     }
+
+    #[inline(always)]
+    fn fib_hop(ifindex: u32, src: u32, dst: u32) -> Option<*const FibHop> {
+        let k = FibHopKey4 { ifindex, src, dst };
+        FIB_HOP4.get_ptr(&k)
+    }
+
+    #[inline(always)]
+    fn fib_hop_put(ifindex: u32, src: u32, dst: u32, hop: &FibHop) {
+        let k = FibHopKey4 { ifindex, src, dst };
+        let _ = FIB_HOP4.insert(&k, hop, 0);
+    }
 }
 
 impl PktFamily for V6 {
@@ -510,5 +529,17 @@ impl PktFamily for V6 {
     fn fib_set(p: &mut FibParams, src: [u32; 4], dst: [u32; 4]) {
         p.__bindgen_anon_3.ipv6_src = src;
         p.__bindgen_anon_4.ipv6_dst = dst;
+    }
+
+    #[inline(always)]
+    fn fib_hop(ifindex: u32, src: [u32; 4], dst: [u32; 4]) -> Option<*const FibHop> {
+        let k = FibHopKey6 { ifindex, src, dst };
+        FIB_HOP6.get_ptr(&k)
+    }
+
+    #[inline(always)]
+    fn fib_hop_put(ifindex: u32, src: [u32; 4], dst: [u32; 4], hop: &FibHop) {
+        let k = FibHopKey6 { ifindex, src, dst };
+        let _ = FIB_HOP6.insert(&k, hop, 0);
     }
 }

@@ -30,8 +30,9 @@ pub trait PktHook: PktAccess + EbpfContext {
     /// Whether this hook can forward a packet from `src` to `dst` itself. Asked before
     /// the packet or its flow is changed, so a packet the hook cannot forward is handed
     /// on untouched (XDP: a FIB result it cannot act on goes to TC, which then handles the
-    /// packet whole). TC: always (it falls back to the stack itself).
-    fn can_forward<F: PktFamily>(&self, src: F::Addr, dst: F::Addr, proto: u8) -> bool;
+    /// packet whole). TC: always (it falls back to the stack itself). `now`: the
+    /// packet's conntrack clock (XDP reuses a recent FIB answer).
+    fn can_forward<F: PktFamily>(&self, src: F::Addr, dst: F::Addr, proto: u8, now: u64) -> bool;
     /// Forwards the translated packet by FIB lookup (after `can_forward`).
     fn forward<F: PktFamily>(&self, src: F::Addr, dst: F::Addr, proto: u8) -> i32;
     /// kube-proxy's REJECT for a frontend without endpoints: the verdict, or `None` when
@@ -55,7 +56,13 @@ impl PktHook for TcContext {
     }
 
     #[inline(always)]
-    fn can_forward<F: PktFamily>(&self, _src: F::Addr, _dst: F::Addr, _proto: u8) -> bool {
+    fn can_forward<F: PktFamily>(
+        &self,
+        _src: F::Addr,
+        _dst: F::Addr,
+        _proto: u8,
+        _now: u64,
+    ) -> bool {
         true
     }
 

@@ -235,7 +235,7 @@ pub(crate) fn flow<C: PktHook, F: PktFamily>(ctx: &C, ingress: bool) -> Result<V
             None => {
                 // SAFETY: this CPU's scratch entry, a field apart from the packet.
                 let chosen = unsafe { &mut (*scratch).chosen };
-                match pick::<C, F>(ctx, p, chosen) {
+                match pick::<C, F>(ctx, p, chosen, now) {
                     Some(s) => s,
                     None => commit_flow::<C, F>(ctx, p, chosen, now)?,
                 }
@@ -297,7 +297,7 @@ fn reply_path<C: PktHook, F: PktFamily>(
     } else {
         dnat
     };
-    if redirect && !ctx.can_forward::<F>(snat.0, client.0, p.proto) {
+    if redirect && !ctx.can_forward::<F>(snat.0, client.0, p.proto, now) {
         return Ok(Some(Step::to_next_hook()));
     }
     if !ct::touch::<F>(v, p.proto, p.tcp_flags, true, now) {
@@ -339,7 +339,7 @@ fn known_path<C: PktHook, F: PktFamily>(
         return Ok(Some(Step::to_next_hook()));
     }
     let redirect = !F::is_zero(&snat.0);
-    if redirect && !ctx.can_forward::<F>(snat.0, dnat.0, p.proto) {
+    if redirect && !ctx.can_forward::<F>(snat.0, dnat.0, p.proto, now) {
         return Ok(Some(Step::to_next_hook()));
     }
     if !ct::touch::<F>(v, p.proto, p.tcp_flags, false, now) {
@@ -369,6 +369,7 @@ fn pick<C: PktHook, F: PktFamily>(
     ctx: &C,
     p: &Pkt<F::Addr>,
     out: &mut Chosen<F::Addr>,
+    now: u64,
 ) -> Option<Step<F::Addr>> {
     let Some((mut front, fe_addr)) = frontend::<F>(p) else {
         return Some(Step::not_ours());
@@ -422,7 +423,7 @@ fn pick<C: PktHook, F: PktFamily>(
             return Some(Step::drop(Reason::TcSnatFailed));
         }
         // Before a port is taken: a hook that cannot forward hands the packet on.
-        if !ctx.can_forward::<F>(addr, baddr, p.proto) {
+        if !ctx.can_forward::<F>(addr, baddr, p.proto, now) {
             return Some(Step::to_next_hook());
         }
         let Some(port) = ct::snat_port::<F>(baddr, bport, addr, p.proto) else {

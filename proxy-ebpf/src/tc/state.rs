@@ -58,3 +58,33 @@ pub struct Bucket {
 pub struct Fib {
     pub params: FibParams,
 }
+
+/// A FIB answer XDP reuses (`FIB_HOP4/6`): where a packet from a source to a
+/// destination arriving on an interface leaves, and the MAC addresses to write.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct FibHop {
+    /// The conntrack clock when the FIB gave it.
+    pub stamp: u64,
+    pub ifindex: u32,
+    pub smac: [u8; 6],
+    pub dmac: [u8; 6],
+}
+
+/// `FIB_HOP4` key: the ingress interface, source and destination.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct FibHopKey4 {
+    pub ifindex: u32,
+    pub src: u32,
+    pub dst: u32,
+}
+
+/// `FIB_HOP6` key.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct FibHopKey6 {
+    pub ifindex: u32,
+    pub src: [u32; 4],
+    pub dst: [u32; 4],
+}
