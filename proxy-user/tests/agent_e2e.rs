@@ -36,6 +36,15 @@ fn pod(i: usize) -> String {
     Topology::pod_v4(i).to_string()
 }
 
+/// The `web` Service (the VIP, port 80) and its slice: pod 1 only, in one manifest.
+fn web_on_pod1() -> String {
+    format!(
+        "{}---\n{}",
+        service("web", VIP, 80),
+        slice("web-1", "web", TARGET, &[ready(&pod(1))])
+    )
+}
+
 /// A manifests directory, removed on drop. Files are replaced atomically (write + rename),
 /// as a config-management tool should.
 struct Manifests(PathBuf);
@@ -312,14 +321,7 @@ fn bad_manifests_are_reported_and_the_rest_keeps_working() {
     let mut env = TestEnv::without_datapath(1);
     env.serve_all(TARGET);
     let dir = Manifests::new();
-    dir.write(
-        "good.yaml",
-        &format!(
-            "{}---\n{}",
-            service("web", VIP, 80),
-            slice("web-1", "web", TARGET, &[ready(&pod(1))])
-        ),
-    );
+    dir.write("good.yaml", &web_on_pod1());
     dir.write("broken.yaml", "kind: Service\nmetadata: {name: broken\n");
     dir.write("bad-ip.yaml", &service("bad-ip", "10.96.0.300", 80));
     dir.write(
@@ -396,14 +398,7 @@ fn a_thousand_services_with_ten_endpoints_each() {
     env.serve_all(TARGET);
     let dir = Manifests::new();
     big_manifest(&dir.0.join("big.yaml"), 1000, 10);
-    dir.write(
-        "web.yaml",
-        &format!(
-            "{}---\n{}",
-            service("web", VIP, 80),
-            slice("web-1", "web", TARGET, &[ready(&pod(1))])
-        ),
-    );
+    dir.write("web.yaml", &web_on_pod1());
     let start = Instant::now();
     let mut agent = AgentProcess::start(&env, &dir.arg());
     agent.wait_healthy(Duration::from_secs(60));
@@ -911,14 +906,7 @@ fn a_cluster_ip_of_the_wrong_family_is_skipped_counted_and_logged() {
     let mut env = TestEnv::without_datapath(1);
     env.serve_all(TARGET);
     let dir = Manifests::new();
-    dir.write(
-        "good.yaml",
-        &format!(
-            "{}---\n{}",
-            service("web", VIP, 80),
-            slice("web-1", "web", TARGET, &[ready(&pod(1))])
-        ),
-    );
+    dir.write("good.yaml", &web_on_pod1());
     dir.write(
         "v6.yaml",
         &format!(
@@ -1214,14 +1202,7 @@ fn bad_files_are_reported_once_per_change() {
     let mut env = TestEnv::without_datapath(1);
     env.serve_all(TARGET);
     let dir = Manifests::new();
-    dir.write(
-        "good.yaml",
-        &format!(
-            "{}---\n{}",
-            service("web", VIP, 80),
-            slice("web-1", "web", TARGET, &[ready(&pod(1))])
-        ),
-    );
+    dir.write("good.yaml", &web_on_pod1());
     fs::write(
         dir.0.join("latin1-a.yaml"),
         b"kind: Service\nmetadata: {name: caf\xe9}\n",
@@ -1358,14 +1339,7 @@ fn a_service_over_the_backend_limit_is_skipped_and_the_node_stays_healthy() {
     let mut env = TestEnv::without_datapath(1);
     env.serve_all(TARGET);
     let dir = Manifests::new();
-    dir.write(
-        "web.yaml",
-        &format!(
-            "{}---\n{}",
-            service("web", VIP, 80),
-            slice("web-1", "web", TARGET, &[ready(&pod(1))])
-        ),
-    );
+    dir.write("web.yaml", &web_on_pod1());
     // One Service with 70,000 endpoints (the limit is 65,535 per frontend).
     let mut y = service("huge", "10.96.0.70", 80);
     y += "---\n";
@@ -1438,14 +1412,7 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
     let dir = Manifests::new();
     // `web`: 2 entries (its frontend and one slot). Six Services of 10 endpoints: 11
     // entries each. A map of 64 entries holds `web` and five of them (57), not a sixth.
-    dir.write(
-        "web.yaml",
-        &format!(
-            "{}---\n{}",
-            service("web", VIP, 80),
-            slice("web-1", "web", TARGET, &[ready(&pod(1))])
-        ),
-    );
+    dir.write("web.yaml", &web_on_pod1());
     let big_vip = |k: usize| format!("10.96.1.{k}");
     for k in 1..=6 {
         let addrs: Vec<String> = (1..=10).map(|i| format!("10.200.{k}.{i}")).collect();
