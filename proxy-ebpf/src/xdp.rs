@@ -303,8 +303,8 @@ fn fib_check<F: PktFamily>(
             // SAFETY: this CPU's entry; `send` reads only these three fields.
             unsafe {
                 (*fib).params.ifindex = hop.ifindex;
-                (*fib).params.smac = hop.smac;
-                (*fib).params.dmac = hop.dmac;
+                copy_mac(&raw mut (*fib).params.smac, &hop.smac);
+                copy_mac(&raw mut (*fib).params.dmac, &hop.dmac);
             }
             return true;
         }
@@ -330,18 +330,35 @@ fn fib_check<F: PktFamily>(
     if ret != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
         return false;
     }
-    F::fib_hop_put(
-        ifindex,
-        src,
-        dst,
-        &FibHop {
-            stamp: now,
-            ifindex: params.ifindex,
-            smac: params.smac,
-            dmac: params.dmac,
-        },
-    );
+    let mut hop = FibHop {
+        stamp: now,
+        ifindex: params.ifindex,
+        smac: [0; 6],
+        dmac: [0; 6],
+    };
+    // SAFETY: 6-byte arrays, both 2-byte aligned.
+    unsafe {
+        copy_mac(&raw mut hop.smac, &params.smac);
+        copy_mac(&raw mut hop.dmac, &params.dmac);
+    }
+    F::fib_hop_put(ifindex, src, dst, &hop);
     true
+}
+
+/// Copies a MAC address as three 16-bit words: an array assignment compiles, on the BPF
+/// target, to a call of the byte-at-a-time `memmove` it links in
+/// (`loader::object::tests::no_byte_loop_calls_on_the_known_flow_path`).
+///
+/// # Safety
+/// Both point to 6 valid bytes aligned to 2 (MAC fields of `bpf_fib_lookup` and
+/// `FibHop`).
+#[inline(always)]
+unsafe fn copy_mac(dst: *mut [u8; 6], src: *const [u8; 6]) {
+    let (d, s) = (dst.cast::<u16>(), src.cast::<u16>());
+    for i in 0..3 {
+        // SAFETY: as the caller promises; volatile so that LLVM keeps three word copies.
+        unsafe { d.add(i).write_volatile(s.add(i).read_volatile()) };
+    }
 }
 
 /// Sends the translated packet where [`fib_check`] found: `XDP_TX` back out of the

@@ -61,7 +61,7 @@ pub struct Fib {
 
 /// A FIB answer XDP reuses (`FIB_HOP4/6`): where a packet from a source to a
 /// destination arriving on an interface leaves, and the MAC addresses to write.
-#[repr(C)]
+#[repr(C, align(8))]
 #[derive(Clone, Copy)]
 pub struct FibHop {
     /// The conntrack clock when the FIB gave it.

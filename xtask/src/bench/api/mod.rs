@@ -42,6 +42,7 @@ mod objects;
 mod report;
 mod results;
 mod scale;
+mod traffic;
 
 use std::{
     collections::BTreeMap,
@@ -110,6 +111,17 @@ pub fn run(cfg: &ApiConfig, ctx: &Ctx, out_dir: &Path) -> Result<()> {
     let md = markdown(&results);
     println!("{md}");
     log(start, format!("results in {}", out_dir.display()));
+    // `--quick` runs inside `cargo xtask test`: no thresholds, but a part that failed
+    // (the bench rotting, or the agent not doing what it measures) fails the test.
+    let failed: Vec<&String> = results
+        .scales
+        .iter()
+        .flat_map(|s| &s.errors)
+        .chain(results.nodes.iter().flat_map(|r| &r.errors))
+        .collect();
+    if cfg.quick && !failed.is_empty() {
+        anyhow::bail!("the quick API bench had errors: {failed:?}");
+    }
     Ok(())
 }
 

@@ -117,6 +117,10 @@ pub struct ApiScale {
     pub idle_cpu_percent: Option<f64>,
     /// The agent's `network_programming_duration_seconds` per change.
     pub change_agent: Option<Dist>,
+    /// Apiserver accepted -> the first connection reaching the new endpoint (the probe
+    /// Service, `traffic.rs`).
+    #[serde(default)]
+    pub change_traffic: Option<Dist>,
     /// Apiserver accepted -> the agent reports the change written.
     pub change_visible: Option<Dist>,
     /// Changes whose own observation could not be told apart (a periodic resync between).

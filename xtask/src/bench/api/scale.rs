@@ -14,6 +14,7 @@ use super::{
     agent::{ApiAgent, Place},
     objects::{base_endpoints, fresh, loaded_apiserver, slice_obj, ENDPOINTS},
     results::{ApiConfig, ApiScale, Dist},
+    traffic,
 };
 use crate::bench::{
     log,
@@ -142,6 +143,20 @@ pub(super) fn one_scale(
             format!(
                 "  {} changes: agent p50 {:.2} ms p99 {:.2} ms; accepted -> written p50 {:.2} ms p99 {:.2} ms",
                 v.count, a.p50_ms, a.p99_ms, v.p50_ms, v.p99_ms
+            ),
+        );
+    }
+
+    // The same kind of change, seen in traffic (the probe Service).
+    let secs = traffic::traffic_changes(ctx, &api, &cgroup, cfg.changes, CHANGE_SPACING, 30.0)
+        .context("endpoint changes in traffic")?;
+    scale.change_traffic = Dist::from_secs(&secs);
+    if let Some(t) = &scale.change_traffic {
+        log(
+            start,
+            format!(
+                "  {} changes in traffic: accepted -> first connection to the new endpoint p50 {:.2} ms p99 {:.2} ms",
+                t.count, t.p50_ms, t.p99_ms
             ),
         );
     }
