@@ -442,7 +442,7 @@ fn pin_to_this_cpu() -> libc::cpu_set_t {
 #[test]
 fn a_cached_next_hop_follows_neighbour_and_route_changes_within_its_ttl() {
     let mut bed = Bed::new();
-    let (ns, x0, _y0) = fib_netns();
+    let (ns, x0, y0) = fib_netns();
     let np = Frontend::new(Ipv4Addr::UNSPECIFIED, 30081, Proto::Udp);
     bed.writer
         .upsert(&entry(np, &[("10.3.1.2:8080", 0)], svc_flags::NODE_PORT))
@@ -460,6 +460,24 @@ fn a_cached_next_hop_follows_neighbour_and_route_changes_within_its_ttl() {
 
     let (v, dmac) = send();
     assert_eq!((v, dmac), (XDP_REDIRECT, vec![2, 0, 0, 0, 9, 0xfe]));
+    // The answer is in this CPU's cache: (x0, the SNAT address, the backend) -> y0 and
+    // the router's MAC (`FibHop`: stamp, ifindex, smac, dmac).
+    {
+        let map = bed.ebpf.map("FIB_HOP4").expect("FIB_HOP4");
+        let hops: aya::maps::PerCpuHashMap<_, [u8; 12], [u8; 24]> =
+            aya::maps::PerCpuHashMap::try_from(map).expect("per-CPU hash");
+        let mut key = [0u8; 12];
+        key[0..4].copy_from_slice(&x0.to_ne_bytes());
+        key[4..8].copy_from_slice(&[192, 0, 2, 1]);
+        key[8..12].copy_from_slice(&[10, 3, 1, 2]);
+        let per_cpu = hops.get(&key, 0).expect("the FIB answer is cached");
+        assert!(
+            per_cpu
+                .iter()
+                .any(|h| h[8..12] == y0.to_ne_bytes() && h[18..24] == [2, 0, 0, 0, 9, 0xfe]),
+            "a CPU's cached hop is y0 and the router's MAC"
+        );
+    }
     // The router's MAC address changes.
     ns.ip(&[
         "neigh",

@@ -109,6 +109,24 @@ pub struct InstallReport {
     pub service_entries: u32,
 }
 
+/// The `max_entries` `map` (and its other-family twin) will have: the pinned one's when
+/// it is pinned (with a warning when `wanted` differs), else `wanted`.
+fn size_in_use(pin_path: &Path, map: &str, wanted: u32, what: &str, why: &str) -> u32 {
+    let Some(pinned) = pinned_max_entries(&pin_path.join(map)) else {
+        return wanted;
+    };
+    if pinned != wanted {
+        warn!(
+            map,
+            pinned_entries = pinned,
+            wanted_entries = wanted,
+            "the pinned {what} keep their size ({why}); `proxy-agent uninstall` and a \
+             restart apply the new size"
+        );
+    }
+    pinned
+}
+
 /// Loads and attaches whatever is not already pinned, and pins it.
 pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     let pin_path = &opts.pin_path;
@@ -130,32 +148,21 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
 
     let mut report = InstallReport::default();
     let ct_entries = conntrack_entries(opts.conntrack_flows)?;
-    report.conntrack_entries = ct_entries;
-    if let Some(pinned) = pinned_max_entries(&pin_path.join(map_names::CT4)) {
-        if pinned != ct_entries {
-            warn!(
-                pinned_flows = pinned / 2,
-                wanted_flows = ct_entries / 2,
-                "the pinned conntrack tables keep their size (resizing would drop every \
-                 tracked flow); `proxy-agent uninstall` and a restart apply the new size"
-            );
-        }
-        report.conntrack_entries = pinned;
-    }
+    report.conntrack_entries = size_in_use(
+        pin_path,
+        map_names::CT4,
+        ct_entries,
+        "conntrack tables",
+        "resizing would drop every tracked flow",
+    );
     let svc_entries = service_entries(opts.service_entries)?;
-    report.service_entries = svc_entries;
-    if let Some(pinned) = pinned_max_entries(&pin_path.join(map_names::SVC4)) {
-        if pinned != svc_entries {
-            warn!(
-                pinned_entries = pinned,
-                wanted_entries = svc_entries,
-                "the pinned service maps keep their size (a new map would have to be \
-                 refilled under the running programs); `proxy-agent uninstall` and a \
-                 restart apply the new size"
-            );
-        }
-        report.service_entries = pinned;
-    }
+    report.service_entries = size_in_use(
+        pin_path,
+        map_names::SVC4,
+        svc_entries,
+        "service maps",
+        "a new map would have to be refilled under the running programs",
+    );
     let mut hooks: Vec<Hook> = SOCK_PROGRAMS.iter().map(|p| Hook::Sock(p)).collect();
     for iface in &opts.interfaces {
         for ingress in [true, false] {

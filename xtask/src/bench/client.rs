@@ -105,6 +105,21 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// When a `WaitFor` saw its endpoint answer; else an error saying that `what` never
+    /// answered, with the exchanges made and the first error.
+    pub fn seen(&self, what: &str) -> Result<u64> {
+        self.seen_at_ns.with_context(|| {
+            format!(
+                "{what} never answered ({} exchanges{})",
+                self.ok,
+                self.first_error
+                    .as_ref()
+                    .map(|e| format!(", error: {e}"))
+                    .unwrap_or_default()
+            )
+        })
+    }
+
     fn error(&mut self, e: impl std::fmt::Display) {
         self.errors += 1;
         if self.first_error.is_none() {

@@ -192,16 +192,7 @@ pub(super) fn endpoint_change(
     };
     let out = watcher.finish()?;
     let o = out.first().context("no result")?;
-    let Some(seen) = o.seen_at_ns else {
-        bail!(
-            "{expect} never answered ({} exchanges{})",
-            o.ok,
-            o.first_error
-                .as_ref()
-                .map(|e| format!(", error: {e}"))
-                .unwrap_or_default()
-        );
-    };
+    let seen = o.seen(&expect.to_string())?;
     Ok(ChangeResult {
         round: 0,
         command: Some(command),

@@ -91,9 +91,9 @@ pub(super) fn traffic_changes(
     api.apply(probe_service());
     api.apply(probe_slice(first));
     let out = watcher.finish()?;
-    if out.first().and_then(|o| o.seen_at_ns).is_none() {
-        bail!("the probe Service never answered from {first}");
-    }
+    out.first()
+        .context("no result from the client")?
+        .seen(&format!("the probe Service's first endpoint {first}"))?;
     let mut secs = Vec::with_capacity(changes);
     for k in 0..changes {
         topo::check_interrupt()?;
@@ -107,16 +107,7 @@ pub(super) fn traffic_changes(
         let accepted = client::monotonic_ns();
         let out = watcher.finish()?;
         let o = out.first().context("no result from the client")?;
-        let Some(seen) = o.seen_at_ns else {
-            bail!(
-                "change {k}: {new} never answered ({} exchanges{})",
-                o.ok,
-                o.first_error
-                    .as_ref()
-                    .map(|e| format!(", {e}"))
-                    .unwrap_or_default()
-            );
-        };
+        let seen = o.seen(&format!("change {k}: {new}"))?;
         secs.push(seen.saturating_sub(accepted) as f64 / 1e9);
     }
     Ok(secs)
