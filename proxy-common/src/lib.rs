@@ -23,7 +23,8 @@ mod service;
 
 pub use flow::{
     affinity_kind, AffinityKey, AffinityValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value, SockRevNat4,
-    SockRevNat4Entry, SockRevNat6, SockRevNat6Entry,
+    SockRevNat4Entry, SockRevNat4V3, SockRevNat4V3Key, SockRevNat6, SockRevNat6Entry,
+    SockRevNat6V3, SockRevNat6V3Key,
 };
 pub use reason::Reason;
 pub use service::{
@@ -54,6 +55,12 @@ pub mod map_names {
     pub const SOCK_REVNAT4: &str = "SOCK_REVNAT4";
     /// Per socket: IPv6 backend -> frontend (socket-local storage).
     pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6";
+    /// ABI 3's node-wide `{socket cookie, IPv4 backend}` -> frontend LRU, kept after an
+    /// upgrade from ABI 3 for the sockets it translated (read, moved into the socket's
+    /// storage and deleted by `recvmsg`/`getpeername`); a 1-entry empty map otherwise.
+    pub const SOCK_REVNAT4_V3: &str = "SOCK_REVNAT4_V3";
+    /// ABI 3's `{socket cookie, IPv6 backend}` -> frontend LRU, kept likewise.
+    pub const SOCK_REVNAT6_V3: &str = "SOCK_REVNAT6_V3";
     /// Per-CPU outcome counters indexed by `Reason`.
     pub const STATS: &str = "STATS";
     /// Per-CPU selections per backend id.
@@ -88,7 +95,7 @@ pub mod map_names {
     pub const BACKEND_GEN: &str = "BACKEND_GEN";
 
     /// Every pinned map.
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 25] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -112,6 +119,8 @@ pub mod map_names {
         MAGLEV,
         FWD_MODE,
         BACKEND_GEN,
+        SOCK_REVNAT4_V3,
+        SOCK_REVNAT6_V3,
     ];
 }
 
@@ -307,6 +316,10 @@ mod user {
         SockRevNat6Entry,
         SockRevNat4,
         SockRevNat6,
+        SockRevNat4V3Key,
+        SockRevNat6V3Key,
+        SockRevNat4V3,
+        SockRevNat6V3,
         Ct4Key,
         Ct6Key,
         Ct4Value,
@@ -362,6 +375,11 @@ mod tests {
         assert_layout!(SockRevNat6Entry, size 40, align 4, fields [[u32; 4], [u32; 4], u16, u16, u32]);
         assert_layout!(SockRevNat4, size 132, align 4, fields [u32, [SockRevNat4Entry; limits::SOCK_REVNAT_SLOTS]]);
         assert_layout!(SockRevNat6, size 324, align 4, fields [u32, [SockRevNat6Entry; limits::SOCK_REVNAT_SLOTS]]);
+        // ABI 3's socket reverse-NAT layout (frozen: the pinned map is read as it is).
+        assert_layout!(SockRevNat4V3Key, size 16, align 8, fields [u64, u32, u16, u16]);
+        assert_layout!(SockRevNat6V3Key, size 32, align 8, fields [u64, [u32; 4], u16, [u8; 6]]);
+        assert_layout!(SockRevNat4V3, size 12, align 4, fields [u32, u16, u16, u32]);
+        assert_layout!(SockRevNat6V3, size 24, align 4, fields [[u32; 4], u16, u16, u32]);
         assert_layout!(Ct4Key, size 16, align 4, fields [u32, u32, u16, u16, u8, u8, [u8; 2]]);
         assert_layout!(Ct6Key, size 40, align 4, fields [[u32; 4], [u32; 4], u16, u16, u8, u8, [u8; 2]]);
         assert_layout!(Ct4Value, size 40, align 8, fields [u32, u32, u16, u16, u32, u32, u32, u64, u64]);
