@@ -982,7 +982,7 @@ fn upgrade_under_traffic(step: Step) {
             assert!(log.contains("are shared, not copied"), "{log}");
             if old_abi == 3 {
                 assert!(
-                    log.contains("kept the older layout's map map=SOCK_REVNAT4_V3"),
+                    log.contains("kept the older layout's map map=\"SOCK_REVNAT4_V3\""),
                     "{log}"
                 );
             }
