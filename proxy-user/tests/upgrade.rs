@@ -432,6 +432,7 @@ fn cluster_ip_client(netns: &Path) {
     held_udp
         .set_read_timeout(Some(ATTEMPT_TIMEOUT))
         .expect("timeout");
+    let cookies = [socket_cookie(&held_tcp), socket_cookie(&held_udp)];
     while !stop.load(Ordering::Relaxed) {
         tcp.record("ClusterIP TCP", ask_tcp(vip(80)));
         udp.record("ClusterIP UDP", ask_udp(vip(53)));
@@ -465,9 +466,11 @@ fn cluster_ip_client(netns: &Path) {
     }
     let ((to, tf), (uo, uf)) = (tcp.counts(), udp.counts());
     println!(
-        "tcp_ok={to} tcp_failed={tf} udp_ok={uo} udp_failed={uf} udp_retries={} udp_wrong_source={}",
+        "tcp_ok={to} tcp_failed={tf} udp_ok={uo} udp_failed={uf} udp_retries={} udp_wrong_source={} held_cookies={},{}",
         UDP_RETRIES.load(Ordering::Relaxed),
-        UDP_WRONG_SOURCE.load(Ordering::Relaxed)
+        UDP_WRONG_SOURCE.load(Ordering::Relaxed),
+        cookies[0],
+        cookies[1]
     );
     for e in tcp
         .errors
@@ -479,6 +482,24 @@ fn cluster_ip_client(netns: &Path) {
     {
         eprintln!("{e}");
     }
+}
+
+/// `SO_COOKIE`: the key of a socket's ABI-3 reverse-NAT entries.
+fn socket_cookie(s: &impl std::os::fd::AsRawFd) -> u64 {
+    let mut cookie = 0u64;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: a u64 out-parameter of the size passed.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(r, 0, "SO_COOKIE: {}", std::io::Error::last_os_error());
+    cookie
 }
 
 /// A running ClusterIP client child process.
@@ -523,12 +544,13 @@ impl ClusterIpClient {
     }
 
     /// Stops it: (tcp ok, tcp failed, udp ok, udp failed, udp asked again, udp answers
-    /// from another source), errors.
-    fn finish(mut self) -> ([u64; 6], String) {
+    /// from another source, the `SO_COOKIE`s of its TCP and UDP sockets connected at its
+    /// start), errors.
+    fn finish(mut self) -> ([u64; 8], String) {
         drop(self.child.stdin.take());
         let out = self.child.wait_with_output().expect("client output");
         let line = String::from_utf8_lossy(&out.stdout).to_string();
-        let mut n = [0u64; 6];
+        let mut n = [0u64; 8];
         for (i, key) in [
             "tcp_ok",
             "tcp_failed",
@@ -546,6 +568,13 @@ impl ClusterIpClient {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or_else(|| panic!("client output {line:?} {:?}", out.status));
         }
+        let cookies: Vec<u64> = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("held_cookies="))
+            .map(|v| v.split(',').filter_map(|c| c.parse().ok()).collect())
+            .unwrap_or_default();
+        assert_eq!(cookies.len(), 2, "client output {line:?}");
+        n[6..].copy_from_slice(&cookies);
         (n, String::from_utf8_lossy(&out.stderr).to_string())
     }
 }
@@ -984,6 +1013,26 @@ fn upgrade_under_traffic(step: Step) {
                 assert!(
                     log.contains("kept the older layout's map map=\"SOCK_REVNAT4_V3\""),
                     "{log}"
+                );
+                // ABI 3's map object itself, kept under the new name; the client's two
+                // sockets connected before the upgrade had their entries there, moved
+                // into their own storage when they were read (getpeername, recvmsg).
+                let old_id = old_maps
+                    .iter()
+                    .find(|(n, _)| n == map_names::SOCK_REVNAT4)
+                    .expect("ABI 3's SOCK_REVNAT4")
+                    .1;
+                assert_eq!(map_id(&pins, map_names::SOCK_REVNAT4_V3), old_id);
+                let kept: std::collections::BTreeMap<[u8; 16], [u8; 12]> =
+                    pinned_entries(&pins, map_names::SOCK_REVNAT4_V3);
+                let cookie_of = |k: &[u8; 16]| {
+                    bytemuck::pod_read_unaligned::<proxy_common::SockRevNat4V3Key>(k).cookie
+                };
+                assert!(!kept.is_empty(), "ABI 3's entries kept");
+                let held = &cip_counts[6..];
+                assert!(
+                    kept.keys().all(|k| !held.contains(&cookie_of(k))),
+                    "the held sockets' entries moved out of SOCK_REVNAT4_V3 ({held:?})"
                 );
             }
         }
