@@ -234,11 +234,24 @@ impl Migration {
                 }
                 continue;
             }
-            let shared = match (map_info_at(&old), map_info_at(&self.staging.join(name))) {
+            let old_info = map_info_at(&old);
+            let shared = match (&old_info, map_info_at(&self.staging.join(name))) {
                 (Ok(a), Ok(b)) => a.id == b.id,
                 _ => false,
             };
             if shared {
+                continue;
+            }
+            if old_info.is_ok_and(|i| i.map_type == sys::map_type::SK_STORAGE) {
+                // Not iterable from user space (the kernel refuses GET_NEXT_KEY): a
+                // socket storage of another layout cannot be carried over from here.
+                if !only_datapath {
+                    warn!(
+                        map = %name,
+                        "not converted: socket storage of another layout (user space \
+                         reaches an entry only through its socket)"
+                    );
+                }
                 continue;
             }
             let conv = converter(self.from, name);
