@@ -1512,3 +1512,74 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
         "{logs}"
     );
 }
+
+/// After a first complete sync, a Service that does not fit is a failed sync, not a sync
+/// (kube-proxy's rule): `/healthz` names the failure in its body at once, turns 503 with
+/// that reason once the last complete sync is older than twice `--sync-interval`, and is
+/// 200 again once the Service is removed.
+#[test]
+fn a_full_service_map_after_the_first_sync_turns_health_503_with_the_reason() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    // `web` (2 entries) and five Services of 10 endpoints (11 each): 57 of 64 entries.
+    dir.write("web.yaml", &web_on_pod1());
+    let big = |k: usize| {
+        let addrs: Vec<String> = (1..=10).map(|i| format!("10.200.{k}.{i}")).collect();
+        let eps: Vec<_> = addrs.iter().map(|a| ready(a)).collect();
+        format!(
+            "{}---\n{}",
+            service(&format!("big{k}"), &format!("10.96.1.{k}"), 80),
+            slice(&format!("big{k}-1"), &format!("big{k}"), TARGET, &eps)
+        )
+    };
+    for k in 1..=5 {
+        dir.write(&format!("big{k}.yaml"), &big(k));
+    }
+    let [m, d] = dir.arg();
+    // Health's limit: twice the sync interval, 4 s.
+    let mut agent = AgentProcess::start(
+        &env,
+        &[m, d, "--service-map-entries", "64", "--sync-interval", "2s"],
+    );
+    agent.wait_healthy(Duration::from_secs(30));
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    let (code, body) = agent.healthz();
+    assert_eq!(code, 200, "{body}");
+    assert!(!body.contains("could not write"), "{body}");
+
+    // A sixth does not fit.
+    dir.write("big6.yaml", &big(6));
+    let reason = "could not write 1 frontend(s)";
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen_200_with_reason = false;
+    let body = loop {
+        let (code, body) = agent.healthz();
+        match code {
+            // Within the limit: still 200, but saying what failed.
+            200 if body.contains(reason) => seen_200_with_reason = true,
+            200 => {}
+            503 => break body,
+            other => panic!("/healthz answered {other}: {body}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/healthz still 200 after 60 s with big6 unwritten: {body}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(body.contains(reason), "503 names the failure: {body}");
+    assert!(body.contains("last successful sync"), "{body}");
+    eprintln!("200 with the reason seen before the 503: {seen_200_with_reason}; 503 body: {body}");
+    // Still served: what fits stays in the maps.
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    let metrics = agent.metrics();
+    assert!(metrics.contains("reason=\"map_full\"}"), "{metrics}");
+
+    // The Service removed: the next sync is complete, healthy again without the reason.
+    dir.remove("big6.yaml");
+    let body = agent.wait_healthz(200, Duration::from_secs(30));
+    assert!(!body.contains("could not write"), "{body}");
+    let logs = agent.stop();
+    assert!(logs.contains("SVC4 is full"), "{logs}");
+}
