@@ -472,7 +472,9 @@ mod tests {
         // Sleeps only past the limit: a lower bound, true under any load.
         std::thread::sleep(Duration::from_millis(80));
         h.mark_failed(2);
-        let err = h.check().expect_err("a failed sync does not refresh health");
+        let err = h
+            .check()
+            .expect_err("a failed sync does not refresh health");
         assert!(err.contains("last successful sync"), "{err}");
         assert!(err.contains("could not write 2 frontend(s)"), "{err}");
         h.mark_synced();
