@@ -49,8 +49,8 @@ enum Cmd {
         /// Skip `cargo fmt --check` and `cargo clippy`.
         #[arg(long)]
         no_lint: bool,
-        /// Skip the quick benchmark run (`cargo xtask bench --quick`, no thresholds: it
-        /// only keeps the benchmark from rotting).
+        /// Skip the quick benchmark runs (`cargo xtask bench --quick` and `--api --quick`:
+        /// no thresholds on figures, but any error any mode recorded fails them).
         #[arg(long)]
         no_bench: bool,
         /// Which tests: `unprivileged` (unit tests and the integration tests that need no
