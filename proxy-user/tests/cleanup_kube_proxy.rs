@@ -753,17 +753,14 @@ fn missing_ipvs_kernel_parts() -> Option<String> {
     let _ = Command::new("modprobe").arg("ip_vs").output();
     let ipvs = ipvs_available(&probe);
     let dummy = dummy_available(&probe);
-    (!ipvs || !dummy).then(|| {
-        format!(
-            "this kernel lacks{}{}",
-            if ipvs { "" } else { " IPVS (CONFIG_IP_VS)" },
-            if dummy {
-                ""
-            } else {
-                " dummy links (CONFIG_DUMMY)"
-            }
-        )
-    })
+    let lacks: Vec<&str> = [
+        (!ipvs).then_some("IPVS (CONFIG_IP_VS)"),
+        (!dummy).then_some("dummy links (CONFIG_DUMMY)"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    (!lacks.is_empty()).then(|| format!("this kernel lacks {}", lacks.join(" and ")))
 }
 
 fn dummy_available(ns: &Netns) -> bool {

@@ -157,9 +157,16 @@ pub fn quick_verdict(errors: &[String]) -> Result<()> {
 impl Results {
     /// Every error the run recorded, one line each: a mode that failed (programming or
     /// its check) or gave up, a round that failed or had failed exchanges, an endpoint
-    /// change that failed. A mode unavailable on this machine (no IPVS, say) is not one.
+    /// change that failed, a mode whose set-up failed. A mode this machine's kernel cannot
+    /// run (no IPVS: its reason starts with `modes::KERNEL_LACKS`) is not one.
     pub fn errors(&self) -> Vec<String> {
         let mut out = Vec::new();
+        for m in &self.modes {
+            let why = m.reason.as_deref().unwrap_or("");
+            if !m.available && !why.starts_with(super::modes::KERNEL_LACKS) {
+                out.push(format!("{}: could not be set up: {why}", m.name));
+            }
+        }
         for s in &self.scales {
             for m in &s.modes {
                 let at = format!("{} services, {}", thousands(s.services), m.mode);
@@ -503,6 +510,28 @@ mod tests {
         assert!(quick_verdict(&one_mode(good()).errors()).is_ok());
         let off = ModeScale::new("ipvs", Status::Unavailable, Some("no IPVS".into()));
         assert!(quick_verdict(&one_mode(off).errors()).is_ok());
+        // Set up: a kernel without IPVS is not an error, a mode that failed otherwise is.
+        let info = |name: &str, reason: String| ModeInfo {
+            name: name.into(),
+            description: String::new(),
+            available: false,
+            reason: Some(reason),
+        };
+        let mut r = one_mode(good());
+        r.modes.push(info(
+            "ipvs",
+            format!("{}IPVS", super::super::modes::KERNEL_LACKS),
+        ));
+        assert!(quick_verdict(&r.errors()).is_ok());
+        r.modes.push(info(
+            "socket",
+            "starting the bench client: No such file".into(),
+        ));
+        let err = quick_verdict(&r.errors()).expect_err("a mode that failed to set up");
+        assert!(
+            err.to_string().contains("socket: could not be set up"),
+            "{err}"
+        );
 
         let mut round = good();
         round.rounds[0].first_error = Some("connect: timed out".into());
