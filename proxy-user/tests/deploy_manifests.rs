@@ -8,9 +8,10 @@
 //! `tests/memory_limit.rs` runs the real agent under,
 //! the bpffs and cgroup mounts the flags point at); and every environment variable the
 //! manifests set is one `proxy-agent` reads (taken from `src/bin/proxy-agent.rs`, so the
-//! two cannot drift). When `kubectl` is installed, `kubectl kustomize` renders the base and
-//! both overlays and the rendered objects get the same checks with each overlay's changes;
-//! otherwise the overlays' patches are checked one by one.
+//! two cannot drift). `kubectl kustomize` (kustomize >= 4; `cargo xtask setup` installs a
+//! kubectl when none is found, and the test fails without one) renders the base and both
+//! overlays and the rendered objects get the same checks with each overlay's changes; the
+//! overlays' patches are also checked one by one.
 //!
 //! Over 600 lines: one suite (the checks of every shipped manifest and overlay). Each file
 //! under `tests/` is a test binary of its own that links the whole crate, so a suite is
@@ -1071,7 +1072,7 @@ fn overlays_patch_what_running_beside_kube_proxy_needs() {
 
 /// The major version of kustomize inside the installed kubectl, `None` without kubectl.
 /// (Debian's own `kubernetes-client` is kubectl 1.20 with kustomize 2, which predates
-/// components; the machines here have a current kubectl.)
+/// components; `cargo xtask setup` installs a kubectl with kustomize 5 when none is found.)
 fn kubectl_kustomize_major() -> Option<u32> {
     let out = match Command::new("kubectl")
         .args(["version", "--client"])
@@ -1110,15 +1111,14 @@ fn kustomize(dir: &Path) -> Vec<Object> {
 
 #[test]
 fn kustomize_renders_the_base_and_the_overlays() {
+    // No kubectl is a failure, not a pass: `cargo xtask setup` installs one.
     match kubectl_kustomize_major() {
         Some(major) if major >= 4 => {}
-        found => {
-            eprintln!(
-                "NOTE: no kubectl with kustomize >= 4 ({found:?}): the rendered overlays are \
-                 not checked (their patches are, by overlays_patch_what_running_beside_kube_proxy_needs)"
-            );
-            return;
-        }
+        found => panic!(
+            "no kubectl with kustomize >= 4 on PATH (found kustomize major {found:?}): the \
+             rendered base and overlays cannot be checked; `cargo xtask setup` installs one \
+             into $CARGO_HOME/bin"
+        ),
     }
     let cases = [
         (deploy_dir(), &BASE),

@@ -49,8 +49,8 @@ enum Cmd {
         /// Skip `cargo fmt --check` and `cargo clippy`.
         #[arg(long)]
         no_lint: bool,
-        /// Skip the quick benchmark run (`cargo xtask bench --quick`, no thresholds: it
-        /// only keeps the benchmark from rotting).
+        /// Skip the quick benchmark runs (`cargo xtask bench --quick` and `--api --quick`:
+        /// no thresholds on figures, but any error any mode recorded fails them).
         #[arg(long)]
         no_bench: bool,
         /// Which tests: `unprivileged` (unit tests and the integration tests that need no
@@ -230,36 +230,63 @@ enum Tier {
     All,
 }
 
-/// Tests counted over the `test result:` lines of one or more `cargo test` runs.
-#[derive(Clone, Copy, Debug, Default)]
+/// Tests counted over the `test result:` lines of one or more `cargo test` runs, less the
+/// tests that reported themselves skipped (`SKIPS_ENV`).
+#[derive(Clone, Debug, Default)]
 struct Counts {
     passed: u64,
     failed: u64,
     ignored: u64,
+    /// `name: reason` of each test that returned without running what it checks (a
+    /// kernel without IPVS, say): libtest counts those as passed; here they are skipped.
+    skipped: Vec<String>,
     ok: bool,
     runs: u32,
 }
+
+/// The file a test appends `name: reason` to when it skips itself
+/// (`proxy-user/tests/support`'s `skipped`).
+const SKIPS_ENV: &str = "EBPF_PROXY_TEST_SKIPS";
 
 impl Counts {
     fn add(&mut self, c: Counts) {
         self.passed += c.passed;
         self.failed += c.failed;
         self.ignored += c.ignored;
+        self.skipped.extend(c.skipped);
         self.ok = (self.runs == 0 || self.ok) && c.ok;
         self.runs += 1;
     }
 
-    /// The one summary line over every test binary (`summary: N passed, N failed`).
-    fn finish(self) -> Result<()> {
-        let skipped = if self.ignored > 0 {
-            format!(", {} skipped", self.ignored)
+    /// Tests that reported themselves skipped (lines of the skips file) move from
+    /// passed to skipped.
+    fn take_skips(&mut self, text: &str) {
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            self.skipped.push(line.trim().to_string());
+            self.passed = self.passed.saturating_sub(1);
+        }
+    }
+
+    /// The summary line over every test binary (`summary: N passed, N failed, N
+    /// skipped`), after the reason of each skip.
+    fn line(&self) -> String {
+        let skipped = self.ignored + self.skipped.len() as u64;
+        let skipped = if skipped > 0 {
+            format!(", {skipped} skipped")
         } else {
             String::new()
         };
-        println!(
+        format!(
             "summary: {} passed, {} failed{skipped}",
             self.passed, self.failed
-        );
+        )
+    }
+
+    fn finish(self) -> Result<()> {
+        for s in &self.skipped {
+            println!("skipped: {s}");
+        }
+        println!("{}", self.line());
         if !self.ok || self.failed > 0 {
             bail!("tests failed");
         }
@@ -276,7 +303,13 @@ fn run_tests(cmd: &mut Command, tier: &str) -> Result<Counts> {
     use std::io::{BufRead as _, BufReader};
     let args: Vec<_> = cmd.get_args().map(|a| a.to_string_lossy()).collect();
     eprintln!("+ ({tier} tests) cargo {}", args.join(" "));
+    let skips = std::env::temp_dir().join(format!(
+        "ebpf-proxy-test-skips-{tier}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&skips);
     let mut child = cmd
+        .env(SKIPS_ENV, &skips)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .context("starting cargo test")?;
@@ -301,9 +334,41 @@ fn run_tests(cmd: &mut Command, tier: &str) -> Result<Counts> {
         }
     }
     let status = child.wait()?;
+    c.take_skips(&std::fs::read_to_string(&skips).unwrap_or_default());
+    let _ = std::fs::remove_file(&skips);
     c.ok = status.success();
     if !c.ok {
         eprintln!("{tier} tests: cargo test exited with {status}");
     }
     Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A test that skipped itself is counted as skipped, with its reason, not as passed.
+    #[test]
+    fn self_skipped_tests_are_skipped_not_passed() {
+        let mut c = Counts {
+            passed: 5,
+            ok: true,
+            ..Counts::default()
+        };
+        c.take_skips("ipvs_part: this kernel lacks IPVS (CONFIG_IP_VS)\n");
+        let mut total = Counts::default();
+        total.add(c);
+        total.add(Counts {
+            passed: 2,
+            ignored: 1,
+            ok: true,
+            ..Counts::default()
+        });
+        assert_eq!(total.line(), "summary: 6 passed, 0 failed, 2 skipped");
+        assert_eq!(
+            total.skipped,
+            vec!["ipvs_part: this kernel lacks IPVS (CONFIG_IP_VS)".to_string()]
+        );
+        assert!(total.finish().is_ok());
+    }
 }

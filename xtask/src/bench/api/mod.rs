@@ -105,6 +105,16 @@ pub fn run(cfg: &ApiConfig, ctx: &Ctx, out_dir: &Path) -> Result<()> {
             log(start, format!("  failed: {e:#}"));
             run.errors.push(format!("{e:#}"));
         }
+        if run.missing > 0 {
+            // A change that never reached every agent within the bound is an error, not
+            // only a count: the agents did not do what the run measures.
+            let e = format!(
+                "{} of {} changes never reached all {k} agents within 60 s",
+                run.missing, run.changes
+            );
+            log(start, format!("  {e}"));
+            run.errors.push(e);
+        }
         results.nodes.push(run);
         save(&results, out_dir)?;
     }

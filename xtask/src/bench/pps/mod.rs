@@ -220,8 +220,9 @@ fn run_form(
                 ));
             }
             Err(e) => {
-                log(start, format!("  {name} not available: {e:#}"));
+                log(start, format!("  {name} failed to set up: {e:#}"));
                 entry.reason = Some(format!("{e:#}"));
+                entry.error = Some(format!("{e:#}"));
                 table.modes.push(entry);
             }
         }
