@@ -86,9 +86,14 @@ pub mod map_names {
     /// `[generation]`: bumped by the agent after it deletes backends, so the packet path
     /// re-checks a UDP flow's backend only when one may have gone (`ct_flags::GEN_SHIFT`).
     pub const BACKEND_GEN: &str = "BACKEND_GEN";
+    /// DSR (`--forwarding-mode dsr|hybrid`): the IPv4 prefixes whose packets' DSR option is
+    /// honoured (LPM trie: the cluster's node addresses as /32, `--dsr-trusted-cidrs`).
+    pub const DSR_TRUSTED4: &str = "DSR_TRUSTED4";
+    /// The IPv6 counterpart of `DSR_TRUSTED4` (/128 per node address).
+    pub const DSR_TRUSTED6: &str = "DSR_TRUSTED6";
 
     /// Every pinned map.
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 25] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -112,6 +117,8 @@ pub mod map_names {
         MAGLEV,
         FWD_MODE,
         BACKEND_GEN,
+        DSR_TRUSTED4,
+        DSR_TRUSTED6,
     ];
 }
 

@@ -14,6 +14,10 @@
 //! delivered with the client as source. The backend's reply leaves this node through the
 //! usual reply stage (at TC egress of the interface towards the client) with the
 //! frontend as source, straight to the client: the first node sees no reply.
+//! The option is honoured only from a cluster node (`DSR_TRUSTED4/6`, written by the agent:
+//! the Node objects' addresses and `--dsr-trusted-cidrs`); from anyone else it would let a
+//! sender make this node answer with a Service's address as source, so it is ignored
+//! there and counted (`tc_dsr_untrusted`).
 //!
 //! IPv6: the same in a Destination Options header of 24 bytes right after the 40-byte
 //! header (next header 60; Cilium's `dsr_opt_v6`: option type 0x1b, length 20, frontend
@@ -294,6 +298,10 @@ fn decap6<F: PktFamily>(ctx: &TcContext) -> Result<Option<Reason>, Reason> {
     }
     let fail = |()| Reason::TcRewriteFailed;
     let saddr: F::Addr = PktAccess::load(ctx, ETH_HLEN + 8).map_err(fail)?;
+    if !F::dsr_trusted(saddr) {
+        count(Reason::TcDsrUntrusted);
+        return Ok(None);
+    }
     let daddr: F::Addr = PktAccess::load(ctx, ETH_HLEN + 24).map_err(fail)?;
     let front: F::Addr = PktAccess::load(ctx, ETH_HLEN + IP6_HLEN + 4).map_err(fail)?;
     let port: u16 = PktAccess::load(ctx, ETH_HLEN + IP6_HLEN + 20).map_err(fail)?;
@@ -322,8 +330,9 @@ fn record<F: PktFamily>(key: &F::Key, front: &(F::Addr, u16), now: u64) -> Resul
 
 /// On the backend's node (ingress): a packet with the DSR option. Records the reply entry
 /// (backend -> client: source := the frontend), removes the option, and lets the stack
-/// deliver it to the pod with the client as source. `None`: no option of ours (or this
-/// node is in SNAT mode: the option is not trusted, the packet goes on as it is).
+/// deliver it to the pod with the client as source. `None`: no option of ours, or this
+/// node is in SNAT mode, or the sender is not a cluster node (`DSR_TRUSTED4/6`, counted
+/// `tc_dsr_untrusted`): the option is not honoured, the packet goes on as it is.
 #[inline(never)]
 pub fn decap<F: PktFamily>(
     ctx: &TcContext,
@@ -337,6 +346,10 @@ pub fn decap<F: PktFamily>(
         return Ok(None);
     };
     if head != [dsr_opt::TYPE4, dsr_opt::LEN4] || mode() == fwd_mode::SNAT {
+        return Ok(None);
+    }
+    if !F::dsr_trusted(p.saddr) {
+        count(Reason::TcDsrUntrusted);
         return Ok(None);
     }
     let port: u16 =
