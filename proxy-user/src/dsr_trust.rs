@@ -103,6 +103,36 @@ pub fn write(pin_path: &Path, want: &BTreeSet<Prefix>) -> Result<(), PinError> {
     Ok(())
 }
 
+/// What `DSR_TRUSTED4/6` under `pin_path` hold.
+pub fn read(pin_path: &Path) -> Result<BTreeSet<Prefix>, PinError> {
+    let pins = PinDir::new(pin_path);
+    let t4: LpmTrie<MapData, u32, u8> = pins.typed(map_names::DSR_TRUSTED4, Access::ReadOnly)?;
+    let t6: LpmTrie<MapData, [u32; 4], u8> =
+        pins.typed(map_names::DSR_TRUSTED6, Access::ReadOnly)?;
+    let mut out = BTreeSet::new();
+    for k in t4.keys() {
+        let k = k.map_err(|source| PinError::Map {
+            path: pins.map_path(map_names::DSR_TRUSTED4),
+            source,
+        })?;
+        out.insert((
+            IpAddr::V4(crate::model::v4_from_word(k.data())),
+            k.prefix_len() as u8,
+        ));
+    }
+    for k in t6.keys() {
+        let k = k.map_err(|source| PinError::Map {
+            path: pins.map_path(map_names::DSR_TRUSTED6),
+            source,
+        })?;
+        out.insert((
+            IpAddr::V6(crate::model::v6_from_words(k.data())),
+            k.prefix_len() as u8,
+        ));
+    }
+    Ok(out)
+}
+
 /// The agent's writer of `DSR_TRUSTED4/6`: writes when the set changed.
 #[derive(Debug)]
 pub struct DsrTrust {
