@@ -1038,3 +1038,35 @@ fn every_nodes_addresses_are_kept_and_other_nodes_leave_this_ones_info_alone() {
     assert!(!s.index().cluster_nodes.contains_key("node-c"));
     assert_eq!(s.index().node.addresses, own);
 }
+
+/// A Node's new address makes the next sync run (the DSR trusted senders are written
+/// after it), with nothing to re-diff; the same Node again does not.
+#[test]
+fn a_nodes_address_change_makes_a_sync_run() {
+    let t = Instant::now();
+    let (mut s, _) = syncer(MemStore::default());
+    initial(&mut s, t);
+    s.sync(t);
+    assert!(!s.pending());
+    s.handle(
+        Update::Apply(node("node-b", &[("InternalIP", "10.0.2.1")])),
+        t,
+    );
+    assert!(s.pending(), "a new Node's addresses");
+    let out = s.sync(t);
+    assert!(out.ran && !out.full && out.ops == 0, "{out:?}");
+    assert!(!s.pending());
+    s.handle(
+        Update::Apply(node("node-b", &[("InternalIP", "10.0.2.1")])),
+        t,
+    );
+    assert!(!s.pending(), "the same addresses again");
+    s.handle(
+        Update::Delete {
+            kind: Kind::Node,
+            key: ObjKey::new("", "node-b"),
+        },
+        t,
+    );
+    assert!(s.pending(), "a Node gone");
+}

@@ -49,7 +49,8 @@ impl<S: MapStore> Syncer<S> {
                         self.touch(touched, now);
                     }
                     Kind::Node => {
-                        self.index.cluster_nodes.remove(key.name.as_ref() as &str);
+                        let gone = self.index.cluster_nodes.remove(key.name.as_ref() as &str);
+                        self.nodes_changed |= gone.is_some();
                     }
                 }
             }
@@ -123,10 +124,11 @@ impl<S: MapStore> Syncer<S> {
                         _ => None,
                     })
                     .collect();
-                self.index.cluster_nodes.clear();
+                let before = std::mem::take(&mut self.index.cluster_nodes);
                 for n in &nodes {
                     self.record_cluster_node(n);
                 }
+                self.nodes_changed |= before != self.index.cluster_nodes;
                 let own = nodes
                     .iter()
                     .find(|n| n.metadata.name.as_deref() == Some(name.as_str()));
@@ -219,9 +221,11 @@ impl<S: MapStore> Syncer<S> {
     fn record_cluster_node(&mut self, node: &Node) {
         if let Some(name) = node.metadata.name.as_deref() {
             let info = NodeInfo::with_node(name, Some(node));
-            self.index
+            let before = self
+                .index
                 .cluster_nodes
-                .insert(name.to_string(), info.addresses);
+                .insert(name.to_string(), info.addresses.clone());
+            self.nodes_changed |= before.as_ref() != Some(&info.addresses);
         }
     }
 
