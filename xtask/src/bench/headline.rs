@@ -411,6 +411,89 @@ fn change(run: &Run) -> Result<String> {
     )
 }
 
+/// The packet-rate run the page quotes, and the header its two tables start with.
+pub const PPS_RESULTS: &str = "docs/bench-pps/pps-results.json";
+const PPS_HEADER: &str = "| mode | Mpps received (median of 5; min-max) |";
+
+/// Checks the packet-rate tables of the page (the remote and the local form, in that
+/// order: the rows whose header starts with [`PPS_HEADER`]) against `json`: per mode, the
+/// median and the rounds' min-max (3 decimals), and every `× ...` column (2 decimals);
+/// returns the differences.
+pub fn check_pps_tables(doc: &str, json: &Value) -> Result<Vec<String>> {
+    let mut diffs = Vec::new();
+    let tables: Vec<&Value> = json["tables"].as_array().into_iter().flatten().collect();
+    let mut starts = doc.match_indices(PPS_HEADER).map(|(i, _)| i);
+    for (t, form) in tables.iter().zip(["remote", "local"]) {
+        if t["form"].as_str() != Some(form) {
+            bail!("{PPS_RESULTS}: tables out of order ({form} expected)");
+        }
+        let start = starts
+            .next()
+            .with_context(|| format!("{DOC}: no {form} packet-rate table ({PPS_HEADER})"))?;
+        let mut lines = doc[start..].lines().take_while(|l| l.starts_with('|'));
+        let header: Vec<String> = cells(lines.next().unwrap_or(""));
+        lines.next(); // |---|
+        let mut seen = 0;
+        for line in lines {
+            let row = cells(line);
+            let mode = row[0].split_whitespace().next().unwrap_or("").to_string();
+            let Some(m) = t["modes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|m| m["mode"].as_str() == Some(&mode))
+            else {
+                diffs.push(format!("{form}: mode {mode} is not in {PPS_RESULTS}"));
+                continue;
+            };
+            seen += 1;
+            let mpps: Vec<f64> = m["rounds"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|r| r["mpps"].as_f64())
+                .collect();
+            let (lo, hi) = mpps
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(*v), b.max(*v)));
+            let want = format!(
+                "{:.3} ({lo:.3}-{hi:.3})",
+                m["mpps"].as_f64().unwrap_or(f64::NAN)
+            );
+            if row.get(1) != Some(&want) {
+                diffs.push(format!("{form} {mode}: Mpps {:?}, JSON {want}", row.get(1)));
+            }
+            for (col, title) in header.iter().enumerate() {
+                let key = match title.as_str() {
+                    "× plain forwarding" => "ratio_to_direct",
+                    "× plain XDP forwarding" => "ratio_to_xdp_fwd",
+                    "× iptables-legacy" => "ratio_to_iptables",
+                    "× our TC" => "ratio_to_tc",
+                    _ => continue,
+                };
+                let want = m[key].as_f64().map(|r| format!("{r:.2}×"));
+                let got = row.get(col).cloned();
+                if got != want {
+                    diffs.push(format!("{form} {mode}: {title} {got:?}, JSON {want:?}"));
+                }
+            }
+        }
+        if seen == 0 {
+            diffs.push(format!("{form}: no row"));
+        }
+    }
+    Ok(diffs)
+}
+
+/// A markdown row's cells, trimmed, without bold markers.
+fn cells(line: &str) -> Vec<String> {
+    let inner = line.trim().trim_start_matches('|').trim_end_matches('|');
+    inner
+        .split('|')
+        .map(|c| c.trim().replace("**", ""))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -475,6 +558,34 @@ mod tests {
         assert!(t.contains("| connections/s, 2 clients | 13,395 = **1.00× direct** | 12,171 = **0.91×** | 8,558 = 0.64× | 11,699 = 0.87× | – |"), "{t}");
         assert!(t.contains("| program all 10,000 services from nothing | **2.2 s** | **2.2 s** | 4.6 s | 90 s | > 300 s |"), "{t}");
         assert!(t.contains("| one endpoint change, until traffic reaches the new endpoint | **128 ms** | **138 ms** | 1,239 ms | 480 ms | – |"), "{t}");
+    }
+
+    /// The packet-rate tables quote docs/bench-pps/pps-results.json: every median, min-max
+    /// and ratio as the JSON gives it.
+    #[test]
+    fn the_packet_rate_tables_equal_the_committed_json() {
+        let doc = std::fs::read_to_string(root().join(DOC)).expect("docs/benchmarks.md");
+        let json = read_json(&root().join(PPS_RESULTS)).expect("pps-results.json");
+        let diffs = check_pps_tables(&doc, &json).expect("both tables");
+        assert!(
+            diffs.is_empty(),
+            "{DOC} vs {PPS_RESULTS}:\n{}",
+            diffs.join("\n")
+        );
+    }
+
+    #[test]
+    fn a_packet_rate_row_that_differs_is_reported() {
+        let json = serde_json::json!({"tables": [
+            {"form": "remote", "modes": [{"mode": "xdp", "mpps": 0.348, "ratio_to_tc": 1.82,
+              "rounds": [{"mpps": 0.332}, {"mpps": 0.394}, {"mpps": 0.348}]}]},
+        ]});
+        let doc = format!("{PPS_HEADER} × our TC |\n|---|---:|---:|\n| **xdp** (ours) | **0.348** (0.332-0.394) | **1.82×** |\n");
+        assert!(check_pps_tables(&doc, &json).expect("table").is_empty());
+        let doc = doc.replace("1.82×", "1.49×");
+        let diffs = check_pps_tables(&doc, &json).expect("table");
+        assert_eq!(diffs.len(), 1, "{diffs:?}");
+        assert!(diffs[0].contains("× our TC"), "{diffs:?}");
     }
 
     #[test]
