@@ -93,9 +93,14 @@ pub mod map_names {
     /// `[generation]`: bumped by the agent after it deletes backends, so the packet path
     /// re-checks a UDP flow's backend only when one may have gone (`ct_flags::GEN_SHIFT`).
     pub const BACKEND_GEN: &str = "BACKEND_GEN";
+    /// DSR (`--forwarding-mode dsr|hybrid`): the IPv4 prefixes whose packets' DSR option is
+    /// honoured (LPM trie: the cluster's node addresses as /32, `--dsr-trusted-cidrs`).
+    pub const DSR_TRUSTED4: &str = "DSR_TRUSTED4";
+    /// The IPv6 counterpart of `DSR_TRUSTED4` (/128 per node address).
+    pub const DSR_TRUSTED6: &str = "DSR_TRUSTED6";
 
     /// Every pinned map.
-    pub const ALL: [&str; 25] = [
+    pub const ALL: [&str; 27] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -121,6 +126,8 @@ pub mod map_names {
         BACKEND_GEN,
         SOCK_REVNAT4_V3,
         SOCK_REVNAT6_V3,
+        DSR_TRUSTED4,
+        DSR_TRUSTED6,
     ];
 }
 

@@ -80,11 +80,16 @@ pub enum Reason {
     /// option (the backend's node already knows the flow). Counted in addition to the
     /// packet's outcome.
     TcDsrTooBig = 28,
+    /// TC, DSR, backend's node: a packet with the DSR option from a source that is not a
+    /// cluster node (`DSR_TRUSTED4/6`: the Node objects' addresses, `--dsr-trusted-cidrs`):
+    /// the option is not honoured (no reply entry, nothing removed), the packet goes on as
+    /// it is. Counted in addition to the packet's outcome.
+    TcDsrUntrusted = 29,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 29;
+    pub const COUNT: u32 = 30;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -116,6 +121,7 @@ impl Reason {
         Reason::TcDsrDecap,
         Reason::TcDsrReply,
         Reason::TcDsrTooBig,
+        Reason::TcDsrUntrusted,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -150,6 +156,7 @@ impl Reason {
             Reason::TcDsrDecap => "tc_dsr_decap",
             Reason::TcDsrReply => "tc_dsr_reply",
             Reason::TcDsrTooBig => "tc_dsr_too_big",
+            Reason::TcDsrUntrusted => "tc_dsr_untrusted",
         }
     }
 }

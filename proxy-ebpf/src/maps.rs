@@ -176,6 +176,16 @@ pub static SRC_RANGE4: LpmTrie<SrcRange4, u8> = LpmTrie::pinned(MAX_SRC_RANGES, 
 #[map]
 pub static SRC_RANGE6: LpmTrie<SrcRange6, u8> = LpmTrie::pinned(MAX_SRC_RANGES, 0);
 
+/// DSR: the IPv4 prefixes whose DSR option the backend's node honours (the cluster's
+/// node addresses as /32, `--dsr-trusted-cidrs`), written by the agent. LPM key data:
+/// the address in network order.
+#[map]
+pub static DSR_TRUSTED4: LpmTrie<u32, u8> = LpmTrie::pinned(MAX_DSR_TRUSTED, 0);
+
+/// DSR trusted prefixes, IPv6 (/128 per node address).
+#[map]
+pub static DSR_TRUSTED6: LpmTrie<[u32; 4], u8> = LpmTrie::pinned(MAX_DSR_TRUSTED, 0);
+
 /// `sessionAffinity: ClientIP`: the backend each client last used, per service.
 #[map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(MAX_AFFINITY, 0);

@@ -696,6 +696,13 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
         "web.yaml",
         &service("web", "10.96.0.10", "Cluster", "", &[3]),
     );
+    // The cluster's Node objects: node-b honours a DSR option only for a NodePort on one
+    // of their addresses (node 1's ExternalIP is the address the client uses).
+    write(
+        &dir,
+        "nodes.yaml",
+        "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus:\n  addresses:\n  - {type: InternalIP, address: 10.100.1.1}\n  - {type: ExternalIP, address: 10.100.0.2}\n  - {type: InternalIP, address: \"fd00:101::1\"}\n  - {type: ExternalIP, address: \"fd00:100::2\"}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: node-b}\nstatus:\n  addresses:\n  - {type: InternalIP, address: 10.100.1.2}\n  - {type: InternalIP, address: \"fd00:101::2\"}\n",
+    );
     let dir_s = dir.to_str().expect("utf-8");
     let start_a = |mode: &str| {
         let mut a = AgentProcess::start_in(
@@ -730,6 +737,27 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
         ],
     );
     agent_b.wait_healthy(Duration::from_secs(20));
+    // Written by node-b's agent from the Node objects (/32, /128 each).
+    let want: std::collections::BTreeSet<(std::net::IpAddr, u8)> = [
+        ("10.100.1.1", 32),
+        ("10.100.0.2", 32),
+        ("10.100.1.2", 32),
+        ("fd00:101::1", 128),
+        ("fd00:100::2", 128),
+        ("fd00:101::2", 128),
+    ]
+    .into_iter()
+    .map(|(a, len)| (a.parse().expect("ip"), len))
+    .collect();
+    wait_for(
+        "node-b's DSR_TRUSTED4/6 hold the Node objects' addresses",
+        Duration::from_secs(5),
+        || {
+            proxy_user::dsr_trust::read(&pins_b.path)
+                .expect("DSR_TRUSTED")
+                .is_superset(&want)
+        },
+    );
     let agent_a = start_a("dsr");
     assert!(
         agent_a.logs().contains("mode=\"dsr\"") || agent_a.logs().contains("mode=dsr"),
@@ -804,6 +832,7 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     // Node 2: read the option of each, sent each reply with the frontend as source.
     assert!(d(&b, &b0, "tc_dsr_decap") >= 2 * n, "{b:?}");
     assert!(d(&b, &b0, "tc_dsr_reply") >= 4 * n, "{b:?}");
+    assert_eq!(d(&b, &b0, "tc_dsr_untrusted"), 0, "{b:?}");
 
     // IPv6: the option in a Destination Options header; the same checks.
     let tcp6: SocketAddr = format!("[fd00:100::2]:{NODEPORT}").parse().expect("v6");

@@ -890,6 +890,154 @@ impl Bed {
             Some(mode)
         );
     }
+
+    /// `DSR_TRUSTED4/6` as the agent writes them: these node addresses and prefixes.
+    fn dsr_trust(&self, nodes: &[&str], cidrs: &[(&str, u8)]) {
+        let nodes: Vec<IpAddr> = nodes.iter().map(|a| a.parse().expect("ip")).collect();
+        let cidrs: Vec<(IpAddr, u8)> = cidrs
+            .iter()
+            .map(|(a, l)| (a.parse().expect("ip"), *l))
+            .collect();
+        let set = proxy_user::dsr_trust::trusted_prefixes(&nodes, &cidrs);
+        proxy_user::dsr_trust::write(&self.pins.path, &set).expect("DSR_TRUSTED");
+    }
+
+    /// The NodePorts of the DSR tests: TCP 30080 and UDP 30081 (IPv4), TCP 30080 (IPv6),
+    /// to 10.2.1.2:8080 / [2001:db8:2::2]:8080.
+    fn dsr_node_ports(&mut self) {
+        let np = Frontend::new(Ipv4Addr::UNSPECIFIED, 30080, Proto::Tcp);
+        let np_udp = Frontend::new(Ipv4Addr::UNSPECIFIED, 30081, Proto::Udp);
+        let np6 = Frontend::new("::".parse::<IpAddr>().expect("ip"), 30080, Proto::Tcp);
+        for (fe, be) in [
+            (np, "10.2.1.2:8080"),
+            (np_udp, "10.2.1.2:8080"),
+            (np6, "[2001:db8:2::2]:8080"),
+        ] {
+            self.writer
+                .upsert(&entry(fe, &[(be, 0)], svc_flags::NODE_PORT))
+                .expect("upsert");
+        }
+    }
+}
+
+/// An IPv4 frame with the DSR option whose frontend address is replaced by `front`
+/// (the header checksum fixed).
+fn with_dsr_front4(frame: &[u8], front: Ipv4Addr) -> Vec<u8> {
+    let mut f = frame.to_vec();
+    f[38..42].copy_from_slice(&front.octets());
+    f[24..26].copy_from_slice(&[0, 0]);
+    let ihl = usize::from(f[14] & 0xf) * 4;
+    let mut sum: u32 = f[14..14 + ihl]
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    f[24..26].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+    f
+}
+
+/// An IPv6 frame with the DSR destination option whose frontend address is `front`.
+fn with_dsr_front6(frame: &[u8], front: std::net::Ipv6Addr) -> Vec<u8> {
+    let mut f = frame.to_vec();
+    f[58..74].copy_from_slice(&front.octets());
+    f
+}
+
+/// Issue 22 item 10: the backend's node honours a DSR option only when it names a
+/// frontend a client could have sent to: a NodePort on a cluster node's address
+/// (`DSR_TRUSTED4/6`: the Node objects' addresses, `--dsr-trusted-cidrs`) or a frontend of
+/// its own maps. Otherwise (any other address, a node address on a port that is no
+/// NodePort) the option is not honoured (no reply entry: the pod's reply keeps its own
+/// source; the packet goes on as it came) and `tc_dsr_untrusted` counts it. IPv4 and IPv6.
+#[test]
+fn dsr_option_is_honoured_only_for_a_frontend_on_a_cluster_node() {
+    use proxy_common::Reason;
+    use proxy_user::ForwardingMode;
+    let mut first = Bed::new();
+    first.forwarding_mode(ForwardingMode::Dsr);
+    first.dsr_node_ports();
+    let mut backend_node = Bed::new();
+    backend_node.forwarding_mode(ForwardingMode::Dsr);
+    backend_node.dsr_node_ports();
+    // The first node (192.0.2.1, 2001:db8:1::1) is a cluster node.
+    backend_node.dsr_trust(&["192.0.2.1", "2001:db8:1::1", "192.0.2.50"], &[]);
+
+    let syn = Pkt::tcp("198.51.100.7:40000", "192.0.2.1:30080", SYN);
+    let (_, encapsulated) = first.run_raw("tc_ingress", &syn.build());
+    assert_eq!(split_dsr_option(&encapsulated).0, sa("192.0.2.1:30080"));
+    let reply = Pkt::tcp("10.2.1.2:8080", "198.51.100.7:40000", SYN | ACK);
+
+    // Untrusted: the option names an address that is no node's and no frontend.
+    let forged = with_dsr_front4(&encapsulated, Ipv4Addr::new(203, 0, 113, 9));
+    assert_eq!(split_dsr_option(&forged).0, sa("203.0.113.9:30080"));
+    let (verdict, out) = backend_node.run_raw("tc_ingress", &forged);
+    assert_eq!(
+        (verdict, out),
+        (TC_ACT_OK, forged.clone()),
+        "not honoured: goes on as it came"
+    );
+    assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 1);
+    assert_eq!(backend_node.counter(Reason::TcDsrDecap), 0);
+    let (_, out) = backend_node.run("tc_egress", &reply);
+    assert_eq!(out.src, reply.src, "no reply entry: the pod's own source");
+    assert_eq!(backend_node.counter(Reason::TcDsrReply), 0);
+    // Untrusted: a cluster node's address, but a port that is no NodePort.
+    let mut other_port = encapsulated.clone();
+    other_port[36..38].copy_from_slice(&30999u16.to_be_bytes());
+    let other_port = with_dsr_front4(&other_port, Ipv4Addr::new(192, 0, 2, 1));
+    assert_eq!(split_dsr_option(&other_port).0, sa("192.0.2.1:30999"));
+    let (verdict, out) = backend_node.run_raw("tc_ingress", &other_port);
+    assert_eq!((verdict, out), (TC_ACT_OK, other_port.clone()));
+    assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 2);
+
+    // Trusted: the first node's own option, another cluster node's address.
+    let (verdict, out) = backend_node.run_raw("tc_ingress", &encapsulated);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        Pkt::parse(&out),
+        Pkt {
+            dst: sa("10.2.1.2:8080"),
+            ..syn.clone()
+        },
+        "honoured: delivered without the option"
+    );
+    assert_eq!(backend_node.counter(Reason::TcDsrDecap), 1);
+    let (_, out) = backend_node.run("tc_egress", &reply);
+    assert_eq!(
+        out.src,
+        sa("192.0.2.1:30080"),
+        "the reply from the frontend"
+    );
+    let other_node = with_dsr_front4(&encapsulated, Ipv4Addr::new(192, 0, 2, 50));
+    backend_node.run_raw("tc_ingress", &other_node);
+    assert_eq!(backend_node.counter(Reason::TcDsrDecap), 2);
+    assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 2);
+
+    // `--dsr-trusted-cidrs`: a prefix trusts its addresses (and the agent's next write
+    // replaces the set: 192.0.2.50 is no longer trusted).
+    backend_node.dsr_trust(&["192.0.2.1", "2001:db8:1::1"], &[("203.0.113.0", 24)]);
+    let (_, out) = backend_node.run_raw("tc_ingress", &forged);
+    assert_eq!(Pkt::parse(&out).dst, sa("10.2.1.2:8080"));
+    assert_eq!(backend_node.counter(Reason::TcDsrDecap), 3);
+    let (_, out) = backend_node.run_raw("tc_ingress", &other_node);
+    assert_eq!(out, other_node);
+    assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 3);
+
+    // IPv6: the same in the destination option.
+    let syn6 = Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:1::1]:30080", SYN);
+    let (_, out6) = first.run_raw("tc_ingress", &syn6.build());
+    let forged6 = with_dsr_front6(&out6, "2001:db8:99::9".parse().expect("ip"));
+    assert_eq!(split_dsr_option6(&forged6).0, sa("[2001:db8:99::9]:30080"));
+    let (verdict, out) = backend_node.run_raw("tc_ingress", &forged6);
+    assert_eq!((verdict, out), (TC_ACT_OK, forged6.clone()));
+    assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 4);
+    let (verdict, out) = backend_node.run_raw("tc_ingress", &out6);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(Pkt::parse(&out).dst, sa("[2001:db8:2::2]:8080"));
+    assert_eq!(backend_node.counter(Reason::TcDsrDecap), 4);
+    assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 4);
 }
 
 /// Issue 15 item 3, the packets: on the first node (`--forwarding-mode dsr`) a new flow to
@@ -989,9 +1137,12 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     );
     assert_eq!(first.counter(Reason::TcDsrEncap), 5);
 
-    // The backend's node, in DSR mode: the option is read and removed.
-    let backend_node = Bed::new();
+    // The backend's node, in DSR mode, with the same NodePorts and the first node among
+    // the cluster's nodes: the option is read and removed.
+    let mut backend_node = Bed::new();
     backend_node.forwarding_mode(ForwardingMode::Dsr);
+    backend_node.dsr_node_ports();
+    backend_node.dsr_trust(&["192.0.2.1", "2001:db8:1::1"], &[]);
     let (_, encapsulated) = first.run_raw("tc_ingress", &syn.build());
     let (verdict, out) = backend_node.run_raw("tc_ingress", &encapsulated);
     assert_eq!(verdict, TC_ACT_OK);

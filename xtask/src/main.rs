@@ -4,6 +4,7 @@
 //! - `build`: release binaries `target/release/proxy-agent` and `target/release/proxyctl`;
 //! - `demo`: the seed article's example live (see `demo.rs`);
 //! - `bench`: the datapath and control plane against kube-proxy's modes (see `bench/`);
+//! - `bench-report`: docs/benchmarks.md's tables of the committed run, from its JSON;
 //! - `test`: formatting, clippy, unit and privileged integration tests (serially).
 //! - `upgrade-from`: the previous release's `proxy-agent`, for the upgrade test (see
 //!   `upgrade_from.rs`; `test` runs it first).
@@ -42,6 +43,9 @@ enum Cmd {
     /// Benchmark the eBPF datapath and control plane against kube-proxy's iptables,
     /// nftables and IPVS modes at 1 to 50,000 services (as root; docs/benchmarks.md).
     Bench(bench::Args),
+    /// Rewrite the tables of docs/benchmarks.md that quote the committed run
+    /// (docs/bench/results.json) from that JSON.
+    BenchReport,
     /// Run every test: fmt and clippy checks, unit tests, privileged tests (as root).
     /// Build the previous release's `proxy-agent` for the upgrade test (reused once built).
     UpgradeFrom,
@@ -78,6 +82,7 @@ fn main() -> Result<()> {
             demo::run(&release_dir(), requests_per_pod)
         }
         Cmd::Bench(args) => bench::main(args),
+        Cmd::BenchReport => bench::headline::main(&workspace_root()),
         Cmd::UpgradeFrom => {
             setup::ensure()?;
             let bin = upgrade_from::ensure()?;

@@ -14,6 +14,12 @@
 //! delivered with the client as source. The backend's reply leaves this node through the
 //! usual reply stage (at TC egress of the interface towards the client) with the
 //! frontend as source, straight to the client: the first node sees no reply.
+//! The option is honoured only when it names a frontend a client could have sent to: a
+//! NodePort on a cluster node's address (`DSR_TRUSTED4/6`, written by the agent: the Node
+//! objects' addresses and `--dsr-trusted-cidrs`) or a frontend in this node's maps, with
+//! the Service's source ranges applied to the client; otherwise it is ignored and counted
+//! (`tc_dsr_untrusted`). The packet's source is the client, so the sender itself is not
+//! checked (that needs an outer header).
 //!
 //! IPv6: the same in a Destination Options header of 24 bytes right after the 40-byte
 //! header (next header 60; Cilium's `dsr_opt_v6`: option type 0x1b, length 20, frontend
@@ -35,7 +41,7 @@ use aya_ebpf::{
     programs::TcContext,
     EbpfContext,
 };
-use proxy_common::{ct_flags, dsr_opt, fwd_mode, proto, Reason};
+use proxy_common::{ct_flags, dsr_opt, fwd_mode, proto, svc_flags, Reason};
 
 use super::{
     family::{Pkt, PktAccess, PktFamily, ETH_HLEN},
@@ -297,6 +303,10 @@ fn decap6<F: PktFamily>(ctx: &TcContext) -> Result<Option<Reason>, Reason> {
     let daddr: F::Addr = PktAccess::load(ctx, ETH_HLEN + 24).map_err(fail)?;
     let front: F::Addr = PktAccess::load(ctx, ETH_HLEN + IP6_HLEN + 4).map_err(fail)?;
     let port: u16 = PktAccess::load(ctx, ETH_HLEN + IP6_HLEN + 20).map_err(fail)?;
+    if !option_trusted::<F>(front, port, next, saddr) {
+        count(Reason::TcDsrUntrusted);
+        return Ok(None);
+    }
     let l4 = ETH_HLEN + IP6_HLEN + OPT6_LEN;
     let sport: u16 = PktAccess::load(ctx, l4).map_err(fail)?;
     let dport: u16 = PktAccess::load(ctx, l4 + 2).map_err(fail)?;
@@ -312,6 +322,27 @@ fn decap6<F: PktFamily>(ctx: &TcContext) -> Result<Option<Reason>, Reason> {
     Ok(Some(Reason::TcDsrDecap))
 }
 
+/// Whether the frontend a DSR option names may be honoured: a NodePort on one of the
+/// cluster's node addresses (`DSR_TRUSTED4/6`: the Node objects' addresses and
+/// `--dsr-trusted-cidrs`; the first node puts the address the client used), or a
+/// frontend of this node's own maps (a LoadBalancer IP, an externalIP); and the client
+/// inside the Service's `loadBalancerSourceRanges`, which the first node enforced. The
+/// sender of the packet cannot be checked (its source is the client's address; that
+/// needs an outer header): with this check the option cannot make this node answer from
+/// any address that is not a frontend the client could have sent to itself.
+#[inline(never)]
+fn option_trusted<F: PktFamily>(front: F::Addr, port: u16, proto: u8, client: F::Addr) -> bool {
+    let Some((fe, _)) = proxy_common::lookup::frontend(
+        front,
+        F::zero(),
+        |a| F::svc(a, port, proto, 0),
+        F::dsr_trusted,
+    ) else {
+        return false;
+    };
+    fe.flags & svc_flags::SOURCE_RANGES == 0 || F::source_allowed(fe.service_id, client)
+}
+
 /// The backend's node's reply entry of a DSR flow: backend -> client, source := the
 /// frontend (own frame: key and value are large for IPv6).
 #[inline(never)]
@@ -322,8 +353,10 @@ fn record<F: PktFamily>(key: &F::Key, front: &(F::Addr, u16), now: u64) -> Resul
 
 /// On the backend's node (ingress): a packet with the DSR option. Records the reply entry
 /// (backend -> client: source := the frontend), removes the option, and lets the stack
-/// deliver it to the pod with the client as source. `None`: no option of ours (or this
-/// node is in SNAT mode: the option is not trusted, the packet goes on as it is).
+/// deliver it to the pod with the client as source. `None`: no option of ours, or this
+/// node is in SNAT mode, or the option names no frontend a client could have used
+/// ([`option_trusted`], counted `tc_dsr_untrusted`): the option is not honoured, the
+/// packet goes on as it is.
 #[inline(never)]
 pub fn decap<F: PktFamily>(
     ctx: &TcContext,
@@ -343,6 +376,10 @@ pub fn decap<F: PktFamily>(
         PktAccess::load(ctx, ETH_HLEN + IP_HLEN + 2).map_err(|_| Reason::TcRewriteFailed)?;
     let front: F::Addr =
         PktAccess::load(ctx, ETH_HLEN + IP_HLEN + 4).map_err(|_| Reason::TcRewriteFailed)?;
+    if !option_trusted::<F>(front, port, p.proto, p.saddr) {
+        count(Reason::TcDsrUntrusted);
+        return Ok(None);
+    }
     let key = F::ct_key(p.daddr, p.saddr, p.dport, p.sport, p.proto, 1);
     record::<F>(&key, &(front, port), now)?;
     let tot = u16::from_be(

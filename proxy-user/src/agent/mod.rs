@@ -68,6 +68,9 @@ pub struct AgentOptions {
     pub forwarding_mode: crate::ForwardingMode,
     /// `--acceleration`: XDP ahead of TC on the same interfaces.
     pub acceleration: loader::Acceleration,
+    /// `--dsr-trusted-cidrs`: senders whose DSR option is honoured besides the Node
+    /// objects' addresses (`DSR_TRUSTED4/6`).
+    pub dsr_trusted_cidrs: Vec<(std::net::IpAddr, u8)>,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -175,6 +178,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
                 &opts.node_name,
                 tx,
                 metrics.source.clone(),
+                opts.forwarding_mode != crate::ForwardingMode::Snat,
             );
         }
     }
@@ -187,7 +191,8 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     .await
     .context("the adoption task failed")?
     .context("reading the pinned maps back")?;
-    let mut node_addresses = NodeAddresses::new(node_addrs);
+    let mut node_addresses = NodeAddresses::new(node_addrs)
+        .with_dsr_trust(&opts.pin_path, opts.dsr_trusted_cidrs.clone());
     node_addresses
         .update(&mut writer, &[])
         .context("writing the node's addresses")?;
@@ -270,6 +275,9 @@ async fn refresh_map_memory(pin_path: PathBuf, metrics: Arc<Metrics>) {
 pub struct NodeAddresses {
     from_interfaces: Vec<std::net::IpAddr>,
     written: Option<Vec<std::net::IpAddr>>,
+    /// The pin directory and `DSR_TRUSTED4/6`'s writer (every Node's addresses and
+    /// `--dsr-trusted-cidrs`), written after the node addresses.
+    dsr_trust: Option<(PathBuf, crate::dsr_trust::DsrTrust)>,
 }
 
 impl NodeAddresses {
@@ -277,7 +285,42 @@ impl NodeAddresses {
         Self {
             from_interfaces,
             written: None,
+            dsr_trust: None,
         }
+    }
+
+    /// Also keeps `DSR_TRUSTED4/6` under `pin_path` equal to every Node object's
+    /// addresses and `cidrs` ([`Self::update_dsr_trust`]).
+    pub fn with_dsr_trust(
+        mut self,
+        pin_path: &std::path::Path,
+        cidrs: Vec<(std::net::IpAddr, u8)>,
+    ) -> Self {
+        self.dsr_trust = Some((
+            pin_path.to_path_buf(),
+            crate::dsr_trust::DsrTrust::new(cidrs),
+        ));
+        self
+    }
+
+    /// Writes the senders whose DSR option is honoured: every Node object's
+    /// `InternalIP`/`ExternalIP` address, this node's, and `--dsr-trusted-cidrs`.
+    pub fn update_dsr_trust(
+        &mut self,
+        index: &crate::cluster::index::Index,
+    ) -> Result<(), crate::pins::PinError> {
+        let Some((pin_path, trust)) = self.dsr_trust.as_mut() else {
+            return Ok(());
+        };
+        let addrs = index
+            .cluster_nodes
+            .values()
+            .flatten()
+            .chain(index.node.addresses.iter());
+        if let Some(set) = trust.update(pin_path, addrs)? {
+            info!(prefixes = set.len(), trusted = ?set, "DSR trusted senders written");
+        }
+        Ok(())
     }
 
     /// Writes the union with `from_node` through the writer if it changed.
@@ -410,6 +453,16 @@ async fn after_sync<S: crate::MapStore>(
             .map_write_errors
             .get_or_create(&metrics::ReasonLabel {
                 reason: "node_addresses".into(),
+            })
+            .inc();
+    }
+    if let Err(e) = node_addresses.update_dsr_trust(syncer.index()) {
+        warn!(error = %e, "writing the DSR trusted senders failed; kept the previous ones");
+        syncer
+            .metrics()
+            .map_write_errors
+            .get_or_create(&metrics::ReasonLabel {
+                reason: "dsr_trusted".into(),
             })
             .inc();
     }

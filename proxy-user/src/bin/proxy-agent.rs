@@ -162,6 +162,12 @@ struct RunArgs {
     /// ignores the option.
     #[arg(long, env = "PROXY_FORWARDING_MODE", value_enum, default_value_t = ForwardingMode::Snat)]
     forwarding_mode: ForwardingMode,
+    /// DSR: senders whose DSR option this node honours besides the Node objects'
+    /// InternalIP/ExternalIP addresses (comma-separated CIDRs): the node network when the
+    /// source is `--manifests` without every Node, or nodes that send from other
+    /// addresses. From anyone else the option is ignored and counted (`tc_dsr_untrusted`).
+    #[arg(long, env = "PROXY_DSR_TRUSTED_CIDRS", value_parser = parse_cidrs)]
+    dsr_trusted_cidrs: Option<CidrList>,
     /// North-south acceleration: the XDP program ahead of TC on the same interfaces
     /// handles NodePort / LoadBalancer IP / externalIP traffic from outside and the
     /// replies of its flows (same lookup, conntrack and NAT as TC; what it cannot do goes
@@ -211,7 +217,7 @@ fn parse_table_size(s: &str) -> Result<u32, String> {
     Ok(m)
 }
 
-/// A parsed `--external-ip-cidrs`.
+/// A parsed `--external-ip-cidrs` or `--dsr-trusted-cidrs`.
 #[derive(Clone, Debug)]
 struct CidrList(Vec<(std::net::IpAddr, u8)>);
 
@@ -329,6 +335,7 @@ fn main() -> Result<()> {
                     .with_fill(args.maglev_fill),
                 forwarding_mode: args.forwarding_mode,
                 acceleration: args.acceleration,
+                dsr_trusted_cidrs: args.dsr_trusted_cidrs.map(|c| c.0).unwrap_or_default(),
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

@@ -256,6 +256,10 @@ fn apply_topology<'a>(ready: Vec<&'a EndpointInfo>, node: &NodeInfo) -> Vec<&'a 
 #[derive(Debug, Default)]
 pub struct Index {
     pub node: NodeInfo,
+    /// Every Node object seen, by name: its `InternalIP`/`ExternalIP` addresses (the
+    /// senders whose DSR option is honoured, `DSR_TRUSTED4/6`). Only this node's Node
+    /// unless the source watches all Nodes (`--forwarding-mode dsr|hybrid`).
+    pub cluster_nodes: BTreeMap<String, Vec<IpAddr>>,
     services: BTreeMap<ObjKey, ServiceInfo>,
     slices: HashMap<ObjKey, SliceInfo>,
     slices_by_service: HashMap<ObjKey, Vec<ObjKey>>,

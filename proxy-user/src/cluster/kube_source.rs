@@ -60,21 +60,27 @@ const BACKOFF_MIN: Duration = Duration::from_millis(800);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// Starts the three watches; each sends its updates to `tx` until the receiver goes.
+/// `all_nodes`: watch every Node, not only `node_name`'s.
 pub fn spawn(
     client: Client,
     proxy_name: Option<&str>,
     node_name: &str,
     tx: mpsc::Sender<Update>,
     metrics: SourceCounters,
+    all_nodes: bool,
 ) {
     let selector = label_selector(proxy_name);
+    // DSR modes need every node's addresses (the senders whose DSR option is honoured);
+    // otherwise only this node's Node is read.
+    let nodes = if all_nodes {
+        String::new()
+    } else {
+        format!("metadata.name={node_name}")
+    };
     for (kind, selector) in [
         (Kind::Service, Selector::Labels(selector.clone())),
         (Kind::EndpointSlice, Selector::Labels(selector)),
-        (
-            Kind::Node,
-            Selector::Fields(format!("metadata.name={node_name}")),
-        ),
+        (Kind::Node, Selector::Fields(nodes)),
     ] {
         let reader = Reader {
             client: client.clone(),

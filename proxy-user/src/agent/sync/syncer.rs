@@ -61,6 +61,9 @@ pub struct Syncer<S> {
     pub(super) dirty: HashMap<ObjKey, Instant>,
     /// A full re-diff is due (initial sync, relist, periodic resync), since when.
     pub(super) full_due: Option<Instant>,
+    /// A Node's addresses changed (`Index::cluster_nodes`): nothing to re-diff, but the
+    /// next sync runs, and with it the writes that follow it (`DSR_TRUSTED4/6`).
+    pub(super) nodes_changed: bool,
     /// Who claims which frontend (and so who owns it).
     pub(super) claims: Claims,
     /// Losing claimants already reported, per frontend (each reported once).
@@ -101,6 +104,7 @@ impl<S: MapStore> Syncer<S> {
             metrics,
             dirty: HashMap::default(),
             full_due: None,
+            nodes_changed: false,
             claims: Claims::default(),
             conflicts_reported: HashMap::default(),
             refused: HashMap::default(),
@@ -149,7 +153,7 @@ impl<S: MapStore> Syncer<S> {
 
     /// Something is waiting to be written.
     pub fn pending(&self) -> bool {
-        self.full_due.is_some() || !self.dirty.is_empty()
+        self.full_due.is_some() || !self.dirty.is_empty() || self.nodes_changed
     }
 
     /// Asks for a full re-diff (periodic resync).

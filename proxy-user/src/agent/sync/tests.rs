@@ -965,3 +965,108 @@ fn a_restart_on_unchanged_pins_writes_nothing_for_names_longer_than_the_map_keep
     );
     assert_eq!(maps(&restarted), maps(&up));
 }
+
+fn node(name: &str, addrs: &[(&str, &str)]) -> Object {
+    let addrs: Vec<_> = addrs
+        .iter()
+        .map(|(t, a)| json!({"type": t, "address": a}))
+        .collect();
+    decode(
+        Kind::Node,
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+               "status": {"addresses": addrs}}),
+    )
+    .expect("node")
+}
+
+/// Issue 22 item 10: every Node object's InternalIP/ExternalIP addresses are kept by name
+/// (the DSR trusted senders); another node's update or deletion does not touch this
+/// node's own `NodeInfo`.
+#[test]
+fn every_nodes_addresses_are_kept_and_other_nodes_leave_this_ones_info_alone() {
+    let t = Instant::now();
+    let (mut s, _) = syncer(MemStore::default());
+    s.handle(
+        snapshot(
+            Kind::Node,
+            vec![
+                node("node-b", &[("InternalIP", "10.0.2.1")]),
+                node(
+                    "node-a",
+                    &[("InternalIP", "10.0.1.1"), ("ExternalIP", "fd00::1")],
+                ),
+                node(
+                    "node-c",
+                    &[("Hostname", "c"), ("ExternalIP", "203.0.113.3")],
+                ),
+            ],
+        ),
+        t,
+    );
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
+    let own = vec![ip("10.0.1.1"), ip("fd00::1")];
+    assert_eq!(s.index().node.addresses, own, "this node's, found by name");
+    let all: Vec<(&str, Vec<std::net::IpAddr>)> = s
+        .index()
+        .cluster_nodes
+        .iter()
+        .map(|(n, a)| (n.as_str(), a.clone()))
+        .collect();
+    assert_eq!(
+        all,
+        vec![
+            ("node-a", own.clone()),
+            ("node-b", vec![ip("10.0.2.1")]),
+            ("node-c", vec![ip("203.0.113.3")]),
+        ]
+    );
+    // Another node changes: recorded; this node's info stays.
+    s.handle(
+        Update::Apply(node("node-b", &[("InternalIP", "10.0.2.9")])),
+        t,
+    );
+    assert_eq!(s.index().cluster_nodes["node-b"], vec![ip("10.0.2.9")]);
+    assert_eq!(s.index().node.addresses, own);
+    // Another node goes: forgotten.
+    s.handle(
+        Update::Delete {
+            kind: Kind::Node,
+            key: ObjKey::new("", "node-c"),
+        },
+        t,
+    );
+    assert!(!s.index().cluster_nodes.contains_key("node-c"));
+    assert_eq!(s.index().node.addresses, own);
+}
+
+/// A Node's new address makes the next sync run (the DSR trusted senders are written
+/// after it), with nothing to re-diff; the same Node again does not.
+#[test]
+fn a_nodes_address_change_makes_a_sync_run() {
+    let t = Instant::now();
+    let (mut s, _) = syncer(MemStore::default());
+    initial(&mut s, t);
+    s.sync(t);
+    assert!(!s.pending());
+    s.handle(
+        Update::Apply(node("node-b", &[("InternalIP", "10.0.2.1")])),
+        t,
+    );
+    assert!(s.pending(), "a new Node's addresses");
+    let out = s.sync(t);
+    assert!(out.ran && !out.full && out.ops == 0, "{out:?}");
+    assert!(!s.pending());
+    s.handle(
+        Update::Apply(node("node-b", &[("InternalIP", "10.0.2.1")])),
+        t,
+    );
+    assert!(!s.pending(), "the same addresses again");
+    s.handle(
+        Update::Delete {
+            kind: Kind::Node,
+            key: ObjKey::new("", "node-b"),
+        },
+        t,
+    );
+    assert!(s.pending(), "a Node gone");
+}

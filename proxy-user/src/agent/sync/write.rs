@@ -27,6 +27,7 @@ impl<S: MapStore> Syncer<S> {
             return SyncOutcome::default();
         }
         let start = Instant::now();
+        self.nodes_changed = false;
         let full = self.full_due.is_some();
         let keys: Vec<(ObjKey, Instant)> = if full {
             let since = self.full_due.take().unwrap_or(now);

@@ -147,6 +147,7 @@ pub fn svg(r: &ApiResults) -> String {
     ));
     for (name, colour) in [
         ("manifests", "#ff7f0e"),
+        ("iptables-legacy", "#8c564b"),
         ("iptables-nft", "#1f77b4"),
         ("nftables", "#2ca02c"),
     ] {

@@ -227,6 +227,7 @@ fn side_by_side(
     let services = plan::services(n, false);
     let mut others: Vec<Box<dyn Mode>> = vec![
         Box::new(modes::Socket::default()),
+        Box::new(modes::Iptables::new(modes::IptablesVariant::Legacy)),
         Box::new(modes::Iptables::new(modes::IptablesVariant::Nft)),
         Box::new(modes::Nftables::default()),
     ];
