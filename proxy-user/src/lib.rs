@@ -13,6 +13,7 @@ pub mod ctl;
 pub mod fasthash;
 pub mod fs;
 pub mod fwd;
+pub mod kubeproxy_config;
 pub mod loader;
 pub mod maglev;
 pub mod migrate;

@@ -5,6 +5,7 @@
 
 pub mod healthcheck;
 pub mod http;
+pub mod kubeproxy_metrics;
 pub mod metrics;
 pub mod schedule;
 pub mod sync;
@@ -68,6 +69,9 @@ pub struct AgentOptions {
     pub forwarding_mode: crate::ForwardingMode,
     /// `--acceleration`: XDP ahead of TC on the same interfaces.
     pub acceleration: loader::Acceleration,
+    /// kube-proxy settings (`--config` fields, kube-proxy flags) not applied, named at
+    /// start and in `ebpf_proxy_config_fields_ignored`.
+    pub config_fields_ignored: Vec<String>,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -116,7 +120,13 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     // Metrics and health first: reading a large pinned state back takes seconds, and
     // /livez must answer meanwhile (/healthz says 503 until the first sync).
-    let metrics = Arc::new(Metrics::new());
+    let mut metrics = Metrics::new();
+    metrics.kube_proxy.set_families(
+        node_addrs.iter().any(|a| a.is_ipv4()),
+        node_addrs.iter().any(|a| a.is_ipv6()),
+    );
+    metrics.kube_proxy.set_ignored(&opts.config_fields_ignored);
+    let metrics = Arc::new(metrics);
     metrics
         .conntrack_max
         .set(i64::from(installed.conntrack_entries / 2));

@@ -202,6 +202,170 @@ struct RunArgs {
     /// backend within 5 % of an even share). Every node must use the same.
     #[arg(long, env = "PROXY_MAGLEV_FILL", value_enum, default_value_t = proxy_user::maglev::Fill::Population)]
     maglev_fill: proxy_user::maglev::Fill,
+    /// kube-proxy's configuration file (a `KubeProxyConfiguration`,
+    /// kubeproxy.config.k8s.io/v1alpha1, YAML or JSON, as in kubeadm's `kube-proxy`
+    /// ConfigMap), decoded strictly. As in kube-proxy, it replaces the kube-proxy flags
+    /// below except `--hostname-override` and `-v`; this agent's own flags given on the
+    /// command line or in their environment variable win over it. Fields that do not
+    /// apply are named at start (docs/kube-proxy.md).
+    #[arg(long, help_heading = "kube-proxy compatibility")]
+    config: Option<PathBuf>,
+    /// kube-proxy's name for this node (wins over `--config` and `--node-name`).
+    #[arg(long, help_heading = "kube-proxy compatibility")]
+    hostname_override: Option<String>,
+    /// kube-proxy's `--metrics-bind-address` (`ip:port`, or an IP for port 10249).
+    #[arg(
+        long,
+        help_heading = "kube-proxy compatibility",
+        conflicts_with = "metrics_addr"
+    )]
+    metrics_bind_address: Option<String>,
+    /// kube-proxy's `--healthz-bind-address` (`ip:port`, or an IP for port 10256).
+    #[arg(
+        long,
+        help_heading = "kube-proxy compatibility",
+        conflicts_with = "healthz_addr"
+    )]
+    healthz_bind_address: Option<String>,
+    /// kube-proxy's `--nodeport-addresses` (accepted and named at start: not implemented yet).
+    #[arg(long, help_heading = "kube-proxy compatibility", value_delimiter = ',')]
+    nodeport_addresses: Option<Vec<String>>,
+    /// kube-proxy's `--cluster-cidr` (checked and named at start: not needed here).
+    #[arg(long, help_heading = "kube-proxy compatibility")]
+    cluster_cidr: Option<String>,
+    /// kube-proxy's `--conntrack-max-per-core`: conntrack size = this x CPUs, at least
+    /// `--conntrack-min` (0: keep the agent's size).
+    #[arg(
+        long,
+        help_heading = "kube-proxy compatibility",
+        conflicts_with = "conntrack_max"
+    )]
+    conntrack_max_per_core: Option<i32>,
+    /// kube-proxy's `--conntrack-min`.
+    #[arg(
+        long,
+        help_heading = "kube-proxy compatibility",
+        conflicts_with = "conntrack_max"
+    )]
+    conntrack_min: Option<i32>,
+    /// kube-proxy's `--proxy-mode` (accepted and named at start: this is the eBPF datapath).
+    #[arg(long, help_heading = "kube-proxy compatibility")]
+    proxy_mode: Option<String>,
+    /// kube-proxy's log verbosity (`-v=4`: debug, 5 and up: trace); RUST_LOG wins.
+    #[arg(
+        short = 'v',
+        long = "v",
+        value_name = "N",
+        help_heading = "kube-proxy compatibility"
+    )]
+    verbosity: Option<u32>,
+}
+
+/// kube-proxy's configuration (its file or its flags) applied to `args`; returns the
+/// verbosity, the fields that do not apply, and kube-proxy flags `--config` overrides.
+fn apply_kube_proxy(
+    args: &mut RunArgs,
+    m: &clap::ArgMatches,
+) -> Result<(
+    u32,
+    Vec<proxy_user::kubeproxy_config::Ignored>,
+    Vec<&'static str>,
+)> {
+    use clap::parser::ValueSource;
+    use proxy_user::kubeproxy_config::KubeProxyConfiguration;
+    let explicit = |id: &str| {
+        matches!(
+            m.value_source(id),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        )
+    };
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    let mut shadowed = Vec::new();
+    let (file, from_file) = match &args.config {
+        Some(path) => {
+            for (id, flag) in [
+                ("metrics_bind_address", "--metrics-bind-address"),
+                ("healthz_bind_address", "--healthz-bind-address"),
+                ("nodeport_addresses", "--nodeport-addresses"),
+                ("cluster_cidr", "--cluster-cidr"),
+                ("conntrack_max_per_core", "--conntrack-max-per-core"),
+                ("conntrack_min", "--conntrack-min"),
+                ("proxy_mode", "--proxy-mode"),
+            ] {
+                if explicit(id) {
+                    shadowed.push(flag);
+                }
+            }
+            (
+                KubeProxyConfiguration::load(path).map_err(|e| anyhow::anyhow!(e))?,
+                true,
+            )
+        }
+        // Without a file, kube-proxy's flags fill the same structure.
+        None => {
+            let c = KubeProxyConfiguration {
+                metrics_bind_address: args.metrics_bind_address.clone().unwrap_or_default(),
+                healthz_bind_address: args.healthz_bind_address.clone().unwrap_or_default(),
+                node_port_addresses: args.nodeport_addresses.clone(),
+                cluster_cidr: args.cluster_cidr.clone().unwrap_or_default(),
+                mode: args.proxy_mode.clone().unwrap_or_default(),
+                conntrack: proxy_user::kubeproxy_config::Conntrack {
+                    // kube-proxy's default per core when only the minimum is given.
+                    max_per_core: args
+                        .conntrack_max_per_core
+                        .or(args.conntrack_min.map(|_| 32768)),
+                    min: args.conntrack_min,
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            (c, false)
+        }
+    };
+    let r = file.resolve(cpus).map_err(|e| match &args.config {
+        Some(p) => anyhow::anyhow!("the kube-proxy config {}: {e}", p.display()),
+        None => anyhow::anyhow!("kube-proxy flags: {e}"),
+    })?;
+    // --hostname-override wins over everything; then --node-name given on the command
+    // line; then the file's hostnameOverride; then $NODE_NAME and the hostname.
+    if let Some(h) = &args.hostname_override {
+        let h = h.trim();
+        if h.is_empty() {
+            anyhow::bail!("empty --hostname-override is invalid");
+        }
+        args.node_name = Some(h.to_lowercase());
+    } else if m.value_source("node_name") != Some(ValueSource::CommandLine) {
+        if let Some(n) = r.node_name {
+            args.node_name = Some(n);
+        }
+    }
+    if from_file || args.metrics_bind_address.is_some() {
+        if let (false, Some(a)) = (explicit("metrics_addr"), r.metrics_addr) {
+            args.metrics_addr = a;
+        }
+    }
+    if from_file || args.healthz_bind_address.is_some() {
+        if let (false, Some(a)) = (explicit("healthz_addr"), r.healthz_addr) {
+            args.healthz_addr = a;
+        }
+    }
+    if let Some(k) = r.kubeconfig {
+        args.kubeconfig = Some(k);
+    }
+    if let (false, Some(n)) = (explicit("conntrack_max"), r.conntrack_flows) {
+        args.conntrack_max = n;
+    }
+    if let (false, Some(d)) = (explicit("sync_interval"), r.sync_interval) {
+        args.sync_interval = d;
+    }
+    if let (false, Some(d)) = (explicit("min_sync_interval"), r.min_sync_interval) {
+        args.min_sync_interval = d;
+    }
+    if let Some(adj) = r.oom_score_adj {
+        proxy_user::kubeproxy_config::apply_oom_score_adj(adj)
+            .with_context(|| format!("setting oomScoreAdj {adj}"))?;
+    }
+    Ok((args.verbosity.unwrap_or(r.verbosity), r.ignored, shadowed))
 }
 
 /// `--maglev-table-size`: a prime in the allowed range.
@@ -287,20 +451,68 @@ fn limit_malloc_arenas() {
     }
 }
 
-fn main() -> Result<()> {
+fn init_tracing(default: &str) {
     use std::io::IsTerminal as _;
-    limit_malloc_arenas();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
         )
         .init();
-    match Cli::parse().command {
+}
+
+/// kube-proxy's command line has no subcommand (`kube-proxy --config=...`): one that
+/// starts with a flag other than help/version is `run`'s, so kubeadm's DaemonSet
+/// arguments work unchanged.
+fn with_run_subcommand(mut argv: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let first = argv.get(1).and_then(|a| a.to_str()).unwrap_or("");
+    if first.starts_with('-') && !matches!(first, "-h" | "--help" | "-V" | "--version") {
+        argv.insert(1, "run".into());
+    }
+    argv
+}
+
+fn main() -> Result<()> {
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    limit_malloc_arenas();
+    let matches =
+        Cli::command().get_matches_from(with_run_subcommand(std::env::args_os().collect()));
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if !matches!(cli.command, Command::Run(_)) {
+        init_tracing("info");
+    }
+    match cli.command {
         Command::Run(args) => {
-            let args = *args;
+            let mut args = *args;
+            let run_matches = matches
+                .subcommand_matches("run")
+                .expect("the run subcommand's matches");
+            let (verbosity, ignored, shadowed) = match apply_kube_proxy(&mut args, run_matches) {
+                Ok(r) => r,
+                Err(e) => {
+                    init_tracing("info");
+                    return Err(e);
+                }
+            };
+            init_tracing(proxy_user::kubeproxy_config::verbosity_filter(verbosity));
+            if let Some(path) = &args.config {
+                tracing::info!(config = %path.display(), "kube-proxy configuration read");
+            }
+            if !shadowed.is_empty() {
+                tracing::warn!(flags = ?shadowed, "kube-proxy flags ignored: --config replaces them, as in kube-proxy");
+            }
+            if !ignored.is_empty() {
+                tracing::warn!(
+                    fields = %ignored
+                        .iter()
+                        .map(|i| format!("{} ({})", i.field, i.why))
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                    "kube-proxy settings not applied"
+                );
+            }
             let opts = AgentOptions {
                 kubeconfig: args.kubeconfig,
                 manifests: args.manifests,
@@ -329,6 +541,7 @@ fn main() -> Result<()> {
                     .with_fill(args.maglev_fill),
                 forwarding_mode: args.forwarding_mode,
                 acceleration: args.acceleration,
+                config_fields_ignored: ignored.into_iter().map(|i| i.field).collect(),
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

@@ -36,8 +36,20 @@ impl<S: MapStore> Syncer<S> {
                 self.full_due.get_or_insert(now);
                 self.listed.insert(kind);
             }
-            Update::Apply(obj) => self.apply(obj, now),
+            Update::Apply(obj) => {
+                match obj.kind() {
+                    Kind::Service => self.metrics.kube_proxy.queued(true),
+                    Kind::EndpointSlice => self.metrics.kube_proxy.queued(false),
+                    Kind::Node => {}
+                }
+                self.apply(obj, now)
+            }
             Update::Delete { kind, key } => {
+                match kind {
+                    Kind::Service => self.metrics.kube_proxy.queued(true),
+                    Kind::EndpointSlice => self.metrics.kube_proxy.queued(false),
+                    Kind::Node => {}
+                }
                 self.release(kind, &key, now);
                 match kind {
                     Kind::Service => {

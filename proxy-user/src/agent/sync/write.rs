@@ -70,6 +70,11 @@ impl<S: MapStore> Syncer<S> {
         self.metrics
             .sync_duration
             .observe(done.duration_since(start).as_secs_f64());
+        self.metrics.kube_proxy.synced(
+            full,
+            done.duration_since(start).as_secs_f64(),
+            outcome.failed == 0,
+        );
         self.metrics
             .frontends
             .set(self.writer.frontend_count() as i64);
