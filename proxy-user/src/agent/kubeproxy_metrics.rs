@@ -270,6 +270,170 @@ impl KubeProxyMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::metrics::Metrics;
+
+    /// kube-proxy's metrics the agent exports: name, type, label names, buckets. From the
+    /// Kubernetes v1.34 metrics reference (names, types, labels) and
+    /// `pkg/proxy/metrics/metrics.go` (buckets).
+    const KUBE_PROXY: &[(&str, &str, &[&str], Option<fn() -> Vec<f64>>)] = &[
+        (
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "histogram",
+            &["ip_family"],
+            Some(sync_buckets),
+        ),
+        (
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "histogram",
+            &["ip_family"],
+            Some(sync_buckets),
+        ),
+        (
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "histogram",
+            &["ip_family"],
+            Some(sync_buckets),
+        ),
+        (
+            "kubeproxy_network_programming_duration_seconds",
+            "histogram",
+            &["ip_family"],
+            Some(network_programming_buckets),
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "gauge",
+            &["ip_family"],
+            None,
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "gauge",
+            &["ip_family"],
+            None,
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "gauge",
+            &[],
+            None,
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+            "counter",
+            &[],
+            None,
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "gauge",
+            &[],
+            None,
+        ),
+        (
+            "kubeproxy_sync_proxy_rules_service_changes_total",
+            "counter",
+            &[],
+            None,
+        ),
+        ("kubeproxy_proxy_healthz_total", "counter", &["code"], None),
+        ("kubeproxy_proxy_livez_total", "counter", &["code"], None),
+    ];
+
+    /// Label names of a sample line (`name{a="x",b="y"} 1`), `le` left out.
+    fn label_names(line: &str) -> Vec<String> {
+        let Some(open) = line.find('{') else {
+            return Vec::new();
+        };
+        let close = line.rfind('}').expect("a closing brace");
+        line[open + 1..close]
+            .split(',')
+            .filter_map(|kv| kv.split('=').next())
+            .filter(|k| *k != "le")
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn every_kube_proxy_metric_has_kube_proxys_name_type_labels_and_buckets() {
+        let mut m = Metrics::new();
+        m.kube_proxy.set_families(true, true);
+        let k = &m.kube_proxy;
+        k.queued(true);
+        k.queued(false);
+        k.synced(true, 0.003, true);
+        k.queued(false);
+        k.synced(false, 0.0005, true);
+        k.programmed(
+            SystemTime::now() - std::time::Duration::from_millis(1500),
+            "IPv4",
+        );
+        k.probe(false, 503);
+        k.probe(true, 200);
+        let text = m.render();
+        for (name, kind, labels, buckets) in KUBE_PROXY {
+            // OpenMetrics names a counter's family without `_total`.
+            let family = if *kind == "counter" {
+                name.strip_suffix("_total")
+                    .expect("a counter ends in _total")
+            } else {
+                name
+            };
+            assert!(
+                text.contains(&format!("# TYPE {family} {kind}\n")),
+                "{name}: no `# TYPE {family} {kind}` in\n{text}"
+            );
+            let sample = if *kind == "histogram" {
+                format!("{name}_bucket")
+            } else {
+                name.to_string()
+            };
+            let lines: Vec<&str> = text
+                .lines()
+                .filter(|l| {
+                    l.starts_with(&format!("{sample}{{")) || l.starts_with(&format!("{sample} "))
+                })
+                .collect();
+            assert!(!lines.is_empty(), "{name}: no sample in\n{text}");
+            for l in &lines {
+                assert_eq!(label_names(l), *labels, "{name}: labels of {l}");
+            }
+            if let Some(b) = buckets {
+                // One series: the labels after `le` (and the value) as in the first line.
+                let rest = |l: &str| {
+                    let after = l.split("le=\"").nth(1).unwrap_or("");
+                    let after = after.split_once('"').map_or("", |x| x.1);
+                    after.split('}').next().unwrap_or("").to_string()
+                };
+                let series = rest(lines[0]);
+                let les: Vec<f64> = lines
+                    .iter()
+                    .filter(|l| rest(l) == series)
+                    .filter_map(|l| l.split("le=\"").nth(1)?.split('"').next())
+                    .filter(|v| *v != "+Inf")
+                    .map(|v| v.parse().expect("a bucket bound"))
+                    .collect();
+                assert_eq!(les, b(), "{name}: bucket layout");
+            }
+        }
+        // What happened above, as kube-proxy counts it.
+        for want in [
+            "kubeproxy_proxy_healthz_total{code=\"503\"} 1",
+            "kubeproxy_proxy_livez_total{code=\"200\"} 1",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total 2",
+            "kubeproxy_sync_proxy_rules_service_changes_total 1",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending 0",
+            "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"} 1",
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 2",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"1.0\",ip_family=\"IPv4\"} 0",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"2.0\",ip_family=\"IPv4\"} 1",
+        ] {
+            assert!(text.contains(want), "{want} missing in\n{text}");
+        }
+        // Ours stay under ebpf_proxy_.
+        assert!(text.contains("ebpf_proxy_sync_proxy_rules_duration_seconds_bucket"));
+    }
 
     #[test]
     fn bucket_layouts_are_kube_proxys() {
