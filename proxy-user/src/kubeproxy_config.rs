@@ -622,8 +622,8 @@ mod tests {
     fn kubeadms_config_decodes_and_names_nothing_but_the_cluster_cidr() {
         let c = KubeProxyConfiguration::parse(KUBEADM).expect("kubeadm's config");
         let r = c.resolve(4).expect("resolves");
-        assert_eq!(r.metrics_addr, Some("127.0.0.1:10249".parse().unwrap()));
-        assert_eq!(r.healthz_addr, Some("0.0.0.0:10256".parse().unwrap()));
+        assert_eq!(r.metrics_addr, Some("127.0.0.1:10249".parse().expect("ok")));
+        assert_eq!(r.healthz_addr, Some("0.0.0.0:10256".parse().expect("ok")));
         assert_eq!(
             r.kubeconfig,
             Some(PathBuf::from("/var/lib/kube-proxy/kubeconfig.conf"))
@@ -639,20 +639,20 @@ mod tests {
     #[test]
     fn an_unknown_field_is_an_error_naming_it() {
         let bad = KUBEADM.replace("  maxPerCore: null", "  maxPerCore: null\n  maxPerCpu: 3");
-        let e = KubeProxyConfiguration::parse(&bad).unwrap_err();
+        let e = KubeProxyConfiguration::parse(&bad).expect_err("an error");
         assert!(e.contains("maxPerCpu"), "{e}");
         let bad = KUBEADM.replace("mode: \"\"", "mode: \"\"\nudpIdleTimeout: 250ms");
-        let e = KubeProxyConfiguration::parse(&bad).unwrap_err();
+        let e = KubeProxyConfiguration::parse(&bad).expect_err("an error");
         assert!(e.contains("udpIdleTimeout"), "{e}");
         let json = r#"{"apiVersion":"kubeproxy.config.k8s.io/v1alpha1","kind":"KubeProxyConfiguration","bogus":1}"#;
-        let e = KubeProxyConfiguration::parse(json).unwrap_err();
+        let e = KubeProxyConfiguration::parse(json).expect_err("an error");
         assert!(e.contains("bogus"), "{e}");
     }
 
     #[test]
     fn a_repeated_field_is_an_error() {
         let bad = format!("{KUBEADM}\nmode: ipvs\n");
-        let e = KubeProxyConfiguration::parse(&bad).unwrap_err();
+        let e = KubeProxyConfiguration::parse(&bad).expect_err("an error");
         assert!(e.contains("mode"), "{e}");
     }
 
@@ -661,12 +661,12 @@ mod tests {
         let e = KubeProxyConfiguration::parse(
             "apiVersion: kubeproxy.config.k8s.io/v1beta1\nkind: KubeProxyConfiguration\n",
         )
-        .unwrap_err();
+        .expect_err("an error");
         assert!(e.contains("v1beta1"), "{e}");
         let e = KubeProxyConfiguration::parse(
             "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeletConfiguration\n",
         )
-        .unwrap_err();
+        .expect_err("an error");
         assert!(e.contains("KubeletConfiguration"), "{e}");
     }
 
@@ -676,10 +676,10 @@ mod tests {
             "metricsBindAddress":"0.0.0.0:10249","conntrack":{"maxPerCore":1000,"min":5000},
             "iptables":{"syncPeriod":"1m0s","minSyncPeriod":"250ms"},"hostnameOverride":"Node-A"}"#;
         let r = KubeProxyConfiguration::parse(json)
-            .unwrap()
+            .expect("ok")
             .resolve(2)
-            .unwrap();
-        assert_eq!(r.metrics_addr, Some("0.0.0.0:10249".parse().unwrap()));
+            .expect("ok");
+        assert_eq!(r.metrics_addr, Some("0.0.0.0:10249".parse().expect("ok")));
         assert_eq!(r.conntrack_flows, Some(5000), "min wins over 1000 x 2");
         assert_eq!(r.sync_interval, Some(Duration::from_secs(60)));
         assert_eq!(r.min_sync_interval, Some(Duration::from_millis(250)));
@@ -692,24 +692,24 @@ mod tests {
 
     #[test]
     fn conntrack_size_is_max_per_core_times_cpus_at_least_min() {
-        let mut c = KubeProxyConfiguration::parse(KUBEADM).unwrap();
+        let mut c = KubeProxyConfiguration::parse(KUBEADM).expect("ok");
         c.conntrack.max_per_core = Some(32768);
         c.conntrack.min = Some(131072);
-        assert_eq!(c.resolve(8).unwrap().conntrack_flows, Some(262144));
-        assert_eq!(c.resolve(2).unwrap().conntrack_flows, Some(131072));
+        assert_eq!(c.resolve(8).expect("ok").conntrack_flows, Some(262144));
+        assert_eq!(c.resolve(2).expect("ok").conntrack_flows, Some(131072));
         c.conntrack.max_per_core = Some(0);
-        assert_eq!(c.resolve(8).unwrap().conntrack_flows, None, "0: as-is");
+        assert_eq!(c.resolve(8).expect("ok").conntrack_flows, None, "0: as-is");
         c.conntrack.max_per_core = Some(-1);
-        assert!(c.resolve(8).unwrap_err().contains("maxPerCore"));
+        assert!(c.resolve(8).expect_err("an error").contains("maxPerCore"));
     }
 
     #[test]
     fn the_sync_periods_of_the_configured_mode_apply_and_mode_is_named() {
-        let mut c = KubeProxyConfiguration::parse(KUBEADM).unwrap();
+        let mut c = KubeProxyConfiguration::parse(KUBEADM).expect("ok");
         c.mode = "nftables".into();
         c.nftables.sync_period = GoDuration(Duration::from_secs(45));
         c.iptables.sync_period = GoDuration(Duration::from_secs(10));
-        let r = c.resolve(1).unwrap();
+        let r = c.resolve(1).expect("ok");
         assert_eq!(r.sync_interval, Some(Duration::from_secs(45)));
         let m = r
             .ignored
@@ -721,12 +721,12 @@ mod tests {
 
     #[test]
     fn not_applicable_settings_are_named_with_the_reason() {
-        let mut c = KubeProxyConfiguration::parse(KUBEADM).unwrap();
+        let mut c = KubeProxyConfiguration::parse(KUBEADM).expect("ok");
         c.iptables.masquerade_bit = Some(14);
         c.conntrack.tcp_established_timeout = Some(GoDuration(Duration::from_secs(86400)));
         c.node_port_addresses = Some(vec!["primary".into()]);
         c.feature_gates = Some([("KubeProxyDrainingTerminatingNodes".to_string(), true)].into());
-        let r = c.resolve(1).unwrap();
+        let r = c.resolve(1).expect("ok");
         let fields: Vec<_> = r.ignored.iter().map(|i| i.field.as_str()).collect();
         for f in [
             "iptables.masqueradeBit",
@@ -740,25 +740,28 @@ mod tests {
 
     #[test]
     fn bad_values_are_errors_naming_the_field() {
-        let mut c = KubeProxyConfiguration::parse(KUBEADM).unwrap();
+        let mut c = KubeProxyConfiguration::parse(KUBEADM).expect("ok");
         c.metrics_bind_address = "localhost:x".into();
-        assert!(c.resolve(1).unwrap_err().contains("metricsBindAddress"));
-        let mut c = KubeProxyConfiguration::parse(KUBEADM).unwrap();
+        assert!(c
+            .resolve(1)
+            .expect_err("an error")
+            .contains("metricsBindAddress"));
+        let mut c = KubeProxyConfiguration::parse(KUBEADM).expect("ok");
         c.cluster_cidr = "10.0.0.0/33".into();
-        assert!(c.resolve(1).unwrap_err().contains("clusterCIDR"));
+        assert!(c.resolve(1).expect_err("an error").contains("clusterCIDR"));
         let bad = KUBEADM.replace("configSyncPeriod: 0s", "configSyncPeriod: 5 minutes");
-        let e = KubeProxyConfiguration::parse(&bad).unwrap_err();
+        let e = KubeProxyConfiguration::parse(&bad).expect_err("an error");
         assert!(e.contains("configSyncPeriod"), "{e}");
     }
 
     #[test]
     fn an_ip_alone_gets_kube_proxys_default_port_and_ipv6_bind_address_picks_ipv6_defaults() {
-        let mut c = KubeProxyConfiguration::parse(KUBEADM).unwrap();
+        let mut c = KubeProxyConfiguration::parse(KUBEADM).expect("ok");
         c.healthz_bind_address = "10.1.2.3".into();
         c.bind_address = "::".into();
-        let r = c.resolve(1).unwrap();
-        assert_eq!(r.healthz_addr, Some("10.1.2.3:10256".parse().unwrap()));
-        assert_eq!(r.metrics_addr, Some("[::1]:10249".parse().unwrap()));
+        let r = c.resolve(1).expect("ok");
+        assert_eq!(r.healthz_addr, Some("10.1.2.3:10256".parse().expect("ok")));
+        assert_eq!(r.metrics_addr, Some("[::1]:10249".parse().expect("ok")));
     }
 
     #[test]

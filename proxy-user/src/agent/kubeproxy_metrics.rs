@@ -275,7 +275,14 @@ mod tests {
     /// kube-proxy's metrics the agent exports: name, type, label names, buckets. From the
     /// Kubernetes v1.34 metrics reference (names, types, labels) and
     /// `pkg/proxy/metrics/metrics.go` (buckets).
-    const KUBE_PROXY: &[(&str, &str, &[&str], Option<fn() -> Vec<f64>>)] = &[
+    /// Name, type, label names, bucket layout.
+    type Expected = (
+        &'static str,
+        &'static str,
+        &'static [&'static str],
+        Option<fn() -> Vec<f64>>,
+    );
+    const KUBE_PROXY: &[Expected] = &[
         (
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "histogram",
@@ -447,6 +454,6 @@ mod tests {
         assert_eq!(n[61], 59.0);
         assert_eq!(n[62], 60.0);
         assert_eq!(n[73], 115.0);
-        assert_eq!(*n.last().unwrap(), 300.0);
+        assert_eq!(*n.last().expect("ok"), 300.0);
     }
 }

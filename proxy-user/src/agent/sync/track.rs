@@ -158,6 +158,14 @@ impl<S: MapStore> Syncer<S> {
             Incoming::Slice(r) => {
                 let key = r.key.clone();
                 if let Ok(info) = self.slice_info(r) {
+                    if let Some((t, i)) = info.as_ref().and_then(|i| Some((i.trigger_time?, i))) {
+                        if t >= self.started {
+                            self.triggers
+                                .entry(i.service.clone())
+                                .or_default()
+                                .push((t, i.family));
+                        }
+                    }
                     self.release(Kind::EndpointSlice, &key, now);
                     if self.listed.contains(&Kind::Service) {
                         self.report_orphan(&key, info.as_ref());
