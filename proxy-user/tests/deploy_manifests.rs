@@ -1232,11 +1232,11 @@ fn replace_kube_proxy_swaps_the_image_and_command_of_kubeadms_daemonset() {
     let kubeadm_cmd = original
         .spec
         .as_ref()
-        .unwrap()
+        .expect("spec")
         .template
         .spec
         .as_ref()
-        .unwrap()
+        .expect("pod spec")
         .containers[0]
         .command
         .clone()
