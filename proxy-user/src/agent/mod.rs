@@ -171,7 +171,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     let (tx, rx) = mpsc::channel(4096);
     match &opts.manifests {
         Some(dir) => {
-            info!(dir = %dir.display(), "source: manifests directory");
+            info!(dir = %dir.display(), node = %opts.node_name, "source: manifests directory");
             let source = manifests::ManifestsDir::new(dir, metrics.source.clone());
             manifests::spawn(source, opts.manifests_poll, tx)
                 .context("starting the manifests thread")?;
