@@ -517,7 +517,8 @@ impl KubeProxyConfiguration {
         }
         if !self.cluster_cidr.is_empty() {
             for c in self.cluster_cidr.split(',') {
-                if crate::cluster::objects::parse_cidr(c.trim()).is_none() {
+                let c = c.trim();
+                if !c.contains('/') || crate::cluster::objects::parse_cidr(c).is_none() {
                     return Err(format!("clusterCIDR {c:?} is not a CIDR"));
                 }
             }
@@ -567,6 +568,153 @@ impl KubeProxyConfiguration {
         r.verbosity = self.logging.verbosity;
         Ok(r)
     }
+}
+
+/// kube-proxy's command-line flags, as given (`None`: not given).
+#[derive(Clone, Debug, Default)]
+pub struct KubeProxyFlags {
+    pub config: Option<PathBuf>,
+    pub hostname_override: Option<String>,
+    pub metrics_bind_address: Option<String>,
+    pub healthz_bind_address: Option<String>,
+    pub nodeport_addresses: Option<Vec<String>>,
+    pub cluster_cidr: Option<String>,
+    pub conntrack_max_per_core: Option<i32>,
+    pub conntrack_min: Option<i32>,
+    pub proxy_mode: Option<String>,
+    pub verbosity: Option<u32>,
+}
+
+/// The agent's settings kube-proxy's configuration can change, with whether each was
+/// given explicitly (command line or `PROXY_*` environment variable): those win.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AgentSettings {
+    pub node_name: Option<String>,
+    /// `--node-name` was given on the command line (`$NODE_NAME` is not).
+    pub node_name_on_command_line: bool,
+    pub metrics_addr: (SocketAddr, bool),
+    pub healthz_addr: (SocketAddr, bool),
+    pub kubeconfig: Option<PathBuf>,
+    pub conntrack_flows: (u32, bool),
+    pub sync_interval: (Duration, bool),
+    pub min_sync_interval: (Duration, bool),
+}
+
+/// What [`apply`] decided besides the settings.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Applied {
+    pub verbosity: u32,
+    pub ignored: Vec<Ignored>,
+    /// kube-proxy flags given together with `--config`, which replaces them.
+    pub shadowed: Vec<&'static str>,
+    pub oom_score_adj: Option<i32>,
+}
+
+/// kube-proxy's configuration applied to `s` with kube-proxy's precedence
+/// (`cmd/kube-proxy/app/options.go`): with a file (`file`, read from `flags.config`),
+/// the file replaces kube-proxy's flags but `--hostname-override` and `-v`; without
+/// one, kube-proxy's flags apply. The agent's own settings given explicitly win over
+/// both.
+pub fn apply(
+    flags: &KubeProxyFlags,
+    file: Option<KubeProxyConfiguration>,
+    s: &mut AgentSettings,
+    cpus: u32,
+) -> Result<Applied, String> {
+    let mut shadowed = Vec::new();
+    let from_file = file.is_some();
+    let c = match file {
+        Some(c) => {
+            for (given, flag) in [
+                (
+                    flags.metrics_bind_address.is_some(),
+                    "--metrics-bind-address",
+                ),
+                (
+                    flags.healthz_bind_address.is_some(),
+                    "--healthz-bind-address",
+                ),
+                (flags.nodeport_addresses.is_some(), "--nodeport-addresses"),
+                (flags.cluster_cidr.is_some(), "--cluster-cidr"),
+                (
+                    flags.conntrack_max_per_core.is_some(),
+                    "--conntrack-max-per-core",
+                ),
+                (flags.conntrack_min.is_some(), "--conntrack-min"),
+                (flags.proxy_mode.is_some(), "--proxy-mode"),
+            ] {
+                if given {
+                    shadowed.push(flag);
+                }
+            }
+            c
+        }
+        // Without a file, kube-proxy's flags fill the same structure.
+        None => KubeProxyConfiguration {
+            metrics_bind_address: flags.metrics_bind_address.clone().unwrap_or_default(),
+            healthz_bind_address: flags.healthz_bind_address.clone().unwrap_or_default(),
+            node_port_addresses: flags.nodeport_addresses.clone(),
+            cluster_cidr: flags.cluster_cidr.clone().unwrap_or_default(),
+            mode: flags.proxy_mode.clone().unwrap_or_default(),
+            conntrack: Conntrack {
+                // kube-proxy's default per core when only the minimum is given.
+                max_per_core: flags
+                    .conntrack_max_per_core
+                    .or(flags.conntrack_min.map(|_| 32768)),
+                min: flags.conntrack_min,
+                ..Conntrack::default()
+            },
+            ..KubeProxyConfiguration::default()
+        },
+    };
+    let r = c.resolve(cpus)?;
+    // --hostname-override wins over everything; then --node-name given on the command
+    // line; then the file's hostnameOverride; then $NODE_NAME and the hostname.
+    if let Some(h) = &flags.hostname_override {
+        let h = h.trim();
+        if h.is_empty() {
+            return Err("empty --hostname-override is invalid".into());
+        }
+        s.node_name = Some(h.to_lowercase());
+    } else if !s.node_name_on_command_line {
+        if let Some(n) = r.node_name {
+            s.node_name = Some(n);
+        }
+    }
+    let set =
+        |(value, explicit): &mut (SocketAddr, bool), from: Option<SocketAddr>, applies: bool| {
+            if let (false, true, Some(a)) = (*explicit, applies, from) {
+                *value = a;
+            }
+        };
+    set(
+        &mut s.metrics_addr,
+        r.metrics_addr,
+        from_file || flags.metrics_bind_address.is_some(),
+    );
+    set(
+        &mut s.healthz_addr,
+        r.healthz_addr,
+        from_file || flags.healthz_bind_address.is_some(),
+    );
+    if let Some(k) = r.kubeconfig {
+        s.kubeconfig = Some(k);
+    }
+    if let (false, Some(n)) = (s.conntrack_flows.1, r.conntrack_flows) {
+        s.conntrack_flows.0 = n;
+    }
+    if let (false, Some(d)) = (s.sync_interval.1, r.sync_interval) {
+        s.sync_interval.0 = d;
+    }
+    if let (false, Some(d)) = (s.min_sync_interval.1, r.min_sync_interval) {
+        s.min_sync_interval.0 = d;
+    }
+    Ok(Applied {
+        verbosity: flags.verbosity.unwrap_or(r.verbosity),
+        ignored: r.ignored,
+        shadowed,
+        oom_score_adj: r.oom_score_adj,
+    })
 }
 
 /// `ip:port`, or an IP alone (kube-proxy appends its default port); empty: the default
@@ -762,6 +910,149 @@ mod tests {
         let r = c.resolve(1).expect("ok");
         assert_eq!(r.healthz_addr, Some("10.1.2.3:10256".parse().expect("ok")));
         assert_eq!(r.metrics_addr, Some("[::1]:10249".parse().expect("ok")));
+    }
+
+    fn settings() -> AgentSettings {
+        AgentSettings {
+            node_name: Some("from-env".into()),
+            node_name_on_command_line: false,
+            metrics_addr: ("127.0.0.1:10249".parse().expect("addr"), false),
+            healthz_addr: ("0.0.0.0:10256".parse().expect("addr"), false),
+            kubeconfig: None,
+            conntrack_flows: (131072, false),
+            sync_interval: (Duration::from_secs(30), false),
+            min_sync_interval: (Duration::from_millis(10), false),
+        }
+    }
+
+    fn file(yaml: &str) -> Option<KubeProxyConfiguration> {
+        Some(
+            KubeProxyConfiguration::parse(&format!(
+                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n{yaml}"
+            ))
+            .expect("a config"),
+        )
+    }
+
+    #[test]
+    fn with_a_file_kube_proxys_other_flags_are_replaced_and_named() {
+        let flags = KubeProxyFlags {
+            metrics_bind_address: Some("0.0.0.0:9999".into()),
+            conntrack_max_per_core: Some(1),
+            ..KubeProxyFlags::default()
+        };
+        let mut s = settings();
+        let a = apply(
+            &flags,
+            file("metricsBindAddress: 127.0.0.2:10249\nconntrack:\n  maxPerCore: 100000\n"),
+            &mut s,
+            2,
+        )
+        .expect("applies");
+        assert_eq!(s.metrics_addr.0, "127.0.0.2:10249".parse().expect("addr"));
+        assert_eq!(s.conntrack_flows.0, 200000);
+        assert_eq!(
+            a.shadowed,
+            ["--metrics-bind-address", "--conntrack-max-per-core"]
+        );
+    }
+
+    #[test]
+    fn hostname_override_and_v_win_over_the_file() {
+        let flags = KubeProxyFlags {
+            hostname_override: Some("Node-B".into()),
+            verbosity: Some(4),
+            ..KubeProxyFlags::default()
+        };
+        let mut s = settings();
+        let a = apply(
+            &flags,
+            file("hostnameOverride: node-a\nlogging:\n  verbosity: 2\n"),
+            &mut s,
+            1,
+        )
+        .expect("applies");
+        assert_eq!(s.node_name.as_deref(), Some("node-b"));
+        assert_eq!(a.verbosity, 4);
+        // Without the flags, the file's.
+        let mut s = settings();
+        let a = apply(
+            &KubeProxyFlags::default(),
+            file("hostnameOverride: node-a\nlogging:\n  verbosity: 2\n"),
+            &mut s,
+            1,
+        )
+        .expect("applies");
+        assert_eq!(
+            s.node_name.as_deref(),
+            Some("node-a"),
+            "the file over $NODE_NAME"
+        );
+        assert_eq!(a.verbosity, 2);
+        let empty = KubeProxyFlags {
+            hostname_override: Some(" ".into()),
+            ..KubeProxyFlags::default()
+        };
+        assert!(apply(&empty, None, &mut settings(), 1).is_err());
+    }
+
+    #[test]
+    fn the_agents_own_explicit_settings_win_over_the_file() {
+        let mut s = settings();
+        s.conntrack_flows = (5000, true);
+        s.sync_interval = (Duration::from_secs(5), true);
+        s.metrics_addr = ("127.0.0.1:1".parse().expect("addr"), true);
+        s.node_name_on_command_line = true;
+        apply(
+            &KubeProxyFlags::default(),
+            file("hostnameOverride: node-a\nmetricsBindAddress: 0.0.0.0:10249\nconntrack:\n  maxPerCore: 100000\niptables:\n  syncPeriod: 1m0s\n  minSyncPeriod: 2s\n"),
+            &mut s,
+            4,
+        )
+        .expect("applies");
+        assert_eq!(s.conntrack_flows.0, 5000);
+        assert_eq!(s.sync_interval.0, Duration::from_secs(5));
+        assert_eq!(s.metrics_addr.0, "127.0.0.1:1".parse().expect("addr"));
+        assert_eq!(
+            s.node_name.as_deref(),
+            Some("from-env"),
+            "--node-name on the command line"
+        );
+        assert_eq!(
+            s.min_sync_interval.0,
+            Duration::from_secs(2),
+            "not explicit: the file's"
+        );
+    }
+
+    #[test]
+    fn without_a_file_kube_proxys_flags_apply() {
+        let flags = KubeProxyFlags {
+            healthz_bind_address: Some("127.0.0.1".into()),
+            conntrack_min: Some(1_000_000),
+            cluster_cidr: Some("10.244.0.0/16".into()),
+            proxy_mode: Some("ipvs".into()),
+            ..KubeProxyFlags::default()
+        };
+        let mut s = settings();
+        let a = apply(&flags, None, &mut s, 2).expect("applies");
+        assert_eq!(s.healthz_addr.0, "127.0.0.1:10256".parse().expect("addr"));
+        assert_eq!(
+            s.metrics_addr.0,
+            "127.0.0.1:10249".parse().expect("addr"),
+            "untouched"
+        );
+        assert_eq!(s.conntrack_flows.0, 1_000_000, "min over 32768 x 2");
+        let fields: Vec<_> = a.ignored.iter().map(|i| i.field.as_str()).collect();
+        assert_eq!(fields, ["mode", "clusterCIDR"]);
+        assert!(a.shadowed.is_empty());
+        let bad = KubeProxyFlags {
+            cluster_cidr: Some("10.244.0.0".into()),
+            ..KubeProxyFlags::default()
+        };
+        assert!(apply(&bad, None, &mut settings(), 1)
+            .expect_err("not a CIDR")
+            .contains("clusterCIDR"));
     }
 
     #[test]

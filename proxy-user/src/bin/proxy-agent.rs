@@ -261,111 +261,62 @@ struct RunArgs {
     verbosity: Option<u32>,
 }
 
-/// kube-proxy's configuration (its file or its flags) applied to `args`; returns the
-/// verbosity, the fields that do not apply, and kube-proxy flags `--config` overrides.
+/// kube-proxy's configuration (its file or its flags) applied to `args`
+/// (`kubeproxy_config::apply`, kube-proxy's precedence).
 fn apply_kube_proxy(
     args: &mut RunArgs,
     m: &clap::ArgMatches,
-) -> Result<(
-    u32,
-    Vec<proxy_user::kubeproxy_config::Ignored>,
-    Vec<&'static str>,
-)> {
+) -> Result<proxy_user::kubeproxy_config::Applied> {
     use clap::parser::ValueSource;
-    use proxy_user::kubeproxy_config::KubeProxyConfiguration;
+    use proxy_user::kubeproxy_config::{self as kp, KubeProxyConfiguration};
     let explicit = |id: &str| {
         matches!(
             m.value_source(id),
             Some(ValueSource::CommandLine | ValueSource::EnvVariable)
         )
     };
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
-    let mut shadowed = Vec::new();
-    let (file, from_file) = match &args.config {
-        Some(path) => {
-            for (id, flag) in [
-                ("metrics_bind_address", "--metrics-bind-address"),
-                ("healthz_bind_address", "--healthz-bind-address"),
-                ("nodeport_addresses", "--nodeport-addresses"),
-                ("cluster_cidr", "--cluster-cidr"),
-                ("conntrack_max_per_core", "--conntrack-max-per-core"),
-                ("conntrack_min", "--conntrack-min"),
-                ("proxy_mode", "--proxy-mode"),
-            ] {
-                if explicit(id) {
-                    shadowed.push(flag);
-                }
-            }
-            (
-                KubeProxyConfiguration::load(path).map_err(|e| anyhow::anyhow!(e))?,
-                true,
-            )
-        }
-        // Without a file, kube-proxy's flags fill the same structure.
-        None => {
-            let c = KubeProxyConfiguration {
-                metrics_bind_address: args.metrics_bind_address.clone().unwrap_or_default(),
-                healthz_bind_address: args.healthz_bind_address.clone().unwrap_or_default(),
-                node_port_addresses: args.nodeport_addresses.clone(),
-                cluster_cidr: args.cluster_cidr.clone().unwrap_or_default(),
-                mode: args.proxy_mode.clone().unwrap_or_default(),
-                conntrack: proxy_user::kubeproxy_config::Conntrack {
-                    // kube-proxy's default per core when only the minimum is given.
-                    max_per_core: args
-                        .conntrack_max_per_core
-                        .or(args.conntrack_min.map(|_| 32768)),
-                    min: args.conntrack_min,
-                    ..Default::default()
-                },
-                ..Default::default()
-            };
-            (c, false)
-        }
+    let flags = kp::KubeProxyFlags {
+        config: args.config.clone(),
+        hostname_override: args.hostname_override.clone(),
+        metrics_bind_address: args.metrics_bind_address.clone(),
+        healthz_bind_address: args.healthz_bind_address.clone(),
+        nodeport_addresses: args.nodeport_addresses.clone(),
+        cluster_cidr: args.cluster_cidr.clone(),
+        conntrack_max_per_core: args.conntrack_max_per_core,
+        conntrack_min: args.conntrack_min,
+        proxy_mode: args.proxy_mode.clone(),
+        verbosity: args.verbosity,
     };
-    let r = file.resolve(cpus).map_err(|e| match &args.config {
+    let file = match &args.config {
+        Some(path) => Some(KubeProxyConfiguration::load(path).map_err(|e| anyhow::anyhow!(e))?),
+        None => None,
+    };
+    let mut s = kp::AgentSettings {
+        node_name: args.node_name.clone(),
+        node_name_on_command_line: m.value_source("node_name") == Some(ValueSource::CommandLine),
+        metrics_addr: (args.metrics_addr, explicit("metrics_addr")),
+        healthz_addr: (args.healthz_addr, explicit("healthz_addr")),
+        kubeconfig: args.kubeconfig.clone(),
+        conntrack_flows: (args.conntrack_max, explicit("conntrack_max")),
+        sync_interval: (args.sync_interval, explicit("sync_interval")),
+        min_sync_interval: (args.min_sync_interval, explicit("min_sync_interval")),
+    };
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    let applied = kp::apply(&flags, file, &mut s, cpus).map_err(|e| match &args.config {
         Some(p) => anyhow::anyhow!("the kube-proxy config {}: {e}", p.display()),
         None => anyhow::anyhow!("kube-proxy flags: {e}"),
     })?;
-    // --hostname-override wins over everything; then --node-name given on the command
-    // line; then the file's hostnameOverride; then $NODE_NAME and the hostname.
-    if let Some(h) = &args.hostname_override {
-        let h = h.trim();
-        if h.is_empty() {
-            anyhow::bail!("empty --hostname-override is invalid");
-        }
-        args.node_name = Some(h.to_lowercase());
-    } else if m.value_source("node_name") != Some(ValueSource::CommandLine) {
-        if let Some(n) = r.node_name {
-            args.node_name = Some(n);
-        }
+    args.node_name = s.node_name;
+    args.metrics_addr = s.metrics_addr.0;
+    args.healthz_addr = s.healthz_addr.0;
+    args.kubeconfig = s.kubeconfig;
+    args.conntrack_max = s.conntrack_flows.0;
+    args.sync_interval = s.sync_interval.0;
+    args.min_sync_interval = s.min_sync_interval.0;
+    if let Some(adj) = applied.oom_score_adj {
+        kp::apply_oom_score_adj(adj).with_context(|| format!("setting oomScoreAdj {adj}"))?;
     }
-    if from_file || args.metrics_bind_address.is_some() {
-        if let (false, Some(a)) = (explicit("metrics_addr"), r.metrics_addr) {
-            args.metrics_addr = a;
-        }
-    }
-    if from_file || args.healthz_bind_address.is_some() {
-        if let (false, Some(a)) = (explicit("healthz_addr"), r.healthz_addr) {
-            args.healthz_addr = a;
-        }
-    }
-    if let Some(k) = r.kubeconfig {
-        args.kubeconfig = Some(k);
-    }
-    if let (false, Some(n)) = (explicit("conntrack_max"), r.conntrack_flows) {
-        args.conntrack_max = n;
-    }
-    if let (false, Some(d)) = (explicit("sync_interval"), r.sync_interval) {
-        args.sync_interval = d;
-    }
-    if let (false, Some(d)) = (explicit("min_sync_interval"), r.min_sync_interval) {
-        args.min_sync_interval = d;
-    }
-    if let Some(adj) = r.oom_score_adj {
-        proxy_user::kubeproxy_config::apply_oom_score_adj(adj)
-            .with_context(|| format!("setting oomScoreAdj {adj}"))?;
-    }
-    Ok((args.verbosity.unwrap_or(r.verbosity), r.ignored, shadowed))
+    Ok(applied)
 }
 
 /// `--maglev-table-size`: a prime in the allowed range.
@@ -489,7 +440,12 @@ fn main() -> Result<()> {
             let run_matches = matches
                 .subcommand_matches("run")
                 .expect("the run subcommand's matches");
-            let (verbosity, ignored, shadowed) = match apply_kube_proxy(&mut args, run_matches) {
+            let proxy_user::kubeproxy_config::Applied {
+                verbosity,
+                ignored,
+                shadowed,
+                ..
+            } = match apply_kube_proxy(&mut args, run_matches) {
                 Ok(r) => r,
                 Err(e) => {
                     init_tracing("info");
