@@ -345,6 +345,13 @@ mod tests {
         ),
         ("kubeproxy_proxy_healthz_total", "counter", &["code"], None),
         ("kubeproxy_proxy_livez_total", "counter", &["code"], None),
+        // client-go's (component-base metrics/prometheus/restclient), as kube-proxy serves it.
+        (
+            "rest_client_requests_total",
+            "counter",
+            &["code", "method", "host"],
+            None,
+        ),
     ];
 
     /// Label names of a sample line (`name{a="x",b="y"} 1`), `le` left out.
@@ -377,6 +384,7 @@ mod tests {
         );
         k.probe(false, 503);
         k.probe(true, 200);
+        m.source.rest_request("GET", "10.96.0.1:443", Some(200));
         let text = m.render();
         for (name, kind, labels, buckets) in KUBE_PROXY {
             // OpenMetrics names a counter's family without `_total`.

@@ -221,6 +221,12 @@ impl Metrics {
             m.adoption_repairs.clone(),
         );
         m.kube_proxy.register(&mut root);
+        // client-go's name, as kube-proxy exports it.
+        root.register(
+            "rest_client_requests",
+            "Number of HTTP requests, partitioned by status code, method, and host.",
+            m.source.rest_requests.clone(),
+        );
         Self {
             registry: root,
             ..m

@@ -177,10 +177,13 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
                 .context("starting the manifests thread")?;
         }
         None => {
-            let client = kube_source::client(opts.kubeconfig.as_deref()).await?;
-            info!(node = %opts.node_name, "source: Kubernetes API");
+            let config = kube_source::config(opts.kubeconfig.as_deref()).await?;
+            let host = kube_source::host(&config);
+            let client = kube::Client::try_from(config)?;
+            info!(node = %opts.node_name, %host, "source: Kubernetes API");
             kube_source::spawn(
                 client,
+                &host,
                 opts.proxy_name.as_deref(),
                 &opts.node_name,
                 tx,
