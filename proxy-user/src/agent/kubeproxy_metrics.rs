@@ -35,6 +35,12 @@ pub struct Code {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TrafficPolicy {
+    pub ip_family: String,
+    pub traffic_policy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Field {
     pub field: String,
 }
@@ -69,6 +75,7 @@ pub struct KubeProxyMetrics {
     pub endpoint_changes_total: Counter,
     pub service_changes_pending: Gauge,
     pub service_changes_total: Counter,
+    pub no_local_endpoints: Family<TrafficPolicy, Gauge>,
     pub healthz_total: Family<Code, Counter>,
     pub livez_total: Family<Code, Counter>,
     pub config_fields_ignored: Family<Field, Gauge>,
@@ -96,6 +103,7 @@ impl Default for KubeProxyMetrics {
             endpoint_changes_total: Counter::default(),
             service_changes_pending: Gauge::default(),
             service_changes_total: Counter::default(),
+            no_local_endpoints: Family::default(),
             healthz_total: Family::default(),
             livez_total: Family::default(),
             config_fields_ignored: Family::default(),
@@ -164,6 +172,11 @@ impl KubeProxyMetrics {
             self.service_changes_total.clone(),
         );
         registry.register(
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints",
+            self.no_local_endpoints.clone(),
+        );
+        registry.register(
             "kubeproxy_proxy_healthz",
             "Cumulative proxy healthz HTTP status",
             self.healthz_total.clone(),
@@ -229,6 +242,23 @@ impl KubeProxyMetrics {
         }
         self.endpoint_changes_pending.set(0);
         self.service_changes_pending.set(0);
+    }
+
+    /// After a sync: Services with a Local policy and no local endpoint.
+    pub fn set_no_local(&self, n: crate::cluster::index::NoLocalEndpoints) {
+        for (i, family) in ["IPv4", "IPv6"].into_iter().enumerate() {
+            if !self.families.contains(&family) {
+                continue;
+            }
+            for (policy, count) in [("internal", n.internal[i]), ("external", n.external[i])] {
+                self.no_local_endpoints
+                    .get_or_create(&TrafficPolicy {
+                        ip_family: family.into(),
+                        traffic_policy: policy.into(),
+                    })
+                    .set(count);
+            }
+        }
     }
 
     /// The network programming latency of a change triggered at `trigger` (wall clock,
@@ -343,6 +373,12 @@ mod tests {
             &[],
             None,
         ),
+        (
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "gauge",
+            &["ip_family", "traffic_policy"],
+            None,
+        ),
         ("kubeproxy_proxy_healthz_total", "counter", &["code"], None),
         ("kubeproxy_proxy_livez_total", "counter", &["code"], None),
         // client-go's (component-base metrics/prometheus/restclient), as kube-proxy serves it.
@@ -385,6 +421,10 @@ mod tests {
         k.probe(false, 503);
         k.probe(true, 200);
         m.source.rest_request("GET", "10.96.0.1:443", Some(200));
+        k.set_no_local(crate::cluster::index::NoLocalEndpoints {
+            internal: [1, 0],
+            external: [0, 2],
+        });
         let text = m.render();
         for (name, kind, labels, buckets) in KUBE_PROXY {
             // OpenMetrics names a counter's family without `_total`.
@@ -436,6 +476,8 @@ mod tests {
             "kubeproxy_proxy_healthz_total{code=\"503\"} 1",
             "kubeproxy_proxy_livez_total{code=\"200\"} 1",
             "kubeproxy_sync_proxy_rules_endpoint_changes_total 2",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"internal\"} 1",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv6\",traffic_policy=\"external\"} 2",
             "kubeproxy_sync_proxy_rules_service_changes_total 1",
             "kubeproxy_sync_proxy_rules_endpoint_changes_pending 0",
             "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"} 1",

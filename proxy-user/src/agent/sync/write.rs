@@ -84,6 +84,9 @@ impl<S: MapStore> Syncer<S> {
         self.metrics
             .sync_duration
             .observe(done.duration_since(start).as_secs_f64());
+        self.metrics
+            .kube_proxy
+            .set_no_local(self.index.no_local_endpoints());
         self.metrics.kube_proxy.synced(
             full,
             done.duration_since(start).as_secs_f64(),
