@@ -14,6 +14,7 @@ pub mod dsr_trust;
 pub mod fasthash;
 pub mod fs;
 pub mod fwd;
+pub mod kubeproxy_config;
 pub mod loader;
 pub mod maglev;
 pub mod migrate;

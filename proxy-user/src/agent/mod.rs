@@ -5,6 +5,7 @@
 
 pub mod healthcheck;
 pub mod http;
+pub mod kubeproxy_metrics;
 pub mod metrics;
 pub mod schedule;
 pub mod sync;
@@ -71,6 +72,9 @@ pub struct AgentOptions {
     /// `--dsr-trusted-cidrs`: senders whose DSR option is honoured besides the Node
     /// objects' addresses (`DSR_TRUSTED4/6`).
     pub dsr_trusted_cidrs: Vec<(std::net::IpAddr, u8)>,
+    /// kube-proxy settings (`--config` fields, kube-proxy flags) not applied, named at
+    /// start and in `ebpf_proxy_config_fields_ignored`.
+    pub config_fields_ignored: Vec<String>,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -119,7 +123,13 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     // Metrics and health first: reading a large pinned state back takes seconds, and
     // /livez must answer meanwhile (/healthz says 503 until the first sync).
-    let metrics = Arc::new(Metrics::new());
+    let mut metrics = Metrics::new();
+    metrics.kube_proxy.set_families(
+        node_addrs.iter().any(|a| a.is_ipv4()),
+        node_addrs.iter().any(|a| a.is_ipv6()),
+    );
+    metrics.kube_proxy.set_ignored(&opts.config_fields_ignored);
+    let metrics = Arc::new(metrics);
     metrics
         .conntrack_max
         .set(i64::from(installed.conntrack_entries / 2));
@@ -164,16 +174,19 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     let (tx, rx) = mpsc::channel(4096);
     match &opts.manifests {
         Some(dir) => {
-            info!(dir = %dir.display(), "source: manifests directory");
+            info!(dir = %dir.display(), node = %opts.node_name, "source: manifests directory");
             let source = manifests::ManifestsDir::new(dir, metrics.source.clone());
             manifests::spawn(source, opts.manifests_poll, tx)
                 .context("starting the manifests thread")?;
         }
         None => {
-            let client = kube_source::client(opts.kubeconfig.as_deref()).await?;
-            info!(node = %opts.node_name, "source: Kubernetes API");
+            let config = kube_source::config(opts.kubeconfig.as_deref()).await?;
+            let host = kube_source::host(&config);
+            let client = kube::Client::try_from(config)?;
+            info!(node = %opts.node_name, %host, "source: Kubernetes API");
             kube_source::spawn(
                 client,
+                &host,
                 opts.proxy_name.as_deref(),
                 &opts.node_name,
                 tx,

@@ -22,6 +22,20 @@ use super::{objects::label_selector, Kind, Object, Update};
 /// A client from `--kubeconfig`, else in-cluster config, else `$KUBECONFIG` /
 /// `~/.kube/config`.
 pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
+    Ok(Client::try_from(config(kubeconfig).await?)?)
+}
+
+/// The API server's `host[:port]`, as client-go labels `rest_client_requests_total`.
+pub fn host(config: &Config) -> String {
+    config
+        .cluster_url
+        .authority()
+        .map(|a| a.to_string())
+        .unwrap_or_default()
+}
+
+/// The client's configuration (see [`client`]).
+pub async fn config(kubeconfig: Option<&Path>) -> anyhow::Result<Config> {
     let config = match kubeconfig {
         Some(path) => {
             let kc = Kubeconfig::read_from(path)
@@ -34,7 +48,7 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
             Err(_) => Config::infer().await?,
         },
     };
-    Ok(Client::try_from(config)?)
+    Ok(config)
 }
 
 /// The collection's path on the API server.
@@ -63,6 +77,7 @@ const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// `all_nodes`: watch every Node, not only `node_name`'s.
 pub fn spawn(
     client: Client,
+    host: &str,
     proxy_name: Option<&str>,
     node_name: &str,
     tx: mpsc::Sender<Update>,
@@ -84,6 +99,7 @@ pub fn spawn(
     ] {
         let reader = Reader {
             client: client.clone(),
+            host: host.to_string(),
             kind,
             selector,
             tx: tx.clone(),
@@ -123,6 +139,8 @@ pub enum Selector {
 /// kube-proxy's informers list-then-watch as well.
 pub struct Reader {
     pub client: Client,
+    /// The API server's `host[:port]` (`rest_client_requests_total`'s `host`).
+    pub host: String,
     pub kind: Kind,
     pub selector: Selector,
     pub tx: mpsc::Sender<Update>,
@@ -262,7 +280,19 @@ impl Reader {
         let req = http::Request::get(uri)
             .body(Vec::new())
             .map_err(|e| Failure::Other(e.to_string()))?;
-        self.client.request_text(req).await.map_err(failure)
+        let r = self.client.request_text(req).await;
+        self.count(&r);
+        r.map_err(failure)
+    }
+
+    /// `rest_client_requests_total` for one GET (lists and watches are GETs).
+    fn count<T>(&self, r: &Result<T, kube::Error>) {
+        let code = match r {
+            Ok(_) => Some(200),
+            Err(kube::Error::Api(s)) => Some(s.code),
+            Err(_) => None,
+        };
+        self.metrics.rest_request("GET", &self.host, code);
     }
 
     /// One watch from `rv` until it ends; `rv` follows every event and bookmark. `Ok`: it
@@ -278,7 +308,9 @@ impl Reader {
         let req = http::Request::get(uri)
             .body(Vec::new())
             .map_err(|e| Failure::Other(e.to_string()))?;
-        let mut body = self.client.request_stream(req).await.map_err(failure)?;
+        let body = self.client.request_stream(req).await;
+        self.count(&body);
+        let mut body = body.map_err(failure)?;
         let idle = Duration::from_secs(WATCH_TIMEOUT_SECS) + WATCH_IDLE_MARGIN;
         let mut line = Vec::new();
         let mut got_events = false;

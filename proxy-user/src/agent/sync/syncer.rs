@@ -85,6 +85,13 @@ pub struct Syncer<S> {
     pub(super) orphans_reported: BTreeSet<ObjKey>,
     /// `--lb-algorithm`: the default for Services without the annotation.
     pub(super) lb_default: LbAlgorithm,
+    /// EndpointSlice trigger times (`endpoints.kubernetes.io/last-change-trigger-time`)
+    /// per Service, not yet programmed: observed into
+    /// `kubeproxy_network_programming_duration_seconds` when the Service is written.
+    pub(super) triggers: HashMap<ObjKey, Vec<(std::time::SystemTime, crate::model::Family)>>,
+    /// Trigger times before this are not observed (changes from before the agent
+    /// started), as kube-proxy's endpoints change tracker does.
+    pub(super) started: std::time::SystemTime,
 }
 
 impl<S: MapStore> Syncer<S> {
@@ -115,6 +122,8 @@ impl<S: MapStore> Syncer<S> {
             needs: needs.into_iter().collect(),
             orphans_reported: BTreeSet::new(),
             lb_default: LbAlgorithm::default(),
+            triggers: HashMap::default(),
+            started: std::time::SystemTime::now(),
         }
     }
 

@@ -36,8 +36,20 @@ impl<S: MapStore> Syncer<S> {
                 self.full_due.get_or_insert(now);
                 self.listed.insert(kind);
             }
-            Update::Apply(obj) => self.apply(obj, now),
+            Update::Apply(obj) => {
+                match obj.kind() {
+                    Kind::Service => self.metrics.kube_proxy.queued(true),
+                    Kind::EndpointSlice => self.metrics.kube_proxy.queued(false),
+                    Kind::Node => {}
+                }
+                self.apply(obj, now)
+            }
             Update::Delete { kind, key } => {
+                match kind {
+                    Kind::Service => self.metrics.kube_proxy.queued(true),
+                    Kind::EndpointSlice => self.metrics.kube_proxy.queued(false),
+                    Kind::Node => {}
+                }
                 self.release(kind, &key, now);
                 match kind {
                     Kind::Service => {
@@ -161,6 +173,14 @@ impl<S: MapStore> Syncer<S> {
             Incoming::Slice(r) => {
                 let key = r.key.clone();
                 if let Ok(info) = self.slice_info(r) {
+                    if let Some((t, i)) = info.as_ref().and_then(|i| Some((i.trigger_time?, i))) {
+                        if t >= self.started {
+                            self.triggers
+                                .entry(i.service.clone())
+                                .or_default()
+                                .push((t, i.family));
+                        }
+                    }
                     self.release(Kind::EndpointSlice, &key, now);
                     if self.listed.contains(&Kind::Service) {
                         self.report_orphan(&key, info.as_ref());
