@@ -4,16 +4,15 @@
 use std::io;
 
 use serde_json::{json, Value};
-use tokio::{
-    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
-    net::tcp::{OwnedReadHalf, OwnedWriteHalf},
-};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 
 pub(super) struct Request {
     pub(super) line: String,
     pub(super) method: String,
     pub(super) target: String,
     pub(super) close: bool,
+    /// The `Authorization` header, as sent.
+    pub(super) authorization: Option<String>,
 }
 
 pub(super) fn status(code: u16, reason: &str, message: impl Into<String>) -> Value {
@@ -29,8 +28,8 @@ pub(super) fn status(code: u16, reason: &str, message: impl Into<String>) -> Val
 }
 
 /// Reads one request head (and skips a body, if any). `Ok(None)` on a clean EOF.
-pub(super) async fn read_request(
-    reader: &mut BufReader<OwnedReadHalf>,
+pub(super) async fn read_request<R: AsyncRead + Unpin>(
+    reader: &mut BufReader<R>,
 ) -> io::Result<Option<Request>> {
     let mut line = String::new();
     loop {
@@ -49,6 +48,7 @@ pub(super) async fn read_request(
     let version = parts.next().unwrap_or_default();
     let mut close = version == "HTTP/1.0";
     let mut content_length = 0usize;
+    let mut authorization = None;
     loop {
         let mut header = String::new();
         if reader.read_line(&mut header).await? == 0 {
@@ -59,6 +59,10 @@ pub(super) async fn read_request(
             break;
         }
         if let Some((name, value)) = header.split_once(':') {
+            if name.trim().eq_ignore_ascii_case("authorization") {
+                authorization = Some(value.trim().to_owned());
+                continue;
+            }
             let value = value.trim().to_ascii_lowercase();
             match name.trim().to_ascii_lowercase().as_str() {
                 "content-length" => content_length = value.parse().unwrap_or(0),
@@ -77,6 +81,7 @@ pub(super) async fn read_request(
         method,
         target,
         close,
+        authorization,
     }))
 }
 
@@ -84,6 +89,8 @@ fn reason_phrase(code: u16) -> &'static str {
     match code {
         200 => "OK",
         400 => "Bad Request",
+        401 => "Unauthorized",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         410 => "Gone",
@@ -93,8 +100,8 @@ fn reason_phrase(code: u16) -> &'static str {
     }
 }
 
-pub(super) async fn write_json(
-    writer: &mut OwnedWriteHalf,
+pub(super) async fn write_json<W: AsyncWrite + Unpin>(
+    writer: &mut W,
     code: u16,
     body: &Value,
     close: bool,
@@ -102,8 +109,8 @@ pub(super) async fn write_json(
     write_text(writer, code, &body.to_string(), close).await
 }
 
-pub(super) async fn write_text(
-    writer: &mut OwnedWriteHalf,
+pub(super) async fn write_text<W: AsyncWrite + Unpin>(
+    writer: &mut W,
     code: u16,
     body: &str,
     close: bool,
@@ -114,7 +121,9 @@ pub(super) async fn write_text(
         body.len(),
         if close { "Connection: close\r\n" } else { "" },
     );
-    writer.write_all(response.as_bytes()).await
+    writer.write_all(response.as_bytes()).await?;
+    // A TLS stream holds records until flushed.
+    writer.flush().await
 }
 
 /// Decodes `%XX` escapes and `+` (form encoding, as kube-rs sends queries).

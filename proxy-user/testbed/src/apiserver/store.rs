@@ -202,6 +202,8 @@ impl Store {
 
 pub(super) struct Shared {
     pub(super) store: Mutex<Store>,
+    /// Authentication and RBAC (off for plain HTTP).
+    pub(super) auth: Mutex<super::auth::Auth>,
     pub(super) requests: Mutex<Vec<String>>,
     /// Bumped by `stop()`: the accept loop and every connection end.
     pub(super) generation: watch::Sender<u64>,
