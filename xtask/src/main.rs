@@ -5,11 +5,14 @@
 //! - `demo`: the seed article's example live (see `demo.rs`);
 //! - `bench`: the datapath and control plane against kube-proxy's modes (see `bench/`);
 //! - `test`: formatting, clippy, unit and privileged integration tests (serially).
+//! - `image`: the shipped image from `deploy/Dockerfile` with buildah, no registry
+//!   needed (see `image.rs`);
 //! - `upgrade-from`: the previous release's `proxy-agent`, for the upgrade test (see
 //!   `upgrade_from.rs`; `test` runs it first).
 
 mod bench;
 mod demo;
+mod image;
 mod setup;
 mod tiers;
 mod upgrade_from;
@@ -42,6 +45,10 @@ enum Cmd {
     /// Benchmark the eBPF datapath and control plane against kube-proxy's iptables,
     /// nftables and IPVS modes at 1 to 50,000 services (as root; docs/benchmarks.md).
     Bench(bench::Args),
+    /// Build the shipped image (deploy/Dockerfile) with buildah, on a Debian base made
+    /// locally with debootstrap unless --base names a registry image; prints its size and
+    /// digest (as root).
+    Image(image::Args),
     /// Run every test: fmt and clippy checks, unit tests, privileged tests (as root).
     /// Build the previous release's `proxy-agent` for the upgrade test (reused once built).
     UpgradeFrom,
@@ -78,6 +85,10 @@ fn main() -> Result<()> {
             demo::run(&release_dir(), requests_per_pod)
         }
         Cmd::Bench(args) => bench::main(args),
+        Cmd::Image(args) => {
+            setup::ensure()?;
+            image::main(args)
+        }
         Cmd::UpgradeFrom => {
             setup::ensure()?;
             let bin = upgrade_from::ensure()?;

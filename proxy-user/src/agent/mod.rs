@@ -3,6 +3,7 @@
 //! rate-limited sync loop until told to stop. Stopping leaves the datapath pinned and
 //! serving; the next agent adopts it.
 
+mod caps;
 pub mod healthcheck;
 pub mod http;
 pub mod metrics;
@@ -95,7 +96,13 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         tc_attach: opts.tc_attach,
         acceleration: opts.acceleration,
     })
-    .with_context(|| format!("installing the datapath at {}", opts.pin_path.display()))?;
+    .with_context(|| {
+        format!(
+            "installing the datapath at {}{}",
+            opts.pin_path.display(),
+            caps::missing_hint()
+        )
+    })?;
     info!(
         attached = installed.attached.len(),
         adopted = installed.adopted.len(),
