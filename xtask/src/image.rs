@@ -28,7 +28,7 @@ const BINARIES: &str = "localhost/ebpf-proxy-binaries:dev";
 /// Where the builder stage leaves the binaries (deploy/Dockerfile).
 const BUILDER_RELEASE: &str = "/home/build/src/target/release";
 
-#[derive(clap::Args)]
+#[derive(clap::Args, Default)]
 pub struct Args {
     /// The Dockerfile's BASE: an image from a registry (e.g. `debian:bookworm-slim`).
     /// Default: a Debian bookworm made here with debootstrap (no registry needed).

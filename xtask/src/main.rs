@@ -222,6 +222,11 @@ fn test(no_lint: bool, no_bench: bool, tier: Tier, args: &[String]) -> Result<()
         let mut cmd = cargo();
         // The upgrade test runs the previous release's agent (tests/upgrade.rs).
         cmd.env(upgrade_from::ENV, upgrade_from::ensure()?);
+        // tests/daemonset_image.rs starts the shipped image: build it (about a minute
+        // once the base is cached: buildah reuses the apt layer).
+        if setup::is_root() {
+            image::main(image::Args::default())?;
+        }
         cmd.args(["test", "--package", "proxy-user"]);
         for t in &privileged {
             cmd.args(["--test", t]);
