@@ -13,6 +13,10 @@ pub(super) struct Request {
     pub(super) close: bool,
     /// The `Authorization` header, as sent.
     pub(super) authorization: Option<String>,
+    /// The `Content-Type` header (lower case), for writes.
+    pub(super) content_type: String,
+    /// The body (create, update, patch).
+    pub(super) body: Vec<u8>,
 }
 
 pub(super) fn status(code: u16, reason: &str, message: impl Into<String>) -> Value {
@@ -49,6 +53,7 @@ pub(super) async fn read_request<R: AsyncRead + Unpin>(
     let mut close = version == "HTTP/1.0";
     let mut content_length = 0usize;
     let mut authorization = None;
+    let mut content_type = String::new();
     loop {
         let mut header = String::new();
         if reader.read_line(&mut header).await? == 0 {
@@ -66,14 +71,15 @@ pub(super) async fn read_request<R: AsyncRead + Unpin>(
             let value = value.trim().to_ascii_lowercase();
             match name.trim().to_ascii_lowercase().as_str() {
                 "content-length" => content_length = value.parse().unwrap_or(0),
+                "content-type" => content_type = value,
                 "connection" if value.contains("close") => close = true,
                 "connection" if value.contains("keep-alive") => close = false,
                 _ => {}
             }
         }
     }
+    let mut body = vec![0; content_length];
     if content_length > 0 {
-        let mut body = vec![0; content_length];
         reader.read_exact(&mut body).await?;
     }
     Ok(Some(Request {
@@ -82,12 +88,17 @@ pub(super) async fn read_request<R: AsyncRead + Unpin>(
         target,
         close,
         authorization,
+        content_type,
+        body,
     }))
 }
 
 fn reason_phrase(code: u16) -> &'static str {
     match code {
         200 => "OK",
+        201 => "Created",
+        409 => "Conflict",
+        415 => "Unsupported Media Type",
         400 => "Bad Request",
         401 => "Unauthorized",
         403 => "Forbidden",

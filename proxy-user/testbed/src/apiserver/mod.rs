@@ -21,6 +21,10 @@
 //!   future); `N` with `Exact` = the snapshot at N (`410 Expired` when compacted); a
 //!   `continue` together with a `resourceVersion` is a `400`.
 //!   Single objects can be read too (`.../services/{name}`), and `/version` answers.
+//! - Writes as kubectl makes them (`write.rs`): create, update, patch (merge and
+//!   strategic merge patch, the latter without list merge keys), delete; and the
+//!   discovery documents (`/api`, `/apis`, `/api/v1`, `/apis/discovery.k8s.io/v1`, and the
+//!   part of `/openapi/v3` kubectl reads). `tests/kubectl.rs` runs the real kubectl.
 //! - Watches (`watch=true`) with `resourceVersion`, `allowWatchBookmarks`, `timeoutSeconds`
 //!   and `sendInitialEvents` (streaming lists: it requires
 //!   `resourceVersionMatch=NotOlderThan`, as kube-apiserver does, and ends the initial
@@ -46,8 +50,10 @@
 //! instruments, stop and restart); `store.rs` the objects, their resourceVersions and
 //! history; `selector.rs` label and field selectors; `http.rs` requests read and
 //! responses written; `route.rs` which answer a request gets; `list.rs` list pages and
-//! continue tokens; `watch.rs` watch streams and bookmarks; `conn.rs` the accept loop and
-//! each connection's request loop. Its own tests are `tests/apiserver_selftest.rs`.
+//! continue tokens; `watch.rs` watch streams and bookmarks; `write.rs` writes and
+//! discovery; `auth.rs` TLS, authentication and RBAC; `conn.rs` the accept loop and each
+//! connection's request loop. Its own tests are `tests/apiserver_selftest.rs`; kubectl's
+//! view of it `tests/kubectl.rs`.
 
 mod auth;
 mod conn;
@@ -57,6 +63,7 @@ mod route;
 mod selector;
 mod store;
 mod watch;
+mod write;
 
 use std::{
     net::SocketAddr,
@@ -76,7 +83,7 @@ use auth::Tls;
 pub use auth::{Permission, ServiceAccountVolume};
 use conn::accept_loop;
 use http::percent_decode;
-use store::{apply_locked, lock, Change, Kind, Shared, Store};
+use store::{apply_locked, delete_locked, lock, Kind, Shared, Store};
 
 /// How long `stop()` waits for the listener and the connections to go away.
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -328,19 +335,7 @@ preferences: {{}}
         });
         let namespace = if kind.namespaced() { namespace } else { "" };
         let mut store = lock(&self.shared.store);
-        let key = (kind, namespace.to_owned(), name.to_owned());
-        let Some(last) = store.objects.remove(&key) else {
-            return;
-        };
-        store.encoded.remove(&key);
-        store.rv += 1;
-        let rv = store.rv;
-        store.record(Change {
-            rv,
-            kind,
-            before: Some(last),
-            after: None,
-        });
+        delete_locked(&mut store, &(kind, namespace.to_owned(), name.to_owned()));
     }
 
     /// Abruptly closes every open watch connection (mid-stream, no final event, no

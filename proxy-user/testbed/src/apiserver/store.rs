@@ -107,6 +107,22 @@ pub(super) fn apply_locked(store: &mut Store, mut obj: Value) {
     });
 }
 
+/// Deletes the object at `key`; watchers get DELETED with its last state carrying the
+/// new resourceVersion. Returns that last state (`None`: there was none).
+pub(super) fn delete_locked(store: &mut Store, key: &(Kind, String, String)) -> Option<Value> {
+    let last = store.objects.remove(key)?;
+    store.encoded.remove(key);
+    store.rv += 1;
+    let rv = store.rv;
+    store.record(Change {
+        rv,
+        kind: key.0,
+        before: Some(last.clone()),
+        after: None,
+    });
+    Some(last)
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum Kind {
     Service,
