@@ -340,3 +340,63 @@ fn agent_refuses_a_server_its_ca_did_not_sign() {
         let _ = std::fs::remove_file(format!("{}{ext}", kubeconfig.display()));
     }
 }
+
+/// The API server overloaded (429 with Retry-After, as its max-in-flight filter answers)
+/// and then failing (500s) while the agent re-lists: traffic keeps flowing through what
+/// is programmed, kube's client waits the Retry-After, the agent backs off after the
+/// 500s, and every change made meanwhile arrives once the server answers again.
+#[test]
+fn agent_rides_out_429_and_500_answers() {
+    let mut env = TestEnv::without_datapath(3);
+    env.serve_all(TARGET);
+    let api = api_with_web(FakeApiServer::start_tls());
+    let token = unique("token-");
+    api.add_token(&token, SA_USER);
+    let kubeconfig = std::env::temp_dir().join(unique("ebpf-proxy-kubeconfig-faults-"));
+    api.write_kubeconfig_with_token(&kubeconfig, &token);
+    let mut agent =
+        AgentProcess::start(&env, &["--kubeconfig", kubeconfig.to_str().expect("utf-8")]);
+    agent.wait_healthy(Duration::from_secs(20));
+    until_from(&env, vip(10), Duration::from_secs(5), "pod1");
+
+    // 429 with Retry-After: 1 for the next 3 requests (the three re-watches).
+    api.fail_requests(429, 3, Some(1));
+    let start = Instant::now();
+    api.drop_watches();
+    api.apply(slice("web-1", "web", &[2]));
+    until_from(&env, vip(10), Duration::from_secs(15), "pod2");
+    let after_429 = start.elapsed();
+    eprintln!("3 x 429 (Retry-After: 1): change -> traffic in {after_429:?}");
+    assert_eq!(api.failed_requests(429), 3, "every 429 was met");
+    assert!(
+        after_429 >= Duration::from_millis(900),
+        "the Retry-After of 1 s was honoured: {after_429:?}"
+    );
+
+    // 500s: 9 in a row (three per watch); traffic goes on meanwhile.
+    api.fail_requests(500, 9, None);
+    api.drop_watches();
+    api.apply(slice("web-1", "web", &[3]));
+    wait_for(
+        Duration::from_secs(10),
+        "the 500s are being answered",
+        || api.failed_requests(500) >= 3,
+    );
+    until_from(&env, vip(10), Duration::from_secs(2), "pod2");
+    let recovered = until_from(&env, vip(10), Duration::from_secs(40), "pod3");
+    eprintln!("9 x 500: traffic moved {recovered:?} after the first 500s were seen");
+    assert_eq!(api.failed_requests(500), 9, "every 500 was met");
+    assert!(
+        agent.logs().contains("500"),
+        "the agent logs the server error: {}",
+        agent.logs()
+    );
+    assert!(
+        agent.child.try_wait().expect("wait").is_none(),
+        "no restart"
+    );
+    drop(agent);
+    for ext in ["", ".ca.crt"] {
+        let _ = std::fs::remove_file(format!("{}{ext}", kubeconfig.display()));
+    }
+}

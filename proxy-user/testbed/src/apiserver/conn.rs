@@ -14,7 +14,7 @@ use tokio::{
 use tokio_rustls::TlsAcceptor;
 
 use super::{
-    http::{read_request, write_json, write_text},
+    http::{read_request, status, write_json, write_text, write_text_with, Request},
     route::{handle, Reply},
     store::{lock, ConnectionGuard, Shared},
     watch::serve_watch,
@@ -119,6 +119,38 @@ async fn serve_connection<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         };
         lock(&shared.requests).push(request.line.clone());
         let checked = lock(&shared.auth).check(&request, peer_cert.as_deref());
+        if checked.is_ok() {
+            if let Some((code, retry_after)) = injected_failure(&shared, &request) {
+                let reason = match code {
+                    429 => "TooManyRequests",
+                    500 => "InternalError",
+                    503 => "ServiceUnavailable",
+                    _ => "Unknown",
+                };
+                let message = match code {
+                    429 => "Too many requests, please try again later.".to_owned(),
+                    _ => format!("injected failure ({code})"),
+                };
+                let mut body = status(code, reason, message);
+                let mut headers = String::new();
+                if let Some(secs) = retry_after {
+                    body["details"] = serde_json::json!({"retryAfterSeconds": secs});
+                    headers = format!("Retry-After: {secs}\r\n");
+                }
+                let written = write_text_with(
+                    &mut writer,
+                    code,
+                    &body.to_string(),
+                    request.close,
+                    &headers,
+                )
+                .await;
+                if written.is_err() || request.close {
+                    return;
+                }
+                continue;
+            }
+        }
         let reply = match checked {
             Ok(()) => handle(&shared, &request),
             Err((code, body)) => Reply::Json(code, body),
@@ -143,4 +175,21 @@ async fn serve_connection<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
             return;
         }
     }
+}
+
+/// The failure armed by `fail_requests` for this request, if any (resource paths only),
+/// counted: (code, Retry-After).
+fn injected_failure(shared: &Shared, request: &Request) -> Option<(u16, Option<u64>)> {
+    let path = request.target.split('?').next().unwrap_or_default();
+    let segments = path.trim_matches('/').split('/').count();
+    let resource =
+        (path.starts_with("/api/") && segments > 2) || (path.starts_with("/apis/") && segments > 3);
+    if !resource {
+        return None;
+    }
+    let mut fail = lock(&shared.fail);
+    let (code, left, retry_after) = (*fail)?;
+    *fail = (left > 1).then_some((code, left - 1, retry_after));
+    *lock(&shared.failed).entry(code).or_default() += 1;
+    Some((code, retry_after))
 }

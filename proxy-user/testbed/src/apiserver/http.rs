@@ -106,6 +106,9 @@ fn reason_phrase(code: u16) -> &'static str {
         405 => "Method Not Allowed",
         410 => "Gone",
         422 => "Unprocessable Entity",
+        429 => "Too Many Requests",
+        500 => "Internal Server Error",
+        503 => "Service Unavailable",
         504 => "Gateway Timeout",
         _ => "Unknown",
     }
@@ -126,8 +129,19 @@ pub(super) async fn write_text<W: AsyncWrite + Unpin>(
     body: &str,
     close: bool,
 ) -> io::Result<()> {
+    write_text_with(writer, code, body, close, "").await
+}
+
+/// [`write_text`] with extra header lines (each ending in `\r\n`).
+pub(super) async fn write_text_with<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    code: u16,
+    body: &str,
+    close: bool,
+    headers: &str,
+) -> io::Result<()> {
     let response = format!(
-        "HTTP/1.1 {code} {}\r\nContent-Type: application/json\r\nCache-Control: no-cache, private\r\nContent-Length: {}\r\n{}\r\n{body}",
+        "HTTP/1.1 {code} {}\r\nContent-Type: application/json\r\nCache-Control: no-cache, private\r\n{headers}Content-Length: {}\r\n{}\r\n{body}",
         reason_phrase(code),
         body.len(),
         if close { "Connection: close\r\n" } else { "" },

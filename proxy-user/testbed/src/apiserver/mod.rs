@@ -36,6 +36,7 @@
 //! - Resource versions come from one global counter, like etcd revisions.
 //!
 //! Fault injection: [`FakeApiServer::drop_watches`], [`FakeApiServer::expire_history`],
+//! [`FakeApiServer::fail_requests`] (429 with Retry-After, 500, ...),
 //! [`FakeApiServer::compact_after_pages`], [`FakeApiServer::stop`] and
 //! [`FakeApiServer::restart`].
 //!
@@ -147,6 +148,8 @@ impl FakeApiServer {
             shared: Arc::new(Shared {
                 store: Mutex::new(Store::default()),
                 auth: Mutex::new(auth::Auth::new(tls.is_some())),
+                fail: Mutex::new(None),
+                failed: Mutex::new(Default::default()),
                 requests: Mutex::new(Vec::new()),
                 generation,
                 connections: AtomicUsize::new(0),
@@ -353,6 +356,20 @@ preferences: {{}}
     /// watch is interrupted. Open watches are not affected.
     pub fn expire_history(&self) {
         lock(&self.shared.store).expire();
+    }
+
+    /// Answers the next `count` requests for resources (lists, gets, watches, writes; not
+    /// discovery or `/version`) with `code` and kube-apiserver's Status body: 429
+    /// `TooManyRequests` (with `Retry-After: retry_after` seconds when given, as the
+    /// apiserver's max-in-flight filter sends it), 500 `InternalError`, 503
+    /// `ServiceUnavailable`, ... See [`Self::failed_requests`].
+    pub fn fail_requests(&self, code: u16, count: usize, retry_after: Option<u64>) {
+        *lock(&self.shared.fail) = (count > 0).then_some((code, count, retry_after));
+    }
+
+    /// How many requests were answered with the injected failure `code` so far.
+    pub fn failed_requests(&self, code: u16) -> usize {
+        lock(&self.shared.failed).get(&code).copied().unwrap_or(0)
     }
 
     /// Arms a compaction: after each of the next `pages` list pages that carry a

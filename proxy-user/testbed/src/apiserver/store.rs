@@ -218,6 +218,10 @@ impl Store {
 
 pub(super) struct Shared {
     pub(super) store: Mutex<Store>,
+    /// Armed by [`super::FakeApiServer::fail_requests`]: (code, how many more, Retry-After).
+    pub(super) fail: Mutex<Option<(u16, usize, Option<u64>)>>,
+    /// How many requests were answered with each injected failure code.
+    pub(super) failed: Mutex<BTreeMap<u16, usize>>,
     /// Authentication and RBAC (off for plain HTTP).
     pub(super) auth: Mutex<super::auth::Auth>,
     pub(super) requests: Mutex<Vec<String>>,
