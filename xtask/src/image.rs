@@ -68,6 +68,17 @@ pub fn main(args: Args) -> Result<()> {
         .args(["--build-arg", &format!("BINARIES={BINARIES}")])
         .args(["-t", IMAGE])
         .arg(&context))?;
+    // buildah 1.28 leaves a working container for a stage that is only a FROM (BINARIES).
+    if let Ok(out) = Command::new("buildah")
+        .args(["containers", "--format", "{{.ContainerName}}"])
+        .output()
+    {
+        for name in String::from_utf8_lossy(&out.stdout).lines() {
+            if name.starts_with("ebpf-proxy-binaries-working-container") {
+                let _ = Command::new("buildah").args(["rm", name]).output();
+            }
+        }
+    }
     report(&work)
 }
 
