@@ -62,7 +62,7 @@ impl Harness {
         api.write_kubeconfig(&path);
         let config = kube_source::config(Some(&path)).await.expect("config");
         let host = kube_source::host(&config);
-        let client = kube::Client::try_from(config).expect("client");
+        let client = kube_source::client_from(config).expect("client");
         let _ = std::fs::remove_file(&path);
         let (tx, rx) = mpsc::channel(64);
         let metrics = SourceCounters::default();

@@ -6,11 +6,14 @@
 //! - `bench`: the datapath and control plane against kube-proxy's modes (see `bench/`);
 //! - `bench-report`: docs/benchmarks.md's tables of the committed run, from its JSON;
 //! - `test`: formatting, clippy, unit and privileged integration tests (serially).
+//! - `image`: the shipped image from `deploy/Dockerfile` with buildah, no registry
+//!   needed (see `image.rs`);
 //! - `upgrade-from`: the previous release's `proxy-agent`, for the upgrade test (see
 //!   `upgrade_from.rs`; `test` runs it first).
 
 mod bench;
 mod demo;
+mod image;
 mod setup;
 mod tiers;
 mod upgrade_from;
@@ -46,6 +49,10 @@ enum Cmd {
     /// Rewrite the tables of docs/benchmarks.md that quote the committed run
     /// (docs/bench/results.json) from that JSON.
     BenchReport,
+    /// Build the shipped image (deploy/Dockerfile) with buildah, on a Debian base made
+    /// locally with debootstrap unless --base names a registry image; prints its size and
+    /// digest (as root).
+    Image(image::Args),
     /// Run every test: fmt and clippy checks, unit tests, privileged tests (as root).
     /// Build the previous release's `proxy-agent` for the upgrade test (reused once built).
     UpgradeFrom,
@@ -83,6 +90,10 @@ fn main() -> Result<()> {
         }
         Cmd::Bench(args) => bench::main(args),
         Cmd::BenchReport => bench::headline::main(&workspace_root()),
+        Cmd::Image(args) => {
+            setup::ensure()?;
+            image::main(args)
+        }
         Cmd::UpgradeFrom => {
             setup::ensure()?;
             let bin = upgrade_from::ensure()?;
@@ -216,6 +227,11 @@ fn test(no_lint: bool, no_bench: bool, tier: Tier, args: &[String]) -> Result<()
         let mut cmd = cargo();
         // The upgrade test runs the previous release's agent (tests/upgrade.rs).
         cmd.env(upgrade_from::ENV, upgrade_from::ensure()?);
+        // tests/daemonset_image.rs starts the shipped image: build it (about a minute
+        // once the base is cached: buildah reuses the apt layer).
+        if setup::is_root() {
+            image::main(image::Args::default())?;
+        }
         cmd.args(["test", "--package", "proxy-user"]);
         for t in &privileged {
             cmd.args(["--test", t]);

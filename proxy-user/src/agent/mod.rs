@@ -3,6 +3,7 @@
 //! rate-limited sync loop until told to stop. Stopping leaves the datapath pinned and
 //! serving; the next agent adopts it.
 
+mod caps;
 pub mod healthcheck;
 pub mod http;
 pub mod kubeproxy_metrics;
@@ -102,7 +103,13 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         tc_attach: opts.tc_attach,
         acceleration: opts.acceleration,
     })
-    .with_context(|| format!("installing the datapath at {}", opts.pin_path.display()))?;
+    .with_context(|| {
+        format!(
+            "installing the datapath at {}{}",
+            opts.pin_path.display(),
+            caps::missing_hint()
+        )
+    })?;
     info!(
         attached = installed.attached.len(),
         adopted = installed.adopted.len(),
@@ -182,7 +189,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         None => {
             let config = kube_source::config(opts.kubeconfig.as_deref()).await?;
             let host = kube_source::host(&config);
-            let client = kube::Client::try_from(config)?;
+            let client = kube_source::client_from(config)?;
             info!(node = %opts.node_name, %host, "source: Kubernetes API");
             kube_source::spawn(
                 client,

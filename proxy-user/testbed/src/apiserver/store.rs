@@ -123,6 +123,22 @@ pub(super) fn apply_locked(store: &mut Store, mut obj: Value) {
     });
 }
 
+/// Deletes the object at `key`; watchers get DELETED with its last state carrying the
+/// new resourceVersion. Returns that last state (`None`: there was none).
+pub(super) fn delete_locked(store: &mut Store, key: &(Kind, String, String)) -> Option<Value> {
+    let last = store.objects.remove(key)?;
+    store.encoded.remove(key);
+    store.rv += 1;
+    let rv = store.rv;
+    store.record(Change {
+        rv,
+        kind: key.0,
+        before: Some(last.clone()),
+        after: None,
+    });
+    Some(last)
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum Kind {
     Service,
@@ -218,6 +234,12 @@ impl Store {
 
 pub(super) struct Shared {
     pub(super) store: Mutex<Store>,
+    /// Armed by [`super::FakeApiServer::fail_requests`]: (code, how many more, Retry-After).
+    pub(super) fail: Mutex<Option<(u16, usize, Option<u64>)>>,
+    /// How many requests were answered with each injected failure code.
+    pub(super) failed: Mutex<BTreeMap<u16, usize>>,
+    /// Authentication and RBAC (off for plain HTTP).
+    pub(super) auth: Mutex<super::auth::Auth>,
     pub(super) requests: Mutex<Vec<String>>,
     /// Bumped by `stop()`: the accept loop and every connection end.
     pub(super) generation: watch::Sender<u64>,
