@@ -67,10 +67,10 @@ pub enum Reason {
     XdpToStack = 24,
     /// TC, DSR (`--forwarding-mode dsr|hybrid`), first node: a packet sent to a backend
     /// on another node with the DSR option carrying the frontend (client address kept,
-    /// no SNAT; IPv4: in an IPIP header from this node): a new flow's first packet, every TCP SYN, every UDP datagram.
+    /// no SNAT; in an IPIP / IPv6-in-IPv6 header from this node): a new flow's first packet, every TCP SYN, every UDP datagram.
     TcDsrEncap = 25,
-    /// TC, DSR, backend's node: a packet with the DSR option (IPv4: inside the IPIP
-    /// header of a cluster node): the reply entry recorded (backend -> client: source :=
+    /// TC, DSR, backend's node: a packet with the DSR option inside the IPIP /
+    /// IPv6-in-IPv6 header of a cluster node: the reply entry recorded (backend -> client: source :=
     /// the frontend), the option (and outer header) removed, delivered.
     TcDsrDecap = 26,
     /// TC, DSR, backend's node: a backend's reply sent straight to the client with the
@@ -84,9 +84,9 @@ pub enum Reason {
     /// TC, DSR, backend's node: a packet with the DSR option from a sender that is not a
     /// cluster node (`DSR_TRUSTED4/6`: the Node objects' addresses, `--dsr-trusted-cidrs`)
     /// or naming a frontend that is no NodePort on one of them nor this node's: the option
-    /// is not honoured (no reply entry). IPv4 in IPIP: dropped (the outcome); IPv4 without
-    /// the outer header and IPv6: nothing removed, the packet goes on as it is (counted in
-    /// addition to the packet's outcome).
+    /// is not honoured (no reply entry). Encapsulated: dropped (the outcome); without the
+    /// outer header: nothing removed, the packet goes on as it is (counted in addition to
+    /// the packet's outcome).
     TcDsrUntrusted = 29,
 }
 

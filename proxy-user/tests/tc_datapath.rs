@@ -681,7 +681,7 @@ fn counters(pins: &Path) -> BTreeMap<&'static str, u64> {
 /// no packets while dozens of replies reached the client); node 2 read the option and
 /// sent the replies (IPv4 `tc_dsr_decap` counts only an option inside the outer header of
 /// a trusted node). The same over IPv6 (fd00:102::/64 for the direct link, the option in
-/// a destination option). A datagram too large for the option and outer header is SNATed
+/// a destination option inside IPv6-in-IPv6). A datagram too large for the option and outer header is SNATed
 /// (`tc_dsr_too_big`), also one that would fit with the option alone. Then node 1 restarted in `hybrid` (TCP DSR, UDP SNAT) and in
 /// `snat` (the pod sees node 1 again).
 #[test]

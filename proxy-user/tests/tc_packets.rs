@@ -13,7 +13,7 @@
 
 mod support;
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use proxy_common::{map_names, svc_flags, Ct4Key, Ct4Value};
 use proxy_user::{Frontend, Proto};
@@ -928,6 +928,44 @@ fn ipip(inner: &[u8], src: Ipv4Addr, dst: Ipv4Addr) -> Vec<u8> {
     f
 }
 
+/// The IPv6-in-IPv6 outer header (next header 41) of an IPv6 DSR frame from the first
+/// node: version 6, hop limit 64, its payload length right; returns its source and
+/// destination and the inner frame (the Ethernet header kept).
+fn split_ip6ip6(frame: &[u8]) -> (Ipv6Addr, Ipv6Addr, Vec<u8>) {
+    assert_eq!(frame[12..14], [0x86, 0xdd], "IPv6");
+    let ip = &frame[14..54];
+    assert_eq!(ip[0] >> 4, 6, "outer header: IPv6");
+    assert_eq!(ip[6], 41, "outer next header: IPv6");
+    assert_eq!(ip[7], 64, "outer hop limit");
+    assert_eq!(
+        u16::from_be_bytes([ip[4], ip[5]]) as usize,
+        frame.len() - 54,
+        "outer payload length"
+    );
+    assert_eq!(
+        frame[54..58],
+        ip[0..4],
+        "traffic class and flow label copied"
+    );
+    let src = Ipv6Addr::from(<[u8; 16]>::try_from(&ip[8..24]).expect("16"));
+    let dst = Ipv6Addr::from(<[u8; 16]>::try_from(&ip[24..40]).expect("16"));
+    let mut inner = frame[..14].to_vec();
+    inner.extend(&frame[54..]);
+    (src, dst, inner)
+}
+
+/// `inner` (an IPv6 frame) wrapped in an IPv6-in-IPv6 outer header from `src` to `dst`.
+fn ip6ip6(inner: &[u8], src: Ipv6Addr, dst: Ipv6Addr) -> Vec<u8> {
+    let mut f = inner[..14].to_vec();
+    f.extend([0x60, 0, 0, 0]);
+    f.extend(((inner.len() - 14) as u16).to_be_bytes());
+    f.extend([41, 64]);
+    f.extend(src.octets());
+    f.extend(dst.octets());
+    f.extend(&inner[14..]);
+    f
+}
+
 impl Bed {
     fn forwarding_mode(&self, mode: proxy_user::ForwardingMode) {
         proxy_user::fwd::set(&self.pins.path, mode).expect("FWD_MODE");
@@ -991,14 +1029,15 @@ fn with_dsr_front6(frame: &[u8], front: std::net::Ipv6Addr) -> Vec<u8> {
     f
 }
 
-/// Issue 22 item 10: the backend's node honours an IPv4 DSR option only inside the IPIP
+/// Issue 22 item 10: the backend's node honours a DSR option only inside the IPIP (IPv6-in-IPv6)
 /// outer header of a cluster node (outer source in `DSR_TRUSTED4`: the Node objects'
 /// addresses, `--dsr-trusted-cidrs`), and only when it names a frontend a client could have
 /// sent to: a NodePort on a cluster node's address or a frontend of its own maps.
 /// Otherwise the packet is dropped (an outer source that is no node's, a forged frontend,
 /// a node address on a port that is no NodePort: no reply entry, the pod's reply keeps
 /// its own source) or, without an outer header, goes on as it came with the option not
-/// honoured; `tc_dsr_untrusted` counts each. IPv6 (no outer header): the frontend check.
+/// honoured; `tc_dsr_untrusted` counts each. IPv6 the same with IPv6-in-IPv6 and the
+/// destination option (`DSR_TRUSTED6`).
 #[test]
 fn dsr_option_is_honoured_only_from_a_cluster_node_for_a_frontend_on_one() {
     use proxy_common::Reason;
@@ -1128,19 +1167,58 @@ fn dsr_option_is_honoured_only_from_a_cluster_node_for_a_frontend_on_one() {
     assert_eq!((verdict, out), (TC_ACT_OK, other_ipip.clone()));
     assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 6);
 
-    // IPv6: the same in the destination option.
+    // IPv6: the same with IPv6-in-IPv6 and the destination option.
+    let node6: Ipv6Addr = "2001:db8:1::1".parse().expect("ip");
+    let pod6: Ipv6Addr = "2001:db8:2::2".parse().expect("ip");
     let syn6 = Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:1::1]:30080", SYN);
     let (_, out6) = first.run_raw("tc_ingress", &syn6.build());
-    let forged6 = with_dsr_front6(&out6, "2001:db8:99::9".parse().expect("ip"));
-    assert_eq!(split_dsr_option6(&forged6).0, sa("[2001:db8:99::9]:30080"));
-    let (verdict, out) = backend_node.run_raw("tc_ingress", &forged6);
-    assert_eq!((verdict, out), (TC_ACT_OK, forged6.clone()));
-    assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 7);
+    let (from, to, inner6) = split_ip6ip6(&out6);
+    assert_eq!((from, to), (node6, pod6));
+    let reply6 = Pkt::tcp("[2001:db8:2::2]:8080", "[2001:db8::7]:40000", SYN | ACK);
+    let not_honoured6 = |what: &str, frame: &[u8], verdict: u32, untrusted: u64| {
+        let (v, out) = backend_node.run_raw("tc_ingress", frame);
+        assert_eq!(v, verdict, "{what}");
+        if verdict == TC_ACT_OK {
+            assert_eq!(out, frame, "{what}: goes on as it came");
+        }
+        assert_eq!(
+            backend_node.counter(Reason::TcDsrUntrusted),
+            untrusted,
+            "{what}"
+        );
+        let (_, out) = backend_node.run("tc_egress", &reply6);
+        assert_eq!(out.src, reply6.src, "{what}: no reply entry");
+    };
+    let stranger6 = ip6ip6(&inner6, "2001:db8:66::66".parse().expect("ip"), pod6);
+    not_honoured6(
+        "IPv6: an outer source that is no node's",
+        &stranger6,
+        TC_ACT_SHOT,
+        7,
+    );
+    not_honoured6("IPv6: no outer header", &inner6, TC_ACT_OK, 8);
+    let forged6 = ip6ip6(
+        &with_dsr_front6(&inner6, "2001:db8:99::9".parse().expect("ip")),
+        node6,
+        pod6,
+    );
+    assert_eq!(
+        split_dsr_option6(&split_ip6ip6(&forged6).2).0,
+        sa("[2001:db8:99::9]:30080")
+    );
+    not_honoured6("IPv6: a forged frontend", &forged6, TC_ACT_SHOT, 9);
     let (verdict, out) = backend_node.run_raw("tc_ingress", &out6);
     assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        out,
+        split_dsr_option6(&inner6).1,
+        "honoured: the inner packet"
+    );
     assert_eq!(Pkt::parse(&out).dst, sa("[2001:db8:2::2]:8080"));
     assert_eq!(backend_node.counter(Reason::TcDsrDecap), 5);
-    assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 7);
+    assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 9);
+    let (_, out) = backend_node.run("tc_egress", &reply6);
+    assert_eq!(out.src, sa("[2001:db8:1::1]:30080"));
 }
 
 /// Issue 15 item 3, the packets: on the first node (`--forwarding-mode dsr`) a new flow to
@@ -1239,8 +1317,17 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     // IPv6: the same option in a Destination Options header.
     let syn6 = Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:1::1]:30080", SYN);
     let (verdict, out6) = first.run_raw("tc_ingress", &syn6.build());
-    assert_eq!(verdict, TC_ACT_OK);
-    let (front, plain) = split_dsr_option6(&out6);
+    assert!(verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT);
+    let (from, to, inner6) = split_ip6ip6(&out6);
+    assert_eq!(
+        (from, to),
+        (
+            "2001:db8:1::1".parse().expect("ip"),
+            "2001:db8:2::2".parse().expect("ip")
+        ),
+        "outer: this node to the pod"
+    );
+    let (front, plain) = split_dsr_option6(&inner6);
     assert_eq!(front, sa("[2001:db8:1::1]:30080"));
     assert_eq!(
         Pkt::parse(&plain),
@@ -1250,6 +1337,7 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
         }
     );
     assert_eq!(first.counter(Reason::TcDsrEncap), 5);
+    let plain6 = plain;
 
     // The backend's node, in DSR mode, with the same NodePorts and the first node among
     // the cluster's nodes: the option is read and removed.
@@ -1294,6 +1382,10 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     // IPv6 too.
     let (verdict, out) = backend_node.run_raw("tc_ingress", &out6);
     assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        out, plain6,
+        "delivered without the outer and the options header"
+    );
     assert_eq!(
         Pkt::parse(&out),
         Pkt {

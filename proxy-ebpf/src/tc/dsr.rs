@@ -1,5 +1,5 @@
 //! Direct server return (`--forwarding-mode dsr|hybrid`, `FWD_MODE`) for external traffic
-//! (eTP=Cluster) to a backend on another node, IPv4.
+//! (eTP=Cluster) to a backend on another node, IPv4 and IPv6.
 //!
 //! First node (the one the client hit): instead of SNAT, the packet is DNATed only (the
 //! client stays its source) and carries the frontend in an IPv4 option of 8 bytes right
@@ -16,29 +16,30 @@
 //! source := the frontend, `ct_flags::DSR`), loses the outer header and the option and
 //! is delivered with the client as source; from any other source it is dropped
 //! (`tc_dsr_untrusted`), and an option without the outer header is not honoured
-//! (`tc_dsr_untrusted`, the packet goes on as it is). The backend's reply leaves this node through the
-//! usual reply stage (at TC egress of the interface towards the client) with the
+//! (`tc_dsr_untrusted`, the packet goes on as it is). The backend's reply leaves this
+//! node through the usual reply stage (at TC egress of the interface towards the client) with the
 //! frontend as source, straight to the client: the first node sees no reply.
 //! The option is honoured only when it names a frontend a client could have sent to: a
 //! NodePort on a cluster node's address (`DSR_TRUSTED4/6`, written by the agent: the Node
 //! objects' addresses and `--dsr-trusted-cidrs`) or a frontend in this node's maps, with
-//! the Service's source ranges applied to the client; otherwise it is ignored and counted
-//! (`tc_dsr_untrusted`), in addition to the outer source's check.
+//! the Service's source ranges applied to the client (in addition to the outer source's
+//! check); otherwise the packet is dropped (`tc_dsr_untrusted`).
 //!
 //! IPv6: the same in a Destination Options header of 24 bytes right after the 40-byte
 //! header (next header 60; Cilium's `dsr_opt_v6`: option type 0x1b, length 20, frontend
-//! address, frontend port, 2 bytes of zero); the backend's node removes the header. No
-//! outer header (not done for IPv6): its sender is not checked, only the frontend.
+//! address, frontend port, 2 bytes of zero), in an IPv6-in-IPv6 outer header (next header
+//! 41) checked against `DSR_TRUSTED6`; the backend's node removes both.
 //!
-//! MTU: a packet that must carry the option (IPv4: and the outer header) and would then
-//! exceed the MTU of its route (`bpf_fib_lookup` with `tot_len`) is not given it: a new flow is SNATed instead, a
-//! later UDP datagram of a DSR flow is sent without it (`tc_dsr_too_big`).
+//! MTU: a packet that must carry the option and the outer header and would then exceed
+//! the MTU of its route (`bpf_fib_lookup` with `tot_len`) is not given them: a new flow
+//! is SNATed instead, a later UDP datagram of a DSR flow is sent without them
+//! (`tc_dsr_too_big`).
 
 use aya_ebpf::{
     bindings::{
         bpf_adj_room_mode::{BPF_ADJ_ROOM_MAC, BPF_ADJ_ROOM_NET},
         bpf_fib_lookup as FibParams, BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_F_ADJ_ROOM_ENCAP_L3_IPV4,
-        TC_ACT_OK, TC_ACT_SHOT,
+        BPF_F_ADJ_ROOM_ENCAP_L3_IPV6, TC_ACT_OK, TC_ACT_SHOT,
     },
     helpers::{
         bpf_ktime_get_ns,
@@ -64,6 +65,8 @@ const OPT_LEN: usize = dsr_opt::LEN4 as usize;
 const IP6_HLEN: usize = 40;
 const OPT6_LEN: usize = 24;
 const NEXTHDR_DEST: u8 = 60;
+/// IPv6-in-IPv6.
+const NEXTHDR_IPV6: u8 = 41;
 
 /// The family's fixed header length and the bytes the option adds.
 #[inline(always)]
@@ -151,8 +154,8 @@ pub fn wanted<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>, backend: F::Addr)
     if !asked::<F>(p) {
         return false;
     }
-    // IPv4: the outer header's source is this node's address.
-    if !F::V6 && F::is_zero(&F::snat_addr()) {
+    // The outer header's source is this node's address.
+    if F::is_zero(&F::snat_addr()) {
         return false;
     }
     if needs_opt(p) && !fits::<F>(ctx, p, backend) {
@@ -179,16 +182,43 @@ pub fn first<F: PktFamily>(
     encapsulated::<F>(ctx, backend)
 }
 
-/// IPv4: wraps the packet (with its option) in the outer header from this node to
-/// `backend` and forwards it by FIB redirect; IPv6: handed to the stack as it is.
+/// Wraps the packet (with its option) in the outer header from this node to `backend`
+/// (IPIP, IPv6-in-IPv6) and forwards it by FIB redirect (its source is now this node's).
 #[inline(always)]
 fn encapsulated<F: PktFamily>(ctx: &TcContext, backend: F::Addr) -> Result<Step<F::Addr>, Reason> {
-    if F::V6 {
-        return Ok(Step::pass(Reason::TcDsrEncap));
-    }
     let node = F::snat_addr();
-    encap4::<F>(ctx, node, backend)?;
+    if F::V6 {
+        encap6::<F>(ctx, node, backend)?;
+    } else {
+        encap4::<F>(ctx, node, backend)?;
+    }
     Ok(Step::redirect(node, backend, Reason::TcDsrEncap))
+}
+
+/// IPv6-in-IPv6 (next header 41): the outer header from `node` to `backend` (the pod), the
+/// inner packet's traffic class and flow label, hop limit 64.
+#[inline(never)]
+fn encap6<F: PktFamily>(ctx: &TcContext, node: F::Addr, backend: F::Addr) -> Result<(), Reason> {
+    let fail = |()| Reason::TcRewriteFailed;
+    let inner: [u16; 3] = PktAccess::load(ctx, ETH_HLEN).map_err(fail)?;
+    let len = u16::from_be(inner[2])
+        .checked_add(IP6_HLEN as u16)
+        .ok_or(Reason::TcRewriteFailed)?;
+    ctx.adjust_room(
+        IP6_HLEN as i32,
+        BPF_ADJ_ROOM_MAC,
+        u64::from(BPF_F_ADJ_ROOM_ENCAP_L3_IPV6),
+    )
+    .map_err(|_| Reason::TcRewriteFailed)?;
+    let head: [u16; 4] = [
+        inner[0],
+        inner[1],
+        len.to_be(),
+        u16::from_be_bytes([NEXTHDR_IPV6, 64]).to_be(),
+    ];
+    PktAccess::store(ctx, ETH_HLEN, &head).map_err(fail)?;
+    PktAccess::store(ctx, ETH_HLEN + 8, &node).map_err(fail)?;
+    PktAccess::store(ctx, ETH_HLEN + 24, &backend).map_err(fail)
 }
 
 /// An IPv4 header without options (network order throughout).
@@ -281,7 +311,7 @@ pub fn again<F: PktFamily>(
     encapsulated::<F>(ctx, backend)
 }
 
-/// Whether the packet, 28 (IPv4: option and outer header; IPv6: 24) bytes longer, fits the MTU of its route from the client to
+/// Whether the packet, 28 (IPv4: option and outer header; IPv6: 64) bytes longer, fits the MTU of its route from the client to
 /// `backend` (`BPF_FIB_LKUP_RET_FRAG_NEEDED` otherwise). A failed lookup says "fits":
 /// the stack decides.
 #[inline(never)]
@@ -291,8 +321,12 @@ fn fits<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>, backend: F::Addr) -> bo
         return false;
     };
     let (base, extra) = lens::<F>();
-    // IPv4: the option and the outer header.
-    let extra = if F::V6 { base + extra } else { extra + IP_HLEN };
+    // The option and the outer header (IPv6: the payload length counts the fixed header).
+    let extra = if F::V6 {
+        base + extra + IP6_HLEN
+    } else {
+        extra + IP_HLEN
+    };
     let tot = u16::from_be(len).saturating_add(extra as u16);
     // SAFETY: a zeroed plain-data struct.
     let mut params: FibParams = unsafe { core::mem::zeroed() };
@@ -368,8 +402,9 @@ fn add_opt6<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Result<(), Reaso
         .map_err(|_| Reason::TcRewriteFailed)
 }
 
-/// A packet the family's parser did not take: on the backend's node an IPv6 DSR packet
-/// (a Destination Options header before TCP/UDP) is one; anything else is not ours.
+/// A packet the family's parser did not take: on the backend's node a DSR packet (IPIP,
+/// IPv6-in-IPv6; an IPv6 Destination Options header before TCP/UDP without one, counted
+/// and left as it is) is one; anything else is not ours.
 #[inline(never)]
 pub fn unparsed<F: PktFamily>(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason> {
     if !ingress {
@@ -378,10 +413,24 @@ pub fn unparsed<F: PktFamily>(ctx: &TcContext, ingress: bool) -> Result<Verdict,
     if !F::V6 {
         return Ok(decap_ipip::<F>(ctx)?.unwrap_or(Verdict::pass::<TcContext>()));
     }
-    Ok(match decap6::<F>(ctx)? {
-        Some(r) => Verdict::new(TC_ACT_OK as i32, r),
-        None => Verdict::pass::<TcContext>(),
-    })
+    if let Ok(NEXTHDR_DEST) = PktAccess::load::<u8>(ctx, ETH_HLEN + 6) {
+        // Not honoured without the outer header ([`unencapsulated`]).
+        if is_opt6(ctx, ETH_HLEN + IP6_HLEN) && mode() != fwd_mode::SNAT {
+            count(Reason::TcDsrUntrusted);
+        }
+        return Ok(Verdict::pass::<TcContext>());
+    }
+    Ok(decap6::<F>(ctx)?.unwrap_or(Verdict::pass::<TcContext>()))
+}
+
+/// Whether the Destination Options header at `off` is ours, before TCP or UDP.
+#[inline(always)]
+fn is_opt6(ctx: &TcContext, off: usize) -> bool {
+    let Ok(head) = PktAccess::load::<[u8; 4]>(ctx, off) else {
+        return false;
+    };
+    (head[0] == proto::TCP || head[0] == proto::UDP)
+        && head[1..] == [(OPT6_LEN / 8 - 1) as u8, dsr_opt::TYPE6, dsr_opt::LEN6]
 }
 
 /// IPv4, the backend's node: an IPIP packet (protocol 4) whose inner packet is TCP or UDP
@@ -415,19 +464,17 @@ fn decap_ipip<F: PktFamily>(ctx: &TcContext) -> Result<Option<Verdict>, Reason> 
     {
         return Ok(None);
     }
-    let untrusted = Some(Verdict::new(TC_ACT_SHOT as i32, Reason::TcDsrUntrusted));
-    let fail = |()| Reason::TcRewriteFailed;
-    let sender: F::Addr = PktAccess::load(ctx, ETH_HLEN + 12).map_err(fail)?;
-    if !F::dsr_trusted(sender) {
-        return Ok(untrusted);
+    if !from_node::<F>(ctx, ETH_HLEN + 12) {
+        return Ok(Some(untrusted()));
     }
+    let fail = |()| Reason::TcRewriteFailed;
     let next = inner[9];
     let saddr: F::Addr = PktAccess::load(ctx, IN + 12).map_err(fail)?;
     let daddr: F::Addr = PktAccess::load(ctx, IN + 16).map_err(fail)?;
     let port: u16 = PktAccess::load(ctx, IN + IP_HLEN + 2).map_err(fail)?;
     let front: F::Addr = PktAccess::load(ctx, IN + IP_HLEN + 4).map_err(fail)?;
     if !option_trusted::<F>(front, port, next, saddr) {
-        return Ok(untrusted);
+        return Ok(Some(untrusted()));
     }
     let l4 = IN + IP_HLEN + OPT_LEN;
     let sport: u16 = PktAccess::load(ctx, l4).map_err(fail)?;
@@ -447,45 +494,82 @@ fn decap_ipip<F: PktFamily>(ctx: &TcContext) -> Result<Option<Verdict>, Reason> 
     Ok(Some(Verdict::new(TC_ACT_OK as i32, Reason::TcDsrDecap)))
 }
 
-/// IPv6 [`decap`]: the Destination Options header with our option is read into the reply
-/// entry and removed.
+/// IPv6, the backend's node: an IPv6-in-IPv6 packet (next header 41) whose inner packet
+/// has our Destination Options header before TCP or UDP: as [`decap_ipip`], with the
+/// outer source checked against `DSR_TRUSTED6`; the outer header and the 24-byte header
+/// removed in one step (the inner header moved up to just before L4).
 #[inline(never)]
-fn decap6<F: PktFamily>(ctx: &TcContext) -> Result<Option<Reason>, Reason> {
-    let Ok(NEXTHDR_DEST) = PktAccess::load::<u8>(ctx, ETH_HLEN + 6) else {
+fn decap6<F: PktFamily>(ctx: &TcContext) -> Result<Option<Verdict>, Reason> {
+    const IN: usize = ETH_HLEN + IP6_HLEN;
+    let Ok(NEXTHDR_IPV6) = PktAccess::load::<u8>(ctx, ETH_HLEN + 6) else {
         return Ok(None);
     };
-    let Ok(head) = PktAccess::load::<[u8; 4]>(ctx, ETH_HLEN + IP6_HLEN) else {
+    let Ok(inner) = PktAccess::load::<[u8; 8]>(ctx, IN) else {
         return Ok(None);
     };
-    let next = head[0];
-    if (next != proto::TCP && next != proto::UDP)
-        || head[1..] != [(OPT6_LEN / 8 - 1) as u8, dsr_opt::TYPE6, dsr_opt::LEN6]
+    if inner[0] >> 4 != 6
+        || inner[6] != NEXTHDR_DEST
+        || !is_opt6(ctx, IN + IP6_HLEN)
         || mode() == fwd_mode::SNAT
     {
         return Ok(None);
     }
-    let fail = |()| Reason::TcRewriteFailed;
-    let saddr: F::Addr = PktAccess::load(ctx, ETH_HLEN + 8).map_err(fail)?;
-    let daddr: F::Addr = PktAccess::load(ctx, ETH_HLEN + 24).map_err(fail)?;
-    let front: F::Addr = PktAccess::load(ctx, ETH_HLEN + IP6_HLEN + 4).map_err(fail)?;
-    let port: u16 = PktAccess::load(ctx, ETH_HLEN + IP6_HLEN + 20).map_err(fail)?;
-    if !option_trusted::<F>(front, port, next, saddr) {
-        count(Reason::TcDsrUntrusted);
-        return Ok(None);
+    if !from_node::<F>(ctx, ETH_HLEN + 8) {
+        return Ok(Some(untrusted()));
     }
-    let l4 = ETH_HLEN + IP6_HLEN + OPT6_LEN;
+    let fail = |()| Reason::TcRewriteFailed;
+    let next: u8 = PktAccess::load(ctx, IN + IP6_HLEN).map_err(fail)?;
+    let saddr: F::Addr = PktAccess::load(ctx, IN + 8).map_err(fail)?;
+    let daddr: F::Addr = PktAccess::load(ctx, IN + 24).map_err(fail)?;
+    let front: F::Addr = PktAccess::load(ctx, IN + IP6_HLEN + 4).map_err(fail)?;
+    let port: u16 = PktAccess::load(ctx, IN + IP6_HLEN + 20).map_err(fail)?;
+    if !option_trusted::<F>(front, port, next, saddr) {
+        return Ok(Some(untrusted()));
+    }
+    let l4 = IN + IP6_HLEN + OPT6_LEN;
     let sport: u16 = PktAccess::load(ctx, l4).map_err(fail)?;
     let dport: u16 = PktAccess::load(ctx, l4 + 2).map_err(fail)?;
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let key = F::ct_key(daddr, saddr, dport, sport, next, 1);
     record::<F>(&key, &(front, port), now)?;
-    let len = u16::from_be(PktAccess::load::<u16>(ctx, ETH_HLEN + 4).map_err(fail)?);
-    ctx.adjust_room(-(OPT6_LEN as i32), BPF_ADJ_ROOM_NET, 0)
-        .map_err(|_| Reason::TcRewriteFailed)?;
-    PktAccess::store(ctx, ETH_HLEN + 6, &next).map_err(fail)?;
-    PktAccess::store(ctx, ETH_HLEN + 4, &(len - OPT6_LEN as u16).to_be()).map_err(fail)?;
-    Ok(Some(Reason::TcDsrDecap))
+    move_inner6(ctx, next)?;
+    Ok(Some(Verdict::new(TC_ACT_OK as i32, Reason::TcDsrDecap)))
+}
+
+/// The inner IPv6 header moved to just before L4 (24 bytes on, word by word from its
+/// end, as the two overlap; next header := `next`, payload length without the 24-byte
+/// header), then the 64 bytes before it (the outer header, the option's room) removed.
+/// Eight bytes at a time: a 40-byte copy on the stack put this frame over the verifier's
+/// 512 bytes for the whole call chain.
+#[inline(never)]
+fn move_inner6(ctx: &TcContext, next: u8) -> Result<(), Reason> {
+    const IN: usize = ETH_HLEN + IP6_HLEN;
+    let fail = |()| Reason::TcRewriteFailed;
+    let len = u16::from_be(PktAccess::load::<u16>(ctx, IN + 4).map_err(fail)?)
+        .checked_sub(OPT6_LEN as u16)
+        .ok_or(Reason::TcRewriteFailed)?;
+    for k in (0..IP6_HLEN / 8).rev() {
+        let w: u64 = PktAccess::load(ctx, IN + 8 * k).map_err(fail)?;
+        PktAccess::store(ctx, IN + OPT6_LEN + 8 * k, &w).map_err(fail)?;
+    }
+    PktAccess::store(ctx, IN + OPT6_LEN + 4, &len.to_be()).map_err(fail)?;
+    PktAccess::store(ctx, IN + OPT6_LEN + 6, &next).map_err(fail)?;
+    ctx.adjust_room(-((IP6_HLEN + OPT6_LEN) as i32), BPF_ADJ_ROOM_MAC, 0)
+        .map_err(|_| Reason::TcRewriteFailed)
+}
+
+/// Whether the outer header's source (at `off`) is a cluster node (`DSR_TRUSTED4/6`).
+/// Own frame: the verifier's 512 bytes are counted over the whole call chain.
+#[inline(never)]
+fn from_node<F: PktFamily>(ctx: &TcContext, off: usize) -> bool {
+    PktAccess::load::<F::Addr>(ctx, off).is_ok_and(F::dsr_trusted)
+}
+
+/// An encapsulated DSR packet not honoured: dropped, counted.
+#[inline(always)]
+fn untrusted() -> Verdict {
+    Verdict::new(TC_ACT_SHOT as i32, Reason::TcDsrUntrusted)
 }
 
 /// Whether the frontend a DSR option names may be honoured: a NodePort on one of the
@@ -494,7 +578,7 @@ fn decap6<F: PktFamily>(ctx: &TcContext) -> Result<Option<Reason>, Reason> {
 /// frontend of this node's own maps (a LoadBalancer IP, an externalIP); and the client
 /// inside the Service's `loadBalancerSourceRanges`, which the first node enforced. The
 /// sender of the packet cannot be checked (its source is the client's address; that
-/// needs an outer header: IPv4 checks it in [`decap_ipip`], IPv6 has none): with this
+/// needs the outer header: [`decap_ipip`], [`decap6`] check it first): with this
 /// check the option cannot make this node answer from any address that is not a frontend
 /// the client could have sent to itself.
 #[inline(never)]
