@@ -675,12 +675,14 @@ fn counters(pins: &Path) -> BTreeMap<&'static str, u64> {
 /// 10.100.2.0/24; node 2 no longer routes the client through node 1, only node 1's own
 /// address). TCP and UDP from the
 /// client work; the pod sees the client's address (no SNAT); the client sees replies from
-/// the NodePort it used; node 1 forwarded every request with the DSR option and saw no
-/// reply (no reply counted, no reply-direction conntrack entry used, its link to node 2
-/// received next to no packets while dozens of replies reached the client); node 2 read
-/// the option and sent the replies. The same over IPv6 (fd00:102::/64 for the direct
-/// link, the option in a destination option). A datagram too large for the option is SNATed
-/// (`tc_dsr_too_big`). Then node 1 restarted in `hybrid` (TCP DSR, UDP SNAT) and in
+/// the NodePort it used; node 1 forwarded every request with the DSR option (IPv4: in an
+/// IPIP outer header from node 1's address to the pod) and saw no reply (no reply
+/// counted, no reply-direction conntrack entry used, its link to node 2 received next to
+/// no packets while dozens of replies reached the client); node 2 read the option and
+/// sent the replies (IPv4 `tc_dsr_decap` counts only an option inside the outer header of
+/// a trusted node). The same over IPv6 (fd00:102::/64 for the direct link, the option in
+/// a destination option inside IPv6-in-IPv6). A datagram too large for the option and outer header is SNATed
+/// (`tc_dsr_too_big`), also one that would fit with the option alone. Then node 1 restarted in `hybrid` (TCP DSR, UDP SNAT) and in
 /// `snat` (the pod sees node 1 again).
 #[test]
 fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
@@ -881,6 +883,14 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     };
     assert_eq!(got, ("pod3".to_string(), "10.100.0.2".to_string()));
     assert_eq!(counters(&env.pins.path)["tc_dsr_too_big"], too_big0 + 1);
+    // One that would fit with the option (1488 bytes) but not with the outer header too
+    // (1508): SNATed as well.
+    let got = {
+        let _g = c.ext.enter();
+        ask_udp_from(udp, 20_901, 1452).expect("a datagram 20 bytes short of full is answered")
+    };
+    assert_eq!(got, ("pod3".to_string(), "10.100.0.2".to_string()));
+    assert_eq!(counters(&env.pins.path)["tc_dsr_too_big"], too_big0 + 2);
 
     // hybrid: TCP by DSR, UDP by SNAT.
     drop(agent_a);
