@@ -8,12 +8,8 @@
 //! - `links/`: the pinned links (cgroup hooks, TCX) and clsact records.
 
 use std::{
-    ffi::CString,
     io,
-    os::{
-        fd::{AsFd as _, FromRawFd as _, OwnedFd},
-        unix::ffi::OsStrExt as _,
-    },
+    os::fd::{AsFd as _, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -29,10 +25,8 @@ pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/ebpf-proxy";
 /// Directory of the pinned links, under the pin directory.
 pub const LINKS_DIR: &str = "links";
 
-/// `bpf(2)` command `BPF_OBJ_GET`.
-const BPF_OBJ_GET: libc::c_long = 7;
 /// `BPF_F_RDONLY`: the returned descriptor only allows lookups.
-pub const BPF_F_RDONLY: u32 = 1 << 3;
+pub const BPF_F_RDONLY: u32 = bpf_sys::F_RDONLY;
 
 /// How a pinned map is opened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,47 +68,15 @@ pub enum PinError {
     },
 }
 
-/// `union bpf_attr` for `BPF_OBJ_GET`: pathname, bpf_fd, file_flags, path_fd, and zeros
-/// (the kernel requires every byte past the command's fields to be zero).
-#[repr(C)]
-struct ObjGetAttr {
-    pathname: u64,
-    bpf_fd: u32,
-    file_flags: u32,
-    path_fd: i32,
-    _zero: [u8; 108],
-}
-
 /// Opens a pinned BPF object (`BPF_OBJ_GET`, with `BPF_F_RDONLY` for [`Access::ReadOnly`]).
 pub fn open_pinned(path: &Path, access: Access) -> io::Result<OwnedFd> {
-    let c_path = CString::new(path.as_os_str().as_bytes())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let mut attr = ObjGetAttr {
-        pathname: c_path.as_ptr() as u64,
-        bpf_fd: 0,
-        file_flags: match access {
+    bpf_sys::obj_get(
+        path,
+        match access {
             Access::ReadWrite => 0,
             Access::ReadOnly => BPF_F_RDONLY,
         },
-        path_fd: 0,
-        _zero: [0; 108],
-    };
-    // SAFETY: bpf(BPF_OBJ_GET) with a fully initialized, zero-padded attr whose pathname
-    // points at a NUL-terminated string that outlives the call.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            &mut attr as *mut ObjGetAttr,
-            std::mem::size_of::<ObjGetAttr>(),
-        )
-    };
-    if ret < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let fd = i32::try_from(ret).map_err(|_| io::Error::other("fd out of range"))?;
-    // SAFETY: BPF_OBJ_GET returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    )
 }
 
 /// One pin directory.

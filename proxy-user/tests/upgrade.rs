@@ -1341,68 +1341,12 @@ fn same_layout_new_build_swaps_programs_in_place() {
 /// A per-CPU array of `entries` u64 counters created with `bpf(2)` and pinned at `path`
 /// (as an older build of the same ABI with fewer `Reason`s left `STATS`).
 fn pin_counter_array(path: &Path, entries: u32) {
-    #[repr(C)]
-    #[derive(Default)]
-    struct MapCreate {
-        map_type: u32,
-        key_size: u32,
-        value_size: u32,
-        max_entries: u32,
-        map_flags: u32,
-        pad: [u32; 27],
-    }
-    #[repr(C)]
-    struct ObjPin {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-        path_fd: i32,
-        pad: [u32; 5],
-    }
-    const BPF_MAP_CREATE: libc::c_long = 0;
-    const BPF_OBJ_PIN: libc::c_long = 6;
     const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
-    let attr = MapCreate {
-        map_type: BPF_MAP_TYPE_PERCPU_ARRAY,
-        key_size: 4,
-        value_size: 8,
-        max_entries: entries,
-        ..Default::default()
-    };
-    // SAFETY: a bpf_attr prefix of the right size, owned for the call.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_MAP_CREATE,
-            &attr as *const MapCreate,
-            std::mem::size_of::<MapCreate>(),
-        )
-    };
-    assert!(
-        fd >= 0,
-        "BPF_MAP_CREATE: {}",
-        std::io::Error::last_os_error()
-    );
-    let cpath = std::ffi::CString::new(path.to_str().expect("utf-8")).expect("path");
-    let pin = ObjPin {
-        pathname: cpath.as_ptr() as u64,
-        bpf_fd: fd as u32,
-        file_flags: 0,
-        path_fd: 0,
-        pad: [0; 5],
-    };
-    // SAFETY: as above; the path outlives the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_PIN,
-            &pin as *const ObjPin,
-            std::mem::size_of::<ObjPin>(),
-        )
-    };
-    assert_eq!(r, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
-    // SAFETY: our fd; the pin keeps the map.
-    unsafe { libc::close(fd as i32) };
+    let fd = bpf_sys::map_create(BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, entries, 0)
+        .unwrap_or_else(|e| panic!("BPF_MAP_CREATE: {e}"));
+    // The pin keeps the map when `fd` closes.
+    bpf_sys::obj_pin(std::os::fd::AsFd::as_fd(&fd), path)
+        .unwrap_or_else(|e| panic!("BPF_OBJ_PIN: {e}"));
 }
 
 /// New outcome counters (`Reason`s) come within an ABI (issue 15 added XDP's and DSR's).

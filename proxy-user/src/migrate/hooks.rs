@@ -17,10 +17,7 @@ use aya::{
 use proxy_common::{map_names, meta};
 use tracing::info;
 
-use super::{
-    rules::{crash_point, io_err},
-    sys,
-};
+use super::rules::{crash_point, io_err};
 use crate::loader::{
     self, object_hash, LoadError, CLSACT_HANDLE, CLSACT_PRIORITY, EBPF_OBJECT, SOCK_PROGRAMS,
 };
@@ -36,7 +33,7 @@ pub(super) fn replace_programs(pin_path: &Path, pinned_hash: u32) -> Result<(), 
         .default_map_pin_directory(pin_path)
         .load(EBPF_OBJECT)?;
     let log_id = swap_hooks(&mut ebpf, pin_path, &hooks, false, &mut || Ok(()))?;
-    let meta_fd = sys::obj_get(&pin_path.join(map_names::META))
+    let meta_fd = bpf_sys::obj_get(&pin_path.join(map_names::META), 0)
         .map_err(io_err("opening", &pin_path.join(map_names::META)))?;
     write_meta(meta_fd.as_fd(), meta::OBJECT_HASH, object_hash(), pin_path)?;
     if let Some(id) = log_id {
@@ -57,7 +54,7 @@ pub(super) fn write_meta(
     value: u32,
     dir: &Path,
 ) -> Result<(), LoadError> {
-    sys::update(fd, &index.to_ne_bytes(), &value.to_ne_bytes(), sys::ANY)
+    bpf_sys::map_update(fd, &index.to_ne_bytes(), &value.to_ne_bytes(), bpf_sys::ANY)
         .map(drop)
         .map_err(io_err("writing META in", dir))
 }
@@ -227,8 +224,9 @@ pub(super) fn swap_hooks(
                 prog.fd().map_err(prog_err)?.as_fd().try_clone_to_owned()
             }
             .map_err(io_err("duplicating a program fd for", &path))?;
-            let link = sys::obj_get(&path).map_err(io_err("opening the pinned link", &path))?;
-            sys::link_update(link.as_fd(), fd.as_fd())
+            let link =
+                bpf_sys::obj_get(&path, 0).map_err(io_err("opening the pinned link", &path))?;
+            bpf_sys::link_update(link.as_fd(), fd.as_fd())
                 .map_err(io_err("BPF_LINK_UPDATE of", &path))?;
         }
         if i == 0 && crash {

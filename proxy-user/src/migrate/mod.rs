@@ -51,7 +51,6 @@ mod copy;
 mod hooks;
 mod rules;
 mod state;
-mod sys;
 pub mod v3;
 
 use std::{os::fd::AsFd, path::Path};
@@ -138,8 +137,8 @@ fn counters_grew(pin_path: &Path) -> Result<Option<(&'static str, u32)>, LoadErr
         if !path.exists() {
             continue;
         }
-        let fd = sys::obj_get(&path).map_err(io_err("opening", &path))?;
-        let entries = sys::map_info(fd.as_fd())
+        let fd = bpf_sys::obj_get(&path, 0).map_err(io_err("opening", &path))?;
+        let entries = bpf_sys::map_info(fd.as_fd())
             .map_err(io_err("reading the map info of", &path))?
             .max_entries;
         if entries < Reason::COUNT {

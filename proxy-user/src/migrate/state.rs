@@ -17,7 +17,7 @@ use super::{
     rules::{
         converter, crash_point, force_mode, io_err, kept_as, kept_maps, Force, DATAPATH_WRITTEN,
     },
-    sys, v3,
+    v3,
 };
 use crate::loader::{object_hash, LoadError, EBPF_OBJECT, MIGRATE_STAGING_DIR as STAGING_DIR};
 
@@ -139,10 +139,10 @@ impl Migration {
             if !new.exists() {
                 continue;
             }
-            let Ok(old_fd) = sys::obj_get(&old) else {
+            let Ok(old_fd) = bpf_sys::obj_get(&old, 0) else {
                 continue; // nothing to keep: the staged map starts empty
             };
-            let oi = sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
+            let oi = bpf_sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
             let ni = map_info_at(&new).map_err(io_err("reading", &new))?;
             if (oi.map_type, oi.key_size, oi.value_size)
                 != (ni.map_type, ni.key_size, ni.value_size)
@@ -155,7 +155,7 @@ impl Migration {
                 continue;
             }
             fs::remove_file(&new).map_err(io_err("unpinning", &new))?;
-            sys::obj_pin(old_fd.as_fd(), &new).map_err(io_err("pinning", &new))?;
+            bpf_sys::obj_pin(old_fd.as_fd(), &new).map_err(io_err("pinning", &new))?;
             info!(map = name, from = from_pin, "kept the older layout's map");
             shared.push(name.to_string());
         }
@@ -164,12 +164,12 @@ impl Migration {
                 continue;
             }
             let (old, new) = (self.pin_path.join(&name), self.staging.join(&name));
-            let Ok(old_fd) = sys::obj_get(&old) else {
+            let Ok(old_fd) = bpf_sys::obj_get(&old, 0) else {
                 continue;
             };
-            let oi = sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
+            let oi = bpf_sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
             let ni = map_info_at(&new).map_err(io_err("reading", &new))?;
-            let storage = ni.map_type == sys::map_type::SK_STORAGE;
+            let storage = ni.map_type == bpf_sys::map_type::SK_STORAGE;
             if !storage && (copy_every || !matches!(converter(self.from, &name), Convert::Bytes)) {
                 continue;
             }
@@ -181,7 +181,7 @@ impl Migration {
                 && (oi.max_entries == ni.max_entries || sized_at_load);
             if same {
                 fs::remove_file(&new).map_err(io_err("unpinning", &new))?;
-                sys::obj_pin(old_fd.as_fd(), &new).map_err(io_err("pinning", &new))?;
+                bpf_sys::obj_pin(old_fd.as_fd(), &new).map_err(io_err("pinning", &new))?;
                 shared.push(name);
             }
         }
@@ -242,7 +242,7 @@ impl Migration {
             if shared {
                 continue;
             }
-            if old_info.is_ok_and(|i| i.map_type == sys::map_type::SK_STORAGE) {
+            if old_info.is_ok_and(|i| i.map_type == bpf_sys::map_type::SK_STORAGE) {
                 // Not iterable from user space (the kernel refuses GET_NEXT_KEY): a
                 // socket storage of another layout cannot be carried over from here.
                 if !only_datapath {
@@ -282,7 +282,7 @@ impl Migration {
                 total.dropped += entries;
             }
             let meta_path = self.staging.join(map_names::META);
-            let meta = sys::obj_get(&meta_path).map_err(io_err("opening", &meta_path))?;
+            let meta = bpf_sys::obj_get(&meta_path, 0).map_err(io_err("opening", &meta_path))?;
             write_meta(meta.as_fd(), meta::ABI_VERSION, ABI_VERSION, &self.staging)?;
             write_meta(
                 meta.as_fd(),
@@ -352,7 +352,8 @@ impl Migration {
             })?;
             if let Some(id) = log_id {
                 let meta_path = self.staging.join(map_names::META);
-                let meta = sys::obj_get(&meta_path).map_err(io_err("opening", &meta_path))?;
+                let meta =
+                    bpf_sys::obj_get(&meta_path, 0).map_err(io_err("opening", &meta_path))?;
                 write_meta(meta.as_fd(), meta::LOG_PROGRAM_ID, id, &self.staging)?;
             }
             info!(
