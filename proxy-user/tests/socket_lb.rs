@@ -364,7 +364,8 @@ fn uninstall_leaves_nothing_behind() {
     env.in_client(|| tcp_ask(fe.socket_addr()).expect("works before uninstall"));
     env.writer = None;
 
-    let report = loader::uninstall(&env.pins.path).expect("uninstall");
+    let report =
+        loader::uninstall(&proxy_user::pins::PinDir::new(&env.pins.path)).expect("uninstall");
     assert_eq!(report.links.len(), 8);
     assert_eq!(report.maps.len(), proxy_common::map_names::ALL.len());
     assert!(!env.pins.path.exists(), "pin directory removed");
@@ -382,7 +383,7 @@ fn uninstall_leaves_nothing_behind() {
     });
     // Uninstalling again is harmless.
     assert_eq!(
-        loader::uninstall(&env.pins.path).expect("again"),
+        loader::uninstall(&proxy_user::pins::PinDir::new(&env.pins.path)).expect("again"),
         Default::default()
     );
 }

@@ -1118,7 +1118,8 @@ fn crash_at_each_migration_step_then_restart() {
         // A fresh datapath of the previous release.
         if env.pins.path.exists() {
             let _g = c.node_a.enter();
-            proxy_user::loader::uninstall(&env.pins.path).expect("uninstall");
+            proxy_user::loader::uninstall(&proxy_user::pins::PinDir::new(&env.pins.path))
+                .expect("uninstall");
         }
         let mut agent = Agent::start(&old, &env, &c, &dir, &[]);
         agent.wait_healthy();

@@ -63,7 +63,7 @@ struct Pins(PathBuf);
 
 impl Drop for Pins {
     fn drop(&mut self) {
-        if self.0.exists() && loader::uninstall(&self.0).is_err() {
+        if self.0.exists() && loader::uninstall(&proxy_user::pins::PinDir::new(&self.0)).is_err() {
             let _ = std::fs::remove_dir_all(&self.0);
         }
     }

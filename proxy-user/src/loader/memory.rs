@@ -32,12 +32,6 @@ pub fn service_entries(entries: u32) -> Result<u32, LoadError> {
     Ok(entries)
 }
 
-/// `max_entries` of the pinned map at `path`, if there is one.
-pub(super) fn pinned_max_entries(path: &Path) -> Option<u32> {
-    let map = aya::maps::MapData::from_pin(path).ok()?;
-    map.info().ok().map(|i| i.max_entries())
-}
-
 /// Kernel memory of one pinned map.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MapMemory {

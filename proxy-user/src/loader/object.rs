@@ -66,18 +66,6 @@ pub fn load_object_sized(
     Ok(ebpf)
 }
 
-/// Writes one `META` entry of the pinned maps.
-pub(super) fn set_pinned_meta(pin_path: &Path, index: u32, value: u32) -> Result<(), LoadError> {
-    let err = |source| LoadError::Map {
-        name: map_names::META,
-        source,
-    };
-    let data = MapData::from_pin(pin_path.join(map_names::META)).map_err(err)?;
-    let mut meta: Array<MapData, u32> =
-        Array::try_from(aya::maps::Map::Array(data)).map_err(err)?;
-    meta.set(index, value, 0).map_err(err)
-}
-
 pub(super) fn write_meta(ebpf: &mut aya::Ebpf, index: u32, value: u32) -> Result<(), LoadError> {
     let err = |source| LoadError::Map {
         name: map_names::META,

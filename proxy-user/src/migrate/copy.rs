@@ -1,6 +1,11 @@
 //! One map's entries copied into another (converted, or insert-if-absent), and counted.
 
-use std::{io, os::fd::AsFd, path::Path};
+use std::{
+    io,
+    os::fd::{AsFd, OwnedFd},
+};
+
+use crate::pins::{open_pinned, Access, PinDir};
 
 /// A function converting one entry (key, value bytes of the old layout) to the new
 /// layout; `None` drops it (counted as not converted).
@@ -28,9 +33,9 @@ fn value_buf_len(info: &bpf_sys::MapInfo) -> io::Result<usize> {
     }
 }
 
-pub(super) fn map_info_at(path: &Path) -> io::Result<bpf_sys::MapInfo> {
-    let fd = bpf_sys::obj_get(path, 0)?;
-    bpf_sys::map_info(fd.as_fd())
+/// Map `name` of `pins`, read-write.
+fn open(pins: &PinDir, name: &str) -> io::Result<OwnedFd> {
+    open_pinned(&pins.map_path(name), Access::ReadWrite)
 }
 
 /// What one map's copy did.
@@ -44,9 +49,9 @@ pub struct CopyCount {
     pub dropped: u64,
 }
 
-/// Entries in the map pinned at `path`.
-pub(super) fn count_entries(path: &Path) -> io::Result<u64> {
-    let fd = bpf_sys::obj_get(path, 0)?;
+/// Entries in map `name` of `pins`.
+pub(super) fn count_entries(pins: &PinDir, name: &str) -> io::Result<u64> {
+    let fd = open(pins, name)?;
     let info = bpf_sys::map_info(fd.as_fd())?;
     let mut key = vec![0u8; info.key_size as usize];
     let mut next = key.clone();
@@ -63,11 +68,17 @@ pub(super) fn count_entries(path: &Path) -> io::Result<u64> {
     Ok(n)
 }
 
-/// Copies the entries of the map pinned at `old` into the one pinned at `new`, through
-/// `conv`. `only_absent`: insert-if-absent (hash maps), for the copies around the swap.
-pub fn copy_map(old: &Path, new: &Path, conv: Convert, only_absent: bool) -> io::Result<CopyCount> {
-    let old_fd = bpf_sys::obj_get(old, 0)?;
-    let new_fd = bpf_sys::obj_get(new, 0)?;
+/// Copies the entries of map `name` of `old` into map `name` of `new`, through `conv`.
+/// `only_absent`: insert-if-absent (hash maps), for the copies around the swap.
+pub fn copy_map(
+    old: &PinDir,
+    new: &PinDir,
+    name: &str,
+    conv: Convert,
+    only_absent: bool,
+) -> io::Result<CopyCount> {
+    let old_fd = open(old, name)?;
+    let new_fd = open(new, name)?;
     let oi = bpf_sys::map_info(old_fd.as_fd())?;
     let ni = bpf_sys::map_info(new_fd.as_fd())?;
     let mut count = CopyCount::default();

@@ -72,7 +72,7 @@ impl PinDir {
 impl Drop for PinDir {
     fn drop(&mut self) {
         if self.path.exists() {
-            if let Err(e) = loader::uninstall(&self.path) {
+            if let Err(e) = loader::uninstall(&proxy_user::pins::PinDir::new(&self.path)) {
                 eprintln!("cleanup of {}: {e}", self.path.display());
                 let _ = fs::remove_dir_all(&self.path);
             }
