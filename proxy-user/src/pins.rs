@@ -373,6 +373,32 @@ impl PinDir {
     }
 }
 
+/// A directory path as a pin directory: for the entry points that are handed the
+/// `--pin-path` flag's value (the agent's, `proxyctl`'s, the tests').
+impl From<&Path> for PinDir {
+    fn from(path: &Path) -> Self {
+        Self::new(path)
+    }
+}
+
+impl From<&PathBuf> for PinDir {
+    fn from(path: &PathBuf) -> Self {
+        Self::new(path)
+    }
+}
+
+impl From<PathBuf> for PinDir {
+    fn from(path: PathBuf) -> Self {
+        Self::new(path)
+    }
+}
+
+impl From<&PinDir> for PinDir {
+    fn from(pins: &PinDir) -> Self {
+        pins.clone()
+    }
+}
+
 /// A pinned hash map: the typed aya map for one-element calls, and a descriptor of the
 /// same map for the batch calls (`crate::batch`).
 pub struct PinnedHash<K, V> {

@@ -24,6 +24,8 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use crate::pins::PinDir;
+
 const NETLINK_SOCK_DIAG: i32 = 4;
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
@@ -130,13 +132,18 @@ fn collect_pids(dir: &Path, pids: &mut BTreeSet<u32>) -> io::Result<()> {
     Ok(())
 }
 
-/// The cgroup v2 directory the pinned cgroup link `link_pin` is attached to: the kernel's
+/// The cgroup v2 directory the cgroup link pinned as `link` in `pins` is attached to: the kernel's
 /// own record (`bpf_link_info.cgroup.cgroup_id`, which is the directory's inode number on
 /// cgroup2), so an agent that adopted the hooks after a restart knows where they are
 /// whatever its `--cgroup` says now. `candidates` are tried first; otherwise the tree
 /// under `mount` is searched.
-pub fn hooked_cgroup(link_pin: &Path, mount: &Path, candidates: &[PathBuf]) -> io::Result<PathBuf> {
-    let id = link_cgroup_id(link_pin)?;
+pub fn hooked_cgroup(
+    pins: &PinDir,
+    link: &str,
+    mount: &Path,
+    candidates: &[PathBuf],
+) -> io::Result<PathBuf> {
+    let id = link_cgroup_id(pins, link)?;
     let matches = |p: &Path| fs::metadata(p).is_ok_and(|m| m.is_dir() && m.ino() == id);
     if let Some(c) = candidates.iter().find(|c| matches(c)) {
         return Ok(c.clone());
@@ -158,23 +165,22 @@ pub fn hooked_cgroup(link_pin: &Path, mount: &Path, candidates: &[PathBuf]) -> i
         io::ErrorKind::NotFound,
         format!(
             "the cgroup (id {id}) of the link pinned at {} is not under {} (removed?)",
-            link_pin.display(),
+            pins.link_path(link).display(),
             mount.display()
         ),
     ))
 }
 
 /// `cgroup_id` of a pinned `BPF_LINK_TYPE_CGROUP` link.
-fn link_cgroup_id(link_pin: &Path) -> io::Result<u64> {
-    // Flags 0: links refuse BPF_F_RDONLY.
-    let fd = bpf_sys::obj_get(link_pin, 0)?;
+fn link_cgroup_id(pins: &PinDir, link: &str) -> io::Result<u64> {
+    let fd = pins.open_link(link)?;
     let info = bpf_sys::link_info(fd.as_fd())?;
     if info.link_type != bpf_sys::link_type::CGROUP {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!(
                 "{} is not a cgroup link (link type {})",
-                link_pin.display(),
+                pins.link_path(link).display(),
                 info.link_type
             ),
         ));

@@ -499,8 +499,11 @@ fn nodeports_on_the_node_addresses_are_served_at_connect() {
     let mut env = TestEnv::new(3);
     env.serve_all(PORT);
     let node = Ipv4Addr::new(192, 0, 2, 1);
-    proxy_user::bpf::set_node_addresses(&env.pins.path, &[IpAddr::V4(node)])
-        .expect("node addresses");
+    proxy_user::bpf::set_node_addresses(
+        &proxy_user::pins::PinDir::new(&env.pins.path),
+        &[IpAddr::V4(node)],
+    )
+    .expect("node addresses");
     let np = Frontend::new(Ipv4Addr::UNSPECIFIED, 30080, Proto::Tcp);
     env.writer()
         .upsert(&ServiceEntry {

@@ -43,7 +43,7 @@ use std::{
 };
 
 use proxy_common::{map_names, meta, ABI_VERSION};
-use proxy_user::{bpf, migrate};
+use proxy_user::migrate;
 use support::{
     http_get,
     tc::{tcx_programs, UninstallIn},
@@ -728,7 +728,9 @@ fn program_ids(env: &TestEnv, c: &Cluster) -> Vec<u32> {
 /// conversion function, as if every layout had changed) or `1` (maps of an unchanged
 /// layout shared).
 fn migration_env(pins: &Path, mode: &'static str) -> Vec<(&'static str, &'static str)> {
-    let old_abi = bpf::read_abi_version(pins).expect("META of the old agent");
+    let old_abi = proxy_user::pins::PinDir::new(pins)
+        .abi_version(proxy_user::pins::Access::ReadOnly)
+        .expect("META of the old agent");
     if old_abi == ABI_VERSION {
         vec![(migrate::FORCE_ENV, mode)]
     } else {
@@ -744,9 +746,16 @@ fn migration_env(pins: &Path, mode: &'static str) -> Vec<(&'static str, &'static
 /// layout's maps pinned, none of them an old one except the maps `log` (the agent's)
 /// says were shared (layout unchanged: the same map object serves both builds).
 fn assert_migrated(pins: &Path, old_ids: &[(String, u32)], log: &str) {
-    assert_eq!(bpf::read_abi_version(pins).expect("META"), ABI_VERSION);
     assert_eq!(
-        bpf::read_meta(pins, meta::OBJECT_HASH).expect("META"),
+        proxy_user::pins::PinDir::new(pins)
+            .abi_version(proxy_user::pins::Access::ReadOnly)
+            .expect("META"),
+        ABI_VERSION
+    );
+    assert_eq!(
+        proxy_user::pins::PinDir::new(pins)
+            .read_meta(meta::OBJECT_HASH, proxy_user::pins::Access::ReadOnly)
+            .expect("META"),
         migrate::object_hash()
     );
     assert!(
@@ -902,7 +911,9 @@ fn upgrade_under_traffic(step: Step) {
     let mut agent = Agent::start(&old, &env, &c, &dir, &[]);
     agent.wait_healthy();
     assert_eq!(nodeport_spread(&c, 60).len(), 3);
-    let old_abi = bpf::read_abi_version(&pins).expect("META of the old agent");
+    let old_abi = proxy_user::pins::PinDir::new(&pins)
+        .abi_version(proxy_user::pins::Access::ReadOnly)
+        .expect("META of the old agent");
     let force = match step {
         Step::FromRelease => migration_env(&pins, "1"),
         Step::CopyEveryMap => {
@@ -913,7 +924,12 @@ fn upgrade_under_traffic(step: Step) {
             agent.stop();
             agent = Agent::start(&new_agent(), &env, &c, &dir, &first);
             agent.wait_healthy();
-            assert_eq!(bpf::read_abi_version(&pins).expect("META"), ABI_VERSION);
+            assert_eq!(
+                proxy_user::pins::PinDir::new(&pins)
+                    .abi_version(proxy_user::pins::Access::ReadOnly)
+                    .expect("META"),
+                ABI_VERSION
+            );
             let map = aya::maps::MapData::from_pin(pins.join(map_names::META)).expect("META");
             let mut meta: aya::maps::Array<_, u32> =
                 aya::maps::Array::try_from(aya::maps::Map::Array(map)).expect("array");
@@ -1315,7 +1331,9 @@ fn same_layout_new_build_swaps_programs_in_place() {
     );
     assert_eq!(without_gen(maps_after), without_gen(maps_before));
     assert_eq!(
-        bpf::read_meta(&env.pins.path, meta::OBJECT_HASH).expect("META"),
+        proxy_user::pins::PinDir::new(&env.pins.path)
+            .read_meta(meta::OBJECT_HASH, proxy_user::pins::Access::ReadOnly)
+            .expect("META"),
         migrate::object_hash()
     );
     // The clsact records name the running programs.
@@ -1417,7 +1435,9 @@ fn a_build_with_more_outcome_counters_migrates_the_pinned_counter_array() {
         7 * cpus
     );
     assert_eq!(
-        bpf::read_meta(&env.pins.path, meta::OBJECT_HASH).expect("META"),
+        proxy_user::pins::PinDir::new(&env.pins.path)
+            .read_meta(meta::OBJECT_HASH, proxy_user::pins::Access::ReadOnly)
+            .expect("META"),
         migrate::object_hash()
     );
     // The shared maps (conntrack) stayed one: no TC flow lost in the swap.

@@ -214,7 +214,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     };
     cgroup::check_cgroup2_dir(&cgroup_dir).map_err(io_err("checking", &cgroup_dir))?;
 
-    let mut ebpf = load_object_sized(pin_path, ct_entries, svc_entries)?;
+    let mut ebpf = load_object_sized(&pins, ct_entries, svc_entries)?;
 
     // What this call made, for the rollback and the report: pin names.
     let mut made: Vec<String> = Vec::new();
@@ -363,7 +363,7 @@ fn adopted_cgroup(pins: &PinDir, adopted: &[String], wanted: Option<&PathBuf>) -
         }
     };
     let candidates: Vec<PathBuf> = wanted.into_iter().cloned().chain([mount.clone()]).collect();
-    match crate::sockdestroy::hooked_cgroup(&pins.link_path(name), &mount, &candidates) {
+    match crate::sockdestroy::hooked_cgroup(pins, name, &mount, &candidates) {
         Ok(dir) => Some(dir),
         Err(e) => {
             warn!(

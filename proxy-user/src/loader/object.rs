@@ -1,7 +1,7 @@
 //! The eBPF object: built in, hashed, loaded with its maps pinned, its `META` entries
 //! written; the kernel programs' log records forwarded.
 
-use std::{fs, io, path::Path};
+use std::{fs, io};
 
 use aya::{
     maps::{Array, MapData},
@@ -34,22 +34,23 @@ pub fn object_hash() -> u32 {
     })
 }
 
-/// Loads the eBPF object with its maps pinned (or reused) under `pin_path` and records
+/// Loads the eBPF object with its maps pinned (or reused) in `pins` and records
 /// the ABI version; programs are not loaded into the kernel yet. For `install`, and for
 /// tests that run a program with `BPF_PROG_TEST_RUN`.
 ///
 /// `ct_entries` sizes the conntrack tables when they are created here (not when pinned).
-pub fn load_object(pin_path: &Path, ct_entries: u32) -> Result<aya::Ebpf, LoadError> {
-    load_object_sized(pin_path, ct_entries, super::memory::DEFAULT_SERVICE_ENTRIES)
+pub fn load_object(pins: &PinDir, ct_entries: u32) -> Result<aya::Ebpf, LoadError> {
+    load_object_sized(pins, ct_entries, super::memory::DEFAULT_SERVICE_ENTRIES)
 }
 
 /// [`load_object`] with `SVC4`/`SVC6` of `svc_entries` (maps created now; pinned maps
 /// keep the size they were made with).
 pub fn load_object_sized(
-    pin_path: &Path,
+    pins: &PinDir,
     ct_entries: u32,
     svc_entries: u32,
 ) -> Result<aya::Ebpf, LoadError> {
+    let pin_path = pins.path();
     if EBPF_OBJECT.is_empty() {
         return Err(LoadError::NoObject);
     }
@@ -83,8 +84,9 @@ pub(super) fn write_meta(ebpf: &mut aya::Ebpf, index: u32, value: u32) -> Result
 /// Forwards the kernel programs' aya-log records (rare warnings) to this process's
 /// `log`/`tracing` output until the returned task is dropped. Works for adopted programs
 /// too: it finds their ring buffer through the program id the loader recorded.
-pub fn spawn_kernel_logger(pin_path: &Path) -> Option<tokio::task::JoinHandle<()>> {
-    let id = PinDir::new(pin_path)
+pub fn spawn_kernel_logger(pins: impl Into<PinDir>) -> Option<tokio::task::JoinHandle<()>> {
+    let id = pins
+        .into()
         .read_meta(meta::LOG_PROGRAM_ID, Access::ReadOnly)
         .ok()
         .filter(|id| *id != 0)?;

@@ -6,7 +6,7 @@
 
 pub mod pkt;
 
-use std::path::Path;
+use crate::pins::PinDir;
 
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 
@@ -20,7 +20,7 @@ pub const XDP_PROGRAM: &str = "xdp_ingress";
 
 /// The object loaded with its maps pinned under `pins` (conntrack tables of `flows`
 /// flows per family), both TC programs and the XDP program through the verifier.
-pub fn load_tc(pins: &Path, flows: u32) -> anyhow::Result<aya::Ebpf> {
+pub fn load_tc(pins: &PinDir, flows: u32) -> anyhow::Result<aya::Ebpf> {
     let entries = loader::conntrack_entries(flows)?;
     let mut ebpf = loader::load_object(pins, entries)?;
     for name in TC_PROGRAMS {
