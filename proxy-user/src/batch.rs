@@ -1,7 +1,6 @@
 //! Batched map operations over `bpf(2)`: `BPF_MAP_UPDATE_BATCH`, `BPF_MAP_DELETE_BATCH`
 //! and `BPF_MAP_LOOKUP_BATCH` (kernel >= 5.6). aya 0.14 has no batch API, so this is a
-//! small wrapper of our own, with the `batch` member of `union bpf_attr` laid out as in
-//! `linux/bpf.h`.
+//! small typed layer over the calls in `bpf_sys` (the one `bpf(2)` leaf).
 //!
 //! The kernel applies a batch element by element, in order, and stops at the first
 //! element that fails: `count` then says how many were applied. Callers fall back to
@@ -9,41 +8,16 @@
 //! without batch support (`ENOTSUPP`, `EINVAL`) and kernels that fail batches into
 //! `BPF_F_NO_PREALLOC` hash maps with `ENOMEM`.
 
-use std::{
-    io,
-    os::fd::{AsRawFd as _, BorrowedFd},
-};
+use std::{io, os::fd::BorrowedFd};
 
 use aya::Pod;
 
-/// `bpf(2)` commands (enum `bpf_cmd`).
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
-const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
-
 /// The kernel-internal `ENOTSUPP` (not `EOPNOTSUPP`), which `bpf(2)` returns for a map
 /// type without the batch operation.
-pub const ENOTSUPP: i32 = 524;
+pub const ENOTSUPP: i32 = bpf_sys::ENOTSUPP;
 
 /// Elements per lookup call (grown when one hash bucket holds more).
 const LOOKUP_CHUNK: u32 = 4096;
-
-/// `union bpf_attr`'s `batch` member: `in_batch`, `out_batch`, `keys`, `values`, `count`,
-/// `map_fd`, `elem_flags`, `flags` (56 bytes; the size passed to the kernel).
-#[repr(C)]
-#[derive(Debug, Default)]
-struct BatchAttr {
-    in_batch: u64,
-    out_batch: u64,
-    keys: u64,
-    values: u64,
-    count: u32,
-    map_fd: u32,
-    elem_flags: u64,
-    flags: u64,
-}
-
-const _: () = assert!(std::mem::size_of::<BatchAttr>() == 56);
 
 /// A batch call that did not apply every element: `done` were applied (in order), then
 /// the kernel returned `error`.
@@ -58,28 +32,6 @@ impl BatchError {
     pub fn errno(&self) -> Option<i32> {
         self.error.raw_os_error()
     }
-}
-
-fn sys(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
-    // SAFETY: a fully initialised attr of the size passed; every pointer in it points at
-    // buffers the caller keeps alive (and sized for `count` elements) during the call.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            cmd,
-            attr as *mut BatchAttr,
-            std::mem::size_of::<BatchAttr>(),
-        )
-    };
-    if ret < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
-}
-
-fn fd_u32(fd: BorrowedFd<'_>) -> u32 {
-    fd.as_raw_fd() as u32
 }
 
 /// How many elements a failed call applied. The kernel writes `count` back only once it
@@ -104,20 +56,9 @@ pub fn update<K: Pod, V: Pod>(
     if keys.is_empty() {
         return Ok(());
     }
-    let count = u32::try_from(keys.len()).map_err(|_| BatchError {
-        done: 0,
-        error: io::Error::from_raw_os_error(libc::E2BIG),
-    })?;
-    let mut attr = BatchAttr {
-        keys: keys.as_ptr() as u64,
-        values: values.as_ptr() as u64,
-        count,
-        map_fd: fd_u32(fd),
-        ..BatchAttr::default()
-    };
-    sys(BPF_MAP_UPDATE_BATCH, &mut attr).map_err(|error| BatchError {
-        done: done_on_error(attr.count, keys.len()),
-        error,
+    bpf_sys::map_update_batch(fd, keys, values).map_err(|f| BatchError {
+        done: done_on_error(f.count, keys.len()),
+        error: f.error,
     })
 }
 
@@ -128,28 +69,23 @@ pub fn delete<K: Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> 
     let mut start = 0;
     while start < keys.len() {
         let rest = &keys[start..];
-        let mut attr = BatchAttr {
-            keys: rest.as_ptr() as u64,
-            count: u32::try_from(rest.len()).unwrap_or(u32::MAX),
-            map_fd: fd_u32(fd),
-            ..BatchAttr::default()
-        };
-        match sys(BPF_MAP_DELETE_BATCH, &mut attr) {
-            Ok(()) => {
-                start += attr.count as usize;
-                if attr.count == 0 {
+        match bpf_sys::map_delete_batch(fd, rest) {
+            Ok(count) => {
+                start += count as usize;
+                if count == 0 {
                     break;
                 }
             }
-            Err(e)
-                if e.raw_os_error() == Some(libc::ENOENT) && (attr.count as usize) < rest.len() =>
+            Err(f)
+                if f.error.raw_os_error() == Some(libc::ENOENT)
+                    && (f.count as usize) < rest.len() =>
             {
-                start += attr.count as usize + 1
+                start += f.count as usize + 1
             }
-            Err(error) => {
+            Err(f) => {
                 return Err(BatchError {
-                    done: start + done_on_error(attr.count, rest.len()),
-                    error,
+                    done: start + done_on_error(f.count, rest.len()),
+                    error: f.error,
                 })
             }
         }
@@ -179,27 +115,22 @@ pub fn lookup_raw(
         let n = chunk as usize;
         keys.resize((total + n) * key_size, 0);
         values.resize((total + n) * value_size, 0);
-        let mut attr = BatchAttr {
-            in_batch: if first { 0 } else { token_in.as_ptr() as u64 },
-            out_batch: token_out.as_mut_ptr() as u64,
-            keys: keys[total * key_size..].as_mut_ptr() as u64,
-            values: values[total * value_size..].as_mut_ptr() as u64,
-            count: chunk,
-            map_fd: fd_u32(fd),
-            ..BatchAttr::default()
-        };
-        let r = sys(BPF_MAP_LOOKUP_BATCH, &mut attr);
-        let got = (attr.count as usize).min(n);
+        let r = bpf_sys::map_lookup_batch(
+            fd,
+            (!first).then_some(&token_in[..]),
+            &mut token_out,
+            &mut keys[total * key_size..],
+            &mut values[total * value_size..],
+            chunk,
+        );
         match r {
-            Ok(()) => {
-                total += got;
+            Ok((got, end)) => {
+                total += got as usize;
+                if end == bpf_sys::BatchEnd::End {
+                    break;
+                }
                 first = false;
                 token_in.copy_from_slice(&token_out);
-            }
-            // The end of the map (with the last entries, if any).
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                total += got;
-                break;
             }
             // One bucket holds more entries than fit: a bigger chunk.
             Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && chunk < (1 << 20) => {

@@ -2,8 +2,6 @@
 //! backend on another node, written to `FWD_MODE[0]` for the programs
 //! (`proxy-ebpf/src/tc/dsr.rs`).
 
-use std::path::Path;
-
 use aya::maps::{Array, MapData};
 use proxy_common::{fwd_mode, map_names};
 
@@ -51,9 +49,9 @@ impl ForwardingMode {
     }
 }
 
-/// Writes the mode to the pinned `FWD_MODE` map under `pin_path`.
-pub fn set(pin_path: &Path, mode: ForwardingMode) -> Result<(), PinError> {
-    let pins = PinDir::new(pin_path);
+/// Writes the mode to the pinned `FWD_MODE` map of `pins`.
+pub fn set(pins: impl Into<PinDir>, mode: ForwardingMode) -> Result<(), PinError> {
+    let pins = pins.into();
     let mut map: Array<MapData, u32> = pins.typed(map_names::FWD_MODE, Access::ReadWrite)?;
     map.set(0, mode.value(), 0).map_err(|source| PinError::Map {
         path: pins.map_path(map_names::FWD_MODE),
@@ -62,8 +60,8 @@ pub fn set(pin_path: &Path, mode: ForwardingMode) -> Result<(), PinError> {
 }
 
 /// Reads the mode from the pinned `FWD_MODE` map (`Ok(None)`: an unknown value).
-pub fn get(pin_path: &Path) -> Result<Option<ForwardingMode>, PinError> {
-    let pins = PinDir::new(pin_path);
+pub fn get(pins: impl Into<PinDir>) -> Result<Option<ForwardingMode>, PinError> {
+    let pins = pins.into();
     let map: Array<MapData, u32> = pins.typed(map_names::FWD_MODE, Access::ReadOnly)?;
     let v = map.get(&0, 0).map_err(|source| PinError::Map {
         path: pins.map_path(map_names::FWD_MODE),

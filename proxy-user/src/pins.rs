@@ -1,19 +1,19 @@
 //! The pin directory: its layout, its default path, the ABI check against `META`, and
-//! opening its maps read-write (agent, loader, tests) or read-only (`proxyctl`). The one
-//! place that knows how a pinned map is opened.
+//! opening its maps read-write (agent, loader, migration, tests) or read-only
+//! (`proxyctl`). The one way to a pinned object: it owns the layout, reads and writes
+//! `META`, reads a map's `max_entries`, and makes and parses the link pin names
+//! ([`LinkPin`]). Functions that work on a pin directory take a `&PinDir`.
 //!
 //! Layout (see `loader` for the links):
 //! - one file per map, named as in `proxy_common::map_names`;
 //! - `META[meta::ABI_VERSION]`: the map ABI version of the programs that made the maps;
-//! - `links/`: the pinned links (cgroup hooks, TCX) and clsact records.
+//! - `links/`: the pinned links (cgroup hooks, TCX, XDP) and clsact records ([`LinkPin`]);
+//! - `migrate-staging/`: a layout migration's new maps (itself a pin directory, with its
+//!   marker), see `migrate`.
 
 use std::{
-    ffi::CString,
     io,
-    os::{
-        fd::{AsFd as _, FromRawFd as _, OwnedFd},
-        unix::ffi::OsStrExt as _,
-    },
+    os::fd::{AsFd as _, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -29,10 +29,105 @@ pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/ebpf-proxy";
 /// Directory of the pinned links, under the pin directory.
 pub const LINKS_DIR: &str = "links";
 
-/// `bpf(2)` command `BPF_OBJ_GET`.
-const BPF_OBJ_GET: libc::c_long = 7;
+/// Where a layout migration builds the new maps, inside the pin directory (same bpffs
+/// mount, so the pins can be renamed into place); see `migrate/`.
+pub const MIGRATE_STAGING_DIR: &str = "migrate-staging";
+
+/// The cgroup hooks, by program name (the function names in `proxy-ebpf/src/sock.rs`);
+/// each one's link is pinned under this name.
+pub const SOCK_PROGRAMS: [&str; 8] = [
+    "sock4_connect",
+    "sock4_sendmsg",
+    "sock4_recvmsg",
+    "sock4_getpeer",
+    "sock6_connect",
+    "sock6_sendmsg",
+    "sock6_recvmsg",
+    "sock6_getpeer",
+];
+
+/// Prefix of the pinned XDP links (`links/xdp-<iface>`).
+pub const XDP_PIN_PREFIX: &str = "xdp-";
+
+/// Suffix of the pin that records a clsact filter (`links/tc-<iface>-<dir>-clsact`; not
+/// `.clsact`: bpffs refuses names with a dot).
+pub const CLSACT_SUFFIX: &str = "-clsact";
+
+/// A pin under `links/`; its name is made ([`Self::name`]) and read ([`Self::parse`])
+/// only here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LinkPin {
+    /// A cgroup socket hook's link, named as its program ([`SOCK_PROGRAMS`]).
+    Sock(&'static str),
+    /// A TC hook: the TCX link `tc-<iface>-<ingress|egress>`, or with `clsact` the record
+    /// of a clsact filter (a pinned program, `tc-<iface>-<dir>-clsact`).
+    Tc {
+        iface: String,
+        ingress: bool,
+        clsact: bool,
+    },
+    /// An XDP link, `xdp-<iface>`.
+    Xdp { iface: String },
+}
+
+impl LinkPin {
+    /// Its file name under `links/`.
+    pub fn name(&self) -> String {
+        match self {
+            LinkPin::Sock(name) => name.to_string(),
+            LinkPin::Tc {
+                iface,
+                ingress,
+                clsact,
+            } => format!(
+                "tc-{iface}-{}{}",
+                if *ingress { "ingress" } else { "egress" },
+                if *clsact { CLSACT_SUFFIX } else { "" }
+            ),
+            LinkPin::Xdp { iface } => format!("{XDP_PIN_PREFIX}{iface}"),
+        }
+    }
+
+    /// Reads a file name under `links/`; `None` for a name this project does not make.
+    pub fn parse(name: &str) -> Option<Self> {
+        if let Some(p) = SOCK_PROGRAMS.iter().find(|p| **p == name) {
+            return Some(LinkPin::Sock(p));
+        }
+        if let Some(iface) = name.strip_prefix(XDP_PIN_PREFIX) {
+            return (!iface.is_empty()).then(|| LinkPin::Xdp {
+                iface: iface.to_string(),
+            });
+        }
+        let rest = name.strip_prefix("tc-")?;
+        let (rest, clsact) = match rest.strip_suffix(CLSACT_SUFFIX) {
+            Some(r) => (r, true),
+            None => (rest, false),
+        };
+        let (iface, ingress) = if let Some(i) = rest.strip_suffix("-ingress") {
+            (i, true)
+        } else {
+            (rest.strip_suffix("-egress")?, false)
+        };
+        Some(LinkPin::Tc {
+            iface: iface.to_string(),
+            ingress,
+            clsact,
+        })
+    }
+
+    /// The program the pinned link (or clsact record) runs.
+    pub fn program(&self) -> &'static str {
+        match self {
+            LinkPin::Sock(name) => name,
+            LinkPin::Tc { ingress: true, .. } => "tc_ingress",
+            LinkPin::Tc { ingress: false, .. } => "tc_egress",
+            LinkPin::Xdp { .. } => "xdp_ingress",
+        }
+    }
+}
+
 /// `BPF_F_RDONLY`: the returned descriptor only allows lookups.
-pub const BPF_F_RDONLY: u32 = 1 << 3;
+pub const BPF_F_RDONLY: u32 = bpf_sys::F_RDONLY;
 
 /// How a pinned map is opened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,47 +169,15 @@ pub enum PinError {
     },
 }
 
-/// `union bpf_attr` for `BPF_OBJ_GET`: pathname, bpf_fd, file_flags, path_fd, and zeros
-/// (the kernel requires every byte past the command's fields to be zero).
-#[repr(C)]
-struct ObjGetAttr {
-    pathname: u64,
-    bpf_fd: u32,
-    file_flags: u32,
-    path_fd: i32,
-    _zero: [u8; 108],
-}
-
 /// Opens a pinned BPF object (`BPF_OBJ_GET`, with `BPF_F_RDONLY` for [`Access::ReadOnly`]).
 pub fn open_pinned(path: &Path, access: Access) -> io::Result<OwnedFd> {
-    let c_path = CString::new(path.as_os_str().as_bytes())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let mut attr = ObjGetAttr {
-        pathname: c_path.as_ptr() as u64,
-        bpf_fd: 0,
-        file_flags: match access {
+    bpf_sys::obj_get(
+        path,
+        match access {
             Access::ReadWrite => 0,
             Access::ReadOnly => BPF_F_RDONLY,
         },
-        path_fd: 0,
-        _zero: [0; 108],
-    };
-    // SAFETY: bpf(BPF_OBJ_GET) with a fully initialized, zero-padded attr whose pathname
-    // points at a NUL-terminated string that outlives the call.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            &mut attr as *mut ObjGetAttr,
-            std::mem::size_of::<ObjGetAttr>(),
-        )
-    };
-    if ret < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let fd = i32::try_from(ret).map_err(|_| io::Error::other("fd out of range"))?;
-    // SAFETY: BPF_OBJ_GET returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    )
 }
 
 /// One pin directory.
@@ -141,6 +204,41 @@ impl PinDir {
     /// The directory of the pinned links.
     pub fn links(&self) -> PathBuf {
         self.path.join(LINKS_DIR)
+    }
+
+    /// The file of link pin `name` under `links/`.
+    pub fn link_path(&self, name: &str) -> PathBuf {
+        self.links().join(name)
+    }
+
+    /// The pin names under `links/` this project makes ([`LinkPin::parse`]), with their
+    /// file names; none when `links/` does not exist.
+    pub fn link_pins(&self) -> io::Result<Vec<(String, LinkPin)>> {
+        let mut pins = Vec::new();
+        match std::fs::read_dir(self.links()) {
+            Ok(entries) => {
+                for e in entries {
+                    let name = e?.file_name().to_string_lossy().into_owned();
+                    if let Some(p) = LinkPin::parse(&name) {
+                        pins.push((name, p));
+                    }
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        Ok(pins)
+    }
+
+    /// Opens the pinned link (or clsact record) `name` under `links/` (`BPF_OBJ_GET`;
+    /// links refuse `BPF_F_RDONLY`).
+    pub fn open_link(&self, name: &str) -> io::Result<OwnedFd> {
+        bpf_sys::obj_get(&self.link_path(name), 0)
+    }
+
+    /// The staging pin directory of a layout migration, inside this one.
+    pub fn staging(&self) -> PinDir {
+        PinDir::new(self.path.join(MIGRATE_STAGING_DIR))
     }
 
     /// Whether maps were pinned here (`META` exists).
@@ -213,14 +311,37 @@ impl PinDir {
         Ok(PinnedHash { map, fd })
     }
 
+    /// Pins the map object `fd` (also) as `name` here (`BPF_OBJ_PIN`).
+    pub fn pin_map(&self, name: &str, fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
+        bpf_sys::obj_pin(fd, &self.map_path(name))
+    }
+
+    /// Type, sizes, flags and id of the pinned map `name` (`BPF_OBJ_GET_INFO_BY_FD`).
+    pub fn map_info(&self, name: &str) -> Result<bpf_sys::MapInfo, PinError> {
+        let fd = self.open_fd(name, Access::ReadOnly)?;
+        bpf_sys::map_info(fd.as_fd()).map_err(|source| PinError::Open {
+            path: self.map_path(name),
+            source,
+        })
+    }
+
     /// `max_entries` of the pinned map `name`, if it is pinned.
     pub fn max_entries(&self, name: &str) -> Option<u32> {
-        let fd = self.open_fd(name, Access::ReadOnly).ok()?;
-        MapData::from_fd(fd)
-            .ok()?
-            .info()
-            .ok()
-            .map(|i| i.max_entries())
+        self.map_info(name).ok().map(|i| i.max_entries)
+    }
+
+    /// Writes one `META` entry (the loader's and the migration's records).
+    pub fn write_meta(&self, index: u32, value: u32) -> Result<(), PinError> {
+        let path = self.map_path(map_names::META);
+        let fd = self.open_fd(map_names::META, Access::ReadWrite)?;
+        bpf_sys::map_update(
+            fd.as_fd(),
+            &index.to_ne_bytes(),
+            &value.to_ne_bytes(),
+            bpf_sys::ANY,
+        )
+        .map(drop)
+        .map_err(|source| PinError::Open { path, source })
     }
 
     /// Reads one `META` entry.
@@ -252,6 +373,32 @@ impl PinDir {
     }
 }
 
+/// A directory path as a pin directory: for the entry points that are handed the
+/// `--pin-path` flag's value (the agent's, `proxyctl`'s, the tests').
+impl From<&Path> for PinDir {
+    fn from(path: &Path) -> Self {
+        Self::new(path)
+    }
+}
+
+impl From<&PathBuf> for PinDir {
+    fn from(path: &PathBuf) -> Self {
+        Self::new(path)
+    }
+}
+
+impl From<PathBuf> for PinDir {
+    fn from(path: PathBuf) -> Self {
+        Self::new(path)
+    }
+}
+
+impl From<&PinDir> for PinDir {
+    fn from(pins: &PinDir) -> Self {
+        pins.clone()
+    }
+}
+
 /// A pinned hash map: the typed aya map for one-element calls, and a descriptor of the
 /// same map for the batch calls (`crate::batch`).
 pub struct PinnedHash<K, V> {
@@ -269,5 +416,46 @@ impl<K: Pod, V: Pod> PinnedHash<K, V> {
                 self.map.iter().collect()
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_pin_names_parse_back_and_foreign_names_do_not() {
+        let mut pins: Vec<LinkPin> = SOCK_PROGRAMS.iter().map(|p| LinkPin::Sock(p)).collect();
+        for (iface, ingress, clsact) in [
+            ("eth0", true, false),
+            ("eth0", false, true),
+            ("br-ex-egress", true, true),
+        ] {
+            pins.push(LinkPin::Tc {
+                iface: iface.into(),
+                ingress,
+                clsact,
+            });
+        }
+        pins.push(LinkPin::Xdp {
+            iface: "veth-1".into(),
+        });
+        for p in pins {
+            let name = p.name();
+            assert!(!name.contains('.'), "bpffs refuses dots: {name}");
+            assert_eq!(LinkPin::parse(&name), Some(p));
+        }
+        for foreign in [
+            "SVC4",
+            "xdp-",
+            "tc-eth0-sideways",
+            "tc-eth0-sideways-clsact",
+        ] {
+            assert_eq!(LinkPin::parse(foreign), None, "{foreign}");
+        }
+        assert_eq!(
+            LinkPin::parse("tc-eth0-egress-clsact").map(|p| p.program()),
+            Some("tc_egress")
+        );
     }
 }

@@ -18,11 +18,13 @@ use std::{
     io::{self, Read as _},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::{
-        fd::{AsRawFd, FromRawFd, OwnedFd},
+        fd::{AsFd as _, AsRawFd, FromRawFd, OwnedFd},
         unix::fs::MetadataExt as _,
     },
     path::{Path, PathBuf},
 };
+
+use crate::pins::PinDir;
 
 const NETLINK_SOCK_DIAG: i32 = 4;
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
@@ -130,13 +132,18 @@ fn collect_pids(dir: &Path, pids: &mut BTreeSet<u32>) -> io::Result<()> {
     Ok(())
 }
 
-/// The cgroup v2 directory the pinned cgroup link `link_pin` is attached to: the kernel's
+/// The cgroup v2 directory the cgroup link pinned as `link` in `pins` is attached to: the kernel's
 /// own record (`bpf_link_info.cgroup.cgroup_id`, which is the directory's inode number on
 /// cgroup2), so an agent that adopted the hooks after a restart knows where they are
 /// whatever its `--cgroup` says now. `candidates` are tried first; otherwise the tree
 /// under `mount` is searched.
-pub fn hooked_cgroup(link_pin: &Path, mount: &Path, candidates: &[PathBuf]) -> io::Result<PathBuf> {
-    let id = link_cgroup_id(link_pin)?;
+pub fn hooked_cgroup(
+    pins: &PinDir,
+    link: &str,
+    mount: &Path,
+    candidates: &[PathBuf],
+) -> io::Result<PathBuf> {
+    let id = link_cgroup_id(pins, link)?;
     let matches = |p: &Path| fs::metadata(p).is_ok_and(|m| m.is_dir() && m.ino() == id);
     if let Some(c) = candidates.iter().find(|c| matches(c)) {
         return Ok(c.clone());
@@ -158,88 +165,27 @@ pub fn hooked_cgroup(link_pin: &Path, mount: &Path, candidates: &[PathBuf]) -> i
         io::ErrorKind::NotFound,
         format!(
             "the cgroup (id {id}) of the link pinned at {} is not under {} (removed?)",
-            link_pin.display(),
+            pins.link_path(link).display(),
             mount.display()
         ),
     ))
 }
 
 /// `cgroup_id` of a pinned `BPF_LINK_TYPE_CGROUP` link.
-fn link_cgroup_id(link_pin: &Path) -> io::Result<u64> {
-    use std::os::unix::ffi::OsStrExt as _;
-    const BPF_OBJ_GET: libc::c_long = 7;
-    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-    const BPF_LINK_TYPE_CGROUP: u32 = 3;
-    #[repr(C)]
-    struct ObjGet {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-        path_fd: i32,
-        _zero: [u8; 108],
-    }
-    #[repr(C)]
-    struct InfoByFd {
-        bpf_fd: u32,
-        info_len: u32,
-        info: u64,
-        _zero: [u8; 112],
-    }
-    let path = std::ffi::CString::new(link_pin.as_os_str().as_bytes())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let mut get = ObjGet {
-        pathname: path.as_ptr() as u64,
-        bpf_fd: 0,
-        file_flags: 0, // links refuse BPF_F_RDONLY
-        path_fd: 0,
-        _zero: [0; 108],
-    };
-    // SAFETY: bpf(BPF_OBJ_GET) with a zero-padded attr; the path outlives the call.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            &mut get as *mut ObjGet,
-            std::mem::size_of::<ObjGet>(),
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new descriptor nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    // struct bpf_link_info: type, id, prog_id, (pad), then the union (8-byte aligned):
-    // cgroup { __u64 cgroup_id; __u32 attach_type; }.
-    let mut info = [0u64; 8];
-    let mut attr = InfoByFd {
-        bpf_fd: fd.as_raw_fd() as u32,
-        info_len: std::mem::size_of_val(&info) as u32,
-        info: info.as_mut_ptr() as u64,
-        _zero: [0; 112],
-    };
-    // SAFETY: bpf(BPF_OBJ_GET_INFO_BY_FD) into our buffer of the length given.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET_INFO_BY_FD,
-            &mut attr as *mut InfoByFd,
-            std::mem::size_of::<InfoByFd>(),
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let link_type = info[0] as u32;
-    if link_type != BPF_LINK_TYPE_CGROUP {
+fn link_cgroup_id(pins: &PinDir, link: &str) -> io::Result<u64> {
+    let fd = pins.open_link(link)?;
+    let info = bpf_sys::link_info(fd.as_fd())?;
+    if info.link_type != bpf_sys::link_type::CGROUP {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!(
-                "{} is not a cgroup link (link type {link_type})",
-                link_pin.display()
+                "{} is not a cgroup link (link type {})",
+                pins.link_path(link).display(),
+                info.link_type
             ),
         ));
     }
-    Ok(info[2])
+    Ok(info.cgroup_id)
 }
 
 fn in_namespace(ns: &Path, backends: &[SocketAddr]) -> io::Result<usize> {

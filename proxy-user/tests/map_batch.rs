@@ -25,7 +25,8 @@ use support::{require_root, PinDir};
 
 fn load(pins: &PinDir) -> aya::Ebpf {
     let entries = proxy_user::loader::conntrack_entries(1024).expect("size");
-    proxy_user::loader::load_object(&pins.path, entries).expect("load object")
+    proxy_user::loader::load_object(&proxy_user::pins::PinDir::new(&pins.path), entries)
+        .expect("load object")
 }
 
 fn backend(i: u32) -> Backend4 {
@@ -264,7 +265,7 @@ fn a_batched_sync_reads_back_through_the_store_adoption_and_proxyctl() {
     assert_eq!(second.set_node_addresses(&addrs).expect("same"), 0);
 
     // proxyctl's read-only reader sees the same services.
-    let snap = proxy_user::ctl::Maps::open(&pins.path)
+    let snap = proxy_user::ctl::Maps::open(&proxy_user::pins::PinDir::new(&pins.path))
         .expect("proxyctl open")
         .snapshot()
         .expect("snapshot");

@@ -33,9 +33,8 @@ mod support;
 
 use std::{
     collections::BTreeMap,
-    io,
     net::{IpAddr, Ipv4Addr, SocketAddr},
-    os::{fd::AsRawFd as _, unix::process::CommandExt as _},
+    os::{fd::AsFd as _, unix::process::CommandExt as _},
     path::Path,
     process::Command,
 };
@@ -763,36 +762,9 @@ fn kube_proxy_rules_round_trip_through_iptables_save() {
 /// Raw `(key, value)` bytes of every entry, per map name.
 type RawMaps = BTreeMap<&'static str, Vec<(Vec<u8>, Vec<u8>)>>;
 
-/// Every pinned map's raw entries, through plain `bpf(2)` calls (no proxyctl code).
+/// Every pinned map's raw entries, through plain `bpf(2)` calls (`bpf_sys`, no proxyctl
+/// code).
 fn raw_dump(pin: &Path) -> RawMaps {
-    #[repr(C)]
-    struct InfoAttr {
-        bpf_fd: u32,
-        info_len: u32,
-        info: u64,
-        _zero: [u8; 112],
-    }
-    #[repr(C)]
-    struct ElemAttr {
-        map_fd: u32,
-        _pad: u32,
-        key: u64,
-        value: u64,
-        flags: u64,
-        _zero: [u8; 96],
-    }
-    const LOOKUP: libc::c_long = 1;
-    const NEXT_KEY: libc::c_long = 4;
-    const INFO: libc::c_long = 15;
-    let sys = |cmd: libc::c_long, attr: *mut u8, size: usize| -> io::Result<()> {
-        // SAFETY: bpf(2) with a zero-padded attr whose pointers reference live buffers.
-        let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr, size) };
-        if r < 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(())
-        }
-    };
     let cpus = aya::util::nr_cpus().expect("possible cpus");
     let mut out = BTreeMap::new();
     for name in map_names::ALL {
@@ -801,21 +773,12 @@ fn raw_dump(pin: &Path) -> RawMaps {
             continue;
         }
         let fd = open_pinned_rdonly(&path).expect("open");
-        // bpf_map_info: type, id, key_size, value_size, ...
-        let mut info = [0u32; 32];
-        let mut attr = InfoAttr {
-            bpf_fd: fd.as_raw_fd() as u32,
-            info_len: std::mem::size_of_val(&info) as u32,
-            info: info.as_mut_ptr() as u64,
-            _zero: [0; 112],
-        };
-        sys(
-            INFO,
-            &mut attr as *mut InfoAttr as *mut u8,
-            std::mem::size_of::<InfoAttr>(),
-        )
-        .expect("map info");
-        let (map_type, key_size, value_size) = (info[0], info[2] as usize, info[3] as usize);
+        let info = bpf_sys::map_info(fd.as_fd()).expect("map info");
+        let (map_type, key_size, value_size) = (
+            info.map_type,
+            info.key_size as usize,
+            info.value_size as usize,
+        );
         // SK_STORAGE (`SOCK_REVNAT4/6`): values live in sockets, keyed by a socket fd of
         // the caller; the kernel offers no key iteration (ENOTSUPP). Listed, not read.
         if map_type == 24 {
@@ -832,38 +795,15 @@ fn raw_dump(pin: &Path) -> RawMaps {
         let mut key: Option<Vec<u8>> = None;
         loop {
             let mut next = vec![0u8; key_size];
-            let mut attr = ElemAttr {
-                map_fd: fd.as_raw_fd() as u32,
-                _pad: 0,
-                key: key.as_ref().map_or(0, |k| k.as_ptr() as u64),
-                value: next.as_mut_ptr() as u64,
-                flags: 0,
-                _zero: [0; 96],
-            };
-            match sys(
-                NEXT_KEY,
-                &mut attr as *mut ElemAttr as *mut u8,
-                std::mem::size_of::<ElemAttr>(),
-            ) {
-                Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => break,
+            match bpf_sys::map_next_key(fd.as_fd(), key.as_deref(), &mut next) {
+                Ok(true) => {}
+                Ok(false) => break,
                 Err(e) => panic!("{name}: next key: {e}"),
             }
             let mut value = vec![0u8; value_len];
-            let mut attr = ElemAttr {
-                map_fd: fd.as_raw_fd() as u32,
-                _pad: 0,
-                key: next.as_ptr() as u64,
-                value: value.as_mut_ptr() as u64,
-                flags: 0,
-                _zero: [0; 96],
-            };
-            sys(
-                LOOKUP,
-                &mut attr as *mut ElemAttr as *mut u8,
-                std::mem::size_of::<ElemAttr>(),
-            )
-            .unwrap_or_else(|e| panic!("{name}: lookup: {e}"));
+            let found = bpf_sys::map_lookup(fd.as_fd(), &next, &mut value)
+                .unwrap_or_else(|e| panic!("{name}: lookup: {e}"));
+            assert!(found, "{name}: lookup: the key just listed is absent");
             entries.push((next.clone(), value));
             key = Some(next);
         }

@@ -361,7 +361,8 @@ fn uninstall_leaves_nothing_behind() {
     env.in_client(|| tcp_ask(fe.socket_addr()).expect("works before uninstall"));
     env.writer = None;
 
-    let report = loader::uninstall(&env.pins.path).expect("uninstall");
+    let report =
+        loader::uninstall(&proxy_user::pins::PinDir::new(&env.pins.path)).expect("uninstall");
     assert_eq!(report.links.len(), 8);
     assert_eq!(report.maps.len(), proxy_common::map_names::ALL.len());
     assert!(!env.pins.path.exists(), "pin directory removed");
@@ -379,7 +380,7 @@ fn uninstall_leaves_nothing_behind() {
     });
     // Uninstalling again is harmless.
     assert_eq!(
-        loader::uninstall(&env.pins.path).expect("again"),
+        loader::uninstall(&proxy_user::pins::PinDir::new(&env.pins.path)).expect("again"),
         Default::default()
     );
 }
@@ -495,8 +496,11 @@ fn nodeports_on_the_node_addresses_are_served_at_connect() {
     let mut env = TestEnv::new(3);
     env.serve_all(PORT);
     let node = Ipv4Addr::new(192, 0, 2, 1);
-    proxy_user::bpf::set_node_addresses(&env.pins.path, &[IpAddr::V4(node)])
-        .expect("node addresses");
+    proxy_user::bpf::set_node_addresses(
+        &proxy_user::pins::PinDir::new(&env.pins.path),
+        &[IpAddr::V4(node)],
+    )
+    .expect("node addresses");
     let np = Frontend::new(Ipv4Addr::UNSPECIFIED, 30080, Proto::Tcp);
     env.writer()
         .upsert(&ServiceEntry {

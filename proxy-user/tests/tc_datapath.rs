@@ -521,7 +521,8 @@ fn nodeport_through_clsact_filters_with_restart_and_uninstall() {
     // programs unloaded, and the NodePort is no longer translated.
     {
         let _g = c.node_a.enter();
-        proxy_user::loader::uninstall(&env.pins.path).expect("uninstall");
+        proxy_user::loader::uninstall(&proxy_user::pins::PinDir::new(&env.pins.path))
+            .expect("uninstall");
     }
     assert!(!env.pins.path.exists());
     for (iface, ingress) in hooks {
@@ -1160,7 +1161,8 @@ fn nodeport_at_xdp_native_to_local_and_remote_backends() {
     }
     {
         let _g = c.node_a.enter();
-        proxy_user::loader::uninstall(&env.pins.path).expect("uninstall");
+        proxy_user::loader::uninstall(&proxy_user::pins::PinDir::new(&env.pins.path))
+            .expect("uninstall");
     }
     for iface in ["ext0", "nb0"] {
         let d = link_details(&c.node_a, iface);

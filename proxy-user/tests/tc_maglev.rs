@@ -39,7 +39,8 @@ impl Node {
         require_root();
         let pins = PinDir::new();
         let entries = loader::conntrack_entries(loader::DEFAULT_CONNTRACK_FLOWS).expect("size");
-        let mut ebpf = loader::load_object(&pins.path, entries).expect("load object");
+        let mut ebpf = loader::load_object(&proxy_user::pins::PinDir::new(&pins.path), entries)
+            .expect("load object");
         let prog: &mut SchedClassifier = ebpf
             .program_mut("tc_ingress")
             .expect("program")
@@ -47,7 +48,8 @@ impl Node {
             .expect("classifier");
         prog.load().expect("verifier accepts the TC program");
         let addrs: Vec<IpAddr> = vec!["192.0.2.1".parse().expect("ip")];
-        bpf::set_node_addresses(&pins.path, &addrs).expect("node addresses");
+        bpf::set_node_addresses(&proxy_user::pins::PinDir::new(&pins.path), &addrs)
+            .expect("node addresses");
         let mut writer = Writer::new(BpfMaps::open(&pins.path).expect("maps"));
         writer.set_maglev_params(params);
         Self {
@@ -182,7 +184,8 @@ fn two_nodes_pick_the_backend_user_space_computes_and_conntrack_pins_flows() {
         })
         .collect();
     let mut per_backend = std::collections::BTreeMap::new();
-    let maps = proxy_user::ctl::Maps::open(&a._pins.path).expect("proxyctl opens node A's maps");
+    let maps = proxy_user::ctl::Maps::open(&proxy_user::pins::PinDir::new(&a._pins.path))
+        .expect("proxyctl opens node A's maps");
     for (i, f) in flows.iter().enumerate() {
         let want = expected(params, &all, f);
         // `proxyctl explain --from` names the backend before the flow exists (Maglev)

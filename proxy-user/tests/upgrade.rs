@@ -43,7 +43,7 @@ use std::{
 };
 
 use proxy_common::{map_names, meta, ABI_VERSION};
-use proxy_user::{bpf, migrate};
+use proxy_user::migrate;
 use support::{
     http_get,
     tc::{tcx_programs, UninstallIn},
@@ -728,7 +728,9 @@ fn program_ids(env: &TestEnv, c: &Cluster) -> Vec<u32> {
 /// conversion function, as if every layout had changed) or `1` (maps of an unchanged
 /// layout shared).
 fn migration_env(pins: &Path, mode: &'static str) -> Vec<(&'static str, &'static str)> {
-    let old_abi = bpf::read_abi_version(pins).expect("META of the old agent");
+    let old_abi = proxy_user::pins::PinDir::new(pins)
+        .abi_version(proxy_user::pins::Access::ReadOnly)
+        .expect("META of the old agent");
     if old_abi == ABI_VERSION {
         vec![(migrate::FORCE_ENV, mode)]
     } else {
@@ -744,9 +746,16 @@ fn migration_env(pins: &Path, mode: &'static str) -> Vec<(&'static str, &'static
 /// layout's maps pinned, none of them an old one except the maps `log` (the agent's)
 /// says were shared (layout unchanged: the same map object serves both builds).
 fn assert_migrated(pins: &Path, old_ids: &[(String, u32)], log: &str) {
-    assert_eq!(bpf::read_abi_version(pins).expect("META"), ABI_VERSION);
     assert_eq!(
-        bpf::read_meta(pins, meta::OBJECT_HASH).expect("META"),
+        proxy_user::pins::PinDir::new(pins)
+            .abi_version(proxy_user::pins::Access::ReadOnly)
+            .expect("META"),
+        ABI_VERSION
+    );
+    assert_eq!(
+        proxy_user::pins::PinDir::new(pins)
+            .read_meta(meta::OBJECT_HASH, proxy_user::pins::Access::ReadOnly)
+            .expect("META"),
         migrate::object_hash()
     );
     assert!(
@@ -902,7 +911,9 @@ fn upgrade_under_traffic(step: Step) {
     let mut agent = Agent::start(&old, &env, &c, &dir, &[]);
     agent.wait_healthy();
     assert_eq!(nodeport_spread(&c, 60).len(), 3);
-    let old_abi = bpf::read_abi_version(&pins).expect("META of the old agent");
+    let old_abi = proxy_user::pins::PinDir::new(&pins)
+        .abi_version(proxy_user::pins::Access::ReadOnly)
+        .expect("META of the old agent");
     let force = match step {
         Step::FromRelease => migration_env(&pins, "1"),
         Step::CopyEveryMap => {
@@ -913,7 +924,12 @@ fn upgrade_under_traffic(step: Step) {
             agent.stop();
             agent = Agent::start(&new_agent(), &env, &c, &dir, &first);
             agent.wait_healthy();
-            assert_eq!(bpf::read_abi_version(&pins).expect("META"), ABI_VERSION);
+            assert_eq!(
+                proxy_user::pins::PinDir::new(&pins)
+                    .abi_version(proxy_user::pins::Access::ReadOnly)
+                    .expect("META"),
+                ABI_VERSION
+            );
             let map = aya::maps::MapData::from_pin(pins.join(map_names::META)).expect("META");
             let mut meta: aya::maps::Array<_, u32> =
                 aya::maps::Array::try_from(aya::maps::Map::Array(map)).expect("array");
@@ -1118,7 +1134,8 @@ fn crash_at_each_migration_step_then_restart() {
         // A fresh datapath of the previous release.
         if env.pins.path.exists() {
             let _g = c.node_a.enter();
-            proxy_user::loader::uninstall(&env.pins.path).expect("uninstall");
+            proxy_user::loader::uninstall(&proxy_user::pins::PinDir::new(&env.pins.path))
+                .expect("uninstall");
         }
         let mut agent = Agent::start(&old, &env, &c, &dir, &[]);
         agent.wait_healthy();
@@ -1314,7 +1331,9 @@ fn same_layout_new_build_swaps_programs_in_place() {
     );
     assert_eq!(without_gen(maps_after), without_gen(maps_before));
     assert_eq!(
-        bpf::read_meta(&env.pins.path, meta::OBJECT_HASH).expect("META"),
+        proxy_user::pins::PinDir::new(&env.pins.path)
+            .read_meta(meta::OBJECT_HASH, proxy_user::pins::Access::ReadOnly)
+            .expect("META"),
         migrate::object_hash()
     );
     // The clsact records name the running programs.
@@ -1341,68 +1360,12 @@ fn same_layout_new_build_swaps_programs_in_place() {
 /// A per-CPU array of `entries` u64 counters created with `bpf(2)` and pinned at `path`
 /// (as an older build of the same ABI with fewer `Reason`s left `STATS`).
 fn pin_counter_array(path: &Path, entries: u32) {
-    #[repr(C)]
-    #[derive(Default)]
-    struct MapCreate {
-        map_type: u32,
-        key_size: u32,
-        value_size: u32,
-        max_entries: u32,
-        map_flags: u32,
-        pad: [u32; 27],
-    }
-    #[repr(C)]
-    struct ObjPin {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-        path_fd: i32,
-        pad: [u32; 5],
-    }
-    const BPF_MAP_CREATE: libc::c_long = 0;
-    const BPF_OBJ_PIN: libc::c_long = 6;
     const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
-    let attr = MapCreate {
-        map_type: BPF_MAP_TYPE_PERCPU_ARRAY,
-        key_size: 4,
-        value_size: 8,
-        max_entries: entries,
-        ..Default::default()
-    };
-    // SAFETY: a bpf_attr prefix of the right size, owned for the call.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_MAP_CREATE,
-            &attr as *const MapCreate,
-            std::mem::size_of::<MapCreate>(),
-        )
-    };
-    assert!(
-        fd >= 0,
-        "BPF_MAP_CREATE: {}",
-        std::io::Error::last_os_error()
-    );
-    let cpath = std::ffi::CString::new(path.to_str().expect("utf-8")).expect("path");
-    let pin = ObjPin {
-        pathname: cpath.as_ptr() as u64,
-        bpf_fd: fd as u32,
-        file_flags: 0,
-        path_fd: 0,
-        pad: [0; 5],
-    };
-    // SAFETY: as above; the path outlives the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_PIN,
-            &pin as *const ObjPin,
-            std::mem::size_of::<ObjPin>(),
-        )
-    };
-    assert_eq!(r, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
-    // SAFETY: our fd; the pin keeps the map.
-    unsafe { libc::close(fd as i32) };
+    let fd = bpf_sys::map_create(BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, entries, 0)
+        .unwrap_or_else(|e| panic!("BPF_MAP_CREATE: {e}"));
+    // The pin keeps the map when `fd` closes.
+    bpf_sys::obj_pin(std::os::fd::AsFd::as_fd(&fd), path)
+        .unwrap_or_else(|e| panic!("BPF_OBJ_PIN: {e}"));
 }
 
 /// New outcome counters (`Reason`s) come within an ABI (issue 15 added XDP's and DSR's).
@@ -1472,7 +1435,9 @@ fn a_build_with_more_outcome_counters_migrates_the_pinned_counter_array() {
         7 * cpus
     );
     assert_eq!(
-        bpf::read_meta(&env.pins.path, meta::OBJECT_HASH).expect("META"),
+        proxy_user::pins::PinDir::new(&env.pins.path)
+            .read_meta(meta::OBJECT_HASH, proxy_user::pins::Access::ReadOnly)
+            .expect("META"),
         migrate::object_hash()
     );
     // The shared maps (conntrack) stayed one: no TC flow lost in the swap.

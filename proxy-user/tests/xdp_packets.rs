@@ -621,7 +621,12 @@ fn native_acceleration_without_driver_support_is_refused_naming_the_interface() 
         .expect("ip");
     assert!(String::from_utf8_lossy(&out.stdout).contains("xdpgeneric"));
     assert_eq!(
-        proxy_user::bpf::read_meta(&env.pins.path, proxy_common::meta::ACCELERATION).expect("META"),
+        proxy_user::pins::PinDir::new(&env.pins.path)
+            .read_meta(
+                proxy_common::meta::ACCELERATION,
+                proxy_user::pins::Access::ReadOnly
+            )
+            .expect("META"),
         proxy_common::acceleration::GENERIC
     );
 }

@@ -63,7 +63,7 @@ struct Pins(PathBuf);
 
 impl Drop for Pins {
     fn drop(&mut self) {
-        if self.0.exists() && loader::uninstall(&self.0).is_err() {
+        if self.0.exists() && loader::uninstall(&proxy_user::pins::PinDir::new(&self.0)).is_err() {
             let _ = std::fs::remove_dir_all(&self.0);
         }
     }
@@ -110,8 +110,14 @@ fn main() -> Result<()> {
             "ebpf-proxy-progrun-{}-{services}",
             std::process::id()
         )));
-        let ebpf = progrun::load_tc(&pins.0, loader::DEFAULT_CONNTRACK_FLOWS)?;
-        bpf::set_node_addresses(&pins.0, &["192.0.2.1".parse()?])?;
+        let ebpf = progrun::load_tc(
+            &proxy_user::pins::PinDir::new(&pins.0),
+            loader::DEFAULT_CONNTRACK_FLOWS,
+        )?;
+        bpf::set_node_addresses(
+            &proxy_user::pins::PinDir::new(&pins.0),
+            &["192.0.2.1".parse()?],
+        )?;
         let mut writer = Writer::new(BpfMaps::open(&pins.0)?);
         for i in 0..services - 1 {
             let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 97, 0, 0)) + i as u32);

@@ -577,7 +577,7 @@ fn main() -> Result<()> {
             }
         }
         Command::Uninstall { pin_path } => {
-            let r = loader::uninstall(&pin_path)
+            let r = loader::uninstall(&proxy_user::pins::PinDir::new(&pin_path))
                 .with_context(|| format!("removing the datapath at {}", pin_path.display()))?;
             println!(
                 "removed {} link(s) and {} map(s) from {}",

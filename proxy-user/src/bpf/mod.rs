@@ -78,11 +78,11 @@ impl std::fmt::Debug for BpfMaps {
 }
 
 impl BpfMaps {
-    /// Opens the maps pinned under `dir` read-write, checking the ABI version the loader
+    /// Opens the maps pinned in `pins` read-write, checking the ABI version the loader
     /// recorded. Bumps `BACKEND_GEN` (see [`Self::bump_backend_gen`]): an earlier writer
     /// may have deleted backends and stopped before its own bump.
-    pub fn open(dir: &Path) -> Result<Self, OpenError> {
-        let pins = PinDir::new(dir);
+    pub fn open(pins: impl Into<PinDir>) -> Result<Self, OpenError> {
+        let pins: PinDir = pins.into();
         pins.check_abi(Access::ReadWrite)?;
         let rw = Access::ReadWrite;
         let (backend_conns, backend_conns_fd) = pins.typed_with_fd(names::BACKEND_CONNS, rw)?;
@@ -192,8 +192,8 @@ impl BpfMaps {
 /// Writes the node's addresses (`NODE_ADDRS4/6`, replacing what was there) and the SNAT
 /// addresses (`NODE_CONFIG`: the first address of each family), through the store's
 /// operations. The agent does this through its writer; this is for tests and tools.
-pub fn set_node_addresses(dir: &Path, addrs: &[IpAddr]) -> Result<(), StoreError> {
-    let mut maps = BpfMaps::open(dir).map_err(|e| StoreError::Corrupt {
+pub fn set_node_addresses(pins: &PinDir, addrs: &[IpAddr]) -> Result<(), StoreError> {
+    let mut maps = BpfMaps::open(pins).map_err(|e| StoreError::Corrupt {
         map: names::NODE_ADDRS4,
         detail: e.to_string(),
     })?;
@@ -202,14 +202,4 @@ pub fn set_node_addresses(dir: &Path, addrs: &[IpAddr]) -> Result<(), StoreError
         maps.apply(&op)?;
     }
     Ok(())
-}
-
-/// Reads `META[ABI_VERSION]` from the pin directory.
-pub fn read_abi_version(dir: &Path) -> Result<u32, OpenError> {
-    PinDir::new(dir).abi_version(Access::ReadOnly)
-}
-
-/// Reads one `META` entry from the pin directory.
-pub fn read_meta(dir: &Path, index: u32) -> Result<u32, OpenError> {
-    PinDir::new(dir).read_meta(index, Access::ReadOnly)
 }

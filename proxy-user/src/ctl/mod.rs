@@ -40,7 +40,7 @@ pub use error::{Error, Result};
 pub use maps::Maps;
 pub use snapshot::Snapshot;
 
-use crate::pins::DEFAULT_PIN_PATH;
+use crate::pins::{PinDir, DEFAULT_PIN_PATH};
 
 /// Version of every JSON document (`"schema"`): bumped only on an incompatible change;
 /// new fields may appear without a bump.
@@ -145,7 +145,7 @@ fn warn(s: &Snapshot) {
 
 /// Runs one command, writing to `out`.
 pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
-    let maps = Maps::open(&cli.pin_path)?;
+    let maps = Maps::open(&PinDir::new(&cli.pin_path))?;
     let wide = cli.output == Format::Wide;
     let as_json = cli.output == Format::Json;
     match &cli.command {

@@ -1,10 +1,7 @@
 //! The hooks' pins under `links/`: which pin a hook has, clsact filters attached and
 //! deleted by the reserved priority/handle, and [`uninstall`].
 
-use std::{
-    fs, io,
-    path::{Path, PathBuf},
-};
+use std::{fs, io};
 
 use aya::programs::{
     links::PinnedLink,
@@ -16,31 +13,14 @@ use tracing::{debug, info};
 
 use super::error::{io_err, LoadError};
 
-/// Where a layout migration builds the new maps, inside the pin directory (same bpffs
-/// mount, so the pins can be renamed into place); see `migrate/`.
-pub const MIGRATE_STAGING_DIR: &str = "migrate-staging";
-
-/// The cgroup hooks, by program name (the function names in `proxy-ebpf/src/sock.rs`).
-pub const SOCK_PROGRAMS: [&str; 8] = [
-    "sock4_connect",
-    "sock4_sendmsg",
-    "sock4_recvmsg",
-    "sock4_getpeer",
-    "sock6_connect",
-    "sock6_sendmsg",
-    "sock6_recvmsg",
-    "sock6_getpeer",
-];
+use crate::pins::{LinkPin, PinDir};
+pub use crate::pins::{MIGRATE_STAGING_DIR, SOCK_PROGRAMS, XDP_PIN_PREFIX};
 
 /// What [`uninstall`] removed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct UninstallReport {
     pub links: Vec<String>,
     pub maps: Vec<String>,
-}
-
-pub(super) fn link_dir(pin_path: &Path) -> PathBuf {
-    pin_path.join("links")
 }
 
 /// Priority (`tc` "pref") of the clsact filters this project attaches: 19280, `0x4b50`
@@ -53,10 +33,6 @@ pub const CLSACT_PRIORITY: u16 = 0x4b50;
 /// Handle of the clsact filters this project attaches (`tc` shows `handle 0x4b50`).
 pub const CLSACT_HANDLE: TcHandle = TcHandle::new(0, 0x4b50);
 
-/// Suffix of the pin that records a clsact filter (`links/tc-<iface>-<dir>-clsact`; not
-/// `.clsact`: bpffs refuses names with a dot).
-pub(super) const CLSACT_SUFFIX: &str = "-clsact";
-
 /// One attachment of a program, and the name of its pinned link under `links/`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) enum Hook {
@@ -65,42 +41,40 @@ pub(super) enum Hook {
     Xdp { iface: String },
 }
 
-/// Prefix of the pinned XDP links (`links/xdp-<iface>`).
-pub(crate) const XDP_PIN_PREFIX: &str = "xdp-";
-
 impl Hook {
     pub(super) fn program(&self) -> &'static str {
+        self.link_pin(false).program()
+    }
+
+    /// Its pin under `links/` (TC hooks: the TCX link's, or with `clsact` the clsact
+    /// record's).
+    pub(super) fn link_pin(&self, clsact: bool) -> LinkPin {
         match self {
-            Hook::Sock(name) => name,
-            Hook::Tc { ingress: true, .. } => "tc_ingress",
-            Hook::Tc { ingress: false, .. } => "tc_egress",
-            Hook::Xdp { .. } => "xdp_ingress",
+            Hook::Sock(name) => LinkPin::Sock(name),
+            Hook::Tc { iface, ingress } => LinkPin::Tc {
+                iface: iface.clone(),
+                ingress: *ingress,
+                clsact,
+            },
+            Hook::Xdp { iface } => LinkPin::Xdp {
+                iface: iface.clone(),
+            },
         }
     }
 
-    /// The name of its pin under `links/` (TC hooks: the TCX link's; the clsact record
-    /// adds [`CLSACT_SUFFIX`]).
+    /// The name of its pin under `links/` (TC hooks: the TCX link's).
     pub(super) fn pin_name(&self) -> String {
-        match self {
-            Hook::Sock(name) => name.to_string(),
-            Hook::Tc { iface, ingress } => {
-                format!("tc-{iface}-{}", if *ingress { "ingress" } else { "egress" })
-            }
-            Hook::Xdp { iface } => format!("{XDP_PIN_PREFIX}{iface}"),
-        }
+        self.link_pin(false).name()
     }
 
-    /// The pin that exists for this hook under `links`, if any.
-    pub(super) fn existing_pin(&self, links: &Path) -> Option<String> {
+    /// The pin that exists for this hook under `links/`, if any.
+    pub(super) fn existing_pin(&self, pins: &PinDir) -> Option<String> {
         let name = self.pin_name();
-        let clsact = format!("{name}{CLSACT_SUFFIX}");
-        if links.join(&name).exists() {
-            Some(name)
-        } else if matches!(self, Hook::Tc { .. }) && links.join(&clsact).exists() {
-            Some(clsact)
-        } else {
-            None
+        if pins.link_path(&name).exists() {
+            return Some(name);
         }
+        let clsact = self.link_pin(true).name();
+        (matches!(self, Hook::Tc { .. }) && pins.link_path(&clsact).exists()).then_some(clsact)
     }
 }
 
@@ -114,12 +88,14 @@ pub(super) fn tc_kind(ingress: bool) -> TcAttachType {
 }
 
 /// `tc-<iface>-<dir>-clsact` -> (iface, ingress).
-pub(super) fn parse_clsact_pin(name: &str) -> Option<(&str, bool)> {
-    let rest = name.strip_prefix("tc-")?.strip_suffix(CLSACT_SUFFIX)?;
-    if let Some(iface) = rest.strip_suffix("-ingress") {
-        Some((iface, true))
-    } else {
-        rest.strip_suffix("-egress").map(|iface| (iface, false))
+pub(super) fn parse_clsact_pin(name: &str) -> Option<(String, bool)> {
+    match LinkPin::parse(name)? {
+        LinkPin::Tc {
+            iface,
+            ingress,
+            clsact: true,
+        } => Some((iface, ingress)),
+        _ => None,
     }
 }
 
@@ -238,12 +214,13 @@ pub(super) fn detach_clsact(iface: &str, ingress: bool) -> Result<bool, LoadErro
 /// Detaches every hook and removes every pin this project made under `pin_path`.
 /// Files it does not know are left alone (and reported as an error). Clsact filters are
 /// deleted from the interfaces of this thread's network namespace (see the module doc).
-pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
+pub fn uninstall(pins: &PinDir) -> Result<UninstallReport, LoadError> {
+    let pin_path = pins.path();
     let mut report = UninstallReport::default();
     if !pin_path.exists() {
         return Ok(report);
     }
-    let links = link_dir(pin_path);
+    let links = pins.links();
     let mut names: Vec<String> = SOCK_PROGRAMS.iter().map(|n| n.to_string()).collect();
     if let Ok(entries) = fs::read_dir(&links) {
         for e in entries.flatten() {
@@ -257,11 +234,11 @@ pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
         if !links.join(&name).exists() {
             continue;
         }
-        remove_pin(&links, &name)?;
+        remove_pin(pins, &name)?;
         report.links.push(name);
     }
     // A migration interrupted by a crash leaves its staging directory (migrate/).
-    match fs::remove_dir_all(pin_path.join(MIGRATE_STAGING_DIR)) {
+    match fs::remove_dir_all(pins.staging().path()) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => {
             return Err(io_err("removing the staging directory in", pin_path)(e));
         }
@@ -271,7 +248,7 @@ pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
         fs::remove_dir(&links).map_err(io_err("removing (unknown files left?)", &links))?;
     }
     for name in map_names::ALL {
-        let path = pin_path.join(name);
+        let path = pins.map_path(name);
         if path.exists() {
             fs::remove_file(&path).map_err(io_err("unpinning", &path))?;
             report.maps.push(name.to_string());
@@ -286,9 +263,10 @@ pub fn uninstall(pin_path: &Path) -> Result<UninstallReport, LoadError> {
 /// (`tc-<iface>-<dir>-clsact`) is a pinned program: its filter is deleted by the reserved
 /// priority/handle (in this thread's network namespace), then the pin removed (the pin may
 /// already be missing). Any other pin is a BPF link: unpinning it detaches the hook.
-pub(super) fn remove_pin(links: &Path, name: &str) -> Result<(), LoadError> {
-    let path = links.join(name);
+pub(super) fn remove_pin(pins: &PinDir, name: &str) -> Result<(), LoadError> {
+    let path = pins.link_path(name);
     if let Some((iface, ingress)) = parse_clsact_pin(name) {
+        let iface = iface.as_str();
         if !detach_clsact(iface, ingress)? {
             debug!(iface, ingress, "no clsact filter of ours to detach");
         }
@@ -317,9 +295,9 @@ mod tests {
                 iface: iface.into(),
                 ingress,
             };
-            let pin = format!("{}{CLSACT_SUFFIX}", hook.pin_name());
+            let pin = hook.link_pin(true).name();
             assert!(!pin.contains('.'), "bpffs refuses dots: {pin}");
-            assert_eq!(parse_clsact_pin(&pin), Some((iface, ingress)));
+            assert_eq!(parse_clsact_pin(&pin), Some((iface.to_string(), ingress)));
             // A TCX link's pin is never taken for a clsact record.
             assert_eq!(parse_clsact_pin(&hook.pin_name()), None);
         }

@@ -1,9 +1,9 @@
 //! Map sizes and memory: the conntrack size (`--conntrack-max`) and each pinned map's
 //! kernel memory.
 
-use std::{fs, path::Path};
+use std::fs;
 
-use aya::maps::MapData;
+use crate::pins::{Access, PinDir};
 use proxy_common::map_names;
 
 use super::error::LoadError;
@@ -32,12 +32,6 @@ pub fn service_entries(entries: u32) -> Result<u32, LoadError> {
     Ok(entries)
 }
 
-/// `max_entries` of the pinned map at `path`, if there is one.
-pub(super) fn pinned_max_entries(path: &Path) -> Option<u32> {
-    let map = aya::maps::MapData::from_pin(path).ok()?;
-    map.info().ok().map(|i| i.max_entries())
-}
-
 /// Kernel memory of one pinned map.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MapMemory {
@@ -53,16 +47,17 @@ pub struct MapMemory {
     pub bytes: u64,
 }
 
-/// The memory of every map pinned under `pin_path` (maps that are not there are left
-/// out), read from the kernel: `/proc/self/fdinfo/<fd>`'s `memlock:` line.
-pub fn map_memory(pin_path: &Path) -> Vec<MapMemory> {
+/// The memory of every map pinned in `pins` (maps that are not there are left out),
+/// read from the kernel: `/proc/self/fdinfo/<fd>`'s `memlock:` line.
+pub fn map_memory(pins: impl Into<PinDir>) -> Vec<MapMemory> {
     use std::os::fd::{AsFd, AsRawFd};
+    let pins = pins.into();
     map_names::ALL
         .iter()
         .filter_map(|&name| {
-            let map = MapData::from_pin(pin_path.join(name)).ok()?;
-            let max_entries = map.info().ok()?.max_entries();
-            let fd = map.fd().as_fd().as_raw_fd();
+            let map = pins.open_fd(name, Access::ReadOnly).ok()?;
+            let max_entries = bpf_sys::map_info(map.as_fd()).ok()?.max_entries;
+            let fd = map.as_raw_fd();
             let fdinfo = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
             let bytes = fdinfo_memlock(&fdinfo)?;
             Some(MapMemory {

@@ -52,11 +52,10 @@ use error::io_err;
 pub use error::LoadError;
 
 pub(crate) use hooks::XDP_PIN_PREFIX;
-use hooks::{attach_clsact, link_dir, remove_pin, tc_kind, Hook, CLSACT_SUFFIX};
+use hooks::{attach_clsact, remove_pin, tc_kind, Hook};
 pub use hooks::{
     uninstall, UninstallReport, CLSACT_HANDLE, CLSACT_PRIORITY, MIGRATE_STAGING_DIR, SOCK_PROGRAMS,
 };
-use memory::pinned_max_entries;
 pub use memory::{
     conntrack_entries, map_memory, service_entries, MapMemory, DEFAULT_CONNTRACK_FLOWS,
     DEFAULT_SERVICE_ENTRIES,
@@ -64,7 +63,7 @@ pub use memory::{
 use modes::tcx_supported;
 pub use modes::{Acceleration, TcAttachMode};
 pub(crate) use object::EBPF_OBJECT;
-use object::{bump_memlock_rlimit, set_pinned_meta, write_meta};
+use object::{bump_memlock_rlimit, write_meta};
 pub use object::{
     load_object, load_object_sized, load_object_with, object_hash, spawn_kernel_logger,
     FIB_HOP_TTL_GLOBAL,
@@ -114,8 +113,8 @@ pub struct InstallReport {
 
 /// The `max_entries` `map` (and its other-family twin) will have: the pinned one's when
 /// it is pinned (with a warning when `wanted` differs), else `wanted`.
-fn size_in_use(pin_path: &Path, map: &str, wanted: u32, what: &str, why: &str) -> u32 {
-    let Some(pinned) = pinned_max_entries(&pin_path.join(map)) else {
+fn size_in_use(pins: &PinDir, map: &str, wanted: u32, what: &str, why: &str) -> u32 {
+    let Some(pinned) = pins.max_entries(map) else {
         return wanted;
     };
     if pinned != wanted {
@@ -141,10 +140,10 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
             path: pin_path.clone(),
         });
     }
-    fs::create_dir_all(link_dir(pin_path)).map_err(io_err("creating", pin_path))?;
+    let pins = PinDir::new(pin_path);
+    fs::create_dir_all(pins.links()).map_err(io_err("creating", pin_path))?;
 
     // Maps of another ABI would be misread by the new programs: refuse.
-    let pins = PinDir::new(pin_path);
     if pins.has_maps() {
         pins.check_abi(Access::ReadWrite)?;
     }
@@ -152,7 +151,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     let mut report = InstallReport::default();
     let ct_entries = conntrack_entries(opts.conntrack_flows)?;
     report.conntrack_entries = size_in_use(
-        pin_path,
+        &pins,
         map_names::CT4,
         ct_entries,
         "conntrack tables",
@@ -160,7 +159,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     );
     let svc_entries = service_entries(opts.service_entries)?;
     report.service_entries = size_in_use(
-        pin_path,
+        &pins,
         map_names::SVC4,
         svc_entries,
         "service maps",
@@ -180,11 +179,10 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
             });
         }
     }
-    let links = link_dir(pin_path);
-    drop_other_xdp(pin_path, &links, opts.acceleration)?;
+    drop_other_xdp(&pins, opts.acceleration)?;
     let missing: Vec<Hook> = hooks
         .into_iter()
-        .filter(|hook| match hook.existing_pin(&links) {
+        .filter(|hook| match hook.existing_pin(&pins) {
             Some(name) => {
                 report.adopted.push(name);
                 false
@@ -194,9 +192,9 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
         .collect();
     // Adopted socket hooks: the cgroup they are attached to, for the stale-socket
     // cleanup (`sockdestroy`), from the kernel's record of the link.
-    report.cgroup = adopted_cgroup(&links, &report.adopted, opts.cgroup.as_ref());
+    report.cgroup = adopted_cgroup(&pins, &report.adopted, opts.cgroup.as_ref());
     if missing.is_empty() {
-        set_pinned_meta(pin_path, meta::ACCELERATION, opts.acceleration.meta())?;
+        pins.write_meta(meta::ACCELERATION, opts.acceleration.meta())?;
         info!(pin_path = %pin_path.display(), "adopted the pinned datapath");
         return Ok(report);
     }
@@ -219,7 +217,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     };
     cgroup::check_cgroup2_dir(&cgroup_dir).map_err(io_err("checking", &cgroup_dir))?;
 
-    let mut ebpf = load_object_sized(pin_path, ct_entries, svc_entries)?;
+    let mut ebpf = load_object_sized(&pins, ct_entries, svc_entries)?;
 
     // What this call made, for the rollback and the report: pin names.
     let mut made: Vec<String> = Vec::new();
@@ -256,7 +254,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
                         path: cgroup_dir.clone(),
                         source,
                     })?;
-                    let path = links.join(hook.pin_name());
+                    let path = pins.link_path(&hook.pin_name());
                     fd_link.pin(&path).map_err(pin_err(&path))?;
                     made.push(hook.pin_name());
                 }
@@ -286,7 +284,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
                         path: PathBuf::from(iface),
                         source,
                     })?;
-                    let path = links.join(hook.pin_name());
+                    let path = pins.link_path(&hook.pin_name());
                     fd_link.pin(&path).map_err(pin_err(&path))?;
                     made.push(hook.pin_name());
                 }
@@ -297,12 +295,12 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
                         prog.load().map_err(prog_err)?;
                     }
                     if tc_mode == TcAttachMode::Clsact {
-                        let pin = format!("{}{CLSACT_SUFFIX}", hook.pin_name());
+                        let pin = hook.link_pin(true).name();
                         attach_clsact(prog, name, iface, *ingress)?;
                         // Recorded (for the rollback) before the pin exists: the filter
                         // is there already.
                         made.push(pin.clone());
-                        let path = links.join(&pin);
+                        let path = pins.link_path(&pin);
                         prog.pin(&path).map_err(pin_err(&path))?;
                     } else {
                         let tcx = TcAttachOptions::TcxOrder(LinkOrder::default());
@@ -318,7 +316,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
                                 path: PathBuf::from(iface),
                                 source,
                             })?;
-                        let path = links.join(hook.pin_name());
+                        let path = pins.link_path(&hook.pin_name());
                         fd_link.pin(&path).map_err(pin_err(&path))?;
                         made.push(hook.pin_name());
                     }
@@ -331,7 +329,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     if let Err(e) = result {
         // Leave no half-installed hook set behind from this call.
         for pin in &made {
-            if let Err(e) = remove_pin(&links, pin) {
+            if let Err(e) = remove_pin(&pins, pin) {
                 warn!(pin, "rolling back: {e}");
             }
         }
@@ -356,7 +354,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
 
 /// The cgroup the first adopted socket hook's link is attached to; `wanted` (`--cgroup`)
 /// and the cgroup2 root are tried first. `None` (with a warning) if it cannot be found.
-fn adopted_cgroup(links: &Path, adopted: &[String], wanted: Option<&PathBuf>) -> Option<PathBuf> {
+fn adopted_cgroup(pins: &PinDir, adopted: &[String], wanted: Option<&PathBuf>) -> Option<PathBuf> {
     let name = adopted
         .iter()
         .find(|n| SOCK_PROGRAMS.contains(&n.as_str()))?;
@@ -368,7 +366,7 @@ fn adopted_cgroup(links: &Path, adopted: &[String], wanted: Option<&PathBuf>) ->
         }
     };
     let candidates: Vec<PathBuf> = wanted.into_iter().cloned().chain([mount.clone()]).collect();
-    match crate::sockdestroy::hooked_cgroup(&links.join(name), &mount, &candidates) {
+    match crate::sockdestroy::hooked_cgroup(pins, name, &mount, &candidates) {
         Ok(dir) => Some(dir),
         Err(e) => {
             warn!(
@@ -383,26 +381,22 @@ fn adopted_cgroup(links: &Path, adopted: &[String], wanted: Option<&PathBuf>) ->
 /// Removes the pinned XDP links that `acceleration` does not want kept: all of them when
 /// it is `off`, all of them when they were attached in another mode (`META[ACCELERATION]`;
 /// they are re-attached in the new one).
-fn drop_other_xdp(
-    pin_path: &Path,
-    links: &Path,
-    acceleration: Acceleration,
-) -> Result<(), LoadError> {
-    let pinned = PinDir::new(pin_path)
+fn drop_other_xdp(pins: &PinDir, acceleration: Acceleration) -> Result<(), LoadError> {
+    let pinned = pins
         .read_meta(meta::ACCELERATION, Access::ReadOnly)
         .map(Acceleration::from_meta)
         .unwrap_or(Acceleration::Off);
     if acceleration != Acceleration::Off && pinned == acceleration {
         return Ok(());
     }
-    let Ok(entries) = fs::read_dir(links) else {
+    let Ok(entries) = fs::read_dir(pins.links()) else {
         return Ok(());
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if name.starts_with(XDP_PIN_PREFIX) {
             info!(link = name, from = %pinned, to = %acceleration, "XDP acceleration changed: detaching");
-            remove_pin(links, &name)?;
+            remove_pin(pins, &name)?;
         }
     }
     Ok(())

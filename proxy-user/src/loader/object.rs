@@ -1,7 +1,7 @@
 //! The eBPF object: built in, hashed, loaded with its maps pinned, its `META` entries
 //! written; the kernel programs' log records forwarded.
 
-use std::{fs, io, path::Path};
+use std::{fs, io};
 
 use aya::{
     maps::{Array, MapData},
@@ -34,23 +34,23 @@ pub fn object_hash() -> u32 {
     })
 }
 
-/// Loads the eBPF object with its maps pinned (or reused) under `pin_path` and records
+/// Loads the eBPF object with its maps pinned (or reused) in `pins` and records
 /// the ABI version; programs are not loaded into the kernel yet. For `install`, and for
 /// tests that run a program with `BPF_PROG_TEST_RUN`.
 ///
 /// `ct_entries` sizes the conntrack tables when they are created here (not when pinned).
-pub fn load_object(pin_path: &Path, ct_entries: u32) -> Result<aya::Ebpf, LoadError> {
-    load_object_sized(pin_path, ct_entries, super::memory::DEFAULT_SERVICE_ENTRIES)
+pub fn load_object(pins: &PinDir, ct_entries: u32) -> Result<aya::Ebpf, LoadError> {
+    load_object_sized(pins, ct_entries, super::memory::DEFAULT_SERVICE_ENTRIES)
 }
 
 /// [`load_object`] with `SVC4`/`SVC6` of `svc_entries` (maps created now; pinned maps
 /// keep the size they were made with).
 pub fn load_object_sized(
-    pin_path: &Path,
+    pins: &PinDir,
     ct_entries: u32,
     svc_entries: u32,
 ) -> Result<aya::Ebpf, LoadError> {
-    load_object_with(pin_path, ct_entries, svc_entries, None)
+    load_object_with(pins, ct_entries, svc_entries, None)
 }
 
 /// The global in the eBPF object that holds how long XDP reuses a FIB answer
@@ -61,11 +61,12 @@ pub const FIB_HOP_TTL_GLOBAL: &str = "FIB_HOP_TTL_NS";
 /// object's 100 ms). For tests that check the cache without racing the clock; the agent
 /// always runs with the default.
 pub fn load_object_with(
-    pin_path: &Path,
+    pins: &PinDir,
     ct_entries: u32,
     svc_entries: u32,
     fib_hop_ttl: Option<std::time::Duration>,
 ) -> Result<aya::Ebpf, LoadError> {
+    let pin_path = pins.path();
     if EBPF_OBJECT.is_empty() {
         return Err(LoadError::NoObject);
     }
@@ -87,18 +88,6 @@ pub fn load_object_with(
     Ok(ebpf)
 }
 
-/// Writes one `META` entry of the pinned maps.
-pub(super) fn set_pinned_meta(pin_path: &Path, index: u32, value: u32) -> Result<(), LoadError> {
-    let err = |source| LoadError::Map {
-        name: map_names::META,
-        source,
-    };
-    let data = MapData::from_pin(pin_path.join(map_names::META)).map_err(err)?;
-    let mut meta: Array<MapData, u32> =
-        Array::try_from(aya::maps::Map::Array(data)).map_err(err)?;
-    meta.set(index, value, 0).map_err(err)
-}
-
 pub(super) fn write_meta(ebpf: &mut aya::Ebpf, index: u32, value: u32) -> Result<(), LoadError> {
     let err = |source| LoadError::Map {
         name: map_names::META,
@@ -116,8 +105,9 @@ pub(super) fn write_meta(ebpf: &mut aya::Ebpf, index: u32, value: u32) -> Result
 /// Forwards the kernel programs' aya-log records (rare warnings) to this process's
 /// `log`/`tracing` output until the returned task is dropped. Works for adopted programs
 /// too: it finds their ring buffer through the program id the loader recorded.
-pub fn spawn_kernel_logger(pin_path: &Path) -> Option<tokio::task::JoinHandle<()>> {
-    let id = PinDir::new(pin_path)
+pub fn spawn_kernel_logger(pins: impl Into<PinDir>) -> Option<tokio::task::JoinHandle<()>> {
+    let id = pins
+        .into()
         .read_meta(meta::LOG_PROGRAM_ID, Access::ReadOnly)
         .ok()
         .filter(|id| *id != 0)?;

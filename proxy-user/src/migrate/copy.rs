@@ -1,8 +1,11 @@
 //! One map's entries copied into another (converted, or insert-if-absent), and counted.
 
-use std::{io, os::fd::AsFd, path::Path};
+use std::{
+    io,
+    os::fd::{AsFd, OwnedFd},
+};
 
-use super::sys;
+use crate::pins::{open_pinned, Access, PinDir};
 
 /// A function converting one entry (key, value bytes of the old layout) to the new
 /// layout; `None` drops it (counted as not converted).
@@ -19,9 +22,20 @@ pub enum Convert {
     Drop(&'static str),
 }
 
-pub(super) fn map_info_at(path: &Path) -> io::Result<sys::MapInfo> {
-    let fd = sys::obj_get(path)?;
-    sys::map_info(fd.as_fd())
+/// Bytes of one value as lookup/update see it (per-CPU maps: one 8-byte-aligned slot
+/// per possible CPU).
+fn value_buf_len(info: &bpf_sys::MapInfo) -> io::Result<usize> {
+    if info.per_cpu() {
+        let cpus = aya::util::nr_cpus().map_err(|(_, e)| e)?;
+        Ok((info.value_size as usize).div_ceil(8) * 8 * cpus)
+    } else {
+        Ok(info.value_size as usize)
+    }
+}
+
+/// Map `name` of `pins`, read-write.
+fn open(pins: &PinDir, name: &str) -> io::Result<OwnedFd> {
+    open_pinned(&pins.map_path(name), Access::ReadWrite)
 }
 
 /// What one map's copy did.
@@ -35,15 +49,15 @@ pub struct CopyCount {
     pub dropped: u64,
 }
 
-/// Entries in the map pinned at `path`.
-pub(super) fn count_entries(path: &Path) -> io::Result<u64> {
-    let fd = sys::obj_get(path)?;
-    let info = sys::map_info(fd.as_fd())?;
+/// Entries in map `name` of `pins`.
+pub(super) fn count_entries(pins: &PinDir, name: &str) -> io::Result<u64> {
+    let fd = open(pins, name)?;
+    let info = bpf_sys::map_info(fd.as_fd())?;
     let mut key = vec![0u8; info.key_size as usize];
     let mut next = key.clone();
     let mut n = 0u64;
     let mut have = false;
-    while sys::next_key(fd.as_fd(), have.then_some(&key[..]), &mut next)? {
+    while bpf_sys::map_next_key(fd.as_fd(), have.then_some(&key[..]), &mut next)? {
         n += 1;
         std::mem::swap(&mut key, &mut next);
         have = true;
@@ -54,48 +68,56 @@ pub(super) fn count_entries(path: &Path) -> io::Result<u64> {
     Ok(n)
 }
 
-/// Copies the entries of the map pinned at `old` into the one pinned at `new`, through
-/// `conv`. `only_absent`: insert-if-absent (hash maps), for the copies around the swap.
-pub fn copy_map(old: &Path, new: &Path, conv: Convert, only_absent: bool) -> io::Result<CopyCount> {
-    let old_fd = sys::obj_get(old)?;
-    let new_fd = sys::obj_get(new)?;
-    let oi = sys::map_info(old_fd.as_fd())?;
-    let ni = sys::map_info(new_fd.as_fd())?;
+/// Copies the entries of map `name` of `old` into map `name` of `new`, through `conv`.
+/// `only_absent`: insert-if-absent (hash maps), for the copies around the swap.
+pub fn copy_map(
+    old: &PinDir,
+    new: &PinDir,
+    name: &str,
+    conv: Convert,
+    only_absent: bool,
+) -> io::Result<CopyCount> {
+    let old_fd = open(old, name)?;
+    let new_fd = open(new, name)?;
+    let oi = bpf_sys::map_info(old_fd.as_fd())?;
+    let ni = bpf_sys::map_info(new_fd.as_fd())?;
     let mut count = CopyCount::default();
     let mut key = vec![0u8; oi.key_size as usize];
     let mut next = key.clone();
-    let mut value = vec![0u8; oi.value_buf_len()?];
+    let mut value = vec![0u8; value_buf_len(&oi)?];
     let same_shape =
         oi.map_type == ni.map_type && oi.key_size == ni.key_size && oi.value_size == ni.value_size;
     let is_array =
-        oi.map_type == sys::map_type::ARRAY || oi.map_type == sys::map_type::PERCPU_ARRAY;
+        oi.map_type == bpf_sys::map_type::ARRAY || oi.map_type == bpf_sys::map_type::PERCPU_ARRAY;
     let flags = if only_absent && !is_array {
-        sys::NOEXIST
+        bpf_sys::NOEXIST
     } else {
-        sys::ANY
+        bpf_sys::ANY
     };
     let mut have = false;
     // LRU maps restart a walk whose key was evicted: bound the walk.
     let limit = u64::from(oi.max_entries) * 2 + 16;
     let mut steps = 0u64;
-    while sys::next_key(old_fd.as_fd(), have.then_some(&key[..]), &mut next)? {
+    while bpf_sys::map_next_key(old_fd.as_fd(), have.then_some(&key[..]), &mut next)? {
         std::mem::swap(&mut key, &mut next);
         have = true;
         steps += 1;
         if steps > limit {
             break;
         }
-        if !sys::lookup(old_fd.as_fd(), &key, &mut value)? {
+        if !bpf_sys::map_lookup(old_fd.as_fd(), &key, &mut value)? {
             continue; // gone meanwhile
         }
         let written = match conv {
-            Convert::Bytes if same_shape => sys::update(new_fd.as_fd(), &key, &value, flags)?,
+            Convert::Bytes if same_shape => {
+                bpf_sys::map_update(new_fd.as_fd(), &key, &value, flags)?
+            }
             Convert::Bytes | Convert::Drop(_) => {
                 count.dropped += 1;
                 continue;
             }
             Convert::With(f) => match f(&key, &value) {
-                Some((k, v)) => sys::update(new_fd.as_fd(), &k, &v, flags)?,
+                Some((k, v)) => bpf_sys::map_update(new_fd.as_fd(), &k, &v, flags)?,
                 None => {
                     count.dropped += 1;
                     continue;

@@ -1,11 +1,7 @@
 //! Same layout, another build: this build's programs loaded against the pinned maps and
 //! every pinned hook swapped to them (`BPF_LINK_UPDATE`, a clsact replace in place).
 
-use std::{
-    fs, io,
-    os::fd::{AsFd, BorrowedFd},
-    path::Path,
-};
+use std::{fs, io, os::fd::AsFd};
 
 use aya::{
     programs::{
@@ -14,33 +10,29 @@ use aya::{
     },
     EbpfLoader,
 };
-use proxy_common::{map_names, meta};
+use proxy_common::meta;
 use tracing::info;
 
-use super::{
-    rules::{crash_point, io_err},
-    sys,
-};
-use crate::loader::{
-    self, object_hash, LoadError, CLSACT_HANDLE, CLSACT_PRIORITY, EBPF_OBJECT, SOCK_PROGRAMS,
+use super::rules::{crash_point, io_err};
+use crate::{
+    loader::{object_hash, LoadError, CLSACT_HANDLE, CLSACT_PRIORITY, EBPF_OBJECT},
+    pins::{LinkPin, PinDir},
 };
 
 /// Same layout, another build: load this build's programs against the pinned maps and
 /// swap every pinned hook to them.
-pub(super) fn replace_programs(pin_path: &Path, pinned_hash: u32) -> Result<(), LoadError> {
-    let hooks = pinned_hooks(pin_path)?;
+pub(super) fn replace_programs(pins: &PinDir, pinned_hash: u32) -> Result<(), LoadError> {
+    let hooks = pinned_hooks(pins)?;
     if hooks.is_empty() {
         return Ok(());
     }
     let mut ebpf = EbpfLoader::new()
-        .default_map_pin_directory(pin_path)
+        .default_map_pin_directory(pins.path())
         .load(EBPF_OBJECT)?;
-    let log_id = swap_hooks(&mut ebpf, pin_path, &hooks, false, &mut || Ok(()))?;
-    let meta_fd = sys::obj_get(&pin_path.join(map_names::META))
-        .map_err(io_err("opening", &pin_path.join(map_names::META)))?;
-    write_meta(meta_fd.as_fd(), meta::OBJECT_HASH, object_hash(), pin_path)?;
+    let log_id = swap_hooks(&mut ebpf, pins, &hooks, false, &mut || Ok(()))?;
+    pins.write_meta(meta::OBJECT_HASH, object_hash())?;
     if let Some(id) = log_id {
-        write_meta(meta_fd.as_fd(), meta::LOG_PROGRAM_ID, id, pin_path)?;
+        pins.write_meta(meta::LOG_PROGRAM_ID, id)?;
     }
     info!(
         hooks = hooks.len(),
@@ -49,17 +41,6 @@ pub(super) fn replace_programs(pin_path: &Path, pinned_hash: u32) -> Result<(), 
         "replaced the running programs with this build's (same map layout, no gap)"
     );
     Ok(())
-}
-
-pub(super) fn write_meta(
-    fd: BorrowedFd<'_>,
-    index: u32,
-    value: u32,
-    dir: &Path,
-) -> Result<(), LoadError> {
-    sys::update(fd, &index.to_ne_bytes(), &value.to_ne_bytes(), sys::ANY)
-        .map(drop)
-        .map_err(io_err("writing META in", dir))
 }
 
 /// One pinned hook under `links/`.
@@ -73,37 +54,26 @@ pub(super) struct PinnedHook {
     clsact: Option<(String, bool)>,
 }
 
-/// Parses a pin name under `links/`; `None` for a name this project does not make.
+/// Parses a pin name under `links/` ([`LinkPin::parse`]); `None` for a name this
+/// project does not make.
+#[cfg(test)]
 pub(super) fn parse_hook(pin: &str) -> Option<PinnedHook> {
-    if let Some(p) = SOCK_PROGRAMS.iter().find(|p| **p == pin) {
-        return Some(PinnedHook {
-            pin: pin.into(),
-            program: p,
-            clsact: None,
-        });
+    LinkPin::parse(pin).map(|p| hook_of(pin.to_string(), p))
+}
+
+fn hook_of(pin: String, p: LinkPin) -> PinnedHook {
+    PinnedHook {
+        program: p.program(),
+        clsact: match p {
+            LinkPin::Tc {
+                iface,
+                ingress,
+                clsact: true,
+            } => Some((iface, ingress)),
+            _ => None,
+        },
+        pin,
     }
-    if let Some(iface) = pin.strip_prefix(loader::XDP_PIN_PREFIX) {
-        return (!iface.is_empty()).then(|| PinnedHook {
-            pin: pin.into(),
-            program: "xdp_ingress",
-            clsact: None,
-        });
-    }
-    let rest = pin.strip_prefix("tc-")?;
-    let (rest, clsact) = match rest.strip_suffix("-clsact") {
-        Some(r) => (r, true),
-        None => (rest, false),
-    };
-    let (iface, ingress) = if let Some(i) = rest.strip_suffix("-ingress") {
-        (i, true)
-    } else {
-        (rest.strip_suffix("-egress")?, false)
-    };
-    Some(PinnedHook {
-        pin: pin.into(),
-        program: if ingress { "tc_ingress" } else { "tc_egress" },
-        clsact: clsact.then(|| (iface.to_string(), ingress)),
-    })
 }
 
 /// The order hooks are swapped in: TC first (a flow's two directions change programs as
@@ -118,21 +88,13 @@ pub(super) fn swap_order(hooks: &mut [PinnedHook]) {
 }
 
 /// The hooks pinned under `<pin>/links`, in swap order ([`swap_order`]).
-pub(super) fn pinned_hooks(pin_path: &Path) -> Result<Vec<PinnedHook>, LoadError> {
-    let links = pin_path.join("links");
-    let mut hooks = Vec::new();
-    match fs::read_dir(&links) {
-        Ok(entries) => {
-            for e in entries {
-                let e = e.map_err(io_err("listing", &links))?;
-                if let Some(h) = parse_hook(&e.file_name().to_string_lossy()) {
-                    hooks.push(h);
-                }
-            }
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(io_err("listing", &links)(e)),
-    }
+pub(super) fn pinned_hooks(pins: &PinDir) -> Result<Vec<PinnedHook>, LoadError> {
+    let mut hooks: Vec<PinnedHook> = pins
+        .link_pins()
+        .map_err(io_err("listing", &pins.links()))?
+        .into_iter()
+        .map(|(name, p)| hook_of(name, p))
+        .collect();
     swap_order(&mut hooks);
     Ok(hooks)
 }
@@ -142,12 +104,11 @@ pub(super) fn pinned_hooks(pin_path: &Path) -> Result<Vec<PinnedHook>, LoadError
 /// (for `META[LOG_PROGRAM_ID]`).
 pub(super) fn swap_hooks(
     ebpf: &mut aya::Ebpf,
-    pin_path: &Path,
+    pins: &PinDir,
     hooks: &[PinnedHook],
     crash: bool,
     before_swap: &mut dyn FnMut() -> Result<(), LoadError>,
 ) -> Result<Option<u32>, LoadError> {
-    let links = pin_path.join("links");
     let mut log_id = None;
     // Load (verify) every program first: the swaps below then follow each other within
     // microseconds, and `before_swap` runs right before the first.
@@ -183,7 +144,7 @@ pub(super) fn swap_hooks(
             name,
             source: aya::programs::ProgramError::UnexpectedProgramType,
         })?;
-        let path = links.join(&hook.pin);
+        let path = pins.link_path(&hook.pin);
         if let Some((iface, ingress)) = &hook.clsact {
             let prog: &mut SchedClassifier = program.try_into().map_err(prog_err)?;
             if prog.fd().is_err() {
@@ -227,8 +188,10 @@ pub(super) fn swap_hooks(
                 prog.fd().map_err(prog_err)?.as_fd().try_clone_to_owned()
             }
             .map_err(io_err("duplicating a program fd for", &path))?;
-            let link = sys::obj_get(&path).map_err(io_err("opening the pinned link", &path))?;
-            sys::link_update(link.as_fd(), fd.as_fd())
+            let link = pins
+                .open_link(&hook.pin)
+                .map_err(io_err("opening the pinned link", &path))?;
+            bpf_sys::link_update(link.as_fd(), fd.as_fd())
                 .map_err(io_err("BPF_LINK_UPDATE of", &path))?;
         }
         if i == 0 && crash {

@@ -51,17 +51,14 @@ mod copy;
 mod hooks;
 mod rules;
 mod state;
-mod sys;
 pub mod v3;
-
-use std::{os::fd::AsFd, path::Path};
 
 use proxy_common::{map_names, meta, Reason, ABI_VERSION};
 use tracing::{info, warn};
 
 use crate::{
-    bpf,
     loader::{self, LoadError, EBPF_OBJECT},
+    pins::{Access, PinDir},
 };
 
 /// The staging directory inside the pin directory.
@@ -71,39 +68,38 @@ pub use copy::{copy_map, Convert, ConvertFn, CopyCount};
 use hooks::replace_programs;
 use state::{migrate, resume_or_roll_back};
 
+use rules::force_mode;
 pub use rules::{converter, CRASH_ENV, FORCE_ENV, OLDEST_ABI, STEPS};
-use rules::{force_mode, io_err};
 
 /// [`loader::install`] after [`prepare`]: what `proxy-agent run` and `install` call, so a
 /// node's pinned datapath is upgraded (or an interrupted upgrade finished) before it is
 /// adopted.
 pub fn install(opts: &loader::InstallOptions) -> Result<loader::InstallReport, LoadError> {
-    prepare(&opts.pin_path)?;
+    prepare(&PinDir::new(&opts.pin_path))?;
     loader::install(opts)
 }
 
 /// Before `install` reads `META`: finishes or rolls back an interrupted migration,
 /// migrates an older layout, or swaps the programs of another build in.
-pub fn prepare(pin_path: &Path) -> Result<(), LoadError> {
+pub fn prepare(pins: &PinDir) -> Result<(), LoadError> {
     if EBPF_OBJECT.is_empty() {
         return Ok(());
     }
-    let staging = pin_path.join(STAGING_DIR);
-    if staging.exists() {
-        resume_or_roll_back(pin_path)?;
+    if pins.staging().path().exists() {
+        resume_or_roll_back(pins)?;
     }
-    if !pin_path.join(map_names::META).exists() {
+    if !pins.has_maps() {
         return Ok(());
     }
-    let found = bpf::read_abi_version(pin_path)?;
+    let found = pins.abi_version(Access::ReadOnly)?;
     if found != ABI_VERSION {
         if (OLDEST_ABI..ABI_VERSION).contains(&found) {
-            return migrate(pin_path, found);
+            return migrate(pins, found);
         }
         // Refused by install with a clear error.
         return Ok(());
     }
-    let pinned_hash = bpf::read_meta(pin_path, meta::OBJECT_HASH)?;
+    let pinned_hash = pins.read_meta(meta::OBJECT_HASH, Access::ReadOnly)?;
     if pinned_hash == object_hash() {
         return Ok(());
     }
@@ -112,9 +108,9 @@ pub fn prepare(pin_path: &Path) -> Result<(), LoadError> {
             ?mode,
             "{FORCE_ENV}: migrating through the staging directory at the same ABI"
         );
-        return migrate(pin_path, found);
+        return migrate(pins, found);
     }
-    if let Some((map, pinned)) = counters_grew(pin_path)? {
+    if let Some((map, pinned)) = counters_grew(pins)? {
         info!(
             map,
             pinned,
@@ -122,9 +118,9 @@ pub fn prepare(pin_path: &Path) -> Result<(), LoadError> {
             "this build counts more outcomes than the pinned counter array holds: \
              migrating through the staging directory (the counters are copied)"
         );
-        return migrate(pin_path, found);
+        return migrate(pins, found);
     }
-    replace_programs(pin_path, pinned_hash)
+    replace_programs(pins, pinned_hash)
 }
 
 /// A pinned outcome-counter array (`STATS`, `XDP_STATS`: one entry per [`Reason`]) smaller
@@ -132,16 +128,12 @@ pub fn prepare(pin_path: &Path) -> Result<(), LoadError> {
 /// is not a layout change for the other maps), but a program swap keeps the pinned
 /// array, where the new reasons' counts would be lost and readers would fail. Such pins
 /// take the staged migration, which copies the counters into arrays of the new size.
-fn counters_grew(pin_path: &Path) -> Result<Option<(&'static str, u32)>, LoadError> {
+fn counters_grew(pins: &PinDir) -> Result<Option<(&'static str, u32)>, LoadError> {
     for name in [map_names::STATS, map_names::XDP_STATS] {
-        let path = pin_path.join(name);
-        if !path.exists() {
+        if !pins.map_path(name).exists() {
             continue;
         }
-        let fd = sys::obj_get(&path).map_err(io_err("opening", &path))?;
-        let entries = sys::map_info(fd.as_fd())
-            .map_err(io_err("reading the map info of", &path))?
-            .max_entries;
+        let entries = pins.map_info(name)?.max_entries;
         if entries < Reason::COUNT {
             return Ok(Some((name, entries)));
         }

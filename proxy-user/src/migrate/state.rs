@@ -1,29 +1,28 @@
 //! Another layout: the staged migration's marker and steps, resumed or rolled back after
 //! a crash (the module doc of `migrate` has the steps).
 
-use std::{
-    fs, io,
-    os::fd::AsFd,
-    path::{Path, PathBuf},
-};
+use std::{fs, io, os::fd::AsFd};
 
 use aya::EbpfLoader;
 use proxy_common::{map_names, meta, ABI_VERSION};
 use tracing::{info, warn};
 
 use super::{
-    copy::{copy_map, count_entries, map_info_at, Convert, CopyCount},
-    hooks::{pinned_hooks, swap_hooks, write_meta},
+    copy::{copy_map, count_entries, Convert, CopyCount},
+    hooks::{pinned_hooks, swap_hooks},
     rules::{
         converter, crash_point, force_mode, io_err, kept_as, kept_maps, Force, DATAPATH_WRITTEN,
     },
-    sys, v3,
+    v3,
 };
-use crate::loader::{object_hash, LoadError, EBPF_OBJECT, MIGRATE_STAGING_DIR as STAGING_DIR};
+use crate::{
+    loader::{object_hash, LoadError, EBPF_OBJECT},
+    pins::{Access, PinDir},
+};
 
 /// The migration's marker: `<staging>/abi<from>-<state>`.
-pub(super) fn read_marker(staging: &Path) -> Option<(u32, String)> {
-    let entries = fs::read_dir(staging).ok()?;
+pub(super) fn read_marker(staging: &PinDir) -> Option<(u32, String)> {
+    let entries = fs::read_dir(staging.path()).ok()?;
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if let Some(rest) = name.strip_prefix("abi") {
@@ -37,11 +36,11 @@ pub(super) fn read_marker(staging: &Path) -> Option<(u32, String)> {
     None
 }
 
-pub(super) fn set_marker(staging: &Path, from: u32, state: &str) -> Result<(), LoadError> {
-    let new = staging.join(format!("abi{from}-{state}"));
+pub(super) fn set_marker(staging: &PinDir, from: u32, state: &str) -> Result<(), LoadError> {
+    let new = staging.path().join(format!("abi{from}-{state}"));
     match read_marker(staging) {
         Some((abi, old)) => {
-            let old = staging.join(format!("abi{abi}-{old}"));
+            let old = staging.path().join(format!("abi{abi}-{old}"));
             fs::rename(&old, &new).map_err(io_err("moving the migration marker to", &new))
         }
         None => fs::create_dir(&new).map_err(io_err("creating the migration marker", &new)),
@@ -49,8 +48,8 @@ pub(super) fn set_marker(staging: &Path, from: u32, state: &str) -> Result<(), L
 }
 
 /// A start found the staging directory: roll back or resume.
-pub(super) fn resume_or_roll_back(pin_path: &Path) -> Result<(), LoadError> {
-    let staging = pin_path.join(STAGING_DIR);
+pub(super) fn resume_or_roll_back(pins: &PinDir) -> Result<(), LoadError> {
+    let staging = pins.staging();
     let marker = read_marker(&staging);
     match marker.as_ref().map(|(a, s)| (*a, s.as_str())) {
         None | Some((_, "staged" | "filled")) => {
@@ -59,30 +58,30 @@ pub(super) fn resume_or_roll_back(pin_path: &Path) -> Result<(), LoadError> {
                 "an interrupted layout migration had not swapped any hook: rolling back \
                  (the old programs kept serving)"
             );
-            fs::remove_dir_all(&staging).map_err(io_err("removing", &staging))
+            fs::remove_dir_all(staging.path()).map_err(io_err("removing", staging.path()))
         }
         Some((from, state)) => {
             warn!(
                 from_abi = from,
                 state, "resuming an interrupted layout migration"
             );
-            let mut m = Migration::new(pin_path, from);
+            let mut m = Migration::new(pins, from);
             m.run_from(state, None)
         }
     }
 }
 
 /// Migrates the pinned maps of ABI `from` to this build's layout (see the module doc).
-pub(super) fn migrate(pin_path: &Path, from: u32) -> Result<(), LoadError> {
+pub(super) fn migrate(pins: &PinDir, from: u32) -> Result<(), LoadError> {
     let started = std::time::Instant::now();
-    let mut m = Migration::new(pin_path, from);
-    fs::create_dir(&m.staging).map_err(io_err("creating", &m.staging))?;
+    let mut m = Migration::new(pins, from);
+    fs::create_dir(m.staging.path()).map_err(io_err("creating", m.staging.path()))?;
     set_marker(&m.staging, from, "staged")?;
-    let ct_entries = map_info_at(&pin_path.join(map_names::CT4))
-        .map(|i| i.max_entries)
+    let ct_entries = pins
+        .max_entries(map_names::CT4)
         .unwrap_or(crate::loader::DEFAULT_CONNTRACK_FLOWS * 2);
     let mut ebpf = EbpfLoader::new()
-        .default_map_pin_directory(&m.staging)
+        .default_map_pin_directory(m.staging.path())
         .map_max_entries(map_names::CT4, ct_entries)
         .map_max_entries(map_names::CT6, ct_entries)
         .load(EBPF_OBJECT)?;
@@ -90,7 +89,7 @@ pub(super) fn migrate(pin_path: &Path, from: u32) -> Result<(), LoadError> {
         // Load again: the programs must reference the shared maps.
         drop(ebpf);
         ebpf = EbpfLoader::new()
-            .default_map_pin_directory(&m.staging)
+            .default_map_pin_directory(m.staging.path())
             .load(EBPF_OBJECT)?;
     }
     crash_point("staged");
@@ -108,16 +107,16 @@ pub(super) fn migrate(pin_path: &Path, from: u32) -> Result<(), LoadError> {
 }
 
 pub(super) struct Migration {
-    pin_path: PathBuf,
-    staging: PathBuf,
+    pins: PinDir,
+    staging: PinDir,
     from: u32,
 }
 
 impl Migration {
-    fn new(pin_path: &Path, from: u32) -> Self {
+    fn new(pins: &PinDir, from: u32) -> Self {
         Self {
-            pin_path: pin_path.to_owned(),
-            staging: pin_path.join(STAGING_DIR),
+            pins: pins.clone(),
+            staging: pins.staging(),
             from,
         }
     }
@@ -135,15 +134,15 @@ impl Migration {
         let mut shared = Vec::new();
         let kept = kept_maps(self.from);
         for (name, from_pin) in kept {
-            let (old, new) = (self.pin_path.join(from_pin), self.staging.join(name));
+            let (old, new) = (self.pins.map_path(from_pin), self.staging.map_path(name));
             if !new.exists() {
                 continue;
             }
-            let Ok(old_fd) = sys::obj_get(&old) else {
+            let Ok(old_fd) = self.pins.open_fd(from_pin, Access::ReadWrite) else {
                 continue; // nothing to keep: the staged map starts empty
             };
-            let oi = sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
-            let ni = map_info_at(&new).map_err(io_err("reading", &new))?;
+            let oi = bpf_sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
+            let ni = self.staging.map_info(name)?;
             if (oi.map_type, oi.key_size, oi.value_size)
                 != (ni.map_type, ni.key_size, ni.value_size)
             {
@@ -155,7 +154,9 @@ impl Migration {
                 continue;
             }
             fs::remove_file(&new).map_err(io_err("unpinning", &new))?;
-            sys::obj_pin(old_fd.as_fd(), &new).map_err(io_err("pinning", &new))?;
+            self.staging
+                .pin_map(name, old_fd.as_fd())
+                .map_err(io_err("pinning", &new))?;
             info!(map = name, from = from_pin, "kept the older layout's map");
             shared.push(name.to_string());
         }
@@ -163,13 +164,13 @@ impl Migration {
             if name == map_names::META || kept.iter().any(|(k, _)| *k == name) {
                 continue;
             }
-            let (old, new) = (self.pin_path.join(&name), self.staging.join(&name));
-            let Ok(old_fd) = sys::obj_get(&old) else {
+            let (old, new) = (self.pins.map_path(&name), self.staging.map_path(&name));
+            let Ok(old_fd) = self.pins.open_fd(&name, Access::ReadWrite) else {
                 continue;
             };
-            let oi = sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
-            let ni = map_info_at(&new).map_err(io_err("reading", &new))?;
-            let storage = ni.map_type == sys::map_type::SK_STORAGE;
+            let oi = bpf_sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
+            let ni = self.staging.map_info(&name)?;
+            let storage = ni.map_type == bpf_sys::map_type::SK_STORAGE;
             if !storage && (copy_every || !matches!(converter(self.from, &name), Convert::Bytes)) {
                 continue;
             }
@@ -181,7 +182,9 @@ impl Migration {
                 && (oi.max_entries == ni.max_entries || sized_at_load);
             if same {
                 fs::remove_file(&new).map_err(io_err("unpinning", &new))?;
-                sys::obj_pin(old_fd.as_fd(), &new).map_err(io_err("pinning", &new))?;
+                self.staging
+                    .pin_map(&name, old_fd.as_fd())
+                    .map_err(io_err("pinning", &new))?;
                 shared.push(name);
             }
         }
@@ -195,8 +198,9 @@ impl Migration {
     /// The maps staged (pinned) in the staging directory: the new layout's set.
     fn staged_maps(&self) -> Result<Vec<String>, LoadError> {
         let mut names = Vec::new();
-        for e in fs::read_dir(&self.staging).map_err(io_err("listing", &self.staging))? {
-            let e = e.map_err(io_err("listing", &self.staging))?;
+        let dir = self.staging.path();
+        for e in fs::read_dir(dir).map_err(io_err("listing", dir))? {
+            let e = e.map_err(io_err("listing", dir))?;
             if e.file_type().is_ok_and(|t| t.is_file()) {
                 names.push(e.file_name().to_string_lossy().into_owned());
             }
@@ -227,22 +231,22 @@ impl Migration {
                 }
                 continue;
             }
-            let old = self.pin_path.join(name);
+            let old = self.pins.map_path(name);
             if !old.exists() {
                 if !only_datapath {
                     info!(map = %name, "new map in this layout: starts empty");
                 }
                 continue;
             }
-            let old_info = map_info_at(&old);
-            let shared = match (&old_info, map_info_at(&self.staging.join(name))) {
+            let old_info = self.pins.map_info(name);
+            let shared = match (&old_info, self.staging.map_info(name)) {
                 (Ok(a), Ok(b)) => a.id == b.id,
                 _ => false,
             };
             if shared {
                 continue;
             }
-            if old_info.is_ok_and(|i| i.map_type == sys::map_type::SK_STORAGE) {
+            if old_info.is_ok_and(|i| i.map_type == bpf_sys::map_type::SK_STORAGE) {
                 // Not iterable from user space (the kernel refuses GET_NEXT_KEY): a
                 // socket storage of another layout cannot be carried over from here.
                 if !only_datapath {
@@ -255,7 +259,7 @@ impl Migration {
                 continue;
             }
             let conv = converter(self.from, name);
-            let count = copy_map(&old, &self.staging.join(name), conv, only_datapath)
+            let count = copy_map(&self.pins, &self.staging, name, conv, only_datapath)
                 .map_err(io_err("copying the entries of", &old))?;
             if count.dropped > 0 {
                 let why = match conv {
@@ -273,7 +277,7 @@ impl Migration {
         if !only_datapath {
             // Maps of the old layout that this one no longer has.
             for name in self.old_only_maps() {
-                let entries = count_entries(&self.pin_path.join(&name)).unwrap_or(0);
+                let entries = count_entries(&self.pins, &name).unwrap_or(0);
                 warn!(
                     map = %name,
                     entries,
@@ -281,15 +285,8 @@ impl Migration {
                 );
                 total.dropped += entries;
             }
-            let meta_path = self.staging.join(map_names::META);
-            let meta = sys::obj_get(&meta_path).map_err(io_err("opening", &meta_path))?;
-            write_meta(meta.as_fd(), meta::ABI_VERSION, ABI_VERSION, &self.staging)?;
-            write_meta(
-                meta.as_fd(),
-                meta::OBJECT_HASH,
-                object_hash(),
-                &self.staging,
-            )?;
+            self.staging.write_meta(meta::ABI_VERSION, ABI_VERSION)?;
+            self.staging.write_meta(meta::OBJECT_HASH, object_hash())?;
         }
         info!(
             from_abi = self.from,
@@ -312,7 +309,7 @@ impl Migration {
         v3::MAP_NAMES
             .iter()
             .filter(|n| !map_names::ALL.contains(n))
-            .filter(|n| self.pin_path.join(n).is_file())
+            .filter(|n| self.pins.map_path(n).is_file())
             .map(|n| n.to_string())
             .collect()
     }
@@ -325,7 +322,7 @@ impl Migration {
             "filled", "swapping", "swapped", "recopied", "renaming", "meta",
         ];
         let at = order.iter().position(|s| *s == state).ok_or_else(|| {
-            io_err("reading the migration marker in", &self.staging)(io::Error::new(
+            io_err("reading the migration marker in", self.staging.path())(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!("unknown migration state {state:?}"),
             ))
@@ -337,23 +334,21 @@ impl Migration {
                 None => {
                     // Resuming: the staged maps are all still in the staging directory.
                     loaded = EbpfLoader::new()
-                        .default_map_pin_directory(&self.staging)
+                        .default_map_pin_directory(self.staging.path())
                         .load(EBPF_OBJECT)?;
                     &mut loaded
                 }
             };
-            let hooks = pinned_hooks(&self.pin_path)?;
+            let hooks = pinned_hooks(&self.pins)?;
             // Right before the swap (programs loaded): the flows opened since the full
             // copy, to narrow the window in which the old programs write alone.
-            let pin_path = self.pin_path.clone();
-            let log_id = swap_hooks(ebpf, &pin_path, &hooks, true, &mut || {
+            let pins = self.pins.clone();
+            let log_id = swap_hooks(ebpf, &pins, &hooks, true, &mut || {
                 self.copy_all(true)?;
                 set_marker(&self.staging, from, "swapping")
             })?;
             if let Some(id) = log_id {
-                let meta_path = self.staging.join(map_names::META);
-                let meta = sys::obj_get(&meta_path).map_err(io_err("opening", &meta_path))?;
-                write_meta(meta.as_fd(), meta::LOG_PROGRAM_ID, id, &self.staging)?;
+                self.staging.write_meta(meta::LOG_PROGRAM_ID, id)?;
             }
             info!(
                 hooks = hooks.len(),
@@ -387,18 +382,20 @@ impl Migration {
             crash_point("meta");
         }
         for name in self.old_only_maps() {
-            let path = self.pin_path.join(&name);
+            let path = self.pins.map_path(&name);
             fs::remove_file(&path).map_err(io_err("unpinning", &path))?;
             info!(map = %name, "removed the old layout's map");
         }
-        fs::remove_dir_all(&self.staging).map_err(io_err("removing", &self.staging))?;
+        let dir = self.staging.path();
+        fs::remove_dir_all(dir).map_err(io_err("removing", dir))?;
         Ok(())
     }
 
     /// `rename(2)` of a staged pin over the old one (atomic; the old map goes when its
     /// last program does).
     fn move_pin(&self, name: &str) -> Result<(), LoadError> {
-        let to = self.pin_path.join(name);
-        fs::rename(self.staging.join(name), &to).map_err(io_err("moving the staged pin to", &to))
+        let to = self.pins.map_path(name);
+        fs::rename(self.staging.map_path(name), &to)
+            .map_err(io_err("moving the staged pin to", &to))
     }
 }

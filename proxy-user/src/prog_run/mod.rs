@@ -6,7 +6,7 @@
 
 pub mod pkt;
 
-use std::path::Path;
+use crate::pins::PinDir;
 
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 
@@ -20,13 +20,13 @@ pub const XDP_PROGRAM: &str = "xdp_ingress";
 
 /// The object loaded with its maps pinned under `pins` (conntrack tables of `flows`
 /// flows per family), both TC programs and the XDP program through the verifier.
-pub fn load_tc(pins: &Path, flows: u32) -> anyhow::Result<aya::Ebpf> {
+pub fn load_tc(pins: &PinDir, flows: u32) -> anyhow::Result<aya::Ebpf> {
     load_tc_with(pins, flows, None)
 }
 
 /// [`load_tc`] with XDP's FIB-answer TTL set to `fib_hop_ttl` (`None`: 100 ms).
 pub fn load_tc_with(
-    pins: &Path,
+    pins: &PinDir,
     flows: u32,
     fib_hop_ttl: Option<std::time::Duration>,
 ) -> anyhow::Result<aya::Ebpf> {

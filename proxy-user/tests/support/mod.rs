@@ -66,39 +66,9 @@ pub fn require_root() {
 
 /// Program ids attached to `cgroup` for a cgroup attach type (`BPF_PROG_QUERY`).
 pub fn attached_programs(cgroup: &Path, attach_type: u32) -> Vec<u32> {
-    #[repr(C)]
-    struct QueryAttr {
-        target_fd: u32,
-        attach_type: u32,
-        query_flags: u32,
-        attach_flags: u32,
-        prog_ids: u64,
-        prog_cnt: u32,
-        _pad: [u8; 108],
-    }
-    const BPF_PROG_QUERY: libc::c_long = 16;
     let dir = fs::File::open(cgroup).expect("cgroup dir");
-    let mut ids = [0u32; 64];
-    let mut attr = QueryAttr {
-        target_fd: dir.as_raw_fd() as u32,
-        attach_type,
-        query_flags: 0,
-        attach_flags: 0,
-        prog_ids: ids.as_mut_ptr() as u64,
-        prog_cnt: ids.len() as u32,
-        _pad: [0; 108],
-    };
-    // SAFETY: bpf(BPF_PROG_QUERY) with a zero-padded attr and a valid id buffer.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_QUERY,
-            &mut attr as *mut QueryAttr,
-            std::mem::size_of::<QueryAttr>(),
-        )
-    };
-    assert_eq!(r, 0, "BPF_PROG_QUERY: {}", io::Error::last_os_error());
-    ids[..attr.prog_cnt as usize].to_vec()
+    bpf_sys::prog_query(std::os::fd::AsFd::as_fd(&dir), attach_type, 64)
+        .unwrap_or_else(|e| panic!("BPF_PROG_QUERY: {e}"))
 }
 
 /// The cgroup attach types of the eight hooks (connect, sendmsg, recvmsg, getpeername; v4
@@ -121,7 +91,7 @@ impl PinDir {
 impl Drop for PinDir {
     fn drop(&mut self) {
         if self.path.exists() {
-            if let Err(e) = loader::uninstall(&self.path) {
+            if let Err(e) = loader::uninstall(&proxy_user::pins::PinDir::new(&self.path)) {
                 eprintln!("cleanup of {}: {e}", self.path.display());
                 let _ = fs::remove_dir_all(&self.path);
             }

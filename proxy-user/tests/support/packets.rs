@@ -47,13 +47,18 @@ impl Bed {
     fn with(flows: u32, fib_hop_ttl: Option<std::time::Duration>) -> Self {
         require_root();
         let pins = PinDir::new();
-        let ebpf = super::progrun::load_tc_with(&pins.path, flows, fib_hop_ttl)
+        let ebpf = super::progrun::load_tc_with(
+            &proxy_user::pins::PinDir::new(&pins.path),
+            flows,
+            fib_hop_ttl,
+        )
             .expect("load the object; the verifier accepts the TC and XDP programs");
         let addrs: Vec<IpAddr> = vec![
             "192.0.2.1".parse().expect("ip"),
             "2001:db8:1::1".parse().expect("ip"),
         ];
-        bpf::set_node_addresses(&pins.path, &addrs).expect("node addresses");
+        bpf::set_node_addresses(&proxy_user::pins::PinDir::new(&pins.path), &addrs)
+            .expect("node addresses");
         let writer = Writer::new(BpfMaps::open(&pins.path).expect("maps"));
         Self { ebpf, writer, pins }
     }

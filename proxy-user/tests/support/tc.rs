@@ -154,7 +154,7 @@ impl Drop for UninstallIn {
     fn drop(&mut self) {
         if self.pins.exists() {
             let _g = NetnsGuard::enter(&self.ns);
-            if let Err(e) = loader::uninstall(&self.pins) {
+            if let Err(e) = loader::uninstall(&proxy_user::pins::PinDir::new(&self.pins)) {
                 eprintln!("cleanup of {}: {e}", self.pins.display());
             }
         }

@@ -45,17 +45,17 @@ pub fn open_pinned_rdonly(path: &Path) -> io::Result<OwnedFd> {
 }
 
 /// A pin-directory error as `proxyctl` reports it (`Ok(None)`: not pinned).
-fn from_pin<T>(dir: &Path, r: std::result::Result<T, PinError>) -> Result<Option<T>> {
+fn from_pin<T>(pins: &PinDir, r: std::result::Result<T, PinError>) -> Result<Option<T>> {
     match r {
         Ok(v) => Ok(Some(v)),
         Err(PinError::Missing { .. }) => Ok(None),
-        Err(e) => Err(pin_error(dir, e)),
+        Err(e) => Err(pin_error(pins, e)),
     }
 }
 
-fn pin_error(dir: &Path, e: PinError) -> Error {
+fn pin_error(pins: &PinDir, e: PinError) -> Error {
     match e {
-        PinError::Missing { path } => no_pins(dir, &path),
+        PinError::Missing { path } => no_pins(pins, &path),
         // EACCES is also the kernel's answer for a path that is no BPF object (a file
         // outside bpffs, a directory on it): name that cause rather than "run as root".
         PinError::Permission { path } => match not_a_bpf_object(&path) {
@@ -78,12 +78,12 @@ fn pin_error(dir: &Path, e: PinError) -> Error {
 
 /// Opens one pinned map read-only as an aya [`Map`]. `Ok(None)`: not pinned.
 pub fn open_map_rdonly(path: &Path) -> Result<Option<Map>> {
-    let dir = path.parent().unwrap_or(Path::new("/"));
+    let pins = PinDir::new(path.parent().unwrap_or(Path::new("/")));
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    from_pin(dir, PinDir::new(dir).open_map(&name, Access::ReadOnly))
+    from_pin(&pins, pins.open_map(&name, Access::ReadOnly))
 }
 
 pub use crate::fs::BPF_FS_MAGIC;
@@ -156,21 +156,20 @@ fn read_err(map: &'static str) -> impl Fn(MapError) -> Error {
 }
 
 impl Maps {
-    /// Opens the maps under `dir` read-only, after checking the ABI version the loader
+    /// Opens the maps of `pins` read-only, after checking the ABI version the loader
     /// stored in `META`.
-    pub fn open(dir: &Path) -> Result<Self> {
-        let pins = PinDir::new(dir);
+    pub fn open(pins: &PinDir) -> Result<Self> {
         let ro = Access::ReadOnly;
-        pins.check_abi(ro).map_err(|e| pin_error(dir, e))?;
+        pins.check_abi(ro).map_err(|e| pin_error(pins, e))?;
         macro_rules! req {
             ($open:expr) => {
-                $open.map_err(|e| pin_error(dir, e))?
+                $open.map_err(|e| pin_error(pins, e))?
             };
         }
         let mut missing = BTreeSet::new();
         macro_rules! opt {
             ($name:expr) => {{
-                let m = from_pin(dir, pins.typed($name, ro))?;
+                let m = from_pin(pins, pins.typed($name, ro))?;
                 if m.is_none() {
                     missing.insert($name);
                 }
@@ -191,7 +190,7 @@ impl Maps {
             .unwrap_or(proxy_common::acceleration::OFF);
         let (conns, conns_fd) = req!(pins.typed_with_fd(names::BACKEND_CONNS, ro));
         Ok(Self {
-            dir: dir.to_owned(),
+            dir: pins.path().to_owned(),
             svc4: req!(pins.hash(names::SVC4, ro)),
             svc6: req!(pins.hash(names::SVC6, ro)),
             backend4: req!(pins.hash(names::BACKEND4, ro)),
@@ -295,7 +294,8 @@ impl Maps {
     }
 }
 
-fn no_pins(dir: &Path, missing: &Path) -> Error {
+fn no_pins(pins: &PinDir, missing: &Path) -> Error {
+    let dir = pins.path();
     // A directory we may not even look into is a permission problem, not a missing pin.
     match std::fs::metadata(dir) {
         Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Error::Permission {

@@ -1,20 +1,11 @@
-//! Raw `bpf(2)` for the packet-rate bench's own small XDP programs (no object file):
+//! `bpf(2)` (through `bpf_sys`) for the packet-rate bench's own small XDP programs (no object file):
 //! the generator (`BPF_PROG_RUN` live frames), the pod's `XDP_DROP` sink and `xdp-fwd`'s
 //! plain forwarding to a fixed next hop, loaded and attached by link.
 
-use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+use std::os::fd::{AsFd as _, OwnedFd};
 
 use anyhow::{bail, Context as _, Result};
 
-use crate::bench::progstats::Attr;
-
-pub(super) const BPF_PROG_LOAD: i64 = 5;
-pub(super) const BPF_PROG_TEST_RUN: i64 = 10;
-pub(super) const BPF_LINK_CREATE: i64 = 28;
-pub(super) const BPF_PROG_TYPE_XDP: u32 = 6;
-pub(super) const BPF_XDP: u32 = 37;
-pub(super) const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
-pub(super) const BPF_F_TEST_XDP_LIVE_FRAMES: u32 = 1 << 1;
 pub(super) const BPF_FUNC_REDIRECT: i32 = 23;
 pub(super) const XDP_DROP: i32 = 1;
 pub(super) const XDP_PASS: i32 = 2;
@@ -133,63 +124,40 @@ pub(super) fn generator_program(frame: &[u8], ifindex: u32) -> Result<Vec<Insn>>
 
 pub(super) fn load_xdp(insns: &[Insn], name: &str) -> Result<OwnedFd> {
     let code: Vec<u8> = insns.iter().flatten().copied().collect();
-    let license = b"GPL\0";
-    let mut log = vec![0u8; 1 << 20];
-    let mut attr = Attr::new();
-    attr.u32(0, BPF_PROG_TYPE_XDP)
-        .u32(4, insns.len() as u32)
-        .u64(8, code.as_ptr() as u64)
-        .u64(16, license.as_ptr() as u64)
-        .u32(24, 1)
-        .u32(28, log.len() as u32)
-        .u64(32, log.as_mut_ptr() as u64)
-        .u32(68, BPF_XDP);
-    let n = name.as_bytes();
-    attr.bytes(48, &n[..n.len().min(15)]);
+    let prog = bpf_sys::ProgLoad {
+        prog_type: bpf_sys::PROG_TYPE_XDP,
+        insns: &code,
+        license: b"GPL\0",
+        name,
+        expected_attach_type: bpf_sys::ATTACH_XDP,
+    };
     // Without a log first (a verbose log that does not fit fails the load with ENOSPC
     // even when the program is fine); on failure again with one, for the message.
-    let quiet = {
-        let mut a = attr.clone();
-        a.u32(24, 0).u32(28, 0).u64(32, 0);
-        a.sys(BPF_PROG_LOAD)
-    };
-    let fd = match quiet {
-        Ok(fd) => fd,
-        Err(_) => attr.sys(BPF_PROG_LOAD).map_err(|e| {
-            let end = log.iter().position(|b| *b == 0).unwrap_or(0);
-            anyhow::anyhow!(
-                "loading XDP program {name}: {e}: {}",
-                String::from_utf8_lossy(&log[..end])
-            )
-        })?,
-    };
-    // SAFETY: a new fd the kernel gave us.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    match bpf_sys::prog_load(&prog, None) {
+        Ok(fd) => Ok(fd),
+        Err(_) => {
+            let mut log = vec![0u8; 1 << 20];
+            bpf_sys::prog_load(&prog, Some(&mut log)).map_err(|e| {
+                let end = log.iter().position(|b| *b == 0).unwrap_or(0);
+                anyhow::anyhow!(
+                    "loading XDP program {name}: {e}: {}",
+                    String::from_utf8_lossy(&log[..end])
+                )
+            })
+        }
+    }
 }
 
 /// A native-mode XDP link on `ifindex` of the calling thread's namespace; detached when
 /// the fd closes (also when the process dies).
 pub(super) fn attach_xdp(prog: &OwnedFd, ifindex: u32) -> Result<OwnedFd> {
-    let mut attr = Attr::new();
-    attr.u32(0, prog.as_raw_fd() as u32)
-        .u32(4, ifindex)
-        .u32(8, BPF_XDP)
-        .u32(12, XDP_FLAGS_DRV_MODE);
-    let fd = attr.sys(BPF_LINK_CREATE).context("BPF_LINK_CREATE")?;
-    // SAFETY: a new fd the kernel gave us.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    bpf_sys::link_create_xdp(prog.as_fd(), ifindex, bpf_sys::XDP_FLAGS_DRV_MODE)
+        .context("BPF_LINK_CREATE")
 }
 
 /// `repeat` copies of `frame` through `prog` in live-frames mode (really transmitted).
 pub(super) fn test_run_live(prog: &OwnedFd, frame: &[u8], repeat: u32) -> Result<()> {
-    let mut attr = Attr::new();
-    attr.u32(0, prog.as_raw_fd() as u32)
-        .u32(8, frame.len() as u32)
-        .u64(16, frame.as_ptr() as u64)
-        .u32(32, repeat)
-        .u32(64, BPF_F_TEST_XDP_LIVE_FRAMES)
-        .u32(72, 64);
-    attr.sys(BPF_PROG_TEST_RUN)
+    bpf_sys::prog_test_run_live(prog.as_fd(), frame, repeat)
         .context("BPF_PROG_RUN (live frames)")?;
     Ok(())
 }
