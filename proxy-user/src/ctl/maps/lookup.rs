@@ -165,9 +165,11 @@ impl Maps {
     /// A reverse-NAT entry (frontend and name); `None`: absent or unreadable protocol.
     pub(super) fn revnat(&self, id: u32, v4: bool) -> Result<Option<(Frontend, String)>> {
         Ok(if v4 {
-            lookup(&self.revnat4, &id, names::REVNAT4)?.and_then(|r| codec::decode_revnat4(&r))
+            lookup(&self.revnat4, &id, names::REVNAT4)?
+                .and_then(|r| codec::decode_revnat::<Ipv4>(&r))
         } else {
-            lookup(&self.revnat6, &id, names::REVNAT6)?.and_then(|r| codec::decode_revnat6(&r))
+            lookup(&self.revnat6, &id, names::REVNAT6)?
+                .and_then(|r| codec::decode_revnat::<Ipv6>(&r))
         })
     }
 
@@ -176,9 +178,9 @@ impl Maps {
             return Ok(());
         }
         let b = match lookup(&self.backend4, &id, names::BACKEND4)? {
-            Some(b) => backend4(id, &b, &mut s.warnings),
+            Some(b) => backend::<Ipv4>(id, &b, &mut s.warnings),
             None => lookup(&self.backend6, &id, names::BACKEND6)?
-                .and_then(|b| backend6(id, &b, &mut s.warnings)),
+                .and_then(|b| backend::<Ipv6>(id, &b, &mut s.warnings)),
         };
         if let Some(b) = b {
             s.services.backends.insert(id, b);
@@ -224,7 +226,7 @@ impl Maps {
                 };
                 for (k, v) in self.svc4.read_all().map_err(read_err(names::SVC4))? {
                     if k.slot == 0 && k.addr == want.addr {
-                        if let Some(fe) = codec::decode_svc4(&k) {
+                        if let Some(fe) = codec::decode_svc::<Ipv4>(&k).map(|(fe, _)| fe) {
                             s.services
                                 .frontends
                                 .insert(fe, codec::decode_frontend_value(&v));
@@ -239,7 +241,7 @@ impl Maps {
                 };
                 for (k, v) in self.svc6.read_all().map_err(read_err(names::SVC6))? {
                     if k.slot == 0 && k.addr == want.addr {
-                        if let Some(fe) = codec::decode_svc6(&k) {
+                        if let Some(fe) = codec::decode_svc::<Ipv6>(&k).map(|(fe, _)| fe) {
                             s.services
                                 .frontends
                                 .insert(fe, codec::decode_frontend_value(&v));

@@ -29,7 +29,6 @@ use crate::{
     codec,
     model::{port_host, v4_from_word, v6_from_words, Backend, Frontend, Proto},
     pins::{Access, PinDir, PinError, PinnedHash},
-    store::Dump,
 };
 
 pub use crate::pins::BPF_F_RDONLY;
@@ -37,7 +36,8 @@ pub use crate::pins::BPF_F_RDONLY;
 mod lookup;
 mod read;
 
-use read::{backend4, backend6, lookup};
+use crate::codec::{FamilyAbi, Ipv4, Ipv6};
+use read::{backend, lookup};
 
 /// Opens a pinned BPF object read-only (`BPF_OBJ_GET` with `BPF_F_RDONLY`).
 pub fn open_pinned_rdonly(path: &Path) -> io::Result<OwnedFd> {
