@@ -104,174 +104,282 @@ fn sorted(endpoints: &[SocketAddr]) -> Vec<SocketAddr> {
     v
 }
 
-/// The rules kube-proxy would write for `sp`.
+/// The rules kube-proxy would write for `sp`: the entry rules of its kind (a ClusterIP, or
+/// an external destination with its external and firewall chains), then the service
+/// chains' endpoint rules, then one chain per endpoint.
 pub fn rules(sp: &ServicePort) -> Rules {
-    let n = &sp.name;
-    let p = sp.proto.as_str();
-    let c = |s: &str| save_string(s);
-    let svc = service_chain(n, p);
-    let svl = local_chain(n, p);
-    let ext = external_chain(n, p);
-    let fw = firewall_chain(n, p);
-    let dport = format!("-m {p} --dport {}", sp.port);
+    let names = ChainNames::of(sp);
     let mut r = Rules {
         ipv6: sp.address.is_ipv6(),
         ..Rules::default()
     };
-
     let cluster = sorted(&sp.cluster_endpoints);
     let local = sorted(&sp.local_endpoints);
-    let has_endpoints = !cluster.is_empty() || !local.is_empty();
-    let (uses_cluster, uses_local);
-    let mut sep_endpoints: Vec<SocketAddr> = Vec::new();
-
-    if sp.kind == Kind::ClusterIP {
-        let (chain, has_internal) = if sp.internal_local {
-            (&svl, !local.is_empty())
-        } else {
-            (&svc, !cluster.is_empty())
-        };
-        uses_cluster = !sp.internal_local && !cluster.is_empty();
-        uses_local = sp.internal_local && !local.is_empty();
-        let dst = format!("-d {} -p {p}", host_cidr(sp.address));
-        if has_internal {
-            r.nat.push(format!(
-                "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {chain}",
-                c(&format!("{n} cluster IP"))
-            ));
-        } else {
-            let (comment, target) = if sp.internal_local {
-                (format!("{n} has no local endpoints"), "DROP")
-            } else {
-                (format!("{n} has no endpoints"), reject(sp.address))
-            };
-            r.filter.push(format!(
-                "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {target}",
-                c(&comment)
-            ));
-        }
+    let (uses_cluster, uses_local) = if sp.kind == Kind::ClusterIP {
+        cluster_ip_rules(&mut r, sp, &names, &cluster, &local)
     } else {
-        // External destinations: Cluster endpoints are always used (short-circuiting
-        // local traffic needs them); Local ones with externalTrafficPolicy: Local.
-        uses_cluster = !cluster.is_empty();
-        uses_local = sp.external_local && !local.is_empty();
-        let has_external = if sp.external_local {
-            !local.is_empty()
-        } else {
-            has_endpoints
-        };
-        let uses_fw =
-            has_endpoints && sp.kind == Kind::LoadBalancer && !sp.source_ranges.is_empty();
-        let filter_comment = if !has_endpoints {
-            format!("{n} has no endpoints")
-        } else {
-            format!("{n} has no local endpoints")
-        };
-        let filter_target = if has_endpoints {
-            "DROP"
-        } else {
-            reject(sp.address)
-        };
-        match sp.kind {
-            Kind::NodePort => {
-                r.nat.push(
-                    "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; \
-                     NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL \
-                     -j KUBE-NODEPORTS"
-                        .to_string(),
-                );
-                if has_endpoints {
-                    r.nat.push(format!(
-                        "-A KUBE-NODEPORTS -p {p} -m comment --comment {} {dport} -j {ext}",
-                        c(n)
-                    ));
-                }
-                if !has_external {
-                    r.filter.push(format!(
-                        "-A KUBE-EXTERNAL-SERVICES -p {p} -m comment --comment {} -m addrtype \
-                         --dst-type LOCAL {dport} -j {filter_target}",
-                        c(&filter_comment)
-                    ));
-                }
-            }
-            Kind::ExternalIP | Kind::LoadBalancer => {
-                let (what, target) = if sp.kind == Kind::ExternalIP {
-                    ("external IP", &ext)
-                } else if uses_fw {
-                    ("loadbalancer IP", &fw)
-                } else {
-                    ("loadbalancer IP", &ext)
-                };
-                let dst = format!("-d {} -p {p}", host_cidr(sp.address));
-                if has_endpoints {
-                    r.nat.push(format!(
-                        "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {target}",
-                        c(&format!("{n} {what}"))
-                    ));
-                }
-                if uses_fw {
-                    r.filter.push(format!(
-                        "-A KUBE-PROXY-FIREWALL {dst} -m comment --comment {} {dport} -j DROP",
-                        c(&format!("{n} traffic not accepted by {fw}"))
-                    ));
-                }
-                if !has_external {
-                    r.filter.push(format!(
-                        "-A KUBE-EXTERNAL-SERVICES {dst} -m comment --comment {} {dport} -j {filter_target}",
-                        c(&filter_comment)
-                    ));
-                }
-            }
-            Kind::ClusterIP => unreachable!("handled above"),
-        }
-        if has_endpoints {
-            if sp.external_local {
-                r.nat.push(format!(
-                    "-A {ext} -m comment --comment {} -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ",
-                    c(&format!("masquerade LOCAL traffic for {n} external destinations"))
-                ));
-                r.nat.push(format!(
-                    "-A {ext} -m comment --comment {} -m addrtype --src-type LOCAL -j {svc}",
-                    c(&format!(
-                        "route LOCAL traffic for {n} external destinations"
-                    ))
-                ));
-            } else {
-                r.nat.push(format!(
-                    "-A {ext} -m comment --comment {} -j KUBE-MARK-MASQ",
-                    c(&format!("masquerade traffic for {n} external destinations"))
-                ));
-            }
-            if has_external {
-                let policy = if sp.external_local { &svl } else { &svc };
-                r.nat.push(format!("-A {ext} -j {policy}"));
-            }
-        }
-        if uses_fw {
-            for range in &sp.source_ranges {
-                r.nat.push(format!(
-                    "-A {fw} -s {range} -m comment --comment {} -j {ext}",
-                    c(&format!("{n} loadbalancer IP"))
-                ));
-            }
-            r.nat.push(format!(
-                "-A {fw} -m comment --comment {}",
-                c(&format!(
-                    "other traffic to {n} will be dropped by KUBE-PROXY-FIREWALL"
-                ))
-            ));
-        }
-    }
-
+        external_rules(&mut r, sp, &names, &cluster, &local)
+    };
+    let mut sep_endpoints: Vec<SocketAddr> = Vec::new();
     if uses_cluster {
-        endpoint_rules(&mut r, sp, &svc, &cluster);
+        endpoint_rules(&mut r, sp, &names.svc, &cluster);
         sep_endpoints.extend(&cluster);
     }
     if uses_local {
-        endpoint_rules(&mut r, sp, &svl, &local);
+        endpoint_rules(&mut r, sp, &names.svl, &local);
         sep_endpoints.extend(&local);
     }
-    for ep in sorted(&sep_endpoints) {
+    endpoint_chain_rules(&mut r, sp, &names, &sep_endpoints);
+    r
+}
+
+/// The names one Service port's rules use: its name, protocol, `--dport` match and chains.
+struct ChainNames<'a> {
+    n: &'a str,
+    p: &'a str,
+    dport: String,
+    /// `KUBE-SVC-...`: the cluster endpoints.
+    svc: String,
+    /// `KUBE-SVL-...`: the local endpoints.
+    svl: String,
+    /// `KUBE-EXT-...`: external destinations.
+    ext: String,
+    /// `KUBE-FW-...`: the load balancer's source ranges.
+    fw: String,
+}
+
+impl<'a> ChainNames<'a> {
+    fn of(sp: &'a ServicePort) -> Self {
+        let (n, p) = (sp.name.as_str(), sp.proto.as_str());
+        Self {
+            n,
+            p,
+            dport: format!("-m {p} --dport {}", sp.port),
+            svc: service_chain(n, p),
+            svl: local_chain(n, p),
+            ext: external_chain(n, p),
+            fw: firewall_chain(n, p),
+        }
+    }
+}
+
+/// A ClusterIP's entry rule (or its reject/drop when it has no endpoints to use).
+/// Returns whether the cluster and the local endpoints are used.
+fn cluster_ip_rules(
+    r: &mut Rules,
+    sp: &ServicePort,
+    names: &ChainNames,
+    cluster: &[SocketAddr],
+    local: &[SocketAddr],
+) -> (bool, bool) {
+    let ChainNames { n, p, dport, .. } = names;
+    let c = |s: &str| save_string(s);
+    let (chain, has_internal) = if sp.internal_local {
+        (&names.svl, !local.is_empty())
+    } else {
+        (&names.svc, !cluster.is_empty())
+    };
+    let uses_cluster = !sp.internal_local && !cluster.is_empty();
+    let uses_local = sp.internal_local && !local.is_empty();
+    let dst = format!("-d {} -p {p}", host_cidr(sp.address));
+    if has_internal {
+        r.nat.push(format!(
+            "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {chain}",
+            c(&format!("{n} cluster IP"))
+        ));
+    } else {
+        let (comment, target) = if sp.internal_local {
+            (format!("{n} has no local endpoints"), "DROP")
+        } else {
+            (format!("{n} has no endpoints"), reject(sp.address))
+        };
+        r.filter.push(format!(
+            "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {target}",
+            c(&comment)
+        ));
+    }
+    (uses_cluster, uses_local)
+}
+
+/// What an external destination (NodePort, external IP, load balancer) has to use.
+struct External {
+    has_endpoints: bool,
+    /// Endpoints the external policy may use (local ones for `Local`).
+    has_external: bool,
+    /// A load balancer with source ranges and endpoints: the `KUBE-FW-` chain.
+    uses_fw: bool,
+}
+
+/// An external destination's rules: the entry rules of its kind, its `KUBE-EXT-` chain,
+/// its firewall chain. External destinations: Cluster endpoints are always used
+/// (short-circuiting local traffic needs them); Local ones with
+/// externalTrafficPolicy: Local. Returns whether the cluster and the local endpoints
+/// are used.
+fn external_rules(
+    r: &mut Rules,
+    sp: &ServicePort,
+    names: &ChainNames,
+    cluster: &[SocketAddr],
+    local: &[SocketAddr],
+) -> (bool, bool) {
+    let has_endpoints = !cluster.is_empty() || !local.is_empty();
+    let x = External {
+        has_endpoints,
+        has_external: if sp.external_local {
+            !local.is_empty()
+        } else {
+            has_endpoints
+        },
+        uses_fw: has_endpoints && sp.kind == Kind::LoadBalancer && !sp.source_ranges.is_empty(),
+    };
+    external_entry_rules(r, sp, names, &x);
+    if x.has_endpoints {
+        external_chain_rules(r, sp, names, x.has_external);
+    }
+    if x.uses_fw {
+        firewall_chain_rules(r, sp, names);
+    }
+    (!cluster.is_empty(), sp.external_local && !local.is_empty())
+}
+
+/// The rules that send an external destination's traffic to its chain (`KUBE-NODEPORTS`,
+/// `KUBE-SERVICES`), and the filter rules for it when nothing may serve it.
+fn external_entry_rules(r: &mut Rules, sp: &ServicePort, names: &ChainNames, x: &External) {
+    let ChainNames {
+        n,
+        p,
+        dport,
+        ext,
+        fw,
+        ..
+    } = names;
+    let c = |s: &str| save_string(s);
+    let filter_comment = if !x.has_endpoints {
+        format!("{n} has no endpoints")
+    } else {
+        format!("{n} has no local endpoints")
+    };
+    let filter_target = if x.has_endpoints {
+        "DROP"
+    } else {
+        reject(sp.address)
+    };
+    match sp.kind {
+        Kind::NodePort => {
+            r.nat.push(
+                "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; \
+                 NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL \
+                 -j KUBE-NODEPORTS"
+                    .to_string(),
+            );
+            if x.has_endpoints {
+                r.nat.push(format!(
+                    "-A KUBE-NODEPORTS -p {p} -m comment --comment {} {dport} -j {ext}",
+                    c(n)
+                ));
+            }
+            if !x.has_external {
+                r.filter.push(format!(
+                    "-A KUBE-EXTERNAL-SERVICES -p {p} -m comment --comment {} -m addrtype \
+                     --dst-type LOCAL {dport} -j {filter_target}",
+                    c(&filter_comment)
+                ));
+            }
+        }
+        Kind::ExternalIP | Kind::LoadBalancer => {
+            let (what, target) = if sp.kind == Kind::ExternalIP {
+                ("external IP", ext)
+            } else if x.uses_fw {
+                ("loadbalancer IP", fw)
+            } else {
+                ("loadbalancer IP", ext)
+            };
+            let dst = format!("-d {} -p {p}", host_cidr(sp.address));
+            if x.has_endpoints {
+                r.nat.push(format!(
+                    "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {target}",
+                    c(&format!("{n} {what}"))
+                ));
+            }
+            if x.uses_fw {
+                r.filter.push(format!(
+                    "-A KUBE-PROXY-FIREWALL {dst} -m comment --comment {} {dport} -j DROP",
+                    c(&format!("{n} traffic not accepted by {fw}"))
+                ));
+            }
+            if !x.has_external {
+                r.filter.push(format!(
+                    "-A KUBE-EXTERNAL-SERVICES {dst} -m comment --comment {} {dport} -j {filter_target}",
+                    c(&filter_comment)
+                ));
+            }
+        }
+        Kind::ClusterIP => unreachable!("cluster_ip_rules"),
+    }
+}
+
+/// The `KUBE-EXT-` chain: masquerade (all traffic, or LOCAL traffic with the `Local`
+/// policy, which also routes it to the cluster endpoints), then the policy's chain.
+fn external_chain_rules(r: &mut Rules, sp: &ServicePort, names: &ChainNames, has_external: bool) {
+    let ChainNames {
+        n, ext, svc, svl, ..
+    } = names;
+    let c = |s: &str| save_string(s);
+    if sp.external_local {
+        r.nat.push(format!(
+            "-A {ext} -m comment --comment {} -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ",
+            c(&format!(
+                "masquerade LOCAL traffic for {n} external destinations"
+            ))
+        ));
+        r.nat.push(format!(
+            "-A {ext} -m comment --comment {} -m addrtype --src-type LOCAL -j {svc}",
+            c(&format!(
+                "route LOCAL traffic for {n} external destinations"
+            ))
+        ));
+    } else {
+        r.nat.push(format!(
+            "-A {ext} -m comment --comment {} -j KUBE-MARK-MASQ",
+            c(&format!("masquerade traffic for {n} external destinations"))
+        ));
+    }
+    if has_external {
+        let policy = if sp.external_local { svl } else { svc };
+        r.nat.push(format!("-A {ext} -j {policy}"));
+    }
+}
+
+/// The `KUBE-FW-` chain: each source range to the external chain, the rest marked for
+/// `KUBE-PROXY-FIREWALL`'s drop.
+fn firewall_chain_rules(r: &mut Rules, sp: &ServicePort, names: &ChainNames) {
+    let ChainNames { n, ext, fw, .. } = names;
+    let c = |s: &str| save_string(s);
+    for range in &sp.source_ranges {
+        r.nat.push(format!(
+            "-A {fw} -s {range} -m comment --comment {} -j {ext}",
+            c(&format!("{n} loadbalancer IP"))
+        ));
+    }
+    r.nat.push(format!(
+        "-A {fw} -m comment --comment {}",
+        c(&format!(
+            "other traffic to {n} will be dropped by KUBE-PROXY-FIREWALL"
+        ))
+    ));
+}
+
+/// One `KUBE-SEP-` chain per endpoint used (sorted): masquerade hairpin traffic, then
+/// DNAT (recording the client for session affinity).
+fn endpoint_chain_rules(
+    r: &mut Rules,
+    sp: &ServicePort,
+    names: &ChainNames,
+    endpoints: &[SocketAddr],
+) {
+    let ChainNames { n, p, .. } = names;
+    let c = |s: &str| save_string(s);
+    for ep in sorted(endpoints) {
         let sep = endpoint_chain(n, p, &ep.to_string());
         r.nat.push(format!(
             "-A {sep} -s {} -m comment --comment {} -j KUBE-MARK-MASQ",
@@ -290,10 +398,8 @@ pub fn rules(sp: &ServicePort) -> Rules {
             c(n)
         ));
     }
-    r
 }
 
-/// `writeServiceToEndpointRules`: affinity checks, then the statistic rules.
 fn endpoint_rules(r: &mut Rules, sp: &ServicePort, chain: &str, endpoints: &[SocketAddr]) {
     let n = &sp.name;
     let p = sp.proto.as_str();
