@@ -84,17 +84,7 @@ pub(super) fn run(args: &Args) -> Result<()> {
         }
     }
 
-    results.meta.finished = true;
-    results.meta.duration_seconds = start.elapsed().as_secs_f64();
-    results.write(&out_dir)?;
-    match results.plot(&out_dir) {
-        Ok(files) => {
-            for f in files {
-                log(start, format!("plot {}", f.display()));
-            }
-        }
-        Err(e) => log(start, format!("warning: {e:#}")),
-    }
+    write_final(&mut results, &out_dir, start)?;
     // Stop everything (agents, namespaces, cgroup) before saying we're done.
     drop(states);
     let pps = if args.no_pps {
@@ -124,6 +114,22 @@ pub(super) fn run(args: &Args) -> Result<()> {
         errors.extend(p.errors());
     }
     verdict(&cfg, start, errors)
+}
+
+/// The results marked finished, written, and plotted (a plot that fails is a warning).
+fn write_final(results: &mut Results, out_dir: &std::path::Path, start: Instant) -> Result<()> {
+    results.meta.finished = true;
+    results.meta.duration_seconds = start.elapsed().as_secs_f64();
+    results.write(out_dir)?;
+    match results.plot(out_dir) {
+        Ok(files) => {
+            for f in files {
+                log(start, format!("plot {}", f.display()));
+            }
+        }
+        Err(e) => log(start, format!("warning: {e:#}")),
+    }
+    Ok(())
 }
 
 /// The run's metadata: the command, the machine, the revision, the tools, the config.
