@@ -137,8 +137,8 @@ impl Maps {
 
     pub(super) fn svc_get(&self, fe: &Frontend, slot: u16) -> Result<Option<SvcValue>> {
         match codec::svc_key(fe, slot) {
-            codec::SvcKey::V4(k) => lookup(&self.svc4, &k, names::SVC4),
-            codec::SvcKey::V6(k) => lookup(&self.svc6, &k, names::SVC6),
+            codec::SvcKey::V4(k) => lookup(&self.v4.svc, &k, names::SVC4),
+            codec::SvcKey::V6(k) => lookup(&self.v6.svc, &k, names::SVC6),
         }
     }
 
@@ -165,10 +165,10 @@ impl Maps {
     /// A reverse-NAT entry (frontend and name); `None`: absent or unreadable protocol.
     pub(super) fn revnat(&self, id: u32, v4: bool) -> Result<Option<(Frontend, String)>> {
         Ok(if v4 {
-            lookup(&self.revnat4, &id, names::REVNAT4)?
+            lookup(&self.v4.revnat, &id, names::REVNAT4)?
                 .and_then(|r| codec::decode_revnat::<Ipv4>(&r))
         } else {
-            lookup(&self.revnat6, &id, names::REVNAT6)?
+            lookup(&self.v6.revnat, &id, names::REVNAT6)?
                 .and_then(|r| codec::decode_revnat::<Ipv6>(&r))
         })
     }
@@ -177,9 +177,9 @@ impl Maps {
         if s.services.backends.contains_key(&id) {
             return Ok(());
         }
-        let b = match lookup(&self.backend4, &id, names::BACKEND4)? {
+        let b = match lookup(&self.v4.backend, &id, names::BACKEND4)? {
             Some(b) => backend::<Ipv4>(id, &b, &mut s.warnings),
-            None => lookup(&self.backend6, &id, names::BACKEND6)?
+            None => lookup(&self.v6.backend, &id, names::BACKEND6)?
                 .and_then(|b| backend::<Ipv6>(id, &b, &mut s.warnings)),
         };
         if let Some(b) = b {
@@ -224,7 +224,7 @@ impl Maps {
                 let codec::SvcKey::V4(want) = want else {
                     return Ok(());
                 };
-                for (k, v) in self.svc4.read_all().map_err(read_err(names::SVC4))? {
+                for (k, v) in self.v4.svc.read_all().map_err(read_err(names::SVC4))? {
                     if k.slot == 0 && k.addr == want.addr {
                         if let Some(fe) = codec::decode_svc::<Ipv4>(&k).map(|(fe, _)| fe) {
                             s.services
@@ -239,7 +239,7 @@ impl Maps {
                 let codec::SvcKey::V6(want) = want else {
                     return Ok(());
                 };
-                for (k, v) in self.svc6.read_all().map_err(read_err(names::SVC6))? {
+                for (k, v) in self.v6.svc.read_all().map_err(read_err(names::SVC6))? {
                     if k.slot == 0 && k.addr == want.addr {
                         if let Some(fe) = codec::decode_svc::<Ipv6>(&k).map(|(fe, _)| fe) {
                             s.services

@@ -5,17 +5,17 @@ use super::*;
 
 impl Maps {
     pub(super) fn read_backends(&self, s: &mut Snapshot) -> Result<()> {
-        read_backends_of::<Ipv4>(&self.backend4, s)?;
-        read_backends_of::<Ipv6>(&self.backend6, s)
+        read_backends_of::<Ipv4>(&self.v4.backend, s)?;
+        read_backends_of::<Ipv6>(&self.v6.backend, s)
     }
 
     /// `SVC4/6`, `BACKEND4/6` and `REVNAT4/6` into `s.services` (batch lookups).
     pub(super) fn read_services(&self, s: &mut Snapshot) -> Result<()> {
         self.read_backends(s)?;
-        read_svc_of::<Ipv4>(&self.svc4, s)?;
-        read_svc_of::<Ipv6>(&self.svc6, s)?;
-        read_revnat_of::<Ipv4>(&self.revnat4, s)?;
-        read_revnat_of::<Ipv6>(&self.revnat6, s)
+        read_svc_of::<Ipv4>(&self.v4.svc, s)?;
+        read_svc_of::<Ipv6>(&self.v6.svc, s)?;
+        read_revnat_of::<Ipv4>(&self.v4.revnat, s)?;
+        read_revnat_of::<Ipv6>(&self.v6.revnat, s)
     }
 
     /// `BACKEND_CONNS`, summed over CPUs.
@@ -50,20 +50,20 @@ impl Maps {
 
     /// `NODE_ADDRS4/6`; `None` if neither is pinned.
     pub fn read_node_addrs(&self) -> Result<Option<BTreeSet<IpAddr>>> {
-        if self.node4.is_none() && self.node6.is_none() {
+        if self.v4.node.is_none() && self.v6.node.is_none() {
             return Ok(None);
         }
         let mut out = BTreeSet::new();
-        read_node_addrs_of::<Ipv4>(self.node4.as_ref(), &mut out)?;
-        read_node_addrs_of::<Ipv6>(self.node6.as_ref(), &mut out)?;
+        read_node_addrs_of::<Ipv4>(self.v4.node.as_ref(), &mut out)?;
+        read_node_addrs_of::<Ipv6>(self.v6.node.as_ref(), &mut out)?;
         Ok(Some(out))
     }
 
     /// `SRC_RANGE4/6`: the prefix length counts the 32 bits of the service id first.
     pub fn read_src_ranges(&self) -> Result<BTreeMap<u32, Vec<Cidr>>> {
         let mut out: BTreeMap<u32, Vec<Cidr>> = BTreeMap::new();
-        read_src_ranges_of::<Ipv4>(self.src4.as_ref(), &mut out)?;
-        read_src_ranges_of::<Ipv6>(self.src6.as_ref(), &mut out)?;
+        read_src_ranges_of::<Ipv4>(self.v4.src.as_ref(), &mut out)?;
+        read_src_ranges_of::<Ipv6>(self.v6.src.as_ref(), &mut out)?;
         for ranges in out.values_mut() {
             ranges.sort();
         }
