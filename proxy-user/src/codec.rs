@@ -34,7 +34,7 @@ pub trait FamilyAbi: 'static {
     /// Bits of an address (the longest source-range prefix).
     const ADDR_BITS: u32;
     /// An address as the maps hold it (network order).
-    type Addr: Pod + Copy;
+    type Addr: Pod + Copy + PartialEq;
     type SvcKey: Pod;
     type Backend: Pod;
     type RevNat: Pod;

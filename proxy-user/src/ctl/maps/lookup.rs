@@ -217,39 +217,37 @@ impl Maps {
         Ok(())
     }
 
+    /// Every frontend on `addr` (any port and protocol): slot 0 of each, by one scan of
+    /// its family's `SVC` map.
     pub(super) fn scan_slot0(&self, s: &mut Snapshot, addr: IpAddr) -> Result<()> {
+        let want = codec::svc_key(&Frontend::new(addr, 0, Proto::Tcp), 0);
         match addr {
-            IpAddr::V4(a) => {
-                let want = codec::svc_key(&Frontend::new(a, 0, Proto::Tcp), 0);
-                let codec::SvcKey::V4(want) = want else {
-                    return Ok(());
-                };
-                for (k, v) in self.v4.svc.read_all().map_err(read_err(names::SVC4))? {
-                    if k.slot == 0 && k.addr == want.addr {
-                        if let Some(fe) = codec::decode_svc::<Ipv4>(&k).map(|(fe, _)| fe) {
-                            s.services
-                                .frontends
-                                .insert(fe, codec::decode_frontend_value(&v));
-                        }
-                    }
-                }
-            }
-            IpAddr::V6(a) => {
-                let want = codec::svc_key(&Frontend::new(a, 0, Proto::Tcp), 0);
-                let codec::SvcKey::V6(want) = want else {
-                    return Ok(());
-                };
-                for (k, v) in self.v6.svc.read_all().map_err(read_err(names::SVC6))? {
-                    if k.slot == 0 && k.addr == want.addr {
-                        if let Some(fe) = codec::decode_svc::<Ipv6>(&k).map(|(fe, _)| fe) {
-                            s.services
-                                .frontends
-                                .insert(fe, codec::decode_frontend_value(&v));
-                        }
-                    }
-                }
+            IpAddr::V4(_) => scan_slot0_in::<Ipv4>(&self.v4.svc, want, s),
+            IpAddr::V6(_) => scan_slot0_in::<Ipv6>(&self.v6.svc, want, s),
+        }
+    }
+}
+
+/// [`Maps::scan_slot0`] over one family's `SVC` map: the slot-0 entries whose address is
+/// the one of `want`.
+fn scan_slot0_in<F: FamilyAbi>(
+    map: &PinnedHash<F::SvcKey, SvcValue>,
+    want: codec::SvcKey,
+    s: &mut Snapshot,
+) -> Result<()> {
+    let Some(want) = F::svc_key(want) else {
+        return Ok(());
+    };
+    let (want, _) = F::svc_fields(&want);
+    for (k, v) in map.read_all().map_err(read_err(F::SVC))? {
+        let (f, slot) = F::svc_fields(&k);
+        if slot == 0 && f.addr == want.addr {
+            if let Some((fe, _)) = codec::decode_svc::<F>(&k) {
+                s.services
+                    .frontends
+                    .insert(fe, codec::decode_frontend_value(&v));
             }
         }
-        Ok(())
     }
+    Ok(())
 }
