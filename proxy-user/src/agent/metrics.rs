@@ -80,6 +80,8 @@ pub struct Metrics {
     pub adoption_repairs: Family<KindLabel, Counter>,
     /// The sources' counters (the same families as `objects_skipped`, `watch_*`).
     pub source: SourceCounters,
+    /// kube-proxy's metrics under kube-proxy's names (`kubeproxy_metrics`).
+    pub kube_proxy: super::kubeproxy_metrics::KubeProxyMetrics,
 }
 
 /// `kind="..."`.
@@ -102,7 +104,9 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("ebpf_proxy");
+        // The root has kube-proxy's metrics (`kubeproxy_*`); ours are under `ebpf_proxy_`.
+        let mut root = Registry::default();
+        let registry = root.sub_registry_with_prefix("ebpf_proxy");
         let sync_duration = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
         let network_programming = Histogram::new(exponential_buckets(0.001, 2.0, 16));
         let source = SourceCounters::default();
@@ -125,6 +129,7 @@ impl Metrics {
             map_batch_fallbacks: Counter::default(),
             adoption_repairs: Family::default(),
             source,
+            kube_proxy: Default::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -215,7 +220,17 @@ impl Metrics {
             "Broken pinned map entries repaired when adopting the maps, by kind",
             m.adoption_repairs.clone(),
         );
-        Self { registry, ..m }
+        m.kube_proxy.register(&mut root);
+        // client-go's name, as kube-proxy exports it.
+        root.register(
+            "rest_client_requests",
+            "Number of HTTP requests, partitioned by status code, method, and host.",
+            m.source.rest_requests.clone(),
+        );
+        Self {
+            registry: root,
+            ..m
+        }
     }
 
     pub fn skipped(&self, kind: &str, reason: &str) {
@@ -383,6 +398,27 @@ pub async fn serve(
 }
 
 fn respond(
+    what: Endpoints,
+    path: &str,
+    metrics: &Metrics,
+    health: &Health,
+) -> (&'static str, &'static str, String) {
+    let r = respond_to(what, path, metrics, health);
+    // kubeproxy_proxy_healthz_total / _livez_total{code}, as kube-proxy counts them.
+    let code =
+        r.0.split(' ')
+            .next()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+    match path {
+        "/healthz" => metrics.kube_proxy.probe(false, code),
+        "/livez" => metrics.kube_proxy.probe(true, code),
+        _ => {}
+    }
+    r
+}
+
+fn respond_to(
     what: Endpoints,
     path: &str,
     metrics: &Metrics,

@@ -6,10 +6,15 @@
 //! deleted meanwhile disappear. A malformed object is logged with its namespace/name,
 //! counted and skipped without stopping the list or the watch.
 
-use std::{path::Path, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    sync::{Mutex, PoisonError},
+    time::Duration,
+};
 
 use futures::AsyncBufReadExt as _;
 use kube::{
+    client::ClientBuilder,
     config::{KubeConfigOptions, Kubeconfig},
     Client, Config,
 };
@@ -21,7 +26,27 @@ use super::{objects::label_selector, Kind, Object, Update};
 
 /// A client from `--kubeconfig`, else in-cluster config, else `$KUBECONFIG` /
 /// `~/.kube/config`.
+///
+/// A token file (the in-cluster service-account token, or a kubeconfig's `tokenFile`) is
+/// read on every request rather than by kube's own auth layer, which caches it for up to
+/// a minute (kube-client 5.0's `TokenFile`, like client-go's cached file token source):
+/// when the kubelet rotates the token and the old one stops being accepted, the next
+/// request (a re-list or re-watch) already carries the new one.
 pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
+    client_from(config(kubeconfig).await?)
+}
+
+/// The API server's `host[:port]`, as client-go labels `rest_client_requests_total`.
+pub fn host(config: &Config) -> String {
+    config
+        .cluster_url
+        .authority()
+        .map(|a| a.to_string())
+        .unwrap_or_default()
+}
+
+/// The client's configuration (see [`client`]).
+pub async fn config(kubeconfig: Option<&Path>) -> anyhow::Result<Config> {
     let config = match kubeconfig {
         Some(path) => {
             let kc = Kubeconfig::read_from(path)
@@ -34,7 +59,79 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
             Err(_) => Config::infer().await?,
         },
     };
-    Ok(Client::try_from(config)?)
+    Ok(config)
+}
+
+/// A client over `config` whose token file, if any, is read on every request (see
+/// [`client`]).
+pub fn client_from(mut config: Config) -> anyhow::Result<Client> {
+    // An inline token has precedence over the file in kube, and never changes.
+    let token_file = match config.auth_info.token {
+        Some(_) => None,
+        None => config.auth_info.token_file.take(),
+    };
+    let builder = ClientBuilder::try_from(config)?;
+    Ok(match token_file {
+        None => builder.build(),
+        Some(path) => {
+            let token = std::sync::Arc::new(TokenFile::open(PathBuf::from(path))?);
+            builder
+                .with_layer(&tower::util::MapRequestLayer::new(
+                    move |mut request: http::Request<kube::client::Body>| {
+                        if let Some(header) = token.header() {
+                            request
+                                .headers_mut()
+                                .insert(http::header::AUTHORIZATION, header);
+                        }
+                        request
+                    },
+                ))
+                .build()
+        }
+    })
+}
+
+/// A bearer token file read on every request (see [`client`]). A read that fails keeps
+/// the last token (as client-go does: a file removed after start must not break the
+/// client); the first read must succeed.
+struct TokenFile {
+    path: PathBuf,
+    last: Mutex<String>,
+}
+
+impl TokenFile {
+    fn open(path: PathBuf) -> anyhow::Result<Self> {
+        let token = std::fs::read_to_string(&path)
+            .map_err(|e| anyhow::anyhow!("reading the API token file {}: {e}", path.display()))?;
+        Ok(Self {
+            path,
+            last: Mutex::new(token.trim().to_owned()),
+        })
+    }
+
+    /// `Bearer <token>`, re-read from the file. A small blocking read (a few hundred
+    /// bytes, usually tmpfs) once per list page or watch start, not per event.
+    fn header(&self) -> Option<http::HeaderValue> {
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        match std::fs::read_to_string(&self.path) {
+            Ok(token) if !token.trim().is_empty() => {
+                let token = token.trim();
+                if *last != token {
+                    info!(path = %self.path.display(), "the API token changed (rotated): using the new one");
+                    *last = token.to_owned();
+                }
+            }
+            Ok(_) => {
+                warn!(path = %self.path.display(), "the API token file is empty: keeping the last token")
+            }
+            Err(e) => {
+                warn!(path = %self.path.display(), "reading the API token file failed ({e}): keeping the last token")
+            }
+        }
+        let mut header = http::HeaderValue::from_str(&format!("Bearer {last}")).ok()?;
+        header.set_sensitive(true);
+        Some(header)
+    }
 }
 
 /// The collection's path on the API server.
@@ -60,24 +157,32 @@ const BACKOFF_MIN: Duration = Duration::from_millis(800);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// Starts the three watches; each sends its updates to `tx` until the receiver goes.
+/// `all_nodes`: watch every Node, not only `node_name`'s.
 pub fn spawn(
     client: Client,
+    host: &str,
     proxy_name: Option<&str>,
     node_name: &str,
     tx: mpsc::Sender<Update>,
     metrics: SourceCounters,
+    all_nodes: bool,
 ) {
     let selector = label_selector(proxy_name);
+    // DSR modes need every node's addresses (the senders whose DSR option is honoured);
+    // otherwise only this node's Node is read.
+    let nodes = if all_nodes {
+        String::new()
+    } else {
+        format!("metadata.name={node_name}")
+    };
     for (kind, selector) in [
         (Kind::Service, Selector::Labels(selector.clone())),
         (Kind::EndpointSlice, Selector::Labels(selector)),
-        (
-            Kind::Node,
-            Selector::Fields(format!("metadata.name={node_name}")),
-        ),
+        (Kind::Node, Selector::Fields(nodes)),
     ] {
         let reader = Reader {
             client: client.clone(),
+            host: host.to_string(),
             kind,
             selector,
             tx: tx.clone(),
@@ -117,6 +222,8 @@ pub enum Selector {
 /// kube-proxy's informers list-then-watch as well.
 pub struct Reader {
     pub client: Client,
+    /// The API server's `host[:port]` (`rest_client_requests_total`'s `host`).
+    pub host: String,
     pub kind: Kind,
     pub selector: Selector,
     pub tx: mpsc::Sender<Update>,
@@ -256,7 +363,19 @@ impl Reader {
         let req = http::Request::get(uri)
             .body(Vec::new())
             .map_err(|e| Failure::Other(e.to_string()))?;
-        self.client.request_text(req).await.map_err(failure)
+        let r = self.client.request_text(req).await;
+        self.count(&r);
+        r.map_err(failure)
+    }
+
+    /// `rest_client_requests_total` for one GET (lists and watches are GETs).
+    fn count<T>(&self, r: &Result<T, kube::Error>) {
+        let code = match r {
+            Ok(_) => Some(200),
+            Err(kube::Error::Api(s)) => Some(s.code),
+            Err(_) => None,
+        };
+        self.metrics.rest_request("GET", &self.host, code);
     }
 
     /// One watch from `rv` until it ends; `rv` follows every event and bookmark. `Ok`: it
@@ -272,7 +391,9 @@ impl Reader {
         let req = http::Request::get(uri)
             .body(Vec::new())
             .map_err(|e| Failure::Other(e.to_string()))?;
-        let mut body = self.client.request_stream(req).await.map_err(failure)?;
+        let body = self.client.request_stream(req).await;
+        self.count(&body);
+        let mut body = body.map_err(failure)?;
         let idle = Duration::from_secs(WATCH_TIMEOUT_SECS) + WATCH_IDLE_MARGIN;
         let mut line = Vec::new();
         let mut got_events = false;
@@ -392,8 +513,25 @@ fn failure(e: kube::Error) -> Failure {
         kube::Error::Api(s) if s.code == 410 || s.reason == "Expired" || s.reason == "Gone" => {
             Failure::Expired(s.message)
         }
-        e => Failure::Other(e.to_string()),
+        e => Failure::Other(with_sources(&e)),
     }
+}
+
+/// The error and its sources: kube's `client error (Connect)` alone does not say that the
+/// server's certificate is not signed by the configured CA (`invalid peer certificate:
+/// UnknownIssuer`), or that the connection was refused.
+fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        if !text.contains(&s_text) {
+            text.push_str(": ");
+            text.push_str(&s_text);
+        }
+        source = s.source();
+    }
+    text
 }
 
 /// `d` plus up to a quarter of it, so agents that lost the server together do not all

@@ -1,8 +1,9 @@
 //! Test support shared by proxy-user's tests (a dev-dependency) and by `cargo xtask demo`
 //! and `cargo xtask bench`: the test bed (this module: network namespaces linked by veth,
 //! a child cgroup holding the calling process, TCP/UDP/HTTP servers inside namespaces, and
-//! clients) and a fake kube-apiserver ([`apiserver`]). Only `std`, `libc`, `tokio` and
-//! `serde_json`: no dependency on the project's crates, so the bench can use it as well.
+//! clients) and a fake kube-apiserver ([`apiserver`]). Only `std`, `libc`, `tokio`,
+//! `serde_json` (and, for the apiserver's HTTPS and RBAC, `rustls`, `rcgen`, `serde_yaml`):
+//! no dependency on the project's crates, so the bench can use it as well.
 //!
 //! Safety (DEVELOPERS.md): clients that talk to a VIP run inside a namespace whose only
 //! routes are the links to the bed's pod namespaces, so a VIP the datapath fails to

@@ -276,6 +276,38 @@ impl AgentProcess {
         node_name: &str,
         args: &[&str],
     ) -> Self {
+        Self::spawn(pins, cgroup, netns, node_name, args, &[], &[])
+    }
+
+    /// [`Self::start`] through a wrapper command: `wrapper` runs with the agent's path and
+    /// arguments appended (e.g. `unshare -m sh -c '...; exec "$@"' sh`) and `envs` set; it
+    /// must exec the agent (the pid is signalled on stop).
+    pub fn start_wrapped(
+        env: &TestEnv,
+        wrapper: &[&str],
+        envs: &[(&str, &str)],
+        args: &[&str],
+    ) -> Self {
+        Self::spawn(
+            &env.pins.path,
+            &env.cgroup.path,
+            None,
+            "node-a",
+            args,
+            wrapper,
+            envs,
+        )
+    }
+
+    fn spawn(
+        pins: &Path,
+        cgroup: &Path,
+        netns: Option<&Netns>,
+        node_name: &str,
+        args: &[&str],
+        wrapper: &[&str],
+        envs: &[(&str, &str)],
+    ) -> Self {
         let [healthz_port, metrics_port] = match netns {
             // Inside a fresh namespace every loopback port is free.
             Some(_) => [10256, 10249],
@@ -291,8 +323,14 @@ impl AgentProcess {
                     .arg(env!("CARGO_BIN_EXE_proxy-agent"));
                 c
             }
+            None if !wrapper.is_empty() => {
+                let mut c = Command::new(wrapper[0]);
+                c.args(&wrapper[1..]).arg(env!("CARGO_BIN_EXE_proxy-agent"));
+                c
+            }
             None => Command::new(env!("CARGO_BIN_EXE_proxy-agent")),
         };
+        cmd.envs(envs.iter().copied());
         let source = args;
         let child = cmd
             .arg("run")

@@ -23,6 +23,7 @@
 
 mod api;
 mod client;
+pub mod headline;
 mod iptables;
 mod ipvs;
 mod maglev;

@@ -4,16 +4,19 @@
 use std::io;
 
 use serde_json::{json, Value};
-use tokio::{
-    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
-    net::tcp::{OwnedReadHalf, OwnedWriteHalf},
-};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 
 pub(super) struct Request {
     pub(super) line: String,
     pub(super) method: String,
     pub(super) target: String,
     pub(super) close: bool,
+    /// The `Authorization` header, as sent.
+    pub(super) authorization: Option<String>,
+    /// The `Content-Type` header (lower case), for writes.
+    pub(super) content_type: String,
+    /// The body (create, update, patch).
+    pub(super) body: Vec<u8>,
 }
 
 pub(super) fn status(code: u16, reason: &str, message: impl Into<String>) -> Value {
@@ -29,8 +32,8 @@ pub(super) fn status(code: u16, reason: &str, message: impl Into<String>) -> Val
 }
 
 /// Reads one request head (and skips a body, if any). `Ok(None)` on a clean EOF.
-pub(super) async fn read_request(
-    reader: &mut BufReader<OwnedReadHalf>,
+pub(super) async fn read_request<R: AsyncRead + Unpin>(
+    reader: &mut BufReader<R>,
 ) -> io::Result<Option<Request>> {
     let mut line = String::new();
     loop {
@@ -49,6 +52,8 @@ pub(super) async fn read_request(
     let version = parts.next().unwrap_or_default();
     let mut close = version == "HTTP/1.0";
     let mut content_length = 0usize;
+    let mut authorization = None;
+    let mut content_type = String::new();
     loop {
         let mut header = String::new();
         if reader.read_line(&mut header).await? == 0 {
@@ -59,17 +64,22 @@ pub(super) async fn read_request(
             break;
         }
         if let Some((name, value)) = header.split_once(':') {
+            if name.trim().eq_ignore_ascii_case("authorization") {
+                authorization = Some(value.trim().to_owned());
+                continue;
+            }
             let value = value.trim().to_ascii_lowercase();
             match name.trim().to_ascii_lowercase().as_str() {
                 "content-length" => content_length = value.parse().unwrap_or(0),
+                "content-type" => content_type = value,
                 "connection" if value.contains("close") => close = true,
                 "connection" if value.contains("keep-alive") => close = false,
                 _ => {}
             }
         }
     }
+    let mut body = vec![0; content_length];
     if content_length > 0 {
-        let mut body = vec![0; content_length];
         reader.read_exact(&mut body).await?;
     }
     Ok(Some(Request {
@@ -77,24 +87,35 @@ pub(super) async fn read_request(
         method,
         target,
         close,
+        authorization,
+        content_type,
+        body,
     }))
 }
 
 fn reason_phrase(code: u16) -> &'static str {
     match code {
         200 => "OK",
+        201 => "Created",
+        409 => "Conflict",
+        415 => "Unsupported Media Type",
         400 => "Bad Request",
+        401 => "Unauthorized",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         410 => "Gone",
         422 => "Unprocessable Entity",
+        429 => "Too Many Requests",
+        500 => "Internal Server Error",
+        503 => "Service Unavailable",
         504 => "Gateway Timeout",
         _ => "Unknown",
     }
 }
 
-pub(super) async fn write_json(
-    writer: &mut OwnedWriteHalf,
+pub(super) async fn write_json<W: AsyncWrite + Unpin>(
+    writer: &mut W,
     code: u16,
     body: &Value,
     close: bool,
@@ -102,19 +123,32 @@ pub(super) async fn write_json(
     write_text(writer, code, &body.to_string(), close).await
 }
 
-pub(super) async fn write_text(
-    writer: &mut OwnedWriteHalf,
+pub(super) async fn write_text<W: AsyncWrite + Unpin>(
+    writer: &mut W,
     code: u16,
     body: &str,
     close: bool,
 ) -> io::Result<()> {
+    write_text_with(writer, code, body, close, "").await
+}
+
+/// [`write_text`] with extra header lines (each ending in `\r\n`).
+pub(super) async fn write_text_with<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    code: u16,
+    body: &str,
+    close: bool,
+    headers: &str,
+) -> io::Result<()> {
     let response = format!(
-        "HTTP/1.1 {code} {}\r\nContent-Type: application/json\r\nCache-Control: no-cache, private\r\nContent-Length: {}\r\n{}\r\n{body}",
+        "HTTP/1.1 {code} {}\r\nContent-Type: application/json\r\nCache-Control: no-cache, private\r\n{headers}Content-Length: {}\r\n{}\r\n{body}",
         reason_phrase(code),
         body.len(),
         if close { "Connection: close\r\n" } else { "" },
     );
-    writer.write_all(response.as_bytes()).await
+    writer.write_all(response.as_bytes()).await?;
+    // A TLS stream holds records until flushed.
+    writer.flush().await
 }
 
 /// Decodes `%XX` escapes and `+` (form encoding, as kube-rs sends queries).

@@ -1,6 +1,10 @@
 //! A fake kube-apiserver for tests only: it serves Services, EndpointSlices and Nodes over
-//! plain HTTP/1.1 on 127.0.0.1 with the real list/watch protocol, so that kube-rs clients
+//! HTTP/1.1 on 127.0.0.1 with the real list/watch protocol, so that kube-rs clients
 //! (`Api::list`, `Api::watch`, `kube::runtime::watcher`) talk to it as to a real apiserver.
+//! [`FakeApiServer::start`] serves plain HTTP with no authentication;
+//! [`FakeApiServer::start_tls`] serves HTTPS with a CA of its own, requires a bearer token
+//! or a client certificate it knows (401 otherwise) and can enforce RBAC manifests (403);
+//! see `auth.rs`.
 //!
 //! What it implements, and how it maps onto kube-apiserver behaviour:
 //! - Lists of `/api/v1/services`, `/api/v1/nodes`, `/apis/discovery.k8s.io/v1/endpointslices`
@@ -17,6 +21,10 @@
 //!   future); `N` with `Exact` = the snapshot at N (`410 Expired` when compacted); a
 //!   `continue` together with a `resourceVersion` is a `400`.
 //!   Single objects can be read too (`.../services/{name}`), and `/version` answers.
+//! - Writes as kubectl makes them (`write.rs`): create, update, patch (merge and
+//!   strategic merge patch, the latter without list merge keys), delete; and the
+//!   discovery documents (`/api`, `/apis`, `/api/v1`, `/apis/discovery.k8s.io/v1`, and the
+//!   part of `/openapi/v3` kubectl reads). `tests/kubectl.rs` runs the real kubectl.
 //! - Watches (`watch=true`) with `resourceVersion`, `allowWatchBookmarks`, `timeoutSeconds`
 //!   and `sendInitialEvents` (streaming lists: it requires
 //!   `resourceVersionMatch=NotOlderThan`, as kube-apiserver does, and ends the initial
@@ -28,6 +36,7 @@
 //! - Resource versions come from one global counter, like etcd revisions.
 //!
 //! Fault injection: [`FakeApiServer::drop_watches`], [`FakeApiServer::expire_history`],
+//! [`FakeApiServer::fail_requests`] (429 with Retry-After, 500, ...),
 //! [`FakeApiServer::compact_after_pages`], [`FakeApiServer::stop`] and
 //! [`FakeApiServer::restart`].
 //!
@@ -42,9 +51,12 @@
 //! instruments, stop and restart); `store.rs` the objects, their resourceVersions and
 //! history; `selector.rs` label and field selectors; `http.rs` requests read and
 //! responses written; `route.rs` which answer a request gets; `list.rs` list pages and
-//! continue tokens; `watch.rs` watch streams and bookmarks; `conn.rs` the accept loop and
-//! each connection's request loop. Its own tests are `tests/apiserver_selftest.rs`.
+//! continue tokens; `watch.rs` watch streams and bookmarks; `write.rs` writes and
+//! discovery; `auth.rs` TLS, authentication and RBAC; `conn.rs` the accept loop and each
+//! connection's request loop. Its own tests are `tests/apiserver_selftest.rs`; kubectl's
+//! view of it `tests/kubectl.rs`.
 
+mod auth;
 mod conn;
 mod http;
 mod list;
@@ -52,6 +64,7 @@ mod route;
 mod selector;
 mod store;
 mod watch;
+mod write;
 
 use std::{
     net::SocketAddr,
@@ -67,9 +80,11 @@ use std::{
 use serde_json::Value;
 use tokio::{runtime::Handle, sync::oneshot};
 
+use auth::Tls;
+pub use auth::{Permission, ServiceAccountVolume};
 use conn::accept_loop;
 use http::percent_decode;
-use store::{apply_locked, lock, Change, Kind, Shared, Store};
+use store::{apply_locked, delete_locked, lock, Kind, Shared, Store};
 
 /// How long `stop()` waits for the listener and the connections to go away.
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -83,11 +98,25 @@ pub struct FakeApiServer {
     listening: Mutex<Option<std_mpsc::Receiver<()>>>,
     shutdown: Option<oneshot::Sender<()>>,
     thread: Option<thread::JoinHandle<()>>,
+    /// `Some` when serving HTTPS.
+    tls: Option<Arc<Tls>>,
 }
 
 impl FakeApiServer {
-    /// Binds 127.0.0.1:0 and serves in the background on its own runtime thread.
+    /// Binds 127.0.0.1:0 and serves plain HTTP, no authentication, in the background on
+    /// its own runtime thread.
     pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// Like [`Self::start`], but HTTPS with a CA of its own ([`Self::ca_pem`]) and every
+    /// request authenticated: a bearer token added with [`Self::add_token`] or a client
+    /// certificate from [`Self::client_certificate`], else `401 Unauthorized`.
+    pub fn start_tls() -> Self {
+        Self::start_with(Some(Arc::new(Tls::new())))
+    }
+
+    fn start_with(tls: Option<Arc<Tls>>) -> Self {
         let (handle_tx, handle_rx) = std_mpsc::channel();
         let (shutdown, shutdown_rx) = oneshot::channel::<()>();
         let thread = thread::Builder::new()
@@ -118,6 +147,9 @@ impl FakeApiServer {
             addr,
             shared: Arc::new(Shared {
                 store: Mutex::new(Store::default()),
+                auth: Mutex::new(auth::Auth::new(tls.is_some())),
+                fail: Mutex::new(None),
+                failed: Mutex::new(Default::default()),
                 requests: Mutex::new(Vec::new()),
                 generation,
                 connections: AtomicUsize::new(0),
@@ -129,29 +161,136 @@ impl FakeApiServer {
             listening: Mutex::new(None),
             shutdown: Some(shutdown),
             thread: Some(thread),
+            tls,
         };
         server.listen(listener);
         server
     }
 
-    /// `http://127.0.0.1:PORT`
+    /// `http://127.0.0.1:PORT` (`https://` from [`Self::start_tls`]).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
-    /// Writes a kubeconfig file (no auth, plain http, current-context set, namespace
-    /// `default`) pointing at [`Self::url`].
+    /// The listening address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn tls(&self, what: &str) -> &Tls {
+        self.tls
+            .as_deref()
+            .unwrap_or_else(|| panic!("FakeApiServer::{what}: the server is not HTTPS (start_tls)"))
+    }
+
+    /// The CA certificate (PEM) that signed the server's certificate (HTTPS only).
+    pub fn ca_pem(&self) -> String {
+        self.tls("ca_pem").ca_pem.clone()
+    }
+
+    /// Accepts `Authorization: Bearer {token}` as `user` (e.g.
+    /// `system:serviceaccount:ebpf-proxy:ebpf-proxy`, as a service-account token is).
+    pub fn add_token(&self, token: &str, user: &str) {
+        lock(&self.shared.auth).add_token(token, user);
+    }
+
+    /// Forgets a token: requests carrying it get 401 from now on (open watches go on, as
+    /// on kube-apiserver, which authenticates a request once).
+    pub fn revoke_token(&self, token: &str) {
+        lock(&self.shared.auth).revoke_token(token);
+    }
+
+    /// A client certificate for `user` (its CN) signed by the server's CA, accepted from
+    /// now on: (certificate PEM, private key PEM).
+    pub fn client_certificate(&self, user: &str) -> (String, String) {
+        let (cert, key, der) = self.tls("client_certificate").client_cert(user);
+        lock(&self.shared.auth).add_cert(der.as_ref(), user);
+        (cert, key)
+    }
+
+    /// Lets `user` do anything, unchecked by RBAC (as `system:masters` is).
+    pub fn grant_all(&self, user: &str) {
+        lock(&self.shared.auth).grant_all(user);
+    }
+
+    /// Enforces the ClusterRoles and ClusterRoleBindings in `yaml` (multi-document; other
+    /// kinds are skipped): a resource request of a user without [`Self::grant_all`] is
+    /// answered 403 unless a role bound to it allows it. Panics on a manifest it cannot
+    /// read (a bug in the test or the manifest).
+    pub fn enforce_rbac(&self, yaml: &str) {
+        if let Err(e) = lock(&self.shared.auth).enforce_rbac(yaml) {
+            panic!("FakeApiServer::enforce_rbac: {e}");
+        }
+    }
+
+    /// What the enforced RBAC grants `user`: (group, resource, verb) as the rules write them.
+    pub fn rbac_granted(&self, user: &str) -> std::collections::BTreeSet<Permission> {
+        lock(&self.shared.auth).granted(user)
+    }
+
+    /// The (group, resource, verb) of every request of `user` that was allowed.
+    pub fn permissions_used(&self, user: &str) -> std::collections::BTreeSet<Permission> {
+        lock(&self.shared.auth)
+            .used
+            .get(user)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Every request answered 401 or 403: `"CODE user: request line: message"`.
+    pub fn rejected_requests(&self) -> Vec<String> {
+        lock(&self.shared.auth).rejected.clone()
+    }
+
+    /// Writes a kubeconfig file (current-context set, namespace `default`) pointing at
+    /// [`Self::url`]: no credentials (for HTTPS, the CA next to it, `PATH.ca.crt`).
     pub fn write_kubeconfig(&self, path: &Path) {
+        self.write_kubeconfig_user(path, "{}");
+    }
+
+    /// [`Self::write_kubeconfig`] with a bearer token (HTTPS).
+    pub fn write_kubeconfig_with_token(&self, path: &Path, token: &str) {
+        self.write_kubeconfig_user(path, &format!("\n    token: {token}"));
+    }
+
+    /// [`Self::write_kubeconfig`] with a client certificate for `user` from
+    /// [`Self::client_certificate`], written next to it (`PATH.crt`, `PATH.key`).
+    pub fn write_kubeconfig_with_client_cert(&self, path: &Path, user: &str) {
+        let (cert, key) = self.client_certificate(user);
+        let cert_path = sibling(path, "crt");
+        let key_path = sibling(path, "key");
+        write(&cert_path, &cert);
+        write(&key_path, &key);
+        self.write_kubeconfig_user(
+            path,
+            &format!(
+                "\n    client-certificate: {}\n    client-key: {}",
+                cert_path.display(),
+                key_path.display()
+            ),
+        );
+    }
+
+    fn write_kubeconfig_user(&self, path: &Path, user: &str) {
+        let ca = match &self.tls {
+            Some(tls) => {
+                let ca_path = sibling(path, "ca.crt");
+                write(&ca_path, &tls.ca_pem);
+                format!("\n    certificate-authority: {}", ca_path.display())
+            }
+            None => String::new(),
+        };
         let kubeconfig = format!(
             "apiVersion: v1
 kind: Config
 clusters:
 - name: fake
   cluster:
-    server: {url}
+    server: {url}{ca}
 users:
 - name: fake
-  user: {{}}
+  user: {user}
 contexts:
 - name: fake
   context:
@@ -163,8 +302,7 @@ preferences: {{}}
 ",
             url = self.url()
         );
-        std::fs::write(path, kubeconfig)
-            .unwrap_or_else(|e| panic!("write kubeconfig {}: {e}", path.display()));
+        write(path, &kubeconfig);
     }
 
     /// Creates or updates an object given as JSON: kind `Service` (apiVersion `v1`),
@@ -200,19 +338,7 @@ preferences: {{}}
         });
         let namespace = if kind.namespaced() { namespace } else { "" };
         let mut store = lock(&self.shared.store);
-        let key = (kind, namespace.to_owned(), name.to_owned());
-        let Some(last) = store.objects.remove(&key) else {
-            return;
-        };
-        store.encoded.remove(&key);
-        store.rv += 1;
-        let rv = store.rv;
-        store.record(Change {
-            rv,
-            kind,
-            before: Some(last),
-            after: None,
-        });
+        delete_locked(&mut store, &(kind, namespace.to_owned(), name.to_owned()));
     }
 
     /// Abruptly closes every open watch connection (mid-stream, no final event, no
@@ -230,6 +356,20 @@ preferences: {{}}
     /// watch is interrupted. Open watches are not affected.
     pub fn expire_history(&self) {
         lock(&self.shared.store).expire();
+    }
+
+    /// Answers the next `count` requests for resources (lists, gets, watches, writes; not
+    /// discovery or `/version`) with `code` and kube-apiserver's Status body: 429
+    /// `TooManyRequests` (with `Retry-After: retry_after` seconds when given, as the
+    /// apiserver's max-in-flight filter sends it), 500 `InternalError`, 503
+    /// `ServiceUnavailable`, ... See [`Self::failed_requests`].
+    pub fn fail_requests(&self, code: u16, count: usize, retry_after: Option<u64>) {
+        *lock(&self.shared.fail) = (count > 0).then_some((code, count, retry_after));
+    }
+
+    /// How many requests were answered with the injected failure `code` so far.
+    pub fn failed_requests(&self, code: u16) -> usize {
+        lock(&self.shared.failed).get(&code).copied().unwrap_or(0)
     }
 
     /// Arms a compaction: after each of the next `pages` list pages that carry a
@@ -353,6 +493,7 @@ preferences: {{}}
             listener,
             generation,
             done_tx,
+            self.tls.as_ref().map(|tls| tls.acceptor.clone()),
         ));
         *lock(&self.listening) = Some(done_rx);
     }
@@ -392,4 +533,16 @@ impl Drop for FakeApiServer {
             let _ = thread.join();
         }
     }
+}
+
+/// `PATH.ext` next to `path`.
+fn sibling(path: &Path, ext: &str) -> std::path::PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".");
+    name.push(ext);
+    name.into()
+}
+
+fn write(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
 }

@@ -75,6 +75,11 @@ pub(super) fn handle(shared: &Shared, request: &Request) -> Reply {
         .target
         .split_once('?')
         .unwrap_or((request.target.as_str(), ""));
+    if request.method == "GET" {
+        if let Some(document) = super::write::discovery(path) {
+            return Reply::Json(200, document);
+        }
+    }
     let Some(route) = route(path) else {
         return Reply::Json(
             404,
@@ -86,14 +91,23 @@ pub(super) fn handle(shared: &Shared, request: &Request) -> Reply {
         );
     };
     if request.method != "GET" {
-        return Reply::Json(
-            405,
-            status(
+        let (code, body) = match route {
+            Route::Collection(kind, namespace) => {
+                super::write::write(shared, request, kind, namespace, None)
+            }
+            Route::Object(kind, namespace, name) => {
+                super::write::write(shared, request, kind, namespace, Some(name))
+            }
+            Route::Version => (
                 405,
-                "MethodNotAllowed",
-                format!("the fake apiserver only serves GET, not {}", request.method),
+                status(
+                    405,
+                    "MethodNotAllowed",
+                    format!("{} /version", request.method),
+                ),
             ),
-        );
+        };
+        return Reply::Json(code, body);
     }
     let params: HashMap<String, String> = query
         .split('&')

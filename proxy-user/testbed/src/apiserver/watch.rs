@@ -7,8 +7,7 @@ use std::{sync::atomic::Ordering, time::Duration};
 
 use serde_json::{json, Value};
 use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt, BufReader},
-    net::tcp::{OwnedReadHalf, OwnedWriteHalf},
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader},
     sync::{mpsc, oneshot},
     time::{interval_at, sleep_until, Instant, MissedTickBehavior},
 };
@@ -74,11 +73,11 @@ fn event_for(kind: Kind, filter: &Filter, change: &Change) -> Option<(&'static s
 
 /// Streams a watch. Returns whether the response ended cleanly (the connection can be
 /// reused); `false` means the connection must be closed without further ado.
-pub(super) async fn serve_watch(
+pub(super) async fn serve_watch<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     shared: &Shared,
     request: WatchRequest,
-    reader: &mut BufReader<OwnedReadHalf>,
-    writer: &mut OwnedWriteHalf,
+    reader: &mut BufReader<R>,
+    writer: &mut W,
 ) -> bool {
     const HEAD: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nCache-Control: no-cache, private\r\nTransfer-Encoding: chunked\r\n\r\n";
     const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
@@ -131,7 +130,7 @@ pub(super) async fn serve_watch(
             let mut response = HEAD.to_vec();
             response.extend(event_chunk("ERROR", &gone));
             response.extend_from_slice(LAST_CHUNK);
-            return writer.write_all(&response).await.is_ok();
+            return send(writer, &response).await;
         }
     };
 
@@ -143,7 +142,7 @@ pub(super) async fn serve_watch(
     count(&initial);
     let mut head = HEAD.to_vec();
     head.append(&mut initial);
-    if writer.write_all(&head).await.is_err() {
+    if !send(writer, &head).await {
         return false;
     }
     let deadline = Instant::now() + request.timeout;
@@ -161,18 +160,18 @@ pub(super) async fn serve_watch(
                 if let Some((event_type, object)) = event_for(kind, &request.filter, &change) {
                     let chunk = event_chunk(event_type, &object);
                     count(&chunk);
-                    if writer.write_all(&chunk).await.is_err() {
+                    if !send(writer, &chunk).await {
                         return false;
                     }
                 }
             }
             _ = sleep_until(deadline) => {
-                return writer.write_all(LAST_CHUNK).await.is_ok();
+                return send(writer, LAST_CHUNK).await;
             }
             _ = bookmarks.tick(), if request.bookmarks => {
                 let chunk = bookmark(kind, cursor, false);
                 count(&chunk);
-                if writer.write_all(&chunk).await.is_err() {
+                if !send(writer, &chunk).await {
                     return false;
                 }
             }
@@ -184,4 +183,9 @@ pub(super) async fn serve_watch(
             }
         }
     }
+}
+
+/// Writes and flushes (a TLS stream holds records until flushed); false on an error.
+async fn send<W: AsyncWrite + Unpin>(writer: &mut W, bytes: &[u8]) -> bool {
+    writer.write_all(bytes).await.is_ok() && writer.flush().await.is_ok()
 }

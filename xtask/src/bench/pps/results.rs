@@ -153,7 +153,7 @@ pub struct PpsMode {
     pub offered_mpps: Option<f64>,
     /// `mpps` / direct's (plain stack forwarding).
     pub ratio_to_direct: Option<f64>,
-    /// `mpps` / xdp-fwd's (plain XDP forwarding; remote form).
+    /// `mpps` / xdp-fwd's (plain XDP forwarding, next hop fixed; remote form).
     pub ratio_to_xdp_fwd: Option<f64>,
     /// `mpps` / iptables-legacy's.
     pub ratio_to_iptables: Option<f64>,
