@@ -4,19 +4,200 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use aya::maps::lpm_trie::Key as LpmKey;
+use aya::{maps::lpm_trie::Key as LpmKey, Pod};
 use proxy_common::{
-    Backend4, Backend6, NodeConfig, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
-    SvcValue,
+    map_names as names, Backend4, Backend6, NodeConfig, RevNat4, RevNat6, SrcRange4, SrcRange6,
+    Svc4Key, Svc6Key, SvcValue, NAME_LEN,
 };
 
 use crate::{
     model::{
         name_bytes, name_from_bytes, port_host, port_net, v4_from_word, v4_word, v6_from_words,
-        v6_words, Backend, Frontend, Proto,
+        v6_words, Backend, Family, Frontend, Proto,
     },
     store::{Dump, FrontendValue, Snat},
 };
+
+/// One address family's side of the map ABI (as the kernel's `lb::Family`): its map
+/// names, key and value types, the fields the decoders read, and the projection of the
+/// two-family values below (`SvcKey`, ...) onto it. What differs between the `*4` and
+/// `*6` maps is here; the code over them (decoding here, the store in `bpf`, `proxyctl`'s
+/// readers) is written once, generic over the family.
+pub trait FamilyAbi: 'static {
+    /// The family, in the model.
+    const FAMILY: Family;
+    const SVC: &'static str;
+    const BACKEND: &'static str;
+    const REVNAT: &'static str;
+    const NODE_ADDRS: &'static str;
+    const SRC_RANGE: &'static str;
+    /// Bits of an address (the longest source-range prefix).
+    const ADDR_BITS: u32;
+    /// An address as the maps hold it (network order).
+    type Addr: Pod + Copy + PartialEq;
+    type SvcKey: Pod;
+    type Backend: Pod;
+    type RevNat: Pod;
+    type SrcRange: Pod;
+
+    /// The address in the model.
+    fn ip(a: Self::Addr) -> IpAddr;
+    /// A `SVC` key's frontend fields and slot.
+    fn svc_fields(k: &Self::SvcKey) -> (Fields<Self::Addr>, u16);
+    /// A `BACKEND` value's fields (`scope` holds `backend_flags`).
+    fn backend_fields(b: &Self::Backend) -> Fields<Self::Addr>;
+    /// A `REVNAT` value's frontend fields and Service name.
+    fn revnat_fields(r: &Self::RevNat) -> (Fields<Self::Addr>, &[u8; NAME_LEN]);
+    /// A `SRC_RANGE` key's service id and address.
+    fn src_range_fields(r: &Self::SrcRange) -> (u32, Self::Addr);
+
+    /// This family's key, `None` for the other family's.
+    fn svc_key(k: SvcKey) -> Option<Self::SvcKey>;
+    /// This family's value, `None` for the other family's.
+    fn backend_value(v: BackendValue) -> Option<Self::Backend>;
+    /// This family's value, `None` for the other family's.
+    fn revnat_value(v: RevNatValue) -> Option<Self::RevNat>;
+    /// This family's key, `None` for the other family's.
+    fn node_addr_key(k: NodeAddrKey) -> Option<Self::Addr>;
+    /// This family's key, `None` for the other family's.
+    fn src_range_key(k: SrcRangeKey) -> Option<LpmKey<Self::SrcRange>>;
+}
+
+/// The fields an address-port entry of either family has (network order, as stored).
+#[derive(Clone, Copy, Debug)]
+pub struct Fields<A> {
+    pub addr: A,
+    pub port: u16,
+    pub proto: u8,
+    /// The scope of a frontend; a backend's `backend_flags`.
+    pub scope: u8,
+}
+
+/// The IPv4 maps (`SVC4`, `BACKEND4`, ...).
+#[derive(Clone, Copy, Debug)]
+pub struct Ipv4;
+
+/// The IPv6 maps (`SVC6`, `BACKEND6`, ...).
+#[derive(Clone, Copy, Debug)]
+pub struct Ipv6;
+
+/// Writes the [`FamilyAbi`] impl of one family: the same text for both, but for the names.
+macro_rules! family_abi {
+    ($fam:ident, $family:ident, $bits:expr, $addr:ty, $from:path,
+     $svc:ident, $svck:ty, $backend:ident, $backendv:ty, $revnat:ident, $revnatv:ty,
+     $node:ident, $srcrange:ident, $srcrangek:ty) => {
+        impl FamilyAbi for $fam {
+            const FAMILY: Family = Family::$family;
+            const SVC: &'static str = names::$svc;
+            const BACKEND: &'static str = names::$backend;
+            const REVNAT: &'static str = names::$revnat;
+            const NODE_ADDRS: &'static str = names::$node;
+            const SRC_RANGE: &'static str = names::$srcrange;
+            const ADDR_BITS: u32 = $bits;
+            type Addr = $addr;
+            type SvcKey = $svck;
+            type Backend = $backendv;
+            type RevNat = $revnatv;
+            type SrcRange = $srcrangek;
+
+            fn ip(a: $addr) -> IpAddr {
+                IpAddr::from($from(a))
+            }
+            fn svc_fields(k: &$svck) -> (Fields<$addr>, u16) {
+                let f = Fields {
+                    addr: k.addr,
+                    port: k.port,
+                    proto: k.proto,
+                    scope: k.scope,
+                };
+                (f, k.slot)
+            }
+            fn backend_fields(b: &$backendv) -> Fields<$addr> {
+                Fields {
+                    addr: b.addr,
+                    port: b.port,
+                    proto: b.proto,
+                    scope: b.flags,
+                }
+            }
+            fn revnat_fields(r: &$revnatv) -> (Fields<$addr>, &[u8; NAME_LEN]) {
+                let f = Fields {
+                    addr: r.addr,
+                    port: r.port,
+                    proto: r.proto,
+                    scope: r.scope,
+                };
+                (f, &r.name)
+            }
+            fn src_range_fields(r: &$srcrangek) -> (u32, $addr) {
+                (r.service_id, r.addr)
+            }
+            fn svc_key(k: SvcKey) -> Option<$svck> {
+                match k {
+                    SvcKey::$family(k) => Some(k),
+                    _ => None,
+                }
+            }
+            fn backend_value(v: BackendValue) -> Option<$backendv> {
+                match v {
+                    BackendValue::$family(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn revnat_value(v: RevNatValue) -> Option<$revnatv> {
+                match v {
+                    RevNatValue::$family(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn node_addr_key(k: NodeAddrKey) -> Option<$addr> {
+                match k {
+                    NodeAddrKey::$family(k) => Some(k),
+                    _ => None,
+                }
+            }
+            fn src_range_key(k: SrcRangeKey) -> Option<LpmKey<$srcrangek>> {
+                match k {
+                    SrcRangeKey::$family(k) => Some(k),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+family_abi!(
+    Ipv4,
+    V4,
+    32,
+    u32,
+    v4_from_word,
+    SVC4,
+    Svc4Key,
+    BACKEND4,
+    Backend4,
+    REVNAT4,
+    RevNat4,
+    NODE_ADDRS4,
+    SRC_RANGE4,
+    SrcRange4
+);
+family_abi!(
+    Ipv6,
+    V6,
+    128,
+    [u32; 4],
+    v6_from_words,
+    SVC6,
+    Svc6Key,
+    BACKEND6,
+    Backend6,
+    REVNAT6,
+    RevNat6,
+    NODE_ADDRS6,
+    SRC_RANGE6,
+    SrcRange6
+);
 
 /// A `SVC4`/`SVC6` key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,16 +245,22 @@ pub fn decode_frontend_value(v: &SvcValue) -> FrontendValue {
     }
 }
 
-/// The frontend of a `SVC4` key; `None` for an unknown protocol.
-pub fn decode_svc4(k: &Svc4Key) -> Option<Frontend> {
-    let proto = Proto::from_number(k.proto)?;
-    Some(Frontend::new(v4_from_word(k.addr), port_host(k.port), proto).with_scope(k.scope))
+/// The frontend of a stored address, port, protocol and scope; `None` for an unknown
+/// protocol.
+fn decode_frontend<F: FamilyAbi>(f: &Fields<F::Addr>) -> Option<Frontend> {
+    let proto = Proto::from_number(f.proto)?;
+    Some(Frontend::new(F::ip(f.addr), port_host(f.port), proto).with_scope(f.scope))
 }
 
-/// The frontend of a `SVC6` key; `None` for an unknown protocol.
-pub fn decode_svc6(k: &Svc6Key) -> Option<Frontend> {
-    let proto = Proto::from_number(k.proto)?;
-    Some(Frontend::new(v6_from_words(k.addr), port_host(k.port), proto).with_scope(k.scope))
+/// The frontend and slot of a `SVC4`/`SVC6` key; `None` for an unknown protocol.
+pub fn decode_svc<F: FamilyAbi>(k: &F::SvcKey) -> Option<(Frontend, u16)> {
+    let (f, slot) = F::svc_fields(k);
+    Some((decode_frontend::<F>(&f)?, slot))
+}
+
+/// The protocol number a `SVC` key holds (for the error naming an unknown one).
+pub fn svc_proto<F: FamilyAbi>(k: &F::SvcKey) -> u8 {
+    F::svc_fields(k).0.proto
 }
 
 /// [`put_svc`] into vectors (built into the dump's maps in bulk).
@@ -124,30 +311,23 @@ pub fn backend_value(b: &Backend, proto: Proto) -> BackendValue {
     }
 }
 
-/// A `BACKEND4` value read back; `None` for an unknown protocol.
-pub fn decode_backend4(b: &Backend4) -> Option<(Backend, Proto)> {
-    let proto = Proto::from_number(b.proto)?;
-    let addr = SocketAddr::from((v4_from_word(b.addr), port_host(b.port)));
+/// A `BACKEND4`/`BACKEND6` value read back; `None` for an unknown protocol.
+pub fn decode_backend<F: FamilyAbi>(b: &F::Backend) -> Option<(Backend, Proto)> {
+    let f = F::backend_fields(b);
+    let proto = Proto::from_number(f.proto)?;
+    let addr = SocketAddr::from((F::ip(f.addr), port_host(f.port)));
     Some((
         Backend {
             addr,
-            flags: b.flags,
+            flags: f.scope,
         },
         proto,
     ))
 }
 
-/// A `BACKEND6` value read back; `None` for an unknown protocol.
-pub fn decode_backend6(b: &Backend6) -> Option<(Backend, Proto)> {
-    let proto = Proto::from_number(b.proto)?;
-    let addr = SocketAddr::from((v6_from_words(b.addr), port_host(b.port)));
-    Some((
-        Backend {
-            addr,
-            flags: b.flags,
-        },
-        proto,
-    ))
+/// The protocol number a `BACKEND` value holds (for the error naming an unknown one).
+pub fn backend_proto<F: FamilyAbi>(b: &F::Backend) -> u8 {
+    F::backend_fields(b).proto
 }
 
 /// A `REVNAT4`/`REVNAT6` value.
@@ -182,19 +362,16 @@ pub fn revnat_value(fe: &Frontend, name: &str) -> RevNatValue {
     }
 }
 
-/// A `REVNAT4` value read back: the frontend and the Service name; `None` for an unknown
-/// protocol.
-pub fn decode_revnat4(r: &RevNat4) -> Option<(Frontend, String)> {
-    let proto = Proto::from_number(r.proto)?;
-    let fe = Frontend::new(v4_from_word(r.addr), port_host(r.port), proto).with_scope(r.scope);
-    Some((fe, name_from_bytes(&r.name)))
+/// A `REVNAT4`/`REVNAT6` value read back: the frontend and the Service name; `None` for
+/// an unknown protocol.
+pub fn decode_revnat<F: FamilyAbi>(r: &F::RevNat) -> Option<(Frontend, String)> {
+    let (f, name) = F::revnat_fields(r);
+    Some((decode_frontend::<F>(&f)?, name_from_bytes(name)))
 }
 
-/// A `REVNAT6` value read back.
-pub fn decode_revnat6(r: &RevNat6) -> Option<(Frontend, String)> {
-    let proto = Proto::from_number(r.proto)?;
-    let fe = Frontend::new(v6_from_words(r.addr), port_host(r.port), proto).with_scope(r.scope);
-    Some((fe, name_from_bytes(&r.name)))
+/// The protocol number a `REVNAT` value holds (for the error naming an unknown one).
+pub fn revnat_proto<F: FamilyAbi>(r: &F::RevNat) -> u8 {
+    F::revnat_fields(r).0.proto
 }
 
 /// A `SRC_RANGE4`/`SRC_RANGE6` key: the prefix length counts the 32 bits of the service
@@ -225,18 +402,11 @@ pub fn src_range_key(service_id: u32, addr: IpAddr, prefix: u8) -> SrcRangeKey {
     }
 }
 
-/// A `SRC_RANGE4` key read back: (service id, address, prefix length).
-pub fn decode_src_range4(k: &LpmKey<SrcRange4>) -> (u32, IpAddr, u8) {
-    let data = k.data();
-    let len = k.prefix_len().saturating_sub(32).min(32) as u8;
-    (data.service_id, IpAddr::V4(v4_from_word(data.addr)), len)
-}
-
-/// A `SRC_RANGE6` key read back.
-pub fn decode_src_range6(k: &LpmKey<SrcRange6>) -> (u32, IpAddr, u8) {
-    let data = k.data();
-    let len = k.prefix_len().saturating_sub(32).min(128) as u8;
-    (data.service_id, IpAddr::V6(v6_from_words(data.addr)), len)
+/// A `SRC_RANGE4`/`SRC_RANGE6` key read back: (service id, address, prefix length).
+pub fn decode_src_range<F: FamilyAbi>(k: &LpmKey<F::SrcRange>) -> (u32, IpAddr, u8) {
+    let (service_id, addr) = F::src_range_fields(&k.data());
+    let len = k.prefix_len().saturating_sub(32).min(F::ADDR_BITS) as u8;
+    (service_id, F::ip(addr), len)
 }
 
 /// A `NODE_ADDRS4`/`NODE_ADDRS6` key.
@@ -253,12 +423,9 @@ pub fn node_addr_key(a: IpAddr) -> NodeAddrKey {
     }
 }
 
-pub fn decode_node_addr4(k: u32) -> IpAddr {
-    IpAddr::V4(v4_from_word(k))
-}
-
-pub fn decode_node_addr6(k: [u32; 4]) -> IpAddr {
-    IpAddr::V6(v6_from_words(k))
+/// A `NODE_ADDRS4`/`NODE_ADDRS6` key read back.
+pub fn decode_node_addr<F: FamilyAbi>(k: F::Addr) -> IpAddr {
+    F::ip(k)
 }
 
 /// `NODE_CONFIG[0]` (zero: no SNAT address for that family).
@@ -295,7 +462,7 @@ mod tests {
         assert_eq!(k.addr.to_ne_bytes(), [10, 96, 0, 10]);
         assert_eq!(k.port.to_ne_bytes(), 443u16.to_be_bytes());
         assert_eq!((k.slot, k.proto, k.scope), (3, 6, scope::EXTERNAL_LOCAL));
-        assert_eq!(decode_svc4(&k), Some(f));
+        assert_eq!(decode_svc::<Ipv4>(&k).map(|(f, _)| f), Some(f));
 
         let f6 = fe("fd00:96::a", 53, Proto::Udp);
         let SvcKey::V6(k6) = svc_key(&f6, 0) else {
@@ -303,11 +470,15 @@ mod tests {
         };
         assert_eq!(k6.addr[0].to_ne_bytes(), [0xfd, 0, 0, 0x96]);
         assert_eq!(k6.addr[3].to_ne_bytes(), [0, 0, 0, 0x0a]);
-        assert_eq!(decode_svc6(&k6), Some(f6));
+        assert_eq!(decode_svc::<Ipv6>(&k6).map(|(f, _)| f), Some(f6));
 
         let mut bad = k;
         bad.proto = 1;
-        assert_eq!(decode_svc4(&bad), None, "ICMP is no frontend protocol");
+        assert_eq!(
+            decode_svc::<Ipv4>(&bad).map(|(f, _)| f),
+            None,
+            "ICMP is no frontend protocol"
+        );
     }
 
     #[test]
@@ -344,9 +515,9 @@ mod tests {
             let back = match backend_value(&b, proto) {
                 BackendValue::V4(v) => {
                     assert_eq!(v.port, port_net(b.addr.port()));
-                    decode_backend4(&v)
+                    decode_backend::<Ipv4>(&v)
                 }
-                BackendValue::V6(v) => decode_backend6(&v),
+                BackendValue::V6(v) => decode_backend::<Ipv6>(&v),
             };
             assert_eq!(back, Some((b, proto)), "{addr}");
         }
@@ -356,7 +527,7 @@ mod tests {
                 BackendValue::V6(_) => panic!("v4"),
             };
         v.proto = 0;
-        assert_eq!(decode_backend4(&v), None);
+        assert_eq!(decode_backend::<Ipv4>(&v), None);
     }
 
     #[test]
@@ -365,13 +536,16 @@ mod tests {
         let RevNatValue::V6(r) = revnat_value(&f, "default/web:http") else {
             panic!("v6")
         };
-        assert_eq!(decode_revnat6(&r), Some((f, "default/web:http".into())));
+        assert_eq!(
+            decode_revnat::<Ipv6>(&r),
+            Some((f, "default/web:http".into()))
+        );
         let long = "n".repeat(proxy_common::NAME_LEN + 10);
         let f4 = fe("10.96.0.1", 80, Proto::Udp);
         let RevNatValue::V4(r4) = revnat_value(&f4, &long) else {
             panic!("v4")
         };
-        let (back, name) = decode_revnat4(&r4).expect("decodes");
+        let (back, name) = decode_revnat::<Ipv4>(&r4).expect("decodes");
         assert_eq!(back, f4);
         assert!(long.starts_with(&name) && name.len() < long.len(), "{name}");
     }
@@ -383,7 +557,7 @@ mod tests {
         };
         assert_eq!(k.prefix_len(), 32 + 24);
         assert_eq!(
-            decode_src_range4(&k),
+            decode_src_range::<Ipv4>(&k),
             (9, "192.0.2.0".parse().expect("ip"), 24)
         );
         let SrcRangeKey::V6(k6) = src_range_key(9, "2001:db8::".parse().expect("ip"), 32) else {
@@ -391,7 +565,7 @@ mod tests {
         };
         assert_eq!(k6.prefix_len(), 64);
         assert_eq!(
-            decode_src_range6(&k6),
+            decode_src_range::<Ipv6>(&k6),
             (9, "2001:db8::".parse().expect("ip"), 32)
         );
     }
@@ -410,12 +584,12 @@ mod tests {
         assert_eq!(decode_node_config(&raw), s);
         let a: IpAddr = "2001:db8::10".parse().expect("ip");
         match node_addr_key(a) {
-            NodeAddrKey::V6(k) => assert_eq!(decode_node_addr6(k), a),
+            NodeAddrKey::V6(k) => assert_eq!(decode_node_addr::<Ipv6>(k), a),
             NodeAddrKey::V4(_) => panic!("v6"),
         }
         let a4: IpAddr = "192.0.2.10".parse().expect("ip");
         match node_addr_key(a4) {
-            NodeAddrKey::V4(k) => assert_eq!(decode_node_addr4(k), a4),
+            NodeAddrKey::V4(k) => assert_eq!(decode_node_addr::<Ipv4>(k), a4),
             NodeAddrKey::V6(_) => panic!("v4"),
         }
     }

@@ -12,7 +12,7 @@
 //!
 //! Bytes are the sizes asked of the allocator (malloc adds its own 8-16 bytes per
 //! allocation, hence the allocation counts next to them). The figures are printed and
-//! written in docs/ARCHITECTURE.md and docs/benchmarks.md; the assertions are upper
+//! written in docs/CHANGELOG.md (design notes) and docs/benchmarks.md; the assertions are upper
 //! bounds that keep the compact layout from regressing.
 
 use std::{

@@ -358,7 +358,7 @@ fn the_bounded_fill_is_followed_by_the_datapath_on_both_nodes() {
 
 /// The kernel's own count (`memlock` of the map's fdinfo, `htab_map_mem_usage`) of what
 /// the Maglev tables cost: 100 Maglev frontends at the default M = 16,381, compared with
-/// the map before them. The figure docs/ARCHITECTURE.md states.
+/// the map before them. The figure the design notes in docs/CHANGELOG.md state.
 #[test]
 fn a_maglev_frontend_costs_nine_4_kib_elements_at_the_default_table_size() {
     let params = maglev::Params::default();

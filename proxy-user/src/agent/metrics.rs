@@ -23,6 +23,8 @@ use prometheus_client::{
 use tokio::net::TcpListener;
 use tracing::warn;
 
+use crate::cluster::skips::{SkipKind, SkipReason};
+
 pub use crate::cluster::counters::{KindReason, Resource, SourceCounters};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -233,8 +235,9 @@ impl Metrics {
         }
     }
 
-    pub fn skipped(&self, kind: &str, reason: &str) {
-        self.source.skipped(kind, reason);
+    /// Counts an object (or a part of it) not used, in `objects_skipped_total`.
+    pub fn skipped(&self, kind: SkipKind, reason: SkipReason) {
+        self.source.skipped(kind.label(), reason.label());
     }
 
     /// Adds the writer's write counts (`Writer::take_write_counts`).
@@ -460,6 +463,7 @@ pub async fn spawn(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cluster::objects::Skip;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     #[test]
@@ -531,7 +535,13 @@ mod tests {
     fn metrics_render_with_kube_proxy_names() {
         let m = Metrics::new();
         m.sync_duration.observe(0.002);
-        m.skipped("Service", "bad_port");
+        m.skipped(
+            SkipKind::SERVICE,
+            SkipReason::Object(&Skip::BadPort {
+                name: "http".into(),
+                port: 0,
+            }),
+        );
         m.frontends.set(3);
         let text = m.render();
         for name in [

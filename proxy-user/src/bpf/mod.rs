@@ -14,14 +14,11 @@ use aya::{
     maps::{lpm_trie::LpmTrie, Array, MapData, MapError, PerCpuArray, PerCpuHashMap},
     Pod,
 };
-use proxy_common::{
-    map_names as names, Backend4, Backend6, MaglevChunk, MaglevKey, NodeConfig, Reason, RevNat4,
-    RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
-};
+use proxy_common::{map_names as names, MaglevChunk, MaglevKey, NodeConfig, Reason, SvcValue};
 
 use crate::{
     batch, codec,
-    codec::{BackendValue, NodeAddrKey, RevNatValue, SrcRangeKey, SvcKey},
+    codec::{FamilyAbi, Ipv4, Ipv6, SvcKey},
     model::Family,
     pins::{Access, PinDir, PinnedHash},
     store::{BatchFailed, Dump, Group, MapKind, MapStore, Op, StoreError},
@@ -47,23 +44,37 @@ fn bump_gen(map: &mut Array<MapData, u32>) -> Result<u32, MapError> {
     Ok(next)
 }
 
+/// One family's maps (`SVC4`, `BACKEND4`, `REVNAT4`, `NODE_ADDRS4`, `SRC_RANGE4`, or
+/// their `*6` twins): the store's code over them is written once (`store.rs`).
+struct FamilyMaps<F: FamilyAbi> {
+    svc: Pair<F::SvcKey, SvcValue>,
+    backend: Pair<u32, F::Backend>,
+    revnat: Pair<u32, F::RevNat>,
+    node: Pair<F::Addr, u8>,
+    src_range: LpmTrie<MapData, F::SrcRange, u8>,
+}
+
+impl<F: FamilyAbi> FamilyMaps<F> {
+    fn open(pins: &PinDir) -> Result<Self, OpenError> {
+        Ok(Self {
+            svc: open_pair(pins, F::SVC)?,
+            backend: open_pair(pins, F::BACKEND)?,
+            revnat: open_pair(pins, F::REVNAT)?,
+            node: open_pair(pins, F::NODE_ADDRS)?,
+            src_range: pins.typed(F::SRC_RANGE, Access::ReadWrite)?,
+        })
+    }
+}
+
 /// Every map the writer and the CLI use, opened from the pin directory.
 pub struct BpfMaps {
     pins: PinDir,
-    svc4: Pair<Svc4Key, SvcValue>,
-    svc6: Pair<Svc6Key, SvcValue>,
-    backend4: Pair<u32, Backend4>,
-    backend6: Pair<u32, Backend6>,
-    revnat4: Pair<u32, RevNat4>,
-    revnat6: Pair<u32, RevNat6>,
-    node4: Pair<u32, u8>,
-    node6: Pair<[u32; 4], u8>,
+    v4: FamilyMaps<Ipv4>,
+    v6: FamilyMaps<Ipv6>,
     node_config: Array<MapData, NodeConfig>,
     backend_conns: PerCpuHashMap<MapData, u32, u64>,
     backend_conns_fd: OwnedFd,
     stats: PerCpuArray<MapData, u64>,
-    src_range4: LpmTrie<MapData, SrcRange4, u8>,
-    src_range6: LpmTrie<MapData, SrcRange6, u8>,
     maglev: Pair<MaglevKey, MaglevChunk>,
     backend_gen: Array<MapData, u32>,
     ncpus: usize,
@@ -87,20 +98,12 @@ impl BpfMaps {
         let rw = Access::ReadWrite;
         let (backend_conns, backend_conns_fd) = pins.typed_with_fd(names::BACKEND_CONNS, rw)?;
         let mut maps = Self {
-            svc4: open_pair(&pins, names::SVC4)?,
-            svc6: open_pair(&pins, names::SVC6)?,
-            backend4: open_pair(&pins, names::BACKEND4)?,
-            backend6: open_pair(&pins, names::BACKEND6)?,
-            revnat4: open_pair(&pins, names::REVNAT4)?,
-            revnat6: open_pair(&pins, names::REVNAT6)?,
-            node4: open_pair(&pins, names::NODE_ADDRS4)?,
-            node6: open_pair(&pins, names::NODE_ADDRS6)?,
+            v4: FamilyMaps::open(&pins)?,
+            v6: FamilyMaps::open(&pins)?,
             node_config: pins.typed(names::NODE_CONFIG, rw)?,
             backend_conns,
             backend_conns_fd,
             stats: pins.typed(names::STATS, rw)?,
-            src_range4: pins.typed(names::SRC_RANGE4, rw)?,
-            src_range6: pins.typed(names::SRC_RANGE6, rw)?,
             maglev: open_pair(&pins, names::MAGLEV)?,
             backend_gen: pins.typed(names::BACKEND_GEN, rw)?,
             ncpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),

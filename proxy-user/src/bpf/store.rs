@@ -2,6 +2,10 @@
 //! `crate::batch`, the dump the writer adopts from.
 
 use super::*;
+use crate::{
+    model::{Backend, Frontend, Proto},
+    store::FrontendValue,
+};
 
 pub(super) fn map_err(map: &'static str) -> impl Fn(MapError) -> StoreError {
     move |source| {
@@ -43,43 +47,6 @@ pub(super) fn unsupported() -> BatchFailed {
     }
 }
 
-impl BpfMaps {
-    pub(super) fn put_svc(&mut self, key: SvcKey, v: SvcValue) -> Result<(), StoreError> {
-        match key {
-            SvcKey::V4(k) => self.svc4.map.insert(k, v, 0).map_err(map_err(names::SVC4)),
-            SvcKey::V6(k) => self.svc6.map.insert(k, v, 0).map_err(map_err(names::SVC6)),
-        }
-    }
-
-    pub(super) fn del_svc(&mut self, key: SvcKey) -> Result<(), StoreError> {
-        match key {
-            SvcKey::V4(k) => ignore_missing(self.svc4.map.remove(&k)).map_err(map_err(names::SVC4)),
-            SvcKey::V6(k) => ignore_missing(self.svc6.map.remove(&k)).map_err(map_err(names::SVC6)),
-        }
-    }
-
-    pub(super) fn src_range(&mut self, put: bool, key: SrcRangeKey) -> Result<(), StoreError> {
-        match key {
-            SrcRangeKey::V4(k) => {
-                let r = if put {
-                    self.src_range4.insert(&k, 1, 0)
-                } else {
-                    ignore_missing(self.src_range4.remove(&k))
-                };
-                r.map_err(map_err(names::SRC_RANGE4))
-            }
-            SrcRangeKey::V6(k) => {
-                let r = if put {
-                    self.src_range6.insert(&k, 1, 0)
-                } else {
-                    ignore_missing(self.src_range6.remove(&k))
-                };
-                r.map_err(map_err(names::SRC_RANGE6))
-            }
-        }
-    }
-}
-
 /// The `SVC` key and value an op writes (`PutSlot`, `PutFrontend`) or the key it deletes.
 pub(super) fn svc_entry(op: &Op) -> Option<(SvcKey, Option<SvcValue>)> {
     match op {
@@ -117,95 +84,249 @@ pub(super) fn keys_values<K, V>(
     (keys, values)
 }
 
-impl MapStore for BpfMaps {
+/// An op handed to the maps of a family it is not of (a bug: `Op::group` names the
+/// family every op is routed by).
+fn misrouted<F: FamilyAbi>(op: &Op) -> StoreError {
+    corrupt(
+        F::SVC,
+        format!("{op:?} is no op of the {:?} maps", F::FAMILY),
+    )
+}
+
+/// The backend ids a `BACKEND` batch writes or deletes.
+fn backend_ids(ops: &[Op]) -> Vec<u32> {
+    ops.iter()
+        .filter_map(|op| match op {
+            Op::PutBackend { id, .. } | Op::DelBackend { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect()
+}
+
+/// One family's part of the store: every op but `NODE_CONFIG`'s and `MAGLEV`'s, one by
+/// one or in batches, and the family's part of the dump.
+impl<F: FamilyAbi> FamilyMaps<F> {
+    /// One op on this family's maps (a backend's counters and generation are the
+    /// caller's).
     fn apply(&mut self, op: &Op) -> Result<(), StoreError> {
         match op {
             Op::PutSrcRange {
                 service_id,
                 addr,
                 prefix,
-            } => self.src_range(true, codec::src_range_key(*service_id, *addr, *prefix)),
-            Op::DelSrcRange {
+            }
+            | Op::DelSrcRange {
                 service_id,
                 addr,
                 prefix,
-            } => self.src_range(false, codec::src_range_key(*service_id, *addr, *prefix)),
-            Op::PutBackend { id, backend, proto } => {
-                // A fresh id starts with fresh counters.
-                ignore_missing(self.backend_conns.remove(id))
-                    .map_err(map_err(names::BACKEND_CONNS))?;
-                match codec::backend_value(backend, *proto) {
-                    BackendValue::V4(v) => self
-                        .backend4
-                        .map
-                        .insert(id, v, 0)
-                        .map_err(map_err(names::BACKEND4)),
-                    BackendValue::V6(v) => self
-                        .backend6
-                        .map
-                        .insert(id, v, 0)
-                        .map_err(map_err(names::BACKEND6)),
-                }
+            } => {
+                let key = F::src_range_key(codec::src_range_key(*service_id, *addr, *prefix))
+                    .ok_or_else(|| misrouted::<F>(op))?;
+                let r = if matches!(op, Op::PutSrcRange { .. }) {
+                    self.src_range.insert(&key, 1, 0)
+                } else {
+                    ignore_missing(self.src_range.remove(&key))
+                };
+                r.map_err(map_err(F::SRC_RANGE))
             }
-            Op::DelBackend { id, family } => {
-                match family {
-                    Family::V4 => ignore_missing(self.backend4.map.remove(id))
-                        .map_err(map_err(names::BACKEND4))?,
-                    Family::V6 => ignore_missing(self.backend6.map.remove(id))
-                        .map_err(map_err(names::BACKEND6))?,
-                }
-                // After the delete: flows on this backend are checked on their next packet.
-                self.bump_backend_gen()?;
-                ignore_missing(self.backend_conns.remove(id)).map_err(map_err(names::BACKEND_CONNS))
+            Op::PutBackend { id, backend, proto } => {
+                let v = F::backend_value(codec::backend_value(backend, *proto))
+                    .ok_or_else(|| misrouted::<F>(op))?;
+                self.backend
+                    .map
+                    .insert(id, v, 0)
+                    .map_err(map_err(F::BACKEND))
+            }
+            Op::DelBackend { id, .. } => {
+                ignore_missing(self.backend.map.remove(id)).map_err(map_err(F::BACKEND))
             }
             Op::PutSlot { .. } | Op::PutFrontend { .. } | Op::DelSlot { .. } => {
-                match svc_entry(op) {
-                    Some((k, Some(v))) => self.put_svc(k, v),
-                    Some((k, None)) => self.del_svc(k),
-                    None => unreachable!("an SVC op"),
+                let Some((k, v)) = svc_entry(op) else {
+                    unreachable!("an SVC op")
+                };
+                let k = F::svc_key(k).ok_or_else(|| misrouted::<F>(op))?;
+                match v {
+                    Some(v) => self.svc.map.insert(k, v, 0),
+                    None => ignore_missing(self.svc.map.remove(&k)),
                 }
+                .map_err(map_err(F::SVC))
             }
             Op::PutRevNat {
                 service_id,
                 frontend,
                 name,
-            } => match codec::revnat_value(frontend, name) {
-                RevNatValue::V4(v) => self
-                    .revnat4
+            } => {
+                let v = F::revnat_value(codec::revnat_value(frontend, name))
+                    .ok_or_else(|| misrouted::<F>(op))?;
+                self.revnat
                     .map
                     .insert(service_id, v, 0)
-                    .map_err(map_err(names::REVNAT4)),
-                RevNatValue::V6(v) => self
-                    .revnat6
-                    .map
-                    .insert(service_id, v, 0)
-                    .map_err(map_err(names::REVNAT6)),
-            },
-            Op::DelRevNat { service_id, family } => match family {
-                Family::V4 => ignore_missing(self.revnat4.map.remove(service_id))
-                    .map_err(map_err(names::REVNAT4)),
-                Family::V6 => ignore_missing(self.revnat6.map.remove(service_id))
-                    .map_err(map_err(names::REVNAT6)),
-            },
-            Op::PutNodeAddr { addr } => match codec::node_addr_key(*addr) {
-                NodeAddrKey::V4(k) => self
-                    .node4
-                    .map
-                    .insert(k, 1, 0)
-                    .map_err(map_err(names::NODE_ADDRS4)),
-                NodeAddrKey::V6(k) => self
-                    .node6
-                    .map
-                    .insert(k, 1, 0)
-                    .map_err(map_err(names::NODE_ADDRS6)),
-            },
-            Op::DelNodeAddr { addr } => {
-                match codec::node_addr_key(*addr) {
-                    NodeAddrKey::V4(k) => ignore_missing(self.node4.map.remove(&k))
-                        .map_err(map_err(names::NODE_ADDRS4)),
-                    NodeAddrKey::V6(k) => ignore_missing(self.node6.map.remove(&k))
-                        .map_err(map_err(names::NODE_ADDRS6)),
+                    .map_err(map_err(F::REVNAT))
+            }
+            Op::DelRevNat { service_id, .. } => {
+                ignore_missing(self.revnat.map.remove(service_id)).map_err(map_err(F::REVNAT))
+            }
+            Op::PutNodeAddr { addr } | Op::DelNodeAddr { addr } => {
+                let k = F::node_addr_key(codec::node_addr_key(*addr))
+                    .ok_or_else(|| misrouted::<F>(op))?;
+                if matches!(op, Op::PutNodeAddr { .. }) {
+                    self.node.map.insert(k, 1, 0)
+                } else {
+                    ignore_missing(self.node.map.remove(&k))
                 }
+                .map_err(map_err(F::NODE_ADDRS))
+            }
+            Op::PutNodeConfig { .. } | Op::PutMaglev { .. } | Op::DelMaglev { .. } => {
+                Err(misrouted::<F>(op))
+            }
+        }
+    }
+
+    /// One batch call on this family's map of `group` (all ops of that group; the maps
+    /// without batch operations are refused by the caller).
+    fn apply_batch(&self, group: Group, ops: &[Op]) -> Result<(), batch::BatchError> {
+        let delete = group.delete;
+        match group.map {
+            MapKind::Backend if delete => batch::delete(self.backend.fd.as_fd(), &backend_ids(ops)),
+            MapKind::Backend => {
+                let (ids, vals) = keys_values(ops, |op| match op {
+                    Op::PutBackend { id, backend, proto } => {
+                        Some((*id, F::backend_value(codec::backend_value(backend, *proto))))
+                    }
+                    _ => None,
+                });
+                batch::update(self.backend.fd.as_fd(), &ids, &vals)
+            }
+            MapKind::Svc => {
+                let (k, v) = keys_values(ops, |op| {
+                    svc_entry(op).and_then(|(k, v)| Some((F::svc_key(k)?, v)))
+                });
+                if delete {
+                    batch::delete(self.svc.fd.as_fd(), &k)
+                } else {
+                    batch::update(self.svc.fd.as_fd(), &k, &v)
+                }
+            }
+            MapKind::RevNat => {
+                let (k, v) = keys_values(ops, |op| match op {
+                    Op::PutRevNat {
+                        service_id,
+                        frontend,
+                        name,
+                    } => Some((
+                        *service_id,
+                        F::revnat_value(codec::revnat_value(frontend, name)),
+                    )),
+                    Op::DelRevNat { service_id, .. } => Some((*service_id, None)),
+                    _ => None,
+                });
+                if delete {
+                    batch::delete(self.revnat.fd.as_fd(), &k)
+                } else {
+                    batch::update(self.revnat.fd.as_fd(), &k, &v)
+                }
+            }
+            MapKind::NodeAddr => {
+                let k: Vec<F::Addr> = ops
+                    .iter()
+                    .filter_map(|op| match op {
+                        Op::PutNodeAddr { addr } | Op::DelNodeAddr { addr } => {
+                            F::node_addr_key(codec::node_addr_key(*addr))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                if delete {
+                    batch::delete(self.node.fd.as_fd(), &k)
+                } else {
+                    batch::update(self.node.fd.as_fd(), &k, &vec![1u8; k.len()])
+                }
+            }
+            MapKind::SrcRange | MapKind::NodeConfig | MapKind::Maglev => {
+                unreachable!("refused by BpfMaps::apply_batch")
+            }
+        }
+    }
+
+    /// `BACKEND4/6` read back, into `out`.
+    fn read_backends(&self, out: &mut Vec<(u32, (Backend, Proto))>) -> Result<(), StoreError> {
+        for (id, b) in self.backend.read_all().map_err(map_err(F::BACKEND))? {
+            let b = codec::decode_backend::<F>(&b).ok_or_else(|| {
+                let proto = codec::backend_proto::<F>(&b);
+                corrupt(F::BACKEND, format!("backend {id}: proto {proto}"))
+            })?;
+            out.push((id, b));
+        }
+        Ok(())
+    }
+
+    /// `SVC4/6` read back: slot 0 into `frontends`, the others into `slots`.
+    fn read_svc(
+        &self,
+        frontends: &mut Vec<(Frontend, FrontendValue)>,
+        slots: &mut Vec<((Frontend, u16), u32)>,
+    ) -> Result<(), StoreError> {
+        for (k, v) in self.svc.read_all().map_err(map_err(F::SVC))? {
+            let (fe, slot) = codec::decode_svc::<F>(&k)
+                .ok_or_else(|| corrupt(F::SVC, format!("proto {}", codec::svc_proto::<F>(&k))))?;
+            codec::push_svc(frontends, slots, fe, slot, &v);
+        }
+        Ok(())
+    }
+
+    /// `REVNAT4/6` read back into the dump.
+    fn read_revnat(&self, d: &mut Dump) -> Result<(), StoreError> {
+        for (id, r) in self.revnat.read_all().map_err(map_err(F::REVNAT))? {
+            let entry = codec::decode_revnat::<F>(&r).ok_or_else(|| {
+                corrupt(F::REVNAT, format!("proto {}", codec::revnat_proto::<F>(&r)))
+            })?;
+            d.revnat.insert(id, entry);
+        }
+        Ok(())
+    }
+
+    /// `SRC_RANGE4/6` read back into the dump.
+    fn read_src_ranges(&self, d: &mut Dump) -> Result<(), StoreError> {
+        for k in self.src_range.keys() {
+            let k = k.map_err(map_err(F::SRC_RANGE))?;
+            d.src_ranges.insert(codec::decode_src_range::<F>(&k));
+        }
+        Ok(())
+    }
+
+    /// `NODE_ADDRS4/6` read back into the dump.
+    fn read_node_addrs(&self, d: &mut Dump) -> Result<(), StoreError> {
+        for (k, _) in self.node.read_all().map_err(map_err(F::NODE_ADDRS))? {
+            d.node_addrs.insert(codec::decode_node_addr::<F>(k));
+        }
+        Ok(())
+    }
+}
+
+impl BpfMaps {
+    /// One op on the maps of its family.
+    fn apply_family(&mut self, op: &Op) -> Result<(), StoreError> {
+        match op.group().family {
+            Family::V4 => self.v4.apply(op),
+            Family::V6 => self.v6.apply(op),
+        }
+    }
+}
+
+impl MapStore for BpfMaps {
+    fn apply(&mut self, op: &Op) -> Result<(), StoreError> {
+        match op {
+            Op::PutBackend { id, .. } => {
+                // A fresh id starts with fresh counters.
+                ignore_missing(self.backend_conns.remove(id))
+                    .map_err(map_err(names::BACKEND_CONNS))?;
+                self.apply_family(op)
+            }
+            Op::DelBackend { id, .. } => {
+                self.apply_family(op)?;
+                // After the delete: flows on this backend are checked on their next packet.
+                self.bump_backend_gen()?;
+                ignore_missing(self.backend_conns.remove(id)).map_err(map_err(names::BACKEND_CONNS))
             }
             Op::PutNodeConfig { snat } => self
                 .node_config
@@ -232,6 +353,7 @@ impl MapStore for BpfMaps {
                 };
                 ignore_missing(self.maglev.map.remove(&key)).map_err(map_err(names::MAGLEV))
             }
+            _ => self.apply_family(op),
         }
     }
 
@@ -249,182 +371,35 @@ impl MapStore for BpfMaps {
             return Ok(());
         };
         let g = first.group();
-        let v4 = g.family == Family::V4;
+        if !self.supports_batch(g) {
+            return Err(unsupported());
+        }
         let fail = |e: StoreError| BatchFailed {
             applied: 0,
             error: std::io::Error::other(e.to_string()),
         };
-        match (g.map, g.delete) {
-            (MapKind::Backend, false) => {
-                let ids: Vec<u32> = ops
-                    .iter()
-                    .filter_map(|op| match op {
-                        Op::PutBackend { id, .. } => Some(*id),
-                        _ => None,
-                    })
-                    .collect();
-                self.clear_conns(&ids).map_err(fail)?;
-                let vals = ops.iter().filter_map(|op| match op {
-                    Op::PutBackend { backend, proto, .. } => {
-                        Some(codec::backend_value(backend, *proto))
-                    }
-                    _ => None,
-                });
-                if v4 {
-                    let v: Vec<Backend4> = vals
-                        .filter_map(|b| match b {
-                            BackendValue::V4(b) => Some(b),
-                            BackendValue::V6(_) => None,
-                        })
-                        .collect();
-                    batch::update(self.backend4.fd.as_fd(), &ids, &v)
-                } else {
-                    let v: Vec<Backend6> = vals
-                        .filter_map(|b| match b {
-                            BackendValue::V6(b) => Some(b),
-                            BackendValue::V4(_) => None,
-                        })
-                        .collect();
-                    batch::update(self.backend6.fd.as_fd(), &ids, &v)
-                }
-                .map_err(batch_failed)
-            }
-            (MapKind::Backend, true) => {
-                let ids: Vec<u32> = ops
-                    .iter()
-                    .filter_map(|op| match op {
-                        Op::DelBackend { id, .. } => Some(*id),
-                        _ => None,
-                    })
-                    .collect();
-                let fd = if v4 {
-                    self.backend4.fd.as_fd()
-                } else {
-                    self.backend6.fd.as_fd()
-                };
-                let r = batch::delete(fd, &ids);
-                let done = r.as_ref().map_or_else(|e| e.done, |_| ids.len());
-                if done > 0 {
-                    // After the deletes, once for the batch (see the one-op case).
-                    self.bump_backend_gen().map_err(fail)?;
-                }
-                self.clear_conns(&ids[..done]).map_err(fail)?;
-                r.map_err(batch_failed)
-            }
-            (MapKind::Svc, delete) => {
-                let res = if v4 {
-                    let (k, v) = keys_values(ops, |op| {
-                        svc_entry(op).and_then(|(k, v)| match k {
-                            SvcKey::V4(k) => Some((k, v)),
-                            SvcKey::V6(_) => None,
-                        })
-                    });
-                    if delete {
-                        batch::delete(self.svc4.fd.as_fd(), &k)
-                    } else {
-                        batch::update(self.svc4.fd.as_fd(), &k, &v)
-                    }
-                } else {
-                    let (k, v) = keys_values(ops, |op| {
-                        svc_entry(op).and_then(|(k, v)| match k {
-                            SvcKey::V6(k) => Some((k, v)),
-                            SvcKey::V4(_) => None,
-                        })
-                    });
-                    if delete {
-                        batch::delete(self.svc6.fd.as_fd(), &k)
-                    } else {
-                        batch::update(self.svc6.fd.as_fd(), &k, &v)
-                    }
-                };
-                res.map_err(batch_failed)
-            }
-            (MapKind::RevNat, delete) => {
-                let entry = |op: &Op| match op {
-                    Op::PutRevNat {
-                        service_id,
-                        frontend,
-                        name,
-                    } => Some((*service_id, Some(codec::revnat_value(frontend, name)))),
-                    Op::DelRevNat { service_id, .. } => Some((*service_id, None)),
-                    _ => None,
-                };
-                let res = if v4 {
-                    let (k, v) = keys_values(ops, |op| {
-                        entry(op).map(|(k, v)| {
-                            (
-                                k,
-                                v.and_then(|v| match v {
-                                    RevNatValue::V4(v) => Some(v),
-                                    RevNatValue::V6(_) => None,
-                                }),
-                            )
-                        })
-                    });
-                    if delete {
-                        batch::delete(self.revnat4.fd.as_fd(), &k)
-                    } else {
-                        batch::update(self.revnat4.fd.as_fd(), &k, &v)
-                    }
-                } else {
-                    let (k, v) = keys_values(ops, |op| {
-                        entry(op).map(|(k, v)| {
-                            (
-                                k,
-                                v.and_then(|v| match v {
-                                    RevNatValue::V6(v) => Some(v),
-                                    RevNatValue::V4(_) => None,
-                                }),
-                            )
-                        })
-                    });
-                    if delete {
-                        batch::delete(self.revnat6.fd.as_fd(), &k)
-                    } else {
-                        batch::update(self.revnat6.fd.as_fd(), &k, &v)
-                    }
-                };
-                res.map_err(batch_failed)
-            }
-            (MapKind::NodeAddr, delete) => {
-                let addrs = ops.iter().filter_map(|op| match op {
-                    Op::PutNodeAddr { addr } | Op::DelNodeAddr { addr } => {
-                        Some(codec::node_addr_key(*addr))
-                    }
-                    _ => None,
-                });
-                let res = if v4 {
-                    let k: Vec<u32> = addrs
-                        .filter_map(|a| match a {
-                            NodeAddrKey::V4(k) => Some(k),
-                            NodeAddrKey::V6(_) => None,
-                        })
-                        .collect();
-                    if delete {
-                        batch::delete(self.node4.fd.as_fd(), &k)
-                    } else {
-                        batch::update(self.node4.fd.as_fd(), &k, &vec![1u8; k.len()])
-                    }
-                } else {
-                    let k: Vec<[u32; 4]> = addrs
-                        .filter_map(|a| match a {
-                            NodeAddrKey::V6(k) => Some(k),
-                            NodeAddrKey::V4(_) => None,
-                        })
-                        .collect();
-                    if delete {
-                        batch::delete(self.node6.fd.as_fd(), &k)
-                    } else {
-                        batch::update(self.node6.fd.as_fd(), &k, &vec![1u8; k.len()])
-                    }
-                };
-                res.map_err(batch_failed)
-            }
-            // LPM tries have no batch operations; NODE_CONFIG has one entry.
-            (MapKind::SrcRange, _) | (MapKind::NodeConfig, _) | (MapKind::Maglev, _) => {
-                Err(unsupported())
-            }
+        let backends = g.map == MapKind::Backend;
+        let ids = if backends {
+            backend_ids(ops)
+        } else {
+            Vec::new()
+        };
+        if backends && !g.delete {
+            self.clear_conns(&ids).map_err(fail)?;
         }
+        let r = match g.family {
+            Family::V4 => self.v4.apply_batch(g, ops),
+            Family::V6 => self.v6.apply_batch(g, ops),
+        };
+        if backends && g.delete {
+            let done = r.as_ref().map_or_else(|e| e.done, |_| ids.len());
+            if done > 0 {
+                // After the deletes, once for the batch (see the one-op case).
+                self.bump_backend_gen().map_err(fail)?;
+            }
+            self.clear_conns(&ids[..done]).map_err(fail)?;
+        }
+        r.map_err(batch_failed)
     }
 
     fn dump(&self) -> Result<Dump, StoreError> {
@@ -433,57 +408,21 @@ impl MapStore for BpfMaps {
         // in hash order was most of the time of adopting 50,000 Services.
         let mut d = Dump::default();
         let mut backends = Vec::new();
-        for (id, b) in self.backend4.read_all().map_err(map_err(names::BACKEND4))? {
-            let b = codec::decode_backend4(&b).ok_or_else(|| {
-                corrupt(names::BACKEND4, format!("backend {id}: proto {}", b.proto))
-            })?;
-            backends.push((id, b));
-        }
-        for (id, b) in self.backend6.read_all().map_err(map_err(names::BACKEND6))? {
-            let b = codec::decode_backend6(&b).ok_or_else(|| {
-                corrupt(names::BACKEND6, format!("backend {id}: proto {}", b.proto))
-            })?;
-            backends.push((id, b));
-        }
+        self.v4.read_backends(&mut backends)?;
+        self.v6.read_backends(&mut backends)?;
         d.backends = backends.into_iter().collect();
         let mut frontends = Vec::new();
         let mut slots = Vec::new();
-        for (k, v) in self.svc4.read_all().map_err(map_err(names::SVC4))? {
-            let fe = codec::decode_svc4(&k)
-                .ok_or_else(|| corrupt(names::SVC4, format!("proto {}", k.proto)))?;
-            codec::push_svc(&mut frontends, &mut slots, fe, k.slot, &v);
-        }
-        for (k, v) in self.svc6.read_all().map_err(map_err(names::SVC6))? {
-            let fe = codec::decode_svc6(&k)
-                .ok_or_else(|| corrupt(names::SVC6, format!("proto {}", k.proto)))?;
-            codec::push_svc(&mut frontends, &mut slots, fe, k.slot, &v);
-        }
+        self.v4.read_svc(&mut frontends, &mut slots)?;
+        self.v6.read_svc(&mut frontends, &mut slots)?;
         d.frontends = frontends.into_iter().collect();
         d.slots = slots.into_iter().collect();
-        for (id, r) in self.revnat4.read_all().map_err(map_err(names::REVNAT4))? {
-            let entry = codec::decode_revnat4(&r)
-                .ok_or_else(|| corrupt(names::REVNAT4, format!("proto {}", r.proto)))?;
-            d.revnat.insert(id, entry);
-        }
-        for (id, r) in self.revnat6.read_all().map_err(map_err(names::REVNAT6))? {
-            let entry = codec::decode_revnat6(&r)
-                .ok_or_else(|| corrupt(names::REVNAT6, format!("proto {}", r.proto)))?;
-            d.revnat.insert(id, entry);
-        }
-        for k in self.src_range4.keys() {
-            let k = k.map_err(map_err(names::SRC_RANGE4))?;
-            d.src_ranges.insert(codec::decode_src_range4(&k));
-        }
-        for k in self.src_range6.keys() {
-            let k = k.map_err(map_err(names::SRC_RANGE6))?;
-            d.src_ranges.insert(codec::decode_src_range6(&k));
-        }
-        for (k, _) in self.node4.read_all().map_err(map_err(names::NODE_ADDRS4))? {
-            d.node_addrs.insert(codec::decode_node_addr4(k));
-        }
-        for (k, _) in self.node6.read_all().map_err(map_err(names::NODE_ADDRS6))? {
-            d.node_addrs.insert(codec::decode_node_addr6(k));
-        }
+        self.v4.read_revnat(&mut d)?;
+        self.v6.read_revnat(&mut d)?;
+        self.v4.read_src_ranges(&mut d)?;
+        self.v6.read_src_ranges(&mut d)?;
+        self.v4.read_node_addrs(&mut d)?;
+        self.v6.read_node_addrs(&mut d)?;
         let cfg = self
             .node_config
             .get(&0, 0)

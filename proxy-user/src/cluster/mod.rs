@@ -10,6 +10,7 @@ pub mod kube_source;
 pub mod lb_algorithm;
 pub mod manifests;
 pub mod objects;
+pub mod skips;
 
 use k8s_openapi::api::{
     core::v1::{Node, Service},

@@ -104,174 +104,282 @@ fn sorted(endpoints: &[SocketAddr]) -> Vec<SocketAddr> {
     v
 }
 
-/// The rules kube-proxy would write for `sp`.
+/// The rules kube-proxy would write for `sp`: the entry rules of its kind (a ClusterIP, or
+/// an external destination with its external and firewall chains), then the service
+/// chains' endpoint rules, then one chain per endpoint.
 pub fn rules(sp: &ServicePort) -> Rules {
-    let n = &sp.name;
-    let p = sp.proto.as_str();
-    let c = |s: &str| save_string(s);
-    let svc = service_chain(n, p);
-    let svl = local_chain(n, p);
-    let ext = external_chain(n, p);
-    let fw = firewall_chain(n, p);
-    let dport = format!("-m {p} --dport {}", sp.port);
+    let names = ChainNames::of(sp);
     let mut r = Rules {
         ipv6: sp.address.is_ipv6(),
         ..Rules::default()
     };
-
     let cluster = sorted(&sp.cluster_endpoints);
     let local = sorted(&sp.local_endpoints);
-    let has_endpoints = !cluster.is_empty() || !local.is_empty();
-    let (uses_cluster, uses_local);
-    let mut sep_endpoints: Vec<SocketAddr> = Vec::new();
-
-    if sp.kind == Kind::ClusterIP {
-        let (chain, has_internal) = if sp.internal_local {
-            (&svl, !local.is_empty())
-        } else {
-            (&svc, !cluster.is_empty())
-        };
-        uses_cluster = !sp.internal_local && !cluster.is_empty();
-        uses_local = sp.internal_local && !local.is_empty();
-        let dst = format!("-d {} -p {p}", host_cidr(sp.address));
-        if has_internal {
-            r.nat.push(format!(
-                "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {chain}",
-                c(&format!("{n} cluster IP"))
-            ));
-        } else {
-            let (comment, target) = if sp.internal_local {
-                (format!("{n} has no local endpoints"), "DROP")
-            } else {
-                (format!("{n} has no endpoints"), reject(sp.address))
-            };
-            r.filter.push(format!(
-                "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {target}",
-                c(&comment)
-            ));
-        }
+    let (uses_cluster, uses_local) = if sp.kind == Kind::ClusterIP {
+        cluster_ip_rules(&mut r, sp, &names, &cluster, &local)
     } else {
-        // External destinations: Cluster endpoints are always used (short-circuiting
-        // local traffic needs them); Local ones with externalTrafficPolicy: Local.
-        uses_cluster = !cluster.is_empty();
-        uses_local = sp.external_local && !local.is_empty();
-        let has_external = if sp.external_local {
-            !local.is_empty()
-        } else {
-            has_endpoints
-        };
-        let uses_fw =
-            has_endpoints && sp.kind == Kind::LoadBalancer && !sp.source_ranges.is_empty();
-        let filter_comment = if !has_endpoints {
-            format!("{n} has no endpoints")
-        } else {
-            format!("{n} has no local endpoints")
-        };
-        let filter_target = if has_endpoints {
-            "DROP"
-        } else {
-            reject(sp.address)
-        };
-        match sp.kind {
-            Kind::NodePort => {
-                r.nat.push(
-                    "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; \
-                     NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL \
-                     -j KUBE-NODEPORTS"
-                        .to_string(),
-                );
-                if has_endpoints {
-                    r.nat.push(format!(
-                        "-A KUBE-NODEPORTS -p {p} -m comment --comment {} {dport} -j {ext}",
-                        c(n)
-                    ));
-                }
-                if !has_external {
-                    r.filter.push(format!(
-                        "-A KUBE-EXTERNAL-SERVICES -p {p} -m comment --comment {} -m addrtype \
-                         --dst-type LOCAL {dport} -j {filter_target}",
-                        c(&filter_comment)
-                    ));
-                }
-            }
-            Kind::ExternalIP | Kind::LoadBalancer => {
-                let (what, target) = if sp.kind == Kind::ExternalIP {
-                    ("external IP", &ext)
-                } else if uses_fw {
-                    ("loadbalancer IP", &fw)
-                } else {
-                    ("loadbalancer IP", &ext)
-                };
-                let dst = format!("-d {} -p {p}", host_cidr(sp.address));
-                if has_endpoints {
-                    r.nat.push(format!(
-                        "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {target}",
-                        c(&format!("{n} {what}"))
-                    ));
-                }
-                if uses_fw {
-                    r.filter.push(format!(
-                        "-A KUBE-PROXY-FIREWALL {dst} -m comment --comment {} {dport} -j DROP",
-                        c(&format!("{n} traffic not accepted by {fw}"))
-                    ));
-                }
-                if !has_external {
-                    r.filter.push(format!(
-                        "-A KUBE-EXTERNAL-SERVICES {dst} -m comment --comment {} {dport} -j {filter_target}",
-                        c(&filter_comment)
-                    ));
-                }
-            }
-            Kind::ClusterIP => unreachable!("handled above"),
-        }
-        if has_endpoints {
-            if sp.external_local {
-                r.nat.push(format!(
-                    "-A {ext} -m comment --comment {} -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ",
-                    c(&format!("masquerade LOCAL traffic for {n} external destinations"))
-                ));
-                r.nat.push(format!(
-                    "-A {ext} -m comment --comment {} -m addrtype --src-type LOCAL -j {svc}",
-                    c(&format!(
-                        "route LOCAL traffic for {n} external destinations"
-                    ))
-                ));
-            } else {
-                r.nat.push(format!(
-                    "-A {ext} -m comment --comment {} -j KUBE-MARK-MASQ",
-                    c(&format!("masquerade traffic for {n} external destinations"))
-                ));
-            }
-            if has_external {
-                let policy = if sp.external_local { &svl } else { &svc };
-                r.nat.push(format!("-A {ext} -j {policy}"));
-            }
-        }
-        if uses_fw {
-            for range in &sp.source_ranges {
-                r.nat.push(format!(
-                    "-A {fw} -s {range} -m comment --comment {} -j {ext}",
-                    c(&format!("{n} loadbalancer IP"))
-                ));
-            }
-            r.nat.push(format!(
-                "-A {fw} -m comment --comment {}",
-                c(&format!(
-                    "other traffic to {n} will be dropped by KUBE-PROXY-FIREWALL"
-                ))
-            ));
-        }
-    }
-
+        external_rules(&mut r, sp, &names, &cluster, &local)
+    };
+    let mut sep_endpoints: Vec<SocketAddr> = Vec::new();
     if uses_cluster {
-        endpoint_rules(&mut r, sp, &svc, &cluster);
+        endpoint_rules(&mut r, sp, &names.svc, &cluster);
         sep_endpoints.extend(&cluster);
     }
     if uses_local {
-        endpoint_rules(&mut r, sp, &svl, &local);
+        endpoint_rules(&mut r, sp, &names.svl, &local);
         sep_endpoints.extend(&local);
     }
-    for ep in sorted(&sep_endpoints) {
+    endpoint_chain_rules(&mut r, sp, &names, &sep_endpoints);
+    r
+}
+
+/// The names one Service port's rules use: its name, protocol, `--dport` match and chains.
+struct ChainNames<'a> {
+    n: &'a str,
+    p: &'a str,
+    dport: String,
+    /// `KUBE-SVC-...`: the cluster endpoints.
+    svc: String,
+    /// `KUBE-SVL-...`: the local endpoints.
+    svl: String,
+    /// `KUBE-EXT-...`: external destinations.
+    ext: String,
+    /// `KUBE-FW-...`: the load balancer's source ranges.
+    fw: String,
+}
+
+impl<'a> ChainNames<'a> {
+    fn of(sp: &'a ServicePort) -> Self {
+        let (n, p) = (sp.name.as_str(), sp.proto.as_str());
+        Self {
+            n,
+            p,
+            dport: format!("-m {p} --dport {}", sp.port),
+            svc: service_chain(n, p),
+            svl: local_chain(n, p),
+            ext: external_chain(n, p),
+            fw: firewall_chain(n, p),
+        }
+    }
+}
+
+/// A ClusterIP's entry rule (or its reject/drop when it has no endpoints to use).
+/// Returns whether the cluster and the local endpoints are used.
+fn cluster_ip_rules(
+    r: &mut Rules,
+    sp: &ServicePort,
+    names: &ChainNames,
+    cluster: &[SocketAddr],
+    local: &[SocketAddr],
+) -> (bool, bool) {
+    let ChainNames { n, p, dport, .. } = names;
+    let c = |s: &str| save_string(s);
+    let (chain, has_internal) = if sp.internal_local {
+        (&names.svl, !local.is_empty())
+    } else {
+        (&names.svc, !cluster.is_empty())
+    };
+    let uses_cluster = !sp.internal_local && !cluster.is_empty();
+    let uses_local = sp.internal_local && !local.is_empty();
+    let dst = format!("-d {} -p {p}", host_cidr(sp.address));
+    if has_internal {
+        r.nat.push(format!(
+            "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {chain}",
+            c(&format!("{n} cluster IP"))
+        ));
+    } else {
+        let (comment, target) = if sp.internal_local {
+            (format!("{n} has no local endpoints"), "DROP")
+        } else {
+            (format!("{n} has no endpoints"), reject(sp.address))
+        };
+        r.filter.push(format!(
+            "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {target}",
+            c(&comment)
+        ));
+    }
+    (uses_cluster, uses_local)
+}
+
+/// What an external destination (NodePort, external IP, load balancer) has to use.
+struct External {
+    has_endpoints: bool,
+    /// Endpoints the external policy may use (local ones for `Local`).
+    has_external: bool,
+    /// A load balancer with source ranges and endpoints: the `KUBE-FW-` chain.
+    uses_fw: bool,
+}
+
+/// An external destination's rules: the entry rules of its kind, its `KUBE-EXT-` chain,
+/// its firewall chain. External destinations: Cluster endpoints are always used
+/// (short-circuiting local traffic needs them); Local ones with
+/// externalTrafficPolicy: Local. Returns whether the cluster and the local endpoints
+/// are used.
+fn external_rules(
+    r: &mut Rules,
+    sp: &ServicePort,
+    names: &ChainNames,
+    cluster: &[SocketAddr],
+    local: &[SocketAddr],
+) -> (bool, bool) {
+    let has_endpoints = !cluster.is_empty() || !local.is_empty();
+    let x = External {
+        has_endpoints,
+        has_external: if sp.external_local {
+            !local.is_empty()
+        } else {
+            has_endpoints
+        },
+        uses_fw: has_endpoints && sp.kind == Kind::LoadBalancer && !sp.source_ranges.is_empty(),
+    };
+    external_entry_rules(r, sp, names, &x);
+    if x.has_endpoints {
+        external_chain_rules(r, sp, names, x.has_external);
+    }
+    if x.uses_fw {
+        firewall_chain_rules(r, sp, names);
+    }
+    (!cluster.is_empty(), sp.external_local && !local.is_empty())
+}
+
+/// The rules that send an external destination's traffic to its chain (`KUBE-NODEPORTS`,
+/// `KUBE-SERVICES`), and the filter rules for it when nothing may serve it.
+fn external_entry_rules(r: &mut Rules, sp: &ServicePort, names: &ChainNames, x: &External) {
+    let ChainNames {
+        n,
+        p,
+        dport,
+        ext,
+        fw,
+        ..
+    } = names;
+    let c = |s: &str| save_string(s);
+    let filter_comment = if !x.has_endpoints {
+        format!("{n} has no endpoints")
+    } else {
+        format!("{n} has no local endpoints")
+    };
+    let filter_target = if x.has_endpoints {
+        "DROP"
+    } else {
+        reject(sp.address)
+    };
+    match sp.kind {
+        Kind::NodePort => {
+            r.nat.push(
+                "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; \
+                 NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL \
+                 -j KUBE-NODEPORTS"
+                    .to_string(),
+            );
+            if x.has_endpoints {
+                r.nat.push(format!(
+                    "-A KUBE-NODEPORTS -p {p} -m comment --comment {} {dport} -j {ext}",
+                    c(n)
+                ));
+            }
+            if !x.has_external {
+                r.filter.push(format!(
+                    "-A KUBE-EXTERNAL-SERVICES -p {p} -m comment --comment {} -m addrtype \
+                     --dst-type LOCAL {dport} -j {filter_target}",
+                    c(&filter_comment)
+                ));
+            }
+        }
+        Kind::ExternalIP | Kind::LoadBalancer => {
+            let (what, target) = if sp.kind == Kind::ExternalIP {
+                ("external IP", ext)
+            } else if x.uses_fw {
+                ("loadbalancer IP", fw)
+            } else {
+                ("loadbalancer IP", ext)
+            };
+            let dst = format!("-d {} -p {p}", host_cidr(sp.address));
+            if x.has_endpoints {
+                r.nat.push(format!(
+                    "-A KUBE-SERVICES {dst} -m comment --comment {} {dport} -j {target}",
+                    c(&format!("{n} {what}"))
+                ));
+            }
+            if x.uses_fw {
+                r.filter.push(format!(
+                    "-A KUBE-PROXY-FIREWALL {dst} -m comment --comment {} {dport} -j DROP",
+                    c(&format!("{n} traffic not accepted by {fw}"))
+                ));
+            }
+            if !x.has_external {
+                r.filter.push(format!(
+                    "-A KUBE-EXTERNAL-SERVICES {dst} -m comment --comment {} {dport} -j {filter_target}",
+                    c(&filter_comment)
+                ));
+            }
+        }
+        Kind::ClusterIP => unreachable!("cluster_ip_rules"),
+    }
+}
+
+/// The `KUBE-EXT-` chain: masquerade (all traffic, or LOCAL traffic with the `Local`
+/// policy, which also routes it to the cluster endpoints), then the policy's chain.
+fn external_chain_rules(r: &mut Rules, sp: &ServicePort, names: &ChainNames, has_external: bool) {
+    let ChainNames {
+        n, ext, svc, svl, ..
+    } = names;
+    let c = |s: &str| save_string(s);
+    if sp.external_local {
+        r.nat.push(format!(
+            "-A {ext} -m comment --comment {} -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ",
+            c(&format!(
+                "masquerade LOCAL traffic for {n} external destinations"
+            ))
+        ));
+        r.nat.push(format!(
+            "-A {ext} -m comment --comment {} -m addrtype --src-type LOCAL -j {svc}",
+            c(&format!(
+                "route LOCAL traffic for {n} external destinations"
+            ))
+        ));
+    } else {
+        r.nat.push(format!(
+            "-A {ext} -m comment --comment {} -j KUBE-MARK-MASQ",
+            c(&format!("masquerade traffic for {n} external destinations"))
+        ));
+    }
+    if has_external {
+        let policy = if sp.external_local { svl } else { svc };
+        r.nat.push(format!("-A {ext} -j {policy}"));
+    }
+}
+
+/// The `KUBE-FW-` chain: each source range to the external chain, the rest marked for
+/// `KUBE-PROXY-FIREWALL`'s drop.
+fn firewall_chain_rules(r: &mut Rules, sp: &ServicePort, names: &ChainNames) {
+    let ChainNames { n, ext, fw, .. } = names;
+    let c = |s: &str| save_string(s);
+    for range in &sp.source_ranges {
+        r.nat.push(format!(
+            "-A {fw} -s {range} -m comment --comment {} -j {ext}",
+            c(&format!("{n} loadbalancer IP"))
+        ));
+    }
+    r.nat.push(format!(
+        "-A {fw} -m comment --comment {}",
+        c(&format!(
+            "other traffic to {n} will be dropped by KUBE-PROXY-FIREWALL"
+        ))
+    ));
+}
+
+/// One `KUBE-SEP-` chain per endpoint used (sorted): masquerade hairpin traffic, then
+/// DNAT (recording the client for session affinity).
+fn endpoint_chain_rules(
+    r: &mut Rules,
+    sp: &ServicePort,
+    names: &ChainNames,
+    endpoints: &[SocketAddr],
+) {
+    let ChainNames { n, p, .. } = names;
+    let c = |s: &str| save_string(s);
+    for ep in sorted(endpoints) {
         let sep = endpoint_chain(n, p, &ep.to_string());
         r.nat.push(format!(
             "-A {sep} -s {} -m comment --comment {} -j KUBE-MARK-MASQ",
@@ -290,10 +398,8 @@ pub fn rules(sp: &ServicePort) -> Rules {
             c(n)
         ));
     }
-    r
 }
 
-/// `writeServiceToEndpointRules`: affinity checks, then the statistic rules.
 fn endpoint_rules(r: &mut Rules, sp: &ServicePort, chain: &str, endpoints: &[SocketAddr]) {
     let n = &sp.name;
     let p = sp.proto.as_str();
@@ -327,237 +433,4 @@ fn endpoint_rules(r: &mut Rules, sp: &ServicePort, chain: &str, endpoints: &[Soc
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chain_names_match_the_seed_article_and_kube_proxy() {
-        // The seed article: Service default/nginx-service, one unnamed TCP port. An
-        // unnamed port adds nothing to the name (ServicePortName.String() appends
-        // ":port" only for a named port), and the protocol is lower-case.
-        assert_eq!(
-            service_chain("default/nginx-service", "tcp"),
-            "KUBE-SVC-V2OKYYMBY3REGZOG"
-        );
-        // Its three KUBE-SEP chains and the endpoints of `kubectl get endpoints`.
-        for (ep, sep) in [
-            ("192.168.104.146:80", "KUBE-SEP-X7WBOA4PTAJA3GNK"),
-            ("192.168.104.147:80", "KUBE-SEP-I53TFYWHN2OKR6FH"),
-            ("192.168.238.78:80", "KUBE-SEP-WU6475GP2VYJZBGF"),
-        ] {
-            assert_eq!(endpoint_chain("default/nginx-service", "tcp", ep), sep);
-        }
-        // Wrong inputs give other names: a trailing ':' (pre-1.9 kube-proxy) or "TCP".
-        assert_ne!(
-            service_chain("default/nginx-service:", "tcp"),
-            "KUBE-SVC-V2OKYYMBY3REGZOG"
-        );
-        assert_ne!(
-            service_chain("default/nginx-service", "TCP"),
-            "KUBE-SVC-V2OKYYMBY3REGZOG"
-        );
-        // Names every cluster has.
-        assert_eq!(
-            service_chain("default/kubernetes:https", "tcp"),
-            "KUBE-SVC-NPX46M4PTMTKRN6Y"
-        );
-        assert_eq!(
-            service_chain("kube-system/kube-dns:dns", "udp"),
-            "KUBE-SVC-TCOU7JCQXEZGVUNU"
-        );
-        assert_eq!(
-            service_chain("kube-system/kube-dns:dns-tcp", "tcp"),
-            "KUBE-SVC-ERIFXISQEP7F7OF4"
-        );
-    }
-
-    #[test]
-    fn probabilities_print_as_iptables_lists_them() {
-        // The article's listing: 0.33333333349 and 0.50000000000.
-        assert_eq!(listed_probability(3), "0.33333333349");
-        assert_eq!(listed_probability(2), "0.50000000000");
-        assert_eq!(listed_probability(4), "0.25000000000");
-    }
-
-    #[test]
-    fn comments_are_quoted_like_iptables_save() {
-        assert_eq!(save_string("plain-word_1"), "plain-word_1");
-        assert_eq!(save_string("default/web"), "\"default/web\"");
-        assert_eq!(save_string("a \"b\""), "\"a \\\"b\\\"\"");
-    }
-
-    fn article() -> ServicePort {
-        ServicePort {
-            name: "default/nginx-service".into(),
-            proto: Proto::Tcp,
-            kind: Kind::ClusterIP,
-            address: "10.96.0.100".parse().unwrap_or(IpAddr::from([0, 0, 0, 0])),
-            port: 80,
-            cluster_endpoints: [
-                "192.168.238.78:80",
-                "192.168.104.147:80",
-                "192.168.104.146:80",
-            ]
-            .iter()
-            .filter_map(|s| s.parse().ok())
-            .collect(),
-            local_endpoints: Vec::new(),
-            internal_local: false,
-            external_local: false,
-            affinity: None,
-            source_ranges: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn the_article_service_golden() {
-        let r = rules(&article());
-        assert_eq!(
-            r.render(""),
-            r#"*nat
--A KUBE-SERVICES -d 10.96.0.100/32 -p tcp -m comment --comment "default/nginx-service cluster IP" -m tcp --dport 80 -j KUBE-SVC-V2OKYYMBY3REGZOG
--A KUBE-SVC-V2OKYYMBY3REGZOG -m comment --comment "default/nginx-service -> 192.168.104.146:80" -m statistic --mode random --probability 0.33333333349 -j KUBE-SEP-X7WBOA4PTAJA3GNK
--A KUBE-SVC-V2OKYYMBY3REGZOG -m comment --comment "default/nginx-service -> 192.168.104.147:80" -m statistic --mode random --probability 0.50000000000 -j KUBE-SEP-I53TFYWHN2OKR6FH
--A KUBE-SVC-V2OKYYMBY3REGZOG -m comment --comment "default/nginx-service -> 192.168.238.78:80" -j KUBE-SEP-WU6475GP2VYJZBGF
--A KUBE-SEP-X7WBOA4PTAJA3GNK -s 192.168.104.146/32 -m comment --comment "default/nginx-service" -j KUBE-MARK-MASQ
--A KUBE-SEP-X7WBOA4PTAJA3GNK -p tcp -m comment --comment "default/nginx-service" -m tcp -j DNAT --to-destination 192.168.104.146:80
--A KUBE-SEP-I53TFYWHN2OKR6FH -s 192.168.104.147/32 -m comment --comment "default/nginx-service" -j KUBE-MARK-MASQ
--A KUBE-SEP-I53TFYWHN2OKR6FH -p tcp -m comment --comment "default/nginx-service" -m tcp -j DNAT --to-destination 192.168.104.147:80
--A KUBE-SEP-WU6475GP2VYJZBGF -s 192.168.238.78/32 -m comment --comment "default/nginx-service" -j KUBE-MARK-MASQ
--A KUBE-SEP-WU6475GP2VYJZBGF -p tcp -m comment --comment "default/nginx-service" -m tcp -j DNAT --to-destination 192.168.238.78:80
-"#
-        );
-    }
-
-    #[test]
-    fn no_endpoints_reject_and_local_drop() {
-        let mut sp = article();
-        sp.cluster_endpoints.clear();
-        assert_eq!(
-            rules(&sp).render(""),
-            "*filter\n-A KUBE-SERVICES -d 10.96.0.100/32 -p tcp -m comment --comment \
-             \"default/nginx-service has no endpoints\" -m tcp --dport 80 -j REJECT \
-             --reject-with icmp-port-unreachable\n"
-        );
-        sp.internal_local = true;
-        assert_eq!(
-            rules(&sp).render(""),
-            "*filter\n-A KUBE-SERVICES -d 10.96.0.100/32 -p tcp -m comment --comment \
-             \"default/nginx-service has no local endpoints\" -m tcp --dport 80 -j DROP\n"
-        );
-    }
-
-    #[test]
-    fn affinity_nodeport_with_local_policy_and_ipv6() {
-        let ep = |s: &str| s.parse::<SocketAddr>().ok();
-        let sp = ServicePort {
-            name: "default/web:http".into(),
-            proto: Proto::Tcp,
-            kind: Kind::NodePort,
-            address: IpAddr::from([0, 0, 0, 0]),
-            port: 30080,
-            cluster_endpoints: [ep("10.244.2.7:8080"), ep("10.244.1.5:8080")]
-                .into_iter()
-                .flatten()
-                .collect(),
-            local_endpoints: ep("10.244.1.5:8080").into_iter().collect(),
-            internal_local: false,
-            external_local: true,
-            affinity: Some(10800),
-            source_ranges: Vec::new(),
-        };
-        let svc = service_chain("default/web:http", "tcp");
-        let svl = local_chain("default/web:http", "tcp");
-        let ext = external_chain("default/web:http", "tcp");
-        let sep1 = endpoint_chain("default/web:http", "tcp", "10.244.1.5:8080");
-        let sep2 = endpoint_chain("default/web:http", "tcp", "10.244.2.7:8080");
-        let want = format!(
-            r#"*nat
--A KUBE-SERVICES -m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS
--A KUBE-NODEPORTS -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j {ext}
--A {ext} -m comment --comment "masquerade LOCAL traffic for default/web:http external destinations" -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ
--A {ext} -m comment --comment "route LOCAL traffic for default/web:http external destinations" -m addrtype --src-type LOCAL -j {svc}
--A {ext} -j {svl}
--A {svc} -m comment --comment "default/web:http -> 10.244.1.5:8080" -m recent --rcheck --seconds 10800 --reap --name {sep1} --mask 255.255.255.255 --rsource -j {sep1}
--A {svc} -m comment --comment "default/web:http -> 10.244.2.7:8080" -m recent --rcheck --seconds 10800 --reap --name {sep2} --mask 255.255.255.255 --rsource -j {sep2}
--A {svc} -m comment --comment "default/web:http -> 10.244.1.5:8080" -m statistic --mode random --probability 0.50000000000 -j {sep1}
--A {svc} -m comment --comment "default/web:http -> 10.244.2.7:8080" -j {sep2}
--A {svl} -m comment --comment "default/web:http -> 10.244.1.5:8080" -m recent --rcheck --seconds 10800 --reap --name {sep1} --mask 255.255.255.255 --rsource -j {sep1}
--A {svl} -m comment --comment "default/web:http -> 10.244.1.5:8080" -j {sep1}
--A {sep1} -s 10.244.1.5/32 -m comment --comment "default/web:http" -j KUBE-MARK-MASQ
--A {sep1} -p tcp -m comment --comment "default/web:http" -m recent --set --name {sep1} --mask 255.255.255.255 --rsource -m tcp -j DNAT --to-destination 10.244.1.5:8080
--A {sep2} -s 10.244.2.7/32 -m comment --comment "default/web:http" -j KUBE-MARK-MASQ
--A {sep2} -p tcp -m comment --comment "default/web:http" -m recent --set --name {sep2} --mask 255.255.255.255 --rsource -m tcp -j DNAT --to-destination 10.244.2.7:8080
-"#
-        );
-        assert_eq!(rules(&sp).render(""), want);
-
-        let v6 = ServicePort {
-            name: "default/web6".into(),
-            proto: Proto::Udp,
-            kind: Kind::ClusterIP,
-            address: "fd00:96::10".parse().unwrap_or(IpAddr::from([0u8; 16])),
-            port: 53,
-            cluster_endpoints: ep("[fd00:244::5]:5353").into_iter().collect(),
-            local_endpoints: Vec::new(),
-            internal_local: false,
-            external_local: false,
-            affinity: None,
-            source_ranges: Vec::new(),
-        };
-        let r = rules(&v6);
-        assert!(r.ipv6);
-        let svc6 = service_chain("default/web6", "udp");
-        let sep6 = endpoint_chain("default/web6", "udp", "[fd00:244::5]:5353");
-        assert_eq!(
-            r.render(""),
-            format!(
-                r#"*nat
--A KUBE-SERVICES -d fd00:96::10/128 -p udp -m comment --comment "default/web6 cluster IP" -m udp --dport 53 -j {svc6}
--A {svc6} -m comment --comment "default/web6 -> [fd00:244::5]:5353" -j {sep6}
--A {sep6} -s fd00:244::5/128 -m comment --comment "default/web6" -j KUBE-MARK-MASQ
--A {sep6} -p udp -m comment --comment "default/web6" -m udp -j DNAT --to-destination [fd00:244::5]:5353
-"#
-            )
-        );
-    }
-
-    #[test]
-    fn load_balancer_with_source_ranges() {
-        let sp = ServicePort {
-            name: "default/lb".into(),
-            proto: Proto::Tcp,
-            kind: Kind::LoadBalancer,
-            address: IpAddr::from([192, 0, 2, 10]),
-            port: 443,
-            cluster_endpoints: "10.244.1.9:8443".parse().into_iter().collect(),
-            local_endpoints: Vec::new(),
-            internal_local: false,
-            external_local: false,
-            affinity: None,
-            source_ranges: vec![Cidr {
-                addr: IpAddr::from([203, 0, 113, 0]),
-                len: 24,
-            }],
-        };
-        let h = port_proto_hash("default/lb", "tcp");
-        let sep = endpoint_chain("default/lb", "tcp", "10.244.1.9:8443");
-        assert_eq!(
-            rules(&sp).render(""),
-            format!(
-                r#"*nat
--A KUBE-SERVICES -d 192.0.2.10/32 -p tcp -m comment --comment "default/lb loadbalancer IP" -m tcp --dport 443 -j KUBE-FW-{h}
--A KUBE-EXT-{h} -m comment --comment "masquerade traffic for default/lb external destinations" -j KUBE-MARK-MASQ
--A KUBE-EXT-{h} -j KUBE-SVC-{h}
--A KUBE-FW-{h} -s 203.0.113.0/24 -m comment --comment "default/lb loadbalancer IP" -j KUBE-EXT-{h}
--A KUBE-FW-{h} -m comment --comment "other traffic to default/lb will be dropped by KUBE-PROXY-FIREWALL"
--A KUBE-SVC-{h} -m comment --comment "default/lb -> 10.244.1.9:8443" -j {sep}
--A {sep} -s 10.244.1.9/32 -m comment --comment "default/lb" -j KUBE-MARK-MASQ
--A {sep} -p tcp -m comment --comment "default/lb" -m tcp -j DNAT --to-destination 10.244.1.9:8443
-*filter
--A KUBE-PROXY-FIREWALL -d 192.0.2.10/32 -p tcp -m comment --comment "default/lb traffic not accepted by KUBE-FW-{h}" -m tcp --dport 443 -j DROP
-"#
-            )
-        );
-    }
-}
+mod tests;

@@ -38,6 +38,12 @@ impl<S: MapStore> Writer<S> {
 
     /// [`Self::adopt_with_threshold`] with the Maglev parameters the agent uses: an
     /// adopted table equal to the one they give is kept (not rewritten).
+    ///
+    /// The phases, in order: read the maps; take the backends; give every frontend a
+    /// service id of its own and take its slots; keep or mark the Maglev tables; collect
+    /// what nothing reaches (slots past a count, reverse-NAT and source-range entries of
+    /// no service, unreferenced backends); give a frontend its missing reverse-NAT entry
+    /// back; write the repairs and deletions in [`adopt_phase`] order.
     pub fn adopt_with(
         store: S,
         batch_min: usize,
@@ -54,31 +60,53 @@ impl<S: MapStore> Writer<S> {
         let mut report = AdoptReport::default();
         let mut orphans = Vec::new();
 
-        w.backends.reserve(dump.backends.len());
-        // In id order: the first id of a backend found twice is its canonical one.
+        w.adopt_backends(&dump);
+        let owner = service_id_owners(&dump);
+        w.adopt_frontends(&dump, &owner, &mut report, &mut orphans);
+        w.adopt_maglev(&dump, &owner, &mut report, &mut orphans);
+        w.collect_dead_slots(&dump, &mut orphans);
+        w.collect_dead_service_entries(&dump, &mut orphans);
+        w.restore_revnat(&dump, &mut report, &mut orphans);
+        w.collect_unreferenced_backends(&mut orphans);
+        tracing::debug!(
+            frontends = w.services.len(),
+            backends = w.backends.len(),
+            read_ms = read.as_secs_f64() * 1e3,
+            model_ms = (started.elapsed() - read).as_secs_f64() * 1e3,
+            "adoption: the maps read back, the model rebuilt"
+        );
+        orphans.sort_by_key(adopt_phase);
+        w.write_adoption(&orphans)?;
+        report.frontends = w.services.len();
+        report.backends = w.backends.len();
+        w.backends.shrink_to_fit();
+        report.orphans_deleted = orphans.iter().filter(|op| is_deletion(op)).count();
+        Ok((w, report))
+    }
+
+    /// Every backend found, with no reference yet. In id order: the first id of a
+    /// backend found twice is its canonical one.
+    fn adopt_backends(&mut self, dump: &Dump) {
+        self.backends.reserve(dump.backends.len());
         for (id, key) in &dump.backends {
-            w.backend_alloc.mark(*id);
-            w.backends.insert(*id, *key, 0, false);
+            self.backend_alloc.mark(*id);
+            self.backends.insert(*id, *key, 0, false);
         }
-        // Ids unique: a service id held by two frontends (the second would share the
-        // first's reverse NAT) stays with the one its reverse-NAT entry names (else the
-        // first); the others get a fresh id, rewritten in their slots and slot 0.
         for value in dump.frontends.values() {
-            w.service_alloc.mark(value.service_id);
+            self.service_alloc.mark(value.service_id);
         }
-        let mut owner: HashMap<u32, Frontend> = HashMap::default();
-        for (fe, v) in &dump.frontends {
-            let named = dump.revnat.get(&v.service_id).is_some_and(|(f, _)| f == fe);
-            match owner.entry(v.service_id) {
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(*fe);
-                }
-                std::collections::hash_map::Entry::Occupied(mut e) if named => {
-                    e.insert(*fe);
-                }
-                std::collections::hash_map::Entry::Occupied(_) => {}
-            }
-        }
+    }
+
+    /// Every frontend with its slots. A frontend sharing its service id with another
+    /// (see [`service_id_owners`]) gets a fresh id, rewritten in its slots, slot 0 and
+    /// source ranges.
+    fn adopt_frontends(
+        &mut self,
+        dump: &Dump,
+        owner: &HashMap<u32, Frontend>,
+        report: &mut AdoptReport,
+        orphans: &mut Vec<Op>,
+    ) {
         let mut ranges_by_id: HashMap<u32, BTreeSet<(IpAddr, u8)>> = HashMap::default();
         for (id, a, p) in &dump.src_ranges {
             ranges_by_id.entry(*id).or_default().insert((*a, *p));
@@ -91,7 +119,7 @@ impl<S: MapStore> Writer<S> {
                 .unwrap_or_default();
             let duplicate = owner.get(&found.service_id) != Some(fe);
             if duplicate {
-                value.service_id = w.service_alloc.alloc();
+                value.service_id = self.service_alloc.alloc();
                 report.repair("duplicate_service_id");
                 warn!(
                     frontend = %fe,
@@ -108,76 +136,14 @@ impl<S: MapStore> Writer<S> {
                     });
                 }
             }
-            let mut slots = Vec::with_capacity(usize::from(value.count));
-            // Distinct ids seen (one reference per frontend even if two slots share one):
-            // the slots themselves when few, else a set.
-            let mut seen: Option<HashSet<u32>> = (value.count > 32).then(|| {
-                HashSet::with_capacity_and_hasher(usize::from(value.count), Default::default())
-            });
-            // This frontend's slots, in order (one tree walk, not a lookup per slot).
-            let mut found = (value.count > 0)
-                .then(|| dump.slots.range((*fe, 1)..=(*fe, value.count)))
-                .into_iter()
-                .flatten()
-                .peekable();
-            for slot in 1..=value.count {
-                let at = match found.peek() {
-                    Some(((_, s), id)) if *s == slot => {
-                        let id = **id;
-                        found.next();
-                        Some(id)
-                    }
-                    _ => None,
-                };
-                let id = match at {
-                    None => {
-                        report.repair("missing_slot");
-                        warn!(frontend = %fe, slot, "adoption: slot missing below the count");
-                        0
-                    }
-                    Some(id) => match w.backends.get(id) {
-                        None => {
-                            report.repair("dangling_slot");
-                            warn!(frontend = %fe, slot, backend = id, "adoption: slot names a missing backend");
-                            0
-                        }
-                        Some(((b, proto), _)) if proto != fe.proto || b.family() != fe.family() => {
-                            report.repair("slot_backend_mismatch");
-                            warn!(frontend = %fe, slot, backend = id, "adoption: slot names a backend of another protocol or family");
-                            0
-                        }
-                        Some(_) => {
-                            let first = match seen.as_mut() {
-                                Some(set) => set.insert(id),
-                                None => !slots.contains(&id),
-                            };
-                            if let (true, Some(refs)) = (first, w.backends.refs_mut(id)) {
-                                *refs += 1;
-                            }
-                            id
-                        }
-                    },
-                };
-                if id == 0 {
-                    report.missing_slots += 1;
-                }
-                if duplicate && id != 0 {
-                    orphans.push(Op::PutSlot {
-                        frontend: *fe,
-                        slot,
-                        backend_id: id,
-                        service_id: value.service_id,
-                    });
-                }
-                slots.push(id);
-            }
+            let slots = self.adopt_slots(dump, fe, &value, duplicate, report, orphans);
             if duplicate {
                 orphans.push(Op::PutFrontend {
                     frontend: *fe,
                     value,
                 });
             }
-            w.services.insert(
+            self.services.insert(
                 *fe,
                 Programmed {
                     value,
@@ -188,13 +154,113 @@ impl<S: MapStore> Writer<S> {
                 },
             );
         }
-        // Maglev tables: kept (no write) when equal to what the parameters in use give the
-        // adopted slots; else marked for rewriting. Chunks of no flagged frontend go.
+    }
+
+    /// One frontend's slots 1..=count, in order (one tree walk, not a lookup per slot):
+    /// a slot missing, dangling or naming a backend of another protocol or family becomes
+    /// 0 (a repair); each distinct backend gets one reference. A frontend with a new id
+    /// has its slots rewritten.
+    fn adopt_slots(
+        &mut self,
+        dump: &Dump,
+        fe: &Frontend,
+        value: &FrontendValue,
+        duplicate: bool,
+        report: &mut AdoptReport,
+        orphans: &mut Vec<Op>,
+    ) -> Vec<u32> {
+        let mut slots = Vec::with_capacity(usize::from(value.count));
+        // Distinct ids seen (one reference per frontend even if two slots share one):
+        // the slots themselves when few, else a set.
+        let mut seen: Option<HashSet<u32>> = (value.count > 32).then(|| {
+            HashSet::with_capacity_and_hasher(usize::from(value.count), Default::default())
+        });
+        let mut found = (value.count > 0)
+            .then(|| dump.slots.range((*fe, 1)..=(*fe, value.count)))
+            .into_iter()
+            .flatten()
+            .peekable();
+        for slot in 1..=value.count {
+            let at = match found.peek() {
+                Some(((_, s), id)) if *s == slot => {
+                    let id = **id;
+                    found.next();
+                    Some(id)
+                }
+                _ => None,
+            };
+            let id = match self.check_slot(fe, slot, at, report) {
+                Some(id) => {
+                    let first = match seen.as_mut() {
+                        Some(set) => set.insert(id),
+                        None => !slots.contains(&id),
+                    };
+                    if let (true, Some(refs)) = (first, self.backends.refs_mut(id)) {
+                        *refs += 1;
+                    }
+                    id
+                }
+                None => 0,
+            };
+            if id == 0 {
+                report.missing_slots += 1;
+            }
+            if duplicate && id != 0 {
+                orphans.push(Op::PutSlot {
+                    frontend: *fe,
+                    slot,
+                    backend_id: id,
+                    service_id: value.service_id,
+                });
+            }
+            slots.push(id);
+        }
+        slots
+    }
+
+    /// The backend id a found slot may keep, or `None` (counted as a repair) when the
+    /// slot is missing, names no backend, or a backend of another protocol or family.
+    fn check_slot(
+        &self,
+        fe: &Frontend,
+        slot: u16,
+        at: Option<u32>,
+        report: &mut AdoptReport,
+    ) -> Option<u32> {
+        let Some(id) = at else {
+            report.repair("missing_slot");
+            warn!(frontend = %fe, slot, "adoption: slot missing below the count");
+            return None;
+        };
+        match self.backends.get(id) {
+            None => {
+                report.repair("dangling_slot");
+                warn!(frontend = %fe, slot, backend = id, "adoption: slot names a missing backend");
+                None
+            }
+            Some(((b, proto), _)) if proto != fe.proto || b.family() != fe.family() => {
+                report.repair("slot_backend_mismatch");
+                warn!(frontend = %fe, slot, backend = id, "adoption: slot names a backend of another protocol or family");
+                None
+            }
+            Some(_) => Some(id),
+        }
+    }
+
+    /// Maglev tables: kept (no write) when equal to what the parameters in use give the
+    /// adopted slots; else marked for rewriting. Chunks of no flagged frontend go.
+    fn adopt_maglev(
+        &mut self,
+        dump: &Dump,
+        owner: &HashMap<u32, Frontend>,
+        report: &mut AdoptReport,
+        orphans: &mut Vec<Op>,
+    ) {
         let mut maglev_by_id: HashMap<u32, Vec<u32>> = HashMap::default();
         for (sid, chunk) in dump.maglev.keys() {
             maglev_by_id.entry(*sid).or_default().push(*chunk);
         }
-        let flagged: Vec<Frontend> = w
+        let flagged: Vec<Frontend> = self
             .services
             .iter()
             .filter(|(fe, p)| {
@@ -205,14 +271,14 @@ impl<S: MapStore> Writer<S> {
             .collect();
         let mut kept_ids = HashSet::default();
         for fe in flagged {
-            let p = &w.services[&fe];
+            let p = &self.services[&fe];
             let sid = p.value.service_id;
             let Some(found) = maglev_by_id.get(&sid) else {
                 continue;
             };
             kept_ids.insert(sid);
-            let inputs = Self::maglev_inputs(&p.slots, |id| w.backends.addr(id));
-            let want = maglev::chunks(&maglev::table(w.maglev, &inputs));
+            let inputs = Self::maglev_inputs(&p.slots, |id| self.backends.addr(id));
+            let want = maglev::chunks(&maglev::table(self.maglev, &inputs));
             let same = found.len() == want.len()
                 && want
                     .iter()
@@ -220,12 +286,12 @@ impl<S: MapStore> Writer<S> {
                     .all(|(i, c)| dump.maglev.get(&(sid, i as u32)).is_some_and(|d| **d == *c));
             let n = found.iter().max().map_or(0, |m| m + 1);
             let state = if same {
-                (maglev::fingerprint(w.maglev, &inputs), n)
+                (maglev::fingerprint(self.maglev, &inputs), n)
             } else {
                 report.repair("maglev_table_stale");
                 (0, n)
             };
-            if let Some(p) = w.services.get_mut(&fe) {
+            if let Some(p) = self.services.get_mut(&fe) {
                 p.maglev = Some(state);
             }
         }
@@ -237,13 +303,17 @@ impl<S: MapStore> Writer<S> {
                 });
             }
         }
-        // In frontend order, one lookup per frontend.
+    }
+
+    /// Slots past their frontend's count (or of no frontend) go. In frontend order, one
+    /// lookup per frontend.
+    fn collect_dead_slots(&self, dump: &Dump, orphans: &mut Vec<Op>) {
         let mut current: Option<(Frontend, usize)> = None;
         for (fe, slot) in dump.slots.keys() {
             let count = match current {
                 Some((f, n)) if f == *fe => n,
                 _ => {
-                    let n = w.services.get(fe).map_or(0, |p| p.slots.len());
+                    let n = self.services.get(fe).map_or(0, |p| p.slots.len());
                     current = Some((*fe, n));
                     n
                 }
@@ -256,10 +326,14 @@ impl<S: MapStore> Writer<S> {
                 });
             }
         }
-        // Service ids in use per family: an entry of such an id naming another frontend is
-        // rewritten below, not deleted (a delete and a rewrite of one entry must not meet
-        // in one batch phase).
-        let live_sids: HashSet<(u32, crate::model::Family)> = w
+    }
+
+    /// Reverse-NAT and source-range entries of no service go. Service ids in use per
+    /// family: a reverse-NAT entry of such an id naming another frontend is rewritten by
+    /// [`Self::restore_revnat`], not deleted (a delete and a rewrite of one entry must not
+    /// meet in one batch phase).
+    fn collect_dead_service_entries(&self, dump: &Dump, orphans: &mut Vec<Op>) {
+        let live_sids: HashSet<(u32, crate::model::Family)> = self
             .services
             .iter()
             .map(|(fe, p)| (p.value.service_id, fe.family()))
@@ -272,7 +346,7 @@ impl<S: MapStore> Writer<S> {
                 });
             }
         }
-        let live_ids: HashSet<u32> = w.services.values().map(|p| p.value.service_id).collect();
+        let live_ids: HashSet<u32> = self.services.values().map(|p| p.value.service_id).collect();
         for (id, addr, prefix) in &dump.src_ranges {
             if !live_ids.contains(id) {
                 orphans.push(Op::DelSrcRange {
@@ -282,8 +356,12 @@ impl<S: MapStore> Writer<S> {
                 });
             }
         }
-        // A frontend whose reverse-NAT entry is missing gets it back.
-        for (fe, p) in w.services.iter_mut() {
+    }
+
+    /// A frontend whose reverse-NAT entry is missing (or names another frontend) gets it
+    /// back; one whose entry is right takes its Service name from it.
+    fn restore_revnat(&mut self, dump: &Dump, report: &mut AdoptReport, orphans: &mut Vec<Op>) {
+        for (fe, p) in self.services.iter_mut() {
             match dump.revnat.get(&p.value.service_id) {
                 Some((f, name)) if f == fe => p.name = name.clone(),
                 other => {
@@ -300,32 +378,32 @@ impl<S: MapStore> Writer<S> {
                 }
             }
         }
-        let unreferenced: Vec<(u32, BackendKey)> = w
+    }
+
+    /// Backends no slot references go (their ids freed).
+    fn collect_unreferenced_backends(&mut self, orphans: &mut Vec<Op>) {
+        let unreferenced: Vec<(u32, BackendKey)> = self
             .backends
             .iter()
             .filter(|(_, (_, refs))| *refs == 0)
             .map(|(id, (key, _))| (id, key))
             .collect();
         for (id, key) in unreferenced {
-            w.backends.remove(id);
-            w.backend_alloc.free(id);
+            self.backends.remove(id);
+            self.backend_alloc.free(id);
             orphans.push(Op::DelBackend {
                 id,
                 family: key.0.family(),
             });
         }
-        tracing::debug!(
-            frontends = w.services.len(),
-            backends = w.backends.len(),
-            read_ms = read.as_secs_f64() * 1e3,
-            model_ms = (started.elapsed() - read).as_secs_f64() * 1e3,
-            "adoption: the maps read back, the model rebuilt"
-        );
-        orphans.sort_by_key(adopt_phase);
-        if orphans.len() >= w.batch_min.max(2) {
-            // One batch per phase and map.
+    }
+
+    /// Writes the repairs and deletions (sorted by [`adopt_phase`]): one batch per phase
+    /// and map when there are at least `batch_min` (and 2), else one by one.
+    fn write_adoption(&mut self, orphans: &[Op]) -> Result<(), StoreError> {
+        if orphans.len() >= self.batch_min.max(2) {
             let mut phases: [Vec<Op>; 9] = Default::default();
-            for op in &orphans {
+            for op in orphans {
                 phases[adopt_phase(op)].push(op.clone());
             }
             for ops in phases {
@@ -334,31 +412,47 @@ impl<S: MapStore> Writer<S> {
                     plan.push(op.clone(), op);
                 }
                 for (ops, _) in plan.by_group() {
-                    write_batch(&mut w.store, &ops, &mut w.counts).map_err(|(_, e)| e)?;
+                    write_batch(&mut self.store, &ops, &mut self.counts).map_err(|(_, e)| e)?;
                 }
             }
         } else {
-            for op in &orphans {
-                w.store.apply(op)?;
-                w.counts.single += 1;
+            for op in orphans {
+                self.store.apply(op)?;
+                self.counts.single += 1;
             }
         }
-        report.frontends = w.services.len();
-        report.backends = w.backends.len();
-        w.backends.shrink_to_fit();
-        report.orphans_deleted = orphans
-            .iter()
-            .filter(|op| {
-                matches!(
-                    op,
-                    Op::DelSlot { .. }
-                        | Op::DelSrcRange { .. }
-                        | Op::DelRevNat { .. }
-                        | Op::DelBackend { .. }
-                        | Op::DelMaglev { .. }
-                )
-            })
-            .count();
-        Ok((w, report))
+        Ok(())
     }
+}
+
+/// Which frontend keeps each service id. Ids unique: a service id held by two frontends
+/// (the second would share the first's reverse NAT) stays with the one its reverse-NAT
+/// entry names (else the first); the others get a fresh id.
+fn service_id_owners(dump: &Dump) -> HashMap<u32, Frontend> {
+    let mut owner: HashMap<u32, Frontend> = HashMap::default();
+    for (fe, v) in &dump.frontends {
+        let named = dump.revnat.get(&v.service_id).is_some_and(|(f, _)| f == fe);
+        match owner.entry(v.service_id) {
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(*fe);
+            }
+            std::collections::hash_map::Entry::Occupied(mut e) if named => {
+                e.insert(*fe);
+            }
+            std::collections::hash_map::Entry::Occupied(_) => {}
+        }
+    }
+    owner
+}
+
+/// An adoption write that deletes (counted in `orphans_deleted`).
+fn is_deletion(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::DelSlot { .. }
+            | Op::DelSrcRange { .. }
+            | Op::DelRevNat { .. }
+            | Op::DelBackend { .. }
+            | Op::DelMaglev { .. }
+    )
 }

@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// An op and the op that undoes it (planned later with [`Plan::push`]).
+type OpAndUndo = (Op, Op);
+
 impl<S: MapStore> Writer<S> {
     /// Installs or updates one frontend. Returns the number of map operations (0 when the
     /// maps already match).
@@ -28,19 +31,100 @@ impl<S: MapStore> Writer<S> {
 
     /// Plans one frontend's writes (allocating ids for new backends and a new frontend);
     /// nothing is written and the model is unchanged but for the allocations.
+    ///
+    /// The plan follows the update order of the module doc, step by step: new backends;
+    /// the reverse-NAT entry and new source ranges; the slots, then the Maglev table; slot
+    /// 0; surplus slots, then unused table chunks and stale source ranges; backends no
+    /// frontend uses any more.
     pub(super) fn stage_upsert(
         &mut self,
         entry: &ServiceEntry,
     ) -> Result<StagedUpsert, WriteError> {
         let fe = entry.frontend;
         let backends = validate(entry)?;
-        let old = self.services.get(&fe);
-        let old_slots: Vec<u32> = old.map_or_else(Vec::new, |p| p.slots.clone());
-
+        let old_slots: Vec<u32> = self
+            .services
+            .get(&fe)
+            .map_or_else(Vec::new, |p| p.slots.clone());
         let mut plan = Plan::default();
+
+        // 1. New backends.
+        let (ids, new_backend_ids) = self.stage_new_backends(fe, &backends, &mut plan);
+        let (service_id, new_service_id) = match self.services.get(&fe) {
+            Some(p) => (p.value.service_id, false),
+            None => (self.service_alloc.alloc(), true),
+        };
+        let old = self.services.get(&fe);
+        // 2. The reverse-NAT entry (new frontend or new name), and new source ranges.
+        stage_revnat(&mut plan, fe, service_id, old, &entry.name);
+        let want_ranges: BTreeSet<(IpAddr, u8)> = entry.source_ranges.iter().copied().collect();
+        let old_ranges = old.map(|p| p.source_ranges.clone()).unwrap_or_default();
+        for r in want_ranges.difference(&old_ranges) {
+            plan.push(
+                range_op(service_id, true, *r),
+                range_op(service_id, false, *r),
+            );
+        }
+        // 3. Changed slots 1..=new_count, then the Maglev table (after the slots it
+        //    names, before the flag in slot 0).
+        let layout = stable_layout(&old_slots, &ids);
+        stage_slots(&mut plan, fe, service_id, &old_slots, &layout);
+        let addr_of_new: HashMap<u32, std::net::SocketAddr> = ids
+            .iter()
+            .zip(&backends)
+            .map(|(id, b)| (*id, b.addr))
+            .collect();
+        let (maglev_state, maglev_dels) =
+            self.stage_maglev(&mut plan, entry, service_id, old, &layout, &addr_of_new);
+        // 4. Slot 0 with the new count.
+        let value = FrontendValue {
+            service_id,
+            count: layout.len() as u16,
+            flags: entry.flags,
+            affinity_timeout: entry.affinity_timeout,
+        };
+        stage_frontend(&mut plan, fe, old, value);
+        // 5. Surplus slots; then table chunks no longer used, once slot 0 no longer asks
+        //    for them; then stale source ranges.
+        stage_surplus_slots(&mut plan, fe, service_id, &old_slots, layout.len());
+        for (op, undo) in maglev_dels {
+            plan.push(op, undo);
+        }
+        for r in old_ranges.difference(&want_ranges) {
+            plan.push(
+                range_op(service_id, false, *r),
+                range_op(service_id, true, *r),
+            );
+        }
+        // 6. Backends this frontend stops using and nobody else uses.
+        self.stage_unused_backends(&mut plan, &old_slots, &layout);
+
+        Ok(StagedUpsert {
+            fe,
+            plan,
+            new_backend_ids,
+            service_id,
+            new_service_id,
+            value,
+            layout,
+            old_slots,
+            want_ranges,
+            name: entry.name.clone(),
+            maglev: maglev_state,
+        })
+    }
+
+    /// Step 1: the id of each wanted backend, allocating (and planning a `BACKEND` write
+    /// for) those not yet known. Returns the ids in order and the new ones.
+    fn stage_new_backends(
+        &mut self,
+        fe: Frontend,
+        backends: &[Backend],
+        plan: &mut Plan,
+    ) -> (Vec<u32>, Vec<(u32, BackendKey)>) {
         let mut new_backend_ids = Vec::new();
         let mut ids = Vec::with_capacity(backends.len());
-        for b in &backends {
+        for b in backends {
             let key = (*b, fe.proto);
             let id = match self.backends.id_of(&key) {
                 Some(id) => id,
@@ -63,85 +147,21 @@ impl<S: MapStore> Writer<S> {
             };
             ids.push(id);
         }
+        (ids, new_backend_ids)
+    }
 
-        let old = self.services.get(&fe);
-        let (service_id, new_service_id) = match old {
-            Some(p) => (p.value.service_id, false),
-            None => (self.service_alloc.alloc(), true),
-        };
-        let old = self.services.get(&fe);
-        let put_revnat = |name: &str| Op::PutRevNat {
-            service_id,
-            frontend: fe,
-            name: name.to_string(),
-        };
-        match old {
-            None => plan.push(
-                put_revnat(&entry.name),
-                Op::DelRevNat {
-                    service_id,
-                    family: fe.family(),
-                },
-            ),
-            Some(p) if !crate::model::same_stored_name(&p.name, &entry.name) => {
-                plan.push(put_revnat(&entry.name), put_revnat(&p.name))
-            }
-            Some(_) => {}
-        }
-
-        let want_ranges: BTreeSet<(IpAddr, u8)> = entry.source_ranges.iter().copied().collect();
-        let old_ranges = old.map(|p| p.source_ranges.clone()).unwrap_or_default();
-        let range = |put: bool, (addr, prefix): (IpAddr, u8)| {
-            if put {
-                Op::PutSrcRange {
-                    service_id,
-                    addr,
-                    prefix,
-                }
-            } else {
-                Op::DelSrcRange {
-                    service_id,
-                    addr,
-                    prefix,
-                }
-            }
-        };
-        for r in want_ranges.difference(&old_ranges) {
-            plan.push(range(true, *r), range(false, *r));
-        }
-
-        let layout = stable_layout(&old_slots, &ids);
-        for (i, id) in layout.iter().enumerate() {
-            let slot = slot_no(i);
-            let before = old_slots.get(i).copied();
-            if before == Some(*id) {
-                continue;
-            }
-            plan.push(
-                Op::PutSlot {
-                    frontend: fe,
-                    slot,
-                    backend_id: *id,
-                    service_id,
-                },
-                match before {
-                    Some(prev) if prev != 0 => Op::PutSlot {
-                        frontend: fe,
-                        slot,
-                        backend_id: prev,
-                        service_id,
-                    },
-                    _ => Op::DelSlot { frontend: fe, slot },
-                },
-            );
-        }
-
-        // The Maglev table, after the slots it names and before the flag in slot 0.
-        let addr_of_new: HashMap<u32, std::net::SocketAddr> = ids
-            .iter()
-            .zip(&backends)
-            .map(|(id, b)| (*id, b.addr))
-            .collect();
+    /// Step 3 (Maglev): the table's chunks when the slots' fingerprint changed; the
+    /// chunks no longer used are returned (with their undo) to be planned after slot 0.
+    /// Returns the new table state and those deletions.
+    fn stage_maglev(
+        &self,
+        plan: &mut Plan,
+        entry: &ServiceEntry,
+        service_id: u32,
+        old: Option<&Programmed>,
+        layout: &[u32],
+        addr_of_new: &HashMap<u32, std::net::SocketAddr>,
+    ) -> (Option<(u64, u32)>, Vec<OpAndUndo>) {
         let old_maglev = old.and_then(|p| p.maglev);
         let mut maglev_state = None;
         let mut maglev_dels = Vec::new();
@@ -159,7 +179,7 @@ impl<S: MapStore> Writer<S> {
             None => del_chunk(chunk),
         };
         if entry.flags & proxy_common::svc_flags::MAGLEV != 0 && !layout.is_empty() {
-            let inputs = Self::maglev_inputs(&layout, |id| addr_of_new.get(&id).copied());
+            let inputs = Self::maglev_inputs(layout, |id| addr_of_new.get(&id).copied());
             let fp = maglev::fingerprint(self.maglev, &inputs);
             let n = proxy_common::maglev::chunks(self.maglev.table_size);
             if old_maglev.map(|(f, _)| f) != Some(fp) {
@@ -175,57 +195,18 @@ impl<S: MapStore> Writer<S> {
         } else if let Some((_, old_n)) = old_maglev {
             maglev_dels.extend(0..old_n);
         }
+        let dels = maglev_dels
+            .into_iter()
+            .map(|chunk| (del_chunk(chunk), undo_chunk(chunk)))
+            .collect();
+        (maglev_state, dels)
+    }
 
-        let value = FrontendValue {
-            service_id,
-            count: layout.len() as u16,
-            flags: entry.flags,
-            affinity_timeout: entry.affinity_timeout,
-        };
-        if old.map(|p| p.value) != Some(value) {
-            plan.push(
-                Op::PutFrontend {
-                    frontend: fe,
-                    value,
-                },
-                match old {
-                    Some(p) => Op::PutFrontend {
-                        frontend: fe,
-                        value: p.value,
-                    },
-                    None => Op::DelSlot {
-                        frontend: fe,
-                        slot: 0,
-                    },
-                },
-            );
-        }
-
-        for (i, old_id) in old_slots.iter().enumerate().skip(layout.len()) {
-            let slot = slot_no(i);
-            plan.push(
-                Op::DelSlot { frontend: fe, slot },
-                Op::PutSlot {
-                    frontend: fe,
-                    slot,
-                    backend_id: *old_id,
-                    service_id,
-                },
-            );
-        }
-
-        // Table chunks no longer used, once slot 0 no longer asks for them.
-        for chunk in maglev_dels {
-            plan.push(del_chunk(chunk), undo_chunk(chunk));
-        }
-
-        for r in old_ranges.difference(&want_ranges) {
-            plan.push(range(false, *r), range(true, *r));
-        }
-
-        // Backends this frontend stops using and nobody else uses.
+    /// Step 6: backends the old slots named, the new layout does not, and no other
+    /// frontend references.
+    fn stage_unused_backends(&self, plan: &mut Plan, old_slots: &[u32], layout: &[u32]) {
         let new_set: HashSet<u32> = layout.iter().copied().collect();
-        for id in unique(&old_slots) {
+        for id in unique(old_slots) {
             if id == 0 || new_set.contains(&id) {
                 continue;
             }
@@ -243,20 +224,6 @@ impl<S: MapStore> Writer<S> {
                 );
             }
         }
-
-        Ok(StagedUpsert {
-            fe,
-            plan,
-            new_backend_ids,
-            service_id,
-            new_service_id,
-            value,
-            layout,
-            old_slots,
-            want_ranges,
-            name: entry.name.clone(),
-            maglev: maglev_state,
-        })
     }
 
     /// Makes the model say what a staged upsert wrote.
@@ -411,6 +378,123 @@ impl<S: MapStore> Writer<S> {
         }
         self.free_service_id(old.value.service_id);
         self.services.remove(fe);
+    }
+}
+
+/// Step 2: the reverse-NAT entry, for a new frontend or a changed name.
+fn stage_revnat(
+    plan: &mut Plan,
+    fe: Frontend,
+    service_id: u32,
+    old: Option<&Programmed>,
+    name: &str,
+) {
+    let put_revnat = |name: &str| Op::PutRevNat {
+        service_id,
+        frontend: fe,
+        name: name.to_string(),
+    };
+    match old {
+        None => plan.push(
+            put_revnat(name),
+            Op::DelRevNat {
+                service_id,
+                family: fe.family(),
+            },
+        ),
+        Some(p) if !crate::model::same_stored_name(&p.name, name) => {
+            plan.push(put_revnat(name), put_revnat(&p.name))
+        }
+        Some(_) => {}
+    }
+}
+
+/// A source-range write (`put`) or delete.
+fn range_op(service_id: u32, put: bool, (addr, prefix): (IpAddr, u8)) -> Op {
+    if put {
+        Op::PutSrcRange {
+            service_id,
+            addr,
+            prefix,
+        }
+    } else {
+        Op::DelSrcRange {
+            service_id,
+            addr,
+            prefix,
+        }
+    }
+}
+
+/// Step 3: the slots `1..=layout.len()` that changed, each undone to what it held.
+fn stage_slots(plan: &mut Plan, fe: Frontend, service_id: u32, old_slots: &[u32], layout: &[u32]) {
+    for (i, id) in layout.iter().enumerate() {
+        let slot = slot_no(i);
+        let before = old_slots.get(i).copied();
+        if before == Some(*id) {
+            continue;
+        }
+        plan.push(
+            Op::PutSlot {
+                frontend: fe,
+                slot,
+                backend_id: *id,
+                service_id,
+            },
+            match before {
+                Some(prev) if prev != 0 => Op::PutSlot {
+                    frontend: fe,
+                    slot,
+                    backend_id: prev,
+                    service_id,
+                },
+                _ => Op::DelSlot { frontend: fe, slot },
+            },
+        );
+    }
+}
+
+/// Step 4: slot 0, when its value changed.
+fn stage_frontend(plan: &mut Plan, fe: Frontend, old: Option<&Programmed>, value: FrontendValue) {
+    if old.map(|p| p.value) != Some(value) {
+        plan.push(
+            Op::PutFrontend {
+                frontend: fe,
+                value,
+            },
+            match old {
+                Some(p) => Op::PutFrontend {
+                    frontend: fe,
+                    value: p.value,
+                },
+                None => Op::DelSlot {
+                    frontend: fe,
+                    slot: 0,
+                },
+            },
+        );
+    }
+}
+
+/// Step 5: the slots past the new count deleted.
+fn stage_surplus_slots(
+    plan: &mut Plan,
+    fe: Frontend,
+    service_id: u32,
+    old_slots: &[u32],
+    new_count: usize,
+) {
+    for (i, old_id) in old_slots.iter().enumerate().skip(new_count) {
+        let slot = slot_no(i);
+        plan.push(
+            Op::DelSlot { frontend: fe, slot },
+            Op::PutSlot {
+                frontend: fe,
+                slot,
+                backend_id: *old_id,
+                service_id,
+            },
+        );
     }
 }
 

@@ -10,6 +10,7 @@ use crate::{
     cluster::{
         lb_algorithm::{self, LbAlgorithm},
         objects::{ObjKey, ServiceInfo, SliceInfo},
+        skips::{SkipKind, SkipReason},
         Object, Reduced,
     },
     model::Proto,
@@ -32,7 +33,8 @@ impl<S: MapStore> Syncer<S> {
                     "Service {key}: annotation {}: {value:?} is not random or maglev; using the default ({})",
                     lb_algorithm::ANNOTATION, self.lb_default
                 );
-                self.metrics.skipped("Service", "lb_algorithm_unknown");
+                self.metrics
+                    .skipped(SkipKind::SERVICE, SkipReason::LbAlgorithmUnknown);
                 self.lb_default
             }
         }
@@ -65,7 +67,8 @@ impl<S: MapStore> Syncer<S> {
         let key = &r.key;
         let mut info = r.info.map_err(|skip| {
             warn!(service = %key, reason = skip.label(), "skipping Service {key}: {skip}");
-            self.metrics.skipped("Service", skip.label());
+            self.metrics
+                .skipped(SkipKind::SERVICE, SkipReason::Object(&skip));
         })?;
         if let Some(info) = info.as_mut() {
             info.maglev = self.lb_algorithm(key, r.tag.as_deref()) == LbAlgorithm::Maglev;
@@ -74,7 +77,8 @@ impl<S: MapStore> Syncer<S> {
                     service = %key, external_ip = %ip,
                     "Service {key}: externalIP {ip} is outside --external-ip-cidrs; not programmed"
                 );
-                self.metrics.skipped("Service", "external_ip_not_allowed");
+                self.metrics
+                    .skipped(SkipKind::SERVICE, SkipReason::ExternalIpNotAllowed);
             }
             // Neither datapath parses SCTP (the TC programs handle TCP and UDP; the kernel
             // here has no SCTP to test the socket hooks with): such a port is left out,
@@ -86,7 +90,8 @@ impl<S: MapStore> Syncer<S> {
                         "Service {key}: port {} is SCTP, which ebpf-proxy does not serve; not programmed",
                         p.port
                     );
-                    self.metrics.skipped("Service", "sctp_not_supported");
+                    self.metrics
+                        .skipped(SkipKind::SERVICE, SkipReason::SctpNotSupported);
                 }
                 info.ports = info
                     .ports
@@ -103,7 +108,7 @@ impl<S: MapStore> Syncer<S> {
         let key = &r.key;
         r.info.map_err(|skip| {
             warn!(endpointslice = %key, reason = skip.label(), "skipping EndpointSlice {key}: {skip}");
-            self.metrics.skipped("EndpointSlice", skip.label());
+            self.metrics.skipped(SkipKind::ENDPOINT_SLICE, SkipReason::Object(&skip));
         })
     }
 }

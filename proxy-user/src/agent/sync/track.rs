@@ -14,6 +14,7 @@ use super::{incoming::Incoming, syncer::Syncer};
 use crate::{
     cluster::{
         objects::{NodeInfo, ObjKey, SliceInfo},
+        skips::{SkipKind, SkipReason},
         Kind, Object, Update,
     },
     store::MapStore,
@@ -234,7 +235,8 @@ impl<S: MapStore> Syncer<S> {
             endpointslice = %key, service = %service,
             "EndpointSlice {key}: Service {service} not found (yet); its endpoints wait for it"
         );
-        self.metrics.skipped("EndpointSlice", "service_missing");
+        self.metrics
+            .skipped(SkipKind::ENDPOINT_SLICE, SkipReason::ServiceMissing);
     }
 
     /// A Node object's addresses in [`Index::cluster_nodes`].

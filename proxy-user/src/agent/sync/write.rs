@@ -13,6 +13,7 @@ use crate::{
     cluster::{
         conflicts::{write_order, Rank},
         objects::ObjKey,
+        skips::{SkipKind, SkipReason},
     },
     fasthash::{HashMap, HashSet},
     model::{Frontend, ServiceEntry},
@@ -232,7 +233,8 @@ impl<S: MapStore> Syncer<S> {
         let known = self.refused.values().any(|(k, r)| k == key && *r == reason);
         if self.refused.insert(*fe, (key.clone(), reason)).is_none() && !known {
             warn!(service = %key, reason, "skipping Service {key}: {err}; the rest is programmed");
-            self.metrics.skipped("Service", reason);
+            self.metrics
+                .skipped(SkipKind::SERVICE, SkipReason::Refused(reason));
         }
     }
 
@@ -263,7 +265,8 @@ impl<S: MapStore> Syncer<S> {
             service = %key, frontend = %fe,
             "Service {key}: frontend {fe} belongs to Service {other} (created earlier, or same time and a smaller namespace/name); skipped"
         );
-        self.metrics.skipped("Service", "frontend_conflict");
+        self.metrics
+            .skipped(SkipKind::SERVICE, SkipReason::FrontendConflict);
     }
 
     /// A frontend's write failed (a removal's when `owner` is `None`): logged with the

@@ -192,17 +192,10 @@ pub struct ChoiceView {
 }
 
 /// Explains `q` from what the snapshot holds (pure; see `Maps::snapshot_for` for the
-/// lookups that fill a snapshot for one query).
+/// lookups that fill a snapshot for one query): which frontend matches, the paths that
+/// serve it, notes on its flags, kube-proxy's rules for it and, with `--from`, the flow.
 pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
     let node_address = s.node_addrs.as_ref().map(|a| a.contains(&q.addr));
-    let exact_twin = services::view(s, &q.frontend(q.addr, scope::EXTERNAL_LOCAL));
-    let any = q.any_addr();
-    let node_port = if q.addr == any {
-        None
-    } else {
-        services::view(s, &q.frontend(any, scope::ALL))
-    };
-    let node_port_twin = services::view(s, &q.frontend(any, scope::EXTERNAL_LOCAL));
     let mut notes = Vec::new();
     if q.mapped {
         notes.push(format!(
@@ -211,23 +204,86 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
             q.addr
         ));
     }
-    // A v4-mapped destination goes through the v6 hooks (which use the v4 maps).
-    let family = if q.addr.is_ipv4() && !q.mapped {
-        "4"
+    // The NodePort on this port (the destination may be a node address).
+    let node_port = if q.addr == q.any_addr() {
+        None
     } else {
-        "6"
+        services::view(s, &q.frontend(q.any_addr(), scope::ALL))
     };
-    // Which entry the destination hits: the datapaths' one rule
-    // (`proxy_common::lookup::frontend`), over the snapshot.
+    let Some(Matched {
+        primary,
+        twin,
+        via_node_port,
+    }) = match_frontend(s, q, node_address, node_port.as_ref(), &mut notes)
+    else {
+        return unmatched(s, q, node_address, node_port, notes);
+    };
+    let (paths, tc_view) = serving_paths(s, q, &primary, twin.as_ref(), via_node_port, &mut notes);
+    flag_notes(&primary, twin.as_ref(), &mut notes);
+    let iptables = service_port(&primary, twin.as_ref(), s).map(|sp| iptables::rules(&sp));
+    if iptables.is_none() {
+        notes.push(
+            "the frontend has no Service name in REVNAT, so kube-proxy's chain names \
+             (hashes of namespace/name:port) cannot be computed"
+                .into(),
+        );
+    }
+    let flow = s.flow.as_ref().filter(|_| q.from.is_some()).map(|f| {
+        let path = paths
+            .iter()
+            .find(|p| p.path == "tc" || p.path == "xdp")
+            .map_or("tc", |p| p.path);
+        flow::choice(s, f, tc_view, path, q)
+    });
+    let kind = primary.kind;
+    let service = primary.service.clone();
+    let mut frontends = vec![primary];
+    frontends.extend(twin);
+    ExplainDoc {
+        schema: super::SCHEMA,
+        query: query_view(q),
+        matched: true,
+        service,
+        kind: Some(kind),
+        node_address,
+        via_node_port,
+        paths,
+        frontends,
+        iptables,
+        flow,
+        notes,
+    }
+}
+
+/// The frontend a destination hits, with its ext-local twin.
+struct Matched {
+    primary: ServiceView,
+    twin: Option<ServiceView>,
+    /// Found as a NodePort through a node address.
+    via_node_port: bool,
+}
+
+/// Which entry the destination hits: the datapaths' one rule
+/// (`proxy_common::lookup::frontend`), over the snapshot; `None`: no entry.
+fn match_frontend(
+    s: &Snapshot,
+    q: &Query,
+    node_address: Option<bool>,
+    node_port: Option<&ServiceView>,
+    notes: &mut Vec<String>,
+) -> Option<Matched> {
+    let exact_twin = services::view(s, &q.frontend(q.addr, scope::EXTERNAL_LOCAL));
+    let any = q.any_addr();
+    let node_port_twin = services::view(s, &q.frontend(any, scope::EXTERNAL_LOCAL));
     let hit = proxy_common::lookup::frontend(
         q.addr,
         any,
         |a| services::view(s, &q.frontend(a, scope::ALL)),
         |_| node_address == Some(true),
     );
-    let (primary, twin, via_node_port) = match hit {
+    match hit {
         Some((e, key)) if key == q.addr => {
-            if let Some(np) = node_port.as_ref().filter(|_| node_address == Some(true)) {
+            if let Some(np) = node_port.filter(|_| node_address == Some(true)) {
                 notes.push(format!(
                     "{} is also a node address and port {}/{} a NodePort ({}); the exact \
                      frontend above is the one looked up first",
@@ -237,59 +293,66 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
                     np.service.as_deref().unwrap_or("no name")
                 ));
             }
-            (e, exact_twin, false)
+            Some(Matched {
+                primary: e,
+                twin: exact_twin,
+                via_node_port: false,
+            })
         }
-        Some((np, _)) => (np, node_port_twin, true),
-        None => {
-            return unmatched(s, q, node_address, node_port, notes);
-        }
-    };
+        Some((np, _)) => Some(Matched {
+            primary: np,
+            twin: node_port_twin,
+            via_node_port: true,
+        }),
+        None => None,
+    }
+}
 
+/// The paths that serve the destination (socket hooks, TC or XDP), and the frontend the
+/// packet path uses (`None`: it drops), for `--from`.
+fn serving_paths<'a>(
+    s: &Snapshot,
+    q: &Query,
+    primary: &'a ServiceView,
+    twin: Option<&'a ServiceView>,
+    via_node_port: bool,
+    notes: &mut Vec<String>,
+) -> (Vec<PathView>, Option<&'a ServiceView>) {
+    // A v4-mapped destination goes through the v6 hooks (which use the v4 maps).
+    let family = if q.addr.is_ipv4() && !q.mapped {
+        "4"
+    } else {
+        "6"
+    };
     let kind = primary.kind;
     let mut paths = Vec::new();
-    // The frontend the packet path uses (None: it drops), for `--from`.
-    let mut tc_view = Some(&primary);
+    let mut tc_view = Some(primary);
     if kind != Kind::NodePort || via_node_port {
         paths.push(socket_path(
-            &primary,
+            primary,
             family,
             SocketAddr::new(q.addr, q.port),
         ));
     }
     if kind.is_external() {
         let etp_local = primary.flags_raw & svc_flags::ETP_LOCAL != 0;
-        let from_outside = "packets arriving from outside the node (TC on the node's interfaces)";
-        tc_view = match (&twin, etp_local) {
+        tc_view = match (twin, etp_local) {
             (Some(t), true) => Some(t),
             (None, true) => None,
-            _ => Some(&primary),
+            _ => Some(primary),
         };
-        match (&twin, etp_local) {
-            (Some(t), true) => paths.push(tc_path(t, true, from_outside)),
-            (None, true) => {
-                notes.push(format!(
-                    "{} has the etp-local flag but no ext-local twin entry: TC drops external \
-                     traffic to it (tc_no_local_backend)",
-                    primary.frontend
-                ));
-                let mut p = tc_path(&primary, true, from_outside);
-                p.outcome = "dropped";
-                p.detail = "externalTrafficPolicy Local without a local-only twin: dropped".into();
-                p.backends.clear();
-                paths.push(p);
-            }
-            _ => paths.push(tc_path(&primary, false, from_outside)),
-        }
+        paths.push(external_tc_path(primary, twin, etp_local, notes));
         if kind == Kind::NodePort {
             notes.push(format!(
-                "a NodePort frontend has address {any}: TC and the socket hooks match it on \
+                "a NodePort frontend has address {}: TC and the socket hooks match it on \
                  every node address (NODE_ADDRS{}) after the exact address missed",
+                q.any_addr(),
                 if q.addr.is_ipv4() { "4" } else { "6" }
             ));
         }
     } else {
         paths.push(tc_path(
-            &primary,
+            primary,
             false,
             "packets routed through this node to the cluster IP (TC on the node's interfaces)",
         ));
@@ -307,6 +370,39 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
             })
             .collect();
     }
+    (paths, tc_view)
+}
+
+/// The TC path of an external destination: through the ext-local twin under
+/// `externalTrafficPolicy: Local`, dropped when that twin is missing.
+fn external_tc_path(
+    primary: &ServiceView,
+    twin: Option<&ServiceView>,
+    etp_local: bool,
+    notes: &mut Vec<String>,
+) -> PathView {
+    let from_outside = "packets arriving from outside the node (TC on the node's interfaces)";
+    match (twin, etp_local) {
+        (Some(t), true) => tc_path(t, true, from_outside),
+        (None, true) => {
+            notes.push(format!(
+                "{} has the etp-local flag but no ext-local twin entry: TC drops external \
+                 traffic to it (tc_no_local_backend)",
+                primary.frontend
+            ));
+            let mut p = tc_path(primary, true, from_outside);
+            p.outcome = "dropped";
+            p.detail = "externalTrafficPolicy Local without a local-only twin: dropped".into();
+            p.backends.clear();
+            p
+        }
+        _ => tc_path(primary, false, from_outside),
+    }
+}
+
+/// Notes on the frontend's flags (session affinity, Maglev, source ranges) and the
+/// problems found in it and its twin.
+fn flag_notes(primary: &ServiceView, twin: Option<&ServiceView>, notes: &mut Vec<String>) {
     if primary.flags_raw & svc_flags::AFFINITY != 0 {
         notes.push(format!(
             "sessionAffinity ClientIP ({}s): a client (its network namespace at the socket \
@@ -334,41 +430,10 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
             }
         ));
     }
-    for v in std::iter::once(&primary).chain(twin.as_ref()) {
+    for v in std::iter::once(primary).chain(twin) {
         for p in &v.problems {
             notes.push(format!("{}: {p}", v.frontend));
         }
-    }
-    let iptables = service_port(&primary, twin.as_ref(), s).map(|sp| iptables::rules(&sp));
-    if iptables.is_none() {
-        notes.push(
-            "the frontend has no Service name in REVNAT, so kube-proxy's chain names \
-             (hashes of namespace/name:port) cannot be computed"
-                .into(),
-        );
-    }
-    let flow = s.flow.as_ref().filter(|_| q.from.is_some()).map(|f| {
-        let path = paths
-            .iter()
-            .find(|p| p.path == "tc" || p.path == "xdp")
-            .map_or("tc", |p| p.path);
-        flow::choice(s, f, tc_view, path, q)
-    });
-    let mut frontends = vec![primary.clone()];
-    frontends.extend(twin);
-    ExplainDoc {
-        schema: super::SCHEMA,
-        query: query_view(q),
-        matched: true,
-        service: primary.service.clone(),
-        kind: Some(kind),
-        node_address,
-        via_node_port,
-        paths,
-        frontends,
-        iptables,
-        flow,
-        notes,
     }
 }
 

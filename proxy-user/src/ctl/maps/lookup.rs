@@ -137,8 +137,8 @@ impl Maps {
 
     pub(super) fn svc_get(&self, fe: &Frontend, slot: u16) -> Result<Option<SvcValue>> {
         match codec::svc_key(fe, slot) {
-            codec::SvcKey::V4(k) => lookup(&self.svc4, &k, names::SVC4),
-            codec::SvcKey::V6(k) => lookup(&self.svc6, &k, names::SVC6),
+            codec::SvcKey::V4(k) => lookup(&self.v4.svc, &k, names::SVC4),
+            codec::SvcKey::V6(k) => lookup(&self.v6.svc, &k, names::SVC6),
         }
     }
 
@@ -165,9 +165,11 @@ impl Maps {
     /// A reverse-NAT entry (frontend and name); `None`: absent or unreadable protocol.
     pub(super) fn revnat(&self, id: u32, v4: bool) -> Result<Option<(Frontend, String)>> {
         Ok(if v4 {
-            lookup(&self.revnat4, &id, names::REVNAT4)?.and_then(|r| codec::decode_revnat4(&r))
+            lookup(&self.v4.revnat, &id, names::REVNAT4)?
+                .and_then(|r| codec::decode_revnat::<Ipv4>(&r))
         } else {
-            lookup(&self.revnat6, &id, names::REVNAT6)?.and_then(|r| codec::decode_revnat6(&r))
+            lookup(&self.v6.revnat, &id, names::REVNAT6)?
+                .and_then(|r| codec::decode_revnat::<Ipv6>(&r))
         })
     }
 
@@ -175,10 +177,10 @@ impl Maps {
         if s.services.backends.contains_key(&id) {
             return Ok(());
         }
-        let b = match lookup(&self.backend4, &id, names::BACKEND4)? {
-            Some(b) => backend4(id, &b, &mut s.warnings),
-            None => lookup(&self.backend6, &id, names::BACKEND6)?
-                .and_then(|b| backend6(id, &b, &mut s.warnings)),
+        let b = match lookup(&self.v4.backend, &id, names::BACKEND4)? {
+            Some(b) => backend::<Ipv4>(id, &b, &mut s.warnings),
+            None => lookup(&self.v6.backend, &id, names::BACKEND6)?
+                .and_then(|b| backend::<Ipv6>(id, &b, &mut s.warnings)),
         };
         if let Some(b) = b {
             s.services.backends.insert(id, b);
@@ -215,39 +217,37 @@ impl Maps {
         Ok(())
     }
 
+    /// Every frontend on `addr` (any port and protocol): slot 0 of each, by one scan of
+    /// its family's `SVC` map.
     pub(super) fn scan_slot0(&self, s: &mut Snapshot, addr: IpAddr) -> Result<()> {
+        let want = codec::svc_key(&Frontend::new(addr, 0, Proto::Tcp), 0);
         match addr {
-            IpAddr::V4(a) => {
-                let want = codec::svc_key(&Frontend::new(a, 0, Proto::Tcp), 0);
-                let codec::SvcKey::V4(want) = want else {
-                    return Ok(());
-                };
-                for (k, v) in self.svc4.read_all().map_err(read_err(names::SVC4))? {
-                    if k.slot == 0 && k.addr == want.addr {
-                        if let Some(fe) = codec::decode_svc4(&k) {
-                            s.services
-                                .frontends
-                                .insert(fe, codec::decode_frontend_value(&v));
-                        }
-                    }
-                }
-            }
-            IpAddr::V6(a) => {
-                let want = codec::svc_key(&Frontend::new(a, 0, Proto::Tcp), 0);
-                let codec::SvcKey::V6(want) = want else {
-                    return Ok(());
-                };
-                for (k, v) in self.svc6.read_all().map_err(read_err(names::SVC6))? {
-                    if k.slot == 0 && k.addr == want.addr {
-                        if let Some(fe) = codec::decode_svc6(&k) {
-                            s.services
-                                .frontends
-                                .insert(fe, codec::decode_frontend_value(&v));
-                        }
-                    }
-                }
+            IpAddr::V4(_) => scan_slot0_in::<Ipv4>(&self.v4.svc, want, s),
+            IpAddr::V6(_) => scan_slot0_in::<Ipv6>(&self.v6.svc, want, s),
+        }
+    }
+}
+
+/// [`Maps::scan_slot0`] over one family's `SVC` map: the slot-0 entries whose address is
+/// the one of `want`.
+fn scan_slot0_in<F: FamilyAbi>(
+    map: &PinnedHash<F::SvcKey, SvcValue>,
+    want: codec::SvcKey,
+    s: &mut Snapshot,
+) -> Result<()> {
+    let Some(want) = F::svc_key(want) else {
+        return Ok(());
+    };
+    let (want, _) = F::svc_fields(&want);
+    for (k, v) in map.read_all().map_err(read_err(F::SVC))? {
+        let (f, slot) = F::svc_fields(&k);
+        if slot == 0 && f.addr == want.addr {
+            if let Some((fe, _)) = codec::decode_svc::<F>(&k) {
+                s.services
+                    .frontends
+                    .insert(fe, codec::decode_frontend_value(&v));
             }
         }
-        Ok(())
     }
+    Ok(())
 }

@@ -16,9 +16,8 @@ use aya::maps::{
     HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap,
 };
 use proxy_common::{
-    affinity_kind, map_names as names, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key,
-    Ct4Value, Ct6Key, Ct6Value, MaglevChunk, MaglevKey, Reason, RevNat4, RevNat6, SrcRange4,
-    SrcRange6, Svc4Key, Svc6Key, SvcValue,
+    affinity_kind, map_names as names, AffinityKey, AffinityValue, Ct4Key, Ct4Value, Ct6Key,
+    Ct6Value, MaglevChunk, MaglevKey, Reason, SvcValue,
 };
 
 use super::{
@@ -29,7 +28,6 @@ use crate::{
     codec,
     model::{port_host, v4_from_word, v6_from_words, Backend, Frontend, Proto},
     pins::{Access, PinDir, PinError, PinnedHash},
-    store::Dump,
 };
 
 pub use crate::pins::BPF_F_RDONLY;
@@ -37,7 +35,8 @@ pub use crate::pins::BPF_F_RDONLY;
 mod lookup;
 mod read;
 
-use read::{backend4, backend6, lookup};
+use crate::codec::{FamilyAbi, Ipv4, Ipv6};
+use read::{backend, lookup};
 
 /// Opens a pinned BPF object read-only (`BPF_OBJ_GET` with `BPF_F_RDONLY`).
 pub fn open_pinned_rdonly(path: &Path) -> io::Result<OwnedFd> {
@@ -118,17 +117,46 @@ pub fn monotonic_ns() -> u64 {
     (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// One family's service maps (`SVC`, `BACKEND`, `REVNAT`; `NODE_ADDRS` and `SRC_RANGE`
+/// when pinned), read by the generic readers of `read.rs`.
+struct FamilyMaps<F: FamilyAbi> {
+    svc: PinnedHash<F::SvcKey, SvcValue>,
+    backend: PinnedHash<u32, F::Backend>,
+    revnat: PinnedHash<u32, F::RevNat>,
+    node: Option<HashMap<MapData, F::Addr, u8>>,
+    src: Option<LpmTrie<MapData, F::SrcRange, u8>>,
+}
+
+impl<F: FamilyAbi> FamilyMaps<F> {
+    /// Opens one family's maps read-only; an optional one that is not pinned joins
+    /// `missing`.
+    fn open(pins: &PinDir, missing: &mut BTreeSet<&'static str>) -> Result<Self> {
+        let ro = Access::ReadOnly;
+        let node = from_pin(pins, pins.typed(F::NODE_ADDRS, ro))?;
+        if node.is_none() {
+            missing.insert(F::NODE_ADDRS);
+        }
+        let src = from_pin(pins, pins.typed(F::SRC_RANGE, ro))?;
+        if src.is_none() {
+            missing.insert(F::SRC_RANGE);
+        }
+        Ok(Self {
+            svc: pins.hash(F::SVC, ro).map_err(|e| pin_error(pins, e))?,
+            backend: pins.hash(F::BACKEND, ro).map_err(|e| pin_error(pins, e))?,
+            revnat: pins.hash(F::REVNAT, ro).map_err(|e| pin_error(pins, e))?,
+            node,
+            src,
+        })
+    }
+}
+
 /// Every map `proxyctl` reads, opened read-only from one pin directory. The maps of the
 /// TC datapath (conntrack, node addresses, source ranges) are optional: a datapath
 /// without them still has its services shown.
 pub struct Maps {
     dir: PathBuf,
-    svc4: PinnedHash<Svc4Key, SvcValue>,
-    svc6: PinnedHash<Svc6Key, SvcValue>,
-    backend4: PinnedHash<u32, Backend4>,
-    backend6: PinnedHash<u32, Backend6>,
-    revnat4: PinnedHash<u32, RevNat4>,
-    revnat6: PinnedHash<u32, RevNat6>,
+    v4: FamilyMaps<Ipv4>,
+    v6: FamilyMaps<Ipv6>,
     stats: PerCpuArray<MapData, u64>,
     xdp_stats: Option<PerCpuArray<MapData, u64>>,
     acceleration: u32,
@@ -136,11 +164,7 @@ pub struct Maps {
     conns_fd: OwnedFd,
     ct4: Option<HashMap<MapData, Ct4Key, Ct4Value>>,
     ct6: Option<HashMap<MapData, Ct6Key, Ct6Value>>,
-    node4: Option<HashMap<MapData, u32, u8>>,
-    node6: Option<HashMap<MapData, [u32; 4], u8>>,
     affinity: Option<HashMap<MapData, AffinityKey, AffinityValue>>,
-    src4: Option<LpmTrie<MapData, SrcRange4, u8>>,
-    src6: Option<LpmTrie<MapData, SrcRange6, u8>>,
     maglev: Option<HashMap<MapData, MaglevKey, MaglevChunk>>,
     missing: BTreeSet<&'static str>,
 }
@@ -178,11 +202,7 @@ impl Maps {
         }
         let ct4 = opt!(names::CT4);
         let ct6 = opt!(names::CT6);
-        let node4 = opt!(names::NODE_ADDRS4);
-        let node6 = opt!(names::NODE_ADDRS6);
         let affinity = opt!(names::AFFINITY);
-        let src4 = opt!(names::SRC_RANGE4);
-        let src6 = opt!(names::SRC_RANGE6);
         let xdp_stats = opt!(names::XDP_STATS);
         let maglev = opt!(names::MAGLEV);
         let acceleration = pins
@@ -191,12 +211,8 @@ impl Maps {
         let (conns, conns_fd) = req!(pins.typed_with_fd(names::BACKEND_CONNS, ro));
         Ok(Self {
             dir: pins.path().to_owned(),
-            svc4: req!(pins.hash(names::SVC4, ro)),
-            svc6: req!(pins.hash(names::SVC6, ro)),
-            backend4: req!(pins.hash(names::BACKEND4, ro)),
-            backend6: req!(pins.hash(names::BACKEND6, ro)),
-            revnat4: req!(pins.hash(names::REVNAT4, ro)),
-            revnat6: req!(pins.hash(names::REVNAT6, ro)),
+            v4: FamilyMaps::open(pins, &mut missing)?,
+            v6: FamilyMaps::open(pins, &mut missing)?,
             stats: req!(pins.typed(names::STATS, ro)),
             xdp_stats,
             acceleration,
@@ -204,11 +220,7 @@ impl Maps {
             conns_fd,
             ct4,
             ct6,
-            node4,
-            node6,
             affinity,
-            src4,
-            src6,
             maglev,
             missing,
         })

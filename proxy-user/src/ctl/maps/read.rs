@@ -5,68 +5,17 @@ use super::*;
 
 impl Maps {
     pub(super) fn read_backends(&self, s: &mut Snapshot) -> Result<()> {
-        for (id, b) in self
-            .backend4
-            .read_all()
-            .map_err(read_err(names::BACKEND4))?
-        {
-            if let Some(b) = backend4(id, &b, &mut s.warnings) {
-                s.services.backends.insert(id, b);
-            }
-        }
-        for (id, b) in self
-            .backend6
-            .read_all()
-            .map_err(read_err(names::BACKEND6))?
-        {
-            if let Some(b) = backend6(id, &b, &mut s.warnings) {
-                s.services.backends.insert(id, b);
-            }
-        }
-        Ok(())
+        read_backends_of::<Ipv4>(&self.v4.backend, s)?;
+        read_backends_of::<Ipv6>(&self.v6.backend, s)
     }
 
     /// `SVC4/6`, `BACKEND4/6` and `REVNAT4/6` into `s.services` (batch lookups).
     pub(super) fn read_services(&self, s: &mut Snapshot) -> Result<()> {
         self.read_backends(s)?;
-        let d: &mut Dump = &mut s.services;
-        for (k, v) in self.svc4.read_all().map_err(read_err(names::SVC4))? {
-            match codec::decode_svc4(&k) {
-                Some(fe) => codec::put_svc(d, fe, k.slot, &v),
-                None => s
-                    .warnings
-                    .push(format!("SVC4: unknown protocol {}", k.proto)),
-            }
-        }
-        for (k, v) in self.svc6.read_all().map_err(read_err(names::SVC6))? {
-            match codec::decode_svc6(&k) {
-                Some(fe) => codec::put_svc(d, fe, k.slot, &v),
-                None => s
-                    .warnings
-                    .push(format!("SVC6: unknown protocol {}", k.proto)),
-            }
-        }
-        for (id, r) in self.revnat4.read_all().map_err(read_err(names::REVNAT4))? {
-            match codec::decode_revnat4(&r) {
-                Some(entry) => {
-                    d.revnat.insert(id, entry);
-                }
-                None => s
-                    .warnings
-                    .push(format!("REVNAT4 {id}: unknown protocol {}", r.proto)),
-            }
-        }
-        for (id, r) in self.revnat6.read_all().map_err(read_err(names::REVNAT6))? {
-            match codec::decode_revnat6(&r) {
-                Some(entry) => {
-                    d.revnat.insert(id, entry);
-                }
-                None => s
-                    .warnings
-                    .push(format!("REVNAT6 {id}: unknown protocol {}", r.proto)),
-            }
-        }
-        Ok(())
+        read_svc_of::<Ipv4>(&self.v4.svc, s)?;
+        read_svc_of::<Ipv6>(&self.v6.svc, s)?;
+        read_revnat_of::<Ipv4>(&self.v4.revnat, s)?;
+        read_revnat_of::<Ipv6>(&self.v6.revnat, s)
     }
 
     /// `BACKEND_CONNS`, summed over CPUs.
@@ -101,42 +50,20 @@ impl Maps {
 
     /// `NODE_ADDRS4/6`; `None` if neither is pinned.
     pub fn read_node_addrs(&self) -> Result<Option<BTreeSet<IpAddr>>> {
-        if self.node4.is_none() && self.node6.is_none() {
+        if self.v4.node.is_none() && self.v6.node.is_none() {
             return Ok(None);
         }
         let mut out = BTreeSet::new();
-        if let Some(m) = &self.node4 {
-            for k in m.keys() {
-                let k = k.map_err(read_err(names::NODE_ADDRS4))?;
-                out.insert(codec::decode_node_addr4(k));
-            }
-        }
-        if let Some(m) = &self.node6 {
-            for k in m.keys() {
-                let k = k.map_err(read_err(names::NODE_ADDRS6))?;
-                out.insert(codec::decode_node_addr6(k));
-            }
-        }
+        read_node_addrs_of::<Ipv4>(self.v4.node.as_ref(), &mut out)?;
+        read_node_addrs_of::<Ipv6>(self.v6.node.as_ref(), &mut out)?;
         Ok(Some(out))
     }
 
     /// `SRC_RANGE4/6`: the prefix length counts the 32 bits of the service id first.
     pub fn read_src_ranges(&self) -> Result<BTreeMap<u32, Vec<Cidr>>> {
         let mut out: BTreeMap<u32, Vec<Cidr>> = BTreeMap::new();
-        if let Some(m) = &self.src4 {
-            for k in m.keys() {
-                let k: LpmKey<SrcRange4> = k.map_err(read_err(names::SRC_RANGE4))?;
-                let (id, addr, len) = codec::decode_src_range4(&k);
-                out.entry(id).or_default().push(Cidr { addr, len });
-            }
-        }
-        if let Some(m) = &self.src6 {
-            for k in m.keys() {
-                let k: LpmKey<SrcRange6> = k.map_err(read_err(names::SRC_RANGE6))?;
-                let (id, addr, len) = codec::decode_src_range6(&k);
-                out.entry(id).or_default().push(Cidr { addr, len });
-            }
-        }
+        read_src_ranges_of::<Ipv4>(self.v4.src.as_ref(), &mut out)?;
+        read_src_ranges_of::<Ipv6>(self.v6.src.as_ref(), &mut out)?;
         for ranges in out.values_mut() {
             ranges.sort();
         }
@@ -213,28 +140,91 @@ pub(super) fn lookup<K: aya::Pod, V: aya::Pod>(
     }
 }
 
-pub(super) fn backend4(
+/// A `BACKEND4/6` value decoded; an unknown protocol is a warning.
+pub(super) fn backend<F: FamilyAbi>(
     id: u32,
-    b: &Backend4,
+    b: &F::Backend,
     warnings: &mut Vec<String>,
 ) -> Option<(Backend, Proto)> {
-    let decoded = codec::decode_backend4(b);
+    let decoded = codec::decode_backend::<F>(b);
     if decoded.is_none() {
-        warnings.push(format!("BACKEND4 {id}: unknown protocol {}", b.proto));
+        let proto = codec::backend_proto::<F>(b);
+        warnings.push(format!("{} {id}: unknown protocol {proto}", F::BACKEND));
     }
     decoded
 }
 
-pub(super) fn backend6(
-    id: u32,
-    b: &Backend6,
-    warnings: &mut Vec<String>,
-) -> Option<(Backend, Proto)> {
-    let decoded = codec::decode_backend6(b);
-    if decoded.is_none() {
-        warnings.push(format!("BACKEND6 {id}: unknown protocol {}", b.proto));
+/// One family's `BACKEND` map into `s.services`.
+fn read_backends_of<F: FamilyAbi>(
+    map: &PinnedHash<u32, F::Backend>,
+    s: &mut Snapshot,
+) -> Result<()> {
+    for (id, b) in map.read_all().map_err(read_err(F::BACKEND))? {
+        if let Some(b) = backend::<F>(id, &b, &mut s.warnings) {
+            s.services.backends.insert(id, b);
+        }
     }
-    decoded
+    Ok(())
+}
+
+/// One family's `SVC` map into `s.services`; an unknown protocol is a warning.
+fn read_svc_of<F: FamilyAbi>(
+    map: &PinnedHash<F::SvcKey, SvcValue>,
+    s: &mut Snapshot,
+) -> Result<()> {
+    for (k, v) in map.read_all().map_err(read_err(F::SVC))? {
+        match codec::decode_svc::<F>(&k) {
+            Some((fe, slot)) => codec::put_svc(&mut s.services, fe, slot, &v),
+            None => s.warnings.push(format!(
+                "{}: unknown protocol {}",
+                F::SVC,
+                codec::svc_proto::<F>(&k)
+            )),
+        }
+    }
+    Ok(())
+}
+
+/// One family's `REVNAT` map into `s.services`; an unknown protocol is a warning.
+fn read_revnat_of<F: FamilyAbi>(map: &PinnedHash<u32, F::RevNat>, s: &mut Snapshot) -> Result<()> {
+    for (id, r) in map.read_all().map_err(read_err(F::REVNAT))? {
+        match codec::decode_revnat::<F>(&r) {
+            Some(entry) => {
+                s.services.revnat.insert(id, entry);
+            }
+            None => s.warnings.push(format!(
+                "{} {id}: unknown protocol {}",
+                F::REVNAT,
+                codec::revnat_proto::<F>(&r)
+            )),
+        }
+    }
+    Ok(())
+}
+
+/// One family's `NODE_ADDRS` map (when pinned) into `out`.
+fn read_node_addrs_of<F: FamilyAbi>(
+    map: Option<&HashMap<MapData, F::Addr, u8>>,
+    out: &mut BTreeSet<IpAddr>,
+) -> Result<()> {
+    for k in map.into_iter().flat_map(|m| m.keys()) {
+        let k = k.map_err(read_err(F::NODE_ADDRS))?;
+        out.insert(codec::decode_node_addr::<F>(k));
+    }
+    Ok(())
+}
+
+/// One family's `SRC_RANGE` trie (when pinned) into `out`, by service id.
+fn read_src_ranges_of<F: FamilyAbi>(
+    map: Option<&LpmTrie<MapData, F::SrcRange, u8>>,
+    out: &mut BTreeMap<u32, Vec<Cidr>>,
+) -> Result<()> {
+    for k in map.into_iter().flat_map(|m| m.keys()) {
+        let k: LpmKey<F::SrcRange> = k.map_err(read_err(F::SRC_RANGE))?;
+        let (id, addr, len) = codec::decode_src_range::<F>(&k);
+        out.entry(id).or_default().push(Cidr { addr, len });
+    }
+    Ok(())
 }
 
 /// A `Reason`-indexed per-CPU counter array, summed over CPUs; a reason past its end
