@@ -33,7 +33,7 @@ use crate::{
 pub(crate) fn flow<C: PktHook, F: PktFamily>(ctx: &C, ingress: bool) -> Result<Verdict, Reason> {
     // The entry always exists (a one-entry array); a failure here would be a loader bug.
     let scratch = F::scratch().ok_or(Reason::TcRewriteFailed)?;
-    // SAFETY: this CPU's scratch entry; a TC program is not preempted on its CPU.
+    // SAFETY: this CPU's scratch entry; a program is not preempted on its CPU.
     let p = unsafe { &mut (*scratch).pkt };
     if !parse_into::<C, F>(ctx, p) {
         // An IPv6 DSR packet (a destination option before TCP/UDP) is one of these: TC
