@@ -5,10 +5,13 @@
 //!   written once over an address family trait and instantiated for v4 and v6;
 //! - `affinity`: `sessionAffinity: ClientIP`, shared by both paths;
 //! - `sock`: the eight cgroup `sock_addr` hooks, each a thin shell around `lb`;
-//! - `tc/`: the per-packet datapath at TC (NodePort, external and LB addresses): shells
-//!   and stages (`mod.rs`), per-family layout (`family.rs`), conntrack and SNAT ports
-//!   (`ct.rs`), rewriting and FIB (`nat.rs`), ICMP errors (`icmp.rs`), REJECT answers
-//!   (`unreach.rs`), and `hook.rs`, what the stage machine asks of the hook it runs in;
+//! - `pkt/`: the per-packet datapath's hook-neutral part (NodePort, external and LB
+//!   addresses): the stage machine (`stages.rs`), what it asks of its hook (`hook.rs`,
+//!   `PktHook`), its decisions (`verdict.rs`), per-family layout (`family.rs`),
+//!   conntrack and SNAT ports (`ct.rs`), rewriting (`nat.rs`), scratch types (`state.rs`);
+//! - `tc/`: the stage machine at TC: the program shells (`mod.rs`), TC's `PktHook`
+//!   (`hook.rs`: FIB redirect), ICMP errors (`icmp.rs`), REJECT answers (`unreach.rs`),
+//!   direct server return (`dsr.rs`);
 //! - `xdp`: the same stage machine at XDP on node interfaces (`--acceleration`), ingress
 //!   only, handing what it cannot do to TC.
 #![no_std]
@@ -18,6 +21,7 @@ mod affinity;
 mod lb;
 mod maglev;
 mod maps;
+mod pkt;
 mod sock;
 mod tc;
 mod xdp;

@@ -21,7 +21,7 @@ use proxy_common::{
     Svc6Key, SvcValue,
 };
 
-use crate::tc::state::{Bucket, Fib, FibHop, FibHopKey4, FibHopKey6, Scratch};
+use crate::pkt::state::{Bucket, Fib, FibHop, FibHopKey4, FibHopKey6, Scratch};
 
 /// IPv4 frontends (slot 0) and their backend slots (1..=count).
 #[map]
@@ -209,7 +209,7 @@ pub static SCRATCH4: PerCpuArray<Scratch<u32>> = PerCpuArray::with_max_entries(1
 #[map]
 pub static SCRATCH6: PerCpuArray<Scratch<[u32; 4]>> = PerCpuArray::with_max_entries(1, 0);
 
-/// Per-CPU `bpf_fib_lookup` argument and result (`tc::state::Fib`), of TC's redirect and
+/// Per-CPU `bpf_fib_lookup` argument and result (`pkt::state::Fib`), of TC's redirect and
 /// of XDP (kept there between the check before the rewrite and the forward after it):
 /// 64 bytes off the stack, whose 512 the verifier counts over the whole call chain.
 #[map]

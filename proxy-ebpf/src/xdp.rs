@@ -3,7 +3,7 @@
 //! reached from outside the node, and the replies of their flows coming back from remote
 //! backends.
 //!
-//! It runs the TC stage machine itself (`tc::flow`: reply, known flow, new flow; the one
+//! It runs the shared stage machine (`pkt::stages::flow`: reply, known flow, new flow; the one
 //! frontend lookup, backend choice, conntrack and NAT), through [`PktHook`] for the XDP
 //! context: direct packet access with bounds checks, incremental checksums computed in
 //! the program (XDP has no checksum helpers), forwarding by `bpf_fib_lookup` then
@@ -37,10 +37,15 @@ use proxy_common::Reason;
 use crate::{
     lb::{V4, V6},
     maps::{count_xdp, FIB},
-    tc::{
-        csum_add, fib_params, flow, state::FibHop, PktAccess, PktFamily, PktHook, Verdict,
-        ETH_P_IP, ETH_P_IPV6,
+    pkt::{
+        family::{csum_add, Pkt, PktAccess, PktFamily, ETH_P_IP, ETH_P_IPV6},
+        hook::PktHook,
+        nat::fib_params,
+        stages::flow,
+        state::FibHop,
+        verdict::{Step, Verdict},
     },
+    tc::dsr,
 };
 
 const ETH_HLEN: usize = 14;
@@ -71,7 +76,7 @@ pub fn xdp_ingress(ctx: XdpContext) -> u32 {
 #[inline(always)]
 fn try_xdp(ctx: &XdpContext) -> Result<Verdict, Reason> {
     let Ok(eth_proto) = PktAccess::load::<u16>(ctx, 12) else {
-        return Ok(Verdict::pass::<XdpContext>());
+        return Ok(Verdict::not_ours(XdpContext::PASS));
     };
     match u16::from_be(eth_proto) {
         ETH_P_IP => {
@@ -86,7 +91,7 @@ fn try_xdp(ctx: &XdpContext) -> Result<Verdict, Reason> {
             }
             flow::<XdpContext, V6>(ctx, true)
         }
-        _ => Ok(Verdict::pass::<XdpContext>()),
+        _ => Ok(Verdict::not_ours(XdpContext::PASS)),
     }
 }
 
@@ -262,14 +267,54 @@ impl PktHook for XdpContext {
 
     /// TC answers (it can resize the packet and has its rate limit).
     #[inline(always)]
-    fn reject<F: PktFamily>(&self, _p: &crate::tc::state::Pkt<F::Addr>) -> Option<i32> {
+    fn reject<F: PktFamily>(&self, _p: &Pkt<F::Addr>) -> Option<i32> {
         None
     }
 
+    /// Not plain TCP/UDP (a DSR packet among them): TC's.
+    #[inline(always)]
+    fn unparsed<F: PktFamily>(&self, _ingress: bool) -> Result<Verdict, Reason> {
+        Ok(Verdict::not_ours(Self::PASS))
+    }
+
+    /// An IPv4 DSR option without the outer header is TC's to count.
+    #[inline(always)]
+    fn parsed<F: PktFamily>(&self, _p: &Pkt<F::Addr>) {}
+
     /// DSR's option changes the packet's length: TC adds and removes it.
     #[inline(always)]
-    fn tc(&self) -> Option<&aya_ebpf::programs::TcContext> {
-        None
+    fn carries_dsr(&self) -> bool {
+        false
+    }
+
+    /// A new flow the forwarding mode would send by DSR is handed on to TC untouched.
+    #[inline(always)]
+    fn dsr_wanted<F: PktFamily>(&self, p: &Pkt<F::Addr>, _backend: F::Addr) -> Option<bool> {
+        if dsr::asked::<F>(p) {
+            None
+        } else {
+            Some(false)
+        }
+    }
+
+    /// Never asked ([`Self::dsr_wanted`] never says yes here); would hand the packet on.
+    #[inline(always)]
+    fn dsr_first<F: PktFamily>(
+        &self,
+        _p: &Pkt<F::Addr>,
+        _backend: F::Addr,
+    ) -> Result<Step<F::Addr>, Reason> {
+        Ok(Step::to_next_hook())
+    }
+
+    /// Never asked: a DSR flow's packets are handed on before ([`Self::carries_dsr`]).
+    #[inline(always)]
+    fn dsr_again<F: PktFamily>(
+        &self,
+        _p: &Pkt<F::Addr>,
+        _backend: F::Addr,
+    ) -> Result<Option<Step<F::Addr>>, Reason> {
+        Ok(Some(Step::to_next_hook()))
     }
 }
 

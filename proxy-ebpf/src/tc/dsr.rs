@@ -50,11 +50,11 @@ use aya_ebpf::{
 };
 use proxy_common::{ct_flags, dsr_opt, fwd_mode, proto, svc_flags, Reason};
 
-use super::{
-    family::{Pkt, PktAccess, PktFamily, ETH_HLEN},
-    Step, Verdict,
-};
 use crate::maps::{count, FWD_MODE};
+use crate::pkt::{
+    family::{Pkt, PktAccess, PktFamily, ETH_HLEN},
+    verdict::{Step, Verdict},
+};
 
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
@@ -111,25 +111,6 @@ fn mode() -> u32 {
 fn needs_opt<A>(p: &Pkt<A>) -> bool {
     p.proto == proto::UDP
         || (p.proto == proto::TCP && p.tcp_flags & TCP_SYN != 0 && p.tcp_flags & TCP_ACK == 0)
-}
-
-/// Whether an entry (either direction) is of a DSR flow.
-#[inline(always)]
-pub fn is_dsr<F: PktFamily>(v: *mut F::Val) -> bool {
-    let (flags, _, _) = F::ct_meta(v);
-    // SAFETY: a field of a live map value.
-    unsafe { *flags & ct_flags::DSR != 0 }
-}
-
-/// The outcome of a reply: `tc_dsr_reply` for a DSR flow's reply leaving the backend's
-/// node, `tc_reply` otherwise.
-#[inline(always)]
-pub fn reply_reason<F: PktFamily>(v: *mut F::Val) -> Reason {
-    if is_dsr::<F>(v) {
-        Reason::TcDsrReply
-    } else {
-        Reason::TcReply
-    }
 }
 
 /// Whether the mode asks for DSR for this packet's new flow: DSR for TCP and UDP, hybrid
@@ -408,19 +389,19 @@ fn add_opt6<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Result<(), Reaso
 #[inline(never)]
 pub fn unparsed<F: PktFamily>(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason> {
     if !ingress {
-        return Ok(Verdict::pass::<TcContext>());
+        return Ok(Verdict::not_ours(TC_ACT_OK as i32));
     }
     if !F::V6 {
-        return Ok(decap_ipip::<F>(ctx)?.unwrap_or(Verdict::pass::<TcContext>()));
+        return Ok(decap_ipip::<F>(ctx)?.unwrap_or(Verdict::not_ours(TC_ACT_OK as i32)));
     }
     if let Ok(NEXTHDR_DEST) = PktAccess::load::<u8>(ctx, ETH_HLEN + 6) {
         // Not honoured without the outer header ([`unencapsulated`]).
         if is_opt6(ctx, ETH_HLEN + IP6_HLEN) && mode() != fwd_mode::SNAT {
             count(Reason::TcDsrUntrusted);
         }
-        return Ok(Verdict::pass::<TcContext>());
+        return Ok(Verdict::not_ours(TC_ACT_OK as i32));
     }
-    Ok(decap6::<F>(ctx)?.unwrap_or(Verdict::pass::<TcContext>()))
+    Ok(decap6::<F>(ctx)?.unwrap_or(Verdict::not_ours(TC_ACT_OK as i32)))
 }
 
 /// Whether the Destination Options header at `off` is ours, before TCP or UDP.

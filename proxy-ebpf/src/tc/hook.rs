@@ -1,50 +1,54 @@
-//! What the stage machine (`tc/mod.rs`) needs from the hook it runs in, beyond reading
-//! and writing the packet ([`PktAccess`]): its verdicts, forwarding, the REJECT answers
-//! and where outcomes are counted. TC implements it here; XDP in `crate::xdp`. The
-//! stages, the frontend lookup, the backend choice, conntrack and NAT are one
-//! implementation, generic over this trait.
+//! TC's side of the shared stage machine (`crate::pkt::stages`): packet access through
+//! the kernel's skb helpers ([`PktAccess`]) and [`PktHook`]: forwarding by FIB lookup and
+//! redirect, the REJECT answers (`unreach`), DSR (`dsr`: the option and the outer header
+//! make the packet grow or shrink, which only TC can do), counters in `STATS`.
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{
+        bpf_fib_lookup as FibParams, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        TC_ACT_OK, TC_ACT_SHOT,
+    },
+    helpers::generated::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
     EbpfContext,
 };
-use proxy_common::Reason;
+use proxy_common::{proto, Reason};
 
-use super::{
-    family::{Pkt, PktAccess, PktFamily},
-    nat::fib_redirect,
-    unreach,
+use super::{dsr, unreach};
+use crate::{
+    maps::count,
+    pkt::{
+        family::{Pkt, PktAccess, PktFamily},
+        hook::PktHook,
+        nat::fib_params,
+        verdict::{Step, Verdict},
+    },
 };
-use crate::maps::count;
-
-/// A packet hook running the shared stage machine.
-pub trait PktHook: PktAccess + EbpfContext {
-    /// Hands the packet on unchanged by this hook (TC: `TC_ACT_OK`, to the stack; XDP:
-    /// `XDP_PASS`, to the stack and so to TC).
-    const PASS: i32;
-    /// Drops the packet.
-    const DROP: i32;
-    /// Counts an outcome in this hook's counters (TC: `STATS`, XDP: `XDP_STATS`).
-    fn count(r: Reason);
-    /// Whether this hook can forward a packet from `src` to `dst` itself. Asked before
-    /// the packet or its flow is changed, so a packet the hook cannot forward is handed
-    /// on untouched (XDP: a FIB result it cannot act on goes to TC, which then handles the
-    /// packet whole). TC: always (it falls back to the stack itself). `now`: the
-    /// packet's conntrack clock (XDP reuses a recent FIB answer).
-    fn can_forward<F: PktFamily>(&self, src: F::Addr, dst: F::Addr, proto: u8, now: u64) -> bool;
-    /// Forwards the translated packet by FIB lookup (after `can_forward`).
-    fn forward<F: PktFamily>(&self, src: F::Addr, dst: F::Addr, proto: u8) -> i32;
-    /// kube-proxy's REJECT for a frontend without endpoints: the verdict, or `None` when
-    /// this hook leaves the answer to the next one (XDP leaves it to TC).
-    fn reject<F: PktFamily>(&self, p: &Pkt<F::Addr>) -> Option<i32>;
-    /// The TC context, for what only TC can do (DSR's IP option: the packet grows or
-    /// shrinks); `None` at XDP, which hands such packets on to TC.
-    fn tc(&self) -> Option<&TcContext>;
-}
 
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
+
+impl PktAccess for TcContext {
+    #[inline(always)]
+    fn load<T>(&self, off: usize) -> Result<T, ()> {
+        TcContext::load(self, off).map_err(|_| ())
+    }
+
+    #[inline(always)]
+    fn store<T>(&self, off: usize, v: &T) -> Result<(), ()> {
+        TcContext::store(self, off, v, 0).map_err(|_| ())
+    }
+
+    #[inline(always)]
+    fn l3_csum_replace(&self, off: usize, from: u64, to: u64, size: u64) -> Result<(), ()> {
+        TcContext::l3_csum_replace(self, off, from, to, size).map_err(|_| ())
+    }
+
+    #[inline(always)]
+    fn l4_csum_replace(&self, off: usize, from: u64, to: u64, flags: u64) -> Result<(), ()> {
+        TcContext::l4_csum_replace(self, off, from, to, flags).map_err(|_| ())
+    }
+}
 
 impl PktHook for TcContext {
     const PASS: i32 = TC_ACT_OK as i32;
@@ -71,15 +75,9 @@ impl PktHook for TcContext {
         fib_redirect::<F>(self, src, dst, proto)
     }
 
-    #[inline(always)]
-    fn tc(&self) -> Option<&TcContext> {
-        Some(self)
-    }
-
     /// TCP SYN: RST; UDP: ICMP port unreachable (rate-limited); other packets dropped.
     #[inline(always)]
     fn reject<F: PktFamily>(&self, p: &Pkt<F::Addr>) -> Option<i32> {
-        use proxy_common::proto;
         Some(
             if p.proto == proto::TCP && p.tcp_flags & TCP_SYN != 0 && p.tcp_flags & TCP_ACK == 0 {
                 unreach::tcp_rst::<F>(self, p)
@@ -90,4 +88,83 @@ impl PktHook for TcContext {
             },
         )
     }
+
+    #[inline(always)]
+    fn unparsed<F: PktFamily>(&self, ingress: bool) -> Result<Verdict, Reason> {
+        dsr::unparsed::<F>(self, ingress)
+    }
+
+    #[inline(always)]
+    fn parsed<F: PktFamily>(&self, p: &Pkt<F::Addr>) {
+        dsr::unencapsulated::<F>(self, p);
+    }
+
+    #[inline(always)]
+    fn carries_dsr(&self) -> bool {
+        true
+    }
+
+    #[inline(always)]
+    fn dsr_wanted<F: PktFamily>(&self, p: &Pkt<F::Addr>, backend: F::Addr) -> Option<bool> {
+        Some(dsr::wanted::<F>(self, p, backend))
+    }
+
+    #[inline(always)]
+    fn dsr_first<F: PktFamily>(
+        &self,
+        p: &Pkt<F::Addr>,
+        backend: F::Addr,
+    ) -> Result<Step<F::Addr>, Reason> {
+        dsr::first::<F>(self, p, backend)
+    }
+
+    #[inline(always)]
+    fn dsr_again<F: PktFamily>(
+        &self,
+        p: &Pkt<F::Addr>,
+        backend: F::Addr,
+    ) -> Result<Option<Step<F::Addr>>, Reason> {
+        dsr::again::<F>(self, p, backend).map(Some)
+    }
+}
+
+/// Forwards a packet by FIB lookup and redirect (needed when its source is now one of
+/// the node's addresses: the stack would drop it as a martian). Falls back to the stack,
+/// counting `tc_fib_miss` (in addition to the packet's outcome, which its path chose).
+// Separate BPF functions keep each frame under the verifier's 512-byte stack limit
+// ("Looks like the BPF stack limit is exceeded" when everything is inlined).
+#[inline(never)]
+pub fn fib_redirect<F: PktFamily>(ctx: &TcContext, src: F::Addr, dst: F::Addr, proto: u8) -> i32 {
+    let Some(params) = fib_params() else {
+        return TC_ACT_OK as i32;
+    };
+    // SAFETY: this CPU's entry, cleared above.
+    let params = unsafe { &mut *params };
+    params.family = F::FAMILY;
+    params.l4_protocol = proto;
+    // SAFETY: the context's skb.
+    params.ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    F::fib_set(params, src, dst);
+    // SAFETY: valid ctx and params.
+    let ret = unsafe {
+        bpf_fib_lookup(
+            ctx.as_ptr(),
+            params as *mut FibParams,
+            core::mem::size_of::<FibParams>() as i32,
+            0,
+        )
+    };
+    if ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+        if ctx.store(0, &params.dmac, 0).is_err() || ctx.store(6, &params.smac, 0).is_err() {
+            return TC_ACT_OK as i32;
+        }
+        // SAFETY: plain helper.
+        return unsafe { bpf_redirect(params.ifindex, 0) } as i32;
+    }
+    if ret == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+        // SAFETY: the kernel resolves the neighbour itself.
+        return unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) } as i32;
+    }
+    count(Reason::TcFibMiss);
+    TC_ACT_OK as i32
 }

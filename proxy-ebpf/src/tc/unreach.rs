@@ -27,8 +27,10 @@ use aya_ebpf::{
 };
 use proxy_common::Reason;
 
-use super::family::{Pkt, PktFamily};
-use crate::maps::{count, UNREACH_BUCKET};
+use crate::{
+    maps::{count, UNREACH_BUCKET},
+    pkt::family::{Pkt, PktFamily},
+};
 
 /// Answers the UDP datagram at `ctx` with an ICMP (v4) or ICMPv6 port unreachable.
 #[inline(always)]

@@ -1,19 +1,12 @@
-//! Packet rewriting (DNAT/SNAT and their reverse, checksums updated incrementally) and
-//! forwarding by FIB lookup. `rewrite` works over any [`PktAccess`] context; the FIB
-//! redirect is TC's.
+//! Packet rewriting (DNAT/SNAT and their reverse, checksums updated incrementally) over
+//! any [`PktAccess`] context, and the per-CPU `bpf_fib_lookup` argument both hooks
+//! forward with (the forwarding itself is the hook's: `PktHook::forward`).
 
-use aya_ebpf::{
-    bindings::{
-        bpf_fib_lookup as FibParams, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK,
-    },
-    helpers::generated::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
-    programs::TcContext,
-    EbpfContext,
-};
+use aya_ebpf::bindings::bpf_fib_lookup as FibParams;
 use proxy_common::Reason;
 
 use super::family::{csum_add, Pkt, PktAccess, PktFamily, ETH_HLEN};
-use crate::maps::{count, FIB};
+use crate::maps::FIB;
 
 /// Rewrites a packet: destination := `dnat`, source := `snat` (zero addresses: leave
 /// that end alone), ports included. A failure may leave the packet half-rewritten: the
@@ -136,45 +129,4 @@ pub fn fib_params() -> Option<*mut FibParams> {
         clear!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
         Some(params)
     }
-}
-
-/// Forwards a packet by FIB lookup and redirect (needed when its source is now one of
-/// the node's addresses: the stack would drop it as a martian). Falls back to the stack,
-/// counting `tc_fib_miss` (in addition to the packet's outcome, which its path chose).
-// Separate BPF functions keep each frame under the verifier's 512-byte stack limit
-// ("Looks like the BPF stack limit is exceeded" when everything is inlined).
-#[inline(never)]
-pub fn fib_redirect<F: PktFamily>(ctx: &TcContext, src: F::Addr, dst: F::Addr, proto: u8) -> i32 {
-    let Some(params) = fib_params() else {
-        return TC_ACT_OK as i32;
-    };
-    // SAFETY: this CPU's entry, cleared above.
-    let params = unsafe { &mut *params };
-    params.family = F::FAMILY;
-    params.l4_protocol = proto;
-    // SAFETY: the context's skb.
-    params.ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
-    F::fib_set(params, src, dst);
-    // SAFETY: valid ctx and params.
-    let ret = unsafe {
-        bpf_fib_lookup(
-            ctx.as_ptr(),
-            params as *mut FibParams,
-            core::mem::size_of::<FibParams>() as i32,
-            0,
-        )
-    };
-    if ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
-        if ctx.store(0, &params.dmac, 0).is_err() || ctx.store(6, &params.smac, 0).is_err() {
-            return TC_ACT_OK as i32;
-        }
-        // SAFETY: plain helper.
-        return unsafe { bpf_redirect(params.ifindex, 0) } as i32;
-    }
-    if ret == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
-        // SAFETY: the kernel resolves the neighbour itself.
-        return unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) } as i32;
-    }
-    count(Reason::TcFibMiss);
-    TC_ACT_OK as i32
 }

@@ -2,7 +2,7 @@
 //! (the socket hooks' family trait: frontends, backends, node addresses) with what only a
 //! packet path needs (conntrack, SNAT address, source ranges, header offsets).
 //!
-//! Nothing here depends on the TC context: packets are read and written through
+//! Nothing here depends on the hook's context: packets are read and written through
 //! [`PktAccess`], so a second packet datapath (XDP) can reuse the layout, the conntrack
 //! and the NAT code by implementing that trait for its own context.
 
@@ -10,7 +10,6 @@ use aya_ebpf::{
     bindings::{bpf_fib_lookup as FibParams, BPF_F_PSEUDO_HDR},
     helpers::generated::bpf_csum_diff,
     maps::lpm_trie::Key as LpmKey,
-    programs::TcContext,
     EbpfContext,
 };
 use aya_log_ebpf::warn;
@@ -19,8 +18,7 @@ use proxy_common::{
     affinity_kind, proto, Ct4Key, Ct4Value, Ct6Key, Ct6Value, SrcRange4, SrcRange6,
 };
 
-use super::state::{FibHop, FibHopKey4, FibHopKey6};
-use super::Scratch;
+use super::state::{FibHop, FibHopKey4, FibHopKey6, Scratch};
 use crate::lb::{Family, V4, V6};
 use crate::maps::{
     CT4, CT6, DSR_TRUSTED4, DSR_TRUSTED6, FIB_HOP4, FIB_HOP6, NODE_CONFIG, SCRATCH4, SCRATCH6,
@@ -28,10 +26,12 @@ use crate::maps::{
 };
 
 pub const ETH_HLEN: usize = 14;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
 
 /// Reading and writing a packet: what the packet-path code needs from its context (the
-/// TC context here, with the kernel's checksum helpers; the XDP context in `crate::xdp`,
-/// with direct packet access and incremental checksum arithmetic).
+/// TC context in `crate::tc::hook`, with the kernel's checksum helpers; the XDP context
+/// in `crate::xdp`, with direct packet access and incremental checksum arithmetic).
 pub trait PktAccess {
     fn load<T>(&self, off: usize) -> Result<T, ()>;
     fn store<T>(&self, off: usize, v: &T) -> Result<(), ()>;
@@ -52,28 +52,6 @@ pub trait PktAccess {
 pub fn csum_add(s: u32, v: u32) -> u32 {
     let (r, carry) = s.overflowing_add(v);
     r + u32::from(carry)
-}
-
-impl PktAccess for TcContext {
-    #[inline(always)]
-    fn load<T>(&self, off: usize) -> Result<T, ()> {
-        TcContext::load(self, off).map_err(|_| ())
-    }
-
-    #[inline(always)]
-    fn store<T>(&self, off: usize, v: &T) -> Result<(), ()> {
-        TcContext::store(self, off, v, 0).map_err(|_| ())
-    }
-
-    #[inline(always)]
-    fn l3_csum_replace(&self, off: usize, from: u64, to: u64, size: u64) -> Result<(), ()> {
-        TcContext::l3_csum_replace(self, off, from, to, size).map_err(|_| ())
-    }
-
-    #[inline(always)]
-    fn l4_csum_replace(&self, off: usize, from: u64, to: u64, flags: u64) -> Result<(), ()> {
-        TcContext::l4_csum_replace(self, off, from, to, flags).map_err(|_| ())
-    }
 }
 
 pub use super::state::Pkt;

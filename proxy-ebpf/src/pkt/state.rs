@@ -48,8 +48,8 @@ pub struct Scratch<A> {
 
 /// A token bucket in nanoseconds of credit (`maps::UNREACH_BUCKET`).
 pub struct Bucket {
-    pub(super) credit_ns: u64,
-    pub(super) last_ns: u64,
+    pub(crate) credit_ns: u64,
+    pub(crate) last_ns: u64,
 }
 
 /// A `bpf_fib_lookup` argument and result (`maps::FIB`). XDP keeps the result (egress

@@ -288,3 +288,22 @@ fn port_free<F: PktFamily>(s: &PortScan<F::Addr>, port: u16) -> bool {
         || osnat.0 != s.addr
         || osnat.1 != port
 }
+
+/// Whether an entry (either direction) is of a DSR flow.
+#[inline(always)]
+pub fn is_dsr<F: PktFamily>(v: *mut F::Val) -> bool {
+    let (flags, _, _) = F::ct_meta(v);
+    // SAFETY: a field of a live map value.
+    unsafe { *flags & ct_flags::DSR != 0 }
+}
+
+/// The outcome of a reply: `tc_dsr_reply` for a DSR flow's reply leaving the backend's
+/// node, `tc_reply` otherwise.
+#[inline(always)]
+pub fn reply_reason<F: PktFamily>(v: *mut F::Val) -> Reason {
+    if is_dsr::<F>(v) {
+        Reason::TcDsrReply
+    } else {
+        Reason::TcReply
+    }
+}
