@@ -183,3 +183,47 @@ impl Ct6Key {
         }
     }
 }
+
+/// `SOCK_REVNAT4_V3` key: the previous layout's (ABI 3) node-wide socket reverse-NAT
+/// entry, `{socket cookie, backend}`. After an ABI 3 -> 4 upgrade the pinned ABI-3
+/// `SOCK_REVNAT4` map lives on under this name: the `recvmsg`/`getpeername` programs read
+/// it when a socket's own storage has no entry (a request the old `sendmsg` program
+/// translated), move the entry into the socket's storage and delete it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRevNat4V3Key {
+    pub cookie: u64,
+    pub addr: u32,
+    pub port: u16,
+    pub _pad: u16,
+}
+
+/// `SOCK_REVNAT6_V3` key (ABI 3's `SOCK_REVNAT6` key).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRevNat6V3Key {
+    pub cookie: u64,
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub _pad: [u8; 6],
+}
+
+/// `SOCK_REVNAT4_V3` value (ABI 3's `SOCK_REVNAT4` value): the frontend asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRevNat4V3 {
+    pub addr: u32,
+    pub port: u16,
+    pub _pad: u16,
+    pub service_id: u32,
+}
+
+/// `SOCK_REVNAT6_V3` value (ABI 3's `SOCK_REVNAT6` value).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRevNat6V3 {
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub _pad: u16,
+    pub service_id: u32,
+}

@@ -23,7 +23,8 @@ mod service;
 
 pub use flow::{
     affinity_kind, AffinityKey, AffinityValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value, SockRevNat4,
-    SockRevNat4Entry, SockRevNat6, SockRevNat6Entry,
+    SockRevNat4Entry, SockRevNat4V3, SockRevNat4V3Key, SockRevNat6, SockRevNat6Entry,
+    SockRevNat6V3, SockRevNat6V3Key,
 };
 pub use reason::Reason;
 pub use service::{
@@ -54,6 +55,12 @@ pub mod map_names {
     pub const SOCK_REVNAT4: &str = "SOCK_REVNAT4";
     /// Per socket: IPv6 backend -> frontend (socket-local storage).
     pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6";
+    /// ABI 3's node-wide `{socket cookie, IPv4 backend}` -> frontend LRU, kept after an
+    /// upgrade from ABI 3 for the sockets it translated (read, moved into the socket's
+    /// storage and deleted by `recvmsg`/`getpeername`); a 1-entry empty map otherwise.
+    pub const SOCK_REVNAT4_V3: &str = "SOCK_REVNAT4_V3";
+    /// ABI 3's `{socket cookie, IPv6 backend}` -> frontend LRU, kept likewise.
+    pub const SOCK_REVNAT6_V3: &str = "SOCK_REVNAT6_V3";
     /// Per-CPU outcome counters indexed by `Reason`.
     pub const STATS: &str = "STATS";
     /// Per-CPU selections per backend id.
@@ -86,9 +93,14 @@ pub mod map_names {
     /// `[generation]`: bumped by the agent after it deletes backends, so the packet path
     /// re-checks a UDP flow's backend only when one may have gone (`ct_flags::GEN_SHIFT`).
     pub const BACKEND_GEN: &str = "BACKEND_GEN";
+    /// DSR (`--forwarding-mode dsr|hybrid`): the IPv4 prefixes whose packets' DSR option is
+    /// honoured (LPM trie: the cluster's node addresses as /32, `--dsr-trusted-cidrs`).
+    pub const DSR_TRUSTED4: &str = "DSR_TRUSTED4";
+    /// The IPv6 counterpart of `DSR_TRUSTED4` (/128 per node address).
+    pub const DSR_TRUSTED6: &str = "DSR_TRUSTED6";
 
     /// Every pinned map.
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 27] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -112,6 +124,10 @@ pub mod map_names {
         MAGLEV,
         FWD_MODE,
         BACKEND_GEN,
+        SOCK_REVNAT4_V3,
+        SOCK_REVNAT6_V3,
+        DSR_TRUSTED4,
+        DSR_TRUSTED6,
     ];
 }
 
@@ -307,6 +323,10 @@ mod user {
         SockRevNat6Entry,
         SockRevNat4,
         SockRevNat6,
+        SockRevNat4V3Key,
+        SockRevNat6V3Key,
+        SockRevNat4V3,
+        SockRevNat6V3,
         Ct4Key,
         Ct6Key,
         Ct4Value,
@@ -362,6 +382,11 @@ mod tests {
         assert_layout!(SockRevNat6Entry, size 40, align 4, fields [[u32; 4], [u32; 4], u16, u16, u32]);
         assert_layout!(SockRevNat4, size 132, align 4, fields [u32, [SockRevNat4Entry; limits::SOCK_REVNAT_SLOTS]]);
         assert_layout!(SockRevNat6, size 324, align 4, fields [u32, [SockRevNat6Entry; limits::SOCK_REVNAT_SLOTS]]);
+        // ABI 3's socket reverse-NAT layout (frozen: the pinned map is read as it is).
+        assert_layout!(SockRevNat4V3Key, size 16, align 8, fields [u64, u32, u16, u16]);
+        assert_layout!(SockRevNat6V3Key, size 32, align 8, fields [u64, [u32; 4], u16, [u8; 6]]);
+        assert_layout!(SockRevNat4V3, size 12, align 4, fields [u32, u16, u16, u32]);
+        assert_layout!(SockRevNat6V3, size 24, align 4, fields [[u32; 4], u16, u16, u32]);
         assert_layout!(Ct4Key, size 16, align 4, fields [u32, u32, u16, u16, u8, u8, [u8; 2]]);
         assert_layout!(Ct6Key, size 40, align 4, fields [[u32; 4], [u32; 4], u16, u16, u8, u8, [u8; 2]]);
         assert_layout!(Ct4Value, size 40, align 8, fields [u32, u32, u16, u16, u32, u32, u32, u64, u64]);

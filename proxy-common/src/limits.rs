@@ -32,6 +32,9 @@ pub const CT_FLOWS_MIN: u32 = 64;
 pub const CT_FLOWS_MAX: u32 = 1 << 23;
 /// Node addresses per family.
 pub const MAX_NODE_ADDRS: u32 = 256;
+/// Trusted DSR senders (`DSR_TRUSTED4/6`): node addresses and `--dsr-trusted-cidrs`
+/// prefixes per family.
+pub const MAX_DSR_TRUSTED: u32 = 1 << 14;
 /// Source-range prefixes per family, all services together.
 pub const MAX_SRC_RANGES: u32 = 1 << 14;
 /// Session-affinity entries (client x service), both families (LRU: an evicted

@@ -67,10 +67,11 @@ pub enum Reason {
     XdpToStack = 24,
     /// TC, DSR (`--forwarding-mode dsr|hybrid`), first node: a packet sent to a backend
     /// on another node with the DSR option carrying the frontend (client address kept,
-    /// no SNAT): a new flow's first packet, every TCP SYN, every UDP datagram.
+    /// no SNAT; in an IPIP / IPv6-in-IPv6 header from this node): a new flow's first packet, every TCP SYN, every UDP datagram.
     TcDsrEncap = 25,
-    /// TC, DSR, backend's node: a packet with the DSR option: the reply entry recorded
-    /// (backend -> client: source := the frontend), the option removed, delivered.
+    /// TC, DSR, backend's node: a packet with the DSR option inside the IPIP /
+    /// IPv6-in-IPv6 header of a cluster node: the reply entry recorded (backend -> client: source :=
+    /// the frontend), the option (and outer header) removed, delivered.
     TcDsrDecap = 26,
     /// TC, DSR, backend's node: a backend's reply sent straight to the client with the
     /// frontend as source.
@@ -80,11 +81,18 @@ pub enum Reason {
     /// option (the backend's node already knows the flow). Counted in addition to the
     /// packet's outcome.
     TcDsrTooBig = 28,
+    /// TC, DSR, backend's node: a packet with the DSR option from a sender that is not a
+    /// cluster node (`DSR_TRUSTED4/6`: the Node objects' addresses, `--dsr-trusted-cidrs`)
+    /// or naming a frontend that is no NodePort on one of them nor this node's: the option
+    /// is not honoured (no reply entry). Encapsulated: dropped (the outcome); without the
+    /// outer header: nothing removed, the packet goes on as it is (counted in addition to
+    /// the packet's outcome).
+    TcDsrUntrusted = 29,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 29;
+    pub const COUNT: u32 = 30;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -116,6 +124,7 @@ impl Reason {
         Reason::TcDsrDecap,
         Reason::TcDsrReply,
         Reason::TcDsrTooBig,
+        Reason::TcDsrUntrusted,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -150,6 +159,7 @@ impl Reason {
             Reason::TcDsrDecap => "tc_dsr_decap",
             Reason::TcDsrReply => "tc_dsr_reply",
             Reason::TcDsrTooBig => "tc_dsr_too_big",
+            Reason::TcDsrUntrusted => "tc_dsr_untrusted",
         }
     }
 }

@@ -5,15 +5,15 @@
 use aya_ebpf::bindings::bpf_sock;
 use proxy_common::{
     affinity_kind, limits::SOCK_REVNAT_SLOTS, scope, svc_flags, Reason, SockRevNat4Entry,
-    SockRevNat6Entry, Svc4Key, Svc6Key, SvcValue,
+    SockRevNat4V3Key, SockRevNat6Entry, SockRevNat6V3Key, Svc4Key, Svc6Key, SvcValue,
 };
 
 use core::ptr::{read_volatile, write_volatile};
 
 use crate::affinity;
 use crate::maps::{
-    count_backend, BACKEND4, BACKEND6, NODE_ADDRS4, NODE_ADDRS6, SOCK_REVNAT4, SOCK_REVNAT6, SVC4,
-    SVC6,
+    count_backend, BACKEND4, BACKEND6, NODE_ADDRS4, NODE_ADDRS6, SOCK_REVNAT4, SOCK_REVNAT4_V3,
+    SOCK_REVNAT6, SOCK_REVNAT6_V3, SVC4, SVC6,
 };
 
 /// One address family's maps.
@@ -38,6 +38,12 @@ pub trait Family {
     fn svc_in(addr: Self::Addr, port: u16, proto: u8, scope: u8, slot: u16) -> Option<SvcValue>;
     /// The backend's address, port and `backend_flags`.
     fn backend_entry(id: u32) -> Option<(Self::Addr, u16, u8)>;
+    /// The previous layout's reverse entry of the socket `cookie` for `backend`
+    /// (`SOCK_REVNAT4/6_V3`: what the ABI-3 `sendmsg`/`connect` recorded before an
+    /// upgrade), `(frontend addr, port, service id)`.
+    fn v3_get(cookie: u64, backend: (Self::Addr, u16)) -> Option<(Self::Addr, u16, u32)>;
+    /// Deletes that entry (moved into the socket's storage, or stale).
+    fn v3_del(cookie: u64, backend: (Self::Addr, u16));
 }
 
 /// A socket's reverse entries for one family: `[next, entries...]` in its storage.
@@ -240,6 +246,32 @@ impl Family for V4 {
         // SAFETY: copied out at once.
         unsafe { BACKEND4.get(&id).map(|b| (b.addr, b.port, b.flags)) }
     }
+
+    #[inline(always)]
+    fn v3_get(cookie: u64, b: (u32, u16)) -> Option<(u32, u16, u32)> {
+        let key = SockRevNat4V3Key {
+            cookie,
+            addr: b.0,
+            port: b.1,
+            _pad: 0,
+        };
+        // SAFETY: copied out at once.
+        unsafe {
+            SOCK_REVNAT4_V3
+                .get(&key)
+                .map(|v| (v.addr, v.port, v.service_id))
+        }
+    }
+
+    #[inline(always)]
+    fn v3_del(cookie: u64, b: (u32, u16)) {
+        let _ = SOCK_REVNAT4_V3.remove(&SockRevNat4V3Key {
+            cookie,
+            addr: b.0,
+            port: b.1,
+            _pad: 0,
+        });
+    }
 }
 
 impl Family for V6 {
@@ -298,6 +330,32 @@ impl Family for V6 {
     fn backend_entry(id: u32) -> Option<([u32; 4], u16, u8)> {
         // SAFETY: copied out at once.
         unsafe { BACKEND6.get(&id).map(|b| (b.addr, b.port, b.flags)) }
+    }
+
+    #[inline(always)]
+    fn v3_get(cookie: u64, b: ([u32; 4], u16)) -> Option<([u32; 4], u16, u32)> {
+        let key = SockRevNat6V3Key {
+            cookie,
+            addr: b.0,
+            port: b.1,
+            _pad: [0; 6],
+        };
+        // SAFETY: copied out at once.
+        unsafe {
+            SOCK_REVNAT6_V3
+                .get(&key)
+                .map(|v| (v.addr, v.port, v.service_id))
+        }
+    }
+
+    #[inline(always)]
+    fn v3_del(cookie: u64, b: ([u32; 4], u16)) {
+        let _ = SOCK_REVNAT6_V3.remove(&SockRevNat6V3Key {
+            cookie,
+            addr: b.0,
+            port: b.1,
+            _pad: [0; 6],
+        });
     }
 }
 
@@ -371,18 +429,52 @@ pub fn xlate_fwd<F: Family>(
 /// Reverse translation for `recvmsg` (a reply's source) and `getpeername` (a connected
 /// socket's peer): backend -> the frontend this socket asked for, if that frontend still
 /// exists with the same service id. `Ok(None)`: nothing to do.
+///
+/// A socket whose storage has no entry for `addr:port` may have been translated by the
+/// previous layout's programs before an upgrade (ABI 3 kept the entries node-wide, keyed
+/// by socket cookie): its entry is then read from `SOCK_REVNAT4/6_V3`, moved into the
+/// socket's storage (so the next call finds it there) and deleted. `cookie()` is called
+/// only then.
 #[inline(always)]
 pub fn xlate_rev<F: Family>(
     addr: F::Addr,
     port: u16,
     proto: u8,
     sk: *mut bpf_sock,
+    cookie: impl Fn() -> u64,
 ) -> Result<Option<Fwd<F::Addr>>, Reason> {
-    let Some(table) = F::rev_table(sk, false) else {
-        return Err(Reason::RevNatMiss);
+    let backend = (addr, port);
+    let table = F::rev_table(sk, false);
+    let own = match &table {
+        Some(t) => t.get(backend),
+        None => None,
     };
-    let Some((faddr, fport, id)) = table.get((addr, port)) else {
-        return Err(Reason::RevNatMiss);
+    let (faddr, fport, id) = match own {
+        Some(e) => e,
+        None => {
+            let c = cookie();
+            let Some((faddr, fport, id)) = F::v3_get(c, backend) else {
+                return Err(Reason::RevNatMiss);
+            };
+            let live =
+                matches!(frontend::<F>(faddr, fport, proto), Some((f, _)) if f.service_id == id);
+            if !live {
+                F::v3_del(c, backend);
+                return Err(Reason::RevNatStale);
+            }
+            // Into the socket's own storage; the old entry goes once it is there.
+            match F::rev_table(sk, true) {
+                Some(t) => {
+                    t.put(backend, (faddr, fport), id);
+                    F::v3_del(c, backend);
+                }
+                None => crate::maps::count(Reason::RevNatUpdateFailed),
+            }
+            return Ok(Some(Fwd {
+                addr: faddr,
+                port: fport,
+            }));
+        }
     };
     match frontend::<F>(faddr, fport, proto) {
         Some((front, _)) if front.service_id == id => Ok(Some(Fwd {
@@ -390,7 +482,9 @@ pub fn xlate_rev<F: Family>(
             port: fport,
         })),
         _ => {
-            table.del((addr, port));
+            if let Some(t) = table {
+                t.del(backend);
+            }
             Err(Reason::RevNatStale)
         }
     }

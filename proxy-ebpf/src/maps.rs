@@ -16,8 +16,9 @@ use aya_ebpf::{
 };
 use proxy_common::{
     limits::*, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
-    MaglevChunk, MaglevKey, NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat6,
-    SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
+    MaglevChunk, MaglevKey, NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat4V3,
+    SockRevNat4V3Key, SockRevNat6, SockRevNat6V3, SockRevNat6V3Key, SrcRange4, SrcRange6, Svc4Key,
+    Svc6Key, SvcValue,
 };
 
 use crate::tc::state::{Bucket, Fib, FibHop, FibHopKey4, FibHopKey6, Scratch};
@@ -54,6 +55,20 @@ pub static SOCK_REVNAT4: SkStorage<SockRevNat4> = SkStorage::new();
 /// Per socket: which frontend it asked for when it was sent to a given IPv6 backend.
 #[btf_map]
 pub static SOCK_REVNAT6: SkStorage<SockRevNat6> = SkStorage::new();
+
+/// The previous layout's (ABI 3) node-wide socket reverse-NAT LRU, `{socket cookie, IPv4
+/// backend}` -> frontend. An ABI 3 -> 4 migration pins the running ABI-3 `SOCK_REVNAT4`
+/// here (the same map object: the old `sendmsg` program keeps writing it until its hook
+/// is swapped), so a reply to a request the old program translated is still shown from
+/// the frontend: `recvmsg`/`getpeername` read it when the socket's own storage has no
+/// entry, move the entry into the socket's storage and delete it here. Created with one
+/// entry (never written by this layout) when nothing is migrated.
+#[map]
+pub static SOCK_REVNAT4_V3: LruHashMap<SockRevNat4V3Key, SockRevNat4V3> = LruHashMap::pinned(1, 0);
+
+/// ABI 3's `{socket cookie, IPv6 backend}` -> frontend LRU, kept likewise.
+#[map]
+pub static SOCK_REVNAT6_V3: LruHashMap<SockRevNat6V3Key, SockRevNat6V3> = LruHashMap::pinned(1, 0);
 
 /// A `BPF_MAP_TYPE_SK_STORAGE` map definition (BTF-defined: the kernel requires BTF for
 /// its value), pinned by name like every other map so that programs loaded later (a
@@ -160,6 +175,16 @@ pub static SRC_RANGE4: LpmTrie<SrcRange4, u8> = LpmTrie::pinned(MAX_SRC_RANGES, 
 /// `loadBalancerSourceRanges`, IPv6.
 #[map]
 pub static SRC_RANGE6: LpmTrie<SrcRange6, u8> = LpmTrie::pinned(MAX_SRC_RANGES, 0);
+
+/// DSR: the IPv4 prefixes whose DSR option the backend's node honours (the cluster's
+/// node addresses as /32, `--dsr-trusted-cidrs`), written by the agent. LPM key data:
+/// the address in network order.
+#[map]
+pub static DSR_TRUSTED4: LpmTrie<u32, u8> = LpmTrie::pinned(MAX_DSR_TRUSTED, 0);
+
+/// DSR trusted prefixes, IPv6 (/128 per node address).
+#[map]
+pub static DSR_TRUSTED6: LpmTrie<[u32; 4], u8> = LpmTrie::pinned(MAX_DSR_TRUSTED, 0);
 
 /// `sessionAffinity: ClientIP`: the backend each client last used, per service.
 #[map]

@@ -9,7 +9,10 @@
 
 use aya_ebpf::{
     bindings::{bpf_sock, bpf_sock_addr},
-    helpers::generated::{bpf_get_netns_cookie, bpf_set_retval},
+    helpers::{
+        bpf_get_socket_cookie,
+        generated::{bpf_get_netns_cookie, bpf_set_retval},
+    },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
     EbpfContext,
@@ -93,6 +96,14 @@ fn sk(sa: *mut bpf_sock_addr) -> *mut bpf_sock {
     // SAFETY: ctx pointer from the kernel; `sk` is an 8-byte pointer field the verifier
     // types as a (non-null) socket.
     unsafe { read_volatile(&raw const (*sa).__bindgen_anon_1.sk) }
+}
+
+/// The socket's cookie: the previous layout's (ABI 3) reverse entries are keyed by it
+/// (`SOCK_REVNAT4/6_V3`, read only when the socket's storage has no entry).
+#[inline(always)]
+fn cookie(ctx: &SockAddrContext) -> u64 {
+    // SAFETY: valid for sock_addr programs.
+    unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
 }
 
 /// The client's network namespace, for session affinity (one pod, one namespace).
@@ -225,7 +236,7 @@ fn rev4(ctx: &SockAddrContext) {
     let Some(proto) = l4_proto(sa) else { return };
     // SAFETY: 4-byte ctx field.
     let addr = unsafe { read_volatile(&raw const (*sa).user_ip4) };
-    let r = xlate_rev::<V4>(addr, read_port(sa), proto, sk(sa));
+    let r = xlate_rev::<V4>(addr, read_port(sa), proto, sk(sa), || cookie(ctx));
     rev_apply(r, |front| {
         // SAFETY: 4-byte ctx field.
         unsafe { write_volatile(&raw mut (*sa).user_ip4, front.addr) };
@@ -267,13 +278,13 @@ fn rev6(ctx: &SockAddrContext) {
     let port = read_port(sa);
     let sk = sk(sa);
     if is_v4_mapped(&addr) {
-        let r = xlate_rev::<V4>(addr[3], port, proto, sk);
+        let r = xlate_rev::<V4>(addr[3], port, proto, sk, || cookie(ctx));
         return rev_apply(r, |front| {
             write_ip6(sa, [0, 0, V4_MAPPED_WORD, front.addr]);
             write_port(sa, front.port);
         });
     }
-    let r = xlate_rev::<V6>(addr, port, proto, sk);
+    let r = xlate_rev::<V6>(addr, port, proto, sk, || cookie(ctx));
     rev_apply(r, |front| {
         write_ip6(sa, front.addr);
         write_port(sa, front.port);

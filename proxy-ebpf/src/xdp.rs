@@ -277,7 +277,19 @@ impl PktHook for XdpContext {
 /// destination (`FIB_HOP4/6`): a route or neighbour change (a MAC address replaced, a
 /// route removed) is followed within this time, as the kernel's own neighbour entries
 /// are trusted for seconds. The conntrack clock ticks with the kernel's (a few ms).
-pub const FIB_HOP_TTL_NS: u64 = 100_000_000;
+///
+/// A global in `.rodata` rather than a constant so that a test can load the object with
+/// another value (`EbpfLoader::override_global`, `loader::load_object_with`) and check the cache
+/// without racing the clock; the agent never sets it (100 ms).
+#[no_mangle]
+static FIB_HOP_TTL_NS: u64 = 100_000_000;
+
+/// [`FIB_HOP_TTL_NS`], read from the map the loader filled (not folded at compile time).
+#[inline(always)]
+fn fib_hop_ttl_ns() -> u64 {
+    // SAFETY: a plain read of a static.
+    unsafe { core::ptr::read_volatile(&raw const FIB_HOP_TTL_NS) }
+}
 
 /// FIB lookup for a packet from `src` to `dst` arriving on this interface; on success
 /// the egress interface and MAC addresses stay in this CPU's `FIB` entry for [`send`].
@@ -296,7 +308,7 @@ fn fib_check<F: PktFamily>(
     if let Some(hop) = F::fib_hop(ifindex, src, dst) {
         // SAFETY: this CPU's value of a live entry.
         let hop = unsafe { &*hop };
-        if now.wrapping_sub(hop.stamp) < FIB_HOP_TTL_NS {
+        if now.wrapping_sub(hop.stamp) < fib_hop_ttl_ns() {
             let Some(fib) = FIB.get_ptr_mut(0) else {
                 return false;
             };

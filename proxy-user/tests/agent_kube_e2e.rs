@@ -45,6 +45,12 @@ fn slice(name: &str, service: &str, pods: &[usize]) -> Value {
     })
 }
 
+/// How long a change may take to show in traffic: a liveness bound, not a figure (the
+/// bench measures the time, `cargo xtask bench --api`). Far above what the change takes
+/// on a loaded 2-core machine, and below the agent's 30 s periodic re-diff, so only the
+/// watch can have delivered it in time.
+const FOLLOW: Duration = Duration::from_secs(20);
+
 /// Polls `addr` from the client namespace until `want` holds 10 times in a row.
 fn until(
     env: &TestEnv,
@@ -117,8 +123,8 @@ fn agent_follows_the_api_server() {
     let (mut agent, kubeconfig) = start_agent(&env, &api);
     agent.wait_healthy(Duration::from_secs(20));
 
-    until(&env, vip(10), Duration::from_secs(5), from(&["pod1"]));
-    until(&env, vip(11), Duration::from_secs(2), unreachable);
+    until(&env, vip(10), FOLLOW, from(&["pod1"]));
+    until(&env, vip(11), FOLLOW, unreachable);
     let reqs = api.decoded_requests();
     assert!(
         reqs.iter().any(|r| r.contains("/api/v1/services?") && r.contains("labelSelector=!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless")),
@@ -133,11 +139,11 @@ fn agent_follows_the_api_server() {
 
     // Scale up and down through the API.
     api.apply(slice("web-1", "web", &[1, 2, 3]));
-    let up = until_n(&env, vip(10), Duration::from_secs(2), 1, from(&["pod3"]));
+    let up = until_n(&env, vip(10), FOLLOW, 1, from(&["pod3"]));
     api.apply(slice("web-1", "web", &[2]));
-    let down = until(&env, vip(10), Duration::from_secs(2), from(&["pod2"]));
+    let down = until(&env, vip(10), FOLLOW, from(&["pod2"]));
+    // Timed for the log only (a figure belongs to the bench; FOLLOW is the bound).
     eprintln!("API change -> traffic: scale up {up:?}, scale down {down:?}");
-    assert!(up < Duration::from_secs(1) && down < Duration::from_secs(1));
 
     // A malformed object is skipped; the watch goes on.
     let mut bad = service("bad-port", 12);
@@ -148,7 +154,7 @@ fn agent_follows_the_api_server() {
     api.apply(undecodable);
     api.apply(service("after", 14));
     api.apply(slice("after-1", "after", &[3]));
-    until(&env, vip(14), Duration::from_secs(2), from(&["pod3"]));
+    until(&env, vip(14), FOLLOW, from(&["pod3"]));
     let metrics = agent.metrics();
     assert!(
         metrics.contains("kind=\"Service\",reason=\"bad_port\"} 1"),
@@ -162,11 +168,11 @@ fn agent_follows_the_api_server() {
     // The connection drops mid-watch: later changes still arrive.
     api.drop_watches();
     api.apply(slice("web-1", "web", &[1]));
-    until(&env, vip(10), Duration::from_secs(3), from(&["pod1"]));
+    until(&env, vip(10), FOLLOW, from(&["pod1"]));
 
     // Deleting a Service removes its frontend.
     api.delete("Service", "default", "after");
-    until(&env, vip(14), Duration::from_secs(2), unreachable);
+    until(&env, vip(14), FOLLOW, unreachable);
     drop(agent);
     let _ = std::fs::remove_file(kubeconfig);
 }
@@ -191,8 +197,8 @@ fn agent_converges_after_relists_and_server_restarts() {
     }
     let (mut agent, kubeconfig) = start_agent(&env, &api);
     agent.wait_healthy(Duration::from_secs(20));
-    until(&env, vip(20), Duration::from_secs(5), from(&["pod1"]));
-    until(&env, vip(21), Duration::from_secs(5), from(&["pod2"]));
+    until(&env, vip(20), FOLLOW, from(&["pod1"]));
+    until(&env, vip(21), FOLLOW, from(&["pod2"]));
 
     // 410 Gone: the history expires while the watches are cut; "a" is deleted in the
     // gap, so only the relist can tell. It must disappear from the maps.
@@ -206,7 +212,7 @@ fn agent_converges_after_relists_and_server_restarts() {
     api.drop_watches();
     api.delete("Service", "default", "a");
     api.expire_history();
-    until(&env, vip(20), Duration::from_secs(10), unreachable);
+    until(&env, vip(20), FOLLOW, unreachable);
     let metrics = agent.metrics();
     assert!(
         metrics.contains("ebpf_proxy_watch_restarts_total{resource=\"Service\"}"),
@@ -264,7 +270,7 @@ fn agent_pages_large_lists_and_relists_after_a_stale_continue_token() {
     until(
         &env,
         SocketAddr::from(([10, 96, 14, 200], 80)),
-        Duration::from_secs(5),
+        FOLLOW,
         from(&["pod1"]),
     );
 
@@ -313,5 +319,98 @@ fn agent_pages_large_lists_and_relists_after_a_stale_continue_token() {
         logs.contains("too old to display a consistent list"),
         "the 410's message is logged: {logs}"
     );
+    let _ = std::fs::remove_file(kubeconfig);
+}
+
+fn node_with(name: &str, addrs: &[(&str, &str)]) -> Value {
+    let addrs: Vec<Value> = addrs
+        .iter()
+        .map(|(t, a)| json!({"type": t, "address": a}))
+        .collect();
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+           "status": {"addresses": addrs}})
+}
+
+/// Issue 22 item 10, the API side: in `--forwarding-mode dsr` the agent watches every
+/// Node (no field selector) and keeps `DSR_TRUSTED4/6` equal to their InternalIP and
+/// ExternalIP addresses plus `--dsr-trusted-cidrs`: a node added, changed or deleted
+/// through the API is followed.
+#[test]
+fn dsr_mode_trusts_every_nodes_addresses_from_the_api() {
+    let env = TestEnv::without_datapath(1);
+    let api = FakeApiServer::start();
+    api.apply(service("web", 10));
+    api.apply(slice("web-1", "web", &[1]));
+    api.apply(node_with("node-a", &[("InternalIP", "10.0.1.1")]));
+    api.apply(node_with(
+        "node-b",
+        &[("InternalIP", "10.0.2.1"), ("ExternalIP", "fd00:2::1")],
+    ));
+    let kubeconfig = std::env::temp_dir().join(unique("ebpf-proxy-kubeconfig-"));
+    api.write_kubeconfig(&kubeconfig);
+    let mut agent = AgentProcess::start(
+        &env,
+        &[
+            "--kubeconfig",
+            kubeconfig.to_str().expect("utf-8"),
+            "--forwarding-mode",
+            "dsr",
+            "--dsr-trusted-cidrs",
+            "192.0.2.0/24",
+        ],
+    );
+    agent.wait_healthy(Duration::from_secs(20));
+    let want = |set: &[(&str, u8)]| -> std::collections::BTreeSet<(std::net::IpAddr, u8)> {
+        set.iter()
+            .map(|(a, l)| (a.parse().expect("ip"), *l))
+            .collect()
+    };
+    let wait = |what: &str, expected: std::collections::BTreeSet<(std::net::IpAddr, u8)>| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let got = proxy_user::dsr_trust::read(&env.pins.path).expect("DSR_TRUSTED");
+            if got == expected {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: {got:?}, want {expected:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait(
+        "both Nodes and the flag's prefix",
+        want(&[
+            ("10.0.1.1", 32),
+            ("10.0.2.1", 32),
+            ("fd00:2::1", 128),
+            ("192.0.2.0", 24),
+        ]),
+    );
+    let reqs = api.decoded_requests();
+    assert!(
+        reqs.iter()
+            .any(|r| r.contains("/api/v1/nodes?") && !r.contains("fieldSelector")),
+        "every Node is watched: {reqs:#?}"
+    );
+    // A node changes its address, another joins, one leaves.
+    api.apply(node_with("node-b", &[("InternalIP", "10.0.2.9")]));
+    api.apply(node_with("node-c", &[("ExternalIP", "203.0.113.3")]));
+    wait(
+        "node-b's new address and node-c",
+        want(&[
+            ("10.0.1.1", 32),
+            ("10.0.2.9", 32),
+            ("203.0.113.3", 32),
+            ("192.0.2.0", 24),
+        ]),
+    );
+    api.delete("Node", "", "node-c");
+    wait(
+        "node-c gone",
+        want(&[("10.0.1.1", 32), ("10.0.2.9", 32), ("192.0.2.0", 24)]),
+    );
+    drop(agent);
     let _ = std::fs::remove_file(kubeconfig);
 }

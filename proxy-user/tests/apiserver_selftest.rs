@@ -350,6 +350,47 @@ async fn endpointslice_watcher() {
     assert_eq!(slice.address_type, "IPv4");
 }
 
+/// Issue 24 item 2: as the EndpointSlice controller, the server stamps each slice written
+/// with `endpoints.kubernetes.io/last-change-trigger-time` (RFC 3339, sub-second), the
+/// time kube-proxy's network programming latency starts from; a slice that carries one
+/// keeps it.
+#[tokio::test]
+async fn endpointslices_carry_the_last_change_trigger_time() {
+    const TRIGGER: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+    let server = FakeApiServer::start();
+    let before = std::time::SystemTime::now();
+    server.apply(endpoint_slice("a-1", "a", "10.0.0.1"));
+    let mut given = endpoint_slice("b-1", "b", "10.0.0.2");
+    given["metadata"]["annotations"] = json!({TRIGGER: "2026-01-02T03:04:05.5Z"});
+    server.apply(given);
+    let after = std::time::SystemTime::now();
+    let api = Api::<EndpointSlice>::namespaced(client_for(&server).await, "default");
+    let stamp = |s: &EndpointSlice| {
+        s.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(TRIGGER))
+            .cloned()
+            .expect("the trigger-time annotation")
+    };
+    let a = stamp(&api.get("a-1").await.expect("get a-1"));
+    let t = proxy_user::cluster::objects::parse_rfc3339(&a).expect("RFC 3339");
+    // Second-truncated bounds: the stamp is within the apply, to the nanosecond.
+    let secs = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_secs_f64()
+    };
+    assert!(
+        secs(before) <= secs(t) && secs(t) <= secs(after),
+        "{a} is not between {before:?} and {after:?}"
+    );
+    assert_eq!(
+        stamp(&api.get("b-1").await.expect("get b-1")),
+        "2026-01-02T03:04:05.5Z"
+    );
+}
+
 #[tokio::test]
 async fn streaming_lists_work_too() {
     let server = FakeApiServer::start();

@@ -8,9 +8,10 @@
 //! `tests/memory_limit.rs` runs the real agent under,
 //! the bpffs and cgroup mounts the flags point at); and every environment variable the
 //! manifests set is one `proxy-agent` reads (taken from `src/bin/proxy-agent.rs`, so the
-//! two cannot drift). When `kubectl` is installed, `kubectl kustomize` renders the base and
-//! both overlays and the rendered objects get the same checks with each overlay's changes;
-//! otherwise the overlays' patches are checked one by one.
+//! two cannot drift). `kubectl kustomize` (kustomize >= 4; `cargo xtask setup` installs a
+//! kubectl when none is found, and the test fails without one) renders the base and both
+//! overlays and the rendered objects get the same checks with each overlay's changes; the
+//! overlays' patches are also checked one by one.
 //!
 //! Over 600 lines: one suite (the checks of every shipped manifest and overlay). Each file
 //! under `tests/` is a test binary of its own that links the whole crate, so a suite is
@@ -1072,7 +1073,7 @@ fn overlays_patch_what_running_beside_kube_proxy_needs() {
 
 /// The major version of kustomize inside the installed kubectl, `None` without kubectl.
 /// (Debian's own `kubernetes-client` is kubectl 1.20 with kustomize 2, which predates
-/// components; the machines here have a current kubectl.)
+/// components; `cargo xtask setup` installs a kubectl with kustomize 5 when none is found.)
 fn kubectl_kustomize_major() -> Option<u32> {
     let out = match Command::new("kubectl")
         .args(["version", "--client"])
@@ -1111,15 +1112,14 @@ fn kustomize(dir: &Path) -> Vec<Object> {
 
 #[test]
 fn kustomize_renders_the_base_and_the_overlays() {
+    // No kubectl is a failure, not a pass: `cargo xtask setup` installs one.
     match kubectl_kustomize_major() {
         Some(major) if major >= 4 => {}
-        found => {
-            eprintln!(
-                "NOTE: no kubectl with kustomize >= 4 ({found:?}): the rendered overlays are \
-                 not checked (their patches are, by overlays_patch_what_running_beside_kube_proxy_needs)"
-            );
-            return;
-        }
+        found => panic!(
+            "no kubectl with kustomize >= 4 on PATH (found kustomize major {found:?}): the \
+             rendered base and overlays cannot be checked; `cargo xtask setup` installs one \
+             into $CARGO_HOME/bin"
+        ),
     }
     let cases = [
         (deploy_dir(), &BASE),
@@ -1187,4 +1187,86 @@ fn the_readme_names_every_capability_the_daemonset_adds() {
             "README: `{cap}` and why it is needed"
         );
     }
+}
+
+/// Issue 24 item 1: `deploy/overlays/replace-kube-proxy` takes over kubeadm's
+/// `kube-proxy` DaemonSet: it swaps the image and the command's program, keeps
+/// kube-proxy's arguments (the agent reads them), and adds only the bpffs and host cgroup
+/// mounts the datapath needs. Everything else (name, selector, ServiceAccount, the
+/// ConfigMap volume, tolerations, update strategy) is kubeadm's, rendered by kustomize.
+#[test]
+fn replace_kube_proxy_swaps_the_image_and_command_of_kubeadms_daemonset() {
+    use k8s_openapi::api::apps::v1::DaemonSet;
+    let dir = deploy_dir().join("overlays/replace-kube-proxy");
+    let original: DaemonSet = serde_yaml::from_str(
+        &fs::read_to_string(dir.join("kube-proxy.yaml")).expect("kube-proxy.yaml"),
+    )
+    .expect("kubeadm's DaemonSet");
+    match kubectl_kustomize_major() {
+        Some(major) if major >= 4 => {}
+        found => panic!("kubectl with kustomize >= 4 is needed to render the overlay: {found:?}"),
+    }
+    let out = Command::new("kubectl")
+        .arg("kustomize")
+        .arg(&dir)
+        .output()
+        .expect("kubectl kustomize");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rendered: Vec<DaemonSet> =
+        serde_yaml::Deserializer::from_str(std::str::from_utf8(&out.stdout).expect("UTF-8"))
+            .map(|d| serde::Deserialize::deserialize(d).expect("a DaemonSet"))
+            .collect();
+    assert_eq!(rendered.len(), 1, "the overlay renders the DaemonSet only");
+    let mut ds = rendered.into_iter().next().expect("one");
+    assert_eq!(ds.metadata.name.as_deref(), Some("kube-proxy"));
+    assert_eq!(ds.metadata.namespace.as_deref(), Some("kube-system"));
+    let spec = ds.spec.as_mut().expect("spec");
+    let pod = spec.template.spec.as_mut().expect("pod spec");
+    let c = &mut pod.containers[0];
+    assert_eq!(c.name, "kube-proxy");
+    assert_eq!(c.image.as_deref(), Some("ebpf-proxy:latest"));
+    let cmd = c.command.clone().expect("command");
+    let kubeadm_cmd = original
+        .spec
+        .as_ref()
+        .expect("spec")
+        .template
+        .spec
+        .as_ref()
+        .expect("pod spec")
+        .containers[0]
+        .command
+        .clone()
+        .expect("kubeadm's command");
+    assert_eq!(cmd[0], "/usr/local/bin/proxy-agent");
+    assert_eq!(
+        cmd[1..],
+        kubeadm_cmd[1..],
+        "kube-proxy's arguments, unchanged"
+    );
+    // Take the additions back out: what is left must be kubeadm's DaemonSet.
+    let added = ["bpffs", "host-cgroup"];
+    c.image = Some("registry.k8s.io/kube-proxy:v1.33.0".into());
+    c.command = Some(kubeadm_cmd);
+    c.env
+        .as_mut()
+        .expect("env")
+        .retain(|e| !e.name.starts_with("PROXY_"));
+    c.volume_mounts
+        .as_mut()
+        .expect("mounts")
+        .retain(|m| !added.contains(&m.name.as_str()));
+    pod.volumes
+        .as_mut()
+        .expect("volumes")
+        .retain(|v| !added.contains(&v.name.as_str()));
+    assert_eq!(
+        serde_json::to_value(&ds).expect("json"),
+        serde_json::to_value(&original).expect("json"),
+        "the overlay changed more than the image, the command and the datapath mounts"
+    );
 }

@@ -47,6 +47,8 @@ fn undecodable(name: &str) -> Value {
 struct Harness {
     rx: mpsc::Receiver<Update>,
     metrics: SourceCounters,
+    /// The API server's host:port, as the reader labels its requests.
+    host: String,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -58,12 +60,15 @@ impl Harness {
             KUBECONFIGS.fetch_add(1, Ordering::Relaxed)
         ));
         api.write_kubeconfig(&path);
-        let client = kube_source::client(Some(&path)).await.expect("client");
+        let config = kube_source::config(Some(&path)).await.expect("config");
+        let host = kube_source::host(&config);
+        let client = kube_source::client_from(config).expect("client");
         let _ = std::fs::remove_file(&path);
         let (tx, rx) = mpsc::channel(64);
         let metrics = SourceCounters::default();
         let reader = Reader {
             client,
+            host: host.clone(),
             kind: Kind::Service,
             selector: Selector::Labels(label_selector(None)),
             tx,
@@ -71,7 +76,12 @@ impl Harness {
             proxy_name: None,
         };
         let task = tokio::spawn(reader.run());
-        Self { rx, metrics, task }
+        Self {
+            rx,
+            metrics,
+            host,
+            task,
+        }
     }
 
     async fn next(&mut self) -> Update {
@@ -165,6 +175,21 @@ async fn a_stale_continue_token_relists_from_the_start_as_one_snapshot() {
         "{:#?}",
         watches(&api)
     );
+    // rest_client_requests_total{code,method,host}, as client-go counts: the four pages
+    // served (200) and the refused one (410), GETs to the server's host:port.
+    assert!(h.host.starts_with("127.0.0.1:"), "{}", h.host);
+    let count = |code: &str| {
+        h.metrics
+            .rest_requests
+            .get_or_create(&proxy_user::cluster::counters::RestRequest {
+                code: code.into(),
+                method: "GET".into(),
+                host: h.host.clone(),
+            })
+            .get()
+    };
+    assert_eq!(count("410"), 1);
+    assert!(count("200") >= 4, "{}", count("200"));
 }
 
 /// A watch from a compacted resourceVersion gets a `410 Expired` ERROR event: the reader

@@ -957,6 +957,7 @@ tc_dsr_encap           0      TC DSR, first node: sent to a remote backend with 
 tc_dsr_decap           0      TC DSR, backend's node: DSR option read (reply entry recorded) and removed
 tc_dsr_reply           0      TC DSR, backend's node: reply sent straight to the client from the frontend
 tc_dsr_too_big         0      TC DSR: the option would exceed the route's MTU: new flow SNATed, later datagram sent without it
+tc_dsr_untrusted       0      TC DSR, backend's node: DSR option from a sender that is not a cluster node: not honoured
 
 BACKEND               ID  CONNS
 10.240.1.2:8080       1   4
@@ -1221,6 +1222,7 @@ tc_dsr_encap           0      -      -
 tc_dsr_decap           0      -      -
 tc_dsr_reply           0      -      -
 tc_dsr_too_big         0      -      -
+tc_dsr_untrusted       0      -      -
 
 proxyctl watch: every 100ms, frame 2 of 2
 
@@ -1264,6 +1266,7 @@ tc_dsr_encap           0      +0     0.0
 tc_dsr_decap           0      +0     0.0
 tc_dsr_reply           0      +0     0.0
 tc_dsr_too_big         0      +0     0.0
+tc_dsr_untrusted       0      +0     0.0
 
 $ proxyctl dump
 frontend 0.0.0.0:30080/tcp id=6 count=2 flags=0x24 affinity=0

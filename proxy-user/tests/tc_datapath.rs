@@ -675,12 +675,14 @@ fn counters(pins: &Path) -> BTreeMap<&'static str, u64> {
 /// 10.100.2.0/24; node 2 no longer routes the client through node 1, only node 1's own
 /// address). TCP and UDP from the
 /// client work; the pod sees the client's address (no SNAT); the client sees replies from
-/// the NodePort it used; node 1 forwarded every request with the DSR option and saw no
-/// reply (no reply counted, no reply-direction conntrack entry used, its link to node 2
-/// received next to no packets while dozens of replies reached the client); node 2 read
-/// the option and sent the replies. The same over IPv6 (fd00:102::/64 for the direct
-/// link, the option in a destination option). A datagram too large for the option is SNATed
-/// (`tc_dsr_too_big`). Then node 1 restarted in `hybrid` (TCP DSR, UDP SNAT) and in
+/// the NodePort it used; node 1 forwarded every request with the DSR option (IPv4: in an
+/// IPIP outer header from node 1's address to the pod) and saw no reply (no reply
+/// counted, no reply-direction conntrack entry used, its link to node 2 received next to
+/// no packets while dozens of replies reached the client); node 2 read the option and
+/// sent the replies (IPv4 `tc_dsr_decap` counts only an option inside the outer header of
+/// a trusted node). The same over IPv6 (fd00:102::/64 for the direct link, the option in
+/// a destination option inside IPv6-in-IPv6). A datagram too large for the option and outer header is SNATed
+/// (`tc_dsr_too_big`), also one that would fit with the option alone. Then node 1 restarted in `hybrid` (TCP DSR, UDP SNAT) and in
 /// `snat` (the pod sees node 1 again).
 #[test]
 fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
@@ -695,6 +697,13 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
         &dir,
         "web.yaml",
         &service("web", "10.96.0.10", "Cluster", "", &[3]),
+    );
+    // The cluster's Node objects: node-b honours a DSR option only for a NodePort on one
+    // of their addresses (node 1's ExternalIP is the address the client uses).
+    write(
+        &dir,
+        "nodes.yaml",
+        "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus:\n  addresses:\n  - {type: InternalIP, address: 10.100.1.1}\n  - {type: ExternalIP, address: 10.100.0.2}\n  - {type: InternalIP, address: \"fd00:101::1\"}\n  - {type: ExternalIP, address: \"fd00:100::2\"}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: node-b}\nstatus:\n  addresses:\n  - {type: InternalIP, address: 10.100.1.2}\n  - {type: InternalIP, address: \"fd00:101::2\"}\n",
     );
     let dir_s = dir.to_str().expect("utf-8");
     let start_a = |mode: &str| {
@@ -730,6 +739,27 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
         ],
     );
     agent_b.wait_healthy(Duration::from_secs(20));
+    // Written by node-b's agent from the Node objects (/32, /128 each).
+    let want: std::collections::BTreeSet<(std::net::IpAddr, u8)> = [
+        ("10.100.1.1", 32),
+        ("10.100.0.2", 32),
+        ("10.100.1.2", 32),
+        ("fd00:101::1", 128),
+        ("fd00:100::2", 128),
+        ("fd00:101::2", 128),
+    ]
+    .into_iter()
+    .map(|(a, len)| (a.parse().expect("ip"), len))
+    .collect();
+    wait_for(
+        "node-b's DSR_TRUSTED4/6 hold the Node objects' addresses",
+        Duration::from_secs(5),
+        || {
+            proxy_user::dsr_trust::read(&pins_b.path)
+                .expect("DSR_TRUSTED")
+                .is_superset(&want)
+        },
+    );
     let agent_a = start_a("dsr");
     assert!(
         agent_a.logs().contains("mode=\"dsr\"") || agent_a.logs().contains("mode=dsr"),
@@ -804,6 +834,7 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     // Node 2: read the option of each, sent each reply with the frontend as source.
     assert!(d(&b, &b0, "tc_dsr_decap") >= 2 * n, "{b:?}");
     assert!(d(&b, &b0, "tc_dsr_reply") >= 4 * n, "{b:?}");
+    assert_eq!(d(&b, &b0, "tc_dsr_untrusted"), 0, "{b:?}");
 
     // IPv6: the option in a Destination Options header; the same checks.
     let tcp6: SocketAddr = format!("[fd00:100::2]:{NODEPORT}").parse().expect("v6");
@@ -852,6 +883,14 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
     };
     assert_eq!(got, ("pod3".to_string(), "10.100.0.2".to_string()));
     assert_eq!(counters(&env.pins.path)["tc_dsr_too_big"], too_big0 + 1);
+    // One that would fit with the option (1488 bytes) but not with the outer header too
+    // (1508): SNATed as well.
+    let got = {
+        let _g = c.ext.enter();
+        ask_udp_from(udp, 20_901, 1452).expect("a datagram 20 bytes short of full is answered")
+    };
+    assert_eq!(got, ("pod3".to_string(), "10.100.0.2".to_string()));
+    assert_eq!(counters(&env.pins.path)["tc_dsr_too_big"], too_big0 + 2);
 
     // hybrid: TCP by DSR, UDP by SNAT.
     drop(agent_a);

@@ -4,6 +4,7 @@
 //! - `build`: release binaries `target/release/proxy-agent` and `target/release/proxyctl`;
 //! - `demo`: the seed article's example live (see `demo.rs`);
 //! - `bench`: the datapath and control plane against kube-proxy's modes (see `bench/`);
+//! - `bench-report`: docs/benchmarks.md's tables of the committed run, from its JSON;
 //! - `test`: formatting, clippy, unit and privileged integration tests (serially).
 //! - `image`: the shipped image from `deploy/Dockerfile` with buildah, no registry
 //!   needed (see `image.rs`);
@@ -45,6 +46,9 @@ enum Cmd {
     /// Benchmark the eBPF datapath and control plane against kube-proxy's iptables,
     /// nftables and IPVS modes at 1 to 50,000 services (as root; docs/benchmarks.md).
     Bench(bench::Args),
+    /// Rewrite the tables of docs/benchmarks.md that quote the committed run
+    /// (docs/bench/results.json) from that JSON.
+    BenchReport,
     /// Build the shipped image (deploy/Dockerfile) with buildah, on a Debian base made
     /// locally with debootstrap unless --base names a registry image; prints its size and
     /// digest (as root).
@@ -56,8 +60,8 @@ enum Cmd {
         /// Skip `cargo fmt --check` and `cargo clippy`.
         #[arg(long)]
         no_lint: bool,
-        /// Skip the quick benchmark run (`cargo xtask bench --quick`, no thresholds: it
-        /// only keeps the benchmark from rotting).
+        /// Skip the quick benchmark runs (`cargo xtask bench --quick` and `--api --quick`:
+        /// no thresholds on figures, but any error any mode recorded fails them).
         #[arg(long)]
         no_bench: bool,
         /// Which tests: `unprivileged` (unit tests and the integration tests that need no
@@ -85,6 +89,7 @@ fn main() -> Result<()> {
             demo::run(&release_dir(), requests_per_pod)
         }
         Cmd::Bench(args) => bench::main(args),
+        Cmd::BenchReport => bench::headline::main(&workspace_root()),
         Cmd::Image(args) => {
             setup::ensure()?;
             image::main(args)
@@ -210,6 +215,8 @@ fn test(no_lint: bool, no_bench: bool, tier: Tier, args: &[String]) -> Result<()
             "proxy-ebpf",
             "--lib",
             "--bins",
+            // Every test binary runs even when one fails: the summary counts them all.
+            "--no-fail-fast",
         ]);
         for t in tiers::UNPRIVILEGED {
             cmd.args(["--test", t]);
@@ -224,10 +231,20 @@ fn test(no_lint: bool, no_bench: bool, tier: Tier, args: &[String]) -> Result<()
         cmd.env(upgrade_from::ENV, upgrade_from::ensure()?);
         // tests/daemonset_image.rs starts the shipped image: build it (about a minute
         // once the base is cached: buildah reuses the apt layer).
+        // A failed build fails that test (it names the missing image), not the others.
         if setup::is_root() {
-            image::main(image::Args::default())?;
+            if let Err(e) = image::main(image::Args::default()) {
+                eprintln!(
+                    "xtask test: building the image failed ({e:#}): tests/daemonset_image.rs \
+                     will fail"
+                );
+                // Never an older build in its place.
+                let _ = Command::new("buildah")
+                    .args(["rmi", "--force", image::IMAGE])
+                    .status();
+            }
         }
-        cmd.args(["test", "--package", "proxy-user"]);
+        cmd.args(["test", "--package", "proxy-user", "--no-fail-fast"]);
         for t in &privileged {
             cmd.args(["--test", t]);
         }
@@ -246,36 +263,63 @@ enum Tier {
     All,
 }
 
-/// Tests counted over the `test result:` lines of one or more `cargo test` runs.
-#[derive(Clone, Copy, Debug, Default)]
+/// Tests counted over the `test result:` lines of one or more `cargo test` runs, less the
+/// tests that reported themselves skipped (`SKIPS_ENV`).
+#[derive(Clone, Debug, Default)]
 struct Counts {
     passed: u64,
     failed: u64,
     ignored: u64,
+    /// `name: reason` of each test that returned without running what it checks (a
+    /// kernel without IPVS, say): libtest counts those as passed; here they are skipped.
+    skipped: Vec<String>,
     ok: bool,
     runs: u32,
 }
+
+/// The file a test appends `name: reason` to when it skips itself
+/// (`proxy-user/tests/support`'s `skipped`).
+const SKIPS_ENV: &str = "EBPF_PROXY_TEST_SKIPS";
 
 impl Counts {
     fn add(&mut self, c: Counts) {
         self.passed += c.passed;
         self.failed += c.failed;
         self.ignored += c.ignored;
+        self.skipped.extend(c.skipped);
         self.ok = (self.runs == 0 || self.ok) && c.ok;
         self.runs += 1;
     }
 
-    /// The one summary line over every test binary (`summary: N passed, N failed`).
-    fn finish(self) -> Result<()> {
-        let skipped = if self.ignored > 0 {
-            format!(", {} skipped", self.ignored)
+    /// Tests that reported themselves skipped (lines of the skips file) move from
+    /// passed to skipped.
+    fn take_skips(&mut self, text: &str) {
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            self.skipped.push(line.trim().to_string());
+            self.passed = self.passed.saturating_sub(1);
+        }
+    }
+
+    /// The summary line over every test binary (`summary: N passed, N failed, N
+    /// skipped`), after the reason of each skip.
+    fn line(&self) -> String {
+        let skipped = self.ignored + self.skipped.len() as u64;
+        let skipped = if skipped > 0 {
+            format!(", {skipped} skipped")
         } else {
             String::new()
         };
-        println!(
+        format!(
             "summary: {} passed, {} failed{skipped}",
             self.passed, self.failed
-        );
+        )
+    }
+
+    fn finish(self) -> Result<()> {
+        for s in &self.skipped {
+            println!("skipped: {s}");
+        }
+        println!("{}", self.line());
         if !self.ok || self.failed > 0 {
             bail!("tests failed");
         }
@@ -292,7 +336,13 @@ fn run_tests(cmd: &mut Command, tier: &str) -> Result<Counts> {
     use std::io::{BufRead as _, BufReader};
     let args: Vec<_> = cmd.get_args().map(|a| a.to_string_lossy()).collect();
     eprintln!("+ ({tier} tests) cargo {}", args.join(" "));
+    let skips = std::env::temp_dir().join(format!(
+        "ebpf-proxy-test-skips-{tier}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&skips);
     let mut child = cmd
+        .env(SKIPS_ENV, &skips)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .context("starting cargo test")?;
@@ -317,9 +367,41 @@ fn run_tests(cmd: &mut Command, tier: &str) -> Result<Counts> {
         }
     }
     let status = child.wait()?;
+    c.take_skips(&std::fs::read_to_string(&skips).unwrap_or_default());
+    let _ = std::fs::remove_file(&skips);
     c.ok = status.success();
     if !c.ok {
         eprintln!("{tier} tests: cargo test exited with {status}");
     }
     Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A test that skipped itself is counted as skipped, with its reason, not as passed.
+    #[test]
+    fn self_skipped_tests_are_skipped_not_passed() {
+        let mut c = Counts {
+            passed: 5,
+            ok: true,
+            ..Counts::default()
+        };
+        c.take_skips("ipvs_part: this kernel lacks IPVS (CONFIG_IP_VS)\n");
+        let mut total = Counts::default();
+        total.add(c);
+        total.add(Counts {
+            passed: 2,
+            ignored: 1,
+            ok: true,
+            ..Counts::default()
+        });
+        assert_eq!(total.line(), "summary: 6 passed, 0 failed, 2 skipped");
+        assert_eq!(
+            total.skipped,
+            vec!["ipvs_part: this kernel lacks IPVS (CONFIG_IP_VS)".to_string()]
+        );
+        assert!(total.finish().is_ok());
+    }
 }

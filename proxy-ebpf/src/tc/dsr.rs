@@ -1,32 +1,45 @@
 //! Direct server return (`--forwarding-mode dsr|hybrid`, `FWD_MODE`) for external traffic
-//! (eTP=Cluster) to a backend on another node, IPv4.
+//! (eTP=Cluster) to a backend on another node, IPv4 and IPv6.
 //!
 //! First node (the one the client hit): instead of SNAT, the packet is DNATed only (the
 //! client stays its source) and carries the frontend in an IPv4 option of 8 bytes right
 //! after the 20-byte header (`proxy_common::dsr_opt`, Cilium's `dsr_opt_v4` layout:
-//! type 0x9a, length 8, frontend port, frontend address), then the stack forwards it to
-//! the backend's node by the route to the pod. The option rides on the packets that can
-//! open the flow on the backend's node: every TCP SYN and every UDP datagram (later TCP
-//! packets are only DNATed; the backend's node already knows the flow).
+//! type 0x9a, length 8, frontend port, frontend address), wrapped in an IPIP outer
+//! header from this node's address (`NODE_CONFIG`'s SNAT address) to the pod, and
+//! forwarded by FIB redirect to the backend's node by the route to the pod. The option
+//! rides on the packets that can open the flow on the backend's node: every TCP SYN and
+//! every UDP datagram (later TCP packets are only DNATed; the backend's node already
+//! knows the flow).
 //!
-//! Backend's node: a packet with the option gets a reply-direction conntrack entry
-//! (backend -> client: source := the frontend, `ct_flags::DSR`), loses the option and is
-//! delivered with the client as source. The backend's reply leaves this node through the
-//! usual reply stage (at TC egress of the interface towards the client) with the
+//! Backend's node: an IPIP packet from a cluster node (outer source in `DSR_TRUSTED4`)
+//! with the option inside gets a reply-direction conntrack entry (backend -> client:
+//! source := the frontend, `ct_flags::DSR`), loses the outer header and the option and
+//! is delivered with the client as source; from any other source it is dropped
+//! (`tc_dsr_untrusted`), and an option without the outer header is not honoured
+//! (`tc_dsr_untrusted`, the packet goes on as it is). The backend's reply leaves this
+//! node through the usual reply stage (at TC egress of the interface towards the client) with the
 //! frontend as source, straight to the client: the first node sees no reply.
+//! The option is honoured only when it names a frontend a client could have sent to: a
+//! NodePort on a cluster node's address (`DSR_TRUSTED4/6`, written by the agent: the Node
+//! objects' addresses and `--dsr-trusted-cidrs`) or a frontend in this node's maps, with
+//! the Service's source ranges applied to the client (in addition to the outer source's
+//! check); otherwise the packet is dropped (`tc_dsr_untrusted`).
 //!
 //! IPv6: the same in a Destination Options header of 24 bytes right after the 40-byte
 //! header (next header 60; Cilium's `dsr_opt_v6`: option type 0x1b, length 20, frontend
-//! address, frontend port, 2 bytes of zero); the backend's node removes the header.
+//! address, frontend port, 2 bytes of zero), in an IPv6-in-IPv6 outer header (next header
+//! 41) checked against `DSR_TRUSTED6`; the backend's node removes both.
 //!
-//! MTU: a packet that must carry the option and would then exceed the MTU of its route
-//! (`bpf_fib_lookup` with `tot_len`) is not given it: a new flow is SNATed instead, a
-//! later UDP datagram of a DSR flow is sent without it (`tc_dsr_too_big`).
+//! MTU: a packet that must carry the option and the outer header and would then exceed
+//! the MTU of its route (`bpf_fib_lookup` with `tot_len`) is not given them: a new flow
+//! is SNATed instead, a later UDP datagram of a DSR flow is sent without them
+//! (`tc_dsr_too_big`).
 
 use aya_ebpf::{
     bindings::{
-        bpf_adj_room_mode::BPF_ADJ_ROOM_NET, bpf_fib_lookup as FibParams,
-        BPF_FIB_LKUP_RET_FRAG_NEEDED, TC_ACT_OK,
+        bpf_adj_room_mode::{BPF_ADJ_ROOM_MAC, BPF_ADJ_ROOM_NET},
+        bpf_fib_lookup as FibParams, BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_F_ADJ_ROOM_ENCAP_L3_IPV4,
+        BPF_F_ADJ_ROOM_ENCAP_L3_IPV6, TC_ACT_OK, TC_ACT_SHOT,
     },
     helpers::{
         bpf_ktime_get_ns,
@@ -35,7 +48,7 @@ use aya_ebpf::{
     programs::TcContext,
     EbpfContext,
 };
-use proxy_common::{ct_flags, dsr_opt, fwd_mode, proto, Reason};
+use proxy_common::{ct_flags, dsr_opt, fwd_mode, proto, svc_flags, Reason};
 
 use super::{
     family::{Pkt, PktAccess, PktFamily, ETH_HLEN},
@@ -52,6 +65,8 @@ const OPT_LEN: usize = dsr_opt::LEN4 as usize;
 const IP6_HLEN: usize = 40;
 const OPT6_LEN: usize = 24;
 const NEXTHDR_DEST: u8 = 60;
+/// IPv6-in-IPv6.
+const NEXTHDR_IPV6: u8 = 41;
 
 /// The family's fixed header length and the bytes the option adds.
 #[inline(always)]
@@ -139,6 +154,10 @@ pub fn wanted<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>, backend: F::Addr)
     if !asked::<F>(p) {
         return false;
     }
+    // The outer header's source is this node's address.
+    if F::is_zero(&F::snat_addr()) {
+        return false;
+    }
     if needs_opt(p) && !fits::<F>(ctx, p, backend) {
         count(Reason::TcDsrTooBig);
         return false;
@@ -147,14 +166,129 @@ pub fn wanted<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>, backend: F::Addr)
 }
 
 /// The first packet of a new DSR flow, already DNATed: the option added when the packet
-/// needs it, then handed to the stack, which routes it to the backend's node.
+/// needs it (IPv4: and the outer header, then forwarded by FIB redirect, as its outer
+/// source is this node's address; IPv6: handed to the stack, which routes it to the
+/// backend's node).
 #[inline(never)]
-pub fn first<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Result<Step<F::Addr>, Reason> {
+pub fn first<F: PktFamily>(
+    ctx: &TcContext,
+    p: &Pkt<F::Addr>,
+    backend: F::Addr,
+) -> Result<Step<F::Addr>, Reason> {
     if !needs_opt(p) {
         return Ok(Step::pass(Reason::TcNewFlow));
     }
     add_opt::<F>(ctx, p)?;
-    Ok(Step::pass(Reason::TcDsrEncap))
+    encapsulated::<F>(ctx, backend)
+}
+
+/// Wraps the packet (with its option) in the outer header from this node to `backend`
+/// (IPIP, IPv6-in-IPv6) and forwards it by FIB redirect (its source is now this node's).
+#[inline(always)]
+fn encapsulated<F: PktFamily>(ctx: &TcContext, backend: F::Addr) -> Result<Step<F::Addr>, Reason> {
+    let node = F::snat_addr();
+    if F::V6 {
+        encap6::<F>(ctx, node, backend)?;
+    } else {
+        encap4::<F>(ctx, node, backend)?;
+    }
+    Ok(Step::redirect(node, backend, Reason::TcDsrEncap))
+}
+
+/// IPv6-in-IPv6 (next header 41): the outer header from `node` to `backend` (the pod), the
+/// inner packet's traffic class and flow label, hop limit 64.
+#[inline(never)]
+fn encap6<F: PktFamily>(ctx: &TcContext, node: F::Addr, backend: F::Addr) -> Result<(), Reason> {
+    let fail = |()| Reason::TcRewriteFailed;
+    let inner: [u16; 3] = PktAccess::load(ctx, ETH_HLEN).map_err(fail)?;
+    let len = u16::from_be(inner[2])
+        .checked_add(IP6_HLEN as u16)
+        .ok_or(Reason::TcRewriteFailed)?;
+    ctx.adjust_room(
+        IP6_HLEN as i32,
+        BPF_ADJ_ROOM_MAC,
+        u64::from(BPF_F_ADJ_ROOM_ENCAP_L3_IPV6),
+    )
+    .map_err(|_| Reason::TcRewriteFailed)?;
+    let head: [u16; 4] = [
+        inner[0],
+        inner[1],
+        len.to_be(),
+        u16::from_be_bytes([NEXTHDR_IPV6, 64]).to_be(),
+    ];
+    PktAccess::store(ctx, ETH_HLEN, &head).map_err(fail)?;
+    PktAccess::store(ctx, ETH_HLEN + 8, &node).map_err(fail)?;
+    PktAccess::store(ctx, ETH_HLEN + 24, &backend).map_err(fail)
+}
+
+/// An IPv4 header without options (network order throughout).
+#[repr(C)]
+struct Ip4 {
+    vihl: u8,
+    tos: u8,
+    tot: u16,
+    id: u16,
+    frag: u16,
+    ttl: u8,
+    proto: u8,
+    csum: u16,
+    saddr: u32,
+    daddr: u32,
+}
+
+/// Puts the IPIP outer header (protocol 4) in front of the packet's IPv4 header
+/// (`bpf_skb_adjust_room`, `BPF_ADJ_ROOM_MAC`): source `node` (this node's address, which
+/// the backend's node checks against `DSR_TRUSTED4`), destination `backend` (the pod, which
+/// the network routes to its node), the inner packet's TOS and DF bit, TTL 64.
+#[inline(never)]
+fn encap4<F: PktFamily>(ctx: &TcContext, node: F::Addr, backend: F::Addr) -> Result<(), Reason> {
+    let fail = |()| Reason::TcRewriteFailed;
+    let inner: [u16; 4] = PktAccess::load(ctx, ETH_HLEN).map_err(fail)?;
+    let tot = u16::from_be(inner[1])
+        .checked_add(IP_HLEN as u16)
+        .ok_or(Reason::TcRewriteFailed)?;
+    let mut h = Ip4 {
+        vihl: 0x45,
+        tos: inner[0].to_ne_bytes()[1],
+        tot: tot.to_be(),
+        id: 0,
+        frag: inner[3] & 0x4000u16.to_be(),
+        ttl: 64,
+        proto: 4,
+        csum: 0,
+        saddr: F::client(node).0[0],
+        daddr: F::client(backend).0[0],
+    };
+    // SAFETY: a 20-byte, 4-aligned struct on the stack.
+    let sum = unsafe {
+        bpf_csum_diff(
+            core::ptr::null_mut(),
+            0,
+            (&raw mut h).cast::<u32>(),
+            IP_HLEN as u32,
+            0,
+        )
+    };
+    if sum < 0 {
+        return Err(Reason::TcRewriteFailed);
+    }
+    h.csum = !fold(sum as u64);
+    ctx.adjust_room(
+        IP_HLEN as i32,
+        BPF_ADJ_ROOM_MAC,
+        u64::from(BPF_F_ADJ_ROOM_ENCAP_L3_IPV4),
+    )
+    .map_err(|_| Reason::TcRewriteFailed)?;
+    PktAccess::store(ctx, ETH_HLEN, &h).map_err(fail)
+}
+
+/// A 64-bit one's-complement sum folded to 16 bits.
+#[inline(always)]
+fn fold(mut s: u64) -> u16 {
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    s as u16
 }
 
 /// A later packet of a DSR flow, already DNATed: a SYN or a UDP datagram carries the
@@ -174,10 +308,10 @@ pub fn again<F: PktFamily>(
         return Ok(Step::pass(Reason::TcFlow));
     }
     add_opt::<F>(ctx, p)?;
-    Ok(Step::pass(Reason::TcDsrEncap))
+    encapsulated::<F>(ctx, backend)
 }
 
-/// Whether the packet, 8 (IPv6: 24) bytes longer, fits the MTU of its route from the client to
+/// Whether the packet, 28 (IPv4: option and outer header; IPv6: 64) bytes longer, fits the MTU of its route from the client to
 /// `backend` (`BPF_FIB_LKUP_RET_FRAG_NEEDED` otherwise). A failed lookup says "fits":
 /// the stack decides.
 #[inline(never)]
@@ -187,7 +321,13 @@ fn fits<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>, backend: F::Addr) -> bo
         return false;
     };
     let (base, extra) = lens::<F>();
-    let tot = u16::from_be(len).saturating_add((if F::V6 { base } else { 0 } + extra) as u16);
+    // The option and the outer header (IPv6: the payload length counts the fixed header).
+    let extra = if F::V6 {
+        base + extra + IP6_HLEN
+    } else {
+        extra + IP_HLEN
+    };
+    let tot = u16::from_be(len).saturating_add(extra as u16);
     // SAFETY: a zeroed plain-data struct.
     let mut params: FibParams = unsafe { core::mem::zeroed() };
     params.family = F::FAMILY;
@@ -262,54 +402,196 @@ fn add_opt6<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) -> Result<(), Reaso
         .map_err(|_| Reason::TcRewriteFailed)
 }
 
-/// A packet the family's parser did not take: on the backend's node an IPv6 DSR packet
-/// (a Destination Options header before TCP/UDP) is one; anything else is not ours.
+/// A packet the family's parser did not take: on the backend's node a DSR packet (IPIP,
+/// IPv6-in-IPv6; an IPv6 Destination Options header before TCP/UDP without one, counted
+/// and left as it is) is one; anything else is not ours.
 #[inline(never)]
 pub fn unparsed<F: PktFamily>(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason> {
-    if !ingress || !F::V6 {
+    if !ingress {
         return Ok(Verdict::pass::<TcContext>());
     }
-    Ok(match decap6::<F>(ctx)? {
-        Some(r) => Verdict::new(TC_ACT_OK as i32, r),
-        None => Verdict::pass::<TcContext>(),
-    })
+    if !F::V6 {
+        return Ok(decap_ipip::<F>(ctx)?.unwrap_or(Verdict::pass::<TcContext>()));
+    }
+    if let Ok(NEXTHDR_DEST) = PktAccess::load::<u8>(ctx, ETH_HLEN + 6) {
+        // Not honoured without the outer header ([`unencapsulated`]).
+        if is_opt6(ctx, ETH_HLEN + IP6_HLEN) && mode() != fwd_mode::SNAT {
+            count(Reason::TcDsrUntrusted);
+        }
+        return Ok(Verdict::pass::<TcContext>());
+    }
+    Ok(decap6::<F>(ctx)?.unwrap_or(Verdict::pass::<TcContext>()))
 }
 
-/// IPv6 [`decap`]: the Destination Options header with our option is read into the reply
-/// entry and removed.
+/// Whether the Destination Options header at `off` is ours, before TCP or UDP.
+#[inline(always)]
+fn is_opt6(ctx: &TcContext, off: usize) -> bool {
+    let Ok(head) = PktAccess::load::<[u8; 4]>(ctx, off) else {
+        return false;
+    };
+    (head[0] == proto::TCP || head[0] == proto::UDP)
+        && head[1..] == [(OPT6_LEN / 8 - 1) as u8, dsr_opt::TYPE6, dsr_opt::LEN6]
+}
+
+/// IPv4, the backend's node: an IPIP packet (protocol 4) whose inner packet is TCP or UDP
+/// with our option after a 20-byte header. Honoured only when the outer source is a
+/// cluster node (`DSR_TRUSTED4`) and the option names a frontend a client could have
+/// used ([`option_trusted`]): the reply entry is recorded, the outer header and the
+/// option are removed (the inner header moved up, IHL 5), and the stack delivers the
+/// inner packet to the pod with the client as source (`tc_dsr_decap`). Otherwise it is
+/// dropped (`tc_dsr_untrusted`). `None`: not ours (any other IPIP packet, or SNAT mode).
 #[inline(never)]
-fn decap6<F: PktFamily>(ctx: &TcContext) -> Result<Option<Reason>, Reason> {
-    let Ok(NEXTHDR_DEST) = PktAccess::load::<u8>(ctx, ETH_HLEN + 6) else {
+fn decap_ipip<F: PktFamily>(ctx: &TcContext) -> Result<Option<Verdict>, Reason> {
+    const IN: usize = ETH_HLEN + IP_HLEN;
+    let Ok(outer) = PktAccess::load::<[u8; 10]>(ctx, ETH_HLEN) else {
         return Ok(None);
     };
-    let Ok(head) = PktAccess::load::<[u8; 4]>(ctx, ETH_HLEN + IP6_HLEN) else {
+    let Ok(inner) = PktAccess::load::<[u8; 10]>(ctx, IN) else {
         return Ok(None);
     };
-    let next = head[0];
-    if (next != proto::TCP && next != proto::UDP)
-        || head[1..] != [(OPT6_LEN / 8 - 1) as u8, dsr_opt::TYPE6, dsr_opt::LEN6]
+    let Ok(head) = PktAccess::load::<[u8; 2]>(ctx, IN + IP_HLEN) else {
+        return Ok(None);
+    };
+    let unfragmented = |h: &[u8; 10]| u16::from_be_bytes([h[6], h[7]]) & 0x3fff == 0;
+    if outer[0] != 0x45
+        || outer[9] != 4
+        || !unfragmented(&outer)
+        || inner[0] != 0x47
+        || (inner[9] != proto::TCP && inner[9] != proto::UDP)
+        || !unfragmented(&inner)
+        || head != [dsr_opt::TYPE4, dsr_opt::LEN4]
         || mode() == fwd_mode::SNAT
     {
         return Ok(None);
     }
+    if !from_node::<F>(ctx, ETH_HLEN + 12) {
+        return Ok(Some(untrusted()));
+    }
     let fail = |()| Reason::TcRewriteFailed;
-    let saddr: F::Addr = PktAccess::load(ctx, ETH_HLEN + 8).map_err(fail)?;
-    let daddr: F::Addr = PktAccess::load(ctx, ETH_HLEN + 24).map_err(fail)?;
-    let front: F::Addr = PktAccess::load(ctx, ETH_HLEN + IP6_HLEN + 4).map_err(fail)?;
-    let port: u16 = PktAccess::load(ctx, ETH_HLEN + IP6_HLEN + 20).map_err(fail)?;
-    let l4 = ETH_HLEN + IP6_HLEN + OPT6_LEN;
+    let next = inner[9];
+    let saddr: F::Addr = PktAccess::load(ctx, IN + 12).map_err(fail)?;
+    let daddr: F::Addr = PktAccess::load(ctx, IN + 16).map_err(fail)?;
+    let port: u16 = PktAccess::load(ctx, IN + IP_HLEN + 2).map_err(fail)?;
+    let front: F::Addr = PktAccess::load(ctx, IN + IP_HLEN + 4).map_err(fail)?;
+    if !option_trusted::<F>(front, port, next, saddr) {
+        return Ok(Some(untrusted()));
+    }
+    let l4 = IN + IP_HLEN + OPT_LEN;
     let sport: u16 = PktAccess::load(ctx, l4).map_err(fail)?;
     let dport: u16 = PktAccess::load(ctx, l4 + 2).map_err(fail)?;
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let key = F::ct_key(daddr, saddr, dport, sport, next, 1);
     record::<F>(&key, &(front, port), now)?;
-    let len = u16::from_be(PktAccess::load::<u16>(ctx, ETH_HLEN + 4).map_err(fail)?);
-    ctx.adjust_room(-(OPT6_LEN as i32), BPF_ADJ_ROOM_NET, 0)
+    // The inner header's 20 bytes moved to just before L4, then the 28 bytes before them
+    // (the outer header, the option's room) removed.
+    let hdr: [u32; 5] = PktAccess::load(ctx, IN).map_err(fail)?;
+    let tot = u16::from_be(PktAccess::load::<u16>(ctx, IN + 2).map_err(fail)?);
+    PktAccess::store(ctx, l4 - IP_HLEN, &hdr).map_err(fail)?;
+    ctx.adjust_room(-((IP_HLEN + OPT_LEN) as i32), BPF_ADJ_ROOM_MAC, 0)
         .map_err(|_| Reason::TcRewriteFailed)?;
-    PktAccess::store(ctx, ETH_HLEN + 6, &next).map_err(fail)?;
-    PktAccess::store(ctx, ETH_HLEN + 4, &(len - OPT6_LEN as u16).to_be()).map_err(fail)?;
-    Ok(Some(Reason::TcDsrDecap))
+    set_header::<5>(ctx, tot - OPT_LEN as u16)?;
+    Ok(Some(Verdict::new(TC_ACT_OK as i32, Reason::TcDsrDecap)))
+}
+
+/// IPv6, the backend's node: an IPv6-in-IPv6 packet (next header 41) whose inner packet
+/// has our Destination Options header before TCP or UDP: as [`decap_ipip`], with the
+/// outer source checked against `DSR_TRUSTED6`; the outer header and the 24-byte header
+/// removed in one step (the inner header moved up to just before L4).
+#[inline(never)]
+fn decap6<F: PktFamily>(ctx: &TcContext) -> Result<Option<Verdict>, Reason> {
+    const IN: usize = ETH_HLEN + IP6_HLEN;
+    let Ok(NEXTHDR_IPV6) = PktAccess::load::<u8>(ctx, ETH_HLEN + 6) else {
+        return Ok(None);
+    };
+    let Ok(inner) = PktAccess::load::<[u8; 8]>(ctx, IN) else {
+        return Ok(None);
+    };
+    if inner[0] >> 4 != 6
+        || inner[6] != NEXTHDR_DEST
+        || !is_opt6(ctx, IN + IP6_HLEN)
+        || mode() == fwd_mode::SNAT
+    {
+        return Ok(None);
+    }
+    if !from_node::<F>(ctx, ETH_HLEN + 8) {
+        return Ok(Some(untrusted()));
+    }
+    let fail = |()| Reason::TcRewriteFailed;
+    let next: u8 = PktAccess::load(ctx, IN + IP6_HLEN).map_err(fail)?;
+    let saddr: F::Addr = PktAccess::load(ctx, IN + 8).map_err(fail)?;
+    let daddr: F::Addr = PktAccess::load(ctx, IN + 24).map_err(fail)?;
+    let front: F::Addr = PktAccess::load(ctx, IN + IP6_HLEN + 4).map_err(fail)?;
+    let port: u16 = PktAccess::load(ctx, IN + IP6_HLEN + 20).map_err(fail)?;
+    if !option_trusted::<F>(front, port, next, saddr) {
+        return Ok(Some(untrusted()));
+    }
+    let l4 = IN + IP6_HLEN + OPT6_LEN;
+    let sport: u16 = PktAccess::load(ctx, l4).map_err(fail)?;
+    let dport: u16 = PktAccess::load(ctx, l4 + 2).map_err(fail)?;
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let key = F::ct_key(daddr, saddr, dport, sport, next, 1);
+    record::<F>(&key, &(front, port), now)?;
+    move_inner6(ctx, next)?;
+    Ok(Some(Verdict::new(TC_ACT_OK as i32, Reason::TcDsrDecap)))
+}
+
+/// The inner IPv6 header moved to just before L4 (24 bytes on, word by word from its
+/// end, as the two overlap; next header := `next`, payload length without the 24-byte
+/// header), then the 64 bytes before it (the outer header, the option's room) removed.
+/// Eight bytes at a time: a 40-byte copy on the stack put this frame over the verifier's
+/// 512 bytes for the whole call chain.
+#[inline(never)]
+fn move_inner6(ctx: &TcContext, next: u8) -> Result<(), Reason> {
+    const IN: usize = ETH_HLEN + IP6_HLEN;
+    let fail = |()| Reason::TcRewriteFailed;
+    let len = u16::from_be(PktAccess::load::<u16>(ctx, IN + 4).map_err(fail)?)
+        .checked_sub(OPT6_LEN as u16)
+        .ok_or(Reason::TcRewriteFailed)?;
+    for k in (0..IP6_HLEN / 8).rev() {
+        let w: u64 = PktAccess::load(ctx, IN + 8 * k).map_err(fail)?;
+        PktAccess::store(ctx, IN + OPT6_LEN + 8 * k, &w).map_err(fail)?;
+    }
+    PktAccess::store(ctx, IN + OPT6_LEN + 4, &len.to_be()).map_err(fail)?;
+    PktAccess::store(ctx, IN + OPT6_LEN + 6, &next).map_err(fail)?;
+    ctx.adjust_room(-((IP6_HLEN + OPT6_LEN) as i32), BPF_ADJ_ROOM_MAC, 0)
+        .map_err(|_| Reason::TcRewriteFailed)
+}
+
+/// Whether the outer header's source (at `off`) is a cluster node (`DSR_TRUSTED4/6`).
+/// Own frame: the verifier's 512 bytes are counted over the whole call chain.
+#[inline(never)]
+fn from_node<F: PktFamily>(ctx: &TcContext, off: usize) -> bool {
+    PktAccess::load::<F::Addr>(ctx, off).is_ok_and(F::dsr_trusted)
+}
+
+/// An encapsulated DSR packet not honoured: dropped, counted.
+#[inline(always)]
+fn untrusted() -> Verdict {
+    Verdict::new(TC_ACT_SHOT as i32, Reason::TcDsrUntrusted)
+}
+
+/// Whether the frontend a DSR option names may be honoured: a NodePort on one of the
+/// cluster's node addresses (`DSR_TRUSTED4/6`: the Node objects' addresses and
+/// `--dsr-trusted-cidrs`; the first node puts the address the client used), or a
+/// frontend of this node's own maps (a LoadBalancer IP, an externalIP); and the client
+/// inside the Service's `loadBalancerSourceRanges`, which the first node enforced. The
+/// sender of the packet cannot be checked (its source is the client's address; that
+/// needs the outer header: [`decap_ipip`], [`decap6`] check it first): with this
+/// check the option cannot make this node answer from any address that is not a frontend
+/// the client could have sent to itself.
+#[inline(never)]
+fn option_trusted<F: PktFamily>(front: F::Addr, port: u16, proto: u8, client: F::Addr) -> bool {
+    let Some((fe, _)) = proxy_common::lookup::frontend(
+        front,
+        F::zero(),
+        |a| F::svc(a, port, proto, 0),
+        F::dsr_trusted,
+    ) else {
+        return false;
+    };
+    fe.flags & svc_flags::SOURCE_RANGES == 0 || F::source_allowed(fe.service_id, client)
 }
 
 /// The backend's node's reply entry of a DSR flow: backend -> client, source := the
@@ -320,38 +602,22 @@ fn record<F: PktFamily>(key: &F::Key, front: &(F::Addr, u16), now: u64) -> Resul
     F::ct_put(key, &val).map_err(|()| Reason::TcCtWriteFailed)
 }
 
-/// On the backend's node (ingress): a packet with the DSR option. Records the reply entry
-/// (backend -> client: source := the frontend), removes the option, and lets the stack
-/// deliver it to the pod with the client as source. `None`: no option of ours (or this
-/// node is in SNAT mode: the option is not trusted, the packet goes on as it is).
+/// On the backend's node (ingress): an IPv4 packet with the DSR option but no outer
+/// header. Not honoured: its sender cannot be told (its source is the client's), so anyone
+/// could have sent it; only [`decap_ipip`] honours the option, inside the outer header of
+/// a cluster node. Counted `tc_dsr_untrusted` (unless this node is in SNAT mode, where no
+/// option is ours); the packet goes on as it is.
 #[inline(never)]
-pub fn decap<F: PktFamily>(
-    ctx: &TcContext,
-    p: &Pkt<F::Addr>,
-    now: u64,
-) -> Result<Option<Reason>, Reason> {
+pub fn unencapsulated<F: PktFamily>(ctx: &TcContext, p: &Pkt<F::Addr>) {
     if F::V6 || p.l4 != ETH_HLEN + IP_HLEN + OPT_LEN {
-        return Ok(None);
+        return;
     }
     let Ok(head) = PktAccess::load::<[u8; 2]>(ctx, ETH_HLEN + IP_HLEN) else {
-        return Ok(None);
+        return;
     };
-    if head != [dsr_opt::TYPE4, dsr_opt::LEN4] || mode() == fwd_mode::SNAT {
-        return Ok(None);
+    if head == [dsr_opt::TYPE4, dsr_opt::LEN4] && mode() != fwd_mode::SNAT {
+        count(Reason::TcDsrUntrusted);
     }
-    let port: u16 =
-        PktAccess::load(ctx, ETH_HLEN + IP_HLEN + 2).map_err(|_| Reason::TcRewriteFailed)?;
-    let front: F::Addr =
-        PktAccess::load(ctx, ETH_HLEN + IP_HLEN + 4).map_err(|_| Reason::TcRewriteFailed)?;
-    let key = F::ct_key(p.daddr, p.saddr, p.dport, p.sport, p.proto, 1);
-    record::<F>(&key, &(front, port), now)?;
-    let tot = u16::from_be(
-        PktAccess::load::<u16>(ctx, ETH_HLEN + 2).map_err(|_| Reason::TcRewriteFailed)?,
-    );
-    ctx.adjust_room(-(OPT_LEN as i32), BPF_ADJ_ROOM_NET, 0)
-        .map_err(|_| Reason::TcRewriteFailed)?;
-    set_header::<5>(ctx, tot - OPT_LEN as u16)?;
-    Ok(Some(Reason::TcDsrDecap))
 }
 
 /// Writes IHL `WORDS` and total length `tot` and recomputes the IPv4 header checksum
@@ -377,9 +643,5 @@ fn set_header<const WORDS: usize>(ctx: &TcContext, tot: u16) -> Result<(), Reaso
     if sum < 0 {
         return Err(Reason::TcRewriteFailed);
     }
-    let mut s = sum as u64;
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    PktAccess::store(ctx, ETH_HLEN + 10, &!(s as u16)).map_err(|_| Reason::TcRewriteFailed)
+    PktAccess::store(ctx, ETH_HLEN + 10, &!fold(sum as u64)).map_err(|_| Reason::TcRewriteFailed)
 }

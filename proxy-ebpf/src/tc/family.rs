@@ -23,7 +23,8 @@ use super::state::{FibHop, FibHopKey4, FibHopKey6};
 use super::Scratch;
 use crate::lb::{Family, V4, V6};
 use crate::maps::{
-    CT4, CT6, FIB_HOP4, FIB_HOP6, NODE_CONFIG, SCRATCH4, SCRATCH6, SRC_RANGE4, SRC_RANGE6,
+    CT4, CT6, DSR_TRUSTED4, DSR_TRUSTED6, FIB_HOP4, FIB_HOP6, NODE_CONFIG, SCRATCH4, SCRATCH6,
+    SRC_RANGE4, SRC_RANGE6,
 };
 
 pub const ETH_HLEN: usize = 14;
@@ -102,6 +103,8 @@ pub trait PktFamily: Family {
     /// in the packet's byte order, for a checksum updated by the program.
     fn addr_delta(old: Self::Addr, new: Self::Addr) -> u32;
     fn source_allowed(service_id: u32, a: Self::Addr) -> bool;
+    /// DSR: whether a packet from `a` may carry the DSR option (`DSR_TRUSTED4/6`).
+    fn dsr_trusted(a: Self::Addr) -> bool;
     fn ct_key(
         s: Self::Addr,
         d: Self::Addr,
@@ -246,6 +249,11 @@ impl PktFamily for V4 {
             },
         );
         SRC_RANGE4.get(&key).is_some()
+    }
+
+    #[inline(never)]
+    fn dsr_trusted(a: u32) -> bool {
+        DSR_TRUSTED4.get(&LpmKey::new(32, a)).is_some()
     }
 
     #[inline(always)]
@@ -438,6 +446,11 @@ impl PktFamily for V6 {
             },
         );
         SRC_RANGE6.get(&key).is_some()
+    }
+
+    #[inline(never)]
+    fn dsr_trusted(a: [u32; 4]) -> bool {
+        DSR_TRUSTED6.get(&LpmKey::new(128, a)).is_some()
     }
 
     #[inline(always)]

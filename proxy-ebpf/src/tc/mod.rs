@@ -220,12 +220,10 @@ pub(crate) fn flow<C: PktHook, F: PktFamily>(ctx: &C, ingress: bool) -> Result<V
     // program's profile.
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
-    // On the backend's node: a DSR packet from the first node (`dsr`; TC only: XDP
-    // finds no flow or frontend for it and hands it on).
+    // On the backend's node: an IPv4 DSR option without the outer header is not
+    // honoured, only counted (`dsr`; the encapsulated one is unparsed above).
     if let Some(tc) = ctx.tc().filter(|_| ingress) {
-        if let Some(r) = dsr::decap::<F>(tc, p, now)? {
-            return Ok(Verdict::new(C::PASS, r));
-        }
+        dsr::unencapsulated::<F>(tc, p);
     }
     let step = match reply_path::<C, F>(ctx, p, ingress, now)? {
         Some(s) => s,
@@ -505,7 +503,7 @@ fn commit_flow<C: PktHook, F: PktFamily>(
     count_backend(c.backend_id);
     rewrite::<F, _>(ctx, p, &(c.backend, c.snat))?;
     if let Some(tc) = ctx.tc().filter(|_| c.flags & ct_flags::DSR != 0) {
-        return dsr::first::<F>(tc, p);
+        return dsr::first::<F>(tc, p, c.backend.0);
     }
     if c.flags & ct_flags::SNAT != 0 {
         return Ok(Step::redirect(c.snat.0, c.backend.0, Reason::TcNewFlow));

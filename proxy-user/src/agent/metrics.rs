@@ -80,6 +80,8 @@ pub struct Metrics {
     pub adoption_repairs: Family<KindLabel, Counter>,
     /// The sources' counters (the same families as `objects_skipped`, `watch_*`).
     pub source: SourceCounters,
+    /// kube-proxy's metrics under kube-proxy's names (`kubeproxy_metrics`).
+    pub kube_proxy: super::kubeproxy_metrics::KubeProxyMetrics,
 }
 
 /// `kind="..."`.
@@ -102,7 +104,9 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("ebpf_proxy");
+        // The root has kube-proxy's metrics (`kubeproxy_*`); ours are under `ebpf_proxy_`.
+        let mut root = Registry::default();
+        let registry = root.sub_registry_with_prefix("ebpf_proxy");
         let sync_duration = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
         let network_programming = Histogram::new(exponential_buckets(0.001, 2.0, 16));
         let source = SourceCounters::default();
@@ -125,6 +129,7 @@ impl Metrics {
             map_batch_fallbacks: Counter::default(),
             adoption_repairs: Family::default(),
             source,
+            kube_proxy: Default::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -215,7 +220,17 @@ impl Metrics {
             "Broken pinned map entries repaired when adopting the maps, by kind",
             m.adoption_repairs.clone(),
         );
-        Self { registry, ..m }
+        m.kube_proxy.register(&mut root);
+        // client-go's name, as kube-proxy exports it.
+        root.register(
+            "rest_client_requests",
+            "Number of HTTP requests, partitioned by status code, method, and host.",
+            m.source.rest_requests.clone(),
+        );
+        Self {
+            registry: root,
+            ..m
+        }
     }
 
     pub fn skipped(&self, kind: &str, reason: &str) {
@@ -254,8 +269,13 @@ impl Metrics {
     }
 }
 
-/// Health in kube-proxy's sense: healthy once the first sync has written the maps and
-/// while the last successful sync is younger than `stale_after` (twice the resync period).
+/// Health in kube-proxy's sense, one rule at any time: 503 while this node's Node is
+/// being deleted, before the first complete sync, and once the last complete sync is
+/// older than `stale_after` (twice the resync period, as kube-proxy's healthz timeout is
+/// twice its sync period). A sync that leaves frontends unwritten is not a sync (as in
+/// kube-proxy, a failed sync does not move "last successful sync"): while syncs keep
+/// failing, the node turns 503 at most `stale_after` after the last complete one. The
+/// body says why at any time, failures included, also while it is still 200.
 pub struct Health {
     synced_once: AtomicBool,
     last_sync: Mutex<Option<Instant>>,
@@ -263,6 +283,8 @@ pub struct Health {
     node_deleting: AtomicBool,
     /// Frontends the last sync could not write (0 after a complete one).
     last_failed: AtomicUsize,
+    /// The first incomplete sync since the last complete one.
+    failing_since: Mutex<Option<Instant>>,
 }
 
 impl Health {
@@ -273,6 +295,7 @@ impl Health {
             stale_after,
             node_deleting: AtomicBool::new(false),
             last_failed: AtomicUsize::new(0),
+            failing_since: Mutex::new(None),
         }
     }
 
@@ -280,10 +303,15 @@ impl Health {
     /// in `map_write_errors_total`): not a successful sync; `check` says why.
     pub fn mark_failed(&self, failed: usize) {
         self.last_failed.store(failed, Ordering::Relaxed);
+        self.failing_since
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert_with(Instant::now);
     }
 
     pub fn mark_synced(&self) {
         self.last_failed.store(0, Ordering::Relaxed);
+        *self.failing_since.lock().unwrap_or_else(|p| p.into_inner()) = None;
         self.synced_once.store(true, Ordering::Relaxed);
         *self.last_sync.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
     }
@@ -299,28 +327,37 @@ impl Health {
             return Err("the node is being deleted".into());
         }
         let failed = self.last_failed.load(Ordering::Relaxed);
+        let failing = (failed > 0).then(|| {
+            let since = *self.failing_since.lock().unwrap_or_else(|p| p.into_inner());
+            format!(
+                "the last sync could not write {failed} frontend(s) (see \
+                 map_write_errors_total and the log), syncs incomplete for {:.1} s; retrying",
+                since.map_or(0.0, |t| t.elapsed().as_secs_f64())
+            )
+        });
         if !self.synced_once.load(Ordering::Relaxed) {
-            if failed > 0 {
-                return Err(format!(
-                    "no complete sync yet: the last sync could not write {failed} \
-                     frontend(s) (see map_write_errors_total and the log); retrying"
-                ));
-            }
-            return Err("no sync yet: waiting for the initial lists".into());
+            return Err(match failing {
+                Some(f) => format!("no complete sync yet: {f}"),
+                None => "no sync yet: waiting for the initial lists".into(),
+            });
         }
         let last = *self.last_sync.lock().unwrap_or_else(|p| p.into_inner());
         let age = last.map(|t| t.elapsed()).unwrap_or(Duration::MAX);
+        let limit = self.stale_after.as_secs_f64();
         if age > self.stale_after {
             return Err(format!(
-                "last successful sync {:.1} s ago (limit {:.1} s)",
+                "last successful sync {:.1} s ago (limit {limit:.1} s){}",
                 age.as_secs_f64(),
-                self.stale_after.as_secs_f64()
+                failing.map(|f| format!(": {f}")).unwrap_or_default()
             ));
         }
-        Ok(format!(
-            "last successful sync {:.3} s ago",
-            age.as_secs_f64()
-        ))
+        Ok(match failing {
+            Some(f) => format!(
+                "last successful sync {:.3} s ago, but {f} (503 once that sync is {limit:.1} s old)",
+                age.as_secs_f64()
+            ),
+            None => format!("last successful sync {:.3} s ago", age.as_secs_f64()),
+        })
     }
 }
 
@@ -361,6 +398,27 @@ pub async fn serve(
 }
 
 fn respond(
+    what: Endpoints,
+    path: &str,
+    metrics: &Metrics,
+    health: &Health,
+) -> (&'static str, &'static str, String) {
+    let r = respond_to(what, path, metrics, health);
+    // kubeproxy_proxy_healthz_total / _livez_total{code}, as kube-proxy counts them.
+    let code =
+        r.0.split(' ')
+            .next()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+    match path {
+        "/healthz" => metrics.kube_proxy.probe(false, code),
+        "/livez" => metrics.kube_proxy.probe(true, code),
+        _ => {}
+    }
+    r
+}
+
+fn respond_to(
     what: Endpoints,
     path: &str,
     metrics: &Metrics,
@@ -428,6 +486,33 @@ mod tests {
         h.mark_failed(3);
         let err = h.check().expect_err("an incomplete sync is not a sync");
         assert!(err.contains("could not write 3 frontend(s)"), "{err}");
+        h.mark_synced();
+        assert!(h.check().is_ok());
+    }
+
+    /// After a first complete sync, a failed one is not a sync: the body says why at
+    /// once (still 200 within the limit), and 503 with the same reason past the limit.
+    #[test]
+    fn health_says_why_when_syncs_fail_after_the_first_complete_one() {
+        let h = Health::new(Duration::from_secs(3600));
+        h.mark_synced();
+        h.mark_failed(1);
+        let ok = h.check().expect("within the limit");
+        assert!(ok.contains("could not write 1 frontend(s)"), "{ok}");
+        h.mark_synced();
+        assert_eq!(h.check().map(|d| d.contains("could not")), Ok(false));
+
+        let h = Health::new(Duration::from_millis(50));
+        h.mark_synced();
+        h.mark_failed(2);
+        // Sleeps only past the limit: a lower bound, true under any load.
+        std::thread::sleep(Duration::from_millis(80));
+        h.mark_failed(2);
+        let err = h
+            .check()
+            .expect_err("a failed sync does not refresh health");
+        assert!(err.contains("last successful sync"), "{err}");
+        assert!(err.contains("could not write 2 frontend(s)"), "{err}");
         h.mark_synced();
         assert!(h.check().is_ok());
     }

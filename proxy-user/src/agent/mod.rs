@@ -6,6 +6,7 @@
 mod caps;
 pub mod healthcheck;
 pub mod http;
+pub mod kubeproxy_metrics;
 pub mod metrics;
 pub mod schedule;
 pub mod sync;
@@ -69,6 +70,12 @@ pub struct AgentOptions {
     pub forwarding_mode: crate::ForwardingMode,
     /// `--acceleration`: XDP ahead of TC on the same interfaces.
     pub acceleration: loader::Acceleration,
+    /// `--dsr-trusted-cidrs`: senders whose DSR option is honoured besides the Node
+    /// objects' addresses (`DSR_TRUSTED4/6`).
+    pub dsr_trusted_cidrs: Vec<(std::net::IpAddr, u8)>,
+    /// kube-proxy settings (`--config` fields, kube-proxy flags) not applied, named at
+    /// start and in `ebpf_proxy_config_fields_ignored`.
+    pub config_fields_ignored: Vec<String>,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -123,7 +130,13 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     // Metrics and health first: reading a large pinned state back takes seconds, and
     // /livez must answer meanwhile (/healthz says 503 until the first sync).
-    let metrics = Arc::new(Metrics::new());
+    let mut metrics = Metrics::new();
+    metrics.kube_proxy.set_families(
+        node_addrs.iter().any(|a| a.is_ipv4()),
+        node_addrs.iter().any(|a| a.is_ipv6()),
+    );
+    metrics.kube_proxy.set_ignored(&opts.config_fields_ignored);
+    let metrics = Arc::new(metrics);
     metrics
         .conntrack_max
         .set(i64::from(installed.conntrack_entries / 2));
@@ -168,20 +181,24 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     let (tx, rx) = mpsc::channel(4096);
     match &opts.manifests {
         Some(dir) => {
-            info!(dir = %dir.display(), "source: manifests directory");
+            info!(dir = %dir.display(), node = %opts.node_name, "source: manifests directory");
             let source = manifests::ManifestsDir::new(dir, metrics.source.clone());
             manifests::spawn(source, opts.manifests_poll, tx)
                 .context("starting the manifests thread")?;
         }
         None => {
-            let client = kube_source::client(opts.kubeconfig.as_deref()).await?;
-            info!(node = %opts.node_name, "source: Kubernetes API");
+            let config = kube_source::config(opts.kubeconfig.as_deref()).await?;
+            let host = kube_source::host(&config);
+            let client = kube_source::client_from(config)?;
+            info!(node = %opts.node_name, %host, "source: Kubernetes API");
             kube_source::spawn(
                 client,
+                &host,
                 opts.proxy_name.as_deref(),
                 &opts.node_name,
                 tx,
                 metrics.source.clone(),
+                opts.forwarding_mode != crate::ForwardingMode::Snat,
             );
         }
     }
@@ -194,7 +211,8 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     .await
     .context("the adoption task failed")?
     .context("reading the pinned maps back")?;
-    let mut node_addresses = NodeAddresses::new(node_addrs);
+    let mut node_addresses = NodeAddresses::new(node_addrs)
+        .with_dsr_trust(&opts.pin_path, opts.dsr_trusted_cidrs.clone());
     node_addresses
         .update(&mut writer, &[])
         .context("writing the node's addresses")?;
@@ -277,6 +295,9 @@ async fn refresh_map_memory(pin_path: PathBuf, metrics: Arc<Metrics>) {
 pub struct NodeAddresses {
     from_interfaces: Vec<std::net::IpAddr>,
     written: Option<Vec<std::net::IpAddr>>,
+    /// The pin directory and `DSR_TRUSTED4/6`'s writer (every Node's addresses and
+    /// `--dsr-trusted-cidrs`), written after the node addresses.
+    dsr_trust: Option<(PathBuf, crate::dsr_trust::DsrTrust)>,
 }
 
 impl NodeAddresses {
@@ -284,7 +305,42 @@ impl NodeAddresses {
         Self {
             from_interfaces,
             written: None,
+            dsr_trust: None,
         }
+    }
+
+    /// Also keeps `DSR_TRUSTED4/6` under `pin_path` equal to every Node object's
+    /// addresses and `cidrs` ([`Self::update_dsr_trust`]).
+    pub fn with_dsr_trust(
+        mut self,
+        pin_path: &std::path::Path,
+        cidrs: Vec<(std::net::IpAddr, u8)>,
+    ) -> Self {
+        self.dsr_trust = Some((
+            pin_path.to_path_buf(),
+            crate::dsr_trust::DsrTrust::new(cidrs),
+        ));
+        self
+    }
+
+    /// Writes the senders whose DSR option is honoured: every Node object's
+    /// `InternalIP`/`ExternalIP` address, this node's, and `--dsr-trusted-cidrs`.
+    pub fn update_dsr_trust(
+        &mut self,
+        index: &crate::cluster::index::Index,
+    ) -> Result<(), crate::pins::PinError> {
+        let Some((pin_path, trust)) = self.dsr_trust.as_mut() else {
+            return Ok(());
+        };
+        let addrs = index
+            .cluster_nodes
+            .values()
+            .flatten()
+            .chain(index.node.addresses.iter());
+        if let Some(set) = trust.update(pin_path, addrs)? {
+            info!(prefixes = set.len(), trusted = ?set, "DSR trusted senders written");
+        }
+        Ok(())
     }
 
     /// Writes the union with `from_node` through the writer if it changed.
@@ -417,6 +473,16 @@ async fn after_sync<S: crate::MapStore>(
             .map_write_errors
             .get_or_create(&metrics::ReasonLabel {
                 reason: "node_addresses".into(),
+            })
+            .inc();
+    }
+    if let Err(e) = node_addresses.update_dsr_trust(syncer.index()) {
+        warn!(error = %e, "writing the DSR trusted senders failed; kept the previous ones");
+        syncer
+            .metrics()
+            .map_write_errors
+            .get_or_create(&metrics::ReasonLabel {
+                reason: "dsr_trusted".into(),
             })
             .inc();
     }

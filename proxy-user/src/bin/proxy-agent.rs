@@ -162,6 +162,12 @@ struct RunArgs {
     /// ignores the option.
     #[arg(long, env = "PROXY_FORWARDING_MODE", value_enum, default_value_t = ForwardingMode::Snat)]
     forwarding_mode: ForwardingMode,
+    /// DSR: senders whose DSR option this node honours besides the Node objects'
+    /// InternalIP/ExternalIP addresses (comma-separated CIDRs): the node network when the
+    /// source is `--manifests` without every Node, or nodes that send from other
+    /// addresses. From anyone else the option is ignored and counted (`tc_dsr_untrusted`).
+    #[arg(long, env = "PROXY_DSR_TRUSTED_CIDRS", value_parser = parse_cidrs)]
+    dsr_trusted_cidrs: Option<CidrList>,
     /// North-south acceleration: the XDP program ahead of TC on the same interfaces
     /// handles NodePort / LoadBalancer IP / externalIP traffic from outside and the
     /// replies of its flows (same lookup, conntrack and NAT as TC; what it cannot do goes
@@ -202,6 +208,121 @@ struct RunArgs {
     /// backend within 5 % of an even share). Every node must use the same.
     #[arg(long, env = "PROXY_MAGLEV_FILL", value_enum, default_value_t = proxy_user::maglev::Fill::Population)]
     maglev_fill: proxy_user::maglev::Fill,
+    /// kube-proxy's configuration file (a `KubeProxyConfiguration`,
+    /// kubeproxy.config.k8s.io/v1alpha1, YAML or JSON, as in kubeadm's `kube-proxy`
+    /// ConfigMap), decoded strictly. As in kube-proxy, it replaces the kube-proxy flags
+    /// below except `--hostname-override` and `-v`; this agent's own flags given on the
+    /// command line or in their environment variable win over it. Fields that do not
+    /// apply are named at start (docs/kube-proxy.md).
+    #[arg(long, help_heading = "kube-proxy compatibility")]
+    config: Option<PathBuf>,
+    /// kube-proxy's name for this node (wins over `--config` and `--node-name`).
+    #[arg(long, help_heading = "kube-proxy compatibility")]
+    hostname_override: Option<String>,
+    /// kube-proxy's `--metrics-bind-address` (`ip:port`, or an IP for port 10249).
+    #[arg(
+        long,
+        help_heading = "kube-proxy compatibility",
+        conflicts_with = "metrics_addr"
+    )]
+    metrics_bind_address: Option<String>,
+    /// kube-proxy's `--healthz-bind-address` (`ip:port`, or an IP for port 10256).
+    #[arg(
+        long,
+        help_heading = "kube-proxy compatibility",
+        conflicts_with = "healthz_addr"
+    )]
+    healthz_bind_address: Option<String>,
+    /// kube-proxy's `--nodeport-addresses` (accepted and named at start: not implemented yet).
+    #[arg(long, help_heading = "kube-proxy compatibility", value_delimiter = ',')]
+    nodeport_addresses: Option<Vec<String>>,
+    /// kube-proxy's `--cluster-cidr` (checked and named at start: not needed here).
+    #[arg(long, help_heading = "kube-proxy compatibility")]
+    cluster_cidr: Option<String>,
+    /// kube-proxy's `--conntrack-max-per-core`: conntrack size = this x CPUs, at least
+    /// `--conntrack-min` (0: keep the agent's size).
+    #[arg(
+        long,
+        help_heading = "kube-proxy compatibility",
+        conflicts_with = "conntrack_max"
+    )]
+    conntrack_max_per_core: Option<i32>,
+    /// kube-proxy's `--conntrack-min`.
+    #[arg(
+        long,
+        help_heading = "kube-proxy compatibility",
+        conflicts_with = "conntrack_max"
+    )]
+    conntrack_min: Option<i32>,
+    /// kube-proxy's `--proxy-mode` (accepted and named at start: this is the eBPF datapath).
+    #[arg(long, help_heading = "kube-proxy compatibility")]
+    proxy_mode: Option<String>,
+    /// kube-proxy's log verbosity (`-v=4`: debug, 5 and up: trace); RUST_LOG wins.
+    #[arg(
+        short = 'v',
+        long = "v",
+        value_name = "N",
+        help_heading = "kube-proxy compatibility"
+    )]
+    verbosity: Option<u32>,
+}
+
+/// kube-proxy's configuration (its file or its flags) applied to `args`
+/// (`kubeproxy_config::apply`, kube-proxy's precedence).
+fn apply_kube_proxy(
+    args: &mut RunArgs,
+    m: &clap::ArgMatches,
+) -> Result<proxy_user::kubeproxy_config::Applied> {
+    use clap::parser::ValueSource;
+    use proxy_user::kubeproxy_config::{self as kp, KubeProxyConfiguration};
+    let explicit = |id: &str| {
+        matches!(
+            m.value_source(id),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        )
+    };
+    let flags = kp::KubeProxyFlags {
+        config: args.config.clone(),
+        hostname_override: args.hostname_override.clone(),
+        metrics_bind_address: args.metrics_bind_address.clone(),
+        healthz_bind_address: args.healthz_bind_address.clone(),
+        nodeport_addresses: args.nodeport_addresses.clone(),
+        cluster_cidr: args.cluster_cidr.clone(),
+        conntrack_max_per_core: args.conntrack_max_per_core,
+        conntrack_min: args.conntrack_min,
+        proxy_mode: args.proxy_mode.clone(),
+        verbosity: args.verbosity,
+    };
+    let file = match &args.config {
+        Some(path) => Some(KubeProxyConfiguration::load(path).map_err(|e| anyhow::anyhow!(e))?),
+        None => None,
+    };
+    let mut s = kp::AgentSettings {
+        node_name: args.node_name.clone(),
+        node_name_on_command_line: m.value_source("node_name") == Some(ValueSource::CommandLine),
+        metrics_addr: (args.metrics_addr, explicit("metrics_addr")),
+        healthz_addr: (args.healthz_addr, explicit("healthz_addr")),
+        kubeconfig: args.kubeconfig.clone(),
+        conntrack_flows: (args.conntrack_max, explicit("conntrack_max")),
+        sync_interval: (args.sync_interval, explicit("sync_interval")),
+        min_sync_interval: (args.min_sync_interval, explicit("min_sync_interval")),
+    };
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    let applied = kp::apply(&flags, file, &mut s, cpus).map_err(|e| match &args.config {
+        Some(p) => anyhow::anyhow!("the kube-proxy config {}: {e}", p.display()),
+        None => anyhow::anyhow!("kube-proxy flags: {e}"),
+    })?;
+    args.node_name = s.node_name;
+    args.metrics_addr = s.metrics_addr.0;
+    args.healthz_addr = s.healthz_addr.0;
+    args.kubeconfig = s.kubeconfig;
+    args.conntrack_max = s.conntrack_flows.0;
+    args.sync_interval = s.sync_interval.0;
+    args.min_sync_interval = s.min_sync_interval.0;
+    if let Some(adj) = applied.oom_score_adj {
+        kp::apply_oom_score_adj(adj).with_context(|| format!("setting oomScoreAdj {adj}"))?;
+    }
+    Ok(applied)
 }
 
 /// `--maglev-table-size`: a prime in the allowed range.
@@ -211,7 +332,7 @@ fn parse_table_size(s: &str) -> Result<u32, String> {
     Ok(m)
 }
 
-/// A parsed `--external-ip-cidrs`.
+/// A parsed `--external-ip-cidrs` or `--dsr-trusted-cidrs`.
 #[derive(Clone, Debug)]
 struct CidrList(Vec<(std::net::IpAddr, u8)>);
 
@@ -287,20 +408,73 @@ fn limit_malloc_arenas() {
     }
 }
 
-fn main() -> Result<()> {
+fn init_tracing(default: &str) {
     use std::io::IsTerminal as _;
-    limit_malloc_arenas();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
         )
         .init();
-    match Cli::parse().command {
+}
+
+/// kube-proxy's command line has no subcommand (`kube-proxy --config=...`): one that
+/// starts with a flag other than help/version is `run`'s, so kubeadm's DaemonSet
+/// arguments work unchanged.
+fn with_run_subcommand(mut argv: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let first = argv.get(1).and_then(|a| a.to_str()).unwrap_or("");
+    if first.starts_with('-') && !matches!(first, "-h" | "--help" | "-V" | "--version") {
+        argv.insert(1, "run".into());
+    }
+    argv
+}
+
+fn main() -> Result<()> {
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    limit_malloc_arenas();
+    let matches =
+        Cli::command().get_matches_from(with_run_subcommand(std::env::args_os().collect()));
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if !matches!(cli.command, Command::Run(_)) {
+        init_tracing("info");
+    }
+    match cli.command {
         Command::Run(args) => {
-            let args = *args;
+            let mut args = *args;
+            let run_matches = matches
+                .subcommand_matches("run")
+                .expect("the run subcommand's matches");
+            let proxy_user::kubeproxy_config::Applied {
+                verbosity,
+                ignored,
+                shadowed,
+                ..
+            } = match apply_kube_proxy(&mut args, run_matches) {
+                Ok(r) => r,
+                Err(e) => {
+                    init_tracing("info");
+                    return Err(e);
+                }
+            };
+            init_tracing(proxy_user::kubeproxy_config::verbosity_filter(verbosity));
+            if let Some(path) = &args.config {
+                tracing::info!(config = %path.display(), "kube-proxy configuration read");
+            }
+            if !shadowed.is_empty() {
+                tracing::warn!(flags = ?shadowed, "kube-proxy flags ignored: --config replaces them, as in kube-proxy");
+            }
+            if !ignored.is_empty() {
+                tracing::warn!(
+                    fields = %ignored
+                        .iter()
+                        .map(|i| format!("{} ({})", i.field, i.why))
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                    "kube-proxy settings not applied"
+                );
+            }
             let opts = AgentOptions {
                 kubeconfig: args.kubeconfig,
                 manifests: args.manifests,
@@ -329,6 +503,8 @@ fn main() -> Result<()> {
                     .with_fill(args.maglev_fill),
                 forwarding_mode: args.forwarding_mode,
                 acceleration: args.acceleration,
+                dsr_trusted_cidrs: args.dsr_trusted_cidrs.map(|c| c.0).unwrap_or_default(),
+                config_fields_ignored: ignored.into_iter().map(|i| i.field).collect(),
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

@@ -55,7 +55,14 @@ impl Meta<'_> {
     }
 
     fn into_object_meta(self) -> ObjectMeta {
+        let trigger = self
+            .annotations
+            .as_ref()
+            .and_then(|a| a.trigger_time.as_deref());
         ObjectMeta {
+            annotations: trigger.map(|t| {
+                BTreeMap::from([(super::objects::TRIGGER_TIME.to_string(), t.to_string())])
+            }),
             name: self.name.map(Cow::into_owned),
             namespace: self.namespace.map(Cow::into_owned),
             labels: self.labels,
@@ -72,6 +79,11 @@ pub struct Annotations<'a> {
     /// `ebpf-proxy.io/lb-algorithm` ([`super::lb_algorithm::ANNOTATION`]).
     #[serde(borrow, rename = "ebpf-proxy.io/lb-algorithm")]
     pub lb_algorithm: Option<Cow<'a, str>>,
+    /// An EndpointSlice's `endpoints.kubernetes.io/last-change-trigger-time`
+    /// ([`super::objects::TRIGGER_TIME`]): kube-proxy's network programming latency
+    /// starts there.
+    #[serde(borrow, rename = "endpoints.kubernetes.io/last-change-trigger-time")]
+    pub trigger_time: Option<Cow<'a, str>>,
 }
 
 /// Only an object's metadata (a deletion, a bookmark, naming an object that failed).
@@ -288,6 +300,34 @@ mod tests {
             r.info.as_ref().map(|_| ()).expect_err("invalid").label(),
             "bad_cluster_ip"
         );
+    }
+
+    #[test]
+    fn a_slices_trigger_time_is_read() {
+        let json = r#"{"metadata":{"name":"s","namespace":"ns",
+              "labels":{"kubernetes.io/service-name":"web"},
+              "annotations":{"endpoints.kubernetes.io/last-change-trigger-time":"2026-12-04T13:37:05.25Z",
+                             "kubectl.kubernetes.io/last-applied-configuration":"{}"}},
+            "addressType":"IPv4","endpoints":null}"#;
+        let Object::ReducedSlice(s) = object(Kind::EndpointSlice, json, None).expect("present")
+        else {
+            panic!("not a slice");
+        };
+        let info = s.info.as_ref().expect("valid").as_ref().expect("selected");
+        let t = info
+            .trigger_time
+            .expect("the trigger time")
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970");
+        assert_eq!(t.as_millis(), 1_796_391_425_250);
+        // Not a time: none (the slice itself is fine).
+        let bad = json.replace("2026-12-04T13:37:05.25Z", "yesterday");
+        let Object::ReducedSlice(s) = object(Kind::EndpointSlice, &bad, None).expect("present")
+        else {
+            panic!("not a slice");
+        };
+        let info = s.info.as_ref().expect("valid").as_ref().expect("selected");
+        assert_eq!(info.trigger_time, None);
     }
 
     #[test]

@@ -14,6 +14,14 @@ pub struct KindReason {
     pub reason: String,
 }
 
+/// client-go's `rest_client_requests_total` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RestRequest {
+    pub code: String,
+    pub method: String,
+    pub host: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Resource {
     pub resource: String,
@@ -28,9 +36,23 @@ pub struct SourceCounters {
     pub watch_restarts: Family<Resource, Counter>,
     /// `watch_errors_total{resource}`: watch stream errors.
     pub watch_errors: Family<Resource, Counter>,
+    /// `rest_client_requests_total{code, method, host}` (client-go's name): requests to
+    /// the API server by HTTP status (`<error>` when none came back).
+    pub rest_requests: Family<RestRequest, Counter>,
 }
 
 impl SourceCounters {
+    /// One API request to `host` answered with `code` (`None`: no answer).
+    pub fn rest_request(&self, method: &str, host: &str, code: Option<u16>) {
+        self.rest_requests
+            .get_or_create(&RestRequest {
+                code: code.map_or_else(|| "<error>".to_string(), |c| c.to_string()),
+                method: method.to_string(),
+                host: host.to_string(),
+            })
+            .inc();
+    }
+
     pub fn skipped(&self, kind: &str, reason: &str) {
         self.objects_skipped
             .get_or_create(&KindReason {

@@ -256,12 +256,27 @@ fn apply_topology<'a>(ready: Vec<&'a EndpointInfo>, node: &NodeInfo) -> Vec<&'a 
 #[derive(Debug, Default)]
 pub struct Index {
     pub node: NodeInfo,
+    /// Every Node object seen, by name: its `InternalIP`/`ExternalIP` addresses (the
+    /// senders whose DSR option is honoured, `DSR_TRUSTED4/6`). Only this node's Node
+    /// unless the source watches all Nodes (`--forwarding-mode dsr|hybrid`).
+    pub cluster_nodes: BTreeMap<String, Vec<IpAddr>>,
     services: BTreeMap<ObjKey, ServiceInfo>,
     slices: HashMap<ObjKey, SliceInfo>,
     slices_by_service: HashMap<ObjKey, Vec<ObjKey>>,
     /// The Services with a `healthCheckNodePort` (few), so that what runs after every
     /// sync ([`Index::health_check_ports`]) does not walk every Service.
     with_health_check: BTreeSet<ObjKey>,
+    /// The Services with a Local traffic policy (internal or external), for
+    /// [`Index::no_local_endpoints`] after every sync without walking every Service.
+    local_policy: BTreeSet<ObjKey>,
+}
+
+/// [`Index::no_local_endpoints`]: Services with a Local policy and no local endpoint, per
+/// address family (IPv4, IPv6) and policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoLocalEndpoints {
+    pub internal: [i64; 2],
+    pub external: [i64; 2],
 }
 
 /// `key` itself, or the equal `own` (which shares its strings with the stored object).
@@ -292,12 +307,18 @@ impl Index {
                 } else {
                     self.with_health_check.remove(&key);
                 }
+                if info.internal_local || info.external_local {
+                    self.local_policy.insert(key.clone());
+                } else {
+                    self.local_policy.remove(&key);
+                }
                 self.services.insert(key.clone(), info);
                 key
             }
             None => {
                 self.services.remove(&key);
                 self.with_health_check.remove(&key);
+                self.local_policy.remove(&key);
                 key
             }
         }
@@ -345,6 +366,12 @@ impl Index {
             .services
             .iter()
             .filter(|(_, s)| s.health_check_node_port.is_some())
+            .map(|(k, _)| k.clone())
+            .collect();
+        self.local_policy = self
+            .services
+            .iter()
+            .filter(|(_, s)| s.internal_local || s.external_local)
             .map(|(k, _)| k.clone())
             .collect();
         touched.into_iter().collect()
@@ -418,6 +445,45 @@ impl Index {
             // kube-proxy reports one family's count; the larger one here.
             let v4 = local.iter().filter(|a| a.is_ipv4()).count();
             out.insert(port, (key.clone(), v4.max(local.len() - v4)));
+        }
+        out
+    }
+
+    /// kube-proxy's `sync_proxy_rules_no_local_endpoints_total`: for each family of its
+    /// ClusterIPs, a Service with `internalTrafficPolicy: Local` (`internal`) or
+    /// `externalTrafficPolicy: Local` (`external`) whose endpoints of that family include
+    /// none usable on this node ([`local_endpoints`]).
+    pub fn no_local_endpoints(&self) -> NoLocalEndpoints {
+        let mut out = NoLocalEndpoints::default();
+        for key in &self.local_policy {
+            let Some(svc) = self.services.get(key) else {
+                continue;
+            };
+            let slices: Vec<&SliceInfo> = self
+                .slices_by_service
+                .get(key)
+                .into_iter()
+                .flatten()
+                .filter_map(|k| self.slices.get(k))
+                .collect();
+            for (i, family) in [Family::V4, Family::V6].into_iter().enumerate() {
+                if !svc.cluster_ips.iter().any(|ip| Family::of(ip) == family) {
+                    continue;
+                }
+                let eps: Vec<&EndpointInfo> = slices
+                    .iter()
+                    .filter(|s| s.family == family)
+                    .flat_map(|s| s.endpoints.iter())
+                    .collect();
+                if local_endpoints(&eps, &self.node).is_empty() {
+                    if svc.internal_local {
+                        out.internal[i] += 1;
+                    }
+                    if svc.external_local {
+                        out.external[i] += 1;
+                    }
+                }
+            }
         }
         out
     }

@@ -33,7 +33,21 @@ use super::{objects::label_selector, Kind, Object, Update};
 /// when the kubelet rotates the token and the old one stops being accepted, the next
 /// request (a re-list or re-watch) already carries the new one.
 pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
-    let mut config = match kubeconfig {
+    client_from(config(kubeconfig).await?)
+}
+
+/// The API server's `host[:port]`, as client-go labels `rest_client_requests_total`.
+pub fn host(config: &Config) -> String {
+    config
+        .cluster_url
+        .authority()
+        .map(|a| a.to_string())
+        .unwrap_or_default()
+}
+
+/// The client's configuration (see [`client`]).
+pub async fn config(kubeconfig: Option<&Path>) -> anyhow::Result<Config> {
+    let config = match kubeconfig {
         Some(path) => {
             let kc = Kubeconfig::read_from(path)
                 .map_err(|e| anyhow::anyhow!("reading kubeconfig {}: {e}", path.display()))?;
@@ -45,6 +59,12 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
             Err(_) => Config::infer().await?,
         },
     };
+    Ok(config)
+}
+
+/// A client over `config` whose token file, if any, is read on every request (see
+/// [`client`]).
+pub fn client_from(mut config: Config) -> anyhow::Result<Client> {
     // An inline token has precedence over the file in kube, and never changes.
     let token_file = match config.auth_info.token {
         Some(_) => None,
@@ -137,24 +157,32 @@ const BACKOFF_MIN: Duration = Duration::from_millis(800);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// Starts the three watches; each sends its updates to `tx` until the receiver goes.
+/// `all_nodes`: watch every Node, not only `node_name`'s.
 pub fn spawn(
     client: Client,
+    host: &str,
     proxy_name: Option<&str>,
     node_name: &str,
     tx: mpsc::Sender<Update>,
     metrics: SourceCounters,
+    all_nodes: bool,
 ) {
     let selector = label_selector(proxy_name);
+    // DSR modes need every node's addresses (the senders whose DSR option is honoured);
+    // otherwise only this node's Node is read.
+    let nodes = if all_nodes {
+        String::new()
+    } else {
+        format!("metadata.name={node_name}")
+    };
     for (kind, selector) in [
         (Kind::Service, Selector::Labels(selector.clone())),
         (Kind::EndpointSlice, Selector::Labels(selector)),
-        (
-            Kind::Node,
-            Selector::Fields(format!("metadata.name={node_name}")),
-        ),
+        (Kind::Node, Selector::Fields(nodes)),
     ] {
         let reader = Reader {
             client: client.clone(),
+            host: host.to_string(),
             kind,
             selector,
             tx: tx.clone(),
@@ -194,6 +222,8 @@ pub enum Selector {
 /// kube-proxy's informers list-then-watch as well.
 pub struct Reader {
     pub client: Client,
+    /// The API server's `host[:port]` (`rest_client_requests_total`'s `host`).
+    pub host: String,
     pub kind: Kind,
     pub selector: Selector,
     pub tx: mpsc::Sender<Update>,
@@ -333,7 +363,19 @@ impl Reader {
         let req = http::Request::get(uri)
             .body(Vec::new())
             .map_err(|e| Failure::Other(e.to_string()))?;
-        self.client.request_text(req).await.map_err(failure)
+        let r = self.client.request_text(req).await;
+        self.count(&r);
+        r.map_err(failure)
+    }
+
+    /// `rest_client_requests_total` for one GET (lists and watches are GETs).
+    fn count<T>(&self, r: &Result<T, kube::Error>) {
+        let code = match r {
+            Ok(_) => Some(200),
+            Err(kube::Error::Api(s)) => Some(s.code),
+            Err(_) => None,
+        };
+        self.metrics.rest_request("GET", &self.host, code);
     }
 
     /// One watch from `rv` until it ends; `rv` follows every event and bookmark. `Ok`: it
@@ -349,7 +391,9 @@ impl Reader {
         let req = http::Request::get(uri)
             .body(Vec::new())
             .map_err(|e| Failure::Other(e.to_string()))?;
-        let mut body = self.client.request_stream(req).await.map_err(failure)?;
+        let body = self.client.request_stream(req).await;
+        self.count(&body);
+        let mut body = body.map_err(failure)?;
         let idle = Duration::from_secs(WATCH_TIMEOUT_SECS) + WATCH_IDLE_MARGIN;
         let mut line = Vec::new();
         let mut got_events = false;

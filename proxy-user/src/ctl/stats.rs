@@ -72,6 +72,10 @@ pub fn meaning(r: Reason) -> &'static str {
             "TC DSR: the option would exceed the route's MTU: new flow SNATed, later \
              datagram sent without it"
         }
+        Reason::TcDsrUntrusted => {
+            "TC DSR, backend's node: DSR option from a sender that is not a cluster node: \
+             not honoured"
+        }
     }
 }
 

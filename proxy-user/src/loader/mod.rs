@@ -65,7 +65,10 @@ use modes::tcx_supported;
 pub use modes::{Acceleration, TcAttachMode};
 pub(crate) use object::EBPF_OBJECT;
 use object::{bump_memlock_rlimit, set_pinned_meta, write_meta};
-pub use object::{load_object, load_object_sized, object_hash, spawn_kernel_logger};
+pub use object::{
+    load_object, load_object_sized, load_object_with, object_hash, spawn_kernel_logger,
+    FIB_HOP_TTL_GLOBAL,
+};
 
 /// Where to install.
 #[derive(Clone, Debug)]

@@ -50,17 +50,38 @@ pub fn load_object_sized(
     ct_entries: u32,
     svc_entries: u32,
 ) -> Result<aya::Ebpf, LoadError> {
+    load_object_with(pin_path, ct_entries, svc_entries, None)
+}
+
+/// The global in the eBPF object that holds how long XDP reuses a FIB answer
+/// (`xdp::FIB_HOP_TTL_NS`, 100 ms unless set here).
+pub const FIB_HOP_TTL_GLOBAL: &str = "FIB_HOP_TTL_NS";
+
+/// [`load_object_sized`] with XDP's FIB-answer TTL set to `fib_hop_ttl` (`None`: the
+/// object's 100 ms). For tests that check the cache without racing the clock; the agent
+/// always runs with the default.
+pub fn load_object_with(
+    pin_path: &Path,
+    ct_entries: u32,
+    svc_entries: u32,
+    fib_hop_ttl: Option<std::time::Duration>,
+) -> Result<aya::Ebpf, LoadError> {
     if EBPF_OBJECT.is_empty() {
         return Err(LoadError::NoObject);
     }
     fs::create_dir_all(pin_path).map_err(io_err("creating", pin_path))?;
-    let mut ebpf = EbpfLoader::new()
+    let ttl_ns = fib_hop_ttl.map(|t| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX));
+    let mut loader = EbpfLoader::new();
+    loader
         .default_map_pin_directory(pin_path)
         .map_max_entries(map_names::CT4, ct_entries)
         .map_max_entries(map_names::CT6, ct_entries)
         .map_max_entries(map_names::SVC4, svc_entries)
-        .map_max_entries(map_names::SVC6, svc_entries)
-        .load(EBPF_OBJECT)?;
+        .map_max_entries(map_names::SVC6, svc_entries);
+    if let Some(ns) = ttl_ns.as_ref() {
+        loader.override_global(FIB_HOP_TTL_GLOBAL, ns, true);
+    }
+    let mut ebpf = loader.load(EBPF_OBJECT)?;
     write_meta(&mut ebpf, meta::ABI_VERSION, ABI_VERSION)?;
     write_meta(&mut ebpf, meta::OBJECT_HASH, object_hash())?;
     Ok(ebpf)

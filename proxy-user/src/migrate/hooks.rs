@@ -106,8 +106,18 @@ pub(super) fn parse_hook(pin: &str) -> Option<PinnedHook> {
     })
 }
 
-/// The hooks pinned under `<pin>/links`, TC first (so the two directions of a flow
-/// change programs as close together as possible).
+/// The order hooks are swapped in: TC first (a flow's two directions change programs as
+/// close together as possible); then the socket hooks' reverse programs (`recvmsg`,
+/// `getpeername`) before the forward ones (`connect`, `sendmsg`): a new reverse program
+/// finds both what the new forward programs write and, through the kept map of an older
+/// layout (`rules::kept_maps`), what the old ones still write until their own swap, so no
+/// reply in between shows its backend's address.
+pub(super) fn swap_order(hooks: &mut [PinnedHook]) {
+    let reverse = |pin: &str| pin.contains("recvmsg") || pin.contains("getpeer");
+    hooks.sort_by_key(|h| (!h.pin.starts_with("tc-"), !reverse(&h.pin), h.pin.clone()));
+}
+
+/// The hooks pinned under `<pin>/links`, in swap order ([`swap_order`]).
 pub(super) fn pinned_hooks(pin_path: &Path) -> Result<Vec<PinnedHook>, LoadError> {
     let links = pin_path.join("links");
     let mut hooks = Vec::new();
@@ -123,7 +133,7 @@ pub(super) fn pinned_hooks(pin_path: &Path) -> Result<Vec<PinnedHook>, LoadError
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(io_err("listing", &links)(e)),
     }
-    hooks.sort_by_key(|h| (!h.pin.starts_with("tc-"), h.pin.clone()));
+    swap_order(&mut hooks);
     Ok(hooks)
 }
 
@@ -281,5 +291,32 @@ mod tests {
         assert_eq!((h.program, h.clsact), ("xdp_ingress", None));
         assert_eq!(parse_hook("xdp-"), None);
         assert_eq!(parse_hook("SVC4"), None);
+    }
+
+    #[test]
+    fn tc_then_reverse_socket_hooks_then_forward_ones() {
+        let mut hooks: Vec<PinnedHook> = crate::loader::SOCK_PROGRAMS
+            .iter()
+            .chain(&["tc-eth0-egress", "xdp-eth0", "tc-eth0-ingress"])
+            .map(|p| parse_hook(p).expect("hook"))
+            .collect();
+        swap_order(&mut hooks);
+        let order: Vec<&str> = hooks.iter().map(|h| h.pin.as_str()).collect();
+        assert_eq!(
+            order,
+            [
+                "tc-eth0-egress",
+                "tc-eth0-ingress",
+                "sock4_getpeer",
+                "sock4_recvmsg",
+                "sock6_getpeer",
+                "sock6_recvmsg",
+                "sock4_connect",
+                "sock4_sendmsg",
+                "sock6_connect",
+                "sock6_sendmsg",
+                "xdp-eth0",
+            ]
+        );
     }
 }

@@ -16,7 +16,11 @@
 //! 1. `staged`: the new object's maps are created (pinned) in the staging directory;
 //!    a map whose type, key/value sizes and flags did not change and that needs no
 //!    conversion is replaced there by the old map itself (shared by both builds, so the
-//!    conntrack table stays one while the hooks change programs);
+//!    conntrack table stays one while the hooks change programs); socket storage
+//!    (`SOCK_REVNAT4/6`) is always shared, as user space cannot copy it, and a map an
+//!    older layout keeps under another name is pinned there as it is
+//!    ([`rules::kept_maps`]: ABI 3's socket reverse-NAT LRUs become `SOCK_REVNAT4/6_V3`,
+//!    which the new `recvmsg`/`getpeername` read for sockets the old programs translated);
 //! 2. `filled`: every entry of the other maps is copied from the old ones
 //!    ([`converter`]: a conversion function, or bytes; what cannot be converted is named
 //!    and counted in the log);
@@ -24,7 +28,7 @@
 //!    entries the old programs wrote meanwhile are copied (insert-if-absent), and every
 //!    hook is swapped to the new programs;
 //! 4. `recopied`: the flows the old programs created until the swap are copied again
-//!    (insert-if-absent: conntrack, affinity, socket reverse NAT);
+//!    (insert-if-absent: conntrack, affinity);
 //! 5. `renaming` .. `meta`: the staged pins are renamed over the old ones, `META` last;
 //!    maps that no longer exist are unpinned and the staging directory removed.
 //!
@@ -39,8 +43,9 @@
 //! after that step ([`STEPS`]); `EBPF_PROXY_MIGRATE_FORCE=1` runs the full staged
 //! migration instead of the program swap when the layout is the same but the build
 //! differs (so that the migration can be tested before a layout change exists;
-//! `EBPF_PROXY_MIGRATE_FORCE=copy` shares nothing and converts every map through its
-//! [`v3`] function, as if every layout had changed).
+//! `EBPF_PROXY_MIGRATE_FORCE=copy` converts every map through its [`v3`] function, as if
+//! every layout had changed, sharing only what user space cannot copy: socket storage
+//! and the kept maps).
 
 mod copy;
 mod hooks;

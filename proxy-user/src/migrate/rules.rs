@@ -28,7 +28,8 @@ pub const STEPS: [&str; 7] = [
 ];
 
 /// Maps the datapath itself writes: copied again, insert-if-absent, around the swap.
-/// (Not `SOCK_REVNAT4/6`: from ABI 4 on they live in each socket's storage.)
+/// (Not `SOCK_REVNAT4/6`: from ABI 4 on they live in each socket's storage, which is
+/// never copied but kept: [`kept_maps`] and `Migration::share_unchanged`.)
 pub(super) const DATAPATH_WRITTEN: [&str; 3] =
     [map_names::CT4, map_names::CT6, map_names::AFFINITY];
 
@@ -46,10 +47,41 @@ pub fn converter(from: u32, map: &str) -> Convert {
         // ABI-3 structs (v3.rs). `STATS` grew (24 reasons) with the same key and value:
         // copied as bytes into the larger array (a different size is never shared).
         (3, map_names::SOCK_REVNAT4 | map_names::SOCK_REVNAT6) => {
-            Convert::Drop(v3::SOCK_REVNAT_GONE)
+            Convert::Drop(v3::SOCK_REVNAT_KEPT)
         }
         _ => Convert::Bytes,
     }
+}
+
+/// Maps of this layout that are an older layout's map object kept as it is under another
+/// name ([`Migration::keep_old`](super::state)): `(this layout's name, the pin it comes
+/// from)` for a migration from ABI `from`. ABI 3's node-wide socket reverse-NAT LRUs
+/// cannot become per-socket storage from user space (a socket's storage is reached only
+/// through the socket), so the running maps live on as `SOCK_REVNAT4/6_V3`, which the new
+/// `recvmsg`/`getpeername` programs read for sockets the old programs translated: the
+/// old `sendmsg` keeps writing the same map object until its hook is swapped, so no
+/// reply straddling the swap misses its entry. From ABI 4 on they are kept under their
+/// own names.
+pub(super) fn kept_maps(from: u32) -> [(&'static str, &'static str); 2] {
+    if from == 3 {
+        [
+            (map_names::SOCK_REVNAT4_V3, map_names::SOCK_REVNAT4),
+            (map_names::SOCK_REVNAT6_V3, map_names::SOCK_REVNAT6),
+        ]
+    } else {
+        [
+            (map_names::SOCK_REVNAT4_V3, map_names::SOCK_REVNAT4_V3),
+            (map_names::SOCK_REVNAT6_V3, map_names::SOCK_REVNAT6_V3),
+        ]
+    }
+}
+
+/// The map of this layout that the old layout's `name` is kept as ([`kept_maps`]).
+pub(super) fn kept_as(from: u32, name: &str) -> Option<&'static str> {
+    kept_maps(from)
+        .into_iter()
+        .find(|(_, old)| *old == name)
+        .map(|(new, _)| new)
 }
 
 /// [`FORCE_ENV`]: `1` migrates through the staging directory (sharing the maps whose

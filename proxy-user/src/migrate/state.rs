@@ -14,7 +14,9 @@ use tracing::{info, warn};
 use super::{
     copy::{copy_map, count_entries, map_info_at, Convert, CopyCount},
     hooks::{pinned_hooks, swap_hooks, write_meta},
-    rules::{converter, crash_point, force_mode, io_err, Force, DATAPATH_WRITTEN},
+    rules::{
+        converter, crash_point, force_mode, io_err, kept_as, kept_maps, Force, DATAPATH_WRITTEN,
+    },
     sys, v3,
 };
 use crate::loader::{object_hash, LoadError, EBPF_OBJECT, MIGRATE_STAGING_DIR as STAGING_DIR};
@@ -123,14 +125,42 @@ impl Migration {
     /// Maps whose layout did not change (same type, key and value sizes, flags and size;
     /// no conversion) are not copied but shared: the old map is pinned in the staging
     /// directory in place of the new one, so old and new programs see the same entries
-    /// (conntrack above all) while the hooks change programs. Returns how many.
+    /// (conntrack above all) while the hooks change programs. Socket storage
+    /// (`SK_STORAGE`) is shared even when every other map is copied (`copy` test mode):
+    /// user space cannot copy it (an entry is reached only through its socket). The maps
+    /// an older layout keeps under another name ([`kept_maps`]) are pinned there as they
+    /// are. Returns how many.
     fn share_unchanged(&self) -> Result<usize, LoadError> {
-        if force_mode() == Some(Force::Copy) {
-            return Ok(0);
-        }
+        let copy_every = force_mode() == Some(Force::Copy);
         let mut shared = Vec::new();
+        let kept = kept_maps(self.from);
+        for (name, from_pin) in kept {
+            let (old, new) = (self.pin_path.join(from_pin), self.staging.join(name));
+            if !new.exists() {
+                continue;
+            }
+            let Ok(old_fd) = sys::obj_get(&old) else {
+                continue; // nothing to keep: the staged map starts empty
+            };
+            let oi = sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
+            let ni = map_info_at(&new).map_err(io_err("reading", &new))?;
+            if (oi.map_type, oi.key_size, oi.value_size)
+                != (ni.map_type, ni.key_size, ni.value_size)
+            {
+                warn!(
+                    map = name,
+                    from = from_pin,
+                    "the older map to keep has another layout: not kept (starts empty)"
+                );
+                continue;
+            }
+            fs::remove_file(&new).map_err(io_err("unpinning", &new))?;
+            sys::obj_pin(old_fd.as_fd(), &new).map_err(io_err("pinning", &new))?;
+            info!(map = name, from = from_pin, "kept the older layout's map");
+            shared.push(name.to_string());
+        }
         for name in self.staged_maps()? {
-            if name == map_names::META || !matches!(converter(self.from, &name), Convert::Bytes) {
+            if name == map_names::META || kept.iter().any(|(k, _)| *k == name) {
                 continue;
             }
             let (old, new) = (self.pin_path.join(&name), self.staging.join(&name));
@@ -139,6 +169,10 @@ impl Migration {
             };
             let oi = sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
             let ni = map_info_at(&new).map_err(io_err("reading", &new))?;
+            let storage = ni.map_type == sys::map_type::SK_STORAGE;
+            if !storage && (copy_every || !matches!(converter(self.from, &name), Convert::Bytes)) {
+                continue;
+            }
             let sized_at_load = name == map_names::CT4 || name == map_names::CT6;
             let same = oi.map_type == ni.map_type
                 && oi.key_size == ni.key_size
@@ -184,6 +218,15 @@ impl Migration {
             if only_datapath && !DATAPATH_WRITTEN.contains(&name.as_str()) {
                 continue;
             }
+            if kept_maps(self.from).iter().any(|(k, _)| k == name) {
+                continue; // an older map itself, or empty (share_unchanged)
+            }
+            if let Some(as_name) = kept_as(self.from, name) {
+                if !only_datapath {
+                    info!(map = %name, kept_as = as_name, "not converted: kept as it is");
+                }
+                continue;
+            }
             let old = self.pin_path.join(name);
             if !old.exists() {
                 if !only_datapath {
@@ -191,11 +234,24 @@ impl Migration {
                 }
                 continue;
             }
-            let shared = match (map_info_at(&old), map_info_at(&self.staging.join(name))) {
+            let old_info = map_info_at(&old);
+            let shared = match (&old_info, map_info_at(&self.staging.join(name))) {
                 (Ok(a), Ok(b)) => a.id == b.id,
                 _ => false,
             };
             if shared {
+                continue;
+            }
+            if old_info.is_ok_and(|i| i.map_type == sys::map_type::SK_STORAGE) {
+                // Not iterable from user space (the kernel refuses GET_NEXT_KEY): a
+                // socket storage of another layout cannot be carried over from here.
+                if !only_datapath {
+                    warn!(
+                        map = %name,
+                        "not converted: socket storage of another layout (user space \
+                         reaches an entry only through its socket)"
+                    );
+                }
                 continue;
             }
             let conv = converter(self.from, name);

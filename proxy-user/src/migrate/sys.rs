@@ -29,6 +29,7 @@ pub mod map_type {
     pub const PERCPU_HASH: u32 = 5;
     pub const PERCPU_ARRAY: u32 = 6;
     pub const LRU_PERCPU_HASH: u32 = 10;
+    pub const SK_STORAGE: u32 = 24;
 }
 
 fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {

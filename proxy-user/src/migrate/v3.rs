@@ -71,14 +71,15 @@ type Entry = Option<(Vec<u8>, Vec<u8>)>;
 
 /// The conversion function of an ABI-3 map whose entries are structs, for
 /// [`super::converter`]'s arms (and its `copy` test mode).
-/// Why ABI 3's socket reverse-NAT entries are not carried over: ABI 4 keeps them in each
-/// socket's own storage, which user space can reach only through the socket. A socket
-/// connected before the upgrade then shows its backend in `getpeername` (and a UDP reply
-/// its backend's address) until it reconnects; its traffic is unaffected.
-pub const SOCK_REVNAT_GONE: &str =
+/// Why ABI 3's socket reverse-NAT entries are not converted: ABI 4 keeps them in each
+/// socket's own storage, which user space can reach only through the socket. The ABI-3
+/// maps themselves are kept instead (`rules::kept_maps`): pinned as
+/// `SOCK_REVNAT4/6_V3`, read by the new `recvmsg`/`getpeername` programs for the sockets
+/// the old programs translated, each entry moved into its socket's storage on first use.
+pub const SOCK_REVNAT_KEPT: &str =
     "ABI 4 keeps socket reverse-NAT entries in each socket's storage (SK_STORAGE), which \
-     user space cannot write: sockets connected before the upgrade show their backend \
-     address to getpeername/recvmsg until they reconnect";
+     user space cannot write: the ABI-3 map is kept as SOCK_REVNAT4/6_V3 instead, read by \
+     the new recvmsg/getpeername programs";
 
 pub fn convert(map: &str) -> Option<Convert> {
     let f: ConvertFn = match map {
@@ -92,8 +93,8 @@ pub fn convert(map: &str) -> Option<Convert> {
         "CT6" => ct6,
         "AFFINITY" => affinity,
         // ABI 4 keeps these per socket (SK_STORAGE): a socket's storage can only be
-        // reached through the socket, not from here.
-        "SOCK_REVNAT4" | "SOCK_REVNAT6" => return Some(Convert::Drop(SOCK_REVNAT_GONE)),
+        // reached through the socket, not from here; the old maps are kept (rules.rs).
+        "SOCK_REVNAT4" | "SOCK_REVNAT6" => return Some(Convert::Drop(SOCK_REVNAT_KEPT)),
         _ => return None,
     };
     Some(Convert::With(f))

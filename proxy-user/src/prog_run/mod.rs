@@ -21,8 +21,18 @@ pub const XDP_PROGRAM: &str = "xdp_ingress";
 /// The object loaded with its maps pinned under `pins` (conntrack tables of `flows`
 /// flows per family), both TC programs and the XDP program through the verifier.
 pub fn load_tc(pins: &Path, flows: u32) -> anyhow::Result<aya::Ebpf> {
+    load_tc_with(pins, flows, None)
+}
+
+/// [`load_tc`] with XDP's FIB-answer TTL set to `fib_hop_ttl` (`None`: 100 ms).
+pub fn load_tc_with(
+    pins: &Path,
+    flows: u32,
+    fib_hop_ttl: Option<std::time::Duration>,
+) -> anyhow::Result<aya::Ebpf> {
     let entries = loader::conntrack_entries(flows)?;
-    let mut ebpf = loader::load_object(pins, entries)?;
+    let mut ebpf =
+        loader::load_object_with(pins, entries, loader::DEFAULT_SERVICE_ENTRIES, fib_hop_ttl)?;
     for name in TC_PROGRAMS {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)

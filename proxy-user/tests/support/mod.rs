@@ -36,6 +36,25 @@ use proxy_user::{loader, BpfMaps, Writer};
 static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Privileged tests fail, never skip, without root.
+/// The file `cargo xtask test` reads skipped tests from (`name: reason` per line).
+pub const SKIPS_ENV: &str = "EBPF_PROXY_TEST_SKIPS";
+
+/// A test that cannot run what it checks here says so and returns: `SKIPPED: name:
+/// reason` on stderr, and a line in [`SKIPS_ENV`]'s file, from which `cargo xtask test`
+/// counts it as skipped (with the reason) rather than passed.
+pub fn skipped(name: &str, reason: &str) {
+    eprintln!("SKIPPED: {name}: {reason}");
+    if let Some(path) = std::env::var_os(SKIPS_ENV) {
+        use std::io::Write as _;
+        let mut f = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", std::path::Path::new(&path).display()));
+        writeln!(f, "{name}: {reason}").expect("writing the skips file");
+    }
+}
+
 pub fn require_root() {
     // SAFETY: plain getter.
     let euid = unsafe { libc::geteuid() };

@@ -36,9 +36,18 @@ impl Bed {
     /// With conntrack tables of `flows` flows per family; the TC and XDP programs loaded
     /// (the verifier accepts them), the node 192.0.2.1 / 2001:db8:1::1.
     pub fn with_conntrack(flows: u32) -> Self {
+        Self::with(flows, None)
+    }
+
+    /// With XDP's FIB answers reused for `ttl` (`xdp::FIB_HOP_TTL_NS`, 100 ms by default).
+    pub fn with_fib_hop_ttl(ttl: std::time::Duration) -> Self {
+        Self::with(loader::DEFAULT_CONNTRACK_FLOWS, Some(ttl))
+    }
+
+    fn with(flows: u32, fib_hop_ttl: Option<std::time::Duration>) -> Self {
         require_root();
         let pins = PinDir::new();
-        let ebpf = super::progrun::load_tc(&pins.path, flows)
+        let ebpf = super::progrun::load_tc_with(&pins.path, flows, fib_hop_ttl)
             .expect("load the object; the verifier accepts the TC and XDP programs");
         let addrs: Vec<IpAddr> = vec![
             "192.0.2.1".parse().expect("ip"),

@@ -45,7 +45,7 @@ pub(super) fn run(args: &Args) -> Result<()> {
             format!("done: {}", out_dir.join("pps-results.json").display()),
         );
         println!("{}", r.markdown());
-        return Ok(());
+        return verdict(&cfg, start, r.errors());
     }
 
     // Maglev disruption: pure computation, seconds (also with --quick).
@@ -430,8 +430,22 @@ pub(super) fn run(args: &Args) -> Result<()> {
         ),
     );
     println!("{}", results.markdown());
+    let mut errors = results.errors();
     if let Some(p) = pps {
         println!("{}", p.markdown());
+        errors.extend(p.errors());
+    }
+    verdict(&cfg, start, errors)
+}
+
+/// Lists the run's recorded errors; with `--quick` (inside `cargo xtask test`) any of
+/// them fails the run (`report::quick_verdict`).
+fn verdict(cfg: &Config, start: Instant, errors: Vec<String>) -> Result<()> {
+    for e in &errors {
+        log(start, format!("error recorded: {e}"));
+    }
+    if cfg.quick {
+        report::quick_verdict(&errors)?;
     }
     Ok(())
 }

@@ -61,6 +61,9 @@ pub struct Syncer<S> {
     pub(super) dirty: HashMap<ObjKey, Instant>,
     /// A full re-diff is due (initial sync, relist, periodic resync), since when.
     pub(super) full_due: Option<Instant>,
+    /// A Node's addresses changed (`Index::cluster_nodes`): nothing to re-diff, but the
+    /// next sync runs, and with it the writes that follow it (`DSR_TRUSTED4/6`).
+    pub(super) nodes_changed: bool,
     /// Who claims which frontend (and so who owns it).
     pub(super) claims: Claims,
     /// Losing claimants already reported, per frontend (each reported once).
@@ -82,6 +85,13 @@ pub struct Syncer<S> {
     pub(super) orphans_reported: BTreeSet<ObjKey>,
     /// `--lb-algorithm`: the default for Services without the annotation.
     pub(super) lb_default: LbAlgorithm,
+    /// EndpointSlice trigger times (`endpoints.kubernetes.io/last-change-trigger-time`)
+    /// per Service, not yet programmed: observed into
+    /// `kubeproxy_network_programming_duration_seconds` when the Service is written.
+    pub(super) triggers: HashMap<ObjKey, Vec<(std::time::SystemTime, crate::model::Family)>>,
+    /// Trigger times before this are not observed (changes from before the agent
+    /// started), as kube-proxy's endpoints change tracker does.
+    pub(super) started: std::time::SystemTime,
 }
 
 impl<S: MapStore> Syncer<S> {
@@ -101,6 +111,7 @@ impl<S: MapStore> Syncer<S> {
             metrics,
             dirty: HashMap::default(),
             full_due: None,
+            nodes_changed: false,
             claims: Claims::default(),
             conflicts_reported: HashMap::default(),
             refused: HashMap::default(),
@@ -111,6 +122,8 @@ impl<S: MapStore> Syncer<S> {
             needs: needs.into_iter().collect(),
             orphans_reported: BTreeSet::new(),
             lb_default: LbAlgorithm::default(),
+            triggers: HashMap::default(),
+            started: std::time::SystemTime::now(),
         }
     }
 
@@ -149,7 +162,7 @@ impl<S: MapStore> Syncer<S> {
 
     /// Something is waiting to be written.
     pub fn pending(&self) -> bool {
-        self.full_due.is_some() || !self.dirty.is_empty()
+        self.full_due.is_some() || !self.dirty.is_empty() || self.nodes_changed
     }
 
     /// Asks for a full re-diff (periodic resync).

@@ -965,3 +965,190 @@ fn a_restart_on_unchanged_pins_writes_nothing_for_names_longer_than_the_map_keep
     );
     assert_eq!(maps(&restarted), maps(&up));
 }
+
+fn node(name: &str, addrs: &[(&str, &str)]) -> Object {
+    let addrs: Vec<_> = addrs
+        .iter()
+        .map(|(t, a)| json!({"type": t, "address": a}))
+        .collect();
+    decode(
+        Kind::Node,
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+               "status": {"addresses": addrs}}),
+    )
+    .expect("node")
+}
+
+/// Issue 22 item 10: every Node object's InternalIP/ExternalIP addresses are kept by name
+/// (the DSR trusted senders); another node's update or deletion does not touch this
+/// node's own `NodeInfo`.
+#[test]
+fn every_nodes_addresses_are_kept_and_other_nodes_leave_this_ones_info_alone() {
+    let t = Instant::now();
+    let (mut s, _) = syncer(MemStore::default());
+    s.handle(
+        snapshot(
+            Kind::Node,
+            vec![
+                node("node-b", &[("InternalIP", "10.0.2.1")]),
+                node(
+                    "node-a",
+                    &[("InternalIP", "10.0.1.1"), ("ExternalIP", "fd00::1")],
+                ),
+                node(
+                    "node-c",
+                    &[("Hostname", "c"), ("ExternalIP", "203.0.113.3")],
+                ),
+            ],
+        ),
+        t,
+    );
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
+    let own = vec![ip("10.0.1.1"), ip("fd00::1")];
+    assert_eq!(s.index().node.addresses, own, "this node's, found by name");
+    let all: Vec<(&str, Vec<std::net::IpAddr>)> = s
+        .index()
+        .cluster_nodes
+        .iter()
+        .map(|(n, a)| (n.as_str(), a.clone()))
+        .collect();
+    assert_eq!(
+        all,
+        vec![
+            ("node-a", own.clone()),
+            ("node-b", vec![ip("10.0.2.1")]),
+            ("node-c", vec![ip("203.0.113.3")]),
+        ]
+    );
+    // Another node changes: recorded; this node's info stays.
+    s.handle(
+        Update::Apply(node("node-b", &[("InternalIP", "10.0.2.9")])),
+        t,
+    );
+    assert_eq!(s.index().cluster_nodes["node-b"], vec![ip("10.0.2.9")]);
+    assert_eq!(s.index().node.addresses, own);
+    // Another node goes: forgotten.
+    s.handle(
+        Update::Delete {
+            kind: Kind::Node,
+            key: ObjKey::new("", "node-c"),
+        },
+        t,
+    );
+    assert!(!s.index().cluster_nodes.contains_key("node-c"));
+    assert_eq!(s.index().node.addresses, own);
+}
+
+/// A Node's new address makes the next sync run (the DSR trusted senders are written
+/// after it), with nothing to re-diff; the same Node again does not.
+#[test]
+fn a_nodes_address_change_makes_a_sync_run() {
+    let t = Instant::now();
+    let (mut s, _) = syncer(MemStore::default());
+    initial(&mut s, t);
+    s.sync(t);
+    assert!(!s.pending());
+    s.handle(
+        Update::Apply(node("node-b", &[("InternalIP", "10.0.2.1")])),
+        t,
+    );
+    assert!(s.pending(), "a new Node's addresses");
+    let out = s.sync(t);
+    assert!(out.ran && !out.full && out.ops == 0, "{out:?}");
+    assert!(!s.pending());
+    s.handle(
+        Update::Apply(node("node-b", &[("InternalIP", "10.0.2.1")])),
+        t,
+    );
+    assert!(!s.pending(), "the same addresses again");
+    s.handle(
+        Update::Delete {
+            kind: Kind::Node,
+            key: ObjKey::new("", "node-b"),
+        },
+        t,
+    );
+    assert!(s.pending(), "a Node gone");
+}
+
+/// RFC 3339 (UTC, nanoseconds) of `t`, as the EndpointSlice controller writes it.
+fn rfc3339(t: std::time::SystemTime) -> String {
+    let d = t.duration_since(std::time::UNIX_EPOCH).expect("after 1970");
+    let (days, secs) = ((d.as_secs() / 86400) as i64, d.as_secs() % 86400);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:09}Z",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60,
+        d.subsec_nanos()
+    )
+}
+
+fn slice_triggered(name: &str, svc: &str, ips: &[&str], trigger: &str) -> Object {
+    let eps: Vec<_> = ips.iter().map(|ip| json!({"addresses": [ip]})).collect();
+    decode(
+        Kind::EndpointSlice,
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"namespace": "default", "name": name,
+                            "labels": {"kubernetes.io/service-name": svc},
+                            "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": trigger}},
+               "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}], "endpoints": eps}),
+    )
+    .expect("slice")
+}
+
+/// Issue 24 item 2: kubeproxy_network_programming_duration_seconds runs from the
+/// EndpointSlice's last-change-trigger-time to the maps written, as kube-proxy measures
+/// the SLI; a trigger from before the agent started is not observed (kube-proxy's
+/// tracker start time).
+#[test]
+fn network_programming_runs_from_the_slices_trigger_time() {
+    let t = Instant::now();
+    let (mut s, metrics) = syncer(MemStore::default());
+    // As if the agent had started a minute ago.
+    s.started = std::time::SystemTime::now() - Duration::from_secs(60);
+    initial(&mut s, t);
+    s.sync(t);
+    let count = |text: &str| {
+        text.lines()
+            .find(|l| {
+                l.starts_with(
+                    "kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"}",
+                )
+            })
+            .map(|l| l.rsplit(' ').next().unwrap_or("").to_string())
+    };
+    // Before the agent started: not observed.
+    let old = rfc3339(std::time::SystemTime::now() - Duration::from_secs(3600));
+    s.handle(
+        Update::Apply(slice_triggered("web-1", "web", &["10.0.0.7"], &old)),
+        t,
+    );
+    s.sync(t);
+    assert_eq!(count(&metrics.render()), None, "{}", metrics.render());
+    // Changed 2 s ago: observed at 2.x s.
+    let recent = rfc3339(std::time::SystemTime::now() - Duration::from_secs(2));
+    s.handle(
+        Update::Apply(slice_triggered("web-1", "web", &["10.0.0.8"], &recent)),
+        t,
+    );
+    s.sync(t);
+    let text = metrics.render();
+    assert_eq!(count(&text).as_deref(), Some("1"), "{text}");
+    for (le, n) in [("2.0", 0), ("3.0", 1)] {
+        let want = format!(
+            "kubeproxy_network_programming_duration_seconds_bucket{{le=\"{le}\",ip_family=\"IPv4\"}} {n}"
+        );
+        assert!(text.contains(&want), "{want} missing in\n{text}");
+    }
+}

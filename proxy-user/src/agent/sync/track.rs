@@ -36,8 +36,20 @@ impl<S: MapStore> Syncer<S> {
                 self.full_due.get_or_insert(now);
                 self.listed.insert(kind);
             }
-            Update::Apply(obj) => self.apply(obj, now),
+            Update::Apply(obj) => {
+                match obj.kind() {
+                    Kind::Service => self.metrics.kube_proxy.queued(true),
+                    Kind::EndpointSlice => self.metrics.kube_proxy.queued(false),
+                    Kind::Node => {}
+                }
+                self.apply(obj, now)
+            }
             Update::Delete { kind, key } => {
+                match kind {
+                    Kind::Service => self.metrics.kube_proxy.queued(true),
+                    Kind::EndpointSlice => self.metrics.kube_proxy.queued(false),
+                    Kind::Node => {}
+                }
                 self.release(kind, &key, now);
                 match kind {
                     Kind::Service => {
@@ -48,7 +60,10 @@ impl<S: MapStore> Syncer<S> {
                         let touched = self.index.set_slice(key, None);
                         self.touch(touched, now);
                     }
-                    Kind::Node => {}
+                    Kind::Node => {
+                        let gone = self.index.cluster_nodes.remove(key.name.as_ref() as &str);
+                        self.nodes_changed |= gone.is_some();
+                    }
                 }
             }
         }
@@ -113,11 +128,23 @@ impl<S: MapStore> Syncer<S> {
                 }
             }
             Kind::Node => {
-                let node = objects.into_iter().find_map(|o| match o {
-                    Object::Node(n) => Some(n),
-                    _ => None,
-                });
-                self.set_node(node.as_deref(), now);
+                let name = self.index.node.name.clone();
+                let nodes: Vec<Box<Node>> = objects
+                    .into_iter()
+                    .filter_map(|o| match o {
+                        Object::Node(n) => Some(n),
+                        _ => None,
+                    })
+                    .collect();
+                let before = std::mem::take(&mut self.index.cluster_nodes);
+                for n in &nodes {
+                    self.record_cluster_node(n);
+                }
+                self.nodes_changed |= before != self.index.cluster_nodes;
+                let own = nodes
+                    .iter()
+                    .find(|n| n.metadata.name.as_deref() == Some(name.as_str()));
+                self.set_node(own.map(|n| &**n), now);
             }
         }
         let gone: Vec<ObjKey> = self
@@ -146,6 +173,14 @@ impl<S: MapStore> Syncer<S> {
             Incoming::Slice(r) => {
                 let key = r.key.clone();
                 if let Ok(info) = self.slice_info(r) {
+                    if let Some((t, i)) = info.as_ref().and_then(|i| Some((i.trigger_time?, i))) {
+                        if t >= self.started {
+                            self.triggers
+                                .entry(i.service.clone())
+                                .or_default()
+                                .push((t, i.family));
+                        }
+                    }
                     self.release(Kind::EndpointSlice, &key, now);
                     if self.listed.contains(&Kind::Service) {
                         self.report_orphan(&key, info.as_ref());
@@ -154,7 +189,13 @@ impl<S: MapStore> Syncer<S> {
                     self.touch(touched, now);
                 }
             }
-            Incoming::Node(n) => self.set_node(Some(&n), now),
+            Incoming::Node(n) => {
+                self.record_cluster_node(&n);
+                // Another node's update (all Nodes are watched in DSR modes) is not ours.
+                if n.metadata.name.as_deref() == Some(self.index.node.name.as_str()) {
+                    self.set_node(Some(&n), now);
+                }
+            }
         }
     }
 
@@ -194,6 +235,18 @@ impl<S: MapStore> Syncer<S> {
             "EndpointSlice {key}: Service {service} not found (yet); its endpoints wait for it"
         );
         self.metrics.skipped("EndpointSlice", "service_missing");
+    }
+
+    /// A Node object's addresses in [`Index::cluster_nodes`].
+    fn record_cluster_node(&mut self, node: &Node) {
+        if let Some(name) = node.metadata.name.as_deref() {
+            let info = NodeInfo::with_node(name, Some(node));
+            let before = self
+                .index
+                .cluster_nodes
+                .insert(name.to_string(), info.addresses.clone());
+            self.nodes_changed |= before.as_ref() != Some(&info.addresses);
+        }
     }
 
     fn set_node(&mut self, node: Option<&Node>, now: Instant) {

@@ -27,6 +27,7 @@ impl<S: MapStore> Syncer<S> {
             return SyncOutcome::default();
         }
         let start = Instant::now();
+        self.nodes_changed = false;
         let full = self.full_due.is_some();
         let keys: Vec<(ObjKey, Instant)> = if full {
             let since = self.full_due.take().unwrap_or(now);
@@ -65,11 +66,33 @@ impl<S: MapStore> Syncer<S> {
                 self.metrics
                     .network_programming
                     .observe(done.saturating_duration_since(*since).as_secs_f64());
+                // kube-proxy's SLI: from each change's trigger time to programmed.
+                for (t, family) in self.triggers.remove(key).into_iter().flatten() {
+                    let family = match family {
+                        crate::model::Family::V4 => "IPv4",
+                        crate::model::Family::V6 => "IPv6",
+                    };
+                    self.metrics.kube_proxy.programmed(t, family);
+                }
             }
+        }
+        if full {
+            // Trigger times of Services that are gone or never written (an orphan
+            // slice's) are dropped, not kept for ever.
+            let dirty = &self.dirty;
+            self.triggers.retain(|k, _| dirty.contains_key(k));
         }
         self.metrics
             .sync_duration
             .observe(done.duration_since(start).as_secs_f64());
+        self.metrics
+            .kube_proxy
+            .set_no_local(self.index.no_local_endpoints());
+        self.metrics.kube_proxy.synced(
+            full,
+            done.duration_since(start).as_secs_f64(),
+            outcome.failed == 0,
+        );
         self.metrics
             .frontends
             .set(self.writer.frontend_count() as i64);

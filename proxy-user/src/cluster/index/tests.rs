@@ -880,3 +880,74 @@ fn desired_state_types_stay_compact() {
         &s.service.namespace
     ));
 }
+
+/// kube-proxy's `sync_proxy_rules_no_local_endpoints_total`: Services with a Local policy
+/// and no usable endpoint on this node, per family of their ClusterIPs and per policy;
+/// updated as slices and Services change.
+#[test]
+fn no_local_endpoints_counts_local_policies_without_a_local_endpoint() {
+    let mut index = Index::new(node());
+    let set_svc = |index: &mut Index, svc: Service| {
+        let info = ServiceInfo::from_k8s(&svc, None)
+            .expect("valid")
+            .expect("selected");
+        index.set_service(info.key.clone(), Some(info));
+    };
+    let set_slice = |index: &mut Index, s: EndpointSlice| {
+        let info = SliceInfo::from_k8s(&s, None)
+            .expect("valid")
+            .expect("selected");
+        index.set_slice(info.key.clone(), Some(info));
+    };
+    // Dual-stack, internalTrafficPolicy Local; only a remote IPv4 endpoint.
+    set_svc(
+        &mut index,
+        basic()
+            .cluster_ips(&["172.30.0.10", "fd00:30::10"])
+            .set("internalTrafficPolicy", json!("Local"))
+            .build(),
+    );
+    set_slice(
+        &mut index,
+        slice("default", "web-1", "web", "IPv4")
+            .port("http", 8080, "TCP")
+            .ep("10.180.0.2", json!({"nodeName": "node-b"}))
+            .build(),
+    );
+    // A Cluster-policy Service without endpoints does not count.
+    set_svc(
+        &mut index,
+        service("default", "other")
+            .cluster_ips(&["172.30.0.11"])
+            .port("http", 80, "TCP")
+            .build(),
+    );
+    assert_eq!(
+        index.no_local_endpoints(),
+        NoLocalEndpoints {
+            internal: [1, 1],
+            external: [0, 0]
+        }
+    );
+    // A local IPv4 endpoint: IPv4 is served locally, IPv6 still is not.
+    set_slice(
+        &mut index,
+        slice("default", "web-1", "web", "IPv4")
+            .port("http", 8080, "TCP")
+            .ep("10.180.0.1", json!({"nodeName": "node-a"}))
+            .build(),
+    );
+    assert_eq!(
+        index.no_local_endpoints(),
+        NoLocalEndpoints {
+            internal: [0, 1],
+            external: [0, 0]
+        }
+    );
+    // Back to the Cluster policy: nothing counts.
+    set_svc(
+        &mut index,
+        basic().cluster_ips(&["172.30.0.10", "fd00:30::10"]).build(),
+    );
+    assert_eq!(index.no_local_endpoints(), NoLocalEndpoints::default());
+}

@@ -60,6 +60,21 @@ pub struct SliceInfo {
     pub family: Family,
     pub ports: Box<[SlicePort]>,
     pub endpoints: Box<[EndpointInfo]>,
+    /// `endpoints.kubernetes.io/last-change-trigger-time`, when set and valid: when the
+    /// change this version carries happened (the EndpointSlice controller's clock).
+    pub trigger_time: Option<std::time::SystemTime>,
+}
+
+/// The annotation the EndpointSlice controller sets to the time of the Service or Pod
+/// change a slice's version carries (RFC 3339).
+pub const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+/// An RFC 3339 time (`2026-12-04T13:37:05Z`, `2026-12-04T13:37:05.123456789+01:00`);
+/// `None` when it is not one.
+pub fn parse_rfc3339(s: &str) -> Option<std::time::SystemTime> {
+    let t: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time =
+        serde_json::from_value(serde_json::Value::String(s.to_string())).ok()?;
+    Some(std::time::SystemTime::from(t.0))
 }
 
 impl SliceInfo {
@@ -154,6 +169,12 @@ impl SliceInfo {
             family,
             ports: ports.into_boxed_slice(),
             endpoints: endpoints.into_boxed_slice(),
+            trigger_time: slice
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(TRIGGER_TIME))
+                .and_then(|t| parse_rfc3339(t)),
         }))
     }
 }

@@ -92,6 +92,22 @@ pub(super) fn apply_locked(store: &mut Store, mut obj: Value) {
         meta["creationTimestamp"] =
             kept("creationTimestamp").unwrap_or_else(|| now_rfc3339().into());
     }
+    // The EndpointSlice controller stamps each slice it writes with the time of the
+    // Service or Pod change it carries (RFC 3339, nanoseconds): kube-proxy's network
+    // programming latency starts there. A slice applied here is that change, now, unless
+    // the test set the annotation itself.
+    if kind == Kind::EndpointSlice {
+        const TRIGGER: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+        if !meta.get("annotations").is_some_and(Value::is_object) {
+            meta["annotations"] = serde_json::json!({});
+        }
+        if !meta["annotations"]
+            .get(TRIGGER)
+            .is_some_and(Value::is_string)
+        {
+            meta["annotations"][TRIGGER] = rfc3339_nano(SystemTime::now()).into();
+        }
+    }
     meta["resourceVersion"] = rv.to_string().into();
     // Encoded once here, so list pages are copies of these bytes (the bench measures the
     // agent, not this server's JSON encoding).
@@ -264,6 +280,25 @@ fn now_rfc3339() -> String {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or_default();
+    rfc3339_secs(secs)
+}
+
+/// `t` as RFC 3339 in UTC with nanoseconds (`2025-01-31T12:00:00.123456789Z`), as Go's
+/// `time.RFC3339Nano` writes it (trailing zeros of the fraction dropped).
+fn rfc3339_nano(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let whole = rfc3339_secs(d.as_secs());
+    let frac = format!("{:09}", d.subsec_nanos());
+    let frac = frac.trim_end_matches('0');
+    if frac.is_empty() {
+        whole
+    } else {
+        format!("{}.{frac}Z", whole.trim_end_matches('Z'))
+    }
+}
+
+/// Seconds since 1970 as RFC 3339 in UTC, second precision.
+fn rfc3339_secs(secs: u64) -> String {
     // Days to civil date (Howard Hinnant's algorithm), for days since 1970-01-01 >= 0.
     let days = secs / 86_400;
     let z = days + 719_468;

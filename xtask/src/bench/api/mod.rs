@@ -18,8 +18,8 @@
 //! - **restart**: SIGTERM, then a new agent on the same pins: time to healthy and the map
 //!   writes of its first sync (the `ops` of its `sync` debug log line);
 //! - **side by side** (N within the datapath bench's address plan): the manifests path
-//!   (the same agent with `--manifests`), and kube-proxy's iptables (nft backend) and
-//!   nftables rule loads at the same N, through the datapath bench's modes.
+//!   (the same agent with `--manifests`), and kube-proxy's iptables (legacy and nft
+//!   backends) and nftables rule loads at the same N, through the datapath bench's modes.
 //!
 //! `--nodes K`: K agents against one apiserver holding `churn_services` Services; after all
 //! are healthy, endpoint changes at `churn_rate` per second for `churn_secs`, each adding a
@@ -104,6 +104,16 @@ pub fn run(cfg: &ApiConfig, ctx: &Ctx, out_dir: &Path) -> Result<()> {
         if let Err(e) = nodes(cfg, ctx, k, &mut run, start) {
             log(start, format!("  failed: {e:#}"));
             run.errors.push(format!("{e:#}"));
+        }
+        if run.missing > 0 {
+            // A change that never reached every agent within the bound is an error, not
+            // only a count: the agents did not do what the run measures.
+            let e = format!(
+                "{} of {} changes never reached all {k} agents within 60 s",
+                run.missing, run.changes
+            );
+            log(start, format!("  {e}"));
+            run.errors.push(e);
         }
         results.nodes.push(run);
         save(&results, out_dir)?;

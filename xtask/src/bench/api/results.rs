@@ -117,6 +117,12 @@ pub struct ApiScale {
     pub idle_cpu_percent: Option<f64>,
     /// The agent's `network_programming_duration_seconds` per change.
     pub change_agent: Option<Dist>,
+    /// kube-proxy's SLI as the agent measures it per change:
+    /// `kubeproxy_network_programming_duration_seconds`, from the EndpointSlice's
+    /// `last-change-trigger-time` (stamped by the apiserver when it accepted the write, as
+    /// the EndpointSlice controller would) to the maps written.
+    #[serde(default)]
+    pub change_sli: Option<Dist>,
     /// Apiserver accepted -> the first connection reaching the new endpoint (the probe
     /// Service, `traffic.rs`).
     #[serde(default)]

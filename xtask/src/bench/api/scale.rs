@@ -98,7 +98,15 @@ pub(super) fn one_scale(
 
     // Single endpoint changes.
     let name = "ebpf_proxy_network_programming_duration_seconds";
-    let (mut agent_secs, mut visible_secs) = (Vec::new(), Vec::new());
+    // kube-proxy's SLI metric, IPv4 slices (the bench's).
+    let sli = |m: &str, part: &str| {
+        metric(
+            m,
+            &format!("kubeproxy_network_programming_duration_seconds_{part}{{ip_family=\"IPv4\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    let (mut agent_secs, mut visible_secs, mut sli_secs) = (Vec::new(), Vec::new(), Vec::new());
     for j in 0..cfg.changes {
         topo::check_interrupt()?;
         let i = (j * 7919 + n / 2) % n;
@@ -109,6 +117,7 @@ pub(super) fn one_scale(
             metric(&m, &format!("{name}_sum")).unwrap_or(0.0),
             metric(&m, &format!("{name}_count")).unwrap_or(0.0),
         );
+        let (sli_sum0, sli_count0) = (sli(&m, "sum"), sli(&m, "count"));
         api.apply(slice_obj(i, &eps));
         let accepted = Instant::now();
         let Some(seen) = agent.wait_metric(
@@ -133,9 +142,22 @@ pub(super) fn one_scale(
         } else {
             scale.changes_unattributed += 1;
         }
+        if sli(&m, "count") == sli_count0 + 1.0 {
+            sli_secs.push(sli(&m, "sum") - sli_sum0);
+        }
         std::thread::sleep(CHANGE_SPACING);
     }
     scale.change_agent = Dist::from_secs(&agent_secs);
+    scale.change_sli = Dist::from_secs(&sli_secs);
+    if let Some(d) = &scale.change_sli {
+        log(
+            start,
+            format!(
+                "  {} changes: kubeproxy_network_programming_duration_seconds (trigger time -> written) p50 {:.2} ms p99 {:.2} ms",
+                d.count, d.p50_ms, d.p99_ms
+            ),
+        );
+    }
     scale.change_visible = Dist::from_secs(&visible_secs);
     if let (Some(a), Some(v)) = (&scale.change_agent, &scale.change_visible) {
         log(
@@ -227,6 +249,7 @@ fn side_by_side(
     let services = plan::services(n, false);
     let mut others: Vec<Box<dyn Mode>> = vec![
         Box::new(modes::Socket::default()),
+        Box::new(modes::Iptables::new(modes::IptablesVariant::Legacy)),
         Box::new(modes::Iptables::new(modes::IptablesVariant::Nft)),
         Box::new(modes::Nftables::default()),
     ];

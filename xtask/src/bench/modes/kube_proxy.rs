@@ -275,7 +275,8 @@ impl Mode for Ipvs {
             return Err(match kernel {
                 Some(k) if k.contains("is not set") => {
                     format!(
-                        "the kernel has no IPVS ({k}); ipvsadm: {}",
+                        "{}IPVS ({k}); ipvsadm: {}",
+                        super::KERNEL_LACKS,
                         e.lines().last().unwrap_or("")
                     )
                 }

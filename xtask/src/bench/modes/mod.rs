@@ -70,6 +70,10 @@ pub struct Ctx {
     pub manifests: PathBuf,
 }
 
+/// How a mode's `setup` starts its reason when this machine's kernel lacks what the mode
+/// needs (IPVS here): the one kind of "not available" that is not an error of the run.
+pub const KERNEL_LACKS: &str = "the kernel has no ";
+
 pub trait Mode {
     fn name(&self) -> &'static str;
     fn describe(&self) -> &'static str;

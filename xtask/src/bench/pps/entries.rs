@@ -22,7 +22,7 @@ fn agent_has_xdp(ctx: &Ctx) -> bool {
         .unwrap_or(false)
 }
 
-/// Plain XDP forwarding: `direct`'s stack, with [`fib_forward_program`] attached to
+/// Plain XDP forwarding, next hop fixed: `direct`'s stack, with `fixed_forward_program` attached to
 /// `cli0` by [`prepare`]; the frames go to the pod IP.
 #[derive(Default)]
 struct XdpFwd(modes::Direct);
@@ -32,7 +32,7 @@ impl Mode for XdpFwd {
         "xdp-fwd"
     }
     fn describe(&self) -> &'static str {
-        "plain XDP forwarding to the pod IP (bpf_fib_lookup, TTL, MACs, bpf_redirect; no NAT): the XDP limit"
+        "plain XDP forwarding to the pod IP, next hop fixed (TTL, MACs, bpf_redirect; no FIB lookup, no NAT): the XDP ceiling"
     }
     fn setup(&mut self, ctx: &Ctx) -> Result<(), String> {
         self.0.setup(ctx)

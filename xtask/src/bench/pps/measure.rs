@@ -60,7 +60,7 @@ pub(super) fn measure(ctx: &Ctx, stack: &Stack, p: &Prepared, cfg: &PpsConfig) -
         std::thread::sleep(Duration::from_secs_f64(cfg.secs));
         let (c1, s1, t1) = sample(stack.pods(), &sent)?;
         let path = PathCounts::read(&stack.node)?.since(path0);
-        let xdp = match (&p.pins, stats0) {
+        let xdp: Option<std::collections::BTreeMap<String, u64>> = match (&p.pins, stats0) {
             (Some(pins), Some(before)) => {
                 let after = xdp_stats(ctx, pins)?;
                 Some(
@@ -84,15 +84,15 @@ pub(super) fn measure(ctx: &Ctx, stack: &Stack, p: &Prepared, cfg: &PpsConfig) -
         // The remote form's XDP modes are there to measure XDP forwarding: a figure of
         // frames that took another path is not reported as theirs.
         let forwarding = p.dport == NODE_PORT || p.mode.name() == "xdp-fwd";
-        if forwarding && has_xdp(p.mode.name()) && (path.xdp_redirect + path.xdp_tx) * 2 < received
-        {
-            bail!(
-                "{} did not forward at XDP: {} (redirect {}, tx {} of {received})",
-                p.mode.name(),
-                path.verdict(received, true),
-                path.xdp_redirect,
-                path.xdp_tx
-            );
+        if forwarding && has_xdp(p.mode.name()) {
+            let to_stack = xdp.as_ref().and_then(|x| x.get("xdp_to_stack").copied());
+            if let Some(why) = not_all_at_xdp(&path, to_stack) {
+                bail!(
+                    "{} did not forward every frame at XDP: {why} ({})",
+                    p.mode.name(),
+                    path.verdict(received, true)
+                );
+            }
         }
         Ok(PpsRound {
             round: 0,
@@ -111,6 +111,32 @@ pub(super) fn measure(ctx: &Ctx, stack: &Stack, p: &Prepared, cfg: &PpsConfig) -
         Ok(Err(e)) if result.is_ok() => Err(e.context("generator")),
         _ => result,
     }
+}
+
+/// Why not every frame `cli0` took in a round left by XDP (`XDP_REDIRECT`, `XDP_TX` or
+/// `XDP_DROP`): frames passed to the stack (veth's counters: taken minus those verdicts),
+/// IP-forwarded by the node's stack, or counted `xdp_to_stack` by our XDP program
+/// (`to_stack`, from `XDP_STATS`); `None` when every frame did.
+pub(super) fn not_all_at_xdp(path: &PathCounts, to_stack: Option<u64>) -> Option<String> {
+    let left = path.xdp_redirect + path.xdp_tx + path.xdp_drops;
+    let passed = path.xdp_packets.saturating_sub(left);
+    let mut why = Vec::new();
+    if path.xdp_packets == 0 {
+        why.push("cli0 took no frame through XDP".to_string());
+    }
+    if passed > 0 {
+        why.push(format!(
+            "{passed} of {} frames passed to the stack (redirect {}, tx {}, drop {})",
+            path.xdp_packets, path.xdp_redirect, path.xdp_tx, path.xdp_drops
+        ));
+    }
+    if path.ip_forwarded > 0 {
+        why.push(format!("{} IP-forwarded by the stack", path.ip_forwarded));
+    }
+    if let Some(n) = to_stack.filter(|n| *n > 0) {
+        why.push(format!("{n} counted xdp_to_stack"));
+    }
+    (!why.is_empty()).then(|| why.join(", "))
 }
 
 /// The pod's received count, the generator's sent count, and when (the middle of the
@@ -152,4 +178,36 @@ fn generator(
         sent.fetch_add(u64::from(REPEAT), Ordering::Relaxed);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_round_counts_as_xdp_only_when_every_frame_left_by_xdp() {
+        let all = PathCounts {
+            xdp_packets: 1000,
+            xdp_redirect: 990,
+            xdp_tx: 10,
+            xdp_drops: 0,
+            ip_forwarded: 0,
+        };
+        assert_eq!(not_all_at_xdp(&all, Some(0)), None);
+        assert_eq!(not_all_at_xdp(&all, None), None);
+        let one_passed = PathCounts {
+            xdp_redirect: 989,
+            ip_forwarded: 1,
+            ..all
+        };
+        let why = not_all_at_xdp(&one_passed, None).expect("one frame passed");
+        assert!(
+            why.contains("1 of 1000 frames passed") && why.contains("1 IP-forwarded"),
+            "{why}"
+        );
+        let why = not_all_at_xdp(&all, Some(3)).expect("to stack");
+        assert!(why.contains("3 counted xdp_to_stack"), "{why}");
+        let none = PathCounts::default();
+        assert!(not_all_at_xdp(&none, None).is_some());
+    }
 }

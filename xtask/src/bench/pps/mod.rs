@@ -14,10 +14,12 @@
 //!   `pods0`; with `--acceleration native` our XDP program does both and sends the frame
 //!   with `XDP_REDIRECT` after a FIB lookup, without entering the stack: what Cilium's and
 //!   Katran's figures measure. Baselines: `direct` (the frames go to the pod IP, the
-//!   stack routes them: plain forwarding) and `xdp-fwd` (plain XDP forwarding: a 60-
-//!   instruction XDP program on `cli0`, loaded with raw `bpf(2)`, doing what the kernel's
-//!   `samples/bpf/xdp_fwd` does: `bpf_fib_lookup`, TTL decrement, MAC rewrite,
-//!   `bpf_redirect`; no NAT). Debian's `xdp-bench` 1.3.1 (`redirect`, `tx`) fails to load
+//!   stack routes them: plain forwarding) and `xdp-fwd` (plain XDP forwarding, next hop
+//!   fixed: a 27-instruction XDP program on `cli0`, loaded with raw `bpf(2)`: TTL
+//!   decrement, MAC rewrite to the pod's next hop written into the program at load,
+//!   `bpf_redirect`; no FIB lookup, no NAT. Our XDP path caches its FIB answers
+//!   (`FIB_HOP4`, 100 ms), so a baseline that asked the FIB for every packet, as the
+//!   kernel's `samples/bpf/xdp_fwd` does, would not be a ceiling). Debian's `xdp-bench` 1.3.1 (`redirect`, `tx`) fails to load
 //!   here like `xdp-trafficgen`: its objects hold the `xdp_redirect_map_err` tracepoint
 //!   program that kernel 6.18 no longer has.
 //! - **Local backend** (the second table): one flow to the ClusterIP from a pod's
@@ -220,8 +222,9 @@ fn run_form(
                 ));
             }
             Err(e) => {
-                log(start, format!("  {name} not available: {e:#}"));
+                log(start, format!("  {name} failed to set up: {e:#}"));
                 entry.reason = Some(format!("{e:#}"));
+                entry.error = Some(format!("{e:#}"));
                 table.modes.push(entry);
             }
         }

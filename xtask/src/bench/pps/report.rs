@@ -36,7 +36,7 @@ impl PpsTable {
         let _ = writeln!(
             s,
             "| mode | Mpps received (median) | × plain forwarding |{} × iptables-legacy | × our TC | program on cli0, ns/packet (live) | path taken (cli0's XDP counters, node's IP forwarding) | offered (Mpps) | rounds |\n|---|---:|---:|{}---:|---:|---:|---|---:|---:|",
-            if remote { " × plain XDP forwarding |" } else { "" },
+            if remote { " × plain XDP forwarding (next hop fixed) |" } else { "" },
             if remote { "---:|" } else { "" }
         );
         let r = |v: Option<f64>| v.map_or("–".into(), |r| format!("{r:.2}×"));
@@ -116,7 +116,7 @@ impl PpsTable {
                 2.0,
             ));
             s.push_str(&target(
-                "XDP vs plain XDP forwarding",
+                "XDP vs plain XDP forwarding (next hop fixed)",
                 xdp.and_then(|m| m.ratio_to_xdp_fwd),
                 0.8,
             ));

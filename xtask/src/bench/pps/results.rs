@@ -153,7 +153,7 @@ pub struct PpsMode {
     pub offered_mpps: Option<f64>,
     /// `mpps` / direct's (plain stack forwarding).
     pub ratio_to_direct: Option<f64>,
-    /// `mpps` / xdp-fwd's (plain XDP forwarding; remote form).
+    /// `mpps` / xdp-fwd's (plain XDP forwarding, next hop fixed; remote form).
     pub ratio_to_xdp_fwd: Option<f64>,
     /// `mpps` / iptables-legacy's.
     pub ratio_to_iptables: Option<f64>,
@@ -170,6 +170,9 @@ pub struct PpsMode {
     pub program: Option<String>,
     pub program_runs: Option<u64>,
     pub program_error: Option<String>,
+    /// Setting the mode up failed (not "unavailable here": that is `reason` alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -190,4 +193,33 @@ pub struct PpsResults {
     pub prog_run: Option<serde_json::Value>,
     pub prog_run_error: Option<String>,
     pub duration_seconds: f64,
+}
+
+impl PpsResults {
+    /// Every error the packet-rate part recorded, one line each: a mode whose set-up
+    /// failed, a failed round, a failed program profile, a failed `BPF_PROG_RUN` part.
+    /// A mode unavailable on this machine (no native XDP, say) is not one.
+    pub fn errors(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for t in &self.tables {
+            for m in &t.modes {
+                let at = format!("packet rate, {}, {}", t.title, m.mode);
+                if let Some(e) = &m.error {
+                    out.push(format!("{at}: set-up failed: {e}"));
+                }
+                for r in &m.rounds {
+                    if let Some(e) = &r.error {
+                        out.push(format!("{at}: round {}: {e}", r.round + 1));
+                    }
+                }
+                if let Some(e) = &m.program_error {
+                    out.push(format!("{at}: program profile: {e}"));
+                }
+            }
+        }
+        if let Some(e) = &self.prog_run_error {
+            out.push(format!("BPF_PROG_RUN part: {e}"));
+        }
+        out
+    }
 }

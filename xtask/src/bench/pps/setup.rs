@@ -14,11 +14,11 @@ use anyhow::{bail, Context as _, Result};
 
 use super::{
     frames::{
-        ifindex, mac, napi_threads, set_affinity, set_fifo, udp_frame, GENERATOR_CPU, NODE_CPU,
-        SRC_PORT,
+        ifindex, mac, napi_threads, parse_mac, set_affinity, set_fifo, udp_frame, GENERATOR_CPU,
+        NODE_CPU, SRC_PORT,
     },
     results::Form,
-    xdp_progs::{attach_xdp, exit, fib_forward_program, load_xdp, mov_imm, XDP_DROP},
+    xdp_progs::{attach_xdp, exit, fixed_forward_program, load_xdp, mov_imm, XDP_DROP},
 };
 use crate::bench::{
     modes::{Ctx, Mode},
@@ -98,9 +98,13 @@ pub(super) fn prepare(ctx: &Ctx, mode: &mut dyn Mode, form: Form, threaded: bool
     // NAPI on cli0 (veth has one with GRO on or with XDP), in its own thread, pinned.
     ns_run(&stack.node, "ethtool", &["-K", "cli0", "gro", "on"], "")?;
     let fwd = if mode.name() == "xdp-fwd" {
+        // The next hop fixed: the pods' interface, its MAC and the pod's.
+        let smac = parse_mac(&mac(&stack.node, "pods0")?)?;
+        let dmac = parse_mac(&pod_mac)?;
         let _ns = NetnsGuard::enter(&stack.node.path());
+        let out = ifindex("pods0")?;
         let ifindex = ifindex("cli0")?;
-        let prog = load_xdp(&fib_forward_program(), "pps_fwd")?;
+        let prog = load_xdp(&fixed_forward_program(out, smac, dmac), "pps_fwd")?;
         Some(attach_xdp(&prog, ifindex).context("attaching xdp-fwd to the node's cli0")?)
     } else {
         None

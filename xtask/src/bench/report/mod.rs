@@ -140,6 +140,69 @@ pub struct Summary {
     pub errors: u64,
 }
 
+/// What a `--quick` run (inside `cargo xtask test`) requires: no recorded error at all,
+/// `errors` being every error a run recorded (the datapath part's, the packet-rate
+/// part's). No thresholds on the figures: the quick run checks that every mode works.
+pub fn quick_verdict(errors: &[String]) -> Result<()> {
+    if errors.is_empty() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "the quick bench recorded {} error(s):\n  {}",
+        errors.len(),
+        errors.join("\n  ")
+    )
+}
+
+impl Results {
+    /// Every error the run recorded, one line each: a mode that failed (programming or
+    /// its check) or gave up, a round that failed or had failed exchanges, an endpoint
+    /// change that failed, a mode whose set-up failed. A mode this machine's kernel cannot
+    /// run (no IPVS: its reason starts with `modes::KERNEL_LACKS`) is not one.
+    pub fn errors(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for m in &self.modes {
+            let why = m.reason.as_deref().unwrap_or("");
+            if !m.available && !why.starts_with(super::modes::KERNEL_LACKS) {
+                out.push(format!("{}: could not be set up: {why}", m.name));
+            }
+        }
+        for s in &self.scales {
+            for m in &s.modes {
+                let at = format!("{} services, {}", thousands(s.services), m.mode);
+                let why = m.reason.as_deref().unwrap_or("");
+                match m.status {
+                    Status::Failed => out.push(format!("{at}: failed: {why}")),
+                    Status::GaveUp => out.push(format!("{at}: gave up: {why}")),
+                    Status::Ok | Status::Unavailable => {}
+                }
+                for r in &m.rounds {
+                    let failed = r.tcp_errors + r.udp_errors + r.cps_errors;
+                    if r.first_error.is_some() || failed > 0 {
+                        out.push(format!(
+                            "{at}: round {}: {failed} failed exchanges (tcp {}, udp {}, connections {}){}",
+                            r.round + 1,
+                            r.tcp_errors,
+                            r.udp_errors,
+                            r.cps_errors,
+                            r.first_error
+                                .as_ref()
+                                .map(|e| format!(": {e}"))
+                                .unwrap_or_default()
+                        ));
+                    }
+                }
+                for c in &m.changes {
+                    if let Some(e) = &c.error {
+                        out.push(format!("{at}: endpoint change {}: {e}", c.round + 1));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
 impl Results {
     pub fn write(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir)?;
@@ -422,5 +485,71 @@ mod tests {
         assert_eq!(short(25_000.0), "25k");
         assert_eq!(x(Some(1.234)), "1.23×");
         assert_eq!(num(None, 1), "–");
+    }
+
+    fn one_mode(m: ModeScale) -> Results {
+        Results {
+            scales: vec![ScaleResult {
+                services: 1000,
+                endpoints_per_service: 10,
+                modes: vec![m],
+            }],
+            ..Results::default()
+        }
+    }
+
+    /// Any recorded error of any mode fails `--quick`; an unavailable mode does not.
+    #[test]
+    fn any_recorded_error_fails_the_quick_run() {
+        let good = || {
+            let mut m = ModeScale::new("socket", Status::Ok, None);
+            m.rounds.push(RoundResult::default());
+            m.changes.push(ChangeResult::default());
+            m
+        };
+        assert!(quick_verdict(&one_mode(good()).errors()).is_ok());
+        let off = ModeScale::new("ipvs", Status::Unavailable, Some("no IPVS".into()));
+        assert!(quick_verdict(&one_mode(off).errors()).is_ok());
+        // Set up: a kernel without IPVS is not an error, a mode that failed otherwise is.
+        let info = |name: &str, reason: String| ModeInfo {
+            name: name.into(),
+            description: String::new(),
+            available: false,
+            reason: Some(reason),
+        };
+        let mut r = one_mode(good());
+        r.modes.push(info(
+            "ipvs",
+            format!("{}IPVS", super::super::modes::KERNEL_LACKS),
+        ));
+        assert!(quick_verdict(&r.errors()).is_ok());
+        r.modes.push(info(
+            "socket",
+            "starting the bench client: No such file".into(),
+        ));
+        let err = quick_verdict(&r.errors()).expect_err("a mode that failed to set up");
+        assert!(
+            err.to_string().contains("socket: could not be set up"),
+            "{err}"
+        );
+
+        let mut round = good();
+        round.rounds[0].first_error = Some("connect: timed out".into());
+        let mut exchanges = good();
+        exchanges.rounds[0].udp_errors = 3;
+        let mut change = good();
+        change.changes[0].error = Some("new endpoint never answered".into());
+        let failed = ModeScale::new("tc", Status::Failed, Some("check failed".into()));
+        let gave_up = ModeScale::new("nftables", Status::GaveUp, Some("over 60 s".into()));
+        for (m, want) in [
+            (round, "round 1: 0 failed exchanges"),
+            (exchanges, "udp 3"),
+            (change, "endpoint change 1: new endpoint never answered"),
+            (failed, "tc: failed: check failed"),
+            (gave_up, "nftables: gave up: over 60 s"),
+        ] {
+            let err = quick_verdict(&one_mode(m).errors()).expect_err(want);
+            assert!(err.to_string().contains(want), "{want} not in {err}");
+        }
     }
 }
