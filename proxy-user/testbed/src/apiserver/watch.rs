@@ -150,11 +150,14 @@ pub(super) async fn serve_watch<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     bookmarks.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut scratch = [0u8; 512];
     loop {
+        // go_silent(): nothing is sent (events wait in the channel, no bookmark, no end).
+        let silent = shared.silent.load(Ordering::SeqCst);
         tokio::select! {
             biased;
             // drop_watches() or stop(): end abruptly.
             _ = &mut kill => return false,
-            change = events.recv() => {
+            _ = tokio::time::sleep(Duration::from_millis(20)), if silent => {}
+            change = events.recv(), if !silent => {
                 let Some(change) = change else { return false };
                 cursor = change.rv;
                 if let Some((event_type, object)) = event_for(kind, &request.filter, &change) {
@@ -165,10 +168,10 @@ pub(super) async fn serve_watch<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                     }
                 }
             }
-            _ = sleep_until(deadline) => {
+            _ = sleep_until(deadline), if !silent => {
                 return send(writer, LAST_CHUNK).await;
             }
-            _ = bookmarks.tick(), if request.bookmarks => {
+            _ = bookmarks.tick(), if request.bookmarks && !silent => {
                 let chunk = bookmark(kind, cursor, false);
                 count(&chunk);
                 if !send(writer, &chunk).await {
