@@ -400,3 +400,130 @@ fn agent_rides_out_429_and_500_answers() {
         let _ = std::fs::remove_file(format!("{}{ext}", kubeconfig.display()));
     }
 }
+
+/// The sum of `name`'s samples whose labels contain `label` in a `/metrics` text.
+fn metric_sum(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The API server goes silent (it accepts and reads but answers nothing; its watches
+/// send no event and no bookmark), as a hung apiserver or a path dropping its packets
+/// looks, for 20 s, four times `--api-idle-timeout 5s` (90 s by default; the issue's
+/// 60 s of silence scaled down with it). `--sync-interval 2s` puts `/healthz`'s stale
+/// limit at 4 s, far inside the silence. Throughout: the datapath keeps serving what is
+/// programmed and `/healthz` stays 200, as kube-proxy's does: its healthz goes stale
+/// only when a queued change is not synced in time, and a silent server queues nothing;
+/// here the periodic re-diffs keep succeeding. The agent notices the dead watches after
+/// the idle timeout and counts the requests that got no answer
+/// (`rest_client_requests_total{code="<error>"}`, `ebpf_proxy_watch_errors_total`);
+/// once the server answers again, the change made during the silence reaches traffic.
+#[test]
+fn agent_rides_out_a_silent_apiserver() {
+    const IDLE: Duration = Duration::from_secs(5);
+    const SILENCE: Duration = Duration::from_secs(20);
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let api = api_with_web(FakeApiServer::start_tls());
+    let token = unique("token-");
+    api.add_token(&token, SA_USER);
+    let kubeconfig = std::env::temp_dir().join(unique("ebpf-proxy-kubeconfig-silent-"));
+    api.write_kubeconfig_with_token(&kubeconfig, &token);
+    let mut agent = AgentProcess::start(
+        &env,
+        &[
+            "--kubeconfig",
+            kubeconfig.to_str().expect("utf-8"),
+            "--api-idle-timeout",
+            "5s",
+            "--sync-interval",
+            "2s",
+        ],
+    );
+    agent.wait_healthy(Duration::from_secs(20));
+    until_from(&env, vip(10), Duration::from_secs(5), "pod1");
+    let errors_before = metric_sum(
+        &agent.metrics(),
+        "rest_client_requests_total",
+        "code=\"<error>\"",
+    );
+    let watches_before = api
+        .requests()
+        .iter()
+        .filter(|r| r.contains("watch=true"))
+        .count();
+
+    api.go_silent();
+    let silent_at = Instant::now();
+    // Made during the silence: the server holds it.
+    api.apply(slice("web-1", "web", &[2]));
+    let (mut asked, mut failed, mut unhealthy) = (0usize, Vec::new(), Vec::new());
+    let mut noticed = None;
+    while silent_at.elapsed() < SILENCE {
+        asked += 1;
+        match env.in_client(|| tcp_ask(vip(10))) {
+            Ok((pod, _)) if pod == "pod1" => {}
+            other => failed.push(format!("{:?}: {other:?}", silent_at.elapsed())),
+        }
+        let (code, body) = agent.healthz();
+        if code != 200 {
+            unhealthy.push(format!("{:?}: {code} {body}", silent_at.elapsed()));
+        }
+        if noticed.is_none()
+            && api
+                .requests()
+                .iter()
+                .filter(|r| r.contains("watch=true"))
+                .count()
+                > watches_before
+        {
+            noticed = Some(silent_at.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "{SILENCE:?} silent: {asked} connections, {} failed; /healthz non-200 {} times; \
+         first dead watch retried after {noticed:?}",
+        failed.len(),
+        unhealthy.len()
+    );
+    assert!(
+        failed.is_empty(),
+        "the datapath stopped serving: {failed:#?}"
+    );
+    assert!(unhealthy.is_empty(), "/healthz went stale: {unhealthy:#?}");
+    let noticed = noticed.expect("the dead watches were never retried during the silence");
+    assert!(
+        noticed >= IDLE - Duration::from_millis(200) && noticed < IDLE + Duration::from_secs(10),
+        "a dead watch is retried after the idle timeout ({IDLE:?}): {noticed:?}"
+    );
+    let metrics = agent.metrics();
+    let errors = metric_sum(&metrics, "rest_client_requests_total", "code=\"<error>\"");
+    assert!(
+        errors >= errors_before + 3.0,
+        "each reader's unanswered request counted: {errors_before} -> {errors}"
+    );
+    assert!(
+        metric_sum(&metrics, "ebpf_proxy_watch_errors_total", "resource=") >= 3.0,
+        "{metrics}"
+    );
+
+    api.answer_again();
+    let answered_at = Instant::now();
+    until_from(&env, vip(10), Duration::from_secs(45), "pod2");
+    eprintln!(
+        "the change made during the silence reached traffic {:?} after the server answered",
+        answered_at.elapsed()
+    );
+    assert_eq!(agent.healthz().0, 200);
+    assert!(
+        agent.child.try_wait().expect("wait").is_none(),
+        "no restart"
+    );
+    drop(agent);
+    for ext in ["", ".ca.crt"] {
+        let _ = std::fs::remove_file(format!("{}{ext}", kubeconfig.display()));
+    }
+}

@@ -2,8 +2,8 @@
 //! kube-apiserver (`proxy_testbed::apiserver`, the real list/watch protocol over HTTP on
 //! 127.0.0.1): what it passes on to the agent (`Update`s) when a paged list's continue
 //! token goes stale, when a watch's resourceVersion is compacted, when objects do not
-//! decode, when a watch is cut after bookmarks, and when the server goes silent. Unprivileged; each test takes about
-//! a second or two.
+//! decode, when a watch is cut after bookmarks, and when the server goes silent.
+//! Unprivileged; each test takes a second or two, the silent server's about 20 s.
 
 use std::{
     collections::BTreeSet,

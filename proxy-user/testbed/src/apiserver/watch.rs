@@ -159,6 +159,14 @@ pub(super) async fn serve_watch<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
             _ = tokio::time::sleep(Duration::from_millis(20)), if silent => {}
             change = events.recv(), if !silent => {
                 let Some(change) = change else { return false };
+                // Gone silent while this select waited: the change waits too.
+                while shared.silent.load(Ordering::SeqCst) {
+                    tokio::select! {
+                        biased;
+                        _ = &mut kill => return false,
+                        _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                    }
+                }
                 cursor = change.rv;
                 if let Some((event_type, object)) = event_for(kind, &request.filter, &change) {
                     let chunk = event_chunk(event_type, &object);
@@ -169,9 +177,15 @@ pub(super) async fn serve_watch<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 }
             }
             _ = sleep_until(deadline), if !silent => {
+                if shared.silent.load(Ordering::SeqCst) {
+                    continue;
+                }
                 return send(writer, LAST_CHUNK).await;
             }
             _ = bookmarks.tick(), if request.bookmarks && !silent => {
+                if shared.silent.load(Ordering::SeqCst) {
+                    continue;
+                }
                 let chunk = bookmark(kind, cursor, false);
                 count(&chunk);
                 if !send(writer, &chunk).await {
