@@ -986,6 +986,84 @@ fn errors(answers: &[Result<String, String>]) -> Vec<&String> {
     answers.iter().filter_map(|a| a.as_ref().err()).collect()
 }
 
+/// Waits (10 s at most) for `line` in the agent's log.
+fn wait_log(agent: &AgentProcess, line: &str) {
+    let t0 = Instant::now();
+    while !agent.logs().contains(line) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "not logged: {line}\n{}",
+            agent.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Issue 24, item 6: a new manifest whose Service has no creation time and sorts first
+/// claims the ClusterIP `web` serves: `web` keeps it, before and after a restart (the
+/// pinned reverse-NAT entry names the Service holding it), without a failed connection.
+#[test]
+fn a_new_manifest_does_not_take_a_live_cluster_ip_before_or_after_a_restart() {
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &web_on_pod1());
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    env.in_client(|| until(Instant::now(), 10, |r| answer_is(r, &["pod1"])));
+
+    let conflict =
+        "Service default/aaa-copy: frontend 10.96.0.10:80/tcp belongs to Service default/web";
+    let all_pod1 = |answers: &[Result<String, String>], when: &str| {
+        assert!(answers.len() > 20, "{when}: {}", answers.len());
+        let other: Vec<_> = answers
+            .iter()
+            .filter(|a| a.as_deref() != Ok("pod1"))
+            .take(5)
+            .collect();
+        assert!(
+            other.is_empty(),
+            "{when}: web keeps its ClusterIP: {other:?}"
+        );
+    };
+    let hammer = Hammer::start(&env);
+    std::thread::sleep(Duration::from_millis(200));
+    // Same second or later, no timestamps, and "aaa-copy" < "web": without the holder's
+    // rule it would take the ClusterIP.
+    dir.write(
+        "aaa-copy.yaml",
+        &format!(
+            "{}---\n{}",
+            service("aaa-copy", VIP, 80),
+            slice("aaa-copy-1", "aaa-copy", TARGET, &[ready(&pod(2))])
+        ),
+    );
+    wait_log(&agent, conflict);
+    std::thread::sleep(Duration::from_millis(300));
+    all_pod1(&hammer.stop(), "after the new file");
+
+    // A restart reads both files at once (the same first-read time for both): the pins
+    // say web holds it.
+    let _ = agent.stop();
+    let hammer = Hammer::start(&env);
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    wait_log(&agent, conflict);
+    std::thread::sleep(Duration::from_millis(500));
+    all_pod1(&hammer.stop(), "across the restart");
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains(
+            "ebpf_proxy_objects_skipped_total{kind=\"Service\",reason=\"frontend_conflict\"} 1"
+        ),
+        "{metrics}"
+    );
+
+    // web goes: aaa-copy takes the ClusterIP over.
+    dir.remove("web.yaml");
+    env.in_client(|| until(Instant::now(), 10, |r| answer_is(r, &["pod2"])));
+}
+
 #[test]
 fn frontend_conflicts_have_one_owner_settled_at_once_and_across_restarts() {
     let mut env = TestEnv::without_datapath(2);
@@ -1043,23 +1121,28 @@ fn frontend_conflicts_have_one_owner_settled_at_once_and_across_restarts() {
         errors(&answers)
     );
 
-    // The older one comes back: it owns the frontend again.
+    // The older one comes back: "new" holds the frontend now and keeps it (issue 24,
+    // item 6: a claimant never takes a live frontend away).
     dir.write("old.yaml", &old);
-    env.in_client(|| until(Instant::now(), 10, |r| answer_is(r, &["pod1"])));
+    wait_log(
+        &agent,
+        "Service default/old: frontend 10.96.0.10:80/tcp belongs to Service default/new",
+    );
+    env.in_client(|| until(Instant::now(), 20, |r| answer_is(r, &["pod2"])));
 
     // 2. The loser is deleted: the owner's frontend stays, not a failed connection.
     let hammer = Hammer::start(&env);
     std::thread::sleep(Duration::from_millis(200));
-    dir.remove("new.yaml");
+    dir.remove("old.yaml");
     std::thread::sleep(Duration::from_millis(1000));
     let answers = hammer.stop();
     assert!(answers.len() > 20, "{}", answers.len());
     assert!(
-        answers.iter().all(|a| a.as_deref() == Ok("pod1")),
+        answers.iter().all(|a| a.as_deref() == Ok("pod2")),
         "the owner keeps its frontend when the loser goes: {:?}",
         answers
             .iter()
-            .filter(|a| a.as_deref() != Ok("pod1"))
+            .filter(|a| a.as_deref() != Ok("pod2"))
             .take(5)
             .collect::<Vec<_>>()
     );

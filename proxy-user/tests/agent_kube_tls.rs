@@ -341,12 +341,41 @@ fn agent_refuses_a_server_its_ca_did_not_sign() {
     }
 }
 
-/// The API server overloaded (429 with Retry-After, as its max-in-flight filter answers)
-/// and then failing (500s) while the agent re-lists: traffic keeps flowing through what
-/// is programmed, kube's client waits the Retry-After, the agent backs off after the
-/// 500s, and every change made meanwhile arrives once the server answers again.
+/// For `d`: connections to `addr` from the client, each answered by `pod`, and
+/// `/healthz`, each 200; what failed.
+fn ride_out(
+    env: &TestEnv,
+    agent: &AgentProcess,
+    addr: SocketAddr,
+    pod: &str,
+    d: Duration,
+) -> (usize, Vec<String>) {
+    let start = Instant::now();
+    let (mut asked, mut failed) = (0, Vec::new());
+    while start.elapsed() < d {
+        asked += 1;
+        match env.in_client(|| tcp_ask(addr)) {
+            Ok((p, _)) if p == pod => {}
+            other => failed.push(format!("{:?}: {addr}: {other:?}", start.elapsed())),
+        }
+        let (code, body) = agent.healthz();
+        if code != 200 {
+            failed.push(format!("{:?}: /healthz {code} {body}", start.elapsed()));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    (asked, failed)
+}
+
+/// The API server overloaded (429 with Retry-After, as its max-in-flight filter answers),
+/// then failing (500s), then restarting (down for 8 s, its history gone) while the agent
+/// re-watches: traffic keeps flowing through what is programmed and `/healthz` stays 200
+/// throughout (kube-proxy's rule: nothing was queued and left unsynced; with
+/// `--sync-interval 2s` its stale limit is 4 s, inside each fault), kube's client waits
+/// the Retry-After, the agent backs off after the 500s and relists after the restart,
+/// and every change made meanwhile arrives once the server answers again.
 #[test]
-fn agent_rides_out_429_and_500_answers() {
+fn agent_rides_out_429_500_and_a_restart() {
     let mut env = TestEnv::without_datapath(3);
     env.serve_all(TARGET);
     let api = api_with_web(FakeApiServer::start_tls());
@@ -354,8 +383,15 @@ fn agent_rides_out_429_and_500_answers() {
     api.add_token(&token, SA_USER);
     let kubeconfig = std::env::temp_dir().join(unique("ebpf-proxy-kubeconfig-faults-"));
     api.write_kubeconfig_with_token(&kubeconfig, &token);
-    let mut agent =
-        AgentProcess::start(&env, &["--kubeconfig", kubeconfig.to_str().expect("utf-8")]);
+    let mut agent = AgentProcess::start(
+        &env,
+        &[
+            "--kubeconfig",
+            kubeconfig.to_str().expect("utf-8"),
+            "--sync-interval",
+            "2s",
+        ],
+    );
     agent.wait_healthy(Duration::from_secs(20));
     until_from(&env, vip(10), Duration::from_secs(5), "pod1");
 
@@ -382,7 +418,9 @@ fn agent_rides_out_429_and_500_answers() {
         "the 500s are being answered",
         || api.failed_requests(500) >= 3,
     );
-    until_from(&env, vip(10), Duration::from_secs(2), "pod2");
+    let (asked, failed) = ride_out(&env, &agent, vip(10), "pod2", Duration::from_secs(5));
+    eprintln!("during the 500s: {asked} connections and /healthz probes");
+    assert!(failed.is_empty(), "during the 500s: {failed:#?}");
     let recovered = until_from(&env, vip(10), Duration::from_secs(40), "pod3");
     eprintln!("9 x 500: traffic moved {recovered:?} after the first 500s were seen");
     assert_eq!(api.failed_requests(500), 9, "every 500 was met");
@@ -391,6 +429,148 @@ fn agent_rides_out_429_and_500_answers() {
         "the agent logs the server error: {}",
         agent.logs()
     );
+
+    // A restart: down for 8 s (connections refused), back with its history gone (the
+    // watches get 410 and relist); a change made while it was down arrives.
+    api.stop();
+    let (asked, failed) = ride_out(&env, &agent, vip(10), "pod3", Duration::from_secs(8));
+    eprintln!("API server down: {asked} connections and /healthz probes");
+    assert!(
+        failed.is_empty(),
+        "while the API server was down: {failed:#?}"
+    );
+    api.apply(slice("web-1", "web", &[1]));
+    api.restart();
+    let back = until_from(&env, vip(10), Duration::from_secs(45), "pod1");
+    eprintln!("API server restarted: the change reached traffic in {back:?}");
+    assert_eq!(agent.healthz().0, 200);
+    assert!(
+        agent.child.try_wait().expect("wait").is_none(),
+        "no restart"
+    );
+    drop(agent);
+    for ext in ["", ".ca.crt"] {
+        let _ = std::fs::remove_file(format!("{}{ext}", kubeconfig.display()));
+    }
+}
+
+/// The sum of `name`'s samples whose labels contain `label` in a `/metrics` text.
+fn metric_sum(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The API server goes silent (it accepts and reads but answers nothing; its watches
+/// send no event and no bookmark), as a hung apiserver or a path dropping its packets
+/// looks, for 20 s, four times `--api-idle-timeout 5s` (90 s by default; the issue's
+/// 60 s of silence scaled down with it). `--sync-interval 2s` puts `/healthz`'s stale
+/// limit at 4 s, far inside the silence. Throughout: the datapath keeps serving what is
+/// programmed and `/healthz` stays 200, as kube-proxy's does: its healthz goes stale
+/// only when a queued change is not synced in time, and a silent server queues nothing;
+/// here the periodic re-diffs keep succeeding. The agent notices the dead watches after
+/// the idle timeout and counts the requests that got no answer
+/// (`rest_client_requests_total{code="<error>"}`, `ebpf_proxy_watch_errors_total`);
+/// once the server answers again, the change made during the silence reaches traffic.
+#[test]
+fn agent_rides_out_a_silent_apiserver() {
+    const IDLE: Duration = Duration::from_secs(5);
+    const SILENCE: Duration = Duration::from_secs(20);
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let api = api_with_web(FakeApiServer::start_tls());
+    let token = unique("token-");
+    api.add_token(&token, SA_USER);
+    let kubeconfig = std::env::temp_dir().join(unique("ebpf-proxy-kubeconfig-silent-"));
+    api.write_kubeconfig_with_token(&kubeconfig, &token);
+    let mut agent = AgentProcess::start(
+        &env,
+        &[
+            "--kubeconfig",
+            kubeconfig.to_str().expect("utf-8"),
+            "--api-idle-timeout",
+            "5s",
+            "--sync-interval",
+            "2s",
+        ],
+    );
+    agent.wait_healthy(Duration::from_secs(20));
+    until_from(&env, vip(10), Duration::from_secs(5), "pod1");
+    let errors_before = metric_sum(
+        &agent.metrics(),
+        "rest_client_requests_total",
+        "code=\"<error>\"",
+    );
+    let watches_before = api
+        .requests()
+        .iter()
+        .filter(|r| r.contains("watch=true"))
+        .count();
+
+    api.go_silent();
+    let silent_at = Instant::now();
+    // Made during the silence: the server holds it.
+    api.apply(slice("web-1", "web", &[2]));
+    let (mut asked, mut failed, mut unhealthy) = (0usize, Vec::new(), Vec::new());
+    let mut noticed = None;
+    while silent_at.elapsed() < SILENCE {
+        asked += 1;
+        match env.in_client(|| tcp_ask(vip(10))) {
+            Ok((pod, _)) if pod == "pod1" => {}
+            other => failed.push(format!("{:?}: {other:?}", silent_at.elapsed())),
+        }
+        let (code, body) = agent.healthz();
+        if code != 200 {
+            unhealthy.push(format!("{:?}: {code} {body}", silent_at.elapsed()));
+        }
+        if noticed.is_none()
+            && api
+                .requests()
+                .iter()
+                .filter(|r| r.contains("watch=true"))
+                .count()
+                > watches_before
+        {
+            noticed = Some(silent_at.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "{SILENCE:?} silent: {asked} connections, {} failed; /healthz non-200 {} times; \
+         first dead watch retried after {noticed:?}",
+        failed.len(),
+        unhealthy.len()
+    );
+    assert!(
+        failed.is_empty(),
+        "the datapath stopped serving: {failed:#?}"
+    );
+    assert!(unhealthy.is_empty(), "/healthz went stale: {unhealthy:#?}");
+    let noticed = noticed.expect("the dead watches were never retried during the silence");
+    assert!(
+        noticed >= IDLE - Duration::from_millis(200) && noticed < IDLE + Duration::from_secs(10),
+        "a dead watch is retried after the idle timeout ({IDLE:?}): {noticed:?}"
+    );
+    let metrics = agent.metrics();
+    let errors = metric_sum(&metrics, "rest_client_requests_total", "code=\"<error>\"");
+    assert!(
+        errors >= errors_before + 3.0,
+        "each reader's unanswered request counted: {errors_before} -> {errors}"
+    );
+    assert!(
+        metric_sum(&metrics, "ebpf_proxy_watch_errors_total", "resource=") >= 3.0,
+        "{metrics}"
+    );
+
+    api.answer_again();
+    let answered_at = Instant::now();
+    until_from(&env, vip(10), Duration::from_secs(45), "pod2");
+    eprintln!(
+        "the change made during the silence reached traffic {:?} after the server answered",
+        answered_at.elapsed()
+    );
+    assert_eq!(agent.healthz().0, 200);
     assert!(
         agent.child.try_wait().expect("wait").is_none(),
         "no restart"

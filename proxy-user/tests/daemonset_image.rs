@@ -18,6 +18,8 @@
 //!   DaemonSet adds (read from the manifest), after the init container ran with all of them
 //!   (it is privileged).
 //!
+//! kube-proxy's leftovers of each mode (iptables through all four tools, nftables, an IPVS
+//! ipset) are in the node first: the agent removes them with the image's own tools.
 //! Then ClusterIP and NodePort traffic through it, `/healthz`, `/livez`, `/metrics`,
 //! `proxyctl` inside the image reading the pins, SIGTERM, a restart adopting the pins with
 //! no failed connection; and without one of the capabilities the agent stops with its
@@ -341,6 +343,159 @@ fn setup(env: &TestEnv) -> (Node, FakeApiServer) {
     (node, api)
 }
 
+/// kube-proxy's iptables mode, in short, with the match and target extensions it uses
+/// (comment, conntrack, mark/MARK, addrtype, statistic, tcp/udp, DNAT, MASQUERADE,
+/// REJECT): the image's iptables tools must load each (its `xtables` modules and their
+/// libraries) to read and remove it. `{A}`/`{P}`/`{H}`: an endpoint, the pod range, the
+/// host prefix length, per family.
+const KUBE_IPTABLES: &str = r#"*filter
+:KUBE-FORWARD - [0:0]
+:KUBE-EXTERNAL-SERVICES - [0:0]
+-I FORWARD 1 -m comment --comment "kubernetes forwarding rules" -j KUBE-FORWARD
+-I INPUT 1 -m conntrack --ctstate NEW -m comment --comment "kubernetes externally-visible service portals" -j KUBE-EXTERNAL-SERVICES
+-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP
+-A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules" -m mark --mark 0x4000/0x4000 -j ACCEPT
+-A KUBE-EXTERNAL-SERVICES -p tcp -m comment --comment "default/empty:http has no endpoints" -m addrtype --dst-type LOCAL -m tcp --dport 30050 -j REJECT
+COMMIT
+*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-POSTROUTING - [0:0]
+:KUBE-MARK-MASQ - [0:0]
+:KUBE-SVC-TCOU7JCQXEZGVUNU - [0:0]
+:KUBE-SEP-IT2ZTR26TO4XFPTO - [0:0]
+-I PREROUTING 1 -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-I OUTPUT 1 -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-I POSTROUTING 1 -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING
+-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN
+-A KUBE-POSTROUTING -j MARK --xor-mark 0x4000
+-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE --random-fully
+-A KUBE-MARK-MASQ -j MARK --or-mark 0x4000
+-A KUBE-SERVICES -d {D}/{H} -p udp -m comment --comment "kube-system/kube-dns:dns cluster IP" -m udp --dport 53 -j KUBE-SVC-TCOU7JCQXEZGVUNU
+-A KUBE-SVC-TCOU7JCQXEZGVUNU ! -s {P} -d {D}/{H} -p udp -m comment --comment "kube-system/kube-dns:dns cluster IP" -m udp --dport 53 -j KUBE-MARK-MASQ
+-A KUBE-SVC-TCOU7JCQXEZGVUNU -m comment --comment "kube-system/kube-dns:dns -> {E}:53" -m statistic --mode random --probability 0.50000000000 -j KUBE-SEP-IT2ZTR26TO4XFPTO
+-A KUBE-SEP-IT2ZTR26TO4XFPTO -s {A}/{H} -m comment --comment "kube-system/kube-dns:dns" -j KUBE-MARK-MASQ
+-A KUBE-SEP-IT2ZTR26TO4XFPTO -p udp -m comment --comment "kube-system/kube-dns:dns" -m udp -j DNAT --to-destination {E}:53
+COMMIT
+"#;
+
+/// (tool, {D} the DNS ClusterIP, {P} pods, {A} the endpoint, {E} it as DNAT writes it, {H}).
+const KUBE_IPTABLES_TOOLS: [(&str, [&str; 5]); 4] = [
+    (
+        "iptables-legacy",
+        [
+            "10.96.0.53",
+            "10.244.0.0/16",
+            "10.244.1.2",
+            "10.244.1.2",
+            "32",
+        ],
+    ),
+    (
+        "iptables-nft",
+        [
+            "10.96.0.53",
+            "10.244.0.0/16",
+            "10.244.1.2",
+            "10.244.1.2",
+            "32",
+        ],
+    ),
+    (
+        "ip6tables-legacy",
+        [
+            "fd00:96::35",
+            "fd00:244::/56",
+            "fd00:244:1::2",
+            "[fd00:244:1::2]",
+            "128",
+        ],
+    ),
+    (
+        "ip6tables-nft",
+        [
+            "fd00:96::35",
+            "fd00:244::/56",
+            "fd00:244:1::2",
+            "[fd00:244:1::2]",
+            "128",
+        ],
+    ),
+];
+
+/// kube-proxy's nftables mode (a table of its own) and IPVS mode's ipsets, in short.
+const KUBE_NFT: &str = "table ip kube-proxy {\n\tcomment \"rules for kube-proxy\"\n\
+    \tchain nat-prerouting { type nat hook prerouting priority -100; policy accept; }\n}\n";
+const KUBE_IPSET: &str =
+    "create KUBE-CLUSTER-IP hash:ip,port family inet hashsize 1024 maxelem 65536 comment\n\
+    add KUBE-CLUSTER-IP 10.96.0.53,udp:53 comment \"kube-system/kube-dns:dns\"\n";
+
+impl Node {
+    /// `program args` of the machine (not the image's) in the node's network namespace.
+    fn host_tool(&self, program: &str, args: &[&str], stdin: Option<&str>) -> String {
+        let mut child = Command::new("nsenter")
+            .arg(format!("--net={}", self.netns.path().display()))
+            .arg(program)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("nsenter {program}: {e}"));
+        let mut pipe = child.stdin.take().expect("stdin");
+        std::io::Write::write_all(&mut pipe, stdin.unwrap_or_default().as_bytes()).expect("stdin");
+        drop(pipe);
+        let out = child.wait_with_output().expect("wait");
+        assert!(
+            out.status.success(),
+            "{program} {args:?} in the node: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// kube-proxy's leftovers of each mode, written with the machine's tools.
+    fn add_kube_proxy_leftovers(&self) {
+        for (tool, [d, p, a, e, h]) in KUBE_IPTABLES_TOOLS {
+            let rules = KUBE_IPTABLES
+                .replace("{D}", d)
+                .replace("{P}", p)
+                .replace("{A}", a)
+                .replace("{E}", e)
+                .replace("{H}", h);
+            self.host_tool(&format!("{tool}-restore"), &["--noflush"], Some(&rules));
+        }
+        self.host_tool("nft", &["-f", "-"], Some(KUBE_NFT));
+        self.host_tool("ipset", &["restore"], Some(KUBE_IPSET));
+    }
+
+    /// What is left of kube-proxy's objects in the node, read with the machine's tools.
+    fn kube_proxy_leftovers(&self) -> Vec<String> {
+        let mut left = Vec::new();
+        for (tool, _) in KUBE_IPTABLES_TOOLS {
+            let saved = self.host_tool(&format!("{tool}-save"), &[], None);
+            left.extend(
+                saved
+                    .lines()
+                    .filter(|l| l.contains("KUBE-"))
+                    .map(|l| format!("{tool}: {l}")),
+            );
+        }
+        let nft = self.host_tool("nft", &["list", "tables"], None);
+        left.extend(
+            nft.lines()
+                .filter(|l| l.contains("kube-proxy"))
+                .map(|l| format!("nft: {l}")),
+        );
+        let sets = self.host_tool("ipset", &["list", "-n"], None);
+        left.extend(
+            sets.lines()
+                .filter(|l| l.starts_with("KUBE-"))
+                .map(|l| format!("ipset: {l}")),
+        );
+        left
+    }
+}
+
 fn cleanup(node: &Node) {
     let pins = node.bpffs_dir.join("ebpf-proxy");
     if pins.exists() {
@@ -389,6 +544,11 @@ fn image_runs_as_the_daemonset_starts_it() {
         "{out}"
     );
 
+    // kube-proxy's leftovers in the node: the agent removes them with the image's tools
+    // (PROXY_CLEANUP_KUBE_PROXY is on in the ConfigMap).
+    node.add_kube_proxy_leftovers();
+    assert!(!node.kube_proxy_leftovers().is_empty());
+
     let mut agent = node.start_agent(&env, &caps, &log);
     let logs = || std::fs::read_to_string(&log).unwrap_or_default();
     wait_for(Duration::from_secs(60), "/healthz 200", || {
@@ -397,6 +557,21 @@ fn image_runs_as_the_daemonset_starts_it() {
         }
         matches!(node.get(10256, "/healthz"), Ok((200, _)))
     });
+    wait_for(
+        Duration::from_secs(30),
+        "kube-proxy cleanup finished",
+        || logs().contains("kube-proxy cleanup finished"),
+    );
+    let text = logs();
+    assert!(
+        !text.contains("kube-proxy cleanup step failed"),
+        "the image's tools failed:\n{text}"
+    );
+    let left = node.kube_proxy_leftovers();
+    assert!(
+        left.is_empty(),
+        "kube-proxy's objects left: {left:#?}\n{text}"
+    );
     assert!(matches!(node.get(10256, "/livez"), Ok((200, _))));
     let (code, metrics) = node.get(10249, "/metrics").expect("metrics");
     assert_eq!(code, 200);

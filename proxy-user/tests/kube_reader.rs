@@ -2,8 +2,8 @@
 //! kube-apiserver (`proxy_testbed::apiserver`, the real list/watch protocol over HTTP on
 //! 127.0.0.1): what it passes on to the agent (`Update`s) when a paged list's continue
 //! token goes stale, when a watch's resourceVersion is compacted, when objects do not
-//! decode, and when a watch is cut after bookmarks. Unprivileged; each test takes about
-//! a second or two.
+//! decode, when a watch is cut after bookmarks, and when the server goes silent.
+//! Unprivileged; each test takes a second or two, the silent server's about 20 s.
 
 use std::{
     collections::BTreeSet,
@@ -54,13 +54,20 @@ struct Harness {
 
 impl Harness {
     async fn start(api: &FakeApiServer) -> Self {
+        Self::start_with_idle(api, Duration::from_secs(90)).await
+    }
+
+    /// With `--api-idle-timeout` `idle` (the reader's and the client's read timeout, as
+    /// the agent sets both).
+    async fn start_with_idle(api: &FakeApiServer, idle: Duration) -> Self {
         let path = std::env::temp_dir().join(format!(
             "kube-reader-{}-{}.kubeconfig",
             std::process::id(),
             KUBECONFIGS.fetch_add(1, Ordering::Relaxed)
         ));
         api.write_kubeconfig(&path);
-        let config = kube_source::config(Some(&path)).await.expect("config");
+        let mut config = kube_source::config(Some(&path)).await.expect("config");
+        config.read_timeout = Some(idle);
         let host = kube_source::host(&config);
         let client = kube_source::client_from(config).expect("client");
         let _ = std::fs::remove_file(&path);
@@ -74,6 +81,7 @@ impl Harness {
             tx,
             metrics: metrics.clone(),
             proxy_name: None,
+            idle_timeout: idle,
         };
         let task = tokio::spawn(reader.run());
         Self {
@@ -307,4 +315,75 @@ async fn a_cut_watch_resumes_from_the_last_bookmark() {
     );
     assert_eq!(lists(&api).len(), 1, "no relist");
     h.quiet(Duration::from_millis(300)).await;
+}
+
+/// The server stops answering (accepts, reads, never answers; watches send nothing) while
+/// a watch is open. A quiet but healthy watch is first left alone for several idle
+/// timeouts (its bookmarks keep it alive); once the server is silent the reader notices
+/// after the idle timeout (not the 295 s it took before `--api-idle-timeout`), counts
+/// the failed requests (`rest_client_requests_total{code="<error>"}`, `watch_errors_total`)
+/// and retries with backoff; when the server answers again, a change made meanwhile
+/// arrives, resumed from the watch's resourceVersion (no relist).
+#[tokio::test]
+async fn a_silent_apiserver_is_noticed_within_the_idle_timeout_and_the_watch_resumes() {
+    const IDLE: Duration = Duration::from_secs(3);
+    let api = FakeApiServer::start();
+    api.apply(service("a", 1));
+    let mut h = Harness::start_with_idle(&api, IDLE).await;
+    let _ = snapshot(h.next().await);
+    wait_watches(&api, 1).await;
+
+    // Healthy and quiet for over three idle timeouts: bookmarks (every second on the fake
+    // server; about every minute on kube-apiserver) keep the one watch open.
+    h.quiet(IDLE * 3 + Duration::from_secs(1)).await;
+    assert_eq!(
+        watches(&api).len(),
+        1,
+        "a quiet healthy watch was restarted"
+    );
+    let errors = |h: &Harness| {
+        h.metrics
+            .rest_requests
+            .get_or_create(&proxy_user::cluster::counters::RestRequest {
+                code: "<error>".into(),
+                method: "GET".into(),
+                host: h.host.clone(),
+            })
+            .get()
+    };
+    assert_eq!(errors(&h), 0);
+
+    api.go_silent();
+    let silent_at = Instant::now();
+    // The change waits in the silent server.
+    api.apply(service("b", 2));
+    let noticed = loop {
+        if watches(&api).len() >= 2 {
+            break silent_at.elapsed();
+        }
+        assert!(
+            silent_at.elapsed() < IDLE + STEP,
+            "the dead watch was not noticed within {:?}",
+            IDLE + STEP
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    eprintln!("silent server: dead watch noticed (next watch sent) after {noticed:?}");
+    // Not before the idle timeout (less a scheduling margin), and well within the test's
+    // bound: the idle timeout plus the first backoff (0.8 s, jittered).
+    assert!(noticed >= IDLE - Duration::from_millis(200), "{noticed:?}");
+    // Stay silent for a few more idle timeouts: the retries time out too.
+    tokio::time::sleep(IDLE * 3).await;
+    assert!(errors(&h) >= 2, "failed requests counted: {}", errors(&h));
+    api.answer_again();
+    let answered_at = Instant::now();
+    match timeout(IDLE + Duration::from_secs(35), h.rx.recv()).await {
+        Ok(Some(Update::Apply(o))) => assert_eq!(o.key().to_string(), "default/b"),
+        other => panic!("expected b's upsert after the server answered again: {other:?}"),
+    }
+    eprintln!(
+        "change arrived {:?} after the server answered again",
+        answered_at.elapsed()
+    );
+    assert_eq!(lists(&api).len(), 1, "resumed without a relist");
 }

@@ -48,6 +48,8 @@ pub struct AgentOptions {
     pub sync_interval: Duration,
     /// How often the manifests directory is polled.
     pub manifests_poll: Duration,
+    /// `--api-idle-timeout`: an API request or watch silent this long is retried.
+    pub api_idle_timeout: Duration,
     /// Remove kube-proxy's leftovers once the first sync has written the maps.
     pub cleanup_kube_proxy: bool,
     /// Interfaces for the TC datapath: `None` for none, `Some(empty)` for the node's
@@ -187,7 +189,10 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
                 .context("starting the manifests thread")?;
         }
         None => {
-            let config = kube_source::config(opts.kubeconfig.as_deref()).await?;
+            let mut config = kube_source::config(opts.kubeconfig.as_deref()).await?;
+            // A list or watch that hangs (the server stopped answering) fails after this
+            // long instead of never (kube's default: no read timeout).
+            config.read_timeout = Some(opts.api_idle_timeout);
             let host = kube_source::host(&config);
             let client = kube_source::client_from(config)?;
             info!(node = %opts.node_name, %host, "source: Kubernetes API");
@@ -198,7 +203,10 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
                 &opts.node_name,
                 tx,
                 metrics.source.clone(),
-                opts.forwarding_mode != crate::ForwardingMode::Snat,
+                kube_source::WatchOptions {
+                    all_nodes: opts.forwarding_mode != crate::ForwardingMode::Snat,
+                    idle_timeout: opts.api_idle_timeout,
+                },
             );
         }
     }

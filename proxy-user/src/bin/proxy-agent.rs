@@ -184,6 +184,11 @@ struct RunArgs {
     /// How often the manifests directory is checked for changes.
     #[arg(long, env = "PROXY_MANIFESTS_POLL", default_value = "100ms", value_parser = parse_duration)]
     manifests_poll: Duration,
+    /// An API request or watch that receives nothing (no answer, no event, no bookmark:
+    /// kube-apiserver sends one about every minute) for this long is abandoned and
+    /// retried (a watch resumes from its last resourceVersion).
+    #[arg(long, env = "PROXY_API_IDLE_TIMEOUT", default_value = "90s", value_parser = parse_duration)]
+    api_idle_timeout: Duration,
     /// How the TC path chooses a backend for a new flow from outside the node (NodePort,
     /// externalIPs, LoadBalancer IPs) of a Service without the annotation
     /// `ebpf-proxy.io/lb-algorithm: maglev|random`: `random`, or `maglev` (consistent
@@ -487,6 +492,7 @@ fn main() -> Result<()> {
                 min_sync_interval: args.min_sync_interval,
                 sync_interval: args.sync_interval,
                 manifests_poll: args.manifests_poll,
+                api_idle_timeout: args.api_idle_timeout,
                 cleanup_kube_proxy: args.cleanup_kube_proxy,
                 interfaces: match args.interfaces.as_str() {
                     "none" | "" => None,

@@ -3,13 +3,18 @@
 //! server keeps ClusterIPs unique). kube-proxy has no rule for it (iptables keeps both
 //! rules and the first one matching wins); here exactly one Service owns the frontend:
 //!
+//! - the one that holds it: the claimant the maps serve it for now (its reverse-NAT
+//!   entry names the Service, so this survives an agent restart: the pins say who
+//!   holds it). A new claimant never takes a live frontend away, whatever its age or
+//!   name; otherwise, for a frontend nobody holds (or whose holder stopped claiming it):
 //! - the one created first (`metadata.creationTimestamp`, oldest wins), then
 //! - the smaller `namespace/name`.
 //!
-//! A Service without a creation time (a manifest that sets none) counts as newer than
-//! every Service that has one. The owner depends only on the claimants, never on the
-//! order their updates arrived in, so it is the same after an agent restart; it is
-//! decided again as soon as any claimant changes or goes (see [`Claims::set`]).
+//! A Service without a creation time counts as newer than every Service that has one
+//! (the manifests source gives one the time it first read it). Among claimants that
+//! nobody holds, the owner depends only on the claimants, never on the order their
+//! updates arrived in; it is decided again as soon as any claimant changes or goes
+//! (see [`Claims::set`]).
 
 use std::{cmp::Ordering, collections::BTreeSet};
 
@@ -111,21 +116,30 @@ impl Claims {
         }
     }
 
-    /// The Service owning `fe`, if anyone claims it.
-    pub fn owner(&self, fe: &Frontend) -> Option<&ObjKey> {
-        self.by_frontend
-            .get(fe)
-            .and_then(|s| s.first())
+    /// The Service owning `fe`, if anyone claims it: the claimant `held_by` names (the
+    /// reverse-NAT name the maps hold for `fe`, see [`names_service`]) if it still
+    /// claims `fe`, else the strongest.
+    pub fn owner(&self, fe: &Frontend, held_by: Option<&str>) -> Option<&ObjKey> {
+        let claimants = self.by_frontend.get(fe)?;
+        held_by
+            .and_then(|name| claimants.iter().find(|r| names_service(name, &r.key)))
+            .or_else(|| claimants.first())
             .map(|r| &r.key)
     }
 
-    /// The claimants of `fe` that do not own it.
-    pub fn losers(&self, fe: &Frontend) -> impl Iterator<Item = &ObjKey> {
+    /// The claimants of `fe` that do not own it (`held_by` as in [`Self::owner`]).
+    pub fn losers<'a>(
+        &'a self,
+        fe: &Frontend,
+        held_by: Option<&str>,
+    ) -> impl Iterator<Item = &'a ObjKey> + 'a {
+        let owner = self.owner(fe, held_by);
         self.by_frontend
             .get(fe)
             .into_iter()
-            .flat_map(|s| s.iter().skip(1))
+            .flatten()
             .map(|r| &r.key)
+            .filter(move |k| Some(*k) != owner)
     }
 
     /// Every claimed frontend.
@@ -141,6 +155,18 @@ impl Claims {
     pub fn clear(&mut self) {
         self.by_frontend.clear();
         self.by_service.clear();
+    }
+}
+
+/// Whether `stored`, a reverse-NAT name as the maps hold it (`namespace/name` or
+/// `namespace/name:port`, cut at `NAME_LEN` bytes), was written for Service `key`. A
+/// name cut short matches every Service whose name starts with it (the strongest such
+/// claimant is taken: names that long and alike are not expected).
+pub fn names_service(stored: &str, key: &ObjKey) -> bool {
+    let full = key.to_string();
+    match stored.strip_prefix(full.as_str()) {
+        Some(rest) => rest.is_empty() || rest.starts_with(':'),
+        None => stored.len() >= proxy_common::NAME_LEN - 3 && full.starts_with(stored),
     }
 }
 
@@ -178,8 +204,8 @@ mod tests {
             for i in order {
                 c.set(claimants[i].clone(), [fe(10)].into());
             }
-            assert_eq!(c.owner(&fe(10)).map(|k| &*k.name), Some("z-oldest"));
-            let losers: Vec<&str> = c.losers(&fe(10)).map(|k| &*k.name).collect();
+            assert_eq!(c.owner(&fe(10), None).map(|k| &*k.name), Some("z-oldest"));
+            let losers: Vec<&str> = c.losers(&fe(10), None).map(|k| &*k.name).collect();
             assert_eq!(losers, ["a", "b", "a-no-time"]);
         }
     }
@@ -190,18 +216,59 @@ mod tests {
         c.set(rank(Some(1), "old"), [fe(10), fe(11)].into());
         let touched = c.set(rank(Some(2), "new"), [fe(10)].into());
         assert_eq!(touched, [fe(10)].into());
-        assert_eq!(c.owner(&fe(10)).map(|k| &*k.name), Some("old"));
+        assert_eq!(c.owner(&fe(10), None).map(|k| &*k.name), Some("old"));
         // The owner drops fe(10): the other claimant takes it over.
         let touched = c.set(rank(Some(1), "old"), [fe(11)].into());
         assert_eq!(touched, [fe(10)].into());
-        assert_eq!(c.owner(&fe(10)).map(|k| &*k.name), Some("new"));
+        assert_eq!(c.owner(&fe(10), None).map(|k| &*k.name), Some("new"));
         // The last claimant goes: nobody owns it.
         let touched = c.set(rank(Some(2), "new"), BTreeSet::new());
         assert_eq!(touched, [fe(10)].into());
-        assert_eq!(c.owner(&fe(10)), None);
+        assert_eq!(c.owner(&fe(10), None), None);
         assert!(c.of(&ObjKey::new("default", "new")).is_none());
         // Re-claiming the same frontends with the same rank touches nothing.
         assert!(c.set(rank(Some(1), "old"), [fe(11)].into()).is_empty());
+    }
+
+    #[test]
+    fn the_holder_keeps_its_frontend_whatever_the_newcomer() {
+        let mut c = Claims::default();
+        c.set(rank(None, "web"), [fe(10)].into());
+        // A newcomer that is older and sorts first would win a frontend nobody holds...
+        c.set(rank(Some(1), "aaa-copy"), [fe(10)].into());
+        assert_eq!(c.owner(&fe(10), None).map(|k| &*k.name), Some("aaa-copy"));
+        // ...but the maps serve it for web (as written, or adopted from the pins, cut
+        // short or not): web keeps it.
+        for held in ["default/web:http", "default/web"] {
+            assert_eq!(c.owner(&fe(10), Some(held)).map(|k| &*k.name), Some("web"));
+            let losers: Vec<&str> = c.losers(&fe(10), Some(held)).map(|k| &*k.name).collect();
+            assert_eq!(losers, ["aaa-copy"]);
+        }
+        // A holder that no longer claims it: the strongest claimant takes it.
+        c.set(rank(None, "web"), BTreeSet::new());
+        let held = Some("default/web:http");
+        assert_eq!(c.owner(&fe(10), held).map(|k| &*k.name), Some("aaa-copy"));
+        assert_eq!(c.losers(&fe(10), held).count(), 0);
+    }
+
+    #[test]
+    fn a_stored_name_names_its_service_only() {
+        let web = ObjKey::new("default", "web");
+        assert!(names_service("default/web", &web));
+        assert!(names_service("default/web:http", &web));
+        assert!(!names_service("default/web2:http", &web));
+        assert!(!names_service("default/we", &web));
+        assert!(!names_service("other/web", &web));
+        // A name the maps cut at NAME_LEN bytes names the Service it starts.
+        let long = ObjKey::new("default", "x".repeat(80));
+        let stored =
+            crate::model::name_from_bytes(&crate::model::name_bytes(&format!("{long}:http")));
+        assert_eq!(stored.len(), proxy_common::NAME_LEN);
+        assert!(names_service(&stored, &long));
+        assert!(!names_service(
+            &stored,
+            &ObjKey::new("default", "y".repeat(80))
+        ));
     }
 
     #[test]

@@ -150,14 +150,20 @@ pub const LIST_PAGE_SIZE: u32 = 500;
 
 /// The server-side watch timeout asked for (kube-rs's and client-go's default range).
 const WATCH_TIMEOUT_SECS: u64 = 290;
-/// A watch silent (not even a bookmark) for this much longer than its timeout is dead.
-const WATCH_IDLE_MARGIN: Duration = Duration::from_secs(5);
 /// Backoff between failed attempts (kube-rs's default: 0.8 s doubling to 30 s).
 const BACKOFF_MIN: Duration = Duration::from_millis(800);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 
+/// How the three readers read.
+#[derive(Clone, Copy, Debug)]
+pub struct WatchOptions {
+    /// Watch every Node, not only this node's.
+    pub all_nodes: bool,
+    /// `--api-idle-timeout` (see [`Reader::idle_timeout`]).
+    pub idle_timeout: Duration,
+}
+
 /// Starts the three watches; each sends its updates to `tx` until the receiver goes.
-/// `all_nodes`: watch every Node, not only `node_name`'s.
 pub fn spawn(
     client: Client,
     host: &str,
@@ -165,8 +171,12 @@ pub fn spawn(
     node_name: &str,
     tx: mpsc::Sender<Update>,
     metrics: SourceCounters,
-    all_nodes: bool,
+    options: WatchOptions,
 ) {
+    let WatchOptions {
+        all_nodes,
+        idle_timeout,
+    } = options;
     let selector = label_selector(proxy_name);
     // DSR modes need every node's addresses (the senders whose DSR option is honoured);
     // otherwise only this node's Node is read.
@@ -188,6 +198,7 @@ pub fn spawn(
             tx: tx.clone(),
             metrics: metrics.clone(),
             proxy_name: proxy_name.map(str::to_string),
+            idle_timeout,
         };
         tokio::spawn(reader.run());
     }
@@ -231,6 +242,13 @@ pub struct Reader {
     /// `--proxy-name`: Services and slices are reduced as they are decoded
     /// (`api_decode::object`), which applies the agent's label selection.
     pub proxy_name: Option<String>,
+    /// `--api-idle-timeout`: a watch that delivers nothing (no event, no bookmark) for
+    /// this long is dead (the server or the path to it hangs) and is started again from
+    /// its resourceVersion. Bookmarks are asked for (`allowWatchBookmarks`), and
+    /// kube-apiserver sends one to a quiet watch about every minute, so a healthy quiet
+    /// watch is not cut at the default 90 s. Lists get the same limit through the
+    /// client's read timeout.
+    pub idle_timeout: Duration,
 }
 
 /// How a list or watch attempt ended.
@@ -394,14 +412,19 @@ impl Reader {
         let body = self.client.request_stream(req).await;
         self.count(&body);
         let mut body = body.map_err(failure)?;
-        let idle = Duration::from_secs(WATCH_TIMEOUT_SECS) + WATCH_IDLE_MARGIN;
+        let idle = self.idle_timeout;
         let mut line = Vec::new();
         let mut got_events = false;
         loop {
             line.clear();
             let read = tokio::time::timeout(idle, body.read_until(b'\n', &mut line)).await;
             match read {
-                Err(_) => return Err(Failure::Other("watch idle past its timeout".into())),
+                Err(_) => {
+                    return Err(Failure::Other(format!(
+                        "watch silent for {:?} (--api-idle-timeout: no event, no bookmark)",
+                        idle
+                    )))
+                }
                 Ok(Ok(0)) => return Ok(()),
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) if got_events => {

@@ -70,6 +70,13 @@ impl<S: MapStore> Writer<S> {
         self.services.contains_key(fe)
     }
 
+    /// The Service name the reverse-NAT entry of `fe` holds (`namespace/name[:port]`,
+    /// as written or adopted from the pinned maps; cut at `NAME_LEN` bytes), if `fe` is
+    /// programmed: who holds the frontend (`cluster::conflicts`).
+    pub fn programmed_name(&self, fe: &Frontend) -> Option<&str> {
+        self.services.get(fe).map(|p| p.name.as_str())
+    }
+
     /// Number of frontends programmed.
     pub fn frontend_count(&self) -> usize {
         self.services.len()

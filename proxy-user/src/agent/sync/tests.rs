@@ -1152,3 +1152,56 @@ fn network_programming_runs_from_the_slices_trigger_time() {
         assert!(text.contains(&want), "{want} missing in\n{text}");
     }
 }
+
+#[test]
+fn the_service_holding_a_frontend_keeps_it_from_an_older_claimant_across_restarts() {
+    let t = Instant::now();
+    let (mut s, metrics) = syncer(MemStore::default());
+    let web = || svc_created("web", "10.96.0.10", "2026-06-01T00:00:00Z");
+    // Older than web and sorting first: it would win a frontend nobody held.
+    let copy = || svc_created("aaa-copy", "10.96.0.10", "2026-01-01T00:00:00Z");
+    let slices = || {
+        vec![
+            slice("web-1", "web", &["10.0.0.1"]),
+            slice("aaa-copy-1", "aaa-copy", &["10.0.0.2"]),
+        ]
+    };
+    s.handle(snapshot(Kind::Service, vec![web()]), t);
+    s.handle(snapshot(Kind::EndpointSlice, slices()), t);
+    s.handle(snapshot(Kind::Node, vec![]), t);
+    s.sync(t);
+    assert_eq!(backends_of_vip(&s), ["10.0.0.1:8080"]);
+    s.handle(Update::Apply(copy()), t);
+    s.sync(t);
+    assert_eq!(backends_of_vip(&s), ["10.0.0.1:8080"], "web keeps it");
+    assert!(metrics
+        .render()
+        .contains("kind=\"Service\",reason=\"frontend_conflict\"} 1"));
+    s.request_full(t);
+    s.sync(t);
+    assert_eq!(backends_of_vip(&s), ["10.0.0.1:8080"], "a re-diff too");
+    let before = maps(&s);
+
+    // A restarted agent hears of both at once, the newcomer first: the pinned
+    // reverse-NAT entry names web, which keeps it.
+    let mut store = std::mem::take(s.writer.store_mut());
+    store.take_log();
+    let (mut s, _) = syncer(store);
+    s.handle(snapshot(Kind::Service, vec![copy(), web()]), t);
+    s.handle(snapshot(Kind::EndpointSlice, slices()), t);
+    s.handle(snapshot(Kind::Node, vec![]), t);
+    s.sync(t);
+    assert_eq!(maps(&s), before);
+    assert_eq!(s.writer.store_mut().take_log(), "", "no owner flip");
+
+    // web lets it go: the other claimant takes it over.
+    s.handle(
+        Update::Delete {
+            kind: Kind::Service,
+            key: ObjKey::new("default", "web"),
+        },
+        t,
+    );
+    s.sync(t);
+    assert_eq!(backends_of_vip(&s), ["10.0.0.2:8080"], "{}", maps(&s));
+}

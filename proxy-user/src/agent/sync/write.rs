@@ -157,7 +157,8 @@ impl<S: MapStore> Syncer<S> {
         let mut upserts: Vec<(ObjKey, ServiceEntry)> = Vec::new();
         for fe in &touched {
             self.report_conflicts(fe);
-            let Some(owner) = self.claims.owner(fe).cloned() else {
+            let held_by = self.writer.programmed_name(fe);
+            let Some(owner) = self.claims.owner(fe, held_by).cloned() else {
                 if self.writer.is_programmed(fe) {
                     removals.push(*fe);
                 } else {
@@ -240,8 +241,9 @@ impl<S: MapStore> Syncer<S> {
 
     /// Reports each Service that claims `fe` without owning it, once.
     fn report_conflicts(&mut self, fe: &Frontend) {
-        let losers: BTreeSet<ObjKey> = self.claims.losers(fe).cloned().collect();
-        let owner = self.claims.owner(fe).cloned();
+        let held_by = self.writer.programmed_name(fe);
+        let losers: BTreeSet<ObjKey> = self.claims.losers(fe, held_by).cloned().collect();
+        let owner = self.claims.owner(fe, held_by).cloned();
         let reported = self.conflicts_reported.entry(*fe).or_default();
         reported.retain(|k| losers.contains(k));
         let mut new = Vec::new();
@@ -263,7 +265,7 @@ impl<S: MapStore> Syncer<S> {
     fn conflict(&self, fe: &Frontend, key: &ObjKey, other: &ObjKey) {
         warn!(
             service = %key, frontend = %fe,
-            "Service {key}: frontend {fe} belongs to Service {other} (created earlier, or same time and a smaller namespace/name); skipped"
+            "Service {key}: frontend {fe} belongs to Service {other} (it holds the frontend, or was created earlier, or at the same time with a smaller namespace/name); skipped"
         );
         self.metrics
             .skipped(SkipKind::SERVICE, SkipReason::FrontendConflict);

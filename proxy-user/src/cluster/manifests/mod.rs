@@ -48,6 +48,10 @@ pub struct ManifestsDir {
     files: BTreeMap<PathBuf, FileState>,
     /// What the agent was told, by kind and key (a hash of the JSON, to detect changes).
     current: HashMap<(Kind, ObjKey), u64>,
+    /// When each Service was first read, for those without `creationTimestamp`: their
+    /// creation time (`cluster::conflicts`), so a Service added later counts as newer
+    /// than the ones already served, as in a cluster. Kept while the Service exists.
+    first_read: HashMap<ObjKey, SystemTime>,
     scanned: bool,
     metrics: SourceCounters,
 }
@@ -58,6 +62,7 @@ impl ManifestsDir {
             dir: dir.into(),
             files: BTreeMap::new(),
             current: HashMap::new(),
+            first_read: HashMap::new(),
             scanned: false,
             metrics,
         }
@@ -183,8 +188,20 @@ impl ManifestsDir {
                 }
             }
         }
-        let mut take =
-            |kind: Kind, key: &ObjKey, hash: u64| parsed.remove(&(kind, key.clone(), hash));
+        let now = SystemTime::now();
+        self.first_read
+            .retain(|key, _| desired.contains_key(&(Kind::Service, key)));
+        let first_read = &mut self.first_read;
+        let mut take = |kind: Kind, key: &ObjKey, hash: u64| {
+            let mut obj = parsed.remove(&(kind, key.clone(), hash))?;
+            if let Object::Service(svc) = &mut obj {
+                if svc.metadata.creation_timestamp.is_none() {
+                    let read = *first_read.entry(key.clone()).or_insert(now);
+                    stamp_creation(svc, read);
+                }
+            }
+            Some(obj)
+        };
         let updates = if first {
             self.scanned = true;
             [Kind::Service, Kind::EndpointSlice, Kind::Node]
@@ -221,6 +238,18 @@ impl ManifestsDir {
             .map(|((k, key), (h, _))| ((*k, (*key).clone()), *h))
             .collect();
         Ok(updates)
+    }
+}
+
+/// Gives a Service `metadata.creationTimestamp` the time `read` (whole seconds, as the
+/// API server stamps it).
+fn stamp_creation(svc: &mut k8s_openapi::api::core::v1::Service, read: SystemTime) {
+    let secs = read
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    if let Ok(t) = (SystemTime::UNIX_EPOCH + Duration::from_secs(secs)).try_into() {
+        svc.metadata.creation_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t));
     }
 }
 

@@ -248,3 +248,79 @@ fn bump(path: &Path) {
     let later = SystemTime::now() + Duration::from_secs(5);
     f.set_modified(later).expect("set mtime");
 }
+
+/// The creation time of the Services in `updates`, by name (Unix seconds).
+fn created(updates: &[Update]) -> Vec<(String, Option<i64>)> {
+    let svc = |o: &Object| match o {
+        Object::Service(s) => Some((
+            o.key().to_string(),
+            s.metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.as_second()),
+        )),
+        _ => None,
+    };
+    updates
+        .iter()
+        .flat_map(|u| match u {
+            Update::Snapshot { objects, .. } => objects.iter().filter_map(svc).collect(),
+            Update::Apply(o) => svc(o).into_iter().collect(),
+            Update::Delete { .. } => Vec::new(),
+        })
+        .collect()
+}
+
+fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+#[test]
+fn a_service_without_creation_time_gets_the_time_it_was_first_read() {
+    let tmp = tempdir();
+    let stamped = "apiVersion: v1\nkind: Service\nmetadata: {name: old, creationTimestamp: \"2026-01-01T00:00:00Z\"}\nspec:\n  clusterIP: 10.96.0.11\n  ports: [{port: 80}]\n";
+    write(&tmp, "web.yaml", &format!("{SVC}---\n{stamped}"));
+    let mut dir = ManifestsDir::new(&tmp, SourceCounters::default());
+    let before = unix_now();
+    let got = created(&dir.scan().expect("scan"));
+    let after = unix_now();
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(got[0].0, "default/old");
+    assert_eq!(got[0].1, Some(1_767_225_600), "its own time is kept");
+    assert_eq!(got[1].0, "default/web");
+    let t = got[1].1.expect("web is stamped");
+    assert!((before..=after).contains(&t), "{before} <= {t} <= {after}");
+
+    // A change of web keeps the time it was first read (made distinct here, as the
+    // scans run within one second).
+    let first = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+    dir.first_read.insert(ObjKey::new("default", "web"), first);
+    write(
+        &tmp,
+        "web.yaml",
+        &format!("{}---\n{stamped}", SVC.replace("port: 80", "port: 81")),
+    );
+    bump(&tmp.join("web.yaml"));
+    assert_eq!(
+        created(&dir.scan().expect("scan")),
+        [("default/web".to_string(), Some(1_000))]
+    );
+
+    // Gone, then back: a new Service, read now.
+    write(&tmp, "web.yaml", stamped);
+    bump(&tmp.join("web.yaml"));
+    dir.scan().expect("scan");
+    assert!(dir.first_read.is_empty(), "{:?}", dir.first_read);
+    write(&tmp, "web.yaml", SVC);
+    let later = tmp.join("web.yaml");
+    bump(&later);
+    let f = fs::File::options().append(true).open(&later).expect("open");
+    f.set_modified(SystemTime::now() + Duration::from_secs(10))
+        .expect("mtime");
+    let got = created(&dir.scan().expect("scan"));
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(got[0].1.is_some_and(|t| t >= before), "{got:?}");
+    fs::remove_dir_all(&tmp).ok();
+}

@@ -2,7 +2,7 @@
 //! answer it, keep the connection alive or close it), both ended by `stop()`.
 
 use std::{
-    sync::{mpsc as std_mpsc, Arc},
+    sync::{atomic::Ordering, mpsc as std_mpsc, Arc},
     time::Duration,
 };
 
@@ -118,6 +118,14 @@ async fn serve_connection<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
             return;
         };
         lock(&shared.requests).push(request.line.clone());
+        // go_silent(): the request waits, unanswered.
+        while shared.silent.load(Ordering::SeqCst) {
+            tokio::select! {
+                biased;
+                _ = generation.changed() => return,
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
+        }
         let checked = lock(&shared.auth).check(&request, peer_cert.as_deref());
         if checked.is_ok() {
             if let Some((code, retry_after)) = injected_failure(&shared, &request) {

@@ -156,6 +156,7 @@ impl FakeApiServer {
                 compact_after_pages: AtomicUsize::new(0),
                 watch_bytes: AtomicU64::new(0),
                 list_times: Mutex::new(Vec::new()),
+                silent: std::sync::atomic::AtomicBool::new(false),
             }),
             handle,
             listening: Mutex::new(None),
@@ -365,6 +366,21 @@ preferences: {{}}
     /// `ServiceUnavailable`, ... See [`Self::failed_requests`].
     pub fn fail_requests(&self, code: u16, count: usize, retry_after: Option<u64>) {
         *lock(&self.shared.fail) = (count > 0).then_some((code, count, retry_after));
+    }
+
+    /// Goes silent, as an apiserver that hangs (stopped, or behind a network that drops
+    /// its packets) looks from its clients: connections are still accepted and requests
+    /// read, but nothing is answered (a request waits), and open watches send nothing
+    /// (no events, no bookmarks, no end at their timeout; changes are held). Until
+    /// [`Self::answer_again`].
+    pub fn go_silent(&self) {
+        self.shared.silent.store(true, Ordering::SeqCst);
+    }
+
+    /// Ends [`Self::go_silent`]: waiting requests are answered (if their client is still
+    /// there), watches send what was held and carry on.
+    pub fn answer_again(&self) {
+        self.shared.silent.store(false, Ordering::SeqCst);
     }
 
     /// How many requests were answered with the injected failure `code` so far.

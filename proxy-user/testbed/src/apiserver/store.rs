@@ -251,6 +251,8 @@ pub(super) struct Shared {
     pub(super) watch_bytes: AtomicU64,
     /// See [`FakeApiServer::list_times`].
     pub(super) list_times: Mutex<Vec<(Kind, std::time::Instant)>>,
+    /// See [`FakeApiServer::go_silent`].
+    pub(super) silent: std::sync::atomic::AtomicBool,
 }
 
 /// Counts an open connection in [`Shared::connections`] for as long as it lives.

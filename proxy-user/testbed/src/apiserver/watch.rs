@@ -150,12 +150,23 @@ pub(super) async fn serve_watch<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     bookmarks.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut scratch = [0u8; 512];
     loop {
+        // go_silent(): nothing is sent (events wait in the channel, no bookmark, no end).
+        let silent = shared.silent.load(Ordering::SeqCst);
         tokio::select! {
             biased;
             // drop_watches() or stop(): end abruptly.
             _ = &mut kill => return false,
-            change = events.recv() => {
+            _ = tokio::time::sleep(Duration::from_millis(20)), if silent => {}
+            change = events.recv(), if !silent => {
                 let Some(change) = change else { return false };
+                // Gone silent while this select waited: the change waits too.
+                while shared.silent.load(Ordering::SeqCst) {
+                    tokio::select! {
+                        biased;
+                        _ = &mut kill => return false,
+                        _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                    }
+                }
                 cursor = change.rv;
                 if let Some((event_type, object)) = event_for(kind, &request.filter, &change) {
                     let chunk = event_chunk(event_type, &object);
@@ -165,10 +176,16 @@ pub(super) async fn serve_watch<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                     }
                 }
             }
-            _ = sleep_until(deadline) => {
+            _ = sleep_until(deadline), if !silent => {
+                if shared.silent.load(Ordering::SeqCst) {
+                    continue;
+                }
                 return send(writer, LAST_CHUNK).await;
             }
-            _ = bookmarks.tick(), if request.bookmarks => {
+            _ = bookmarks.tick(), if request.bookmarks && !silent => {
+                if shared.silent.load(Ordering::SeqCst) {
+                    continue;
+                }
                 let chunk = bookmark(kind, cursor, false);
                 count(&chunk);
                 if !send(writer, &chunk).await {
