@@ -72,6 +72,9 @@ pub struct AgentOptions {
     /// kube-proxy settings (`--config` fields, kube-proxy flags) not applied, named at
     /// start and in `ebpf_proxy_config_fields_ignored`.
     pub config_fields_ignored: Vec<String>,
+    /// NodePorts on `127.0.0.1` for the node's own processes (kube-proxy's iptables mode
+    /// `localhostNodePorts`): 127.0.0.1 is written among the node addresses.
+    pub localhost_nodeports: bool,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -200,7 +203,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     .await
     .context("the adoption task failed")?
     .context("reading the pinned maps back")?;
-    let mut node_addresses = NodeAddresses::new(node_addrs);
+    let mut node_addresses = NodeAddresses::new(node_addrs, opts.localhost_nodeports);
     node_addresses
         .update(&mut writer, &[])
         .context("writing the node's addresses")?;
@@ -276,19 +279,22 @@ async fn refresh_map_memory(pin_path: PathBuf, metrics: Arc<Metrics>) {
 }
 
 /// The node's addresses in `NODE_ADDRS4/6` (NodePorts are served on them): those of the
-/// TC interfaces, then the Node object's `InternalIP`/`ExternalIP` ones not among them.
-/// The first IPv4 and IPv6 address of the list is the SNAT address, so an interface's
-/// address always wins.
+/// TC interfaces, then the Node object's `InternalIP`/`ExternalIP` ones not among them,
+/// then `127.0.0.1` when NodePorts are served on localhost (the socket hooks see it; TC
+/// and XDP never do). The first IPv4 and IPv6 address of the list that is not a loopback
+/// address is the SNAT address, so an interface's address always wins.
 #[derive(Debug)]
 pub struct NodeAddresses {
     from_interfaces: Vec<std::net::IpAddr>,
+    localhost: bool,
     written: Option<Vec<std::net::IpAddr>>,
 }
 
 impl NodeAddresses {
-    pub fn new(from_interfaces: Vec<std::net::IpAddr>) -> Self {
+    pub fn new(from_interfaces: Vec<std::net::IpAddr>, localhost: bool) -> Self {
         Self {
             from_interfaces,
+            localhost,
             written: None,
         }
     }
@@ -300,7 +306,10 @@ impl NodeAddresses {
         from_node: &[std::net::IpAddr],
     ) -> Result<(), crate::store::StoreError> {
         let mut all = self.from_interfaces.clone();
-        for a in from_node {
+        let localhost = self
+            .localhost
+            .then_some(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+        for a in from_node.iter().chain(localhost.as_ref()) {
             if !all.contains(a) {
                 all.push(*a);
             }

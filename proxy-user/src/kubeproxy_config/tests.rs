@@ -314,3 +314,36 @@ fn go_durations() {
         assert!(parse_go_duration(s).is_err(), "{s}");
     }
 }
+
+#[test]
+fn localhost_node_ports_follow_kube_proxys_iptables_mode() {
+    let with = |edit: &dyn Fn(&mut KubeProxyConfiguration)| {
+        let mut c = KubeProxyConfiguration::parse(KUBEADM).expect("ok");
+        edit(&mut c);
+        c.resolve(1).map(|r| r.localhost_nodeports)
+    };
+    // kubeadm's file (localhostNodePorts null, no nodePortAddresses): the default (on).
+    assert_eq!(with(&|_| {}), Ok(None));
+    assert_eq!(
+        with(&|c| c.iptables.localhost_node_ports = Some(false)),
+        Ok(Some(false))
+    );
+    let addrs = |a: &[&str]| {
+        let a: Vec<String> = a.iter().map(|s| s.to_string()).collect();
+        move |c: &mut KubeProxyConfiguration| c.node_port_addresses = Some(a.clone())
+    };
+    assert_eq!(with(&addrs(&["10.0.0.0/8", "127.0.0.0/8"])), Ok(None));
+    assert_eq!(with(&addrs(&["0.0.0.0/0"])), Ok(None));
+    assert_eq!(with(&addrs(&["10.0.0.0/8"])), Ok(Some(false)));
+    assert_eq!(with(&addrs(&["primary"])), Ok(Some(false)));
+    assert_eq!(with(&|c| c.mode = "nftables".into()), Ok(Some(false)));
+    let err = with(&addrs(&["10.0.0.1"])).expect_err("not a CIDR");
+    assert!(err.contains("nodePortAddresses \"10.0.0.1\""), "{err}");
+    // The flag, without a file, the same.
+    let flags = KubeProxyFlags {
+        nodeport_addresses: Some(vec!["192.0.2.0/24".into()]),
+        ..KubeProxyFlags::default()
+    };
+    let a = apply(&flags, None, &mut settings(), 1).expect("applies");
+    assert_eq!(a.localhost_nodeports, Some(false));
+}

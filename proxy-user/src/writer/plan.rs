@@ -51,7 +51,8 @@ impl Plan {
 }
 
 /// The node-address ops that turn `have` (addresses, SNAT config) into `want`: new
-/// addresses first, then the SNAT addresses (the first of each family in `want`), then
+/// addresses first, then the SNAT addresses (the first of each family in `want` that is
+/// not a loopback address: `127.0.0.1` is there for localhost NodePorts only), then
 /// the addresses that left.
 pub fn node_address_ops(have: &BTreeSet<IpAddr>, have_snat: Snat, want: &[IpAddr]) -> Plan {
     let mut plan = Plan::default();
@@ -63,12 +64,12 @@ pub fn node_address_ops(have: &BTreeSet<IpAddr>, have_snat: Snat, want: &[IpAddr
     }
     let snat = Snat {
         v4: want.iter().find_map(|a| match a {
-            IpAddr::V4(v) => Some(*v),
-            IpAddr::V6(_) => None,
+            IpAddr::V4(v) if !v.is_loopback() => Some(*v),
+            _ => None,
         }),
         v6: want.iter().find_map(|a| match a {
-            IpAddr::V6(v) => Some(*v),
-            IpAddr::V4(_) => None,
+            IpAddr::V6(v) if !v.is_loopback() => Some(*v),
+            _ => None,
         }),
     };
     if snat != have_snat {
