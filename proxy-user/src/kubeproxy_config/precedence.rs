@@ -45,6 +45,8 @@ pub struct Applied {
     pub oom_score_adj: Option<i32>,
     /// NodePorts on 127.0.0.1, when kube-proxy's configuration decides it.
     pub localhost_nodeports: Option<bool>,
+    /// kube-proxy's `nodePortAddresses`, when set.
+    pub nodeport_addresses: Option<Vec<String>>,
 }
 
 /// kube-proxy's configuration applied to `s` with kube-proxy's precedence
@@ -152,5 +154,6 @@ pub fn apply(
         shadowed,
         oom_score_adj: r.oom_score_adj,
         localhost_nodeports: r.localhost_nodeports,
+        nodeport_addresses: r.nodeport_addresses,
     })
 }

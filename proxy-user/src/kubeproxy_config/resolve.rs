@@ -28,6 +28,8 @@ pub struct Resolved {
     /// NodePorts on 127.0.0.1 (`iptables.localhostNodePorts`, and `nodePortAddresses`
     /// including loopback when set, as kube-proxy's iptables mode; never in nftables mode).
     pub localhost_nodeports: Option<bool>,
+    /// `nodePortAddresses` (checked: CIDRs or `primary`), when set and not empty.
+    pub nodeport_addresses: Option<Vec<String>>,
     pub verbosity: u32,
     pub ignored: Vec<Ignored>,
 }
@@ -42,8 +44,6 @@ mod why {
     pub const OTHER_MODE: &str = "a setting of a proxy mode this agent does not run";
     pub const WINDOWS: &str = "Windows only";
     pub const DETECT_LOCAL: &str = "not needed: the socket hooks translate at connect() inside the pod, so no packet has to be told apart as pod traffic to decide on masquerading";
-    pub const NODEPORT_ADDRESSES: &str =
-        "applied to 127.0.0.1 only (NodePorts on localhost when it includes loopback); on the node's other addresses not implemented yet: NodePorts answer on every node address (issue #24 item 3)";
     pub const CT_TIMEOUT: &str = "the datapath's flow timeouts are fixed (proxy-common ct_timeouts, after kube-proxy's defaults); the kernel's nf_conntrack is not used for Services";
     pub const TCP_BE_LIBERAL: &str = "the kernel's nf_conntrack is not used for Services";
     pub const QPS: &str = "no client-side rate limit: the agent only lists and watches (one request per resource per relist)";
@@ -243,7 +243,7 @@ impl KubeProxyConfiguration {
             if !loopback {
                 localhost_nodeports = Some(false);
             }
-            ignore("nodePortAddresses", why::NODEPORT_ADDRESSES);
+            r.nodeport_addresses = Some(addrs.iter().map(|a| a.trim().to_string()).collect());
         }
         if !self.config_sync_period.0.is_zero() {
             ignore("configSyncPeriod", why::CONFIG_SYNC);

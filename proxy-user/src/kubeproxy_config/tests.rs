@@ -114,14 +114,12 @@ fn not_applicable_settings_are_named_with_the_reason() {
     let mut c = KubeProxyConfiguration::parse(KUBEADM).expect("ok");
     c.iptables.masquerade_bit = Some(14);
     c.conntrack.tcp_established_timeout = Some(GoDuration(Duration::from_secs(86400)));
-    c.node_port_addresses = Some(vec!["primary".into()]);
     c.feature_gates = Some([("KubeProxyDrainingTerminatingNodes".to_string(), true)].into());
     let r = c.resolve(1).expect("ok");
     let fields: Vec<_> = r.ignored.iter().map(|i| i.field.as_str()).collect();
     for f in [
         "iptables.masqueradeBit",
         "conntrack.tcpEstablishedTimeout",
-        "nodePortAddresses",
         "featureGates.KubeProxyDrainingTerminatingNodes",
     ] {
         assert!(fields.contains(&f), "{f} not named in {fields:?}");
@@ -346,4 +344,6 @@ fn localhost_node_ports_follow_kube_proxys_iptables_mode() {
     };
     let a = apply(&flags, None, &mut settings(), 1).expect("applies");
     assert_eq!(a.localhost_nodeports, Some(false));
+    assert_eq!(a.nodeport_addresses, Some(vec!["192.0.2.0/24".to_string()]));
+    assert!(a.ignored.is_empty(), "applied, not named: {:?}", a.ignored);
 }
