@@ -339,7 +339,17 @@ impl<S: MapStore> Writer<S> {
     /// only what differs from what is written. On a failure what was written is undone.
     /// Returns the number of map operations.
     pub fn set_node_addresses(&mut self, addrs: &[IpAddr]) -> Result<usize, StoreError> {
-        let plan = node_address_ops(&self.node_addrs, self.snat, addrs);
+        self.set_node_port_addresses(addrs, addrs)
+    }
+
+    /// [`Self::set_node_addresses`] with NodePorts served on `addrs` only (those
+    /// `--nodeport-addresses` selects), the SNAT addresses taken from `all`.
+    pub fn set_node_port_addresses(
+        &mut self,
+        addrs: &[IpAddr],
+        all: &[IpAddr],
+    ) -> Result<usize, StoreError> {
+        let plan = plan::node_address_ops_snat_from(&self.node_addrs, self.snat, addrs, all);
         let n = plan.len();
         if n == 0 {
             return Ok(0);

@@ -986,6 +986,115 @@ fn errors(answers: &[Result<String, String>]) -> Vec<&String> {
     answers.iter().filter_map(|a| a.as_ref().err()).collect()
 }
 
+/// Issue 24, item 4: a process on the node connecting to `127.0.0.1:<nodePort>` reaches
+/// the Service (kube-proxy's iptables mode, `localhostNodePorts`), and sees the address
+/// it asked for; not when `--nodeport-addresses` leaves loopback out (as kube-proxy).
+#[test]
+fn node_ports_answer_on_localhost_unless_nodeport_addresses_leave_it_out() {
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write(
+        "web.yaml",
+        &format!(
+            "{}---\n{}",
+            service("web", VIP, 80).replace(
+                "    targetPort: http\n",
+                "    targetPort: http\n    nodePort: 30080\n  type: NodePort\n"
+            ),
+            slice("web-1", "web", TARGET, &[ready(&pod(1))])
+        ),
+    );
+    let local = SocketAddr::from(([127, 0, 0, 1], 30080));
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    env.in_client(|| until(Instant::now(), 10, |r| answer_is(r, &["pod1"])));
+    let answers: Vec<_> = env.in_client(|| (0..20).map(|_| tcp_ask(local)).collect());
+    for a in &answers {
+        let (pod, peer) = a.as_ref().expect("127.0.0.1:30080 answers");
+        assert_eq!((pod.as_str(), *peer), ("pod1", local));
+    }
+    // ::1 is not a NodePort address (kube-proxy serves localhost NodePorts on IPv4 only).
+    let _ = agent.stop();
+
+    // Loopback left out: 127.0.0.1:30080 is not translated (nothing listens there).
+    let [m, d] = dir.arg();
+    let mut agent = AgentProcess::start(&env, &[m, d, "--nodeport-addresses", "192.0.2.0/24"]);
+    agent.wait_healthy(Duration::from_secs(20));
+    env.in_client(|| until(Instant::now(), 10, |r| answer_is(r, &["pod1"])));
+    env.in_client(|| {
+        let r = tcp_ask(local);
+        assert!(r.is_err(), "127.0.0.1:30080 still served: {r:?}");
+    });
+}
+
+/// Issue 24, item 3: `--nodeport-addresses` CIDRs: NodePorts answer only on the node
+/// addresses they select (a node with two addresses, from its Node object), at the socket
+/// hooks (TC and XDP take the same lookup over the same map).
+#[test]
+fn node_ports_answer_only_on_the_addresses_nodeport_addresses_selects() {
+    let mut env = TestEnv::without_datapath(2);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write(
+        "web.yaml",
+        &format!(
+            "{}---\n{}",
+            service("web", VIP, 80).replace(
+                "    targetPort: http\n",
+                "    targetPort: http\n    nodePort: 30080\n  type: NodePort\n"
+            ),
+            slice("web-1", "web", TARGET, &[ready(&pod(1))])
+        ),
+    );
+    dir.write(
+        "node.yaml",
+        "apiVersion: v1\nkind: Node\nmetadata:\n  name: node-a\nstatus:\n  addresses:\n  - {type: InternalIP, address: 192.0.2.1}\n  - {type: ExternalIP, address: 198.51.100.1}\n",
+    );
+    let internal = SocketAddr::from(([192, 0, 2, 1], 30080));
+    let external = SocketAddr::from(([198, 51, 100, 1], 30080));
+    let answers = |addr: SocketAddr| {
+        let t0 = Instant::now();
+        loop {
+            let r = env.in_client(|| tcp_ask(addr));
+            if r.is_ok() || t0.elapsed() > Duration::from_secs(5) {
+                return r;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    // Without the flag: both addresses.
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    for a in [internal, external] {
+        let (pod, peer) = answers(a).expect("a NodePort on a node address");
+        assert_eq!((pod.as_str(), peer), ("pod1", a));
+    }
+    let _ = agent.stop();
+
+    let [m, d] = dir.arg();
+    let mut agent = AgentProcess::start(&env, &[m, d, "--nodeport-addresses", "192.0.2.0/24"]);
+    agent.wait_healthy(Duration::from_secs(20));
+    let (pod, _) = answers(internal).expect("the selected address");
+    assert_eq!(pod, "pod1");
+    env.in_client(|| {
+        for _ in 0..5 {
+            let r = tcp_ask(external);
+            assert!(r.is_err(), "198.51.100.1:30080 still served: {r:?}");
+        }
+    });
+    let logs = agent.logs();
+    let written = logs
+        .lines()
+        .rfind(|l| l.contains("node addresses for NodePorts written"))
+        .and_then(|l| l.split(" node_addresses=").next())
+        .expect("logged");
+    assert!(
+        written.contains("192.0.2.1") && !written.contains("198.51.100.1"),
+        "{written}"
+    );
+}
+
 /// Waits (10 s at most) for `line` in the agent's log.
 fn wait_log(agent: &AgentProcess, line: &str) {
     let t0 = Instant::now();

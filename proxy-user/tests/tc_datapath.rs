@@ -444,6 +444,58 @@ fn nodeport_lb_and_external_ips_through_tc_with_both_traffic_policies() {
 /// programs that are clsact filters (ours, one per hook, nothing on TCX); the datapath
 /// serves while no agent runs, a restarted agent adopts the filters without reloading,
 /// and uninstall removes them (the NodePort is then refused by the node itself).
+/// Issue 24, item 3: at TC, NodePorts answer only on the node addresses
+/// `--nodeport-addresses` selects: node-a with a second address on ext0 serves the
+/// NodePort on both without the flag, on 10.100.0.2 only with `10.100.0.2/32` (the other
+/// is left to the kernel: nothing listens, the connection is refused).
+#[test]
+fn nodeport_at_tc_only_on_the_addresses_nodeport_addresses_selects() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::dual_stack("enp-");
+    let _cleanup = UninstallIn::new(&c.node_a, &env.pins.path);
+    c.node_a
+        .ip(&["addr", "add", "10.100.0.3/24", "dev", "ext0"]);
+    let dir = manifests_dir();
+    write(
+        &dir,
+        "web.yaml",
+        &service("web", "10.96.0.10", "Cluster", "", &[1, 2, 3]),
+    );
+    let all_pods = [
+        ("pod1", "10.100.0.1"),
+        ("pod2", "10.100.0.1"),
+        ("pod3", "10.100.0.2"),
+    ];
+    let first = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
+    let second = SocketAddr::from(([10, 100, 0, 3], NODEPORT));
+    for (flag, second_served) in [(None, true), (Some("10.100.0.2/32"), false)] {
+        let mut args = vec![
+            "--manifests",
+            dir.to_str().expect("utf-8"),
+            "--interfaces",
+            "ext0,nb0",
+        ];
+        if let Some(f) = flag {
+            args.extend(["--nodeport-addresses", f]);
+        }
+        let mut agent = AgentProcess::start_in(&env, Some(&c.node_a), &args);
+        agent.wait_healthy(Duration::from_secs(20));
+        expect_pods(&spread(&c.ext, 60, || ask_tcp(first)), &all_pods);
+        let r = {
+            let _g = c.ext.enter();
+            ask_tcp(second)
+        };
+        if second_served {
+            let (pod, _) = r.expect("both node addresses serve the NodePort");
+            assert!(pod.starts_with("pod"), "{pod}");
+        } else {
+            let e = r.expect_err("10.100.0.3 is not a NodePort address");
+            assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+        }
+        let _ = agent.stop();
+    }
+}
+
 #[test]
 fn nodeport_through_clsact_filters_with_restart_and_uninstall() {
     let env = TestEnv::outside_cgroup();

@@ -78,6 +78,12 @@ pub struct AgentOptions {
     /// kube-proxy settings (`--config` fields, kube-proxy flags) not applied, named at
     /// start and in `ebpf_proxy_config_fields_ignored`.
     pub config_fields_ignored: Vec<String>,
+    /// NodePorts on `127.0.0.1` for the node's own processes (kube-proxy's iptables mode
+    /// `localhostNodePorts`): 127.0.0.1 is written among the node addresses.
+    pub localhost_nodeports: bool,
+    /// kube-proxy's `nodePortAddresses` (`--nodeport-addresses`): CIDRs or `primary`;
+    /// NodePorts answer only on the node addresses they select (`None`: on all).
+    pub nodeport_addresses: Option<Vec<String>>,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -219,8 +225,15 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     .await
     .context("the adoption task failed")?
     .context("reading the pinned maps back")?;
-    let mut node_addresses = NodeAddresses::new(node_addrs)
-        .with_dsr_trust(&opts.pin_path, opts.dsr_trusted_cidrs.clone());
+    let mut node_addresses = NodeAddresses::new(node_addrs, opts.localhost_nodeports)
+        .with_dsr_trust(&opts.pin_path, opts.dsr_trusted_cidrs.clone())
+        .with_selection(
+            opts.nodeport_addresses
+                .as_deref()
+                .map(NodePortSelection::parse)
+                .transpose()
+                .map_err(|e| anyhow::anyhow!(e))?,
+        );
     node_addresses
         .update(&mut writer, &[])
         .context("writing the node's addresses")?;
@@ -295,13 +308,73 @@ async fn refresh_map_memory(pin_path: PathBuf, metrics: Arc<Metrics>) {
     }
 }
 
+/// kube-proxy's `nodePortAddresses`: which node addresses NodePorts answer on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodePortSelection {
+    cidrs: Vec<(std::net::IpAddr, u8)>,
+    /// `primary`: the node's primary address of each family (here the first, the SNAT
+    /// address: an interface's, else the Node object's first).
+    primary: bool,
+}
+
+impl NodePortSelection {
+    /// CIDRs or `primary`; anything else is an error naming it.
+    pub fn parse(entries: &[String]) -> Result<Self, String> {
+        let mut s = Self {
+            cidrs: Vec::new(),
+            primary: false,
+        };
+        for e in entries {
+            let e = e.trim();
+            if e == "primary" {
+                s.primary = true;
+                continue;
+            }
+            let cidr = e
+                .contains('/')
+                .then(|| crate::cluster::objects::parse_cidr(e))
+                .flatten()
+                .ok_or_else(|| {
+                    format!("--nodeport-addresses {e:?} is neither a CIDR nor \"primary\"")
+                })?;
+            s.cidrs.push(cidr);
+        }
+        Ok(s)
+    }
+
+    /// The addresses of `all` (in order) it selects.
+    pub fn select(&self, all: &[std::net::IpAddr]) -> Vec<std::net::IpAddr> {
+        let primary = |a: &std::net::IpAddr| {
+            self.primary
+                && all
+                    .iter()
+                    .find(|b| b.is_ipv4() == a.is_ipv4() && !b.is_loopback())
+                    == Some(a)
+        };
+        all.iter()
+            .filter(|a| {
+                primary(a)
+                    || self
+                        .cidrs
+                        .iter()
+                        .any(|c| crate::cluster::objects::cidr_contains(*c, **a))
+            })
+            .copied()
+            .collect()
+    }
+}
+
 /// The node's addresses in `NODE_ADDRS4/6` (NodePorts are served on them): those of the
-/// TC interfaces, then the Node object's `InternalIP`/`ExternalIP` ones not among them.
-/// The first IPv4 and IPv6 address of the list is the SNAT address, so an interface's
-/// address always wins.
+/// TC interfaces, then the Node object's `InternalIP`/`ExternalIP` ones not among them,
+/// then `127.0.0.1` when NodePorts are served on localhost (the socket hooks see it; TC
+/// and XDP never do); only those `--nodeport-addresses` selects, when given. The first
+/// IPv4 and IPv6 address of the whole list that is not a loopback address is the SNAT
+/// address (selected or not), so an interface's address always wins.
 #[derive(Debug)]
 pub struct NodeAddresses {
     from_interfaces: Vec<std::net::IpAddr>,
+    localhost: bool,
+    selection: Option<NodePortSelection>,
     written: Option<Vec<std::net::IpAddr>>,
     /// The pin directory and `DSR_TRUSTED4/6`'s writer (every Node's addresses and
     /// `--dsr-trusted-cidrs`), written after the node addresses.
@@ -309,9 +382,11 @@ pub struct NodeAddresses {
 }
 
 impl NodeAddresses {
-    pub fn new(from_interfaces: Vec<std::net::IpAddr>) -> Self {
+    pub fn new(from_interfaces: Vec<std::net::IpAddr>, localhost: bool) -> Self {
         Self {
             from_interfaces,
+            localhost,
+            selection: None,
             written: None,
             dsr_trust: None,
         }
@@ -351,6 +426,11 @@ impl NodeAddresses {
         Ok(())
     }
 
+    pub fn with_selection(mut self, selection: Option<NodePortSelection>) -> Self {
+        self.selection = selection;
+        self
+    }
+
     /// Writes the union with `from_node` through the writer if it changed.
     pub fn update<S: crate::MapStore>(
         &mut self,
@@ -358,16 +438,23 @@ impl NodeAddresses {
         from_node: &[std::net::IpAddr],
     ) -> Result<(), crate::store::StoreError> {
         let mut all = self.from_interfaces.clone();
-        for a in from_node {
+        let localhost = self
+            .localhost
+            .then_some(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+        for a in from_node.iter().chain(localhost.as_ref()) {
             if !all.contains(a) {
                 all.push(*a);
             }
         }
+        let selected = match &self.selection {
+            Some(s) => s.select(&all),
+            None => all.clone(),
+        };
         if self.written.as_ref() == Some(&all) {
             return Ok(());
         }
-        writer.set_node_addresses(&all)?;
-        info!(addresses = ?all, "node addresses for NodePorts written");
+        writer.set_node_port_addresses(&selected, &all)?;
+        info!(addresses = ?selected, node_addresses = ?all, "node addresses for NodePorts written");
         self.written = Some(all);
         Ok(())
     }
@@ -514,5 +601,42 @@ fn release_freed_memory() {
     // SAFETY: glibc's malloc_trim has no preconditions.
     unsafe {
         libc::malloc_trim(0);
+    }
+}
+
+#[cfg(test)]
+mod nodeport_tests {
+    use super::NodePortSelection;
+    use std::net::IpAddr;
+
+    fn ips(a: &[&str]) -> Vec<IpAddr> {
+        a.iter().map(|s| s.parse().expect("ip")).collect()
+    }
+
+    #[test]
+    fn nodeport_addresses_select_by_cidr_or_primary() {
+        let all = ips(&[
+            "192.0.2.1",
+            "198.51.100.1",
+            "2001:db8::1",
+            "2001:db8::2",
+            "127.0.0.1",
+        ]);
+        let sel = |e: &[&str]| {
+            let e: Vec<String> = e.iter().map(|s| s.to_string()).collect();
+            NodePortSelection::parse(&e).expect("parses").select(&all)
+        };
+        assert_eq!(sel(&["198.51.100.0/24"]), ips(&["198.51.100.1"]));
+        assert_eq!(sel(&["primary"]), ips(&["192.0.2.1", "2001:db8::1"]));
+        assert_eq!(
+            sel(&["127.0.0.0/8", "2001:db8::2/128"]),
+            ips(&["2001:db8::2", "127.0.0.1"])
+        );
+        assert_eq!(
+            sel(&["0.0.0.0/0"]),
+            ips(&["192.0.2.1", "198.51.100.1", "127.0.0.1"])
+        );
+        let err = NodePortSelection::parse(&["192.0.2.1".into()]).expect_err("no prefix");
+        assert!(err.contains("\"192.0.2.1\""), "{err}");
     }
 }

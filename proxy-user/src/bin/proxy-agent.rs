@@ -238,7 +238,8 @@ struct RunArgs {
         conflicts_with = "healthz_addr"
     )]
     healthz_bind_address: Option<String>,
-    /// kube-proxy's `--nodeport-addresses` (accepted and named at start: not implemented yet).
+    /// kube-proxy's `--nodeport-addresses` (CIDRs or `primary`): NodePorts answer only on
+    /// the node addresses it selects (127.0.0.1 only when it includes loopback).
     #[arg(long, help_heading = "kube-proxy compatibility", value_delimiter = ',')]
     nodeport_addresses: Option<Vec<String>>,
     /// kube-proxy's `--cluster-cidr` (checked and named at start: not needed here).
@@ -455,6 +456,8 @@ fn main() -> Result<()> {
                 verbosity,
                 ignored,
                 shadowed,
+                localhost_nodeports,
+                nodeport_addresses,
                 ..
             } = match apply_kube_proxy(&mut args, run_matches) {
                 Ok(r) => r,
@@ -511,6 +514,9 @@ fn main() -> Result<()> {
                 acceleration: args.acceleration,
                 dsr_trusted_cidrs: args.dsr_trusted_cidrs.map(|c| c.0).unwrap_or_default(),
                 config_fields_ignored: ignored.into_iter().map(|i| i.field).collect(),
+                // kube-proxy's default (iptables mode, nodePortAddresses unset).
+                localhost_nodeports: localhost_nodeports.unwrap_or(true),
+                nodeport_addresses,
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

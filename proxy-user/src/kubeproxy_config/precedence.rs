@@ -43,6 +43,10 @@ pub struct Applied {
     /// kube-proxy flags given together with `--config`, which replaces them.
     pub shadowed: Vec<&'static str>,
     pub oom_score_adj: Option<i32>,
+    /// NodePorts on 127.0.0.1, when kube-proxy's configuration decides it.
+    pub localhost_nodeports: Option<bool>,
+    /// kube-proxy's `nodePortAddresses`, when set.
+    pub nodeport_addresses: Option<Vec<String>>,
 }
 
 /// kube-proxy's configuration applied to `s` with kube-proxy's precedence
@@ -149,5 +153,7 @@ pub fn apply(
         ignored: r.ignored,
         shadowed,
         oom_score_adj: r.oom_score_adj,
+        localhost_nodeports: r.localhost_nodeports,
+        nodeport_addresses: r.nodeport_addresses,
     })
 }

@@ -25,6 +25,11 @@ pub struct Resolved {
     pub sync_interval: Option<Duration>,
     pub min_sync_interval: Option<Duration>,
     pub oom_score_adj: Option<i32>,
+    /// NodePorts on 127.0.0.1 (`iptables.localhostNodePorts`, and `nodePortAddresses`
+    /// including loopback when set, as kube-proxy's iptables mode; never in nftables mode).
+    pub localhost_nodeports: Option<bool>,
+    /// `nodePortAddresses` (checked: CIDRs or `primary`), when set and not empty.
+    pub nodeport_addresses: Option<Vec<String>>,
     pub verbosity: u32,
     pub ignored: Vec<Ignored>,
 }
@@ -39,10 +44,6 @@ mod why {
     pub const OTHER_MODE: &str = "a setting of a proxy mode this agent does not run";
     pub const WINDOWS: &str = "Windows only";
     pub const DETECT_LOCAL: &str = "not needed: the socket hooks translate at connect() inside the pod, so no packet has to be told apart as pod traffic to decide on masquerading";
-    pub const NODEPORT_ADDRESSES: &str =
-        "not implemented yet: NodePorts answer on every node address (issue #24 item 3)";
-    pub const LOCALHOST_NODEPORTS: &str =
-        "not implemented yet: NodePorts are not served on 127.0.0.1 (issue #24 item 4)";
     pub const CT_TIMEOUT: &str = "the datapath's flow timeouts are fixed (proxy-common ct_timeouts, after kube-proxy's defaults); the kernel's nf_conntrack is not used for Services";
     pub const TCP_BE_LIBERAL: &str = "the kernel's nf_conntrack is not used for Services";
     pub const QPS: &str = "no client-side rate limit: the agent only lists and watches (one request per resource per relist)";
@@ -165,8 +166,12 @@ impl KubeProxyConfiguration {
         if self.iptables.masquerade_all {
             ignore("iptables.masqueradeAll", why::MASQ_ALL);
         }
-        if self.iptables.localhost_node_ports.is_some() {
-            ignore("iptables.localhostNodePorts", why::LOCALHOST_NODEPORTS);
+        // kube-proxy's iptables mode serves NodePorts on 127.0.0.1 unless
+        // localhostNodePorts is false or nodePortAddresses leaves loopback out; the
+        // nftables mode never does.
+        let mut localhost_nodeports = self.iptables.localhost_node_ports;
+        if self.mode == "nftables" {
+            localhost_nodeports = Some(false);
         }
         if self.iptables.snat_node_internal_ip.is_some() {
             ignore("iptables.snatNodeInternalIP", why::OTHER_MODE);
@@ -216,12 +221,29 @@ impl KubeProxyConfiguration {
             }
             ignore("clusterCIDR", why::DETECT_LOCAL);
         }
-        if self
-            .node_port_addresses
-            .as_ref()
-            .is_some_and(|a| !a.is_empty())
-        {
-            ignore("nodePortAddresses", why::NODEPORT_ADDRESSES);
+        if let Some(addrs) = self.node_port_addresses.as_ref().filter(|a| !a.is_empty()) {
+            let mut loopback = false;
+            for a in addrs {
+                let a = a.trim();
+                if a == "primary" {
+                    continue;
+                }
+                let cidr = a
+                    .contains('/')
+                    .then(|| crate::cluster::objects::parse_cidr(a))
+                    .flatten()
+                    .ok_or_else(|| {
+                        format!("nodePortAddresses {a:?} is neither a CIDR nor \"primary\"")
+                    })?;
+                loopback |= crate::cluster::objects::cidr_contains(
+                    cidr,
+                    std::net::Ipv4Addr::LOCALHOST.into(),
+                );
+            }
+            if !loopback {
+                localhost_nodeports = Some(false);
+            }
+            r.nodeport_addresses = Some(addrs.iter().map(|a| a.trim().to_string()).collect());
         }
         if !self.config_sync_period.0.is_zero() {
             ignore("configSyncPeriod", why::CONFIG_SYNC);
@@ -257,6 +279,7 @@ impl KubeProxyConfiguration {
         r.sync_interval = sync_interval;
         r.min_sync_interval = min_sync_interval;
         r.oom_score_adj = self.oom_score_adj;
+        r.localhost_nodeports = localhost_nodeports;
         r.verbosity = self.logging.verbosity;
         Ok(r)
     }

@@ -114,14 +114,12 @@ fn not_applicable_settings_are_named_with_the_reason() {
     let mut c = KubeProxyConfiguration::parse(KUBEADM).expect("ok");
     c.iptables.masquerade_bit = Some(14);
     c.conntrack.tcp_established_timeout = Some(GoDuration(Duration::from_secs(86400)));
-    c.node_port_addresses = Some(vec!["primary".into()]);
     c.feature_gates = Some([("KubeProxyDrainingTerminatingNodes".to_string(), true)].into());
     let r = c.resolve(1).expect("ok");
     let fields: Vec<_> = r.ignored.iter().map(|i| i.field.as_str()).collect();
     for f in [
         "iptables.masqueradeBit",
         "conntrack.tcpEstablishedTimeout",
-        "nodePortAddresses",
         "featureGates.KubeProxyDrainingTerminatingNodes",
     ] {
         assert!(fields.contains(&f), "{f} not named in {fields:?}");
@@ -313,4 +311,39 @@ fn go_durations() {
     for s in ["", "5", "5 s", "-1s", "1d"] {
         assert!(parse_go_duration(s).is_err(), "{s}");
     }
+}
+
+#[test]
+fn localhost_node_ports_follow_kube_proxys_iptables_mode() {
+    let with = |edit: &dyn Fn(&mut KubeProxyConfiguration)| {
+        let mut c = KubeProxyConfiguration::parse(KUBEADM).expect("ok");
+        edit(&mut c);
+        c.resolve(1).map(|r| r.localhost_nodeports)
+    };
+    // kubeadm's file (localhostNodePorts null, no nodePortAddresses): the default (on).
+    assert_eq!(with(&|_| {}), Ok(None));
+    assert_eq!(
+        with(&|c| c.iptables.localhost_node_ports = Some(false)),
+        Ok(Some(false))
+    );
+    let addrs = |a: &[&str]| {
+        let a: Vec<String> = a.iter().map(|s| s.to_string()).collect();
+        move |c: &mut KubeProxyConfiguration| c.node_port_addresses = Some(a.clone())
+    };
+    assert_eq!(with(&addrs(&["10.0.0.0/8", "127.0.0.0/8"])), Ok(None));
+    assert_eq!(with(&addrs(&["0.0.0.0/0"])), Ok(None));
+    assert_eq!(with(&addrs(&["10.0.0.0/8"])), Ok(Some(false)));
+    assert_eq!(with(&addrs(&["primary"])), Ok(Some(false)));
+    assert_eq!(with(&|c| c.mode = "nftables".into()), Ok(Some(false)));
+    let err = with(&addrs(&["10.0.0.1"])).expect_err("not a CIDR");
+    assert!(err.contains("nodePortAddresses \"10.0.0.1\""), "{err}");
+    // The flag, without a file, the same.
+    let flags = KubeProxyFlags {
+        nodeport_addresses: Some(vec!["192.0.2.0/24".into()]),
+        ..KubeProxyFlags::default()
+    };
+    let a = apply(&flags, None, &mut settings(), 1).expect("applies");
+    assert_eq!(a.localhost_nodeports, Some(false));
+    assert_eq!(a.nodeport_addresses, Some(vec!["192.0.2.0/24".to_string()]));
+    assert!(a.ignored.is_empty(), "applied, not named: {:?}", a.ignored);
 }

@@ -51,9 +51,21 @@ impl Plan {
 }
 
 /// The node-address ops that turn `have` (addresses, SNAT config) into `want`: new
-/// addresses first, then the SNAT addresses (the first of each family in `want`), then
+/// addresses first, then the SNAT addresses (the first of each family in `want` that is
+/// not a loopback address: `127.0.0.1` is there for localhost NodePorts only), then
 /// the addresses that left.
 pub fn node_address_ops(have: &BTreeSet<IpAddr>, have_snat: Snat, want: &[IpAddr]) -> Plan {
+    node_address_ops_snat_from(have, have_snat, want, want)
+}
+
+/// [`node_address_ops`] with the SNAT addresses taken from `snat_from` (every node
+/// address) rather than from `want` (the NodePort addresses, `--nodeport-addresses`).
+pub fn node_address_ops_snat_from(
+    have: &BTreeSet<IpAddr>,
+    have_snat: Snat,
+    want: &[IpAddr],
+    snat_from: &[IpAddr],
+) -> Plan {
     let mut plan = Plan::default();
     let mut seen = BTreeSet::new();
     for a in want {
@@ -62,13 +74,13 @@ pub fn node_address_ops(have: &BTreeSet<IpAddr>, have_snat: Snat, want: &[IpAddr
         }
     }
     let snat = Snat {
-        v4: want.iter().find_map(|a| match a {
-            IpAddr::V4(v) => Some(*v),
-            IpAddr::V6(_) => None,
+        v4: snat_from.iter().find_map(|a| match a {
+            IpAddr::V4(v) if !v.is_loopback() => Some(*v),
+            _ => None,
         }),
-        v6: want.iter().find_map(|a| match a {
-            IpAddr::V6(v) => Some(*v),
-            IpAddr::V4(_) => None,
+        v6: snat_from.iter().find_map(|a| match a {
+            IpAddr::V6(v) if !v.is_loopback() => Some(*v),
+            _ => None,
         }),
     };
     if snat != have_snat {

@@ -980,6 +980,24 @@ del node address 2001:db8::10
     assert_eq!(second.store().dump().expect("dump"), second.expected_dump());
 }
 
+#[test]
+fn localhost_is_a_node_port_address_never_the_snat_address() {
+    let mut w = writer();
+    let lo: IpAddr = "127.0.0.1".parse().expect("ip");
+    let a: IpAddr = "192.0.2.10".parse().expect("ip");
+    w.set_node_addresses(&[lo]).expect("write");
+    assert_eq!(
+        log(&mut w),
+        "put node address 127.0.0.1\n",
+        "no SNAT address from loopback"
+    );
+    w.set_node_addresses(&[lo, a]).expect("write");
+    assert_eq!(
+        log(&mut w),
+        "put node address 192.0.2.10\nput node config snat4=192.0.2.10 snat6=none\n"
+    );
+}
+
 // ---- Validation on adoption ------------------------------------------------------------
 
 #[test]
