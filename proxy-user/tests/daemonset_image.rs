@@ -11,7 +11,8 @@
 //!   the hostPath volumes: bpffs (a per-run directory of the machine's bpffs mounted at
 //!   `/sys/fs/bpf`), the host cgroup (a child cgroup made for the test, read-only at
 //!   `/host/sys/fs/cgroup`), the xtables lock (a per-run file at `/run/xtables.lock`), and
-//!   `/lib/modules` read-only; `/proc` of the host (`hostPID: true`), a read-only sysfs;
+//!   `/lib/modules` read-only; `/proc` of the host and no PID namespace of its own
+//!   (`hostPID: true`: the agent shares the host's, checked), a read-only sysfs;
 //! - the environment: the ConfigMap's values as they are, `NODE_NAME` (downward API),
 //!   nothing else;
 //! - the capability bounding set cut with the image's `setpriv` to exactly what the
@@ -137,6 +138,19 @@ impl Drop for ImageRoot {
 /// The agent container's added capabilities, as `setpriv --bounding-set` takes them.
 fn daemonset_capabilities() -> Vec<String> {
     let ds: Value = serde_yaml::from_str(DAEMONSET).expect("daemonset.yaml");
+    let pod = &ds["spec"]["template"]["spec"];
+    // hostPID: the containers share the host's PID namespace, so the test makes no new
+    // one (`unshare` here gets `--mount` only): the agent runs in the machine's, sees the
+    // host's processes in /proc, as it needs to close the connected UDP sockets of a
+    // removed backend in the node's processes. Without hostPID a runtime would give it a
+    // PID namespace of its own (and this test would need `unshare --pid --fork`).
+    assert_eq!(
+        pod["hostPID"],
+        json!(true),
+        "the test shares the host's PID namespace"
+    );
+    // hostNetwork: the node's network namespace is the one the test makes as the node.
+    assert_eq!(pod["hostNetwork"], json!(true));
     let agent = ds["spec"]["template"]["spec"]["containers"]
         .as_array()
         .expect("containers")
@@ -573,6 +587,20 @@ fn image_runs_as_the_daemonset_starts_it() {
         "kube-proxy's objects left: {left:#?}\n{text}"
     );
     assert!(matches!(node.get(10256, "/livez"), Ok((200, _))));
+    // hostPID: the agent (the child's own pid: nsenter, unshare, sh, chroot, env and
+    // setpriv each exec the next) is in the machine's PID namespace, not a new one.
+    let pid = agent.id();
+    assert_eq!(
+        std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .expect("the agent's comm")
+            .trim(),
+        "proxy-agent"
+    );
+    assert_eq!(
+        std::fs::read_link(format!("/proc/{pid}/ns/pid")).expect("the agent's PID namespace"),
+        std::fs::read_link("/proc/self/ns/pid").expect("ours"),
+        "hostPID: the agent shares the host's PID namespace"
+    );
     let (code, metrics) = node.get(10249, "/metrics").expect("metrics");
     assert_eq!(code, 200);
     assert!(metrics.contains("# TYPE"), "{metrics}");
