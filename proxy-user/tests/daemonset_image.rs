@@ -499,7 +499,7 @@ impl Node {
 fn cleanup(node: &Node) {
     let pins = node.bpffs_dir.join("ebpf-proxy");
     if pins.exists() {
-        if let Err(e) = proxy_user::loader::uninstall(&pins) {
+        if let Err(e) = proxy_user::loader::uninstall(&proxy_user::PinDir::new(&pins)) {
             eprintln!("uninstall {}: {e}", pins.display());
         }
     }

@@ -52,7 +52,7 @@ impl Bed {
             flows,
             fib_hop_ttl,
         )
-            .expect("load the object; the verifier accepts the TC and XDP programs");
+        .expect("load the object; the verifier accepts the TC and XDP programs");
         let addrs: Vec<IpAddr> = vec![
             "192.0.2.1".parse().expect("ip"),
             "2001:db8:1::1".parse().expect("ip"),
