@@ -131,6 +131,64 @@ pub mod map_names {
     ];
 }
 
+/// Program names: the function names of the `#[cgroup_sock_addr]`, `#[classifier]` and
+/// `#[xdp]` programs in `proxy-ebpf` (a loader test checks the object's programs equal
+/// [`prog_names::ALL`]), the names the loader finds them by and the cgroup links' pin names.
+pub mod prog_names {
+    /// `cgroup/connect4`: IPv4 `connect(2)` to a frontend picks a backend.
+    pub const SOCK4_CONNECT: &str = "sock4_connect";
+    /// `cgroup/sendmsg4`: unconnected IPv4 UDP `sendmsg(2)` to a frontend.
+    pub const SOCK4_SENDMSG: &str = "sock4_sendmsg";
+    /// `cgroup/recvmsg4`: the reply's source back to the frontend, IPv4.
+    pub const SOCK4_RECVMSG: &str = "sock4_recvmsg";
+    /// `cgroup/getpeername4`: `getpeername(2)` reports the frontend, IPv4.
+    pub const SOCK4_GETPEER: &str = "sock4_getpeer";
+    /// `cgroup/connect6`: IPv6 `connect(2)`.
+    pub const SOCK6_CONNECT: &str = "sock6_connect";
+    /// `cgroup/sendmsg6`: unconnected IPv6 UDP `sendmsg(2)`.
+    pub const SOCK6_SENDMSG: &str = "sock6_sendmsg";
+    /// `cgroup/recvmsg6`: the reply's source back to the frontend, IPv6.
+    pub const SOCK6_RECVMSG: &str = "sock6_recvmsg";
+    /// `cgroup/getpeername6`: `getpeername(2)` reports the frontend, IPv6.
+    pub const SOCK6_GETPEER: &str = "sock6_getpeer";
+    /// The TC program on an interface's ingress.
+    pub const TC_INGRESS: &str = "tc_ingress";
+    /// The TC program on an interface's egress.
+    pub const TC_EGRESS: &str = "tc_egress";
+    /// The XDP program (`--acceleration`).
+    pub const XDP_INGRESS: &str = "xdp_ingress";
+
+    /// The cgroup socket hooks, in the order the loader attaches them.
+    pub const SOCK: [&str; 8] = [
+        SOCK4_CONNECT,
+        SOCK4_SENDMSG,
+        SOCK4_RECVMSG,
+        SOCK4_GETPEER,
+        SOCK6_CONNECT,
+        SOCK6_SENDMSG,
+        SOCK6_RECVMSG,
+        SOCK6_GETPEER,
+    ];
+
+    /// The TC programs.
+    pub const TC: [&str; 2] = [TC_INGRESS, TC_EGRESS];
+
+    /// Every program of the eBPF object.
+    pub const ALL: [&str; 11] = [
+        SOCK4_CONNECT,
+        SOCK4_SENDMSG,
+        SOCK4_RECVMSG,
+        SOCK4_GETPEER,
+        SOCK6_CONNECT,
+        SOCK6_SENDMSG,
+        SOCK6_RECVMSG,
+        SOCK6_GETPEER,
+        TC_INGRESS,
+        TC_EGRESS,
+        XDP_INGRESS,
+    ];
+}
+
 pub mod limits;
 
 /// TC connection-tracking timeouts (nanoseconds), after kube-proxy's conntrack settings.

@@ -21,7 +21,7 @@ use aya::{
     maps::{Array, HashMap, Map, MapData, MapError},
     Pod,
 };
-use proxy_common::{map_names, meta, ABI_VERSION};
+use proxy_common::{map_names, meta, prog_names, ABI_VERSION};
 
 /// Default pin directory.
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/ebpf-proxy";
@@ -33,18 +33,9 @@ pub const LINKS_DIR: &str = "links";
 /// mount, so the pins can be renamed into place); see `migrate/`.
 pub const MIGRATE_STAGING_DIR: &str = "migrate-staging";
 
-/// The cgroup hooks, by program name (the function names in `proxy-ebpf/src/sock.rs`);
-/// each one's link is pinned under this name.
-pub const SOCK_PROGRAMS: [&str; 8] = [
-    "sock4_connect",
-    "sock4_sendmsg",
-    "sock4_recvmsg",
-    "sock4_getpeer",
-    "sock6_connect",
-    "sock6_sendmsg",
-    "sock6_recvmsg",
-    "sock6_getpeer",
-];
+/// The cgroup hooks, by program name ([`prog_names::SOCK`]: the function names in
+/// `proxy-ebpf/src/sock.rs`); each one's link is pinned under this name.
+pub const SOCK_PROGRAMS: [&str; 8] = prog_names::SOCK;
 
 /// Prefix of the pinned XDP links (`links/xdp-<iface>`).
 pub const XDP_PIN_PREFIX: &str = "xdp-";
@@ -119,9 +110,9 @@ impl LinkPin {
     pub fn program(&self) -> &'static str {
         match self {
             LinkPin::Sock(name) => name,
-            LinkPin::Tc { ingress: true, .. } => "tc_ingress",
-            LinkPin::Tc { ingress: false, .. } => "tc_egress",
-            LinkPin::Xdp { .. } => "xdp_ingress",
+            LinkPin::Tc { ingress: true, .. } => prog_names::TC_INGRESS,
+            LinkPin::Tc { ingress: false, .. } => prog_names::TC_EGRESS,
+            LinkPin::Xdp { .. } => prog_names::XDP_INGRESS,
         }
     }
 }
@@ -455,7 +446,7 @@ mod tests {
         }
         assert_eq!(
             LinkPin::parse("tc-eth0-egress-clsact").map(|p| p.program()),
-            Some("tc_egress")
+            Some(prog_names::TC_EGRESS)
         );
     }
 }

@@ -143,7 +143,7 @@ fn main() -> Result<()> {
         // a local backend to the stack (`TC_ACT_OK`, `XDP_PASS`) after DNAT; each its own
         // client ports, so that its new flows are new.
         for (prog, pass, first_port) in [
-            ("tc_ingress", TC_ACT_OK, 10_000u32),
+            (proxy_common::prog_names::TC_INGRESS, TC_ACT_OK, 10_000u32),
             (progrun::XDP_PROGRAM, XDP_PASS, 30_000),
         ] {
             let mut record = |case: &str, ns: f64, own: f64, verdict: u32, how: &str| {

@@ -159,15 +159,18 @@ pub(super) fn bump_memlock_rlimit() {
 
 #[cfg(test)]
 mod tests {
-    use object::{Object as _, ObjectSection as _, ObjectSymbol as _, RelocationTarget};
+    use object::{
+        Object as _, ObjectSection as _, ObjectSymbol as _, RelocationTarget, SymbolKind,
+    };
+    use proxy_common::prog_names;
 
     use super::EBPF_OBJECT;
 
     /// The functions of the TC and XDP programs a packet of a known flow runs through.
     const KNOWN_FLOW_PATH: &[&str] = &[
-        "tc_ingress",
-        "tc_egress",
-        "xdp_ingress",
+        prog_names::TC_INGRESS,
+        prog_names::TC_EGRESS,
+        prog_names::XDP_INGRESS,
         "4flow",
         "10parse_into",
         "10reply_path",
@@ -248,5 +251,62 @@ mod tests {
             calls.is_empty(),
             "byte-loop calls on the known-flow path: {calls:#?}"
         );
+    }
+
+    /// The programs of the object, as aya finds them: the global functions outside
+    /// `.text`, each with its section (`cgroup/connect4`, `classifier`, `xdp`, ...).
+    fn programs() -> Vec<(String, String)> {
+        assert!(
+            !EBPF_OBJECT.is_empty(),
+            "built without the eBPF object (PROXY_EBPF_STUB or no bpf-linker): run `cargo xtask setup`"
+        );
+        let file = object::File::parse(EBPF_OBJECT).expect("the eBPF object parses as ELF");
+        let mut out: Vec<(String, String)> = file
+            .symbols()
+            .filter(|s| s.kind() == SymbolKind::Text && s.is_global() && s.size() > 0)
+            .filter_map(|s| {
+                let section = file.section_by_index(s.section_index()?).ok()?;
+                let section = section.name().ok()?.to_string();
+                (section != ".text").then(|| (s.name().unwrap_or("?").to_string(), section))
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// The names the loader, the pins and `prog_run` use ([`prog_names::ALL`]) are the
+    /// eBPF functions' names, each in the section of its hook: a renamed function fails
+    /// here, not at `install`.
+    #[test]
+    fn program_names_are_the_objects_programs() {
+        let programs = programs();
+        let mut found: Vec<&str> = programs.iter().map(|(n, _)| n.as_str()).collect();
+        let mut want = prog_names::ALL.to_vec();
+        found.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(found, want, "the object's programs: {programs:?}");
+        let section = |name: &str| {
+            programs
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, s)| s.as_str())
+                .unwrap_or_default()
+        };
+        for (name, attach) in prog_names::SOCK.iter().zip([
+            "connect4",
+            "sendmsg4",
+            "recvmsg4",
+            "getpeername4",
+            "connect6",
+            "sendmsg6",
+            "recvmsg6",
+            "getpeername6",
+        ]) {
+            assert_eq!(section(name), format!("cgroup/{attach}"), "{name}");
+        }
+        for name in prog_names::TC {
+            assert_eq!(section(name), "classifier", "{name}");
+        }
+        assert_eq!(section(prog_names::XDP_INGRESS), "xdp");
     }
 }

@@ -13,10 +13,10 @@ use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use crate::loader;
 
 /// The TC programs every run loads.
-pub const TC_PROGRAMS: [&str; 2] = ["tc_ingress", "tc_egress"];
+pub const TC_PROGRAMS: [&str; 2] = proxy_common::prog_names::TC;
 
 /// The XDP program (`--acceleration`).
-pub const XDP_PROGRAM: &str = "xdp_ingress";
+pub const XDP_PROGRAM: &str = proxy_common::prog_names::XDP_INGRESS;
 
 /// The object loaded with its maps pinned under `pins` (conntrack tables of `flows`
 /// flows per family), both TC programs and the XDP program through the verifier.
