@@ -98,6 +98,11 @@ pub mod map_names {
     pub const DSR_TRUSTED4: &str = "DSR_TRUSTED4";
     /// The IPv6 counterpart of `DSR_TRUSTED4` (/128 per node address).
     pub const DSR_TRUSTED6: &str = "DSR_TRUSTED6";
+    /// The IPv4 Service CIDRs (LPM trie, value `svc_cidr::RANGE`) and the ClusterIPs in use
+    /// (/32, value `svc_cidr::CLUSTER_IP`): a socket-hook miss inside them is refused.
+    pub const SVC_CIDR4: &str = "SVC_CIDR4";
+    /// The IPv6 counterpart of `SVC_CIDR4` (/128 per ClusterIP).
+    pub const SVC_CIDR6: &str = "SVC_CIDR6";
 
     /// Every pinned map.
     pub const ALL: [&str; 27] = [
@@ -128,6 +133,8 @@ pub mod map_names {
         SOCK_REVNAT6_V3,
         DSR_TRUSTED4,
         DSR_TRUSTED6,
+        SVC_CIDR4,
+        SVC_CIDR6,
     ];
 }
 
@@ -190,6 +197,15 @@ pub mod prog_names {
 }
 
 pub mod limits;
+
+/// Values in `SVC_CIDR4/6`: what a destination that is no frontend falls in (the longest
+/// prefix wins, so a ClusterIP marker beats its range).
+pub mod svc_cidr {
+    /// Inside a Service CIDR, no Service has the address: refused with EPERM (drop).
+    pub const RANGE: u8 = 1;
+    /// A ClusterIP some Service has, on another port: refused with ECONNREFUSED (reject).
+    pub const CLUSTER_IP: u8 = 2;
+}
 
 /// TC connection-tracking timeouts (nanoseconds), after kube-proxy's conntrack settings.
 pub mod ct_timeouts {

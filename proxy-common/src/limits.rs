@@ -54,3 +54,7 @@ pub const MAX_MAGLEV_CHUNKS: u32 = 1 << 17;
 pub const MAGLEV_TABLE_DEFAULT: u32 = 16381;
 pub const MAGLEV_TABLE_MIN: u32 = 251;
 pub const MAGLEV_TABLE_MAX: u32 = 131071;
+
+/// Service CIDRs and ClusterIP markers (`SVC_CIDR4/6`): one /32 (/128) per ClusterIP in
+/// use plus the ranges.
+pub const MAX_SVC_CIDR: u32 = 1 << 16;

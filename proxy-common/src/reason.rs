@@ -88,11 +88,19 @@ pub enum Reason {
     /// outer header: nothing removed, the packet goes on as it is (counted in addition to
     /// the packet's outcome).
     TcDsrUntrusted = 29,
+    /// A ClusterIP on a port no Service uses (the address is a `/32`, `/128` marker in
+    /// `SVC_CIDR4/6`): the syscall fails with ECONNREFUSED, as kube-proxy's nftables
+    /// mode rejects it.
+    SvcPortUnused = 30,
+    /// An address inside a Service CIDR (`SVC_CIDR4/6`, `--service-cluster-ip-range`)
+    /// that no Service has: the syscall fails with EPERM at once, as kube-proxy's
+    /// nftables mode drops it (a dropped locally sent packet fails with EPERM).
+    SvcCidrUnallocated = 31,
 }
 
 impl Reason {
     /// Number of counters (size of `STATS`).
-    pub const COUNT: u32 = 30;
+    pub const COUNT: u32 = 32;
     /// Every reason in index order.
     pub const ALL: [Reason; Self::COUNT as usize] = [
         Reason::Translated,
@@ -125,6 +133,8 @@ impl Reason {
         Reason::TcDsrReply,
         Reason::TcDsrTooBig,
         Reason::TcDsrUntrusted,
+        Reason::SvcPortUnused,
+        Reason::SvcCidrUnallocated,
     ];
 
     /// A stable snake_case name, used in metrics and CLI output.
@@ -160,6 +170,8 @@ impl Reason {
             Reason::TcDsrReply => "tc_dsr_reply",
             Reason::TcDsrTooBig => "tc_dsr_too_big",
             Reason::TcDsrUntrusted => "tc_dsr_untrusted",
+            Reason::SvcPortUnused => "svc_port_unused",
+            Reason::SvcCidrUnallocated => "svc_cidr_unallocated",
         }
     }
 }

@@ -186,6 +186,16 @@ pub static DSR_TRUSTED4: LpmTrie<u32, u8> = LpmTrie::pinned(MAX_DSR_TRUSTED, 0);
 #[map]
 pub static DSR_TRUSTED6: LpmTrie<[u32; 4], u8> = LpmTrie::pinned(MAX_DSR_TRUSTED, 0);
 
+/// The Service CIDRs (`svc_cidr::RANGE`) and a /32 per ClusterIP in use
+/// (`svc_cidr::CLUSTER_IP`), written by the agent; read by the socket hooks on a frontend
+/// miss only. LPM key data: the address in network order.
+#[map]
+pub static SVC_CIDR4: LpmTrie<u32, u8> = LpmTrie::pinned(MAX_SVC_CIDR, 0);
+
+/// Service CIDRs and ClusterIP markers, IPv6 (/128 per ClusterIP).
+#[map]
+pub static SVC_CIDR6: LpmTrie<[u32; 4], u8> = LpmTrie::pinned(MAX_SVC_CIDR, 0);
+
 /// `sessionAffinity: ClientIP`: the backend each client last used, per service.
 #[map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(MAX_AFFINITY, 0);

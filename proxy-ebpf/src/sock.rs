@@ -1,12 +1,17 @@
 //! The cgroup `sock_addr` hooks. Each is a shell around one worker that reads the
 //! destination from the context, runs `lb::xlate_fwd`/`xlate_rev` and writes the result
 //! back. The syscall always proceeds (return 1) except for a frontend with no backends,
-//! which is refused with ECONNREFUSED, as kube-proxy's REJECT rule does.
+//! which is refused with ECONNREFUSED, as kube-proxy's REJECT rule does, and, on a
+//! frontend miss, a destination in `SVC_CIDR4/6`: a ClusterIP on a port no Service uses
+//! is refused with ECONNREFUSED (kube-proxy's nftables mode rejects it), an address in a
+//! Service CIDR that no Service has with EPERM (nftables mode drops it). Anything outside
+//! those prefixes (node, pod, host addresses) is left alone.
 //!
 //! Context fields are read and written with 4-byte volatile accesses: the verifier
 //! rejects narrower loads of `user_port` ("invalid bpf_context access") and LLVM would
 //! otherwise merge or split them.
 
+use aya_ebpf::maps::lpm_trie::Key as LpmKey;
 use aya_ebpf::{
     bindings::{bpf_sock, bpf_sock_addr},
     helpers::{
@@ -19,11 +24,11 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use core::ptr::{read_volatile, write_volatile};
-use proxy_common::{proto, Reason};
+use proxy_common::{proto, svc_cidr, Reason};
 
 use crate::{
     lb::{xlate_fwd, xlate_rev, Fwd, V4, V6},
-    maps::count,
+    maps::{count, SVC_CIDR4, SVC_CIDR6},
 };
 
 /// What the hook returns to the kernel.
@@ -31,6 +36,7 @@ const ALLOW: i32 = 1;
 const REJECT: i32 = 0;
 const ECONNREFUSED: i32 = 111;
 const EHOSTUNREACH: i32 = 113;
+const EPERM: i32 = 1;
 
 /// `::ffff:0:0/96` as the third network-order word of `user_ip6`.
 const V4_MAPPED_WORD: u32 = u32::from_be(0x0000_ffff);
@@ -154,12 +160,25 @@ fn is_v4_mapped(a: &[u32; 4]) -> bool {
     a[0] == 0 && a[1] == 0 && a[2] == V4_MAPPED_WORD
 }
 
+/// What an IPv4 destination that is no frontend falls in (`svc_cidr::*`), if anything.
+#[inline(always)]
+fn svc_cidr4(a: u32) -> Option<u8> {
+    SVC_CIDR4.get(&LpmKey::new(32, a)).copied()
+}
+
+/// The IPv6 counterpart of `svc_cidr4`.
+#[inline(always)]
+fn svc_cidr6(a: [u32; 4]) -> Option<u8> {
+    SVC_CIDR6.get(&LpmKey::new(128, a)).copied()
+}
+
 /// Maps a forward result to the hook's return value, counting the outcome.
 #[inline(always)]
 fn fwd_verdict<A>(
     ctx: &SockAddrContext,
     r: Result<Option<Fwd<A>>, Reason>,
     write: impl FnOnce(Fwd<A>),
+    in_svc_cidr: impl FnOnce() -> Option<u8>,
 ) -> i32 {
     match r {
         Ok(Some(to)) => {
@@ -168,8 +187,19 @@ fn fwd_verdict<A>(
             ALLOW
         }
         Ok(None) => {
-            count(Reason::NoService);
-            ALLOW
+            // No frontend: only a destination inside the Service CIDRs is refused.
+            let (reason, errno) = match in_svc_cidr() {
+                Some(svc_cidr::CLUSTER_IP) => (Reason::SvcPortUnused, ECONNREFUSED),
+                Some(svc_cidr::RANGE) => (Reason::SvcCidrUnallocated, EPERM),
+                _ => {
+                    count(Reason::NoService);
+                    return ALLOW;
+                }
+            };
+            count(reason);
+            // SAFETY: cgroup hook; sets the syscall's error.
+            unsafe { bpf_set_retval(-errno) };
+            REJECT
         }
         Err(reason @ (Reason::NoBackend | Reason::NoLocalBackend)) => {
             count(reason);
@@ -223,11 +253,16 @@ fn fwd4(ctx: &SockAddrContext) -> i32 {
     // SAFETY: 4-byte ctx field.
     let addr = unsafe { read_volatile(&raw const (*sa).user_ip4) };
     let r = xlate_fwd::<V4>(addr, read_port(sa), proto, sk(sa), || netns(ctx));
-    fwd_verdict(ctx, r, |to| {
-        // SAFETY: 4-byte ctx field.
-        unsafe { write_volatile(&raw mut (*sa).user_ip4, to.addr) };
-        write_port(sa, to.port);
-    })
+    fwd_verdict(
+        ctx,
+        r,
+        |to| {
+            // SAFETY: 4-byte ctx field.
+            unsafe { write_volatile(&raw mut (*sa).user_ip4, to.addr) };
+            write_port(sa, to.port);
+        },
+        || svc_cidr4(addr),
+    )
 }
 
 #[inline(always)]
@@ -258,16 +293,26 @@ fn fwd6(ctx: &SockAddrContext) -> i32 {
     let sk = sk(sa);
     if is_v4_mapped(&addr) {
         let r = xlate_fwd::<V4>(addr[3], port, proto, sk, || netns(ctx));
-        return fwd_verdict(ctx, r, |to| {
-            write_ip6(sa, [0, 0, V4_MAPPED_WORD, to.addr]);
-            write_port(sa, to.port);
-        });
+        return fwd_verdict(
+            ctx,
+            r,
+            |to| {
+                write_ip6(sa, [0, 0, V4_MAPPED_WORD, to.addr]);
+                write_port(sa, to.port);
+            },
+            || svc_cidr4(addr[3]),
+        );
     }
     let r = xlate_fwd::<V6>(addr, port, proto, sk, || netns(ctx));
-    fwd_verdict(ctx, r, |to| {
-        write_ip6(sa, to.addr);
-        write_port(sa, to.port);
-    })
+    fwd_verdict(
+        ctx,
+        r,
+        |to| {
+            write_ip6(sa, to.addr);
+            write_port(sa, to.port);
+        },
+        || svc_cidr6(addr),
+    )
 }
 
 #[inline(always)]

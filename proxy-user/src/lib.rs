@@ -25,6 +25,7 @@ pub mod pins;
 pub mod prog_run;
 pub mod sockdestroy;
 pub mod store;
+pub mod svc_cidr;
 pub mod writer;
 
 pub use bpf::BpfMaps;

@@ -11,7 +11,7 @@ mod support;
 
 use std::{
     fs, io,
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     sync::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -938,6 +938,62 @@ fn a_cluster_ip_of_the_wrong_family_is_skipped_counted_and_logged() {
         ),
         "{logs}"
     );
+}
+
+/// `--service-cluster-ip-range` (issue #24 item 5): another port of a ClusterIP is refused
+/// with ECONNREFUSED, an unallocated address in the range with EPERM, both at once; a
+/// removed Service's address becomes unallocated; outside the range nothing changes.
+#[test]
+fn service_cidrs_from_the_flag_reject_and_drop_inside_the_range_only() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &web_on_pod1());
+    let mut args = dir.arg().to_vec();
+    args.extend(["--service-cluster-ip-range", "10.96.0.0/16,fd00:96::/112"]);
+    let mut agent = AgentProcess::start(&env, &args);
+    agent.wait_healthy(Duration::from_secs(20));
+    let errno_is = |want: i32| move |r: &io::Result<(String, SocketAddr)>| matches!(r, Err(e) if e.raw_os_error() == Some(want));
+    env.in_client(|| {
+        until(Instant::now(), 5, |r| answer_is(r, &["pod1"]));
+        until_at(
+            SocketAddr::from(([10, 96, 0, 10], 81)),
+            5,
+            errno_is(libc::ECONNREFUSED),
+        );
+        until_at(
+            SocketAddr::from(([10, 96, 0, 99], 80)),
+            5,
+            errno_is(libc::EPERM),
+        );
+        until_at(
+            SocketAddr::from(([10, 97, 0, 10], 80)),
+            5,
+            errno_is(libc::ENETUNREACH),
+        );
+        tcp_ask(SocketAddr::new(IpAddr::V4(Topology::pod_v4(1)), TARGET)).expect("pod");
+    });
+    dir.remove("web.yaml");
+    env.in_client(|| {
+        until_at(vip(), 5, errno_is(libc::EPERM));
+    });
+    let stats = proxy_user::BpfMaps::open(&env.pins.path)
+        .expect("maps")
+        .stats()
+        .expect("stats");
+    for reason in [
+        proxy_common::Reason::SvcPortUnused,
+        proxy_common::Reason::SvcCidrUnallocated,
+    ] {
+        assert!(
+            stats.iter().any(|(r, n)| *r == reason && *n >= 5),
+            "{reason:?} counted: {stats:?}"
+        );
+    }
+    // The ranges stay; the removed Service's marker is gone.
+    let held = proxy_user::svc_cidr::read(&env.pins.path).expect("read");
+    assert_eq!(held.len(), 2, "{held:?}");
+    agent.stop();
 }
 
 // ---------------------------------------------------------------------------------------

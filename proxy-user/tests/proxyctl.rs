@@ -898,6 +898,8 @@ tc_dsr_decap           0      TC DSR, backend's node: DSR option read (reply ent
 tc_dsr_reply           0      TC DSR, backend's node: reply sent straight to the client from the frontend
 tc_dsr_too_big         0      TC DSR: the option would exceed the route's MTU: new flow SNATed, later datagram sent without it
 tc_dsr_untrusted       0      TC DSR, backend's node: DSR option from a sender that is not a cluster node: not honoured
+svc_port_unused        0      ClusterIP on a port no Service uses: connect()/sendmsg() failed with ECONNREFUSED
+svc_cidr_unallocated   0      address in a Service CIDR that no Service has: connect()/sendmsg() failed with EPERM
 
 BACKEND               ID  CONNS
 10.240.1.2:8080       1   4
@@ -1163,6 +1165,8 @@ tc_dsr_decap           0      -      -
 tc_dsr_reply           0      -      -
 tc_dsr_too_big         0      -      -
 tc_dsr_untrusted       0      -      -
+svc_port_unused        0      -      -
+svc_cidr_unallocated   0      -      -
 
 proxyctl watch: every 100ms, frame 2 of 2
 
@@ -1207,6 +1211,8 @@ tc_dsr_decap           0      +0     0.0
 tc_dsr_reply           0      +0     0.0
 tc_dsr_too_big         0      +0     0.0
 tc_dsr_untrusted       0      +0     0.0
+svc_port_unused        0      +0     0.0
+svc_cidr_unallocated   0      +0     0.0
 
 $ proxyctl dump
 frontend 0.0.0.0:30080/tcp id=6 count=2 flags=0x24 affinity=0

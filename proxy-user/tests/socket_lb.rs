@@ -248,6 +248,103 @@ fn zero_backends_refuse_at_once_and_unknown_vips_stay_unreachable() {
     assert!(counter(env.writer().store(), Reason::NoBackend) >= 3);
 }
 
+/// Issue #24 item 5: with the Service CIDRs in `SVC_CIDR4/6`, a ClusterIP on a port no
+/// Service uses is refused with ECONNREFUSED and an unallocated address inside a range with
+/// EPERM, both at once (kube-proxy's nftables mode: reject, drop); node, pod and other
+/// addresses are untouched (no wildcard entry, cilium#44430).
+#[test]
+fn service_cidrs_reject_unused_ports_and_drop_unallocated_addresses_only() {
+    let mut env = TestEnv::new(1);
+    env.serve_all(PORT);
+    let tcp = Frontend::new(VIP4, PORT, Proto::Tcp);
+    let tcp6 = Frontend::new(vip6(), PORT, Proto::Tcp);
+    install_service(&mut env, tcp, pods_v4(1));
+    install_service(&mut env, tcp6, pods_v6(1));
+    let ranges = [
+        (IpAddr::V4(Ipv4Addr::new(10, 96, 0, 0)), 16),
+        ("fd00:96::".parse().expect("v6"), 64),
+    ];
+    let vips = [IpAddr::V4(VIP4), IpAddr::V6(vip6())];
+    proxy_user::svc_cidr::write(
+        &env.pins.path,
+        &proxy_user::svc_cidr::wanted(&ranges, &vips),
+    )
+    .expect("service cidrs");
+    let unused_before = counter(env.writer().store(), Reason::SvcPortUnused);
+    let drop_before = counter(env.writer().store(), Reason::SvcCidrUnallocated);
+
+    env.in_client(|| {
+        let fails_at_once = |addr: SocketAddr, want: i32| {
+            let start = Instant::now();
+            let err = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+                .expect_err("refused by the hook");
+            assert_eq!(err.raw_os_error(), Some(want), "{addr}: {err}");
+            assert!(
+                start.elapsed() < Duration::from_millis(500),
+                "{addr}: failed at once, not a hang"
+            );
+        };
+        // The ClusterIPs still serve their port.
+        for addr in [tcp.socket_addr(), tcp6.socket_addr()] {
+            tcp_ask(addr).unwrap_or_else(|e| panic!("{addr}: {e}"));
+        }
+        // Another port of a ClusterIP: rejected (TCP and UDP, IPv4, IPv6, and v4-mapped on
+        // an IPv6 socket).
+        let v4_mapped = SocketAddr::new(IpAddr::V6(VIP4.to_ipv6_mapped()), 81);
+        for addr in [
+            SocketAddr::new(IpAddr::V4(VIP4), 81),
+            SocketAddr::new(IpAddr::V6(vip6()), 81),
+            v4_mapped,
+        ] {
+            fails_at_once(addr, libc::ECONNREFUSED);
+        }
+        let udp = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        let err = udp
+            .send_to(b"x", SocketAddr::new(IpAddr::V4(VIP4), 53))
+            .expect_err("refused");
+        assert_eq!(err.raw_os_error(), Some(libc::ECONNREFUSED), "{err}");
+        // An unallocated address inside a range: dropped (EPERM at once).
+        fails_at_once(SocketAddr::from(([10, 96, 0, 99], PORT)), libc::EPERM);
+        fails_at_once(
+            SocketAddr::new("fd00:96::99".parse().expect("v6"), PORT),
+            libc::EPERM,
+        );
+        let err = udp
+            .send_to(b"x", SocketAddr::from(([10, 96, 200, 1], 53)))
+            .expect_err("dropped");
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+
+        // Untouched: a pod address, a node address (this namespace's own, like SSH to a
+        // node), and an address outside the ranges (still no route from here).
+        tcp_ask(SocketAddr::new(IpAddr::V4(Topology::pod_v4(1)), PORT)).expect("pod v4");
+        tcp_ask(SocketAddr::new(IpAddr::V6(Topology::pod_v6(1)), PORT)).expect("pod v6");
+        for node in ["10.240.1.1:0", "[fd00:240:1::1]:0"] {
+            let l = std::net::TcpListener::bind(node).expect("node listener");
+            let at = l.local_addr().expect("addr");
+            TcpStream::connect_timeout(&at, Duration::from_secs(5))
+                .unwrap_or_else(|e| panic!("node address {at}: {e}"));
+        }
+        let outside = SocketAddr::from(([10, 97, 0, 1], PORT));
+        let err =
+            TcpStream::connect_timeout(&outside, Duration::from_secs(2)).expect_err("no route");
+        assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
+    });
+    let store = env.writer().store();
+    assert_eq!(counter(store, Reason::SvcPortUnused) - unused_before, 4);
+    assert_eq!(counter(store, Reason::SvcCidrUnallocated) - drop_before, 3);
+
+    // Emptied: the same unallocated address is left alone again (no route from here).
+    proxy_user::svc_cidr::write(&env.pins.path, &Default::default()).expect("empty");
+    assert!(proxy_user::svc_cidr::read(&env.pins.path)
+        .expect("read")
+        .is_empty());
+    env.in_client(|| {
+        let addr = SocketAddr::from(([10, 96, 0, 99], PORT));
+        let err = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect_err("no route");
+        assert_eq!(err.raw_os_error(), Some(libc::ENETUNREACH), "{err}");
+    });
+}
+
 #[test]
 fn backend_changes_apply_to_the_next_connection() {
     let mut env = TestEnv::new(3);

@@ -84,6 +84,9 @@ pub struct AgentOptions {
     /// kube-proxy's `nodePortAddresses` (`--nodeport-addresses`): CIDRs or `primary`;
     /// NodePorts answer only on the node addresses they select (`None`: on all).
     pub nodeport_addresses: Option<Vec<String>>,
+    /// `--service-cluster-ip-range`: the Service CIDRs (`SVC_CIDR4/6`, with every
+    /// Service's cluster IPs): a socket-hook miss inside them is refused.
+    pub service_cidrs: Vec<(std::net::IpAddr, u8)>,
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -227,6 +230,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     .context("reading the pinned maps back")?;
     let mut node_addresses = NodeAddresses::new(node_addrs, opts.localhost_nodeports)
         .with_dsr_trust(&opts.pin_path, opts.dsr_trusted_cidrs.clone())
+        .with_service_cidrs(&opts.pin_path, opts.service_cidrs.clone())
         .with_selection(
             opts.nodeport_addresses
                 .as_deref()
@@ -379,6 +383,9 @@ pub struct NodeAddresses {
     /// The pin directory and `DSR_TRUSTED4/6`'s writer (every Node's addresses and
     /// `--dsr-trusted-cidrs`), written after the node addresses.
     dsr_trust: Option<(PathBuf, crate::dsr_trust::DsrTrust)>,
+    /// The pin directory and `SVC_CIDR4/6`'s writer (`--service-cluster-ip-range` and
+    /// every Service's cluster IPs).
+    svc_cidrs: Option<(PathBuf, crate::svc_cidr::SvcCidrs)>,
 }
 
 impl NodeAddresses {
@@ -389,7 +396,36 @@ impl NodeAddresses {
             selection: None,
             written: None,
             dsr_trust: None,
+            svc_cidrs: None,
         }
+    }
+
+    /// Also keeps `SVC_CIDR4/6` under `pin_path` equal to `ranges` and every Service's
+    /// cluster IPs ([`Self::update_service_cidrs`]).
+    pub fn with_service_cidrs(
+        mut self,
+        pin_path: &std::path::Path,
+        ranges: Vec<(std::net::IpAddr, u8)>,
+    ) -> Self {
+        self.svc_cidrs = Some((
+            pin_path.to_path_buf(),
+            crate::svc_cidr::SvcCidrs::new(ranges),
+        ));
+        self
+    }
+
+    /// Writes the Service CIDRs and every Service's cluster IPs (`SVC_CIDR4/6`).
+    pub fn update_service_cidrs(
+        &mut self,
+        index: &crate::cluster::index::Index,
+    ) -> Result<(), crate::pins::PinError> {
+        let Some((pin_path, cidrs)) = self.svc_cidrs.as_mut() else {
+            return Ok(());
+        };
+        if let Some(n) = cidrs.update(pin_path, index.cluster_ips())? {
+            info!(entries = n, "Service CIDRs and cluster IPs written");
+        }
+        Ok(())
     }
 
     /// Also keeps `DSR_TRUSTED4/6` under `pin_path` equal to every Node object's
@@ -578,6 +614,16 @@ async fn after_sync<S: crate::MapStore>(
             .map_write_errors
             .get_or_create(&metrics::ReasonLabel {
                 reason: "dsr_trusted".into(),
+            })
+            .inc();
+    }
+    if let Err(e) = node_addresses.update_service_cidrs(syncer.index()) {
+        warn!(error = %e, "writing the Service CIDRs failed; kept the previous ones");
+        syncer
+            .metrics()
+            .map_write_errors
+            .get_or_create(&metrics::ReasonLabel {
+                reason: "service_cidrs".into(),
             })
             .inc();
     }

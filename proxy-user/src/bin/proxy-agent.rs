@@ -168,6 +168,13 @@ struct RunArgs {
     /// addresses. From anyone else the option is ignored and counted (`tc_dsr_untrusted`).
     #[arg(long, env = "PROXY_DSR_TRUSTED_CIDRS", value_parser = parse_cidrs)]
     dsr_trusted_cidrs: Option<CidrList>,
+    /// The Service CIDRs (comma-separated, kube-apiserver's `--service-cluster-ip-range`):
+    /// a connection to a ClusterIP on a port no Service uses fails with ECONNREFUSED
+    /// (`svc_port_unused`), to an address inside them that no Service has with EPERM
+    /// (`svc_cidr_unallocated`), as kube-proxy's nftables mode rejects and drops them.
+    /// Addresses outside them are never touched. Unset: neither is refused.
+    #[arg(long, env = "PROXY_SERVICE_CLUSTER_IP_RANGE", value_parser = parse_cidrs)]
+    service_cluster_ip_range: Option<CidrList>,
     /// North-south acceleration: the XDP program ahead of TC on the same interfaces
     /// handles NodePort / LoadBalancer IP / externalIP traffic from outside and the
     /// replies of its flows (same lookup, conntrack and NAT as TC; what it cannot do goes
@@ -517,6 +524,10 @@ fn main() -> Result<()> {
                 // kube-proxy's default (iptables mode, nodePortAddresses unset).
                 localhost_nodeports: localhost_nodeports.unwrap_or(true),
                 nodeport_addresses,
+                service_cidrs: args
+                    .service_cluster_ip_range
+                    .map(|c| c.0)
+                    .unwrap_or_default(),
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

@@ -289,6 +289,11 @@ fn shared(key: ObjKey, own: &ObjKey) -> ObjKey {
 }
 
 impl Index {
+    /// Every Service's cluster IPs (the ClusterIP markers of `SVC_CIDR4/6`).
+    pub fn cluster_ips(&self) -> impl Iterator<Item = &IpAddr> {
+        self.services.values().flat_map(|s| s.cluster_ips.iter())
+    }
+
     pub fn new(node: NodeInfo) -> Self {
         Self {
             node,

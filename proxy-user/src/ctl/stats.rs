@@ -76,6 +76,13 @@ pub fn meaning(r: Reason) -> &'static str {
             "TC DSR, backend's node: DSR option from a sender that is not a cluster node: \
              not honoured"
         }
+        Reason::SvcPortUnused => {
+            "ClusterIP on a port no Service uses: connect()/sendmsg() failed with ECONNREFUSED"
+        }
+        Reason::SvcCidrUnallocated => {
+            "address in a Service CIDR that no Service has: connect()/sendmsg() failed with \
+             EPERM"
+        }
     }
 }
 
