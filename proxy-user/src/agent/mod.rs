@@ -89,14 +89,59 @@ pub struct AgentOptions {
     pub service_cidrs: Vec<(std::net::IpAddr, u8)>,
 }
 
-/// Runs the agent until `shutdown` completes.
+/// Runs the agent until `shutdown` completes: the steps of the module doc, in order.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-    // Container runtimes start processes with a soft limit of 1024 descriptors; the
-    // servers' connection caps, the maps, the manifests and the watches need more room.
+    raise_open_file_limit();
+    let datapath = open_datapath(&opts)?;
+    let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
+    // Metrics and health first: reading a large pinned state back takes seconds, and
+    // /livez must answer meanwhile (/healthz says 503 until the first sync).
+    let metrics = new_metrics(&opts, &datapath);
+    let health = Arc::new(Health::new(opts.sync_interval * 2));
+    serve_http(&opts, &metrics, &health).await?;
+    // The sources start before the pinned maps are read back: the lists (seconds at tens
+    // of thousands of Services) arrive and are decoded while adoption runs on another
+    // thread, and wait in the channel for the syncer (which writes nothing before every
+    // initial list is in).
+    let rx = start_source(&opts, &metrics).await?;
+    let (writer, node_addresses) = adopt_maps(&opts, datapath.node_addrs, &metrics).await?;
+    let syncer = new_syncer(&opts, writer, metrics);
+    if opts.cleanup_kube_proxy {
+        tokio::spawn(cleanup_kube_proxy_when_synced(health.clone()));
+    }
+    sync_loop(
+        syncer,
+        rx,
+        &opts,
+        &health,
+        node_addresses,
+        datapath.installed.cgroup,
+        shutdown,
+    )
+    .await;
+    info!("stopping; the datapath stays pinned and keeps serving");
+    Ok(())
+}
+
+/// Container runtimes start processes with a soft limit of 1024 descriptors; the
+/// servers' connection caps, the maps, the manifests and the watches need more room.
+fn raise_open_file_limit() {
     match http::raise_nofile_limit() {
         Ok((before, after)) => info!(before, after, "open file limit (RLIMIT_NOFILE, soft)"),
         Err(e) => warn!(error = %e, "raising the open file limit"),
     }
+}
+
+/// What [`open_datapath`] found and installed.
+struct Datapath {
+    installed: loader::InstallReport,
+    /// The node's addresses (NodePorts at the socket hooks, and on TC).
+    node_addrs: Vec<std::net::IpAddr>,
+}
+
+/// Installs or adopts the datapath (programs, maps, attachments) and writes the
+/// forwarding mode.
+fn open_datapath(opts: &AgentOptions) -> anyhow::Result<Datapath> {
     // The node's addresses serve NodePorts at the socket hooks too (pods and the node's
     // own processes connecting to `<node address>:<nodePort>`): found even without TC,
     // from the interfaces `auto` would pick.
@@ -138,9 +183,16 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         mode = opts.forwarding_mode.name(),
         "forwarding mode for external traffic to backends on other nodes"
     );
-    let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
-    // Metrics and health first: reading a large pinned state back takes seconds, and
-    // /livez must answer meanwhile (/healthz says 503 until the first sync).
+    Ok(Datapath {
+        installed,
+        node_addrs,
+    })
+}
+
+/// The metrics registry, with what is known from the start (families, ignored settings,
+/// table sizes, map memory); map memory is refreshed every 10 s from then on.
+fn new_metrics(opts: &AgentOptions, datapath: &Datapath) -> Arc<Metrics> {
+    let (node_addrs, installed) = (&datapath.node_addrs, &datapath.installed);
     let mut metrics = Metrics::new();
     metrics.kube_proxy.set_families(
         node_addrs.iter().any(|a| a.is_ipv4()),
@@ -166,7 +218,15 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     );
     set_map_memory(&metrics, &map_memory);
     tokio::spawn(refresh_map_memory(opts.pin_path.clone(), metrics.clone()));
-    let health = Arc::new(Health::new(opts.sync_interval * 2));
+    metrics
+}
+
+/// Binds and serves /metrics and /healthz + /livez.
+async fn serve_http(
+    opts: &AgentOptions,
+    metrics: &Arc<Metrics>,
+    health: &Arc<Health>,
+) -> anyhow::Result<()> {
     let m = metrics::spawn(
         opts.metrics_addr,
         Endpoints::Metrics,
@@ -184,11 +244,15 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     .await
     .with_context(|| format!("binding the health address {}", opts.healthz_addr))?;
     info!(metrics = %m, healthz = %h, "serving /metrics, /healthz and /livez");
+    Ok(())
+}
 
-    // The sources start before the pinned maps are read back: the lists (seconds at tens
-    // of thousands of Services) arrive and are decoded while adoption runs on another
-    // thread, and wait in the channel for the syncer (which writes nothing before every
-    // initial list is in).
+/// Starts the source (manifests directory or Kubernetes API); its updates arrive on the
+/// returned channel.
+async fn start_source(
+    opts: &AgentOptions,
+    metrics: &Metrics,
+) -> anyhow::Result<mpsc::Receiver<Update>> {
     let (tx, rx) = mpsc::channel(4096);
     match &opts.manifests {
         Some(dir) => {
@@ -219,6 +283,16 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
             );
         }
     }
+    Ok(rx)
+}
+
+/// Reads the pinned maps back (off the runtime: the servers keep answering meanwhile),
+/// writes the node's addresses, and counts the repairs adoption made.
+async fn adopt_maps(
+    opts: &AgentOptions,
+    node_addrs: Vec<std::net::IpAddr>,
+    metrics: &Metrics,
+) -> anyhow::Result<(Writer<BpfMaps>, NodeAddresses)> {
     let maps = BpfMaps::open(&opts.pin_path)?;
     // Off the runtime: the servers above keep answering while the maps are read back.
     let maglev = opts.maglev;
@@ -256,12 +330,20 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
             })
             .inc_by(*n as u64);
     }
+    Ok((writer, node_addresses))
+}
 
+/// The syncer for this node, watching Services, EndpointSlices and Nodes.
+fn new_syncer(
+    opts: &AgentOptions,
+    writer: Writer<BpfMaps>,
+    metrics: Arc<Metrics>,
+) -> Syncer<BpfMaps> {
     let node = NodeInfo {
         name: opts.node_name.clone(),
         ..NodeInfo::default()
     };
-    let syncer = Syncer::new(
+    Syncer::new(
         writer,
         node,
         opts.proxy_name.clone(),
@@ -269,23 +351,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         metrics,
     )
     .with_external_ip_cidrs(opts.external_ip_cidrs.clone())
-    .with_lb_algorithm(opts.lb_algorithm);
-    if opts.cleanup_kube_proxy {
-        tokio::spawn(cleanup_kube_proxy_when_synced(health.clone()));
-    }
-    let hooked_cgroup = installed.cgroup.clone();
-    sync_loop(
-        syncer,
-        rx,
-        &opts,
-        &health,
-        node_addresses,
-        hooked_cgroup,
-        shutdown,
-    )
-    .await;
-    info!("stopping; the datapath stays pinned and keeps serving");
-    Ok(())
+    .with_lb_algorithm(opts.lb_algorithm)
 }
 
 fn set_map_memory(metrics: &Metrics, maps: &[loader::MapMemory]) {
