@@ -105,7 +105,7 @@ pub mod map_names {
     pub const SVC_CIDR6: &str = "SVC_CIDR6";
 
     /// Every pinned map.
-    pub const ALL: [&str; 27] = [
+    pub const ALL: [&str; 29] = [
         SVC4,
         SVC6,
         BACKEND4,
