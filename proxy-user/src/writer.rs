@@ -199,14 +199,52 @@ pub struct AdoptReport {
     /// Slots missing below a frontend's count, or naming a backend that is missing or of
     /// another protocol or family; rewritten on the next write of it.
     pub missing_slots: usize,
-    /// Broken entries repaired, by kind (`duplicate_service_id`, `dangling_slot`,
-    /// `slot_backend_mismatch`, `missing_slot`, `revnat_rewritten`); each is logged.
-    pub repairs: BTreeMap<&'static str, usize>,
+    /// Broken entries repaired, by kind; each is logged.
+    pub repairs: BTreeMap<Repair, usize>,
 }
 
 impl AdoptReport {
-    fn repair(&mut self, kind: &'static str) {
+    fn repair(&mut self, kind: Repair) {
         *self.repairs.entry(kind).or_default() += 1;
+    }
+}
+
+/// A kind of broken pinned entry adoption repairs (`adoption_repairs_total{kind}`).
+/// Declared in the order of the labels, so a report lists them as before.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Repair {
+    /// A slot naming a backend that is not there.
+    DanglingSlot,
+    /// Two frontends with the same service id (one gets a new id).
+    DuplicateServiceId,
+    /// A Maglev table not computed from what it is found with (rewritten).
+    MaglevTableStale,
+    /// A slot missing below a frontend's count.
+    MissingSlot,
+    /// A reverse-NAT entry naming another frontend (rewritten).
+    RevnatRewritten,
+    /// A slot naming a backend of another protocol or family.
+    SlotBackendMismatch,
+}
+
+impl Repair {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Repair::DanglingSlot => "dangling_slot",
+            Repair::DuplicateServiceId => "duplicate_service_id",
+            Repair::MaglevTableStale => "maglev_table_stale",
+            Repair::MissingSlot => "missing_slot",
+            Repair::RevnatRewritten => "revnat_rewritten",
+            Repair::SlotBackendMismatch => "slot_backend_mismatch",
+        }
+    }
+}
+
+/// Logged as its label.
+impl std::fmt::Debug for Repair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.label())
     }
 }
 

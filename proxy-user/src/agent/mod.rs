@@ -227,7 +227,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         metrics
             .adoption_repairs
             .get_or_create(&metrics::KindLabel {
-                kind: kind.to_string(),
+                kind: kind.label().to_string(),
             })
             .inc_by(*n as u64);
     }

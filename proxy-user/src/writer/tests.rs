@@ -1027,10 +1027,10 @@ fn adoption_repairs_corrupted_pins_and_trusts_no_broken_entry() {
     assert_eq!(
         report.repairs,
         BTreeMap::from([
-            ("dangling_slot", 1),
-            ("duplicate_service_id", 1),
-            ("missing_slot", 1),
-            ("slot_backend_mismatch", 1),
+            (Repair::DanglingSlot, 1),
+            (Repair::DuplicateServiceId, 1),
+            (Repair::MissingSlot, 1),
+            (Repair::SlotBackendMismatch, 1),
         ])
     );
     assert_eq!(report.missing_slots, 3);
@@ -1207,7 +1207,7 @@ fn maglev_tables_survive_adoption_without_writes_and_stale_ones_are_rewritten() 
     let other = MaglevParams::new(4093, "another-seed").expect("prime");
     let (mut w3, report) = Writer::adopt_with(store, usize::MAX, other).expect("adopt");
     assert_eq!(
-        report.repairs.get("maglev_table_stale"),
+        report.repairs.get(&Repair::MaglevTableStale),
         Some(&2),
         "{report:?}"
     );
