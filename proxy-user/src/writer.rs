@@ -47,15 +47,15 @@ use std::{
     net::IpAddr,
 };
 
-use crate::fasthash::{HashMap, HashSet};
+use crate::fasthash::HashSet;
 
 use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
-use tracing::{error, warn};
+use tracing::warn;
 
 use crate::{
     maglev::{self, Params as MaglevParams},
-    model::{Backend, Frontend, Proto, ServiceEntry},
-    store::{write_batch, Dump, FrontendValue, Group, MapStore, Op, Snat, StoreError, WriteCounts},
+    model::{Backend, Frontend, Proto},
+    store::{Dump, FrontendValue, MapStore, Op, Snat, StoreError, WriteCounts},
 };
 
 /// A sync writing at least this many frontends writes in batches.
@@ -537,7 +537,6 @@ mod upsert;
 
 use backends::Backends;
 pub use plan::{node_address_ops, Plan};
-use plan::{phase, PHASES};
 use upsert::slot_no;
 
 #[cfg(test)]

@@ -1,7 +1,17 @@
 //! Adoption: reading the pinned maps back into the writer's model, checking and
 //! repairing them (`AdoptReport`).
 
-use super::*;
+use std::{collections::BTreeSet, net::IpAddr};
+
+use tracing::warn;
+
+use super::{plan::Plan, AdoptReport, BackendKey, Programmed, Repair, Writer, BATCH_MIN_FRONTENDS};
+use crate::{
+    fasthash::{HashMap, HashSet},
+    maglev::{self, Params as MaglevParams},
+    model::Frontend,
+    store::{write_batch, Dump, FrontendValue, MapStore, Op, StoreError},
+};
 
 /// The order adoption writes its repairs and deletions in: what nothing reaches first,
 /// then rewrites in the update order, unreferenced backends last.

@@ -11,7 +11,10 @@ use std::net::{IpAddr, SocketAddr};
 
 use super::upsert::stable_layout;
 use super::*;
-use crate::store::{BatchFailed, BatchFault, MemStore};
+use crate::{
+    model::ServiceEntry,
+    store::{BatchFailed, BatchFault, MemStore},
+};
 
 /// A store that, after every operation, checks what the datapath would see: every
 /// frontend's slots 1..=count exist and name an existing backend. With `batches`, it
