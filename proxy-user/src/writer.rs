@@ -95,17 +95,40 @@ pub enum WriteError {
 }
 
 impl WriteError {
-    /// A short machine-readable cause, for metrics labels.
-    pub fn reason(&self) -> &'static str {
+    /// The cause, as metrics count it.
+    pub fn reason(&self) -> Refusal {
         match self {
-            WriteError::FamilyMismatch { .. } => "family_mismatch",
-            WriteError::ZeroPort { .. } | WriteError::ZeroBackendPort { .. } => "zero_port",
-            WriteError::TooManyBackends { .. } => "too_many_backends",
+            WriteError::FamilyMismatch { .. } => Refusal::FamilyMismatch,
+            WriteError::ZeroPort { .. } | WriteError::ZeroBackendPort { .. } => Refusal::ZeroPort,
+            WriteError::TooManyBackends { .. } => Refusal::TooManyBackends,
             WriteError::Store {
                 source: StoreError::Full { .. },
                 ..
-            } => "map_full",
-            WriteError::Store { .. } => "map_write",
+            } => Refusal::MapFull,
+            WriteError::Store { .. } => Refusal::MapWrite,
+        }
+    }
+}
+
+/// Why the writer did not program a frontend ([`WriteError::reason`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    FamilyMismatch,
+    ZeroPort,
+    TooManyBackends,
+    MapFull,
+    MapWrite,
+}
+
+impl Refusal {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::FamilyMismatch => "family_mismatch",
+            Refusal::ZeroPort => "zero_port",
+            Refusal::TooManyBackends => "too_many_backends",
+            Refusal::MapFull => "map_full",
+            Refusal::MapWrite => "map_write",
         }
     }
 }

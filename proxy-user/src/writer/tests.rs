@@ -347,7 +347,7 @@ fn bad_entries_are_refused_before_any_write() {
     ];
     for (entry, reason, text) in cases {
         let err = w.upsert(&entry).expect_err("must be refused");
-        assert_eq!(err.reason(), reason);
+        assert_eq!(err.reason().label(), reason);
         let msg = err.to_string();
         assert!(msg.contains(text), "{msg}");
         assert!(
@@ -362,7 +362,7 @@ fn bad_entries_are_refused_before_any_write() {
     let err = w
         .upsert(&ServiceEntry::new(fe, too_many))
         .expect_err("too many");
-    assert_eq!(err.reason(), "too_many_backends");
+    assert_eq!(err.reason().label(), "too_many_backends");
     assert_eq!(log(&mut w), "");
 }
 
@@ -384,7 +384,7 @@ fn a_failed_write_rolls_back_and_leaves_the_model_unchanged() {
             continue;
         };
         failures += 1;
-        assert_eq!(err.reason(), "map_full");
+        assert_eq!(err.reason().label(), "map_full");
         assert!(err
             .to_string()
             .starts_with("frontend 10.96.0.10:80/tcp: map SVC4 is full"));
@@ -415,7 +415,7 @@ fn a_full_map_refuses_a_new_frontend_without_leftovers() {
     let err = w
         .upsert(&svc(vip("10.96.0.11", 80), &[C]))
         .expect_err("needs 2 more");
-    assert_eq!(err.reason(), "map_full");
+    assert_eq!(err.reason().label(), "map_full");
     assert!(err.to_string().contains("10.96.0.11:80/tcp"), "{err}");
     assert_eq!(w.store().dump().expect("dump"), before);
     // The service id and backend id it had reserved are free again.
@@ -879,7 +879,7 @@ fn a_failed_element_in_a_batched_sync_undoes_it_and_names_the_frontend() {
         "{err}"
     );
     assert!(!err.contains("incompletely"), "{err}");
-    assert_eq!(report.errors[0].reason(), "map_full");
+    assert_eq!(report.errors[0].reason().label(), "map_full");
     assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
     assert_eq!(w.frontends().count(), 40);
     assert_ne!(w.store().dump().expect("dump"), before);
