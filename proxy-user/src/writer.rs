@@ -47,15 +47,15 @@ use std::{
     net::IpAddr,
 };
 
-use crate::fasthash::{HashMap, HashSet};
+use crate::fasthash::HashSet;
 
 use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
-use tracing::{error, warn};
+use tracing::warn;
 
 use crate::{
     maglev::{self, Params as MaglevParams},
-    model::{Backend, Frontend, Proto, ServiceEntry},
-    store::{write_batch, Dump, FrontendValue, Group, MapStore, Op, Snat, StoreError, WriteCounts},
+    model::{Backend, Frontend, Proto},
+    store::{Dump, FrontendValue, MapStore, Op, Snat, StoreError, WriteCounts},
 };
 
 /// A sync writing at least this many frontends writes in batches.
@@ -95,17 +95,40 @@ pub enum WriteError {
 }
 
 impl WriteError {
-    /// A short machine-readable cause, for metrics labels.
-    pub fn reason(&self) -> &'static str {
+    /// The cause, as metrics count it.
+    pub fn reason(&self) -> Refusal {
         match self {
-            WriteError::FamilyMismatch { .. } => "family_mismatch",
-            WriteError::ZeroPort { .. } | WriteError::ZeroBackendPort { .. } => "zero_port",
-            WriteError::TooManyBackends { .. } => "too_many_backends",
+            WriteError::FamilyMismatch { .. } => Refusal::FamilyMismatch,
+            WriteError::ZeroPort { .. } | WriteError::ZeroBackendPort { .. } => Refusal::ZeroPort,
+            WriteError::TooManyBackends { .. } => Refusal::TooManyBackends,
             WriteError::Store {
                 source: StoreError::Full { .. },
                 ..
-            } => "map_full",
-            WriteError::Store { .. } => "map_write",
+            } => Refusal::MapFull,
+            WriteError::Store { .. } => Refusal::MapWrite,
+        }
+    }
+}
+
+/// Why the writer did not program a frontend ([`WriteError::reason`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    FamilyMismatch,
+    ZeroPort,
+    TooManyBackends,
+    MapFull,
+    MapWrite,
+}
+
+impl Refusal {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::FamilyMismatch => "family_mismatch",
+            Refusal::ZeroPort => "zero_port",
+            Refusal::TooManyBackends => "too_many_backends",
+            Refusal::MapFull => "map_full",
+            Refusal::MapWrite => "map_write",
         }
     }
 }
@@ -199,14 +222,52 @@ pub struct AdoptReport {
     /// Slots missing below a frontend's count, or naming a backend that is missing or of
     /// another protocol or family; rewritten on the next write of it.
     pub missing_slots: usize,
-    /// Broken entries repaired, by kind (`duplicate_service_id`, `dangling_slot`,
-    /// `slot_backend_mismatch`, `missing_slot`, `revnat_rewritten`); each is logged.
-    pub repairs: BTreeMap<&'static str, usize>,
+    /// Broken entries repaired, by kind; each is logged.
+    pub repairs: BTreeMap<Repair, usize>,
 }
 
 impl AdoptReport {
-    fn repair(&mut self, kind: &'static str) {
+    fn repair(&mut self, kind: Repair) {
         *self.repairs.entry(kind).or_default() += 1;
+    }
+}
+
+/// A kind of broken pinned entry adoption repairs (`adoption_repairs_total{kind}`).
+/// Declared in the order of the labels, so a report lists them as before.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Repair {
+    /// A slot naming a backend that is not there.
+    DanglingSlot,
+    /// Two frontends with the same service id (one gets a new id).
+    DuplicateServiceId,
+    /// A Maglev table not computed from what it is found with (rewritten).
+    MaglevTableStale,
+    /// A slot missing below a frontend's count.
+    MissingSlot,
+    /// A reverse-NAT entry naming another frontend (rewritten).
+    RevnatRewritten,
+    /// A slot naming a backend of another protocol or family.
+    SlotBackendMismatch,
+}
+
+impl Repair {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Repair::DanglingSlot => "dangling_slot",
+            Repair::DuplicateServiceId => "duplicate_service_id",
+            Repair::MaglevTableStale => "maglev_table_stale",
+            Repair::MissingSlot => "missing_slot",
+            Repair::RevnatRewritten => "revnat_rewritten",
+            Repair::SlotBackendMismatch => "slot_backend_mismatch",
+        }
+    }
+}
+
+/// Logged as its label.
+impl std::fmt::Debug for Repair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.label())
     }
 }
 
@@ -509,7 +570,6 @@ mod upsert;
 
 use backends::Backends;
 pub use plan::{node_address_ops, Plan};
-use plan::{phase, PHASES};
 use upsert::slot_no;
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use std::{
 
 use proxy_user::{
     store::{FrontendValue, Op},
+    writer::Repair,
     BpfMaps, Frontend, MapStore as _, Proto, ServiceEntry, Writer,
 };
 use support::{tcp_ask, TestEnv, Topology};
@@ -84,9 +85,9 @@ fn corrupted_pins_are_repaired_on_adoption_and_traffic_is_right_afterwards() {
     assert_eq!(
         report.repairs,
         BTreeMap::from([
-            ("dangling_slot", 1),
-            ("duplicate_service_id", 1),
-            ("missing_slot", 1),
+            (Repair::DanglingSlot, 1),
+            (Repair::DuplicateServiceId, 1),
+            (Repair::MissingSlot, 1),
         ])
     );
     let d = w.store().dump().expect("dump");

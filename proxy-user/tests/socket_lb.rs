@@ -507,7 +507,7 @@ fn full_service_map_is_refused_cleanly() {
         "exactly the one frontend over the limit fails"
     );
     let (fe, err) = &errors[0];
-    assert_eq!(err.reason(), "map_full");
+    assert_eq!(err.reason().label(), "map_full");
     assert!(err.to_string().contains(&fe.to_string()), "{err}");
     assert!(err.to_string().contains("REVNAT4"), "{err}");
     let w = env.writer();

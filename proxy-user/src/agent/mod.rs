@@ -326,7 +326,7 @@ async fn adopt_maps(
         metrics
             .adoption_repairs
             .get_or_create(&metrics::KindLabel {
-                kind: kind.to_string(),
+                kind: kind.label().to_string(),
             })
             .inc_by(*n as u64);
     }

@@ -17,11 +17,10 @@ use aya::{
 use proxy_common::{map_names as names, MaglevChunk, MaglevKey, NodeConfig, Reason, SvcValue};
 
 use crate::{
-    batch, codec,
-    codec::{FamilyAbi, Ipv4, Ipv6, SvcKey},
-    model::Family,
+    batch,
+    codec::{FamilyAbi, Ipv4, Ipv6},
     pins::{Access, PinDir, PinnedHash},
-    store::{BatchFailed, Dump, Group, MapKind, MapStore, Op, StoreError},
+    store::{MapStore, StoreError},
 };
 
 mod store;

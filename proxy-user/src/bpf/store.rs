@@ -1,10 +1,17 @@
 //! [`MapStore`] over the pinned maps: one-element writes through aya, batches through
 //! `crate::batch`, the dump the writer adopts from.
 
-use super::*;
+use std::os::fd::AsFd as _;
+
+use aya::maps::MapError;
+use proxy_common::{map_names as names, MaglevKey, SvcValue};
+
+use super::{BpfMaps, FamilyMaps};
 use crate::{
-    model::{Backend, Frontend, Proto},
-    store::FrontendValue,
+    batch,
+    codec::{self, FamilyAbi, SvcKey},
+    model::{Backend, Family, Frontend, Proto},
+    store::{BatchFailed, Dump, FrontendValue, Group, MapKind, MapStore, Op, StoreError},
 };
 
 pub(super) fn map_err(map: &'static str) -> impl Fn(MapError) -> StoreError {

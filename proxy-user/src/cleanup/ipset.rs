@@ -1,6 +1,10 @@
 //! ipsets: kube-proxy's IPVS-mode sets, unless a kept iptables rule still uses them.
 
-use super::*;
+use std::collections::{BTreeMap, BTreeSet};
+
+use kube_rules::ipvs::{ipv6_set_name, IPSET_NAMES};
+
+use super::{run, skip_or_fail, CleanupOptions, Item, Report};
 
 /// The ipsets of the namespace (`ipset save`): name -> (type, entries).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

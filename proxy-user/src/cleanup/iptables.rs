@@ -2,7 +2,14 @@
 //! (`iptables-nft`, `iptables-legacy`, v4 and v6), removed with one
 //! `iptables-restore --noflush` per table.
 
-use super::*;
+use std::{
+    collections::{BTreeMap, BTreeSet, HashSet},
+    fs,
+};
+
+use kube_rules::chains::{is_kube_proxy_chain, TABLES};
+
+use super::{run, skip_or_fail, CleanupError, CleanupOptions, Item, Report};
 
 /// One iptables tool set (`iptables-nft-save`, `iptables-nft-restore`, ...).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,6 +1,11 @@
 //! IPVS: kube-proxy's virtual services and its `kube-ipvs0` dummy link.
 
-use super::*;
+use std::{fmt, fs, net::IpAddr};
+
+use super::ipset::IpSets;
+use kube_rules::ipvs::{ipv6_set_name, IPVS_LINK, NODE_PORT_SETS, SERVICE_ADDRESS_SETS};
+
+use super::{run, skip_or_fail, CleanupError, CleanupOptions, Item, Report};
 
 /// A network interface with its kind and addresses (`ip -j -d addr show`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

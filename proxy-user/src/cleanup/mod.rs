@@ -42,10 +42,9 @@ mod ipvs;
 mod nftables;
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashSet},
-    fmt, fs, io,
+    collections::BTreeSet,
+    fmt, io,
     io::Write as _,
-    net::IpAddr,
     process::{Command, Stdio},
 };
 

@@ -1,6 +1,8 @@
 //! nftables: the `ip kube-proxy` and `ip6 kube-proxy` tables.
 
-use super::*;
+use kube_rules::NFT_TABLE;
+
+use super::{run, skip_or_fail, CleanupOptions, Item, Report};
 
 /// `(family, name)` of every table in `nft list tables` output.
 pub fn parse_nft_tables(text: &str) -> Vec<(String, String)> {

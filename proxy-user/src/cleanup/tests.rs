@@ -1,6 +1,8 @@
 //! Unit tests of the cleanup's decisions over saved tool output (the privileged
 //! `tests/cleanup_kube_proxy.rs` runs the real tools in namespaces).
 
+use std::net::IpAddr;
+
 use super::*;
 
 /// A kube-proxy iptables-mode `nat` table next to Docker's rules and kubelet's canary, as

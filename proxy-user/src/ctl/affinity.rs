@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use super::{
     conntrack::format_age,
+    schema::SCHEMA,
     snapshot::{AffinityClient, AffinityEntry, Snapshot},
     table::Table,
 };
@@ -74,7 +75,7 @@ fn view(s: &Snapshot, e: &AffinityEntry) -> AffinityView {
 pub fn build(s: &Snapshot) -> AffinityDoc {
     let Some(entries) = &s.affinity else {
         return AffinityDoc {
-            schema: super::SCHEMA,
+            schema: SCHEMA,
             available: false,
             entries: Vec::new(),
         };
@@ -82,7 +83,7 @@ pub fn build(s: &Snapshot) -> AffinityDoc {
     let mut sorted: Vec<&AffinityEntry> = entries.iter().collect();
     sorted.sort_by_key(|e| (e.service_id, e.client));
     AffinityDoc {
-        schema: super::SCHEMA,
+        schema: SCHEMA,
         available: true,
         entries: sorted.into_iter().map(|e| view(s, e)).collect(),
     }

@@ -9,6 +9,7 @@ use proxy_common::{ct_flags, ct_timeouts, proto};
 use serde::Serialize;
 
 use super::{
+    schema::SCHEMA,
     snapshot::{ct_backend_gen, ct_flag_names, CtEntry, Snapshot},
     table::Table,
 };
@@ -123,7 +124,7 @@ fn flow_view(s: &Snapshot, e: &CtEntry) -> FlowView {
 pub fn build(s: &Snapshot, addr: Option<IpAddr>) -> ConntrackDoc {
     let Some(flows) = &s.flows else {
         return ConntrackDoc {
-            schema: super::SCHEMA,
+            schema: SCHEMA,
             available: false,
             flows: Vec::new(),
         };
@@ -158,7 +159,7 @@ pub fn build(s: &Snapshot, addr: Option<IpAddr>) -> ConntrackDoc {
         .map(|e| flow_view(s, e))
         .collect();
     ConntrackDoc {
-        schema: super::SCHEMA,
+        schema: SCHEMA,
         available: true,
         flows,
     }

@@ -16,6 +16,7 @@ pub mod error;
 pub mod explain;
 pub mod iptables;
 pub mod maps;
+pub mod schema;
 pub mod services;
 pub mod snapshot;
 pub mod stats;
@@ -38,13 +39,10 @@ use serde::Serialize;
 
 pub use error::{Error, Result};
 pub use maps::Maps;
+pub use schema::SCHEMA;
 pub use snapshot::Snapshot;
 
 use crate::pins::{PinDir, DEFAULT_PIN_PATH};
-
-/// Version of every JSON document (`"schema"`): bumped only on an incompatible change;
-/// new fields may appear without a bump.
-pub const SCHEMA: u32 = 1;
 
 /// Output format of every listing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -5,7 +5,7 @@ use serde::Serialize;
 
 use proxy_common::Reason;
 
-use super::{snapshot::Snapshot, table::Table};
+use super::{schema::SCHEMA, snapshot::Snapshot, table::Table};
 
 /// One line on what a counter counts (every variant, so a new `Reason` must be described
 /// here before this compiles).
@@ -147,7 +147,7 @@ pub fn build(s: &Snapshot) -> StatsDoc {
         })
         .collect();
     StatsDoc {
-        schema: super::SCHEMA,
+        schema: SCHEMA,
         counters,
         xdp_counters,
         acceleration: match s.acceleration {

@@ -7,7 +7,7 @@ use std::{fmt::Write as _, time::Duration};
 use proxy_common::Reason;
 use serde::Serialize;
 
-use super::{snapshot::Snapshot, table::Table};
+use super::{schema::SCHEMA, snapshot::Snapshot, table::Table};
 
 /// One refresh (also one line of `-o json` output: one JSON object per frame).
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -94,7 +94,7 @@ pub fn frame(n: u64, prev: Option<(&Snapshot, Duration)>, cur: &Snapshot) -> Fra
         })
         .collect();
     FrameView {
-        schema: super::SCHEMA,
+        schema: SCHEMA,
         frame: n,
         elapsed_seconds: secs,
         backends,

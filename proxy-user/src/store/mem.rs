@@ -2,7 +2,7 @@
 
 use std::{collections::BTreeSet, io};
 
-use super::*;
+use super::{BatchFailed, Dump, Group, MapStore, Op, StoreError};
 
 /// An in-memory [`MapStore`] that records every operation, with an optional capacity on
 /// the service map to exercise the "map full" paths.

@@ -1,7 +1,17 @@
 //! Adoption: reading the pinned maps back into the writer's model, checking and
 //! repairing them (`AdoptReport`).
 
-use super::*;
+use std::{collections::BTreeSet, net::IpAddr};
+
+use tracing::warn;
+
+use super::{plan::Plan, AdoptReport, BackendKey, Programmed, Repair, Writer, BATCH_MIN_FRONTENDS};
+use crate::{
+    fasthash::{HashMap, HashSet},
+    maglev::{self, Params as MaglevParams},
+    model::Frontend,
+    store::{write_batch, Dump, FrontendValue, MapStore, Op, StoreError},
+};
 
 /// The order adoption writes its repairs and deletions in: what nothing reaches first,
 /// then rewrites in the update order, unreferenced backends last.
@@ -120,7 +130,7 @@ impl<S: MapStore> Writer<S> {
             let duplicate = owner.get(&found.service_id) != Some(fe);
             if duplicate {
                 value.service_id = self.service_alloc.alloc();
-                report.repair("duplicate_service_id");
+                report.repair(Repair::DuplicateServiceId);
                 warn!(
                     frontend = %fe,
                     shared_with = %owner[&found.service_id],
@@ -228,18 +238,18 @@ impl<S: MapStore> Writer<S> {
         report: &mut AdoptReport,
     ) -> Option<u32> {
         let Some(id) = at else {
-            report.repair("missing_slot");
+            report.repair(Repair::MissingSlot);
             warn!(frontend = %fe, slot, "adoption: slot missing below the count");
             return None;
         };
         match self.backends.get(id) {
             None => {
-                report.repair("dangling_slot");
+                report.repair(Repair::DanglingSlot);
                 warn!(frontend = %fe, slot, backend = id, "adoption: slot names a missing backend");
                 None
             }
             Some(((b, proto), _)) if proto != fe.proto || b.family() != fe.family() => {
-                report.repair("slot_backend_mismatch");
+                report.repair(Repair::SlotBackendMismatch);
                 warn!(frontend = %fe, slot, backend = id, "adoption: slot names a backend of another protocol or family");
                 None
             }
@@ -288,7 +298,7 @@ impl<S: MapStore> Writer<S> {
             let state = if same {
                 (maglev::fingerprint(self.maglev, &inputs), n)
             } else {
-                report.repair("maglev_table_stale");
+                report.repair(Repair::MaglevTableStale);
                 (0, n)
             };
             if let Some(p) = self.services.get_mut(&fe) {
@@ -366,7 +376,7 @@ impl<S: MapStore> Writer<S> {
                 Some((f, name)) if f == fe => p.name = name.clone(),
                 other => {
                     if let Some((f, _)) = other {
-                        report.repair("revnat_rewritten");
+                        report.repair(Repair::RevnatRewritten);
                         warn!(frontend = %fe, service_id = p.value.service_id, names = %f,
                               "adoption: reverse-NAT entry names another frontend; rewritten");
                     }

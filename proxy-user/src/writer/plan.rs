@@ -1,6 +1,11 @@
 //! [`Plan`]: map operations in order, each with its undo; the phases of a batched sync.
 
-use super::*;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
+
+use crate::store::{Group, Op, Snat};
 
 /// Map operations in order, each with the operation that undoes it.
 #[derive(Clone, Debug, Default)]

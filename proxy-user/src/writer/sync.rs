@@ -1,7 +1,22 @@
 //! Syncs: a desired set of entries written as the difference, frontend by frontend or in
 //! batches by phase (see the module doc of `writer`).
 
-use super::*;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
+
+use tracing::{error, warn};
+
+use super::{
+    plan::{phase, Plan, PHASES},
+    SyncReport, Writer,
+};
+use crate::{
+    maglev,
+    model::{Frontend, ServiceEntry},
+    store::{write_batch, MapStore, Op, StoreError},
+};
 
 impl<S: MapStore> Writer<S> {
     /// Makes the maps hold exactly `desired`: removes frontends not in it, writes the

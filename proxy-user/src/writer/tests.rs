@@ -11,7 +11,10 @@ use std::net::{IpAddr, SocketAddr};
 
 use super::upsert::stable_layout;
 use super::*;
-use crate::store::{BatchFailed, BatchFault, MemStore};
+use crate::{
+    model::ServiceEntry,
+    store::{BatchFailed, BatchFault, MemStore},
+};
 
 /// A store that, after every operation, checks what the datapath would see: every
 /// frontend's slots 1..=count exist and name an existing backend. With `batches`, it
@@ -344,7 +347,7 @@ fn bad_entries_are_refused_before_any_write() {
     ];
     for (entry, reason, text) in cases {
         let err = w.upsert(&entry).expect_err("must be refused");
-        assert_eq!(err.reason(), reason);
+        assert_eq!(err.reason().label(), reason);
         let msg = err.to_string();
         assert!(msg.contains(text), "{msg}");
         assert!(
@@ -359,7 +362,7 @@ fn bad_entries_are_refused_before_any_write() {
     let err = w
         .upsert(&ServiceEntry::new(fe, too_many))
         .expect_err("too many");
-    assert_eq!(err.reason(), "too_many_backends");
+    assert_eq!(err.reason().label(), "too_many_backends");
     assert_eq!(log(&mut w), "");
 }
 
@@ -381,7 +384,7 @@ fn a_failed_write_rolls_back_and_leaves_the_model_unchanged() {
             continue;
         };
         failures += 1;
-        assert_eq!(err.reason(), "map_full");
+        assert_eq!(err.reason().label(), "map_full");
         assert!(err
             .to_string()
             .starts_with("frontend 10.96.0.10:80/tcp: map SVC4 is full"));
@@ -412,7 +415,7 @@ fn a_full_map_refuses_a_new_frontend_without_leftovers() {
     let err = w
         .upsert(&svc(vip("10.96.0.11", 80), &[C]))
         .expect_err("needs 2 more");
-    assert_eq!(err.reason(), "map_full");
+    assert_eq!(err.reason().label(), "map_full");
     assert!(err.to_string().contains("10.96.0.11:80/tcp"), "{err}");
     assert_eq!(w.store().dump().expect("dump"), before);
     // The service id and backend id it had reserved are free again.
@@ -876,7 +879,7 @@ fn a_failed_element_in_a_batched_sync_undoes_it_and_names_the_frontend() {
         "{err}"
     );
     assert!(!err.contains("incompletely"), "{err}");
-    assert_eq!(report.errors[0].reason(), "map_full");
+    assert_eq!(report.errors[0].reason().label(), "map_full");
     assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
     assert_eq!(w.frontends().count(), 40);
     assert_ne!(w.store().dump().expect("dump"), before);
@@ -1045,10 +1048,10 @@ fn adoption_repairs_corrupted_pins_and_trusts_no_broken_entry() {
     assert_eq!(
         report.repairs,
         BTreeMap::from([
-            ("dangling_slot", 1),
-            ("duplicate_service_id", 1),
-            ("missing_slot", 1),
-            ("slot_backend_mismatch", 1),
+            (Repair::DanglingSlot, 1),
+            (Repair::DuplicateServiceId, 1),
+            (Repair::MissingSlot, 1),
+            (Repair::SlotBackendMismatch, 1),
         ])
     );
     assert_eq!(report.missing_slots, 3);
@@ -1225,7 +1228,7 @@ fn maglev_tables_survive_adoption_without_writes_and_stale_ones_are_rewritten() 
     let other = MaglevParams::new(4093, "another-seed").expect("prime");
     let (mut w3, report) = Writer::adopt_with(store, usize::MAX, other).expect("adopt");
     assert_eq!(
-        report.repairs.get("maglev_table_stale"),
+        report.repairs.get(&Repair::MaglevTableStale),
         Some(&2),
         "{report:?}"
     );

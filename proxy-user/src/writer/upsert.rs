@@ -1,7 +1,17 @@
 //! One frontend written or removed: staged as a [`Plan`], applied, committed to the model
 //! or undone.
 
-use super::*;
+use std::{collections::BTreeSet, net::IpAddr};
+
+use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
+
+use super::{plan::Plan, BackendKey, Programmed, StagedUpsert, WriteError, Writer};
+use crate::{
+    fasthash::{HashMap, HashSet},
+    maglev,
+    model::{Backend, Frontend, ServiceEntry},
+    store::{FrontendValue, MapStore, Op},
+};
 
 /// An op and the op that undoes it (planned later with [`Plan::push`]).
 type OpAndUndo = (Op, Op);

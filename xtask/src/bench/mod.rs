@@ -38,20 +38,13 @@ mod run;
 mod stats;
 mod topo;
 
-use std::{
-    collections::BTreeMap,
-    net::SocketAddrV4,
-    path::PathBuf,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
-};
+use std::{collections::BTreeMap, path::PathBuf, time::Instant};
 
 use anyhow::{bail, Context as _, Result};
 use clap::Subcommand;
 
-use client::{Client, Outcome, Spec, Task};
-use modes::{Ctx, Mode};
-use plan::{Service, BULK_PORT, DNS_PORT, HTTP_PORT};
-use report::{ChangeResult, ModeInfo, ModeScale, Results, RoundResult, ScaleResult, Status};
+use modes::Ctx;
+use report::Results;
 use run::run;
 
 #[derive(clap::Args)]

@@ -1,8 +1,18 @@
 //! One mode within a round: the safety check before anything is programmed, the traffic
 //! check after, its datapath workload, its endpoint change, and the medians over rounds.
 
-use super::*;
-use run::Running;
+use std::{net::SocketAddrV4, time::Duration};
+
+use anyhow::{bail, Context as _, Result};
+
+use super::{
+    client::{self, Client, Outcome, Spec, Task},
+    modes::{Ctx, Mode},
+    plan::{self, Service, BULK_PORT, DNS_PORT, HTTP_PORT},
+    report::{ChangeResult, RoundResult},
+    run::Running,
+    stats, topo, Config,
+};
 
 /// Before anything is programmed, a ClusterIP must be unreachable from the client
 /// namespace: nothing there routes the service CIDR out of the bench's namespaces.

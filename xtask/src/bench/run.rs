@@ -2,8 +2,19 @@
 //! the rounds of datapath workloads and endpoint changes (the method is in the module
 //! doc of `bench`).
 
-use super::*;
-use rounds::{datapath_round, endpoint_change, safety_check, summarise, verify};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context as _, Result};
+
+use super::{
+    first_line, log, machine, maglev,
+    modes::{self, Ctx, Mode},
+    plan::{self, Service},
+    pps,
+    report::{self, ChangeResult, ModeInfo, ModeScale, Results, RoundResult, ScaleResult, Status},
+    rounds::{datapath_round, endpoint_change, safety_check, summarise, verify},
+    tools, topo, Args, Config,
+};
 
 /// Per mode, across scales.
 struct ModeState {

@@ -21,7 +21,7 @@ use crate::{
     fasthash::HashMap,
     model::Frontend,
     store::MapStore,
-    writer::Writer,
+    writer::{Refusal, Writer},
 };
 
 /// The result of one sync.
@@ -70,7 +70,7 @@ pub struct Syncer<S> {
     pub(super) conflicts_reported: HashMap<Frontend, BTreeSet<ObjKey>>,
     /// Frontends the writer refused by content, with the Service and cause (reported
     /// once per Service and cause, until the frontend is written or goes).
-    pub(super) refused: HashMap<Frontend, (ObjKey, &'static str)>,
+    pub(super) refused: HashMap<Frontend, (ObjKey, Refusal)>,
     /// Services kept as the pinned maps hold them (see [`Held`]).
     pub(super) held: BTreeMap<ObjKey, Held>,
     /// The pinned maps' frontends by the Service named in their reverse-NAT entry, read

@@ -233,9 +233,9 @@ impl<S: MapStore> Syncer<S> {
         let reason = err.reason();
         let known = self.refused.values().any(|(k, r)| k == key && *r == reason);
         if self.refused.insert(*fe, (key.clone(), reason)).is_none() && !known {
-            warn!(service = %key, reason, "skipping Service {key}: {err}; the rest is programmed");
+            warn!(service = %key, reason = reason.label(), "skipping Service {key}: {err}; the rest is programmed");
             self.metrics
-                .skipped(SkipKind::SERVICE, SkipReason::Refused(reason));
+                .skipped(SkipKind::SERVICE, SkipReason::Refused(reason.label()));
         }
     }
 
@@ -276,15 +276,18 @@ impl<S: MapStore> Syncer<S> {
     fn write_failed(&self, owner: Option<&ObjKey>, err: &WriteError) {
         match owner {
             Some(svc) => warn!(
-                service = %svc, reason = err.reason(),
+                service = %svc, reason = err.reason().label(),
                 "Service {svc}: map write failed: {err}; retrying"
             ),
-            None => warn!(reason = err.reason(), "map write failed (a removal): {err}"),
+            None => warn!(
+                reason = err.reason().label(),
+                "map write failed (a removal): {err}"
+            ),
         }
         self.metrics
             .map_write_errors
             .get_or_create(&ReasonLabel {
-                reason: err.reason().to_string(),
+                reason: err.reason().label().to_string(),
             })
             .inc();
     }

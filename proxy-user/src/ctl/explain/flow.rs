@@ -5,7 +5,12 @@
 //! own function, so the answer is the datapath's, on every node with the same table
 //! size and seed); any other new flow gets one backend at random with equal weight.
 
-use super::*;
+use std::net::IpAddr;
+
+use proxy_common::svc_flags;
+use serde::Serialize;
+
+use super::{paths, Query, ServiceView, Snapshot};
 use crate::{
     ctl::{
         conntrack,

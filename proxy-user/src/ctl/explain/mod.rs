@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use super::{
     iptables::{self, Rules},
+    schema::SCHEMA,
     services::{self, ServiceView},
     snapshot::{Kind, Snapshot},
     table::Table,
@@ -240,7 +241,7 @@ pub fn explain(s: &Snapshot, q: &Query) -> ExplainDoc {
     let mut frontends = vec![primary];
     frontends.extend(twin);
     ExplainDoc {
-        schema: super::SCHEMA,
+        schema: SCHEMA,
         query: query_view(q),
         matched: true,
         service,
@@ -503,7 +504,7 @@ fn unmatched(
         ));
     }
     ExplainDoc {
-        schema: super::SCHEMA,
+        schema: SCHEMA,
         query: query_view(q),
         matched: false,
         service: None,

@@ -1,7 +1,11 @@
 //! Which path serves which traffic to a matched Service port (socket hooks, TC, XDP), its
 //! backends with the chance of each, and the Service port the frontend belongs to.
 
-use super::*;
+use std::net::SocketAddr;
+
+use proxy_common::svc_flags;
+
+use super::{ChoiceView, Kind, PathView, ServiceView, Snapshot};
 use crate::ctl::iptables::ServicePort;
 
 pub(super) fn outcome(v: &ServiceView) -> &'static str {

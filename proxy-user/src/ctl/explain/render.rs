@@ -1,6 +1,6 @@
 //! The explanation as text: the paths, the backends, and kube-proxy's rules beside them.
 
-use super::*;
+use super::{services, ExplainDoc, Kind, PathView, ServiceView, Table};
 
 pub(super) fn fraction(n: usize) -> String {
     if n == 1 {

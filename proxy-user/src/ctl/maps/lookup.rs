@@ -1,10 +1,23 @@
 //! The point lookups behind `proxyctl explain` ([`Maps::snapshot_for`]): one frontend, its
 //! twins, backends and names, without a full scan.
 
-use super::*;
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+};
+
+use aya::maps::{HashMap, MapData, MapError};
+use proxy_common::{map_names as names, Ct4Key, Ct6Key, MaglevKey, SvcValue};
+
+use super::{
+    read::{self, backend, lookup},
+    read_err, Error, Maps, Result, Snapshot,
+};
 use crate::{
+    codec::{self, FamilyAbi, Ipv4, Ipv6},
     ctl::snapshot::FlowFacts,
-    model::{port_net, v4_word, v6_words},
+    model::{port_net, v4_word, v6_words, Frontend, Proto},
+    pins::PinnedHash,
 };
 
 fn ct_get<K: aya::Pod, V: aya::Pod>(

@@ -4,20 +4,17 @@
 //! the datapath does. Readers here turn map entries into a [`Snapshot`].
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeSet,
     io,
-    net::{IpAddr, SocketAddr},
+    net::IpAddr,
     os::fd::OwnedFd,
     path::{Path, PathBuf},
 };
 
-use aya::maps::{
-    lpm_trie::{Key as LpmKey, LpmTrie},
-    HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap,
-};
+use aya::maps::{lpm_trie::LpmTrie, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
 use proxy_common::{
     affinity_kind, map_names as names, AffinityKey, AffinityValue, Ct4Key, Ct4Value, Ct6Key,
-    Ct6Value, MaglevChunk, MaglevKey, Reason, SvcValue,
+    Ct6Value, MaglevChunk, MaglevKey, SvcValue,
 };
 
 use super::{
@@ -25,8 +22,7 @@ use super::{
     snapshot::{AffinityClient, AffinityEntry, Cidr, CtEntry, Snapshot},
 };
 use crate::{
-    codec,
-    model::{port_host, v4_from_word, v6_from_words, Backend, Frontend, Proto},
+    model::{v4_from_word, v6_from_words},
     pins::{Access, PinDir, PinError, PinnedHash},
 };
 
@@ -36,7 +32,6 @@ mod lookup;
 mod read;
 
 use crate::codec::{FamilyAbi, Ipv4, Ipv6};
-use read::{backend, lookup};
 
 /// Opens a pinned BPF object read-only (`BPF_OBJ_GET` with `BPF_F_RDONLY`).
 pub fn open_pinned_rdonly(path: &Path) -> io::Result<OwnedFd> {

@@ -1,7 +1,23 @@
 //! Whole-map readers: backends, services, counters, node addresses, source ranges,
 //! conntrack flows, each decoded into the snapshot's types.
 
-use super::*;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, SocketAddr},
+};
+
+use aya::maps::{
+    lpm_trie::{Key as LpmKey, LpmTrie},
+    HashMap, MapData, MapError, PerCpuArray,
+};
+use proxy_common::{map_names as names, Ct4Key, Ct4Value, Ct6Key, Ct6Value, Reason, SvcValue};
+
+use super::{read_err, Cidr, CtEntry, Error, Maps, Result, Snapshot};
+use crate::{
+    codec::{self, FamilyAbi, Ipv4, Ipv6},
+    model::{port_host, v4_from_word, v6_from_words, Backend, Proto},
+    pins::PinnedHash,
+};
 
 impl Maps {
     pub(super) fn read_backends(&self, s: &mut Snapshot) -> Result<()> {

@@ -1,7 +1,19 @@
 //! kube-proxy's modes: [`Iptables`] (legacy or nft), [`Nftables`], [`Ipvs`], each
 //! programming its rule text with kube-proxy's own commands.
 
-use super::*;
+use std::{
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result};
+
+use super::{new_stack, Ctx, Mode, Timing};
+use crate::bench::{
+    iptables, ipvs, nftables,
+    plan::Service,
+    topo::{self, in_ns, ns_run, run_bounded, Stack},
+};
 
 /// Which iptables kube-proxy's iptables mode runs: `iptables-legacy` (x_tables) or
 /// `iptables-nft` (the same rules through nf_tables).

@@ -9,20 +9,14 @@
 //! agent is timed end to end, from the manifest file changing to the maps written (seen
 //! from outside through its metrics and through traffic).
 
-use std::{
-    net::SocketAddrV4,
-    path::PathBuf,
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
-};
+use std::{net::SocketAddrV4, path::PathBuf, time::Duration};
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    iptables, ipvs, nftables,
-    plan::{self, Service, TARGET_VIP},
-    topo::{self, http_get, in_ns, ns_run, run_bounded, write_atomic, Stack},
+    plan::{Service, TARGET_VIP},
+    topo::{self, Stack},
 };
 
 mod kube_proxy;

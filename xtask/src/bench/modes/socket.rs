@@ -1,7 +1,19 @@
 //! Our agent as a mode: [`Socket`] (the socket hooks, or TC / XDP for the packet rate),
 //! programmed by the real `proxy-agent run --manifests` through a manifests file.
 
-use super::*;
+use std::{
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _, Result};
+
+use super::{new_stack, AgentFigures, Ctx, Mode, Timing};
+use crate::bench::{
+    plan::{self, Service},
+    topo::{self, http_get, write_atomic, Stack},
+};
 
 /// ebpf-proxy's socket hooks, programmed by the real `proxy-agent run --manifests`.
 #[derive(Default)]

@@ -4,7 +4,7 @@
 
 use std::{collections::BTreeMap, fmt::Write as _, path::Path};
 
-use anyhow::{Context as _, Result};
+use anyhow::Result;
 use serde::{Deserialize, Serialize};
 
 use super::{

@@ -1,7 +1,11 @@
 //! The report's charts (`results.png` and friends): one panel per figure, a line per
 //! mode across scales, drawn with plotters.
 
-use super::*;
+use std::path::Path;
+
+use anyhow::{Context as _, Result};
+
+use super::{thousands, ModeScale, Results, Status};
 
 pub(super) const FONT_PATHS: &[&str] = &[
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
