@@ -113,10 +113,19 @@ pub(super) fn measure(ctx: &Ctx, stack: &Stack, p: &Prepared, cfg: &PpsConfig) -
     }
 }
 
+/// How far veth's per-queue counters can disagree when read while frames flow: veth counts
+/// a frame in `xdp_packets` when its program runs and in `xdp_redirect` when the redirect is
+/// flushed at the end of the NAPI poll, so two reads straddle at most one poll's budget
+/// (64 frames). Seen in CI: 1 frame of 393,217 with `xdp_to_stack` 0 and nothing
+/// IP-forwarded. The exact counters below have no such allowance.
+const VETH_READ_SKEW: u64 = 64;
+
 /// Why not every frame `cli0` took in a round left by XDP (`XDP_REDIRECT`, `XDP_TX` or
-/// `XDP_DROP`): frames passed to the stack (veth's counters: taken minus those verdicts),
-/// IP-forwarded by the node's stack, or counted `xdp_to_stack` by our XDP program
-/// (`to_stack`, from `XDP_STATS`); `None` when every frame did.
+/// `XDP_DROP`): frames IP-forwarded by the node's stack, or counted `xdp_to_stack` by our XDP
+/// program (`to_stack`, from `XDP_STATS`) — both exact, any one fails the round — or more
+/// frames passed to the stack by veth's counters (taken minus those verdicts) than a read
+/// can straddle ([`VETH_READ_SKEW`]; the only check for `xdp-fwd`, which counts nothing
+/// itself); `None` when every frame did.
 pub(super) fn not_all_at_xdp(path: &PathCounts, to_stack: Option<u64>) -> Option<String> {
     let left = path.xdp_redirect + path.xdp_tx + path.xdp_drops;
     let passed = path.xdp_packets.saturating_sub(left);
@@ -124,7 +133,7 @@ pub(super) fn not_all_at_xdp(path: &PathCounts, to_stack: Option<u64>) -> Option
     if path.xdp_packets == 0 {
         why.push("cli0 took no frame through XDP".to_string());
     }
-    if passed > 0 {
+    if passed > VETH_READ_SKEW {
         why.push(format!(
             "{passed} of {} frames passed to the stack (redirect {}, tx {}, drop {})",
             path.xdp_packets, path.xdp_redirect, path.xdp_tx, path.xdp_drops
@@ -200,11 +209,20 @@ mod tests {
             ip_forwarded: 1,
             ..all
         };
-        let why = not_all_at_xdp(&one_passed, None).expect("one frame passed");
-        assert!(
-            why.contains("1 of 1000 frames passed") && why.contains("1 IP-forwarded"),
-            "{why}"
-        );
+        let why = not_all_at_xdp(&one_passed, None).expect("one frame IP-forwarded");
+        assert!(why.contains("1 IP-forwarded"), "{why}");
+        // A read straddling one NAPI poll is not a frame passed; more than that is.
+        let skew = PathCounts {
+            xdp_redirect: 989,
+            ..all
+        };
+        assert_eq!(not_all_at_xdp(&skew, Some(0)), None);
+        let passed = PathCounts {
+            xdp_redirect: 990 - VETH_READ_SKEW - 1,
+            ..all
+        };
+        let why = not_all_at_xdp(&passed, None).expect("frames passed");
+        assert!(why.contains("65 of 1000 frames passed"), "{why}");
         let why = not_all_at_xdp(&all, Some(3)).expect("to stack");
         assert!(why.contains("3 counted xdp_to_stack"), "{why}");
         let none = PathCounts::default();
