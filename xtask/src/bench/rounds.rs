@@ -9,10 +9,21 @@ use super::{
     client::{self, Client, Outcome, Spec, Task},
     modes::{Ctx, Mode},
     plan::{self, Service, BULK_PORT, DNS_PORT, HTTP_PORT},
-    report::{ChangeResult, RoundResult},
-    run::Running,
+    report::{ChangeResult, ModeScale, RoundResult},
     stats, topo, Config,
 };
+
+/// One mode's state within one scale: its result so far and the samples its rounds
+/// gathered (kept by `run`, filled here).
+pub(super) struct Running {
+    pub(super) idx: usize,
+    pub(super) result: ModeScale,
+    pub(super) tcp_samples: Vec<u64>,
+    pub(super) udp_samples: Vec<u64>,
+    pub(super) swapped: bool,
+    pub(super) change_spent: Duration,
+    pub(super) changes_stopped: bool,
+}
 
 /// Before anything is programmed, a ClusterIP must be unreachable from the client
 /// namespace: nothing there routes the service CIDR out of the bench's namespaces.

@@ -12,7 +12,7 @@ use super::{
     plan::{self, Service},
     pps,
     report::{self, ChangeResult, ModeInfo, ModeScale, Results, RoundResult, ScaleResult, Status},
-    rounds::{datapath_round, endpoint_change, safety_check, summarise, verify},
+    rounds::{datapath_round, endpoint_change, safety_check, summarise, verify, Running},
     tools, topo, Args, Config,
 };
 
@@ -24,17 +24,6 @@ struct ModeState {
     gave_up: Option<String>,
     /// The previous scale's programming time (for the linear prediction).
     last_program: Option<(usize, f64)>,
-}
-
-/// Per mode, within one scale.
-pub(super) struct Running {
-    pub(super) idx: usize,
-    pub(super) result: ModeScale,
-    pub(super) tcp_samples: Vec<u64>,
-    pub(super) udp_samples: Vec<u64>,
-    pub(super) swapped: bool,
-    pub(super) change_spent: Duration,
-    pub(super) changes_stopped: bool,
 }
 
 /// A mode at one scale before its rounds: out of them (unavailable, given up, failed:
