@@ -1071,28 +1071,9 @@ fn a_nodes_address_change_makes_a_sync_run() {
     assert!(s.pending(), "a Node gone");
 }
 
-/// RFC 3339 (UTC, nanoseconds) of `t`, as the EndpointSlice controller writes it.
-fn rfc3339(t: std::time::SystemTime) -> String {
-    let d = t.duration_since(std::time::UNIX_EPOCH).expect("after 1970");
-    let (days, secs) = ((d.as_secs() / 86400) as i64, d.as_secs() % 86400);
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:09}Z",
-        secs / 3600,
-        secs / 60 % 60,
-        secs % 60,
-        d.subsec_nanos()
-    )
-}
+/// RFC 3339 (UTC, nanoseconds) of `t`, as the EndpointSlice controller writes it (the
+/// test apiserver's formatter).
+use proxy_testbed::apiserver::rfc3339_nano as rfc3339;
 
 fn slice_triggered(name: &str, svc: &str, ips: &[&str], trigger: &str) -> Object {
     let eps: Vec<_> = ips.iter().map(|ip| json!({"addresses": [ip]})).collect();

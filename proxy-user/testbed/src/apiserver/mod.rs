@@ -84,6 +84,7 @@ use auth::Tls;
 pub use auth::{Permission, ServiceAccountVolume};
 use conn::accept_loop;
 use http::percent_decode;
+pub use store::rfc3339_nano;
 use store::{apply_locked, delete_locked, lock, Kind, Shared, Store};
 
 /// How long `stop()` waits for the listener and the connections to go away.

@@ -287,7 +287,9 @@ fn now_rfc3339() -> String {
 
 /// `t` as RFC 3339 in UTC with nanoseconds (`2025-01-31T12:00:00.123456789Z`), as Go's
 /// `time.RFC3339Nano` writes it (trailing zeros of the fraction dropped).
-fn rfc3339_nano(t: SystemTime) -> String {
+/// RFC 3339 (UTC, nanoseconds) of `t`, as the EndpointSlice controller writes
+/// `endpoints.kubernetes.io/last-change-trigger-time`.
+pub fn rfc3339_nano(t: SystemTime) -> String {
     let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
     let whole = rfc3339_secs(d.as_secs());
     let frac = format!("{:09}", d.subsec_nanos());
