@@ -90,11 +90,13 @@ pub enum Reason {
     TcDsrUntrusted = 29,
     /// A ClusterIP on a port no Service uses (the address is a `/32`, `/128` marker in
     /// `SVC_CIDR4/6`): the syscall fails with ECONNREFUSED, as kube-proxy's nftables
-    /// mode rejects it.
+    /// mode rejects it; a packet of a new TCP/UDP flow at TC gets the REJECT answer (XDP
+    /// hands it to TC).
     SvcPortUnused = 30,
     /// An address inside a Service CIDR (`SVC_CIDR4/6`, `--service-cluster-ip-range`)
     /// that no Service has: the syscall fails with EPERM at once, as kube-proxy's
-    /// nftables mode drops it (a dropped locally sent packet fails with EPERM).
+    /// nftables mode drops it (a dropped locally sent packet fails with EPERM); TC and XDP
+    /// drop such a TCP/UDP packet.
     SvcCidrUnallocated = 31,
 }
 

@@ -187,8 +187,9 @@ pub static DSR_TRUSTED4: LpmTrie<u32, u8> = LpmTrie::pinned(MAX_DSR_TRUSTED, 0);
 pub static DSR_TRUSTED6: LpmTrie<[u32; 4], u8> = LpmTrie::pinned(MAX_DSR_TRUSTED, 0);
 
 /// The Service CIDRs (`svc_cidr::RANGE`) and a /32 per ClusterIP in use
-/// (`svc_cidr::CLUSTER_IP`), written by the agent; read by the socket hooks on a frontend
-/// miss only. LPM key data: the address in network order.
+/// (`svc_cidr::CLUSTER_IP`), written by the agent; read on a frontend miss only, by the
+/// socket hooks and by the per-packet stages (TC, XDP). LPM key data: the address in
+/// network order.
 #[map]
 pub static SVC_CIDR4: LpmTrie<u32, u8> = LpmTrie::pinned(MAX_SVC_CIDR, 0);
 

@@ -15,7 +15,7 @@ mod support;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use proxy_common::{map_names, svc_flags, Ct4Key, Ct4Value};
+use proxy_common::{map_names, svc_flags, Ct4Key, Ct4Value, Reason};
 use proxy_user::{Frontend, Proto};
 use support::{
     packets::{entry, sa, Bed, ACK, LOCAL, RST, SYN, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
@@ -1440,4 +1440,112 @@ fn hybrid_mode_is_dsr_for_tcp_and_snat_for_udp() {
     assert_eq!(out.src.ip(), node, "UDP: SNAT");
     assert_eq!(out.dst, sa("10.2.1.2:8080"));
     assert_eq!(bed.counter(Reason::TcDsrEncap), 1);
+}
+
+/// Service CIDRs known to the datapath (issue #24 item 5), at TC: with `SVC_CIDR4/6`
+/// holding 10.96.0.0/16 and 2001:db8:96::/112 and the ClusterIPs in use, a new TCP/UDP
+/// flow to a ClusterIP on a port no Service uses gets kube-proxy's REJECT answer (RST,
+/// ICMP port unreachable; `svc_port_unused`), one to an unallocated address inside the
+/// CIDRs is dropped (`svc_cidr_unallocated`), as kube-proxy's nftables mode does. The
+/// node's, a pod's and outside addresses (and the address just past the CIDR) pass
+/// untouched and count nothing (cilium#44430). Without the entries nothing is refused.
+#[test]
+fn a_service_cidr_miss_is_rejected_or_dropped_and_nothing_else_is_touched() {
+    let mut bed = Bed::new();
+    let fe = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], 0))
+        .expect("upsert");
+    let fe6 = Frontend::new(
+        "2001:db8:96::10".parse::<IpAddr>().expect("ip"),
+        80,
+        Proto::Tcp,
+    );
+    bed.writer
+        .upsert(&entry(fe6, &[("[2001:db8:2::2]:8080", LOCAL)], 0))
+        .expect("upsert");
+    let unused_port = Pkt::tcp("198.51.100.7:40000", "10.96.0.10:81", SYN);
+    let unallocated = Pkt::tcp("198.51.100.7:40001", "10.96.5.5:80", SYN);
+
+    // No Service CIDR known: neither is refused (they are not ours).
+    for p in [&unused_port, &unallocated] {
+        let (verdict, out) = bed.run("tc_ingress", p);
+        assert_eq!((verdict, out.src, out.dst), (TC_ACT_OK, p.src, p.dst));
+    }
+
+    let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+    let want = proxy_user::svc_cidr::wanted(
+        &[(ip("10.96.0.0"), 16), (ip("2001:db8:96::"), 112)],
+        [&ip("10.96.0.10"), &ip("2001:db8:96::10")],
+    );
+    proxy_user::svc_cidr::write(&bed.pins.path, &want).expect("SVC_CIDR4/6");
+    let (port0, cidr0) = (
+        bed.counter(Reason::SvcPortUnused),
+        bed.counter(Reason::SvcCidrUnallocated),
+    );
+
+    // The frontend itself is still served.
+    let (verdict, out) = bed.run(
+        "tc_ingress",
+        &Pkt::tcp("198.51.100.7:40002", "10.96.0.10:80", SYN),
+    );
+    assert_eq!((verdict, out.dst), (TC_ACT_OK, sa("10.1.1.2:8080")));
+
+    // Another port of the ClusterIP: REJECT (RST|ACK back to the client, in place).
+    for p in [
+        unused_port.clone(),
+        Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:96::10]:81", SYN),
+    ] {
+        let (verdict, out) = bed.run("tc_ingress", &p);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{}", p.dst);
+        assert_eq!(
+            (out.src, out.dst, out.flags),
+            (p.dst, p.src, RST | ACK),
+            "{}",
+            p.dst
+        );
+    }
+    // UDP to another port of the ClusterIP: ICMP port unreachable from it.
+    let frame = Pkt::udp("198.51.100.7:5000", "10.96.0.10:53").build();
+    let (verdict, out) = bed.run_raw("tc_ingress", &frame);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!((out[34], out[35]), (3, 3), "ICMP port unreachable");
+    assert_eq!(bed.counter(Reason::SvcPortUnused), port0 + 3);
+
+    // An unallocated address inside the CIDRs: dropped, TCP and UDP, both families.
+    for p in [
+        unallocated.clone(),
+        Pkt::udp("198.51.100.7:5001", "10.96.255.254:53"),
+        Pkt::tcp("[2001:db8::7]:40001", "[2001:db8:96::99]:80", SYN),
+    ] {
+        let (verdict, _) = bed.run("tc_ingress", &p);
+        assert_eq!(verdict, TC_ACT_SHOT, "{}", p.dst);
+    }
+    assert_eq!(bed.counter(Reason::SvcCidrUnallocated), cidr0 + 3);
+
+    // Everything else passes untouched and is counted nowhere: the node (SSH), a pod, the
+    // first address past the CIDR, an outside address, the node's IPv6 address.
+    for p in [
+        Pkt::tcp("198.51.100.7:40003", "192.0.2.1:22", SYN),
+        Pkt::tcp("198.51.100.7:40004", "10.1.1.2:8080", SYN),
+        Pkt::tcp("198.51.100.7:40005", "10.97.0.0:80", SYN),
+        Pkt::udp("198.51.100.7:5002", "203.0.113.99:53"),
+        Pkt::tcp("[2001:db8::7]:40002", "[2001:db8:1::1]:22", SYN),
+        Pkt::tcp("[2001:db8::7]:40003", "[2001:db8:96::1:0]:80", SYN),
+    ] {
+        let (verdict, out) = bed.run("tc_ingress", &p);
+        assert_eq!(
+            (verdict, out.src, out.dst),
+            (TC_ACT_OK, p.src, p.dst),
+            "{}",
+            p.dst
+        );
+    }
+    assert_eq!(
+        (
+            bed.counter(Reason::SvcPortUnused),
+            bed.counter(Reason::SvcCidrUnallocated)
+        ),
+        (port0 + 3, cidr0 + 3)
+    );
 }

@@ -630,3 +630,56 @@ fn native_acceleration_without_driver_support_is_refused_naming_the_interface() 
         proxy_common::acceleration::GENERIC
     );
 }
+
+/// Service CIDRs at XDP (issue #24 item 5): an unallocated address inside a Service CIDR
+/// is dropped at XDP (`svc_cidr_unallocated` in `XDP_STATS`); a ClusterIP's unused port
+/// is handed to TC untouched (`xdp_to_stack`), which answers the REJECT; the node's
+/// address and anything outside the CIDRs pass untouched, counted nowhere.
+#[test]
+fn a_service_cidr_miss_is_dropped_at_xdp_or_handed_to_tc_for_the_reject() {
+    let mut bed = Bed::new();
+    let fe = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], 0))
+        .expect("upsert");
+    let want = proxy_user::svc_cidr::wanted(&[(ip("10.96.0.0"), 16)], [&ip("10.96.0.10")]);
+    proxy_user::svc_cidr::write(&bed.pins.path, &want).expect("SVC_CIDR4");
+    let to_stack = bed.xdp_counter(Reason::XdpToStack);
+    let dropped = bed.xdp_counter(Reason::SvcCidrUnallocated);
+
+    let unallocated = Pkt::tcp("198.51.100.7:40001", "10.96.5.5:80", SYN);
+    let (verdict, _) = bed.run("xdp_ingress", &unallocated);
+    assert_eq!(verdict, XDP_DROP);
+    assert_eq!(bed.xdp_counter(Reason::SvcCidrUnallocated), dropped + 1);
+
+    let unused_port = Pkt::tcp("198.51.100.7:40000", "10.96.0.10:81", SYN);
+    let (verdict, out) = bed.run("xdp_ingress", &unused_port);
+    assert_eq!(
+        (verdict, out.src, out.dst),
+        (XDP_PASS, unused_port.src, unused_port.dst)
+    );
+    assert_eq!(bed.xdp_counter(Reason::XdpToStack), to_stack + 1);
+    // ... and TC, next, answers it.
+    let (verdict, out) = bed.run("tc_ingress", &unused_port);
+    assert_eq!((verdict, out.flags), (TC_ACT_REDIRECT, RST | ACK));
+
+    for p in [
+        Pkt::tcp("198.51.100.7:40003", "192.0.2.1:22", SYN),
+        Pkt::tcp("198.51.100.7:40005", "10.97.0.0:80", SYN),
+    ] {
+        let (verdict, out) = bed.run("xdp_ingress", &p);
+        assert_eq!(
+            (verdict, out.src, out.dst),
+            (XDP_PASS, p.src, p.dst),
+            "{}",
+            p.dst
+        );
+    }
+    assert_eq!(
+        (
+            bed.xdp_counter(Reason::XdpToStack),
+            bed.xdp_counter(Reason::SvcCidrUnallocated)
+        ),
+        (to_stack + 1, dropped + 1)
+    );
+}

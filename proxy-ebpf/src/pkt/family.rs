@@ -22,7 +22,7 @@ use super::state::{FibHop, FibHopKey4, FibHopKey6, Scratch};
 use crate::lb::{Family, V4, V6};
 use crate::maps::{
     CT4, CT6, DSR_TRUSTED4, DSR_TRUSTED6, FIB_HOP4, FIB_HOP6, NODE_CONFIG, SCRATCH4, SCRATCH6,
-    SRC_RANGE4, SRC_RANGE6,
+    SRC_RANGE4, SRC_RANGE6, SVC_CIDR4, SVC_CIDR6,
 };
 
 pub const ETH_HLEN: usize = 14;
@@ -83,6 +83,8 @@ pub trait PktFamily: Family {
     fn source_allowed(service_id: u32, a: Self::Addr) -> bool;
     /// DSR: whether a packet from `a` may carry the DSR option (`DSR_TRUSTED4/6`).
     fn dsr_trusted(a: Self::Addr) -> bool;
+    /// What a destination that is no frontend falls in (`SVC_CIDR4/6`: `svc_cidr::*`).
+    fn svc_cidr(a: Self::Addr) -> Option<u8>;
     fn ct_key(
         s: Self::Addr,
         d: Self::Addr,
@@ -232,6 +234,11 @@ impl PktFamily for V4 {
     #[inline(never)]
     fn dsr_trusted(a: u32) -> bool {
         DSR_TRUSTED4.get(&LpmKey::new(32, a)).is_some()
+    }
+
+    #[inline(never)]
+    fn svc_cidr(a: u32) -> Option<u8> {
+        SVC_CIDR4.get(&LpmKey::new(32, a)).copied()
     }
 
     #[inline(always)]
@@ -429,6 +436,11 @@ impl PktFamily for V6 {
     #[inline(never)]
     fn dsr_trusted(a: [u32; 4]) -> bool {
         DSR_TRUSTED6.get(&LpmKey::new(128, a)).is_some()
+    }
+
+    #[inline(never)]
+    fn svc_cidr(a: [u32; 4]) -> Option<u8> {
+        SVC_CIDR6.get(&LpmKey::new(128, a)).copied()
     }
 
     #[inline(always)]

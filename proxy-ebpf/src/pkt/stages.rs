@@ -6,13 +6,16 @@
 //!    source ranges, the local-only twin under `externalTrafficPolicy: Local`, the backend
 //!    choice (`choose`: affinity, Maglev or equal weight), SNAT or DSR for a remote
 //!    backend, both conntrack entries, DNAT; a frontend without endpoints gets the hook's
-//!    REJECT answer.
+//!    REJECT answer;
+//! 4. a destination that is no frontend but lies in a Service CIDR (`SVC_CIDR4/6`): a
+//!    ClusterIP on a port no Service uses gets the REJECT answer, an unallocated address
+//!    DROP (kube-proxy's nftables mode); any other destination is not ours.
 //!
 //! What differs per hook is a [`PktHook`] method (forwarding, REJECT, DSR, counters);
 //! each stage returns a [`Step`] and the outcome to count, applied in [`flow`].
 
 use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
-use proxy_common::{backend_flags, ct_flags, proto, scope, svc_flags, Reason, SvcValue};
+use proxy_common::{backend_flags, ct_flags, proto, scope, svc_cidr, svc_flags, Reason, SvcValue};
 
 use super::{
     ct::{self, Chosen},
@@ -197,7 +200,7 @@ fn pick<C: PktHook, F: PktFamily>(
     now: u64,
 ) -> Option<Step<F::Addr>> {
     let Some((mut front, fe_addr)) = frontend::<F>(p) else {
-        return Some(Step::not_ours());
+        return Some(outside_frontends::<C, F>(ctx, p));
     };
     if front.flags & svc_flags::SOURCE_RANGES != 0 && !F::source_allowed(front.service_id, p.saddr)
     {
@@ -219,7 +222,7 @@ fn pick<C: PktHook, F: PktFamily>(
         }
     }
     if front.count == 0 {
-        return Some(reject::<C, F>(ctx, p));
+        return Some(reject::<C, F>(ctx, p, Reason::TcNoBackend));
     }
     let Some(backend_id) = choose::<F>(p, &front, fe_addr, slot_scope) else {
         return Some(Step::pass(Reason::BackendMissing));
@@ -270,15 +273,31 @@ fn pick<C: PktHook, F: PktFamily>(
     None
 }
 
-/// A frontend without endpoints: kube-proxy's REJECT (TCP SYN: RST; UDP: ICMP port
-/// unreachable, rate-limited), other packets dropped; or handed on to the hook that
-/// answers (XDP leaves it to TC).
+/// 4. A destination that is no frontend: inside the Service CIDRs (`SVC_CIDR4/6`, empty
+/// unless the agent knows them), a ClusterIP on a port no Service uses is rejected
+/// (`svc_port_unused`) and an unallocated address dropped (`svc_cidr_unallocated`), as
+/// kube-proxy's nftables mode does; anything else (node, pod, host addresses) is not
+/// ours and passes untouched: there is no wildcard entry (cilium#44430). Inlined into
+/// `pick`: a frame of its own on the way to the REJECT answer would pass the verifier's
+/// 512-byte limit on a call chain's stack.
+#[inline(always)]
+fn outside_frontends<C: PktHook, F: PktFamily>(ctx: &C, p: &Pkt<F::Addr>) -> Step<F::Addr> {
+    match F::svc_cidr(p.daddr) {
+        Some(svc_cidr::CLUSTER_IP) => reject::<C, F>(ctx, p, Reason::SvcPortUnused),
+        Some(svc_cidr::RANGE) => Step::drop(Reason::SvcCidrUnallocated),
+        _ => Step::not_ours(),
+    }
+}
+
+/// kube-proxy's REJECT (a frontend without endpoints, a ClusterIP's unused port): TCP
+/// SYN: RST; UDP: ICMP port unreachable, rate-limited; other packets dropped; or handed
+/// on to the hook that answers (XDP leaves it to TC). `reason`: the outcome counted.
 #[inline(never)]
-fn reject<C: PktHook, F: PktFamily>(ctx: &C, p: &Pkt<F::Addr>) -> Step<F::Addr> {
+fn reject<C: PktHook, F: PktFamily>(ctx: &C, p: &Pkt<F::Addr>, reason: Reason) -> Step<F::Addr> {
     match ctx.reject::<F>(p) {
         Some(code) => Step {
             action: Action::Verdict(code),
-            reason: Some(Reason::TcNoBackend),
+            reason: Some(reason),
         },
         None => Step::to_next_hook(),
     }

@@ -171,8 +171,10 @@ struct RunArgs {
     /// The Service CIDRs (comma-separated, kube-apiserver's `--service-cluster-ip-range`):
     /// a connection to a ClusterIP on a port no Service uses fails with ECONNREFUSED
     /// (`svc_port_unused`), to an address inside them that no Service has with EPERM
-    /// (`svc_cidr_unallocated`), as kube-proxy's nftables mode rejects and drops them.
-    /// Addresses outside them are never touched. Unset: neither is refused.
+    /// (`svc_cidr_unallocated`), as kube-proxy's nftables mode rejects and drops them; such
+    /// packets arriving at TC/XDP get the REJECT answer or are dropped. Addresses outside
+    /// them are never touched. Added to the API's `ServiceCIDR` objects when the source is
+    /// the API; unset and none there: neither is refused.
     #[arg(long, env = "PROXY_SERVICE_CLUSTER_IP_RANGE", value_parser = parse_cidrs)]
     service_cluster_ip_range: Option<CidrList>,
     /// North-south acceleration: the XDP program ahead of TC on the same interfaces

@@ -77,11 +77,12 @@ pub fn meaning(r: Reason) -> &'static str {
              not honoured"
         }
         Reason::SvcPortUnused => {
-            "ClusterIP on a port no Service uses: connect()/sendmsg() failed with ECONNREFUSED"
+            "ClusterIP on a port no Service uses: connect()/sendmsg() failed with \
+             ECONNREFUSED; TC: REJECT (RST, ICMP port unreachable)"
         }
         Reason::SvcCidrUnallocated => {
             "address in a Service CIDR that no Service has: connect()/sendmsg() failed with \
-             EPERM"
+             EPERM; TC/XDP: dropped"
         }
     }
 }
