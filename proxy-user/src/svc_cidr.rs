@@ -25,6 +25,30 @@ use crate::{
     pins::{Access, PinDir, PinError},
 };
 
+/// The shortest prefixes accepted as a Service CIDR from the API: everything inside one
+/// that is no Service's address is dropped, so a ServiceCIDR object of `0.0.0.0/0` (or
+/// any very wide one) would cut the node off. kube-apiserver's own
+/// `--service-cluster-ip-range` allows at most a /12 (IPv4) and a /108 (IPv6) for its
+/// allocator; these bounds are far wider and only refuse what cannot be meant.
+pub const SHORTEST_RANGE_V4: u8 = 8;
+pub const SHORTEST_RANGE_V6: u8 = 64;
+
+/// Whether `(addr, len)` may be a Service CIDR (see [`SHORTEST_RANGE_V4`]).
+pub fn check_range((addr, len): Prefix) -> Result<(), String> {
+    let shortest = if addr.is_ipv4() {
+        SHORTEST_RANGE_V4
+    } else {
+        SHORTEST_RANGE_V6
+    };
+    if len < shortest {
+        return Err(format!(
+            "is wider than /{shortest}: refused as a Service CIDR (everything inside it that is \
+             no Service would be dropped)"
+        ));
+    }
+    Ok(())
+}
+
 /// What `SVC_CIDR4/6` should hold: each range (`RANGE`), each ClusterIP as a host prefix
 /// (`CLUSTER_IP`; wins over a range of the same prefix).
 pub fn wanted<'a>(
@@ -110,9 +134,10 @@ pub fn read(pin_path: &Path) -> Result<BTreeSet<Prefix>, PinError> {
     Ok(out)
 }
 
-/// The agent's writer of `SVC_CIDR4/6` (`--service-cluster-ip-range`): the ranges and
-/// every Service's cluster IPs, written when they changed. Without ranges nothing is
-/// written (the maps stay empty: no destination is refused).
+/// The agent's writer of `SVC_CIDR4/6`: the ranges (`--service-cluster-ip-range` and the
+/// API's `ServiceCIDR` objects) and every Service's cluster IPs, written when they
+/// changed. Without any range nothing is written (the maps stay or become empty: no
+/// destination is refused).
 #[derive(Debug)]
 pub struct SvcCidrs {
     ranges: Vec<Prefix>,
@@ -127,17 +152,25 @@ impl SvcCidrs {
         }
     }
 
-    /// Writes the ranges and `cluster_ips` if they differ from what was written last;
-    /// returns the number of entries written (`None`: unchanged or no ranges).
+    /// Writes the flag's ranges, `api_ranges` (the `ServiceCIDR` objects') and
+    /// `cluster_ips` if they differ from what was written last; returns the number of
+    /// entries written (`None`: unchanged, or no range now nor before).
     pub fn update<'a>(
         &mut self,
         pin_path: &Path,
+        api_ranges: impl IntoIterator<Item = &'a Prefix>,
         cluster_ips: impl IntoIterator<Item = &'a IpAddr>,
     ) -> Result<Option<usize>, PinError> {
-        if self.ranges.is_empty() {
+        let mut ranges = self.ranges.clone();
+        ranges.extend(api_ranges);
+        if ranges.is_empty() && self.written.as_ref().is_none_or(BTreeMap::is_empty) {
             return Ok(None);
         }
-        let want = wanted(&self.ranges, cluster_ips);
+        let want = if ranges.is_empty() {
+            BTreeMap::new()
+        } else {
+            wanted(&ranges, cluster_ips)
+        };
         if self.written.as_ref() == Some(&want) {
             return Ok(None);
         }

@@ -414,3 +414,105 @@ fn dsr_mode_trusts_every_nodes_addresses_from_the_api() {
     drop(agent);
     let _ = std::fs::remove_file(kubeconfig);
 }
+
+fn service_cidr(name: &str, cidrs: &[&str]) -> Value {
+    json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+        "metadata": {"name": name},
+        "spec": {"cidrs": cidrs}
+    })
+}
+
+/// Service CIDRs from the API (issue #24 item 5): the `ServiceCIDR` objects (as
+/// kube-apiserver 1.33 creates `kubernetes` from its `--service-cluster-ip-range`) are
+/// listed and watched; inside them another port of a ClusterIP is refused with
+/// ECONNREFUSED and an unallocated address with EPERM, at once; a ServiceCIDR added later
+/// counts from its event on, one deleted stops counting; one that would swallow
+/// everything (`0.0.0.0/0`) is refused, named and counted, and changes nothing. Outside
+/// the CIDRs nothing is touched.
+#[test]
+fn service_cidrs_from_the_api_are_followed() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let api = FakeApiServer::start();
+    api.apply(service("web", 10));
+    api.apply(slice("web-1", "web", &[1]));
+    api.apply(node());
+    api.apply(service_cidr(
+        "kubernetes",
+        &["10.96.0.0/16", "fd00:96::/112"],
+    ));
+    let (mut agent, kubeconfig) = start_agent(&env, &api);
+    agent.wait_healthy(Duration::from_secs(20));
+    let errno = |want: i32| move |r: &io::Result<(String, SocketAddr)>| matches!(r, Err(e) if e.raw_os_error() == Some(want));
+    until(&env, vip(10), FOLLOW, from(&["pod1"]));
+    until(
+        &env,
+        SocketAddr::from(([10, 96, 0, 10], 81)),
+        FOLLOW,
+        errno(libc::ECONNREFUSED),
+    );
+    until(&env, vip(99), FOLLOW, errno(libc::EPERM));
+    until(
+        &env,
+        SocketAddr::from(([10, 100, 0, 5], 80)),
+        FOLLOW,
+        unreachable,
+    );
+    assert!(
+        api.decoded_requests()
+            .iter()
+            .any(|r| r.contains("/apis/networking.k8s.io/v1/servicecidrs?")),
+        "ServiceCIDRs are listed"
+    );
+
+    // A second ServiceCIDR, added while the agent runs (a watch event).
+    api.apply(service_cidr("extra", &["10.100.0.0/24"]));
+    until(
+        &env,
+        SocketAddr::from(([10, 100, 0, 5], 80)),
+        FOLLOW,
+        errno(libc::EPERM),
+    );
+    // One that would cover everything: refused, counted, nothing else changes.
+    api.apply(service_cidr("everything", &["0.0.0.0/0"]));
+    api.apply(service("after", 14));
+    api.apply(slice("after-1", "after", &[1]));
+    until(&env, vip(14), FOLLOW, from(&["pod1"]));
+    until(
+        &env,
+        SocketAddr::from(([10, 101, 0, 5], 80)),
+        FOLLOW,
+        unreachable,
+    );
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("kind=\"ServiceCIDR\",reason=\"decode_error\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        agent.logs().contains("skipping ServiceCIDR everything")
+            && agent.logs().contains("0.0.0.0/0"),
+        "the refused ServiceCIDR is named: {}",
+        agent.logs()
+    );
+    // Deleted: its unallocated addresses are left alone again; the other one holds.
+    api.delete("ServiceCIDR", "", "kubernetes");
+    until(&env, vip(99), FOLLOW, unreachable);
+    until(
+        &env,
+        SocketAddr::from(([10, 100, 0, 5], 80)),
+        FOLLOW,
+        errno(libc::EPERM),
+    );
+    let held = proxy_user::svc_cidr::read(&env.pins.path).expect("SVC_CIDR4/6");
+    assert!(
+        held.contains(&("10.100.0.0".parse().expect("ip"), 24))
+            && !held
+                .iter()
+                .any(|(a, len)| *len == 16 && a.to_string() == "10.96.0.0"),
+        "{held:?}"
+    );
+    drop(agent);
+    let _ = std::fs::remove_file(kubeconfig);
+}

@@ -580,3 +580,41 @@ fn agent_rides_out_a_silent_apiserver() {
         let _ = std::fs::remove_file(format!("{}{ext}", kubeconfig.display()));
     }
 }
+
+/// A role without the ServiceCIDR rule (kube-proxy's own `system:node-proxier` before
+/// the API went GA, or a cluster whose apiserver does not serve it): the list is refused
+/// with 403, the agent says so once, goes on without the API's Service CIDRs and serves
+/// every Service; it is never stuck waiting for them.
+#[test]
+fn a_role_without_servicecidrs_still_serves_and_says_so() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let api = api_with_web(FakeApiServer::start_tls());
+    let rule = "  - apiGroups: [networking.k8s.io]\n    resources: [servicecidrs]\n    verbs: [list, watch]\n";
+    let narrow = RBAC.replace(rule, "");
+    assert_ne!(narrow, RBAC, "the test's edit of rbac.yaml applies");
+    api.enforce_rbac(&narrow);
+    let token = unique("token-");
+    api.add_token(&token, SA_USER);
+    let kubeconfig = std::env::temp_dir().join(unique("ebpf-proxy-kubeconfig-nocidr-"));
+    api.write_kubeconfig_with_token(&kubeconfig, &token);
+    let mut agent =
+        AgentProcess::start(&env, &["--kubeconfig", kubeconfig.to_str().expect("utf-8")]);
+    agent.wait_healthy(Duration::from_secs(20));
+    until_from(&env, vip(10), Duration::from_secs(5), "pod1");
+    let refused = rejected_with(&api, "403");
+    assert!(
+        !refused.is_empty() && refused.iter().all(|r| r.contains("servicecidrs")),
+        "only the ServiceCIDR list is refused: {refused:#?}"
+    );
+    assert_eq!(
+        agent.logs().matches("cannot list ServiceCIDRs").count(),
+        1,
+        "said once: {}",
+        agent.logs()
+    );
+    drop(agent);
+    for ext in ["", ".ca.crt"] {
+        let _ = std::fs::remove_file(format!("{}{ext}", kubeconfig.display()));
+    }
+}

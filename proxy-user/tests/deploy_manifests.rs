@@ -456,6 +456,7 @@ fn check(objects: &[Object], expect: &Expect, origin: &str) {
         ("", "services"),
         ("", "nodes"),
         ("discovery.k8s.io", "endpointslices"),
+        ("networking.k8s.io", "servicecidrs"),
     ]
     .into_iter()
     .map(|(g, r)| ((g.to_string(), r.to_string()), read.clone()))
@@ -1268,5 +1269,54 @@ fn replace_kube_proxy_swaps_the_image_and_command_of_kubeadms_daemonset() {
         serde_json::to_value(&ds).expect("json"),
         serde_json::to_value(&original).expect("json"),
         "the overlay changed more than the image, the command and the datapath mounts"
+    );
+
+    // kubeadm's newer template (upstream after v1.33: NET_ADMIN and SYS_MODULE instead of
+    // privileged, and a CriticalAddonsOnly toleration): the overlay over it still yields a
+    // privileged container (BPF, the Bidirectional bpffs mount) and kubeadm's arguments.
+    let mut newer = serde_json::to_value(&original).expect("json");
+    let container = &mut newer["spec"]["template"]["spec"]["containers"][0];
+    container["securityContext"] =
+        serde_json::json!({"capabilities": {"add": ["NET_ADMIN", "SYS_MODULE"]}});
+    newer["spec"]["template"]["spec"]["tolerations"] = serde_json::json!([
+        {"key": "CriticalAddonsOnly", "operator": "Exists"},
+        {"operator": "Exists"}
+    ]);
+    let tmp = std::env::temp_dir().join(format!("ebpf-proxy-kustomize-{}", std::process::id()));
+    fs::create_dir_all(&tmp).expect("temp dir");
+    fs::write(
+        tmp.join("kube-proxy.yaml"),
+        serde_yaml::to_string(&newer).expect("yaml"),
+    )
+    .expect("write");
+    for f in ["agent.yaml", "kustomization.yaml"] {
+        fs::copy(dir.join(f), tmp.join(f)).expect("copy");
+    }
+    let out = Command::new("kubectl")
+        .arg("kustomize")
+        .arg(&tmp)
+        .output()
+        .expect("kubectl kustomize");
+    let _ = fs::remove_dir_all(&tmp);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ds: DaemonSet = serde_yaml::from_str(std::str::from_utf8(&out.stdout).expect("UTF-8"))
+        .expect("a DaemonSet");
+    let pod = ds.spec.expect("spec").template.spec.expect("pod spec");
+    let c = &pod.containers[0];
+    assert_eq!(
+        c.security_context.as_ref().and_then(|s| s.privileged),
+        Some(true),
+        "privileged over kubeadm's capability-only template: {:?}",
+        c.security_context
+    );
+    assert_eq!(c.command.as_ref().expect("command")[1..], cmd[1..]);
+    assert_eq!(
+        pod.tolerations.expect("tolerations").len(),
+        2,
+        "kubeadm's kept"
     );
 }

@@ -347,7 +347,13 @@ fn new_syncer(
         writer,
         node,
         opts.proxy_name.clone(),
-        [Kind::Service, Kind::EndpointSlice, Kind::Node],
+        if opts.manifests.is_some() {
+            &[Kind::Service, Kind::EndpointSlice, Kind::Node][..]
+        } else {
+            &kube_source::KINDS[..]
+        }
+        .iter()
+        .copied(),
         metrics,
     )
     .with_external_ip_cidrs(opts.external_ip_cidrs.clone())
@@ -488,7 +494,7 @@ impl NodeAddresses {
         let Some((pin_path, cidrs)) = self.svc_cidrs.as_mut() else {
             return Ok(());
         };
-        if let Some(n) = cidrs.update(pin_path, index.cluster_ips())? {
+        if let Some(n) = cidrs.update(pin_path, index.api_service_cidrs(), index.cluster_ips())? {
             info!(entries = n, "Service CIDRs and cluster IPs written");
         }
         Ok(())

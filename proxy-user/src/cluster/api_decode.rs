@@ -112,6 +112,19 @@ struct SliceItem<'a> {
 }
 
 #[derive(Deserialize)]
+struct ServiceCidrItem<'a> {
+    #[serde(borrow, default)]
+    metadata: Meta<'a>,
+    spec: Option<ServiceCidrSpec>,
+}
+
+#[derive(Deserialize)]
+struct ServiceCidrSpec {
+    #[serde(default)]
+    cidrs: Vec<String>,
+}
+
+#[derive(Deserialize)]
 struct NodeItem<'a> {
     #[serde(borrow, default)]
     metadata: Meta<'a>,
@@ -158,6 +171,27 @@ pub fn object(
                 ports: s.ports,
             };
             Object::ReducedSlice(Box::new(Reduced::slice(key, &slice, proxy_name)))
+        }
+        Kind::ServiceCidr => {
+            let c: ServiceCidrItem = serde_json::from_str(json)?;
+            let key = c.metadata.key();
+            let cidrs = c
+                .spec
+                .map(|s| s.cidrs)
+                .unwrap_or_default()
+                .iter()
+                .map(|text| {
+                    let bad = |why: &str| {
+                        <serde_json::Error as serde::de::Error>::custom(format!(
+                            "spec.cidrs: {text:?} {why}"
+                        ))
+                    };
+                    let p = super::objects::parse_cidr(text).ok_or_else(|| bad("is not a CIDR"))?;
+                    crate::svc_cidr::check_range(p).map_err(|why| bad(&why))?;
+                    Ok(p)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Object::ServiceCidr(Box::new(super::ServiceCidrInfo { key, cidrs }))
         }
         Kind::Node => {
             let n: NodeItem = serde_json::from_str(json)?;

@@ -260,6 +260,9 @@ pub struct Index {
     /// senders whose DSR option is honoured, `DSR_TRUSTED4/6`). Only this node's Node
     /// unless the source watches all Nodes (`--forwarding-mode dsr|hybrid`).
     pub cluster_nodes: BTreeMap<String, Vec<IpAddr>>,
+    /// Every `ServiceCIDR` object's CIDRs, by name (`SVC_CIDR4/6` with
+    /// `--service-cluster-ip-range`).
+    pub service_cidrs: BTreeMap<ObjKey, Vec<crate::dsr_trust::Prefix>>,
     services: BTreeMap<ObjKey, ServiceInfo>,
     slices: HashMap<ObjKey, SliceInfo>,
     slices_by_service: HashMap<ObjKey, Vec<ObjKey>>,
@@ -292,6 +295,11 @@ impl Index {
     /// Every Service's cluster IPs (the ClusterIP markers of `SVC_CIDR4/6`).
     pub fn cluster_ips(&self) -> impl Iterator<Item = &IpAddr> {
         self.services.values().flat_map(|s| s.cluster_ips.iter())
+    }
+
+    /// Every `ServiceCIDR` object's CIDRs.
+    pub fn api_service_cidrs(&self) -> impl Iterator<Item = &crate::dsr_trust::Prefix> {
+        self.service_cidrs.values().flatten()
     }
 
     pub fn new(node: NodeInfo) -> Self {

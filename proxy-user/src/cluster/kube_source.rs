@@ -5,6 +5,12 @@
 //! one snapshot, so a relist after a `410 Expired` is a full re-diff in which objects
 //! deleted meanwhile disappear. A malformed object is logged with its namespace/name,
 //! counted and skipped without stopping the list or the watch.
+//!
+//! `ServiceCIDR` objects (`networking.k8s.io/v1`, GA in 1.33) are read the same way, for
+//! `SVC_CIDR4/6`. A server that does not serve them (older than 1.33 or the API off:
+//! 404) or forbids them (the role lacks the rule: 403) does not hold the datapath
+//! back: the reader passes on an empty list at once, says why, and keeps trying with
+//! backoff (kube-proxy's informer retries as well).
 
 use std::{
     path::{Path, PathBuf},
@@ -140,6 +146,7 @@ fn path(kind: Kind) -> &'static str {
         Kind::Service => "/api/v1/services",
         Kind::EndpointSlice => "/apis/discovery.k8s.io/v1/endpointslices",
         Kind::Node => "/api/v1/nodes",
+        Kind::ServiceCidr => "/apis/networking.k8s.io/v1/servicecidrs",
     }
 }
 
@@ -163,7 +170,15 @@ pub struct WatchOptions {
     pub idle_timeout: Duration,
 }
 
-/// Starts the three watches; each sends its updates to `tx` until the receiver goes.
+/// The kinds [`spawn`] reads; the syncer waits for a list of each before its first sync.
+pub const KINDS: [Kind; 4] = [
+    Kind::Service,
+    Kind::EndpointSlice,
+    Kind::Node,
+    Kind::ServiceCidr,
+];
+
+/// Starts the four watches; each sends its updates to `tx` until the receiver goes.
 pub fn spawn(
     client: Client,
     host: &str,
@@ -189,6 +204,7 @@ pub fn spawn(
         (Kind::Service, Selector::Labels(selector.clone())),
         (Kind::EndpointSlice, Selector::Labels(selector)),
         (Kind::Node, Selector::Fields(nodes)),
+        (Kind::ServiceCidr, Selector::Fields(String::new())),
     ] {
         let reader = Reader {
             client: client.clone(),
@@ -255,6 +271,10 @@ pub struct Reader {
 enum Failure {
     /// `410 Expired`/`Gone` (its message): list again from scratch.
     Expired(String),
+    /// `404` (the server does not serve the resource) or `403` (not allowed to read
+    /// it): retried as [`Failure::Other`]; for an optional kind an empty list stands in
+    /// meanwhile.
+    Unavailable(String),
     /// Anything else: retry (the same step) after a backoff.
     Other(String),
     /// The receiver is gone: stop.
@@ -269,6 +289,8 @@ impl Reader {
         // The resourceVersion to watch from; `None`: list first.
         let mut rv: Option<String> = None;
         let mut expired_in_a_row = 0u32;
+        // An optional kind the server does not serve has been passed on as empty.
+        let mut stood_in = false;
         loop {
             let result = match rv.as_mut() {
                 None => match self.list().await {
@@ -316,7 +338,28 @@ impl Reader {
                         backoff = (backoff * 2).min(BACKOFF_MAX);
                     }
                 }
-                Err(Failure::Other(e)) => {
+                Err(Failure::Unavailable(e)) if self.kind == Kind::ServiceCidr && !listed => {
+                    self.metrics.watch_failed(kind);
+                    if !stood_in {
+                        warn!(
+                            kind,
+                            "cannot list ServiceCIDRs ({e}): going on with \
+                             --service-cluster-ip-range alone; retrying with backoff"
+                        );
+                        let u = Update::Snapshot {
+                            kind: self.kind,
+                            objects: Vec::new(),
+                            relist: false,
+                        };
+                        if self.tx.send(u).await.is_err() {
+                            return;
+                        }
+                        stood_in = true;
+                    }
+                    tokio::time::sleep(jitter(backoff)).await;
+                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                }
+                Err(Failure::Other(e) | Failure::Unavailable(e)) => {
                     warn!(kind, "watch error (retrying with backoff): {e}");
                     self.metrics.watch_failed(kind);
                     tokio::time::sleep(jitter(backoff)).await;
@@ -535,6 +578,9 @@ fn failure(e: kube::Error) -> Failure {
     match e {
         kube::Error::Api(s) if s.code == 410 || s.reason == "Expired" || s.reason == "Gone" => {
             Failure::Expired(s.message)
+        }
+        kube::Error::Api(s) if s.code == 404 || s.code == 403 => {
+            Failure::Unavailable(format!("{} {}: {}", s.code, s.reason, s.message))
         }
         e => Failure::Other(with_sources(&e)),
     }

@@ -27,6 +27,9 @@ pub enum Kind {
     Service,
     EndpointSlice,
     Node,
+    /// `networking.k8s.io/v1` `ServiceCIDR` (GA in 1.33): the ranges ClusterIPs are
+    /// allocated from, read from the API only.
+    ServiceCidr,
 }
 
 impl Kind {
@@ -35,8 +38,19 @@ impl Kind {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
+            Kind::ServiceCidr => "ServiceCIDR",
         }
     }
+}
+
+/// A `ServiceCIDR` as the agent reads it: its name and `spec.cidrs` (one or two, one per
+/// family). Like kube-proxy (`pkg/proxy/config` `ServiceCIDRConfig`), every object's
+/// CIDRs count, whatever its status: a ServiceCIDR being deleted still has ClusterIPs
+/// allocated from it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceCidrInfo {
+    pub key: ObjKey,
+    pub cidrs: Vec<crate::dsr_trust::Prefix>,
 }
 
 /// One object, decoded: an API object (the manifests source; reduced by the agent), or
@@ -49,6 +63,7 @@ pub enum Object {
     Node(Box<Node>),
     ReducedService(Box<Reduced<ServiceInfo>>),
     ReducedSlice(Box<Reduced<SliceInfo>>),
+    ServiceCidr(Box<ServiceCidrInfo>),
 }
 
 /// An object reduced where it was decoded (`cluster::api_decode`): its key, what
@@ -90,6 +105,7 @@ impl Object {
             Object::Service(_) | Object::ReducedService(_) => Kind::Service,
             Object::Slice(_) | Object::ReducedSlice(_) => Kind::EndpointSlice,
             Object::Node(_) => Kind::Node,
+            Object::ServiceCidr(_) => Kind::ServiceCidr,
         }
     }
 
@@ -100,6 +116,7 @@ impl Object {
             Object::Node(o) => &o.metadata,
             Object::ReducedService(r) => return r.key.clone(),
             Object::ReducedSlice(r) => return r.key.clone(),
+            Object::ServiceCidr(c) => return c.key.clone(),
         };
         ObjKey::new(
             meta.namespace.clone().unwrap_or_default(),

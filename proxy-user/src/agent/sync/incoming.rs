@@ -58,6 +58,7 @@ impl<S: MapStore> Syncer<S> {
             Object::Slice(s) => Incoming::Slice(Reduced::slice(obj_key(&s.metadata), &s, proxy)),
             Object::ReducedSlice(r) => Incoming::Slice(*r),
             Object::Node(n) => Incoming::Node(n),
+            Object::ServiceCidr(c) => Incoming::ServiceCidr(c),
         }
     }
 
@@ -125,4 +126,5 @@ pub(super) enum Incoming {
     Service(Reduced<ServiceInfo>),
     Slice(Reduced<SliceInfo>),
     Node(Box<Node>),
+    ServiceCidr(Box<crate::cluster::ServiceCidrInfo>),
 }

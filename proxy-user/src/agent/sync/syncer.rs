@@ -64,6 +64,9 @@ pub struct Syncer<S> {
     /// A Node's addresses changed (`Index::cluster_nodes`): nothing to re-diff, but the
     /// next sync runs, and with it the writes that follow it (`DSR_TRUSTED4/6`).
     pub(super) nodes_changed: bool,
+    /// A `ServiceCIDR` object changed since the last sync (`SVC_CIDR4/6` are rewritten
+    /// after it).
+    pub(super) service_cidrs_changed: bool,
     /// Who claims which frontend (and so who owns it).
     pub(super) claims: Claims,
     /// Losing claimants already reported, per frontend (each reported once).
@@ -112,6 +115,7 @@ impl<S: MapStore> Syncer<S> {
             dirty: HashMap::default(),
             full_due: None,
             nodes_changed: false,
+            service_cidrs_changed: false,
             claims: Claims::default(),
             conflicts_reported: HashMap::default(),
             refused: HashMap::default(),
@@ -162,7 +166,10 @@ impl<S: MapStore> Syncer<S> {
 
     /// Something is waiting to be written.
     pub fn pending(&self) -> bool {
-        self.full_due.is_some() || !self.dirty.is_empty() || self.nodes_changed
+        self.full_due.is_some()
+            || !self.dirty.is_empty()
+            || self.nodes_changed
+            || self.service_cidrs_changed
     }
 
     /// Asks for a full re-diff (periodic resync).

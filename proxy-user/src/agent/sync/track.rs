@@ -41,7 +41,7 @@ impl<S: MapStore> Syncer<S> {
                 match obj.kind() {
                     Kind::Service => self.metrics.kube_proxy.queued(true),
                     Kind::EndpointSlice => self.metrics.kube_proxy.queued(false),
-                    Kind::Node => {}
+                    Kind::Node | Kind::ServiceCidr => {}
                 }
                 self.apply(obj, now)
             }
@@ -49,7 +49,7 @@ impl<S: MapStore> Syncer<S> {
                 match kind {
                     Kind::Service => self.metrics.kube_proxy.queued(true),
                     Kind::EndpointSlice => self.metrics.kube_proxy.queued(false),
-                    Kind::Node => {}
+                    Kind::Node | Kind::ServiceCidr => {}
                 }
                 self.release(kind, &key, now);
                 match kind {
@@ -64,6 +64,10 @@ impl<S: MapStore> Syncer<S> {
                     Kind::Node => {
                         let gone = self.index.cluster_nodes.remove(key.name.as_ref() as &str);
                         self.nodes_changed |= gone.is_some();
+                    }
+                    Kind::ServiceCidr => {
+                        let gone = self.index.service_cidrs.remove(&key);
+                        self.service_cidrs_changed |= gone.is_some();
                     }
                 }
             }
@@ -147,6 +151,17 @@ impl<S: MapStore> Syncer<S> {
                     .find(|n| n.metadata.name.as_deref() == Some(name.as_str()));
                 self.set_node(own.map(|n| &**n), now);
             }
+            Kind::ServiceCidr => {
+                let all: BTreeMap<ObjKey, Vec<_>> = objects
+                    .into_iter()
+                    .filter_map(|o| match o {
+                        Object::ServiceCidr(c) => Some((c.key, c.cidrs)),
+                        _ => None,
+                    })
+                    .collect();
+                self.service_cidrs_changed |= all != self.index.service_cidrs;
+                self.index.service_cidrs = all;
+            }
         }
         let gone: Vec<ObjKey> = self
             .held
@@ -189,6 +204,10 @@ impl<S: MapStore> Syncer<S> {
                     let touched = self.index.set_slice(key, info);
                     self.touch(touched, now);
                 }
+            }
+            Incoming::ServiceCidr(c) => {
+                let before = self.index.service_cidrs.insert(c.key, c.cidrs.clone());
+                self.service_cidrs_changed |= before.as_ref() != Some(&c.cidrs);
             }
             Incoming::Node(n) => {
                 self.record_cluster_node(&n);

@@ -29,6 +29,7 @@ impl<S: MapStore> Syncer<S> {
         }
         let start = Instant::now();
         self.nodes_changed = false;
+        self.service_cidrs_changed = false;
         let full = self.full_due.is_some();
         let keys: Vec<(ObjKey, Instant)> = if full {
             let since = self.full_due.take().unwrap_or(now);

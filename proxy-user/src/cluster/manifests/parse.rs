@@ -166,5 +166,8 @@ pub fn decode(kind: Kind, v: Value) -> Result<Object, serde_json::Error> {
         Kind::Service => Object::Service(Box::new(serde_json::from_value(v)?)),
         Kind::EndpointSlice => Object::Slice(Box::new(serde_json::from_value(v)?)),
         Kind::Node => Object::Node(Box::new(serde_json::from_value(v)?)),
+        // Not read from a manifests directory (`--service-cluster-ip-range` is its
+        // source); decoded as the API reader does, should a caller ask.
+        Kind::ServiceCidr => super::super::api_decode::object(kind, &v.to_string(), None)?,
     })
 }

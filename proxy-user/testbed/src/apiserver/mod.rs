@@ -335,7 +335,7 @@ preferences: {{}}
     pub fn delete(&self, kind: &str, namespace: &str, name: &str) {
         let kind = Kind::parse(kind).unwrap_or_else(|| {
             panic!(
-                "FakeApiServer::delete: unsupported kind {kind:?} (Service, EndpointSlice, Node)"
+                "FakeApiServer::delete: unsupported kind {kind:?} (Service, EndpointSlice, Node, ServiceCIDR)"
             )
         });
         let namespace = if kind.namespaced() { namespace } else { "" };

@@ -57,6 +57,12 @@ fn route(path: &str) -> Option<Route> {
             Some(ns.to_owned()),
             name.to_owned(),
         ),
+        ["apis", "networking.k8s.io", "v1", "servicecidrs"] => {
+            Route::Collection(Kind::ServiceCidr, None)
+        }
+        ["apis", "networking.k8s.io", "v1", "servicecidrs", name] => {
+            Route::Object(Kind::ServiceCidr, None, name.to_owned())
+        }
         ["apis", "discovery.k8s.io", "v1", "endpointslices"] => {
             Route::Collection(Kind::EndpointSlice, None)
         }

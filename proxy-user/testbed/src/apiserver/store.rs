@@ -144,6 +144,7 @@ pub(super) enum Kind {
     Service,
     EndpointSlice,
     Node,
+    ServiceCidr,
 }
 
 impl Kind {
@@ -152,6 +153,7 @@ impl Kind {
             "Service" => Some(Self::Service),
             "EndpointSlice" => Some(Self::EndpointSlice),
             "Node" => Some(Self::Node),
+            "ServiceCIDR" => Some(Self::ServiceCidr),
             _ => None,
         }
     }
@@ -161,6 +163,7 @@ impl Kind {
             Self::Service => "Service",
             Self::EndpointSlice => "EndpointSlice",
             Self::Node => "Node",
+            Self::ServiceCidr => "ServiceCIDR",
         }
     }
 
@@ -170,6 +173,7 @@ impl Kind {
             Self::Service => "services",
             Self::EndpointSlice => "endpointslices",
             Self::Node => "nodes",
+            Self::ServiceCidr => "servicecidrs",
         }
     }
 
@@ -177,11 +181,12 @@ impl Kind {
         match self {
             Self::Service | Self::Node => "v1",
             Self::EndpointSlice => "discovery.k8s.io/v1",
+            Self::ServiceCidr => "networking.k8s.io/v1",
         }
     }
 
     pub(super) fn namespaced(self) -> bool {
-        !matches!(self, Self::Node)
+        !matches!(self, Self::Node | Self::ServiceCidr)
     }
 }
 

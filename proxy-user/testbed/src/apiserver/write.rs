@@ -286,6 +286,9 @@ pub(super) fn discovery(path: &str) -> Option<Value> {
     let group = json!({"name": "discovery.k8s.io",
         "versions": [{"groupVersion": "discovery.k8s.io/v1", "version": "v1"}],
         "preferredVersion": {"groupVersion": "discovery.k8s.io/v1", "version": "v1"}});
+    let networking = json!({"name": "networking.k8s.io",
+        "versions": [{"groupVersion": "networking.k8s.io/v1", "version": "v1"}],
+        "preferredVersion": {"groupVersion": "networking.k8s.io/v1", "version": "v1"}});
     let patch_op = |group: &str, kind: &str| {
         json!({"patch": {
             "x-kubernetes-group-version-kind": {"group": group, "version": "v1", "kind": kind},
@@ -301,7 +304,12 @@ pub(super) fn discovery(path: &str) -> Option<Value> {
         "/openapi/v3" => json!({"paths": {
             "api/v1": {"serverRelativeURL": "/openapi/v3/api/v1"},
             "apis/discovery.k8s.io/v1": {"serverRelativeURL": "/openapi/v3/apis/discovery.k8s.io/v1"},
+            "apis/networking.k8s.io/v1": {"serverRelativeURL": "/openapi/v3/apis/networking.k8s.io/v1"},
         }}),
+        "/openapi/v3/apis/networking.k8s.io/v1" => openapi(json!({
+            "/apis/networking.k8s.io/v1/servicecidrs/{name}":
+                patch_op("networking.k8s.io", "ServiceCIDR"),
+        })),
         "/openapi/v3/api/v1" => openapi(json!({
             "/api/v1/namespaces/{namespace}/services/{name}": patch_op("", "Service"),
             "/api/v1/nodes/{name}": patch_op("", "Node"),
@@ -312,7 +320,9 @@ pub(super) fn discovery(path: &str) -> Option<Value> {
         })),
         "/api" => json!({"kind": "APIVersions", "versions": ["v1"],
             "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}),
-        "/apis" => json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [group]}),
+        "/apis" => {
+            json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [group, networking]})
+        }
         "/apis/discovery.k8s.io" => {
             let mut g = group;
             g["kind"] = "APIGroup".into();
@@ -322,6 +332,16 @@ pub(super) fn discovery(path: &str) -> Option<Value> {
         "/api/v1" => json!({"kind": "APIResourceList", "groupVersion": "v1", "resources": [
             resource("services", "Service", true, &["svc"]),
             resource("nodes", "Node", false, &["no"]),
+        ]}),
+        "/apis/networking.k8s.io" => {
+            let mut g = networking;
+            g["kind"] = "APIGroup".into();
+            g["apiVersion"] = "v1".into();
+            g
+        }
+        "/apis/networking.k8s.io/v1" => json!({"kind": "APIResourceList", "apiVersion": "v1",
+            "groupVersion": "networking.k8s.io/v1", "resources": [
+            resource("servicecidrs", "ServiceCIDR", false, &[]),
         ]}),
         "/apis/discovery.k8s.io/v1" => json!({"kind": "APIResourceList", "apiVersion": "v1",
             "groupVersion": "discovery.k8s.io/v1", "resources": [
