@@ -8,7 +8,6 @@
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    path::Path,
 };
 
 use aya::maps::{
@@ -53,11 +52,10 @@ pub fn trusted_prefixes<'a>(
     hosts.chain(cidrs.iter().copied()).map(normalize).collect()
 }
 
-/// Makes `DSR_TRUSTED4/6` under `pin_path` hold exactly `want` (adds the new prefixes
+/// Makes `DSR_TRUSTED4/6` under `pins` hold exactly `want` (adds the new prefixes
 /// first, then removes the ones no longer wanted, so a node in both sets stays trusted
 /// throughout).
-pub fn write(pin_path: &Path, want: &BTreeSet<Prefix>) -> Result<(), PinError> {
-    let pins = PinDir::new(pin_path);
+pub fn write(pins: &PinDir, want: &BTreeSet<Prefix>) -> Result<(), PinError> {
     let mut t4: LpmTrie<MapData, u32, u8> =
         pins.typed(map_names::DSR_TRUSTED4, Access::ReadWrite)?;
     let mut t6: LpmTrie<MapData, [u32; 4], u8> =
@@ -103,9 +101,8 @@ pub fn write(pin_path: &Path, want: &BTreeSet<Prefix>) -> Result<(), PinError> {
     Ok(())
 }
 
-/// What `DSR_TRUSTED4/6` under `pin_path` hold.
-pub fn read(pin_path: &Path) -> Result<BTreeSet<Prefix>, PinError> {
-    let pins = PinDir::new(pin_path);
+/// What `DSR_TRUSTED4/6` under `pins` hold.
+pub fn read(pins: &PinDir) -> Result<BTreeSet<Prefix>, PinError> {
     let t4: LpmTrie<MapData, u32, u8> = pins.typed(map_names::DSR_TRUSTED4, Access::ReadOnly)?;
     let t6: LpmTrie<MapData, [u32; 4], u8> =
         pins.typed(map_names::DSR_TRUSTED6, Access::ReadOnly)?;
@@ -152,14 +149,14 @@ impl DsrTrust {
     /// was written last; returns the set written (`None`: unchanged).
     pub fn update<'a>(
         &mut self,
-        pin_path: &Path,
+        pins: &PinDir,
         node_addrs: impl IntoIterator<Item = &'a IpAddr>,
     ) -> Result<Option<&BTreeSet<Prefix>>, PinError> {
         let want = trusted_prefixes(node_addrs, &self.cidrs);
         if self.written.as_ref() == Some(&want) {
             return Ok(None);
         }
-        write(pin_path, &want)?;
+        write(pins, &want)?;
         Ok(Some(self.written.insert(want)))
     }
 }

@@ -50,8 +50,7 @@ impl ForwardingMode {
 }
 
 /// Writes the mode to the pinned `FWD_MODE` map of `pins`.
-pub fn set(pins: impl Into<PinDir>, mode: ForwardingMode) -> Result<(), PinError> {
-    let pins = pins.into();
+pub fn set(pins: &PinDir, mode: ForwardingMode) -> Result<(), PinError> {
     let mut map: Array<MapData, u32> = pins.typed(map_names::FWD_MODE, Access::ReadWrite)?;
     map.set(0, mode.value(), 0).map_err(|source| PinError::Map {
         path: pins.map_path(map_names::FWD_MODE),
@@ -60,8 +59,7 @@ pub fn set(pins: impl Into<PinDir>, mode: ForwardingMode) -> Result<(), PinError
 }
 
 /// Reads the mode from the pinned `FWD_MODE` map (`Ok(None)`: an unknown value).
-pub fn get(pins: impl Into<PinDir>) -> Result<Option<ForwardingMode>, PinError> {
-    let pins = pins.into();
+pub fn get(pins: &PinDir) -> Result<Option<ForwardingMode>, PinError> {
     let map: Array<MapData, u32> = pins.typed(map_names::FWD_MODE, Access::ReadOnly)?;
     let v = map.get(&0, 0).map_err(|source| PinError::Map {
         path: pins.map_path(map_names::FWD_MODE),

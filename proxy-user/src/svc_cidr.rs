@@ -10,7 +10,6 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
-    path::Path,
 };
 
 use aya::maps::{
@@ -69,10 +68,9 @@ pub fn wanted<'a>(
     out
 }
 
-/// Makes `SVC_CIDR4/6` under `pin_path` hold exactly `want` (writes the wanted entries
+/// Makes `SVC_CIDR4/6` under `pins` hold exactly `want` (writes the wanted entries
 /// first, then removes the others).
-pub fn write(pin_path: &Path, want: &BTreeMap<Prefix, u8>) -> Result<(), PinError> {
-    let pins = PinDir::new(pin_path);
+pub fn write(pins: &PinDir, want: &BTreeMap<Prefix, u8>) -> Result<(), PinError> {
     let mut t4: LpmTrie<MapData, u32, u8> = pins.typed(map_names::SVC_CIDR4, Access::ReadWrite)?;
     let mut t6: LpmTrie<MapData, [u32; 4], u8> =
         pins.typed(map_names::SVC_CIDR6, Access::ReadWrite)?;
@@ -111,9 +109,8 @@ pub fn write(pin_path: &Path, want: &BTreeMap<Prefix, u8>) -> Result<(), PinErro
     Ok(())
 }
 
-/// The prefixes `SVC_CIDR4/6` under `pin_path` hold.
-pub fn read(pin_path: &Path) -> Result<BTreeSet<Prefix>, PinError> {
-    let pins = PinDir::new(pin_path);
+/// The prefixes `SVC_CIDR4/6` under `pins` hold.
+pub fn read(pins: &PinDir) -> Result<BTreeSet<Prefix>, PinError> {
     let t4: LpmTrie<MapData, u32, u8> = pins.typed(map_names::SVC_CIDR4, Access::ReadOnly)?;
     let t6: LpmTrie<MapData, [u32; 4], u8> = pins.typed(map_names::SVC_CIDR6, Access::ReadOnly)?;
     let mut out = BTreeSet::new();
@@ -157,7 +154,7 @@ impl SvcCidrs {
     /// entries written (`None`: unchanged, or no range now nor before).
     pub fn update<'a>(
         &mut self,
-        pin_path: &Path,
+        pins: &PinDir,
         api_ranges: impl IntoIterator<Item = &'a Prefix>,
         cluster_ips: impl IntoIterator<Item = &'a IpAddr>,
     ) -> Result<Option<usize>, PinError> {
@@ -174,7 +171,7 @@ impl SvcCidrs {
         if self.written.as_ref() == Some(&want) {
             return Ok(None);
         }
-        write(pin_path, &want)?;
+        write(pins, &want)?;
         Ok(Some(self.written.insert(want).len()))
     }
 }

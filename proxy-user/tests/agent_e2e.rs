@@ -991,7 +991,7 @@ fn service_cidrs_from_the_flag_reject_and_drop_inside_the_range_only() {
         );
     }
     // The ranges stay; the removed Service's marker is gone.
-    let held = proxy_user::svc_cidr::read(&env.pins.path).expect("read");
+    let held = proxy_user::svc_cidr::read(&env.pins.dir()).expect("read");
     assert_eq!(held.len(), 2, "{held:?}");
     agent.stop();
 }

@@ -368,7 +368,7 @@ fn dsr_mode_trusts_every_nodes_addresses_from_the_api() {
     let wait = |what: &str, expected: std::collections::BTreeSet<(std::net::IpAddr, u8)>| {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
-            let got = proxy_user::dsr_trust::read(&env.pins.path).expect("DSR_TRUSTED");
+            let got = proxy_user::dsr_trust::read(&env.pins.dir()).expect("DSR_TRUSTED");
             if got == expected {
                 return;
             }
@@ -505,7 +505,7 @@ fn service_cidrs_from_the_api_are_followed() {
         FOLLOW,
         errno(libc::EPERM),
     );
-    let held = proxy_user::svc_cidr::read(&env.pins.path).expect("SVC_CIDR4/6");
+    let held = proxy_user::svc_cidr::read(&env.pins.dir()).expect("SVC_CIDR4/6");
     assert!(
         held.contains(&("10.100.0.0".parse().expect("ip"), 24))
             && !held

@@ -266,7 +266,7 @@ fn service_cidrs_reject_unused_ports_and_drop_unallocated_addresses_only() {
     ];
     let vips = [IpAddr::V4(VIP4), IpAddr::V6(vip6())];
     proxy_user::svc_cidr::write(
-        &env.pins.path,
+        &env.pins.dir(),
         &proxy_user::svc_cidr::wanted(&ranges, &vips),
     )
     .expect("service cidrs");
@@ -334,8 +334,8 @@ fn service_cidrs_reject_unused_ports_and_drop_unallocated_addresses_only() {
     assert_eq!(counter(store, Reason::SvcCidrUnallocated) - drop_before, 3);
 
     // Emptied: the same unallocated address is left alone again (no route from here).
-    proxy_user::svc_cidr::write(&env.pins.path, &Default::default()).expect("empty");
-    assert!(proxy_user::svc_cidr::read(&env.pins.path)
+    proxy_user::svc_cidr::write(&env.pins.dir(), &Default::default()).expect("empty");
+    assert!(proxy_user::svc_cidr::read(&env.pins.dir())
         .expect("read")
         .is_empty());
     env.in_client(|| {

@@ -808,7 +808,7 @@ fn dsr_replies_go_straight_from_the_backends_node_to_the_client() {
         "node-b's DSR_TRUSTED4/6 hold the Node objects' addresses",
         Duration::from_secs(5),
         || {
-            proxy_user::dsr_trust::read(&pins_b.path)
+            proxy_user::dsr_trust::read(&pins_b.dir())
                 .expect("DSR_TRUSTED")
                 .is_superset(&want)
         },

@@ -968,9 +968,9 @@ fn ip6ip6(inner: &[u8], src: Ipv6Addr, dst: Ipv6Addr) -> Vec<u8> {
 
 impl Bed {
     fn forwarding_mode(&self, mode: proxy_user::ForwardingMode) {
-        proxy_user::fwd::set(&self.pins.path, mode).expect("FWD_MODE");
+        proxy_user::fwd::set(&self.pins.dir(), mode).expect("FWD_MODE");
         assert_eq!(
-            proxy_user::fwd::get(&self.pins.path).expect("read"),
+            proxy_user::fwd::get(&self.pins.dir()).expect("read"),
             Some(mode)
         );
     }
@@ -983,7 +983,7 @@ impl Bed {
             .map(|(a, l)| (a.parse().expect("ip"), *l))
             .collect();
         let set = proxy_user::dsr_trust::trusted_prefixes(&nodes, &cidrs);
-        proxy_user::dsr_trust::write(&self.pins.path, &set).expect("DSR_TRUSTED");
+        proxy_user::dsr_trust::write(&self.pins.dir(), &set).expect("DSR_TRUSTED");
     }
 
     /// The NodePorts of the DSR tests: TCP 30080 and UDP 30081 (IPv4), TCP 30080 (IPv6),
@@ -1478,7 +1478,7 @@ fn a_service_cidr_miss_is_rejected_or_dropped_and_nothing_else_is_touched() {
         &[(ip("10.96.0.0"), 16), (ip("2001:db8:96::"), 112)],
         [&ip("10.96.0.10"), &ip("2001:db8:96::10")],
     );
-    proxy_user::svc_cidr::write(&bed.pins.path, &want).expect("SVC_CIDR4/6");
+    proxy_user::svc_cidr::write(&bed.pins.dir(), &want).expect("SVC_CIDR4/6");
     let (port0, cidr0) = (
         bed.counter(Reason::SvcPortUnused),
         bed.counter(Reason::SvcCidrUnallocated),

@@ -643,7 +643,7 @@ fn a_service_cidr_miss_is_dropped_at_xdp_or_handed_to_tc_for_the_reject() {
         .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], 0))
         .expect("upsert");
     let want = proxy_user::svc_cidr::wanted(&[(ip("10.96.0.0"), 16)], [&ip("10.96.0.10")]);
-    proxy_user::svc_cidr::write(&bed.pins.path, &want).expect("SVC_CIDR4");
+    proxy_user::svc_cidr::write(&bed.pins.dir(), &want).expect("SVC_CIDR4");
     let to_stack = bed.xdp_counter(Reason::XdpToStack);
     let dropped = bed.xdp_counter(Reason::SvcCidrUnallocated);
 

@@ -6,6 +6,7 @@ pub mod conflicts;
 pub mod counters;
 pub mod external_ips;
 pub mod index;
+pub mod kube_client;
 pub mod kube_source;
 pub mod lb_algorithm;
 pub mod manifests;

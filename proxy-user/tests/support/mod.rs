@@ -86,6 +86,11 @@ impl PinDir {
             path: PathBuf::from("/sys/fs/bpf").join(unique("ebpf-proxy-test-")),
         }
     }
+
+    /// The library's handle on this directory (what every pin function takes).
+    pub fn dir(&self) -> proxy_user::pins::PinDir {
+        proxy_user::pins::PinDir::new(&self.path)
+    }
 }
 
 impl Drop for PinDir {

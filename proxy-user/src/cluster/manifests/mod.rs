@@ -14,10 +14,8 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use serde::Deserialize as _;
-use serde_json::Value;
 use tokio::sync::mpsc;
-use tracing::{debug, warn};
+use tracing::warn;
 
 use super::counters::SourceCounters;
 use super::{Kind, ObjKey, Object, Update};

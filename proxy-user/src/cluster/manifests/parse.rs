@@ -1,7 +1,13 @@
 //! Reading one manifest file: size and nesting checked before parsing, YAML/JSON
 //! documents (`kind: List` included) decoded into typed objects.
 
-use super::*;
+use std::{fs, io, path::Path};
+
+use serde::Deserialize as _;
+use serde_json::Value;
+use tracing::{debug, warn};
+
+use crate::cluster::{counters::SourceCounters, Kind, ObjKey, Object};
 
 /// The largest manifest file read (a bigger one is reported as `too_large`): 20,000
 /// Services with 10 endpoints each take about 40 MiB of YAML.
@@ -168,6 +174,6 @@ pub fn decode(kind: Kind, v: Value) -> Result<Object, serde_json::Error> {
         Kind::Node => Object::Node(Box::new(serde_json::from_value(v)?)),
         // Not read from a manifests directory (`--service-cluster-ip-range` is its
         // source); decoded as the API reader does, should a caller ask.
-        Kind::ServiceCidr => super::super::api_decode::object(kind, &v.to_string(), None)?,
+        Kind::ServiceCidr => crate::cluster::api_decode::object(kind, &v.to_string(), None)?,
     })
 }

@@ -10,11 +10,6 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
-};
-
 use crate::model::{Family, Proto};
 
 mod node;

@@ -1,6 +1,9 @@
 //! The node's own `Node` reduced to [`NodeInfo`].
 
-use super::*;
+use k8s_openapi::api::core::v1::Node;
+use std::net::IpAddr;
+
+use super::{LABEL_ZONE, TAINT_TO_BE_DELETED};
 
 /// What the proxy knows about the node it runs on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -1,6 +1,13 @@
 //! `Service` validated and reduced to [`ServiceInfo`] (its ports, IPs, policies).
 
-use super::*;
+use crate::model::Family;
+use crate::model::Proto;
+use k8s_openapi::api::core::v1::Service;
+use std::net::IpAddr;
+
+use super::{
+    intern, parse_cidr, parse_proto, selected, Atom, ObjKey, Skip, DEFAULT_AFFINITY_TIMEOUT,
+};
 
 /// One `spec.ports[]` entry.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,7 +1,13 @@
 //! `EndpointSlice` validated and reduced to [`SliceInfo`] (endpoints with their
 //! conditions resolved, topology hints).
 
-use super::*;
+use crate::model::Family;
+use crate::model::Proto;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use super::{intern, parse_proto, selected, Atom, ObjKey, Skip, LABEL_SERVICE_NAME};
 
 /// One endpoint of a slice, conditions resolved (KEP-1672: nil ready = ready, nil
 /// serving = ready, nil terminating = not terminating). 48 bytes and no allocation of its
