@@ -373,7 +373,12 @@ pub struct NodeConfig {
 
 #[cfg(feature = "user")]
 mod user {
-    use super::*;
+    use super::{
+        AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
+        MaglevChunk, MaglevKey, NodeConfig, RevNat4, RevNat6, SockRevNat4, SockRevNat4Entry,
+        SockRevNat4V3, SockRevNat4V3Key, SockRevNat6, SockRevNat6Entry, SockRevNat6V3,
+        SockRevNat6V3Key, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
+    };
 
     macro_rules! pod {
         ($($t:ty),* $(,)?) => {$(

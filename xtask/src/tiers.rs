@@ -14,6 +14,7 @@ pub const UNPRIVILEGED: &[&str] = &[
     "desired_state_memory",
     "docs_agree",
     "kubectl",
+    "structure",
 ];
 
 /// `proxy-user/tests/*.rs` less [`UNPRIVILEGED`]: real kernel state (namespaces, cgroups,

@@ -12,7 +12,7 @@ use std::{
 
 use proxy_common::{backend_flags, svc_flags};
 
-use super::objects::{EndpointInfo, NodeInfo, ObjKey, ServiceInfo, SliceInfo};
+use super::objects::{EndpointInfo, NodeInfo, ObjKey, ServiceInfo, ServicePortInfo, SliceInfo};
 use crate::{
     fasthash::{HashMap, HashSet},
     model::{Backend, Family, Frontend, ServiceEntry},
@@ -27,57 +27,12 @@ pub fn service_entries(
     slices: &[&SliceInfo],
     node: &NodeInfo,
 ) -> Vec<ServiceEntry> {
-    let mut families: Vec<Family> = Vec::new();
-    for ip in &svc.cluster_ips {
-        if !families.contains(&Family::of(ip)) {
-            families.push(Family::of(ip));
-        }
-    }
     let mut out = Vec::new();
-    for family in families {
+    for family in families(svc) {
         for port in &svc.ports {
-            // Endpoints serving this port: slices of this family whose port of the same
-            // name (the service port's targetPort, resolved) has the same protocol.
-            let mut candidates: Vec<(EndpointInfo, u16)> = Vec::new();
-            // Where each address:port sits in `candidates`: linear in the endpoints, so a
-            // Service with tens of thousands of them costs no more than its size.
-            let mut seen: HashMap<(IpAddr, u16), usize> = HashMap::default();
-            for slice in slices.iter().filter(|s| s.family == family) {
-                let Some(sp) = slice
-                    .ports
-                    .iter()
-                    .find(|p| p.name == port.name && p.proto == port.proto)
-                else {
-                    continue;
-                };
-                for ep in &slice.endpoints {
-                    // The same endpoint can sit in two slices while they are rebalanced:
-                    // one endpoint, and a non-terminating copy replaces a terminating one
-                    // whatever the order of the slices (endpointslicecache.go
-                    // addEndpoints: `if !exists || !terminating`).
-                    match seen.get(&(ep.addr, sp.port)) {
-                        None => {
-                            seen.insert((ep.addr, sp.port), candidates.len());
-                            candidates.push((ep.clone(), sp.port));
-                        }
-                        Some(&i) if !ep.terminating => candidates[i].0 = ep.clone(),
-                        Some(_) => {}
-                    }
-                }
-            }
+            let candidates = candidates(slices, family, port);
             let eps: Vec<&EndpointInfo> = candidates.iter().map(|(e, _)| e).collect();
-            // Keeps the order of `candidates` (the chosen endpoints are references into it).
-            let backends = |chosen: &[&EndpointInfo]| -> Vec<Backend> {
-                let chosen: HashSet<*const EndpointInfo> =
-                    chosen.iter().map(|c| *c as *const EndpointInfo).collect();
-                let mut b: Vec<Backend> = candidates
-                    .iter()
-                    .filter(|(e, _)| chosen.contains(&(e as *const EndpointInfo)))
-                    .map(|(e, p)| backend(e, *p, node))
-                    .collect();
-                b.sort();
-                b
-            };
+            let backends = |chosen: &[&EndpointInfo]| backends_of(&candidates, chosen, node);
             let cluster = backends(&cluster_endpoints(&eps, node));
             let local = || backends(&local_endpoints(&eps, node));
             // kube-proxy's `hasEndpoints`: a usable (ready, or serving and terminating)
@@ -123,31 +78,7 @@ pub fn service_entries(
             // External frontends: cluster endpoints for every client the socket hooks
             // see (pods, the node), and the local-only twin for traffic from outside
             // when externalTrafficPolicy is Local.
-            let mut external: Vec<(Frontend, u16)> = Vec::new();
-            if let Some(np) = port.node_port {
-                external.push((
-                    Frontend::new(unspecified(family), np, port.proto),
-                    svc_flags::NODE_PORT,
-                ));
-            }
-            for ip in svc
-                .external_ips
-                .iter()
-                .filter(|ip| Family::of(ip) == family)
-            {
-                external.push((
-                    Frontend::new(*ip, port.port, port.proto),
-                    svc_flags::EXTERNAL_IP,
-                ));
-            }
-            for ip in svc.lb_ips.iter().filter(|ip| Family::of(ip) == family) {
-                let mut f = svc_flags::LOAD_BALANCER;
-                if !svc.source_ranges.is_empty() {
-                    f |= svc_flags::SOURCE_RANGES;
-                }
-                external.push((Frontend::new(*ip, port.port, port.proto), f));
-            }
-            for (fe, mut kind) in external {
+            for (fe, mut kind) in external_frontends(svc, family, port) {
                 // The TC path's choice for traffic from outside (the socket hooks ignore it).
                 if svc.maglev {
                     kind |= svc_flags::MAGLEV;
@@ -166,6 +97,108 @@ pub fn service_entries(
         }
     }
     out
+}
+
+/// The endpoints serving `port` in `family`: from the slices of that family whose port of
+/// the same name (the service port's targetPort, resolved) has the same protocol, each
+/// address:port once.
+fn candidates(
+    slices: &[&SliceInfo],
+    family: Family,
+    port: &ServicePortInfo,
+) -> Vec<(EndpointInfo, u16)> {
+    let mut candidates: Vec<(EndpointInfo, u16)> = Vec::new();
+    // Where each address:port sits in `candidates`: linear in the endpoints, so a
+    // Service with tens of thousands of them costs no more than its size.
+    let mut seen: HashMap<(IpAddr, u16), usize> = HashMap::default();
+    for slice in slices.iter().filter(|s| s.family == family) {
+        let Some(sp) = slice
+            .ports
+            .iter()
+            .find(|p| p.name == port.name && p.proto == port.proto)
+        else {
+            continue;
+        };
+        for ep in &slice.endpoints {
+            // The same endpoint can sit in two slices while they are rebalanced:
+            // one endpoint, and a non-terminating copy replaces a terminating one
+            // whatever the order of the slices (endpointslicecache.go
+            // addEndpoints: `if !exists || !terminating`).
+            match seen.get(&(ep.addr, sp.port)) {
+                None => {
+                    seen.insert((ep.addr, sp.port), candidates.len());
+                    candidates.push((ep.clone(), sp.port));
+                }
+                Some(&i) if !ep.terminating => candidates[i].0 = ep.clone(),
+                Some(_) => {}
+            }
+        }
+    }
+    candidates
+}
+
+/// The external frontends of `port` in `family` and their kind: the NodePort (on any node
+/// address), each `externalIPs` address, each LoadBalancer ingress IP (with
+/// `SOURCE_RANGES` when the Service has source ranges).
+fn external_frontends(
+    svc: &ServiceInfo,
+    family: Family,
+    port: &ServicePortInfo,
+) -> Vec<(Frontend, u16)> {
+    let mut external: Vec<(Frontend, u16)> = Vec::new();
+    if let Some(np) = port.node_port {
+        external.push((
+            Frontend::new(unspecified(family), np, port.proto),
+            svc_flags::NODE_PORT,
+        ));
+    }
+    for ip in svc
+        .external_ips
+        .iter()
+        .filter(|ip| Family::of(ip) == family)
+    {
+        external.push((
+            Frontend::new(*ip, port.port, port.proto),
+            svc_flags::EXTERNAL_IP,
+        ));
+    }
+    for ip in svc.lb_ips.iter().filter(|ip| Family::of(ip) == family) {
+        let mut f = svc_flags::LOAD_BALANCER;
+        if !svc.source_ranges.is_empty() {
+            f |= svc_flags::SOURCE_RANGES;
+        }
+        external.push((Frontend::new(*ip, port.port, port.proto), f));
+    }
+    external
+}
+
+/// The families of the Service's cluster IPs, in their order.
+fn families(svc: &ServiceInfo) -> Vec<Family> {
+    let mut families: Vec<Family> = Vec::new();
+    for ip in &svc.cluster_ips {
+        if !families.contains(&Family::of(ip)) {
+            families.push(Family::of(ip));
+        }
+    }
+    families
+}
+
+/// The backends of the `chosen` endpoints, in the order of `candidates` (the chosen
+/// endpoints are references into it).
+fn backends_of(
+    candidates: &[(EndpointInfo, u16)],
+    chosen: &[&EndpointInfo],
+    node: &NodeInfo,
+) -> Vec<Backend> {
+    let chosen: HashSet<*const EndpointInfo> =
+        chosen.iter().map(|c| *c as *const EndpointInfo).collect();
+    let mut b: Vec<Backend> = candidates
+        .iter()
+        .filter(|(e, _)| chosen.contains(&(e as *const EndpointInfo)))
+        .map(|(e, p)| backend(e, *p, node))
+        .collect();
+    b.sort();
+    b
 }
 
 fn unspecified(family: Family) -> IpAddr {

@@ -2,7 +2,7 @@
 
 use crate::model::Family;
 use crate::model::Proto;
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Service, ServiceSpec};
 use std::net::IpAddr;
 
 use super::{
@@ -70,138 +70,42 @@ impl ServiceInfo {
         if spec.type_.as_deref() == Some("ExternalName") {
             return Ok(None);
         }
-        let raw_ips: Vec<&str> = match (&spec.cluster_ips, &spec.cluster_ip) {
-            (Some(ips), _) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
-            (_, Some(ip)) if !ip.is_empty() => vec![ip.as_str()],
-            _ => return Ok(None),
+        let Some(cluster_ips) = cluster_ips(spec)? else {
+            return Ok(None);
         };
-        if raw_ips.iter().any(|ip| ip.eq_ignore_ascii_case("None")) {
-            return Ok(None); // headless
-        }
-        let cluster_ips = raw_ips
-            .iter()
-            .map(|ip| ip.parse().map_err(|_| Skip::BadClusterIp(ip.to_string())))
-            .collect::<Result<Vec<IpAddr>, _>>()?;
-        // `ipFamilies[i]` is the family of `clusterIPs[i]` (the API server enforces it;
-        // kube-proxy's per-family proxiers pick the cluster IP by its family there). A
-        // Service that breaks it is not programmed in either family.
-        for (index, (ip, family)) in cluster_ips
-            .iter()
-            .zip(spec.ip_families.iter().flatten())
-            .enumerate()
-        {
-            let want = match family.as_str() {
-                "IPv4" => Family::V4,
-                "IPv6" => Family::V6,
-                _ => continue,
-            };
-            if Family::of(ip) != want {
-                return Err(Skip::FamilyMismatch {
-                    index,
-                    ip: *ip,
-                    family: family.clone(),
-                });
-            }
-        }
-        let mut ports = Vec::new();
-        for p in spec.ports.iter().flatten() {
-            let name = p.name.as_deref().unwrap_or_default();
-            let port = u16::try_from(p.port)
-                .ok()
-                .filter(|p| *p != 0)
-                .ok_or(Skip::BadPort {
-                    name: name.to_string(),
-                    port: i64::from(p.port),
-                })?;
-            let node_port = match p.node_port {
-                None | Some(0) => None,
-                Some(np) => Some(u16::try_from(np).ok().ok_or(Skip::BadPort {
-                    name: format!("{name} (nodePort)"),
-                    port: i64::from(np),
-                })?),
-            };
-            ports.push(ServicePortInfo {
-                name: intern(name),
-                port,
-                proto: parse_proto(p.protocol.as_deref())?,
-                node_port: node_port.filter(|_| {
-                    matches!(
-                        spec.type_.as_deref(),
-                        Some("NodePort") | Some("LoadBalancer")
-                    )
-                }),
-            });
-        }
-        let external_ips = spec
+        let is_lb = spec.type_.as_deref() == Some("LoadBalancer");
+        let external_local = spec.external_traffic_policy.as_deref() == Some("Local")
+            && matches!(
+                spec.type_.as_deref(),
+                Some("NodePort") | Some("LoadBalancer")
+            );
+        let mut external_ips = spec
             .external_ips
             .iter()
             .flatten()
             .map(|ip| ip.parse().map_err(|_| Skip::BadExternalIp(ip.clone())))
             .collect::<Result<Vec<IpAddr>, _>>()?;
-        let is_lb = spec.type_.as_deref() == Some("LoadBalancer");
-        // kube-proxy (pkg/proxy/serviceport.go) takes an ingress IP as a VIP only when
-        // `proxyutil.IsVIPMode`: `ipMode` unset or `VIP`.
-        let mut lb_ips: Vec<IpAddr> = Vec::new();
-        if is_lb {
-            for ing in svc
-                .status
-                .as_ref()
-                .and_then(|s| s.load_balancer.as_ref())
-                .and_then(|lb| lb.ingress.as_ref())
-                .into_iter()
-                .flatten()
-            {
-                let Some(ip) = ing.ip.as_ref().and_then(|ip| ip.parse::<IpAddr>().ok()) else {
-                    continue;
-                };
-                if matches!(ing.ip_mode.as_deref(), None | Some("VIP")) {
-                    lb_ips.push(ip);
-                }
-            }
-        }
+        external_ips.shrink_to_fit();
         let source_ranges = spec
             .load_balancer_source_ranges
             .iter()
             .flatten()
             .map(|r| parse_cidr(r).ok_or_else(|| Skip::BadSourceRange(r.clone())))
             .collect::<Result<Vec<_>, _>>()?;
-        let external_local = spec.external_traffic_policy.as_deref() == Some("Local")
-            && matches!(
-                spec.type_.as_deref(),
-                Some("NodePort") | Some("LoadBalancer")
-            );
-        let health_check_node_port = spec
-            .health_check_node_port
-            .and_then(|p| u16::try_from(p).ok())
-            .filter(|p| *p != 0 && external_local && is_lb);
-        let affinity_timeout = if spec.session_affinity.as_deref() == Some("ClientIP") {
-            let t = spec
-                .session_affinity_config
-                .as_ref()
-                .and_then(|c| c.client_ip.as_ref())
-                .and_then(|c| c.timeout_seconds);
-            match t {
-                None => Some(DEFAULT_AFFINITY_TIMEOUT),
-                Some(t) if (1..=86400).contains(&t) => Some(t as u32),
-                Some(t) => return Err(Skip::BadAffinityTimeout(i64::from(t))),
-            }
-        } else {
-            None
-        };
-        let mut external_ips = external_ips;
-        external_ips.shrink_to_fit();
-        lb_ips.shrink_to_fit();
         Ok(Some(Self {
             key,
             cluster_ips: cluster_ips.into_boxed_slice(),
-            ports: ports.into_boxed_slice(),
+            ports: ports(spec)?.into_boxed_slice(),
             internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
-            affinity_timeout,
+            affinity_timeout: affinity_timeout(spec)?,
             external_ips,
-            lb_ips,
+            lb_ips: if is_lb { lb_ips(svc) } else { Vec::new() },
             external_local,
             source_ranges,
-            health_check_node_port,
+            health_check_node_port: spec
+                .health_check_node_port
+                .and_then(|p| u16::try_from(p).ok())
+                .filter(|p| *p != 0 && external_local && is_lb),
             creation_timestamp: svc
                 .metadata
                 .creation_timestamp
@@ -209,5 +113,112 @@ impl ServiceInfo {
                 .map(|t| t.0.as_second()),
             maglev: false,
         }))
+    }
+}
+
+/// The cluster IPs (`clusterIPs`, else `clusterIP`), each of the family `ipFamilies`
+/// gives it; `None`: none (not proxied) or headless.
+fn cluster_ips(spec: &ServiceSpec) -> Result<Option<Vec<IpAddr>>, Skip> {
+    let raw_ips: Vec<&str> = match (&spec.cluster_ips, &spec.cluster_ip) {
+        (Some(ips), _) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
+        (_, Some(ip)) if !ip.is_empty() => vec![ip.as_str()],
+        _ => return Ok(None),
+    };
+    if raw_ips.iter().any(|ip| ip.eq_ignore_ascii_case("None")) {
+        return Ok(None); // headless
+    }
+    let cluster_ips = raw_ips
+        .iter()
+        .map(|ip| ip.parse().map_err(|_| Skip::BadClusterIp(ip.to_string())))
+        .collect::<Result<Vec<IpAddr>, _>>()?;
+    // `ipFamilies[i]` is the family of `clusterIPs[i]` (the API server enforces it;
+    // kube-proxy's per-family proxiers pick the cluster IP by its family there). A
+    // Service that breaks it is not programmed in either family.
+    for (index, (ip, family)) in cluster_ips
+        .iter()
+        .zip(spec.ip_families.iter().flatten())
+        .enumerate()
+    {
+        let want = match family.as_str() {
+            "IPv4" => Family::V4,
+            "IPv6" => Family::V6,
+            _ => continue,
+        };
+        if Family::of(ip) != want {
+            return Err(Skip::FamilyMismatch {
+                index,
+                ip: *ip,
+                family: family.clone(),
+            });
+        }
+    }
+    Ok(Some(cluster_ips))
+}
+
+/// The ports, each checked (1..=65535; a node port only for NodePort/LoadBalancer).
+fn ports(spec: &ServiceSpec) -> Result<Vec<ServicePortInfo>, Skip> {
+    let mut ports = Vec::new();
+    for p in spec.ports.iter().flatten() {
+        let name = p.name.as_deref().unwrap_or_default();
+        let port = u16::try_from(p.port)
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or(Skip::BadPort {
+                name: name.to_string(),
+                port: i64::from(p.port),
+            })?;
+        let node_port = match p.node_port {
+            None | Some(0) => None,
+            Some(np) => Some(u16::try_from(np).ok().ok_or(Skip::BadPort {
+                name: format!("{name} (nodePort)"),
+                port: i64::from(np),
+            })?),
+        };
+        ports.push(ServicePortInfo {
+            name: intern(name),
+            port,
+            proto: parse_proto(p.protocol.as_deref())?,
+            node_port: node_port.filter(|_| {
+                matches!(
+                    spec.type_.as_deref(),
+                    Some("NodePort") | Some("LoadBalancer")
+                )
+            }),
+        });
+    }
+    Ok(ports)
+}
+
+/// A LoadBalancer's ingress IPs that are VIPs: kube-proxy (pkg/proxy/serviceport.go)
+/// takes one only when `proxyutil.IsVIPMode`: `ipMode` unset or `VIP`.
+fn lb_ips(svc: &Service) -> Vec<IpAddr> {
+    let mut lb_ips: Vec<IpAddr> = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|ing| matches!(ing.ip_mode.as_deref(), None | Some("VIP")))
+        .filter_map(|ing| ing.ip.as_ref().and_then(|ip| ip.parse::<IpAddr>().ok()))
+        .collect();
+    lb_ips.shrink_to_fit();
+    lb_ips
+}
+
+/// `sessionAffinity: ClientIP`'s timeout (default 10,800 s; 1..=86,400 accepted).
+fn affinity_timeout(spec: &ServiceSpec) -> Result<Option<u32>, Skip> {
+    if spec.session_affinity.as_deref() != Some("ClientIP") {
+        return Ok(None);
+    }
+    let t = spec
+        .session_affinity_config
+        .as_ref()
+        .and_then(|c| c.client_ip.as_ref())
+        .and_then(|c| c.timeout_seconds);
+    match t {
+        None => Ok(Some(DEFAULT_AFFINITY_TIMEOUT)),
+        Some(t) if (1..=86400).contains(&t) => Ok(Some(t as u32)),
+        Some(t) => Err(Skip::BadAffinityTimeout(i64::from(t))),
     }
 }
