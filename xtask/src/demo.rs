@@ -159,6 +159,8 @@ fn print_spread(hits: &BTreeMap<String, usize>, pods: usize, total: usize) {
     );
 }
 
+// Long: the demo's steps in the order it shows them (set-up, traffic, chi-square,
+// clean-up), each printed as it runs; one script read top to bottom.
 pub fn run(bin_dir: &Path, requests_per_pod: usize) -> Result<()> {
     if !crate::setup::is_root() {
         bail!("the demo needs root (network namespaces, a cgroup, BPF): sudo -E cargo xtask demo");

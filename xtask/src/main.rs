@@ -163,6 +163,8 @@ fn build() -> Result<()> {
     Ok(())
 }
 
+// Long: the test command's stages in the order CI runs them (fmt, clippy, quick bench,
+// image, unprivileged, privileged, summary); each is one call.
 fn test(no_lint: bool, no_bench: bool, tier: Tier, args: &[String]) -> Result<()> {
     if !no_lint {
         run(cargo().args(["fmt", "--all", "--", "--check"]))?;

@@ -38,6 +38,8 @@ fn git(root: &Path) -> Command {
 }
 
 /// The old agent's path, built if missing.
+// Long: one recipe: check out the old release, build it with its own lock file and
+// toolchain flags, verify the binary; the steps share the paths.
 pub fn ensure() -> Result<PathBuf> {
     let base = target_dir().join("upgrade-from").join(&COMMIT[..12]);
     let bin = base.join("proxy-agent");

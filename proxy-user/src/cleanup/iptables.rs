@@ -278,6 +278,8 @@ pub fn restore_script(table: &str, plan: &TablePlan) -> String {
     s
 }
 
+// Long: one tool's clean-up in kube-proxy's own order (jumps out of the built-in chains,
+// then flush and delete its chains, per table), each step logged.
 pub(super) fn clean_iptables(
     tools: IptablesToolSet,
     opts: &CleanupOptions,

@@ -224,17 +224,7 @@ impl Reader {
                 Err(Failure::Unavailable(e)) if self.kind == Kind::ServiceCidr && !listed => {
                     self.metrics.watch_failed(kind);
                     if !stood_in {
-                        warn!(
-                            kind,
-                            "cannot list ServiceCIDRs ({e}): going on with \
-                             --service-cluster-ip-range alone; retrying with backoff"
-                        );
-                        let u = Update::Snapshot {
-                            kind: self.kind,
-                            objects: Vec::new(),
-                            relist: false,
-                        };
-                        if self.tx.send(u).await.is_err() {
+                        if !self.stand_in(&e).await {
                             return;
                         }
                         stood_in = true;
@@ -250,6 +240,23 @@ impl Reader {
                 }
             }
         }
+    }
+
+    /// A `ServiceCIDR` list the server does not serve or allow (`e`): said once, and an
+    /// empty list passed on in its place so the first sync does not wait for it. `false`:
+    /// the receiver is gone.
+    async fn stand_in(&self, e: &str) -> bool {
+        warn!(
+            kind = self.kind.as_str(),
+            "cannot list ServiceCIDRs ({e}): going on with --service-cluster-ip-range \
+             alone; retrying with backoff"
+        );
+        let u = Update::Snapshot {
+            kind: self.kind,
+            objects: Vec::new(),
+            relist: false,
+        };
+        self.tx.send(u).await.is_ok()
     }
 
     fn query(&self, extra: &[(&str, &str)]) -> String {
@@ -367,66 +374,7 @@ impl Reader {
             if text.is_empty() {
                 continue;
             }
-            let event =
-                api_decode::event(text).map_err(|e| Failure::Other(format!("watch event: {e}")))?;
-            let object = event.object.get();
-            let update = match event.kind.as_ref() {
-                "ERROR" => {
-                    let s = api_decode::status(object).unwrap_or_default();
-                    if s.code == 410 || s.reason == "Expired" || s.reason == "Gone" {
-                        return Err(Failure::Expired(s.message));
-                    }
-                    return Err(Failure::Other(format!(
-                        "watch ERROR {} {}: {}",
-                        s.code, s.reason, s.message
-                    )));
-                }
-                "BOOKMARK" => {
-                    if let Some(v) = api_decode::meta(object)
-                        .ok()
-                        .and_then(|m| m.resource_version)
-                    {
-                        *rv = v.into_owned();
-                    }
-                    None
-                }
-                "ADDED" | "MODIFIED" => {
-                    if let Some(v) = api_decode::meta(object)
-                        .ok()
-                        .and_then(|m| m.resource_version)
-                    {
-                        *rv = v.into_owned();
-                    }
-                    self.decode(object).map(Update::Apply)
-                }
-                "DELETED" => match api_decode::meta(object) {
-                    Ok(m) => {
-                        if let Some(v) = &m.resource_version {
-                            *rv = v.to_string();
-                        }
-                        Some(Update::Delete {
-                            kind: self.kind,
-                            key: m.key(),
-                        })
-                    }
-                    Err(e) => {
-                        warn!(
-                            kind = self.kind.as_str(),
-                            reason = "decode_error",
-                            "skipping a deletion: {e}"
-                        );
-                        self.metrics.skipped(self.kind.as_str(), "decode_error");
-                        None
-                    }
-                },
-                other => {
-                    warn!(
-                        kind = self.kind.as_str(),
-                        "unknown watch event type {other:?}: ignored"
-                    );
-                    None
-                }
-            };
+            let update = self.event_update(text, rv)?;
             if !got_events {
                 got_events = true;
                 *backoff = BACKOFF_MIN;
@@ -437,6 +385,73 @@ impl Reader {
                 }
             }
         }
+    }
+
+    /// One watch event's line: the update it makes (`None`: a bookmark, a deletion that
+    /// does not decode, an unknown type), `rv` advanced past it; an `ERROR` event ends
+    /// the watch.
+    fn event_update(&self, text: &str, rv: &mut String) -> Result<Option<Update>, Failure> {
+        let event =
+            api_decode::event(text).map_err(|e| Failure::Other(format!("watch event: {e}")))?;
+        let object = event.object.get();
+        let update = match event.kind.as_ref() {
+            "ERROR" => {
+                let s = api_decode::status(object).unwrap_or_default();
+                if s.code == 410 || s.reason == "Expired" || s.reason == "Gone" {
+                    return Err(Failure::Expired(s.message));
+                }
+                return Err(Failure::Other(format!(
+                    "watch ERROR {} {}: {}",
+                    s.code, s.reason, s.message
+                )));
+            }
+            "BOOKMARK" => {
+                if let Some(v) = api_decode::meta(object)
+                    .ok()
+                    .and_then(|m| m.resource_version)
+                {
+                    *rv = v.into_owned();
+                }
+                None
+            }
+            "ADDED" | "MODIFIED" => {
+                if let Some(v) = api_decode::meta(object)
+                    .ok()
+                    .and_then(|m| m.resource_version)
+                {
+                    *rv = v.into_owned();
+                }
+                self.decode(object).map(Update::Apply)
+            }
+            "DELETED" => match api_decode::meta(object) {
+                Ok(m) => {
+                    if let Some(v) = &m.resource_version {
+                        *rv = v.to_string();
+                    }
+                    Some(Update::Delete {
+                        kind: self.kind,
+                        key: m.key(),
+                    })
+                }
+                Err(e) => {
+                    warn!(
+                        kind = self.kind.as_str(),
+                        reason = "decode_error",
+                        "skipping a deletion: {e}"
+                    );
+                    self.metrics.skipped(self.kind.as_str(), "decode_error");
+                    None
+                }
+            },
+            other => {
+                warn!(
+                    kind = self.kind.as_str(),
+                    "unknown watch event type {other:?}: ignored"
+                );
+                None
+            }
+        };
+        Ok(update)
     }
 
     /// One object; a malformed one is logged naming it, counted and dropped.

@@ -74,6 +74,8 @@ pub fn build(s: &Snapshot) -> Vec<ServiceView> {
 }
 
 /// One frontend's view.
+// Long: one frontend's view assembled field by field from the maps (slots, backends, flags,
+// twin, counters) in the order proxyctl prints them.
 pub fn view(s: &Snapshot, fe: &Frontend) -> Option<ServiceView> {
     let v = s.frontend(fe)?;
     let mut problems = Vec::new();
@@ -201,6 +203,7 @@ fn state_cell(b: &SlotView, wide: bool) -> String {
 }
 
 /// The `table` / `wide` text.
+// Long: the services table: one row layout, column by column.
 pub fn render(views: &[ServiceView], wide: bool) -> String {
     if views.is_empty() {
         return "no frontends programmed\n".into();

@@ -54,6 +54,7 @@ pub struct Applied {
 /// the file replaces kube-proxy's flags but `--hostname-override` and `-v`; without
 /// one, kube-proxy's flags apply. The agent's own settings given explicitly win over
 /// both.
+// Long: one line per kube-proxy flag, in the order of cmd/kube-proxy/app/options.go.
 pub fn apply(
     flags: &KubeProxyFlags,
     file: Option<KubeProxyConfiguration>,

@@ -61,6 +61,8 @@ mod why {
 
 impl KubeProxyConfiguration {
     /// The file in the agent's terms; `cpus` sizes `conntrack.maxPerCore`.
+    // Long: one arm per KubeProxyConfiguration field, in the order of upstream's type: the
+    // field table of docs/kube-proxy.md as code.
     pub fn resolve(&self, cpus: u32) -> Result<Resolved, String> {
         let mut r = Resolved::default();
         let mut ignore = |field: &str, why: &'static str| {

@@ -169,6 +169,7 @@ const HEADLINE_MODES: [(&str, &str, bool); 5] = [
     ("kube-proxy iptables (nft backend)", "iptables-nft", false),
 ];
 
+// Long: the page's headline: one text template filled from the run's results.
 fn headline(run: &Run) -> Result<String> {
     let n = HEADLINE_SERVICES;
     let direct = run.cell(n, "direct")?;

@@ -57,6 +57,8 @@ pub fn endpoint_chain(service: &Service, port: &Port, endpoint: &str) -> String 
 
 /// The table, sets, maps, base chains and fixed rules, as `setupNFTables` writes them at
 /// the start of every sync (base chains are flushed and refilled each time).
+// Long: kube-proxy's nftables ruleset as it writes it, one line per rule (the fixture the
+// bench loads).
 fn base(out: &mut String) {
     let _ = writeln!(
         out,

@@ -337,6 +337,8 @@ impl Server {
 }
 
 /// The server loop. Connections get the address they were reached at.
+// Long: one poll loop over the TCP and UDP sockets of the bench's servers; splitting it
+// would pass its buffers and state around.
 fn serve(tcp: &[TcpListener], udp: &[UdpSocket], stop: &AtomicBool) {
     // SAFETY: plain syscall.
     let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };

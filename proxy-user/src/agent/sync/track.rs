@@ -79,89 +79,10 @@ impl<S: MapStore> Syncer<S> {
         // Held objects missing from a new list, or valid in it, are released below.
         let mut still_invalid: BTreeSet<ObjKey> = BTreeSet::new();
         match kind {
-            Kind::Service => {
-                let mut all = Vec::with_capacity(objects.len());
-                for o in objects {
-                    let Incoming::Service(r) = self.reduce(o) else {
-                        continue;
-                    };
-                    let key = r.key.clone();
-                    match self.service_info(r) {
-                        Ok(Some(info)) => all.push((key, info)),
-                        Ok(None) => {}
-                        // Malformed in a relist: keep the last good version, if any;
-                        // at start, what the pinned maps hold.
-                        Err(()) => {
-                            if let Some(prev) = self.index.service(&key) {
-                                all.push((key, prev.clone()));
-                            } else {
-                                still_invalid.insert(key.clone());
-                                self.hold(key.clone(), (Kind::Service, key));
-                            }
-                        }
-                    }
-                }
-                let touched = self.index.replace_services(all);
-                self.touch(touched, now);
-            }
-            Kind::EndpointSlice => {
-                let mut all = Vec::with_capacity(objects.len());
-                let mut invalid = Vec::new();
-                for o in objects {
-                    let Incoming::Slice(mut r) = self.reduce(o) else {
-                        continue;
-                    };
-                    let key = r.key.clone();
-                    let service = r.tag.take();
-                    match self.slice_info(r) {
-                        Ok(Some(info)) => all.push((key, info)),
-                        Ok(None) => {}
-                        Err(()) => {
-                            if let Some(prev) = self.index.slice(&key) {
-                                all.push((key, prev.clone()));
-                            } else if let Some(svc) = service {
-                                still_invalid.insert(key.clone());
-                                invalid.push((ObjKey::new(key.namespace.clone(), svc), key));
-                            }
-                        }
-                    }
-                }
-                let touched = self.index.replace_slices(all);
-                self.touch(touched, now);
-                for (svc, key) in invalid {
-                    self.hold(svc, (Kind::EndpointSlice, key));
-                }
-            }
-            Kind::Node => {
-                let name = self.index.node.name.clone();
-                let nodes: Vec<Box<Node>> = objects
-                    .into_iter()
-                    .filter_map(|o| match o {
-                        Object::Node(n) => Some(n),
-                        _ => None,
-                    })
-                    .collect();
-                let before = std::mem::take(&mut self.index.cluster_nodes);
-                for n in &nodes {
-                    self.record_cluster_node(n);
-                }
-                self.nodes_changed |= before != self.index.cluster_nodes;
-                let own = nodes
-                    .iter()
-                    .find(|n| n.metadata.name.as_deref() == Some(name.as_str()));
-                self.set_node(own.map(|n| &**n), now);
-            }
-            Kind::ServiceCidr => {
-                let all: BTreeMap<ObjKey, Vec<_>> = objects
-                    .into_iter()
-                    .filter_map(|o| match o {
-                        Object::ServiceCidr(c) => Some((c.key, c.cidrs)),
-                        _ => None,
-                    })
-                    .collect();
-                self.service_cidrs_changed |= all != self.index.service_cidrs;
-                self.index.service_cidrs = all;
-            }
+            Kind::Service => self.snapshot_services(objects, &mut still_invalid, now),
+            Kind::EndpointSlice => self.snapshot_slices(objects, &mut still_invalid, now),
+            Kind::Node => self.snapshot_nodes(objects, now),
+            Kind::ServiceCidr => self.snapshot_service_cidrs(objects),
         }
         let gone: Vec<ObjKey> = self
             .held
@@ -173,6 +94,109 @@ impl<S: MapStore> Syncer<S> {
         for key in gone {
             self.release(kind, &key, now);
         }
+    }
+
+    /// A list of Services: a malformed one keeps its last good version (at start: what the
+    /// pinned maps hold).
+    fn snapshot_services(
+        &mut self,
+        objects: Vec<Object>,
+        still_invalid: &mut BTreeSet<ObjKey>,
+        now: Instant,
+    ) {
+        let mut all = Vec::with_capacity(objects.len());
+        for o in objects {
+            let Incoming::Service(r) = self.reduce(o) else {
+                continue;
+            };
+            let key = r.key.clone();
+            match self.service_info(r) {
+                Ok(Some(info)) => all.push((key, info)),
+                Ok(None) => {}
+                // Malformed in a relist: keep the last good version, if any;
+                // at start, what the pinned maps hold.
+                Err(()) => {
+                    if let Some(prev) = self.index.service(&key) {
+                        all.push((key, prev.clone()));
+                    } else {
+                        still_invalid.insert(key.clone());
+                        self.hold(key.clone(), (Kind::Service, key));
+                    }
+                }
+            }
+        }
+        let touched = self.index.replace_services(all);
+        self.touch(touched, now);
+    }
+
+    /// A list of EndpointSlices: a malformed one keeps its last good version, or holds its
+    /// Service.
+    fn snapshot_slices(
+        &mut self,
+        objects: Vec<Object>,
+        still_invalid: &mut BTreeSet<ObjKey>,
+        now: Instant,
+    ) {
+        let mut all = Vec::with_capacity(objects.len());
+        let mut invalid = Vec::new();
+        for o in objects {
+            let Incoming::Slice(mut r) = self.reduce(o) else {
+                continue;
+            };
+            let key = r.key.clone();
+            let service = r.tag.take();
+            match self.slice_info(r) {
+                Ok(Some(info)) => all.push((key, info)),
+                Ok(None) => {}
+                Err(()) => {
+                    if let Some(prev) = self.index.slice(&key) {
+                        all.push((key, prev.clone()));
+                    } else if let Some(svc) = service {
+                        still_invalid.insert(key.clone());
+                        invalid.push((ObjKey::new(key.namespace.clone(), svc), key));
+                    }
+                }
+            }
+        }
+        let touched = self.index.replace_slices(all);
+        self.touch(touched, now);
+        for (svc, key) in invalid {
+            self.hold(svc, (Kind::EndpointSlice, key));
+        }
+    }
+
+    /// A list of Nodes: every node's addresses, and this node's own.
+    fn snapshot_nodes(&mut self, objects: Vec<Object>, now: Instant) {
+        let name = self.index.node.name.clone();
+        let nodes: Vec<Box<Node>> = objects
+            .into_iter()
+            .filter_map(|o| match o {
+                Object::Node(n) => Some(n),
+                _ => None,
+            })
+            .collect();
+        let before = std::mem::take(&mut self.index.cluster_nodes);
+        for n in &nodes {
+            self.record_cluster_node(n);
+        }
+        self.nodes_changed |= before != self.index.cluster_nodes;
+        let own = nodes
+            .iter()
+            .find(|n| n.metadata.name.as_deref() == Some(name.as_str()));
+        self.set_node(own.map(|n| &**n), now);
+    }
+
+    /// A list of ServiceCIDRs.
+    fn snapshot_service_cidrs(&mut self, objects: Vec<Object>) {
+        let all: BTreeMap<ObjKey, Vec<_>> = objects
+            .into_iter()
+            .filter_map(|o| match o {
+                Object::ServiceCidr(c) => Some((c.key, c.cidrs)),
+                _ => None,
+            })
+            .collect();
+        self.service_cidrs_changed |= all != self.index.service_cidrs;
+        self.index.service_cidrs = all;
     }
 
     fn apply(&mut self, obj: Object, now: Instant) {

@@ -3,7 +3,7 @@
 
 use crate::model::Family;
 use crate::model::Proto;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -105,67 +105,12 @@ impl SliceInfo {
             "FQDN" => return Ok(None),
             other => return Err(Skip::BadAddressType(other.to_string())),
         };
-        let mut ports = Vec::new();
-        for p in slice.ports.iter().flatten() {
-            let name = p.name.as_deref().unwrap_or_default();
-            // A nil port means "all ports" (headless services only): nothing to balance.
-            let Some(port) = p.port else { continue };
-            let port = u16::try_from(port)
-                .ok()
-                .filter(|p| *p != 0)
-                .ok_or(Skip::BadPort {
-                    name: name.to_string(),
-                    port: i64::from(port),
-                })?;
-            ports.push(SlicePort {
-                name: intern(name),
-                port,
-                proto: parse_proto(p.protocol.as_deref())?,
-            });
-        }
-        let mut endpoints = Vec::with_capacity(slice.endpoints.len());
-        for ep in &slice.endpoints {
-            // kube-proxy uses the first address only.
-            let Some(raw) = ep.addresses.first() else {
-                continue;
-            };
-            let addr: IpAddr = raw
-                .parse()
-                .ok()
-                .filter(|a| Family::of(a) == family)
-                .ok_or_else(|| Skip::BadEndpointAddress(raw.clone(), family))?;
-            let cond = ep.conditions.as_ref();
-            let ready = cond.and_then(|c| c.ready).unwrap_or(true);
-            let serving = cond.and_then(|c| c.serving).unwrap_or(ready);
-            let terminating = cond.and_then(|c| c.terminating).unwrap_or(false);
-            let hints = ep.hints.as_ref().map(|h| Hints {
-                zones: h
-                    .for_zones
-                    .iter()
-                    .flatten()
-                    .map(|z| intern(&z.name))
-                    .collect(),
-                nodes: h
-                    .for_nodes
-                    .iter()
-                    .flatten()
-                    .map(|n| intern(&n.name))
-                    .collect(),
-            });
-            endpoints.push(EndpointInfo {
-                addr,
-                // Taken as written: with publishNotReadyAddresses the controller writes
-                // ready=true for a terminating pod, and kube-proxy selects on IsReady()
-                // alone (topology.go CategorizeEndpoints).
-                ready,
-                serving,
-                terminating,
-                node: ep.node_name.as_deref().map(intern),
-                hints: hints
-                    .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
-                    .map(Box::new),
-            });
-        }
+        let ports = slice_ports(slice)?;
+        let endpoints = slice
+            .endpoints
+            .iter()
+            .filter_map(|ep| endpoint(ep, family).transpose())
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Some(Self {
             service: ObjKey {
                 namespace: key.namespace.clone(),
@@ -183,4 +128,71 @@ impl SliceInfo {
                 .and_then(|t| parse_rfc3339(t)),
         }))
     }
+}
+
+/// The slice's ports, each checked (1..=65535); a nil port ("all ports", headless
+/// Services only) has nothing to balance and is left out.
+fn slice_ports(slice: &EndpointSlice) -> Result<Vec<SlicePort>, Skip> {
+    let mut ports = Vec::new();
+    for p in slice.ports.iter().flatten() {
+        let name = p.name.as_deref().unwrap_or_default();
+        let Some(port) = p.port else { continue };
+        let port = u16::try_from(port)
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or(Skip::BadPort {
+                name: name.to_string(),
+                port: i64::from(port),
+            })?;
+        ports.push(SlicePort {
+            name: intern(name),
+            port,
+            proto: parse_proto(p.protocol.as_deref())?,
+        });
+    }
+    Ok(ports)
+}
+
+/// One endpoint: its first address (kube-proxy uses the first only; it must be of the
+/// slice's family), conditions and hints. `None`: no address.
+fn endpoint(ep: &Endpoint, family: Family) -> Result<Option<EndpointInfo>, Skip> {
+    let Some(raw) = ep.addresses.first() else {
+        return Ok(None);
+    };
+    let addr: IpAddr = raw
+        .parse()
+        .ok()
+        .filter(|a| Family::of(a) == family)
+        .ok_or_else(|| Skip::BadEndpointAddress(raw.clone(), family))?;
+    let cond = ep.conditions.as_ref();
+    let ready = cond.and_then(|c| c.ready).unwrap_or(true);
+    let serving = cond.and_then(|c| c.serving).unwrap_or(ready);
+    let terminating = cond.and_then(|c| c.terminating).unwrap_or(false);
+    let hints = ep.hints.as_ref().map(|h| Hints {
+        zones: h
+            .for_zones
+            .iter()
+            .flatten()
+            .map(|z| intern(&z.name))
+            .collect(),
+        nodes: h
+            .for_nodes
+            .iter()
+            .flatten()
+            .map(|n| intern(&n.name))
+            .collect(),
+    });
+    Ok(Some(EndpointInfo {
+        addr,
+        // Taken as written: with publishNotReadyAddresses the controller writes
+        // ready=true for a terminating pod, and kube-proxy selects on IsReady()
+        // alone (topology.go CategorizeEndpoints).
+        ready,
+        serving,
+        terminating,
+        node: ep.node_name.as_deref().map(intern),
+        hints: hints
+            .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
+            .map(Box::new),
+    }))
 }

@@ -99,6 +99,8 @@ async fn accept_connection(
     serve_connection(shared, reader, writer, peer_cert, generation, guard).await;
 }
 
+// Long: one HTTP/1.1 connection loop (read, authenticate, route, write, keep-alive), its
+// state shared by the steps.
 async fn serve_connection<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     shared: Arc<Shared>,
     reader: R,

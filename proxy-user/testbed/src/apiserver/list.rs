@@ -136,6 +136,8 @@ fn list_start(store: &Store, params: &HashMap<String, String>) -> Result<ListSta
 }
 
 /// The page a list request gets (see the module documentation for the semantics).
+// Long: one paged list as kube-apiserver answers it (selectors, limit, continue token,
+// resourceVersion semantics); the steps share the page state.
 pub(super) fn list_page(
     store: &Store,
     kind: Kind,

@@ -76,6 +76,8 @@ fn route(path: &str) -> Option<Route> {
     })
 }
 
+// Long: the request router: one match over kube-apiserver's paths and verbs, each arm one
+// call.
 pub(super) fn handle(shared: &Shared, request: &Request) -> Reply {
     let (path, query) = request
         .target

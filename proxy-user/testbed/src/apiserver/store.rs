@@ -17,6 +17,8 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, watch};
 
 /// [`FakeApiServer::apply`] with the store locked.
+// Long: one object's admission as kube-apiserver does it (defaulting, uid, generation,
+// resourceVersion, history, watchers); the steps share the store lock.
 pub(super) fn apply_locked(store: &mut Store, mut obj: Value) {
     assert!(
         obj.is_object(),

@@ -73,6 +73,8 @@ fn event_for(kind: Kind, filter: &Filter, change: &Change) -> Option<(&'static s
 
 /// Streams a watch. Returns whether the response ended cleanly (the connection can be
 /// reused); `false` means the connection must be closed without further ado.
+// Long: one watch stream as kube-apiserver serves it (history replay, bookmarks, timeout,
+// 410), its state shared by the steps.
 pub(super) async fn serve_watch<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     shared: &Shared,
     request: WatchRequest,

@@ -149,6 +149,8 @@ fn merge_patch(target: &mut Value, patch: &Value) {
 }
 
 /// Serves a write to a collection (`name` None: POST) or an object.
+// Long: kube-apiserver's write verbs (create, update, patch, delete) in one dispatch, each
+// arm a few lines.
 pub(super) fn write(
     shared: &Shared,
     request: &Request,

@@ -26,6 +26,8 @@ use crate::bench::{
 type Samples = Arc<Mutex<Vec<(Instant, f64)>>>;
 
 /// `--nodes K` (see the module documentation).
+// Long: one measured sequence (start K agents, change, poll every agent's gauge, stop); the
+// steps share the timing state.
 pub(super) fn nodes(
     cfg: &ApiConfig,
     ctx: &Ctx,

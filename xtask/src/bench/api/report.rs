@@ -11,6 +11,7 @@ fn f(v: Option<f64>, decimals: usize) -> String {
     v.map_or("-".into(), |v| format!("{v:.decimals$}"))
 }
 
+// Long: the results page: one markdown template filled from the results.
 pub fn markdown(r: &ApiResults) -> String {
     let mut md = String::from("## Control plane over the API (`cargo xtask bench --api`)\n\n");
     if let Some(c) = &r.config {
@@ -131,6 +132,7 @@ pub fn markdown(r: &ApiResults) -> String {
 }
 
 /// Two log-log panels: programming time and VmRSS against N.
+// Long: one SVG drawing: axes, series and labels in drawing order.
 pub fn svg(r: &ApiResults) -> String {
     let mut series: Vec<Line> = Vec::new();
     let pts = |f: &dyn Fn(&ApiScale) -> Option<f64>| -> Vec<(f64, f64)> {

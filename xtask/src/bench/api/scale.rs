@@ -26,6 +26,8 @@ use crate::bench::{
 /// default, 50 ms before), so each change is synced on its own.
 const CHANGE_SPACING: Duration = Duration::from_millis(60);
 
+// Long: one scale's measured sequence (list, start, first sync, single changes, restart,
+// memory); the steps share the agent and the clock, and the order is the measurement.
 pub(super) fn one_scale(
     cfg: &ApiConfig,
     ctx: &Ctx,

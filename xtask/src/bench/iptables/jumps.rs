@@ -7,6 +7,7 @@ use kube_rules::text::comment;
 
 /// The jump rules kube-proxy ensures (`iptables -C` then `-I`) in the built-in chains:
 /// `(table, chain, rule arguments)`.
+// Long: kube-proxy's iptables rules as it writes them, one line per rule.
 pub fn jump_rules() -> Vec<(&'static str, &'static str, String)> {
     let new = "-m conntrack --ctstate NEW";
     vec![

@@ -160,6 +160,8 @@ pub fn run(
     Ok(results)
 }
 
+// Long: one form's measured sequence per mode (prepare, warm up, rounds, counters checked);
+// the order is the measurement.
 fn run_form(
     ctx: &Ctx,
     cfg: &PpsConfig,

@@ -28,6 +28,7 @@ impl PpsResults {
 }
 
 impl PpsTable {
+    // Long: the pps page: one markdown template filled from the results.
     fn markdown(&self) -> String {
         use std::fmt::Write as _;
         let mut s = String::new();

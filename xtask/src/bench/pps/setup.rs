@@ -43,6 +43,8 @@ pub(super) struct Ready {
 
 /// Sets the mode up with the form's one service programmed, then the sink, the
 /// neighbours, `xdp-fwd`'s program and the NAPI thread.
+// Long: the set-up of one mode in the order the kernel needs it (program, service, sink,
+// neighbours, xdp-fwd, NAPI thread).
 pub(super) fn prepare(ctx: &Ctx, mode: &mut dyn Mode, form: Form, threaded: bool) -> Result<Ready> {
     mode.setup(ctx).map_err(|e| anyhow::anyhow!(e))?;
     if mode.programs() {

@@ -147,6 +147,7 @@ impl Results {
     }
 }
 
+// Long: one chart drawn in plotting order (axes, series, legend).
 pub(super) fn draw(path: &Path, panels: &[Panel], max_services: usize) -> Result<()> {
     use plotters::prelude::*;
     let root = BitMapBackend::new(path, (1600, 700)).into_drawing_area();
