@@ -395,22 +395,23 @@ fn agent_rides_out_429_500_and_a_restart() {
     agent.wait_healthy(Duration::from_secs(20));
     until_from(&env, vip(10), Duration::from_secs(5), "pod1");
 
-    // 429 with Retry-After: 1 for the next 3 requests (the three re-watches).
-    api.fail_requests(429, 3, Some(1));
+    // 429 with Retry-After: 1 for the next 4 requests (the four re-watches: Services,
+    // EndpointSlices, Nodes, ServiceCIDRs).
+    api.fail_requests(429, 4, Some(1));
     let start = Instant::now();
     api.drop_watches();
     api.apply(slice("web-1", "web", &[2]));
     until_from(&env, vip(10), Duration::from_secs(15), "pod2");
     let after_429 = start.elapsed();
-    eprintln!("3 x 429 (Retry-After: 1): change -> traffic in {after_429:?}");
-    assert_eq!(api.failed_requests(429), 3, "every 429 was met");
+    eprintln!("4 x 429 (Retry-After: 1): change -> traffic in {after_429:?}");
+    assert_eq!(api.failed_requests(429), 4, "every 429 was met");
     assert!(
         after_429 >= Duration::from_millis(900),
         "the Retry-After of 1 s was honoured: {after_429:?}"
     );
 
-    // 500s: 9 in a row (three per watch); traffic goes on meanwhile.
-    api.fail_requests(500, 9, None);
+    // 500s: 12 in a row (three per watch); traffic goes on meanwhile.
+    api.fail_requests(500, 12, None);
     api.drop_watches();
     api.apply(slice("web-1", "web", &[3]));
     wait_for(
@@ -422,8 +423,8 @@ fn agent_rides_out_429_500_and_a_restart() {
     eprintln!("during the 500s: {asked} connections and /healthz probes");
     assert!(failed.is_empty(), "during the 500s: {failed:#?}");
     let recovered = until_from(&env, vip(10), Duration::from_secs(40), "pod3");
-    eprintln!("9 x 500: traffic moved {recovered:?} after the first 500s were seen");
-    assert_eq!(api.failed_requests(500), 9, "every 500 was met");
+    eprintln!("12 x 500: traffic moved {recovered:?} after the first 500s were seen");
+    assert_eq!(api.failed_requests(500), 12, "every 500 was met");
     assert!(
         agent.logs().contains("500"),
         "the agent logs the server error: {}",
