@@ -11,7 +11,7 @@
 //!   conntrack and SNAT ports (`ct.rs`), rewriting (`nat.rs`), scratch types (`state.rs`);
 //! - `tc/`: the stage machine at TC: the program shells (`mod.rs`), TC's `PktHook`
 //!   (`hook.rs`: FIB redirect), ICMP errors (`icmp.rs`), REJECT answers (`unreach.rs`),
-//!   direct server return (`dsr.rs`);
+//!   direct server return (`dsr/`);
 //! - `xdp`: the same stage machine at XDP on node interfaces (`--acceleration`), ingress
 //!   only, handing what it cannot do to TC.
 #![no_std]

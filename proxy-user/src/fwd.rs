@@ -1,6 +1,6 @@
 //! `--forwarding-mode`: how the TC path forwards external traffic (eTP=Cluster) to a
 //! backend on another node, written to `FWD_MODE[0]` for the programs
-//! (`proxy-ebpf/src/tc/dsr.rs`).
+//! (`proxy-ebpf/src/tc/dsr/`).
 
 use aya::maps::{Array, MapData};
 use proxy_common::{fwd_mode, map_names};

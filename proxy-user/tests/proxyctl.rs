@@ -898,8 +898,8 @@ tc_dsr_decap           0      TC DSR, backend's node: DSR option read (reply ent
 tc_dsr_reply           0      TC DSR, backend's node: reply sent straight to the client from the frontend
 tc_dsr_too_big         0      TC DSR: the option would exceed the route's MTU: new flow SNATed, later datagram sent without it
 tc_dsr_untrusted       0      TC DSR, backend's node: DSR option from a sender that is not a cluster node: not honoured
-svc_port_unused        0      ClusterIP on a port no Service uses: connect()/sendmsg() failed with ECONNREFUSED
-svc_cidr_unallocated   0      address in a Service CIDR that no Service has: connect()/sendmsg() failed with EPERM
+svc_port_unused        0      ClusterIP on a port no Service uses: connect()/sendmsg() failed with ECONNREFUSED; TC: REJECT (RST, ICMP port unreachable)
+svc_cidr_unallocated   0      address in a Service CIDR that no Service has: connect()/sendmsg() failed with EPERM; TC/XDP: dropped
 
 BACKEND               ID  CONNS
 10.240.1.2:8080       1   4
