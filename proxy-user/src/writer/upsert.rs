@@ -313,29 +313,7 @@ impl<S: MapStore> Writer<S> {
                 },
             );
         }
-        if let Some((_, n)) = old.maglev {
-            let table = self.programmed_table(&old);
-            for chunk in 0..n {
-                let undo = match table.as_ref().and_then(|t| t.get(chunk as usize)) {
-                    Some(c) => Op::PutMaglev {
-                        service_id: sid,
-                        chunk,
-                        value: Box::new(*c),
-                    },
-                    None => Op::DelMaglev {
-                        service_id: sid,
-                        chunk,
-                    },
-                };
-                plan.push(
-                    Op::DelMaglev {
-                        service_id: sid,
-                        chunk,
-                    },
-                    undo,
-                );
-            }
-        }
+        self.stage_remove_maglev(&old, &mut plan);
         for (addr, prefix) in &old.source_ranges {
             let (addr, prefix) = (*addr, *prefix);
             plan.push(
@@ -378,6 +356,35 @@ impl<S: MapStore> Writer<S> {
             }
         }
         Some((plan, old))
+    }
+
+    /// The removal of a Maglev frontend's table chunks, each undone by the chunk the
+    /// writer programmed (or its deletion, if that cannot be recomputed).
+    fn stage_remove_maglev(&self, old: &Programmed, plan: &mut Plan) {
+        let sid = old.value.service_id;
+        if let Some((_, n)) = old.maglev {
+            let table = self.programmed_table(old);
+            for chunk in 0..n {
+                let undo = match table.as_ref().and_then(|t| t.get(chunk as usize)) {
+                    Some(c) => Op::PutMaglev {
+                        service_id: sid,
+                        chunk,
+                        value: Box::new(*c),
+                    },
+                    None => Op::DelMaglev {
+                        service_id: sid,
+                        chunk,
+                    },
+                };
+                plan.push(
+                    Op::DelMaglev {
+                        service_id: sid,
+                        chunk,
+                    },
+                    undo,
+                );
+            }
+        }
     }
 
     pub(super) fn commit_remove(&mut self, fe: &Frontend, old: &Programmed) {
