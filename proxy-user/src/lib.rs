@@ -21,6 +21,7 @@ pub mod migrate;
 pub mod model;
 pub mod node;
 pub mod pins;
+pub mod podif;
 #[cfg(feature = "prog-run")]
 pub mod prog_run;
 pub mod sockdestroy;

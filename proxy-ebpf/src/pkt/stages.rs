@@ -241,7 +241,7 @@ fn pick<C: PktHook, F: PktFamily>(
         };
     if dsr {
         flags = ct_flags::DSR;
-    } else if remote {
+    } else if remote || hairpin::<F>(p, baddr) {
         let addr = F::snat_addr();
         if F::is_zero(&addr) {
             return Some(Step::drop(Reason::TcSnatFailed));
@@ -268,6 +268,16 @@ fn pick<C: PktHook, F: PktFamily>(
         flags,
     };
     None
+}
+
+/// Hairpin: a pod reaching its own Service, balanced to itself (seen on the pod's
+/// interface, `--pod-interfaces`; such a backend is local, so never DSR). Its own address
+/// as the source would be a martian to it: the flow is SNATed to the node's address, as
+/// kube-proxy masquerades hairpin traffic. A frame of its own (the verifier's 512-byte
+/// limit on the call chain through `pick`).
+#[inline(never)]
+fn hairpin<F: PktFamily>(p: &Pkt<F::Addr>, backend: F::Addr) -> bool {
+    p.saddr == backend
 }
 
 /// A frontend without endpoints: kube-proxy's REJECT (TCP SYN: RST; UDP: ICMP port

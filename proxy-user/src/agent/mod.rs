@@ -55,6 +55,8 @@ pub struct AgentOptions {
     /// Interfaces for the TC datapath: `None` for none, `Some(empty)` for the node's
     /// interfaces found automatically, or the given names.
     pub interfaces: Option<Vec<String>>,
+    /// `--pod-interfaces`: the host side of pods' veths (TC attached as they appear).
+    pub pod_interfaces: crate::podif::Patterns,
     /// Conntrack table size in flows per address family (`--conntrack-max`).
     pub conntrack_flows: u32,
     /// `max_entries` of `SVC4`/`SVC6` (`--service-map-entries`).
@@ -97,6 +99,14 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     // Metrics and health first: reading a large pinned state back takes seconds, and
     // /livez must answer meanwhile (/healthz says 503 until the first sync).
     let metrics = new_metrics(&opts, &datapath);
+    if !opts.pod_interfaces.is_empty() {
+        crate::podif::spawn(
+            opts.pin_path.clone(),
+            opts.tc_attach,
+            opts.pod_interfaces.clone(),
+            metrics.clone(),
+        )?;
+    }
     let health = Arc::new(Health::new(opts.sync_interval * 2));
     serve_http(&opts, &metrics, &health).await?;
     // The sources start before the pinned maps are read back: the lists (seconds at tens

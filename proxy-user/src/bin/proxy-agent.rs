@@ -8,7 +8,9 @@ use proxy_user::{
     agent::{self, AgentOptions},
     cleanup,
     cluster::lb_algorithm::LbAlgorithm,
-    loader, Acceleration, ForwardingMode, TcAttachMode, DEFAULT_PIN_PATH,
+    loader,
+    podif::{Patterns, DEFAULT_POD_INTERFACES},
+    Acceleration, ForwardingMode, TcAttachMode, DEFAULT_PIN_PATH,
 };
 
 #[derive(Parser)]
@@ -133,6 +135,14 @@ struct RunArgs {
     /// comma-separated list. Use `none` when running it by hand on a workstation.
     #[arg(long, env = "PROXY_INTERFACES", default_value = "auto")]
     interfaces: String,
+    /// The host side of pods' veths, where the TC programs run for what pods send
+    /// (ClusterIP, externalIPs, LoadBalancer IPs, NodePorts per packet, with conntrack):
+    /// comma-separated glob patterns (`*`, `?`) on interface names, attached as the
+    /// interfaces appear (netlink link events) and detached when they go; `none`; or
+    /// `auto`: the common CNIs' names `lxc*,cali*,veth*,gke*,eni*,azv*`, but nothing when
+    /// `--interfaces none` (an agent run by hand on a workstation touches no interface).
+    #[arg(long, env = "PROXY_POD_INTERFACES", default_value = "auto")]
+    pod_interfaces: String,
     /// Size of the TC datapath's conntrack tables, in flows per address family (each
     /// flow takes two entries). LRU: when full, the least recently used flows are
     /// evicted; new flows are never refused. Applies when the tables are created: pinned
@@ -508,6 +518,13 @@ fn main() -> Result<()> {
                     "none" | "" => None,
                     "auto" => Some(Vec::new()),
                     list => Some(list.split(',').map(|s| s.trim().to_string()).collect()),
+                },
+                pod_interfaces: match args.pod_interfaces.as_str() {
+                    "auto" if args.interfaces == "none" => Patterns::default(),
+                    "auto" => {
+                        Patterns::parse(DEFAULT_POD_INTERFACES).map_err(anyhow::Error::msg)?
+                    }
+                    list => Patterns::parse(list).map_err(anyhow::Error::msg)?,
                 },
                 conntrack_flows: args.conntrack_max,
                 service_entries: args.service_map_entries,
