@@ -25,6 +25,7 @@ pub mod podif;
 #[cfg(feature = "prog-run")]
 pub mod prog_run;
 pub mod sockdestroy;
+pub mod socklb;
 pub mod store;
 pub mod svc_cidr;
 pub mod writer;

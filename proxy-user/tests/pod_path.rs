@@ -22,6 +22,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use proxy_common::Reason;
+use proxy_user::{socklb, BpfMaps};
 use support::{run, unique, AgentProcess, Netns, Server, TestEnv};
 
 const NODE_ADDR: &str = "10.100.0.2";
@@ -254,8 +256,13 @@ struct Bed {
 }
 
 impl Bed {
+    /// This process outside the agent's cgroup: no socket hook sees the pods' sockets.
     fn new(manifests: &[(&str, String)]) -> Self {
-        let env = TestEnv::outside_cgroup();
+        Self::with(TestEnv::outside_cgroup(), manifests, &[])
+    }
+
+    /// `env` (whose cgroup this process may have joined) and extra agent arguments.
+    fn with(env: TestEnv, manifests: &[(&str, String)], extra: &[&str]) -> Self {
         let node = Node::new();
         let mut pods = Vec::new();
         let mut servers = Vec::new();
@@ -277,11 +284,9 @@ impl Bed {
             write(&dir, name, text);
         }
         let dir_s = dir.to_str().expect("utf-8").to_string();
-        let mut agent = AgentProcess::start_in(
-            &env,
-            Some(&node.node),
-            &["--manifests", &dir_s, "--pod-interfaces", "lxc*"],
-        );
+        let mut args = vec!["--manifests", &dir_s, "--pod-interfaces", "lxc*"];
+        args.extend_from_slice(extra);
+        let mut agent = AgentProcess::start_in(&env, Some(&node.node), &args);
         agent.wait_healthy(Duration::from_secs(30));
         Self {
             agent: Some(agent),
@@ -594,4 +599,276 @@ fn link_exists(id: u32) -> bool {
         return true;
     }
     false
+}
+
+/// An outcome counter of the socket and TC hooks (`STATS`).
+fn counter(pins: &Path, reason: Reason) -> u64 {
+    BpfMaps::open(pins)
+        .expect("open maps")
+        .stats()
+        .expect("stats")
+        .into_iter()
+        .find(|(r, _)| *r == reason)
+        .map(|(_, v)| v)
+        .expect("counter")
+}
+
+/// `--socket-lb tcp` with this process in the hooked cgroup: a pod's connected UDP socket
+/// is left to the per-packet path (it follows a backend change and is never destroyed),
+/// its TCP is translated at connect(); the host's (the agent's namespace) UDP keeps socket
+/// LB; a pod whose cgroup is in `SOCK_LB_BYPASS` sends to the ClusterIP itself (seen on
+/// its interface) and is still balanced, per packet.
+#[test]
+fn socket_lb_tcp_mode_and_bypass() {
+    let bed = Bed::with(
+        TestEnv::without_datapath(0),
+        &[(
+            "cip.yaml",
+            service(
+                "cip",
+                8080,
+                "10.96.0.10",
+                "Cluster",
+                None,
+                &[("10.244.0.11", "node-a")],
+            ),
+        )],
+        &["--socket-lb", "tcp"],
+    );
+    let pins = bed.env.pins.path.clone();
+    assert_eq!(
+        socklb::get(pins.as_path()).expect("SOCK_LB"),
+        Some(socklb::SocketLb::Tcp)
+    );
+    let client = &bed.pods[0];
+    let to: SocketAddr = "10.96.0.10:53".parse().expect("addr");
+
+    // A pod's connected UDP socket: not translated at connect() (its peer is the
+    // frontend in the kernel too), follows the backend's replacement; had the socket hook
+    // translated it, the agent would destroy it when podb leaves and send() would fail.
+    let translated = counter(&pins, Reason::Translated);
+    let sock = connected_udp(client, to);
+    let gap = follow_backend_change(&sock, "podb", "podc", || {
+        write(
+            &bed.dir,
+            "cip.yaml",
+            &service(
+                "cip",
+                8080,
+                "10.96.0.10",
+                "Cluster",
+                None,
+                &[("10.244.0.12", "node-a")],
+            ),
+        );
+    });
+    eprintln!("socket-lb tcp, pod UDP: last answer from podb to first from podc: {gap:?}");
+    assert!(gap < Duration::from_secs(1), "{gap:?}\n{}", bed.logs());
+    assert_eq!(sock.peer_addr().expect("peer"), to);
+    assert_eq!(
+        counter(&pins, Reason::Translated),
+        translated,
+        "a pod's UDP socket was translated by the socket hooks in tcp mode"
+    );
+    let metrics = bed.agent.as_ref().expect("agent").metrics();
+    assert!(
+        metrics.contains("ebpf_proxy_stale_udp_sockets_destroyed_total 0"),
+        "no socket destroyed: {metrics}"
+    );
+
+    // The pod's TCP: translated at connect(), no TC flow.
+    let (translated, tc_flows) = (
+        counter(&pins, Reason::Translated),
+        counter(&pins, Reason::TcNewFlow),
+    );
+    let (who, seen) = ask_tcp(client, "10.96.0.10:80".parse().expect("addr")).expect("tcp");
+    assert_eq!((who.as_str(), seen.as_str()), ("podc", "10.244.0.10"));
+    assert_eq!(counter(&pins, Reason::Translated), translated + 1);
+    assert_eq!(counter(&pins, Reason::TcNewFlow), tc_flows);
+
+    // The host's UDP (the agent's network namespace): socket LB, no TC flow.
+    let (translated, tc_flows) = (
+        counter(&pins, Reason::Translated),
+        counter(&pins, Reason::TcNewFlow),
+    );
+    let (who, _) = ask_udp_once(&bed.node.node, to).expect("host udp");
+    assert_eq!(who, "podc");
+    assert_eq!(counter(&pins, Reason::Translated), translated + 1);
+    assert_eq!(counter(&pins, Reason::TcNewFlow), tc_flows);
+
+    // A bypass pod: a process of pod a in a child cgroup listed in SOCK_LB_BYPASS.
+    let bypass = bed.env.cgroup.path.join("bypass");
+    fs::create_dir(&bypass).expect("bypass cgroup");
+    let _rm = RemoveDir(bypass.clone());
+    socklb::set_bypass(
+        pins.as_path(),
+        socklb::cgroup_id(&bypass).expect("id"),
+        true,
+    )
+    .expect("bypass");
+    let capture = Capture::start(&bed.node.node, "lxca");
+    let (translated, tc_flows) = (
+        counter(&pins, Reason::Translated),
+        counter(&pins, Reason::TcNewFlow),
+    );
+    let out = in_cgroup(
+        &bypass,
+        client,
+        "import socket; s = socket.create_connection(('10.96.0.10', 80), timeout=3); \
+         s.sendall(b'hi\\n'); print(s.recv(100).decode().split()[0], s.getpeername()[0])",
+    );
+    assert_eq!(out.trim(), "podc 10.96.0.10", "bypass pod: answer and peer");
+    let syn = capture.wait_for(|f| {
+        f.proto == 6 && f.dst == [10, 96, 0, 10] && f.dport == 80 && f.src == [10, 244, 0, 10]
+    });
+    assert!(
+        syn,
+        "no packet to the ClusterIP seen on lxca from the bypass pod"
+    );
+    assert_eq!(
+        counter(&pins, Reason::Translated),
+        translated,
+        "bypass: no socket translation"
+    );
+    assert_eq!(
+        counter(&pins, Reason::TcNewFlow),
+        tc_flows + 1,
+        "bypass: one TC flow"
+    );
+    socklb::set_bypass(
+        pins.as_path(),
+        socklb::cgroup_id(&bypass).expect("id"),
+        false,
+    )
+    .expect("bypass off");
+}
+
+struct RemoveDir(PathBuf);
+
+impl Drop for RemoveDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir(&self.0);
+    }
+}
+
+/// Runs a Python snippet in `cgroup` and `pod`'s network namespace; its stdout.
+fn in_cgroup(cgroup: &Path, pod: &Netns, script: &str) -> String {
+    use std::os::unix::process::CommandExt as _;
+    let procs = cgroup.join("cgroup.procs");
+    let mut cmd = std::process::Command::new("nsenter");
+    cmd.arg(format!("--net={}", pod.path().display())).args([
+        "--",
+        "/usr/bin/python3",
+        "-c",
+        script,
+    ]);
+    // SAFETY: only a write(2) to a file between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || fs::write(&procs, "0"));
+    }
+    let out = cmd.output().expect("python3");
+    assert!(
+        out.status.success(),
+        "python3 in the bypass cgroup: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// An IPv4 TCP/UDP packet's header fields.
+struct Frame {
+    proto: u8,
+    src: [u8; 4],
+    dst: [u8; 4],
+    dport: u16,
+}
+
+/// An AF_PACKET capture on an interface of a namespace (what `tcpdump -i` sees: ingress
+/// before TC), running in a thread.
+struct Capture {
+    frames: std::sync::mpsc::Receiver<Frame>,
+}
+
+impl Capture {
+    fn start(ns: &Netns, iface: &str) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let path = ns.path();
+        let iface = std::ffi::CString::new(iface).expect("name");
+        std::thread::spawn(move || {
+            let _g = support::NetnsGuard::enter(&path);
+            // SAFETY: plain syscalls on our own descriptor and buffers.
+            unsafe {
+                let fd = libc::socket(
+                    libc::AF_PACKET,
+                    libc::SOCK_RAW,
+                    i32::from((libc::ETH_P_ALL as u16).to_be()),
+                );
+                assert!(fd >= 0, "AF_PACKET socket");
+                let mut sll: libc::sockaddr_ll = std::mem::zeroed();
+                sll.sll_family = libc::AF_PACKET as u16;
+                sll.sll_protocol = (libc::ETH_P_ALL as u16).to_be();
+                sll.sll_ifindex = libc::if_nametoindex(iface.as_ptr()) as i32;
+                assert!(sll.sll_ifindex > 0, "capture interface");
+                let r = libc::bind(
+                    fd,
+                    &sll as *const _ as *const libc::sockaddr,
+                    std::mem::size_of::<libc::sockaddr_ll>() as u32,
+                );
+                assert_eq!(r, 0, "bind AF_PACKET");
+                let tv = libc::timeval {
+                    tv_sec: 0,
+                    tv_usec: 200_000,
+                };
+                libc::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVTIMEO,
+                    &tv as *const _ as *const libc::c_void,
+                    std::mem::size_of::<libc::timeval>() as u32,
+                );
+                let _ = ready_tx.send(());
+                let start = Instant::now();
+                let mut buf = [0u8; 2048];
+                while start.elapsed() < Duration::from_secs(15) {
+                    let n = libc::recv(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0);
+                    if n < 34 || buf[12..14] != [0x08, 0x00] {
+                        continue;
+                    }
+                    let ip = &buf[14..n as usize];
+                    let ihl = usize::from(ip[0] & 0xf) * 4;
+                    if ip.len() < ihl + 4 {
+                        continue;
+                    }
+                    let f = Frame {
+                        proto: ip[9],
+                        src: ip[12..16].try_into().expect("4"),
+                        dst: ip[16..20].try_into().expect("4"),
+                        dport: u16::from_be_bytes([ip[ihl + 2], ip[ihl + 3]]),
+                    };
+                    if tx.send(f).is_err() {
+                        break;
+                    }
+                }
+                libc::close(fd);
+            }
+        });
+        ready_rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("capture started");
+        Self { frames: rx }
+    }
+
+    /// Whether a frame matching `want` was captured (waits up to 5 s).
+    fn wait_for(&self, want: impl Fn(&Frame) -> bool) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(5) {
+            match self.frames.recv_timeout(Duration::from_millis(200)) {
+                Ok(f) if want(&f) => return true,
+                Ok(_) | Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(_) => return false,
+            }
+        }
+        false
+    }
 }
