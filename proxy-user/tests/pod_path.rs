@@ -56,6 +56,11 @@ impl Node {
         net.ip(&["link", "set", "eth0", "up"]);
         node.ip(&["route", "add", "default", "via", "10.100.0.1"]);
         sysctl(&node, "net.ipv4.ip_forward=1");
+        // Strict reverse-path filtering, as many nodes (and CNIs on their pod veths) have
+        // it: a reply translated on the backend's veth must not reach the stack with the
+        // frontend as its source on that interface.
+        sysctl(&node, "net.ipv4.conf.all.rp_filter=1");
+        sysctl(&node, "net.ipv4.conf.default.rp_filter=1");
         Self { node, _net: net }
     }
 

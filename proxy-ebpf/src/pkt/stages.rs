@@ -16,7 +16,7 @@ use proxy_common::{backend_flags, ct_flags, proto, scope, svc_flags, Reason, Svc
 
 use super::{
     ct::{self, Chosen},
-    family::{backend, is_node_addr, Pkt, PktAccess, PktFamily},
+    family::{backend, Pkt, PktAccess, PktFamily},
     hook::PktHook,
     nat::rewrite,
     verdict::{Action, Step, Verdict},
@@ -114,8 +114,11 @@ fn reply_path<C: PktHook, F: PktFamily>(
     };
     // SAFETY: copied out.
     let (dnat, snat) = F::ct_nat(unsafe { &*v });
-    // At ingress the new source may be one of the node's addresses: forward it directly.
-    let redirect = ingress && (!F::is_zero(&dnat.0) || is_node_addr::<F>(snat.0));
+    // At ingress the reply is forwarded directly: its new source is a node address (the
+    // stack would drop it as a martian) or a frontend, which the stack's reverse-path
+    // check would refuse on the interface it came in on (a local backend's reply on its
+    // pod interface, `--pod-interfaces`).
+    let redirect = ingress;
     let reason = ct::reply_reason::<F>(v);
     let client = if F::is_zero(&dnat.0) {
         (p.daddr, p.dport)
