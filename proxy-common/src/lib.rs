@@ -104,8 +104,15 @@ pub mod map_names {
     /// The IPv6 counterpart of `SVC_CIDR4` (/128 per ClusterIP).
     pub const SVC_CIDR6: &str = "SVC_CIDR6";
 
+    /// `--socket-lb`: `[socket_lb::MODE] = mode`, `[socket_lb::HOST_NETNS] = the host's
+    /// network namespace cookie` (array of two `u64`).
+    pub const SOCK_LB: &str = "SOCK_LB";
+    /// cgroup ids whose sockets the socket hooks leave alone (per-pod bypass of socket
+    /// LB): their traffic takes the per-packet path on the pod's interface.
+    pub const SOCK_LB_BYPASS: &str = "SOCK_LB_BYPASS";
+
     /// Every pinned map.
-    pub const ALL: [&str; 29] = [
+    pub const ALL: [&str; 31] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -135,6 +142,8 @@ pub mod map_names {
         DSR_TRUSTED6,
         SVC_CIDR4,
         SVC_CIDR6,
+        SOCK_LB,
+        SOCK_LB_BYPASS,
     ];
 }
 
@@ -350,6 +359,23 @@ pub mod meta {
     pub const OBJECT_HASH: u32 = 2;
     /// The XDP acceleration the agent installed (`acceleration::*`), for `proxyctl`.
     pub const ACCELERATION: u32 = 3;
+}
+
+/// `SOCK_LB`: which sockets the socket hooks translate (`--socket-lb`).
+pub mod socket_lb {
+    /// Index of the mode in `SOCK_LB`.
+    pub const MODE: u32 = 0;
+    /// Index of the host's network namespace cookie in `SOCK_LB` (0: unknown).
+    pub const HOST_NETNS: u32 = 1;
+    /// Every socket (also what an empty, new map means).
+    pub const ALL: u64 = 0;
+    /// TCP everywhere; UDP only in the host's network namespace (pods' UDP goes per
+    /// packet on their interface).
+    pub const TCP: u64 = 1;
+    /// Only sockets in the host's network namespace.
+    pub const HOST_ONLY: u64 = 2;
+    /// None.
+    pub const OFF: u64 = 3;
 }
 
 /// `META[ACCELERATION]`: where the node's north-south traffic is handled first.

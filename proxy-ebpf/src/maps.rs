@@ -207,6 +207,14 @@ pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned
 pub static MAGLEV: HashMap<MaglevKey, MaglevChunk> =
     HashMap::pinned(MAX_MAGLEV_CHUNKS, BPF_F_NO_PREALLOC);
 
+/// `--socket-lb`: `[mode, host netns cookie]` (`proxy_common::socket_lb`).
+#[map]
+pub static SOCK_LB: Array<u64> = Array::pinned(2, 0);
+
+/// cgroup ids whose sockets the socket hooks leave alone (per-pod bypass).
+#[map]
+pub static SOCK_LB_BYPASS: HashMap<u64, u8> = HashMap::pinned(65536, BPF_F_NO_PREALLOC);
+
 /// `[fwd_mode]`: SNAT or DSR for external traffic to a backend on another node.
 #[map]
 pub static FWD_MODE: Array<u32> = Array::pinned(1, 0);

@@ -16,7 +16,7 @@ use aya_ebpf::{
     bindings::{bpf_sock, bpf_sock_addr},
     helpers::{
         bpf_get_socket_cookie,
-        generated::{bpf_get_netns_cookie, bpf_set_retval},
+        generated::{bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_set_retval},
     },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
@@ -24,11 +24,11 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use core::ptr::{read_volatile, write_volatile};
-use proxy_common::{proto, svc_cidr, Reason};
+use proxy_common::{proto, socket_lb, svc_cidr, Reason};
 
 use crate::{
     lb::{xlate_fwd, xlate_rev, Fwd, V4, V6},
-    maps::{count, SVC_CIDR4, SVC_CIDR6},
+    maps::{count, SOCK_LB, SOCK_LB_BYPASS, SVC_CIDR4, SVC_CIDR6},
 };
 
 /// What the hook returns to the kernel.
@@ -117,6 +117,33 @@ fn cookie(ctx: &SockAddrContext) -> u64 {
 fn netns(ctx: &SockAddrContext) -> u64 {
     // SAFETY: valid for sock_addr programs (kernel >= 5.8).
     unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }
+}
+
+/// Whether the socket hooks translate this socket (`--socket-lb`): never one whose
+/// cgroup is in `SOCK_LB_BYPASS` (checked first); then by mode: every socket, TCP ones
+/// and any in the host's network namespace, only those in the host's, or none. A socket
+/// left alone reaches the frontend itself, translated per packet on its pod's interface.
+#[inline(always)]
+fn socket_lb_applies(ctx: &SockAddrContext, proto: u8) -> bool {
+    // SAFETY: no preconditions (cgroup programs).
+    let cgroup = unsafe { bpf_get_current_cgroup_id() };
+    // SAFETY: a read of a map value copied out at once.
+    if unsafe { SOCK_LB_BYPASS.get(&cgroup) }.is_some() {
+        return false;
+    }
+    let mode = SOCK_LB
+        .get(socket_lb::MODE)
+        .copied()
+        .unwrap_or(socket_lb::ALL);
+    match mode {
+        socket_lb::ALL => true,
+        socket_lb::OFF => false,
+        _ if mode == socket_lb::TCP && proto == proto::TCP => true,
+        _ => {
+            let host = SOCK_LB.get(socket_lb::HOST_NETNS).copied().unwrap_or(0);
+            host != 0 && netns(ctx) == host
+        }
+    }
 }
 
 #[inline(always)]
@@ -250,6 +277,9 @@ fn fwd4(ctx: &SockAddrContext) -> i32 {
         count(Reason::UnsupportedProto);
         return ALLOW;
     };
+    if !socket_lb_applies(ctx, proto) {
+        return ALLOW;
+    }
     // SAFETY: 4-byte ctx field.
     let addr = unsafe { read_volatile(&raw const (*sa).user_ip4) };
     let r = xlate_fwd::<V4>(addr, read_port(sa), proto, sk(sa), || netns(ctx));
@@ -288,6 +318,9 @@ fn fwd6(ctx: &SockAddrContext) -> i32 {
         count(Reason::UnsupportedProto);
         return ALLOW;
     };
+    if !socket_lb_applies(ctx, proto) {
+        return ALLOW;
+    }
     let addr = read_ip6(sa);
     let port = read_port(sa);
     let sk = sk(sa);

@@ -21,9 +21,11 @@ pub mod migrate;
 pub mod model;
 pub mod node;
 pub mod pins;
+pub mod podif;
 #[cfg(feature = "prog-run")]
 pub mod prog_run;
 pub mod sockdestroy;
+pub mod socklb;
 pub mod store;
 pub mod svc_cidr;
 pub mod writer;

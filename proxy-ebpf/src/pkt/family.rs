@@ -132,12 +132,6 @@ pub fn backend<F: PktFamily>(id: u32) -> Option<(F::Addr, u16, u8)> {
     F::backend_entry(id)
 }
 
-/// One of the node's addresses. A leaf of its own: keeps the key off the caller's frame.
-#[inline(never)]
-pub fn is_node_addr<F: PktFamily>(a: F::Addr) -> bool {
-    F::is_node_addr(a)
-}
-
 impl PktFamily for V4 {
     type Key = Ct4Key;
     type Val = Ct4Value;

@@ -19,7 +19,7 @@ use proxy_common::{backend_flags, ct_flags, proto, scope, svc_cidr, svc_flags, R
 
 use super::{
     ct::{self, Chosen},
-    family::{backend, is_node_addr, Pkt, PktAccess, PktFamily},
+    family::{backend, Pkt, PktAccess, PktFamily},
     hook::PktHook,
     nat::rewrite,
     verdict::{Action, Step, Verdict},
@@ -117,8 +117,11 @@ fn reply_path<C: PktHook, F: PktFamily>(
     };
     // SAFETY: copied out.
     let (dnat, snat) = F::ct_nat(unsafe { &*v });
-    // At ingress the new source may be one of the node's addresses: forward it directly.
-    let redirect = ingress && (!F::is_zero(&dnat.0) || is_node_addr::<F>(snat.0));
+    // At ingress the reply is forwarded directly: its new source is a node address (the
+    // stack would drop it as a martian) or a frontend, which the stack's reverse-path
+    // check would refuse on the interface it came in on (a local backend's reply on its
+    // pod interface, `--pod-interfaces`).
+    let redirect = ingress;
     let reason = ct::reply_reason::<F>(v);
     let client = if F::is_zero(&dnat.0) {
         (p.daddr, p.dport)
@@ -244,7 +247,7 @@ fn pick<C: PktHook, F: PktFamily>(
         };
     if dsr {
         flags = ct_flags::DSR;
-    } else if remote {
+    } else if remote || hairpin::<F>(p, baddr) {
         let addr = F::snat_addr();
         if F::is_zero(&addr) {
             return Some(Step::drop(Reason::TcSnatFailed));
@@ -271,6 +274,16 @@ fn pick<C: PktHook, F: PktFamily>(
         flags,
     };
     None
+}
+
+/// Hairpin: a pod reaching its own Service, balanced to itself (seen on the pod's
+/// interface, `--pod-interfaces`; such a backend is local, so never DSR). Its own address
+/// as the source would be a martian to it: the flow is SNATed to the node's address, as
+/// kube-proxy masquerades hairpin traffic. A frame of its own (the verifier's 512-byte
+/// limit on the call chain through `pick`).
+#[inline(never)]
+fn hairpin<F: PktFamily>(p: &Pkt<F::Addr>, backend: F::Addr) -> bool {
+    p.saddr == backend
 }
 
 /// 4. A destination that is no frontend: inside the Service CIDRs (`SVC_CIDR4/6`, empty

@@ -63,6 +63,10 @@ pub struct Metrics {
     pub service_map_entries: Gauge,
     /// Connected UDP sockets destroyed because their backend left.
     pub stale_udp_sockets: Counter,
+    /// Pod interfaces (`--pod-interfaces`) with the TC programs attached.
+    pub pod_interfaces: Gauge,
+    /// Pod interface attach/detach failures, by `reason` (`attach`, `detach`, `netlink`).
+    pub pod_interface_errors: Family<ReasonLabel, Counter>,
     /// Watch restarts (relists) per resource.
     pub watch_restarts: Family<Resource, Counter>,
     /// Watch stream errors per resource.
@@ -122,6 +126,8 @@ impl Metrics {
             conntrack_max: Gauge::default(),
             service_map_entries: Gauge::default(),
             stale_udp_sockets: Counter::default(),
+            pod_interfaces: Gauge::default(),
+            pod_interface_errors: Family::default(),
             watch_restarts: source.watch_restarts.clone(),
             watch_errors: source.watch_errors.clone(),
             objects_skipped: source.objects_skipped.clone(),
@@ -179,6 +185,16 @@ impl Metrics {
             "stale_udp_sockets_destroyed",
             "Connected UDP sockets destroyed because their backend left the maps",
             m.stale_udp_sockets.clone(),
+        );
+        registry.register(
+            "pod_interfaces",
+            "Pod interfaces (--pod-interfaces) with the TC programs attached",
+            m.pod_interfaces.clone(),
+        );
+        registry.register(
+            "pod_interface_errors",
+            "Pod interface failures by reason (attach, detach, netlink)",
+            m.pod_interface_errors.clone(),
         );
         registry.register(
             "watch_restarts",

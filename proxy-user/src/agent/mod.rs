@@ -59,6 +59,10 @@ pub struct AgentOptions {
     /// Interfaces for the TC datapath: `None` for none, `Some(empty)` for the node's
     /// interfaces found automatically, or the given names.
     pub interfaces: Option<Vec<String>>,
+    /// `--pod-interfaces`: the host side of pods' veths (TC attached as they appear).
+    pub pod_interfaces: crate::podif::Patterns,
+    /// `--socket-lb`: which sockets the socket hooks translate (`SOCK_LB`).
+    pub socket_lb: crate::socklb::SocketLb,
     /// Conntrack table size in flows per address family (`--conntrack-max`).
     pub conntrack_flows: u32,
     /// `max_entries` of `SVC4`/`SVC6` (`--service-map-entries`).
@@ -101,6 +105,14 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     // Metrics and health first: reading a large pinned state back takes seconds, and
     // /livez must answer meanwhile (/healthz says 503 until the first sync).
     let metrics = new_metrics(&opts, &datapath);
+    if !opts.pod_interfaces.is_empty() {
+        crate::podif::spawn(
+            opts.pin_path.clone(),
+            opts.tc_attach,
+            opts.pod_interfaces.clone(),
+            metrics.clone(),
+        )?;
+    }
     let health = Arc::new(Health::new(opts.sync_interval * 2));
     serve_http(&opts, &metrics, &health).await?;
     // The sources start before the pinned maps are read back: the lists (seconds at tens
@@ -183,6 +195,21 @@ fn open_datapath(opts: &AgentOptions) -> anyhow::Result<Datapath> {
     }
     crate::fwd::set(&PinDir::new(&opts.pin_path), opts.forwarding_mode)
         .context("writing the forwarding mode (FWD_MODE)")?;
+    let host_netns = crate::socklb::own_netns_cookie()
+        .context("reading this network namespace's cookie (SO_NETNS_COOKIE)")?;
+    crate::socklb::set(&opts.pin_path, opts.socket_lb, host_netns)
+        .context("writing the socket LB mode (SOCK_LB)")?;
+    if opts.socket_lb != crate::socklb::SocketLb::All && opts.pod_interfaces.is_empty() {
+        warn!(
+            socket_lb = opts.socket_lb.name(),
+            "--socket-lb leaves pods' sockets (some or all) to the per-packet path, but no \
+             --pod-interfaces are set: those pods' Service traffic is not translated"
+        );
+    }
+    info!(
+        socket_lb = opts.socket_lb.name(),
+        "socket hooks: which sockets they translate (the others go per packet on their pod's interface)"
+    );
     info!(
         mode = opts.forwarding_mode.name(),
         "forwarding mode for external traffic to backends on other nodes"

@@ -8,7 +8,10 @@ use proxy_user::{
     agent::{self, AgentOptions},
     cleanup,
     cluster::lb_algorithm::LbAlgorithm,
-    loader, Acceleration, ForwardingMode, TcAttachMode, DEFAULT_PIN_PATH,
+    loader,
+    podif::{Patterns, DEFAULT_POD_INTERFACES},
+    socklb::SocketLb,
+    Acceleration, ForwardingMode, TcAttachMode, DEFAULT_PIN_PATH,
 };
 
 #[derive(Parser)]
@@ -133,6 +136,22 @@ struct RunArgs {
     /// comma-separated list. Use `none` when running it by hand on a workstation.
     #[arg(long, env = "PROXY_INTERFACES", default_value = "auto")]
     interfaces: String,
+    /// The host side of pods' veths, where the TC programs run for what pods send
+    /// (ClusterIP, externalIPs, LoadBalancer IPs, NodePorts per packet, with conntrack):
+    /// comma-separated glob patterns (`*`, `?`) on interface names, attached as the
+    /// interfaces appear (netlink link events) and detached when they go; `none`; or
+    /// `auto`: the common CNIs' names `lxc*,cali*,veth*,gke*,eni*,azv*`, but nothing when
+    /// `--interfaces none` (an agent run by hand on a workstation touches no interface).
+    #[arg(long, env = "PROXY_POD_INTERFACES", default_value = "auto")]
+    pod_interfaces: String,
+    /// Which sockets the socket hooks translate at connect()/sendmsg(): `all`, `tcp` (TCP
+    /// everywhere, UDP only in the host's network namespace: a pod's UDP, a connected
+    /// socket too, is translated per packet on its interface, so it follows a backend
+    /// change and is never destroyed), `host-only` (pods go per packet), `off`; or `auto`:
+    /// `tcp` when `--pod-interfaces` names any, else `all`. Sockets of a cgroup in
+    /// `SOCK_LB_BYPASS` are never translated (per-pod bypass).
+    #[arg(long, env = "PROXY_SOCKET_LB", default_value = "auto")]
+    socket_lb: String,
     /// Size of the TC datapath's conntrack tables, in flows per address family (each
     /// flow takes two entries). LRU: when full, the least recently used flows are
     /// evicted; new flows are never refused. Applies when the tables are created: pinned
@@ -492,6 +511,11 @@ fn main() -> Result<()> {
                     "kube-proxy settings not applied"
                 );
             }
+            let pod_interfaces = match args.pod_interfaces.as_str() {
+                "auto" if args.interfaces == "none" => Patterns::default(),
+                "auto" => Patterns::parse(DEFAULT_POD_INTERFACES).map_err(anyhow::Error::msg)?,
+                list => Patterns::parse(list).map_err(anyhow::Error::msg)?,
+            };
             let opts = AgentOptions {
                 kubeconfig: args.kubeconfig,
                 manifests: args.manifests,
@@ -510,6 +534,18 @@ fn main() -> Result<()> {
                     "none" | "" => None,
                     "auto" => Some(Vec::new()),
                     list => Some(list.split(',').map(|s| s.trim().to_string()).collect()),
+                },
+                pod_interfaces: pod_interfaces.clone(),
+                socket_lb: match args.socket_lb.as_str() {
+                    "auto" if pod_interfaces.is_empty() => SocketLb::All,
+                    "auto" => SocketLb::Tcp,
+                    other => {
+                        <SocketLb as clap::ValueEnum>::from_str(other, false).map_err(|_| {
+                            anyhow::anyhow!(
+                                "--socket-lb {other:?}: expected auto, all, tcp, host-only or off"
+                            )
+                        })?
+                    }
                 },
                 conntrack_flows: args.conntrack_max,
                 service_entries: args.service_map_entries,

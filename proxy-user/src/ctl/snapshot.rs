@@ -29,6 +29,9 @@ pub struct Snapshot {
     pub xdp_stats: Vec<(Reason, u64)>,
     /// `META[ACCELERATION]`: the XDP mode the agent installed (`proxy_common::acceleration`).
     pub acceleration: u32,
+    /// `SOCK_LB[MODE]`: which sockets the socket hooks translate (`proxy_common::socket_lb`;
+    /// `ALL` when not pinned).
+    pub socket_lb: u64,
     /// `NODE_ADDRS4/6`; `None` when those maps are not pinned.
     pub node_addrs: Option<BTreeSet<IpAddr>>,
     /// `SRC_RANGE4/6`: service id -> allowed source prefixes.

@@ -840,3 +840,60 @@ fn explain_from_a_client_names_the_flows_backend() {
         "{err}"
     );
 }
+
+#[test]
+fn explain_says_which_path_pods_and_the_host_take_under_socket_lb() {
+    let mut s = fixture();
+    let traffic = |s: &Snapshot, q: &str| -> Vec<(&'static str, String)> {
+        explain_doc(s, q)
+            .paths
+            .iter()
+            .map(|p| (p.path, p.traffic.clone()))
+            .collect()
+    };
+    // `all` (and pins without SOCK_LB): the socket hooks for pods and the host.
+    let all = traffic(&s, "10.96.0.10:53/udp");
+    assert_eq!(all[0].0, "socket");
+    assert!(all[0].1.starts_with("pods and processes"), "{all:?}");
+    assert!(
+        !all.iter().any(|(_, t)| t.contains("host-side veths")),
+        "{all:?}"
+    );
+
+    s.socket_lb = proxy_common::socket_lb::TCP;
+    // UDP: the hooks for the host only, pods per packet on their veths.
+    let udp = traffic(&s, "10.96.0.10:53/udp");
+    assert!(udp[0].1.starts_with("processes in the host's"), "{udp:?}");
+    let pod = udp.last().expect("pod path");
+    assert_eq!(pod.0, "tc");
+    assert!(
+        pod.1.contains("pods' UDP") && pod.1.contains("host-side veths"),
+        "{udp:?}"
+    );
+    let d = explain_doc(&s, "10.96.0.10:53/udp");
+    assert!(
+        d.paths
+            .last()
+            .expect("pod")
+            .detail
+            .contains("no socket is destroyed"),
+        "{:?}",
+        d.paths
+    );
+    // TCP: the hooks for everyone; only bypassed pods per packet.
+    let tcp = traffic(&s, "10.96.0.100:80");
+    assert!(tcp[0].1.starts_with("pods and processes"), "{tcp:?}");
+    assert!(
+        tcp.last().expect("pod").1.contains("SOCK_LB_BYPASS"),
+        "{tcp:?}"
+    );
+
+    // `off`: no socket path at all.
+    s.socket_lb = proxy_common::socket_lb::OFF;
+    let off = traffic(&s, "10.96.0.100:80");
+    assert!(!off.iter().any(|(p, _)| *p == "socket"), "{off:?}");
+    assert!(
+        off.last().expect("pod").1.contains("every pod's socket"),
+        "{off:?}"
+    );
+}

@@ -47,6 +47,7 @@ mod hooks;
 mod memory;
 mod modes;
 mod object;
+mod pods;
 
 use error::io_err;
 pub use error::LoadError;
@@ -68,6 +69,7 @@ pub use object::{
     load_object, load_object_sized, load_object_with, object_hash, spawn_kernel_logger,
     FIB_HOP_TTL_GLOBAL,
 };
+pub use pods::PodTc;
 
 /// Where to install.
 #[derive(Clone, Debug)]

@@ -27,7 +27,7 @@ mod render;
 
 pub use flow::FlowChoiceView;
 
-use paths::{service_port, socket_path, tc_path, xdp_path};
+use paths::{pod_tc_path, service_port, socket_path, tc_path, xdp_path};
 pub use render::render;
 
 /// A destination to explain.
@@ -328,12 +328,16 @@ fn serving_paths<'a>(
     let kind = primary.kind;
     let mut paths = Vec::new();
     let mut tc_view = Some(primary);
-    if kind != Kind::NodePort || via_node_port {
-        paths.push(socket_path(
+    let from_pods = kind != Kind::NodePort || via_node_port;
+    if from_pods {
+        if let Some(p) = socket_path(
             primary,
             family,
             SocketAddr::new(q.addr, q.port),
-        ));
+            s.socket_lb,
+        ) {
+            paths.push(p);
+        }
     }
     if kind.is_external() {
         let etp_local = primary.flags_raw & svc_flags::ETP_LOCAL != 0;
@@ -370,6 +374,11 @@ fn serving_paths<'a>(
                 }
             })
             .collect();
+    }
+    // Pods' traffic the socket hooks leave alone (`--socket-lb` other than `all`): TC on
+    // their host-side veths (`--pod-interfaces`), never XDP (added after the mapping above).
+    if from_pods && s.socket_lb != proxy_common::socket_lb::ALL {
+        paths.push(pod_tc_path(primary, s.socket_lb, primary.protocol));
     }
     (paths, tc_view)
 }

@@ -51,8 +51,61 @@ pub(super) const UDP_CONNECTED_NOTE: &str =
      with ECONNABORTED (a send() with EDESTADDRREQ): it must reconnect (kube-proxy instead \
      flushes the conntrack entries and the same socket is re-balanced)";
 
+/// Who the socket hooks translate for this frontend's protocol under `--socket-lb`
+/// (`None`: nobody, `off`).
+fn socket_lb_traffic(mode: u64, protocol: &str) -> Option<&'static str> {
+    use proxy_common::socket_lb;
+    match mode {
+        socket_lb::OFF => None,
+        socket_lb::TCP if protocol == "tcp" => Some(
+            "pods and processes on this node (cgroup socket hooks; --socket-lb tcp: TCP from \
+             everyone, UDP only from the host's network namespace)",
+        ),
+        socket_lb::TCP | socket_lb::HOST_ONLY => Some(
+            "processes in the host's network namespace (cgroup socket hooks; pods' sockets \
+             are left to the per-packet path on their interface)",
+        ),
+        _ => Some("pods and processes on this node (cgroup socket hooks)"),
+    }
+}
+
+/// The per-packet path of pods' traffic the socket hooks leave alone (`--socket-lb` other
+/// than `all`): TC on the pods' host-side veths.
+pub(super) fn pod_tc_path(v: &ServiceView, mode: u64, protocol: &str) -> PathView {
+    use proxy_common::socket_lb;
+    let which = match mode {
+        socket_lb::TCP if protocol == "tcp" => {
+            "pods' sockets of a cgroup in SOCK_LB_BYPASS (per-pod bypass)"
+        }
+        socket_lb::TCP => "pods' UDP (--socket-lb tcp) and sockets of a cgroup in SOCK_LB_BYPASS",
+        _ => "every pod's socket",
+    };
+    let mut p = tc_path(
+        v,
+        false,
+        &format!(
+            "packets pods send that no socket hook translated ({which}): TC on the pods' \
+             host-side veths (--pod-interfaces)"
+        ),
+    );
+    if protocol == "udp" && p.outcome == "translated" {
+        p.detail.push_str(
+            "; the application keeps the frontend as its peer, and a flow whose backend \
+             left is balanced afresh on its next datagram (no socket is destroyed)",
+        );
+    }
+    p
+}
+
 /// `peer`: the address the application asked for (a node address for a NodePort).
-pub(super) fn socket_path(v: &ServiceView, family: &str, peer: SocketAddr) -> PathView {
+/// `None` when `--socket-lb off`.
+pub(super) fn socket_path(
+    v: &ServiceView,
+    family: &str,
+    peer: SocketAddr,
+    socket_lb: u64,
+) -> Option<PathView> {
+    let traffic = socket_lb_traffic(socket_lb, v.protocol)?;
     let n = v.backend_count;
     let detail = match outcome(v) {
         "translated" => format!(
@@ -71,14 +124,14 @@ pub(super) fn socket_path(v: &ServiceView, family: &str, peer: SocketAddr) -> Pa
               fail with ECONNREFUSED (kube-proxy: REJECT)"
             .into(),
     };
-    PathView {
+    Some(PathView {
         path: "socket",
-        traffic: "pods and processes on this node (cgroup socket hooks)".into(),
+        traffic: traffic.into(),
         frontend: v.frontend.clone(),
         outcome: outcome(v),
         detail,
         backends: choices(v),
-    }
+    })
 }
 
 /// Traffic from outside under `--acceleration`: the XDP program on the node's interfaces

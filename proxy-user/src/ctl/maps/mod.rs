@@ -155,6 +155,7 @@ pub struct Maps {
     stats: PerCpuArray<MapData, u64>,
     xdp_stats: Option<PerCpuArray<MapData, u64>>,
     acceleration: u32,
+    socket_lb: u64,
     conns: PerCpuHashMap<MapData, u32, u64>,
     conns_fd: OwnedFd,
     ct4: Option<HashMap<MapData, Ct4Key, Ct4Value>>,
@@ -203,6 +204,11 @@ impl Maps {
         let acceleration = pins
             .read_meta(proxy_common::meta::ACCELERATION, ro)
             .unwrap_or(proxy_common::acceleration::OFF);
+        // Pins of a build without `--socket-lb`: every socket is translated.
+        let socket_lb = crate::socklb::get(pins.path())
+            .ok()
+            .flatten()
+            .map_or(proxy_common::socket_lb::ALL, crate::socklb::SocketLb::value);
         let (conns, conns_fd) = req!(pins.typed_with_fd(names::BACKEND_CONNS, ro));
         Ok(Self {
             dir: pins.path().to_owned(),
@@ -211,6 +217,7 @@ impl Maps {
             stats: req!(pins.typed(names::STATS, ro)),
             xdp_stats,
             acceleration,
+            socket_lb,
             conns,
             conns_fd,
             ct4,
@@ -231,6 +238,7 @@ impl Maps {
             now_ns: monotonic_ns(),
             missing_maps: self.missing.clone(),
             acceleration: self.acceleration,
+            socket_lb: self.socket_lb,
             ..Snapshot::default()
         }
     }

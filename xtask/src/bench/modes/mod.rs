@@ -130,6 +130,7 @@ pub fn all() -> Vec<Box<dyn Mode>> {
         Box::new(Direct::default()),
         Box::new(Socket::default()),
         Box::new(Socket::tc()),
+        Box::new(Socket::pod()),
         Box::new(Iptables::new(IptablesVariant::Legacy)),
         Box::new(Iptables::new(IptablesVariant::Nft)),
         Box::new(Nftables::default()),

@@ -32,6 +32,10 @@ pub struct Socket {
     acceleration: Option<&'static str>,
     /// `--lb-algorithm` for the agent (the XDP variant with Maglev, `pps.rs`).
     lb_algorithm: Option<&'static str>,
+    /// The pod-path variant of the TC mode: the client's veth on the node (`cli0`) is a
+    /// pod interface (`--interfaces none --pod-interfaces cli0`), attached by the agent's
+    /// link watcher as a pod's would be.
+    pod: bool,
 }
 
 /// The TC mode's own directories, removed on drop.
@@ -66,6 +70,8 @@ struct Place {
     cgroup: PathBuf,
     netns: Option<PathBuf>,
     interfaces: Option<&'static str>,
+    /// `--pod-interfaces` (`None`: `none`).
+    pod_interfaces: Option<&'static str>,
     acceleration: Option<&'static str>,
     lb_algorithm: Option<&'static str>,
 }
@@ -94,6 +100,7 @@ impl Agent {
         };
         // TC programs only on the bench's own interfaces, never on this machine's.
         cmd.args(["run", "--interfaces", place.interfaces.unwrap_or("none")]);
+        cmd.args(["--pod-interfaces", place.pod_interfaces.unwrap_or("none")]);
         if let Some(a) = place.acceleration {
             cmd.args(["--acceleration", a]);
         }
@@ -325,6 +332,16 @@ impl Socket {
         }
     }
 
+    /// The per-packet path on pod interfaces: the client's veth on the node is a pod
+    /// interface (`--pod-interfaces cli0`), no node interface has TC.
+    pub fn pod() -> Self {
+        Self {
+            is_tc: true,
+            pod: true,
+            ..Self::default()
+        }
+    }
+
     /// The TC mode's agent with `--acceleration native` (XDP on the node's client-facing
     /// interface), for the packet-rate part.
     pub fn xdp() -> Self {
@@ -360,7 +377,8 @@ impl Socket {
                 pin_path: self.pin_path(ctx),
                 cgroup: dirs.cgroup.clone(),
                 netns: Some(self.stack.as_ref().context("no stack")?.node.path()),
-                interfaces: Some("cli0"),
+                interfaces: (!self.pod).then_some("cli0"),
+                pod_interfaces: self.pod.then_some("cli0"),
                 acceleration: self.acceleration,
                 lb_algorithm: self.lb_algorithm,
             },
@@ -370,6 +388,7 @@ impl Socket {
                 cgroup: ctx.cgroup.clone(),
                 netns: None,
                 interfaces: None,
+                pod_interfaces: None,
                 acceleration: None,
                 lb_algorithm: None,
             },
@@ -408,6 +427,8 @@ impl Mode for Socket {
             "xdp-maglev"
         } else if self.acceleration.is_some() {
             "xdp"
+        } else if self.pod {
+            "pod"
         } else if self.is_tc {
             "tc"
         } else {
@@ -419,6 +440,8 @@ impl Mode for Socket {
             "ebpf-proxy: the XDP mode's agent with --lb-algorithm maglev (external frontends pick their backend from the Maglev table)"
         } else if self.acceleration.is_some() {
             "ebpf-proxy: the TC mode's agent with --acceleration native (XDP on the node's client-facing interface)"
+        } else if self.pod {
+            "ebpf-proxy: the per-packet pod path (--pod-interfaces: TC on the client pod's host-side veth, attached on its link event), client outside the hooked cgroup"
         } else if self.is_tc {
             "ebpf-proxy: per-packet TC datapath on the node's client-facing interface (DNAT, conntrack, reverse NAT), client outside the hooked cgroup"
         } else {

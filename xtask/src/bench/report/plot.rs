@@ -19,6 +19,7 @@ pub(super) fn colour(mode: &str) -> plotters::style::RGBColor {
         "direct" => RGBColor(90, 90, 90),
         "socket" => RGBColor(0, 140, 60),
         "tc" => RGBColor(0, 170, 170),
+        "pod" => RGBColor(0, 100, 140),
         "iptables-legacy" => RGBColor(200, 30, 30),
         "iptables-nft" => RGBColor(240, 130, 0),
         "nftables" => RGBColor(40, 80, 200),
