@@ -401,7 +401,7 @@ pub fn spawn(
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<()> {
     use anyhow::Context as _;
-    let tc = loader::PodTc::load(&pin_path, tc_attach)
+    let tc = loader::PodTc::load(&crate::pins::PinDir::new(&pin_path), tc_attach)
         .context("loading the TC programs for the pod interfaces")?;
     let sock = LinkSocket::open().context("opening a NETLINK_ROUTE socket for link events")?;
     let mut w = Watcher {

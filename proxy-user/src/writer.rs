@@ -565,6 +565,7 @@ impl<S: MapStore> Writer<S> {
 mod adopt;
 mod backends;
 mod plan;
+mod remove;
 mod sync;
 mod upsert;
 

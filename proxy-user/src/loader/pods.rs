@@ -30,10 +30,10 @@ pub struct PodTc {
 }
 
 impl PodTc {
-    /// Loads `tc_ingress` and `tc_egress` against the maps pinned at `pin_path` (which
+    /// Loads `tc_ingress` and `tc_egress` against the maps pinned in `pins` (which
     /// [`super::install`] made): their sizes are the pinned ones.
-    pub fn load(pin_path: &std::path::Path, mode: TcAttachMode) -> Result<Self, LoadError> {
-        let pins = PinDir::new(pin_path);
+    pub fn load(pins: &PinDir, mode: TcAttachMode) -> Result<Self, LoadError> {
+        let pins = pins.clone();
         let ct = pins
             .max_entries(proxy_common::map_names::CT4)
             .unwrap_or(super::conntrack_entries(super::DEFAULT_CONNTRACK_FLOWS)?);
