@@ -14,6 +14,7 @@
 //! by id.
 #![no_std]
 
+pub mod event;
 pub mod lookup;
 pub mod maglev;
 
@@ -103,9 +104,15 @@ pub mod map_names {
     pub const SVC_CIDR4: &str = "SVC_CIDR4";
     /// The IPv6 counterpart of `SVC_CIDR4` (/128 per ClusterIP).
     pub const SVC_CIDR6: &str = "SVC_CIDR6";
+    /// Datapath events (`proxyctl monitor`): a ring buffer of `event::Event`.
+    pub const EVENTS: &str = "EVENTS";
+    /// `[event::MonitorCtl]`: the monitor's lease, event types, rate and sampling.
+    pub const MONITOR: &str = "MONITOR";
+    /// Per CPU `[event::MonitorCpu]`: the events' token bucket and emitted/lost counts.
+    pub const MONITOR_CPU: &str = "MONITOR_CPU";
 
     /// Every pinned map.
-    pub const ALL: [&str; 29] = [
+    pub const ALL: [&str; 32] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -135,6 +142,9 @@ pub mod map_names {
         DSR_TRUSTED6,
         SVC_CIDR4,
         SVC_CIDR6,
+        EVENTS,
+        MONITOR,
+        MONITOR_CPU,
     ];
 }
 
@@ -412,6 +422,9 @@ mod user {
         AffinityValue,
         MaglevKey,
         MaglevChunk,
+        event::Event,
+        event::MonitorCtl,
+        event::MonitorCpu,
     );
 }
 
@@ -471,6 +484,10 @@ mod tests {
         assert_layout!(SrcRange4, size 8, align 4, fields [u32, u32]);
         assert_layout!(SrcRange6, size 20, align 4, fields [u32, [u32; 4]]);
         assert_layout!(MaglevKey, size 8, align 4, fields [u32, u32]);
+        assert_layout!(event::Event, size 96, align 8, fields [u64, u32, u32, u32, u8, u8, u8, u8, event::EventTuple, event::EventTuple]);
+        assert_layout!(event::EventTuple, size 36, align 4, fields [[u32; 4], [u32; 4], u16, u16]);
+        assert_layout!(event::MonitorCtl, size 32, align 8, fields [u64, u64, u64, u32, u32]);
+        assert_layout!(event::MonitorCpu, size 48, align 8, fields [u64, u64, u64, u64, u64, u64]);
         assert_layout!(MaglevChunk, size 4032, align 4, fields [u32, u32, [u16; limits::MAGLEV_CHUNK_SLOTS]]);
     }
 

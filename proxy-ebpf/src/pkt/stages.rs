@@ -12,7 +12,11 @@
 //! each stage returns a [`Step`] and the outcome to count, applied in [`flow`].
 
 use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
-use proxy_common::{backend_flags, ct_flags, proto, scope, svc_flags, Reason, SvcValue};
+use proxy_common::{
+    backend_flags, ct_flags,
+    event::{event_hook, event_kind},
+    proto, scope, svc_flags, Reason, SvcValue,
+};
 
 use super::{
     ct::{self, Chosen},
@@ -22,7 +26,7 @@ use super::{
     verdict::{Action, Step, Verdict},
 };
 use crate::{
-    affinity, lb, maglev,
+    affinity, events, lb, maglev,
     maps::{count_backend, warn_allowed},
 };
 
@@ -60,6 +64,10 @@ pub(crate) fn flow<C: PktHook, F: PktFamily>(ctx: &C, ingress: bool) -> Result<V
             None => {
                 // SAFETY: this CPU's scratch entry, a field apart from the packet.
                 let chosen = unsafe { &mut (*scratch).chosen };
+                if events::on() {
+                    // SAFETY: this CPU's scratch entry, a field apart from the packet.
+                    unsafe { (*scratch).mark.new_flow = 1 };
+                }
                 match pick::<C, F>(ctx, p, chosen, now) {
                     Some(s) => s,
                     None => commit_flow::<C, F>(ctx, p, chosen, now)?,
@@ -77,6 +85,87 @@ pub(crate) fn flow<C: PktHook, F: PktFamily>(ctx: &C, ingress: bool) -> Result<V
         code,
         reason: step.reason,
     })
+}
+
+/// The hook's event id: `C::EVENT_HOOK` at ingress, TC's egress after it.
+#[inline(always)]
+fn event_hook<C: PktHook>(ingress: bool) -> u8 {
+    if ingress || C::EVENT_HOOK != event_hook::TC_INGRESS {
+        C::EVENT_HOOK
+    } else {
+        event_hook::TC_EGRESS
+    }
+}
+
+/// Reports this packet's event to `proxyctl monitor`, after the stage machine (called by
+/// the hooks only while a monitor holds the lease; out of the stage machine's call chain,
+/// whose stack is close to the verifier's 512 bytes): a UDP flow found with its backend
+/// gone (`after`: the old backend), then a new flow's outcome: a drop or REJECT answer,
+/// or its translation (`after`: backend, SNAT address). Other outcomes (known flows,
+/// replies, not ours, handed on to the next hook) are not events.
+#[inline(never)]
+pub(crate) fn report<C: PktHook, F: PktFamily>(r: &Result<Verdict, Reason>, ingress: bool) {
+    let Some(scratch) = F::scratch() else { return };
+    // SAFETY: this CPU's scratch entry; a program is not preempted on its CPU.
+    let s = unsafe { &mut *scratch };
+    let hook = event_hook::<C>(ingress);
+    if s.mark.stale != 0 {
+        s.mark.stale = 0;
+        let old = Chosen {
+            backend: s.mark.stale_backend,
+            snat: (F::zero(), 0),
+            service_id: 0,
+            backend_id: s.mark.stale_id,
+            flags: 0,
+        };
+        let meta = events::meta(
+            hook,
+            event_kind::TRANSLATE,
+            s.pkt.proto,
+            Reason::TcStaleBackend,
+        );
+        events::pkt::<F>(meta, &s.pkt, &old);
+    }
+    if s.mark.new_flow == 0 {
+        return;
+    }
+    s.mark.new_flow = 0;
+    let reason = match r {
+        Ok(v) => match v.reason {
+            Some(r) => r,
+            None => return,
+        },
+        Err(r) => *r,
+    };
+    // Only a new flow's outcomes (a mark left by a packet just before a lease ended is
+    // ignored for a known flow's reasons).
+    let kind = match reason {
+        Reason::TcNoBackend
+        | Reason::TcSourceDenied
+        | Reason::TcSnatFailed
+        | Reason::TcNoLocalBackend
+        | Reason::TcCtWriteFailed => event_kind::DROP,
+        Reason::TcNewFlow | Reason::TcDsrEncap => event_kind::TRANSLATE,
+        _ => return,
+    };
+    events::pkt::<F>(
+        events::meta(hook, kind, s.pkt.proto, reason),
+        &s.pkt,
+        &s.chosen,
+    );
+}
+
+/// Leaves a stale UDP backend for [`report`].
+#[inline(always)]
+fn mark_stale<F: PktFamily>(old: (F::Addr, u16), backend_id: u32) {
+    if let Some(scratch) = F::scratch() {
+        // SAFETY: this CPU's scratch entry.
+        unsafe {
+            (*scratch).mark.stale = 1;
+            (*scratch).mark.stale_backend = old;
+            (*scratch).mark.stale_id = backend_id;
+        }
+    }
 }
 
 /// Parses in its own frame (every `load` keeps its own stack slot).
@@ -156,6 +245,10 @@ fn known_path<C: PktHook, F: PktFamily>(
     // lookup is made only when backends were deleted since this flow's last check.
     if p.proto == proto::UDP && !ct::backend_still_there::<F>(v, dnat) {
         C::count(Reason::TcStaleBackend);
+        if events::on() {
+            // SAFETY: copied out.
+            mark_stale::<F>(dnat, F::ct_backend_id(unsafe { &*v }));
+        }
         return Ok(None);
     }
     // A DSR flow's packets may need the option (TC only): XDP hands them on untouched.
@@ -199,6 +292,9 @@ fn pick<C: PktHook, F: PktFamily>(
     let Some((mut front, fe_addr)) = frontend::<F>(p) else {
         return Some(Step::not_ours());
     };
+    // Named by a refusal's event (`report`); a chosen flow overwrites both.
+    out.service_id = front.service_id;
+    out.backend_id = 0;
     if front.flags & svc_flags::SOURCE_RANGES != 0 && !F::source_allowed(front.service_id, p.saddr)
     {
         return Some(Step::drop(Reason::TcSourceDenied));

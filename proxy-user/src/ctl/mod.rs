@@ -6,7 +6,8 @@
 //! - one module per subcommand, each a pure function of a snapshot into a serde view
 //!   (the stable JSON, documented in docs/proxyctl.md) and a text rendering:
 //!   `services`, `backends`, `conntrack`, `stats`, `explain` (with `iptables`: the rules
-//!   and chain names kube-proxy would have written), `watch`;
+//!   and chain names kube-proxy would have written), `watch`, `monitor` (the datapath's
+//!   events: the one command that writes, its lease in `MONITOR`);
 //! - `error`: the causes and their exit codes.
 
 pub mod affinity;
@@ -16,6 +17,7 @@ pub mod error;
 pub mod explain;
 pub mod iptables;
 pub mod maps;
+pub mod monitor;
 pub mod schema;
 pub mod services;
 pub mod snapshot;
@@ -127,6 +129,10 @@ pub enum Command {
     },
     /// The raw service maps, one entry per line (the writer's dump format; text only).
     Dump,
+    /// Drops and new flows as the datapath reports them (`-o json`: one object per line),
+    /// with the Service and the reason's meaning. Turns reporting on while it runs (a
+    /// lease in MONITOR that runs out 3 s after the monitor stops, even when killed).
+    Monitor(monitor::MonitorArgs),
 }
 
 fn json<T: Serialize>(out: &mut dyn Write, doc: &T) -> Result<()> {
@@ -227,6 +233,9 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             interval,
             iterations,
         } => watch_loop(&maps, cli.output, *interval, *iterations, out)?,
+        Command::Monitor(a) => {
+            monitor::run(&PinDir::new(&cli.pin_path), &maps, a, as_json, wide, out)?
+        }
         Command::Dump => {
             if as_json {
                 return Err(Error::Usage(
