@@ -503,3 +503,146 @@ fn socket_hook_refusal_and_translation() {
     let (_, summary) = m.stop();
     assert_eq!(summary["shown"], 2, "{summary}");
 }
+
+fn ct_entries(pins: &Path) -> Vec<(proxy_common::Ct4Key, proxy_common::Ct4Value)> {
+    let m: aya::maps::HashMap<MapData, proxy_common::Ct4Key, proxy_common::Ct4Value> =
+        PinDir::new(pins)
+            .typed(map_names::CT4, Access::ReadOnly)
+            .expect("CT4");
+    m.iter().map(|r| r.expect("entry")).collect()
+}
+
+fn ctl_delete(pins: &Path, args: &[&str]) -> (Option<i32>, Value) {
+    let out = Command::new(BIN)
+        .args(["--pin-path", pins.to_str().expect("utf-8"), "-o", "json"])
+        .args(["conntrack", "delete"])
+        .args(args)
+        .output()
+        .expect("run proxyctl conntrack delete");
+    let doc = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    (out.status.code(), doc)
+}
+
+/// `proxyctl conntrack delete`: by flow (both directions), by backend id, by service id;
+/// nothing changes without `--yes` (the entries are listed); a deleted UDP flow's next
+/// datagram is a new flow.
+#[test]
+fn conntrack_delete_by_flow_backend_and_service() {
+    let mut bed = Bed::new();
+    let pins = bed.pins.path.clone();
+    let web = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(
+            web,
+            &[("10.1.1.2:8080", LOCAL), ("10.1.1.3:8080", LOCAL)],
+            0,
+        ))
+        .expect("upsert");
+    let dns = Frontend::new(Ipv4Addr::new(10, 96, 0, 53), 53, Proto::Udp);
+    bed.writer
+        .upsert(&entry(dns, &[("10.1.1.4:5353", LOCAL)], 0))
+        .expect("upsert");
+    // 20 TCP flows to web (both backends), 2 UDP flows to dns.
+    let mut backends = std::collections::BTreeSet::new();
+    for port in 0..20u16 {
+        let (_, out) = bed.run(
+            "tc_ingress",
+            &Pkt::tcp(
+                &format!("198.51.100.7:{}", 40000 + port),
+                "10.96.0.10:80",
+                SYN,
+            ),
+        );
+        backends.insert(out.dst);
+    }
+    assert_eq!(backends.len(), 2, "both backends chosen in 20 flows");
+    for port in [5000, 5001] {
+        bed.run(
+            "tc_ingress",
+            &Pkt::udp(&format!("198.51.100.7:{port}"), "10.96.0.53:53"),
+        );
+    }
+    assert_eq!(ct_entries(&pins).len(), 44, "two entries per flow");
+
+    // Usage: no selector, and --source without --destination.
+    let (code, _) = ctl_delete(&pins, &["--yes"]);
+    assert_eq!(code, Some(2));
+    let (code, _) = ctl_delete(&pins, &["--source", "198.51.100.7:5000", "--yes"]);
+    assert_eq!(code, Some(2));
+
+    // One UDP flow: without --yes listed (both directions), nothing deleted.
+    let flow = [
+        "--source",
+        "198.51.100.7:5000",
+        "--destination",
+        "10.96.0.53:53",
+        "--protocol",
+        "udp",
+    ];
+    let (code, doc) = ctl_delete(&pins, &flow);
+    assert_eq!(code, Some(0), "{doc}");
+    assert_eq!(doc["deleted"], false);
+    let dirs: Vec<&str> = doc["flows"]
+        .as_array()
+        .expect("flows")
+        .iter()
+        .map(|f| f["direction"].as_str().expect("direction"))
+        .collect();
+    assert_eq!(dirs.len(), 2, "{doc}");
+    assert!(
+        dirs.contains(&"original") && dirs.contains(&"reply"),
+        "{doc}"
+    );
+    assert_eq!(ct_entries(&pins).len(), 44, "a dry run deletes nothing");
+    let mut yes = flow.to_vec();
+    yes.push("--yes");
+    let (code, doc) = ctl_delete(&pins, &yes);
+    assert_eq!(
+        (code, &doc["deleted"]),
+        (Some(0), &Value::Bool(true)),
+        "{doc}"
+    );
+    let left = ct_entries(&pins);
+    assert_eq!(left.len(), 42);
+    let client = u32::from(Ipv4Addr::new(198, 51, 100, 7)).to_be();
+    assert!(
+        !left
+            .iter()
+            .any(|(k, v)| (k.saddr == client && k.sport == 5000u16.to_be())
+                || (k.dir == 1 && v.dnat_port == 0 && k.dport == 5000u16.to_be())),
+        "both directions of the flow are gone"
+    );
+    // Its next datagram is a new flow again (and the other UDP flow was left alone).
+    let new_before = bed.counter(proxy_common::Reason::TcNewFlow);
+    bed.run(
+        "tc_ingress",
+        &Pkt::udp("198.51.100.7:5000", "10.96.0.53:53"),
+    );
+    assert_eq!(bed.counter(proxy_common::Reason::TcNewFlow), new_before + 1);
+    assert_eq!(ct_entries(&pins).len(), 44);
+
+    // By backend id: every flow of one web backend, both directions.
+    let (_, v) = ct_entries(&pins)
+        .into_iter()
+        .find(|(_, v)| v.dnat_port == 8080u16.to_be())
+        .expect("a web flow");
+    let id = v.backend_id;
+    let of_backend = ct_entries(&pins)
+        .iter()
+        .filter(|(_, v)| v.backend_id == id)
+        .count();
+    assert!(of_backend >= 2 && of_backend % 2 == 0, "{of_backend}");
+    let (code, doc) = ctl_delete(&pins, &["--backend-id", &id.to_string(), "--yes"]);
+    assert_eq!(code, Some(0), "{doc}");
+    assert_eq!(doc["flows"].as_array().expect("flows").len(), of_backend);
+    assert!(!ct_entries(&pins).iter().any(|(_, v)| v.backend_id == id));
+    assert_eq!(ct_entries(&pins).len(), 44 - of_backend);
+
+    // By service id: all of web's remaining flows; dns's stay.
+    let sid = v.service_id;
+    let (code, _) = ctl_delete(&pins, &["--service-id", &sid.to_string(), "--yes"]);
+    assert_eq!(code, Some(0));
+    let left = ct_entries(&pins);
+    assert_eq!(left.len(), 4, "only the two UDP flows are left");
+    assert!(left.iter().all(|(_, v)| v.service_id != sid));
+}

@@ -13,6 +13,7 @@
 pub mod affinity;
 pub mod backends;
 pub mod conntrack;
+pub mod ct_delete;
 pub mod error;
 pub mod explain;
 pub mod iptables;
@@ -86,6 +87,15 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// `conntrack` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ConntrackAction {
+    /// Deletes flows (both directions) by flow, backend id or service id: only with
+    /// `--yes`; without it lists what would be deleted. The one write of proxyctl besides
+    /// `monitor`'s lease.
+    Delete(ct_delete::DeleteArgs),
+}
+
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -101,6 +111,8 @@ pub enum Command {
         /// Only flows with this address anywhere (source, destination, or a rewrite).
         #[arg(long, value_parser = conntrack::parse_addr)]
         addr: Option<IpAddr>,
+        #[command(subcommand)]
+        action: Option<ConntrackAction>,
     },
     /// Clients held to a backend by `sessionAffinity: ClientIP` (AFFINITY), and for how
     /// much longer.
@@ -185,7 +197,21 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 out.write_all(backends::render(&views, wide).as_bytes())?;
             }
         }
-        Command::Conntrack { addr } => {
+        Command::Conntrack {
+            action: Some(ConntrackAction::Delete(a)),
+            ..
+        } => {
+            let mut s = maps.snapshot()?;
+            warn(&s);
+            s.now_ns = maps::monotonic_ns();
+            let doc = ct_delete::run(&PinDir::new(&cli.pin_path), &s, a)?;
+            if as_json {
+                json(out, &doc)?;
+            } else {
+                out.write_all(ct_delete::render(&doc, wide).as_bytes())?;
+            }
+        }
+        Command::Conntrack { addr, action: None } => {
             let s = maps.snapshot_with_flows()?;
             warn(&s);
             let doc = conntrack::build(&s, *addr);
