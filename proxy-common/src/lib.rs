@@ -14,6 +14,7 @@
 //! by id.
 #![no_std]
 
+pub mod event;
 pub mod lookup;
 pub mod maglev;
 
@@ -103,6 +104,12 @@ pub mod map_names {
     pub const SVC_CIDR4: &str = "SVC_CIDR4";
     /// The IPv6 counterpart of `SVC_CIDR4` (/128 per ClusterIP).
     pub const SVC_CIDR6: &str = "SVC_CIDR6";
+    /// Datapath events (`proxyctl monitor`): a ring buffer of `event::Event`.
+    pub const EVENTS: &str = "EVENTS";
+    /// `[event::MonitorCtl]`: the monitor's lease, event types, rate and sampling.
+    pub const MONITOR: &str = "MONITOR";
+    /// Per CPU `[event::MonitorCpu]`: the events' token bucket and emitted/lost counts.
+    pub const MONITOR_CPU: &str = "MONITOR_CPU";
 
     /// `--socket-lb`: `[socket_lb::MODE] = mode`, `[socket_lb::HOST_NETNS] = the host's
     /// network namespace cookie` (array of two `u64`).
@@ -112,7 +119,7 @@ pub mod map_names {
     pub const SOCK_LB_BYPASS: &str = "SOCK_LB_BYPASS";
 
     /// Every pinned map.
-    pub const ALL: [&str; 31] = [
+    pub const ALL: [&str; 34] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -144,6 +151,9 @@ pub mod map_names {
         SVC_CIDR6,
         SOCK_LB,
         SOCK_LB_BYPASS,
+        EVENTS,
+        MONITOR,
+        MONITOR_CPU,
     ];
 }
 
@@ -400,7 +410,7 @@ pub struct NodeConfig {
 #[cfg(feature = "user")]
 mod user {
     use super::{
-        AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
+        event, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
         MaglevChunk, MaglevKey, NodeConfig, RevNat4, RevNat6, SockRevNat4, SockRevNat4Entry,
         SockRevNat4V3, SockRevNat4V3Key, SockRevNat6, SockRevNat6Entry, SockRevNat6V3,
         SockRevNat6V3Key, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
@@ -443,6 +453,9 @@ mod user {
         AffinityValue,
         MaglevKey,
         MaglevChunk,
+        event::Event,
+        event::MonitorCtl,
+        event::MonitorCpu,
     );
 }
 
@@ -502,6 +515,10 @@ mod tests {
         assert_layout!(SrcRange4, size 8, align 4, fields [u32, u32]);
         assert_layout!(SrcRange6, size 20, align 4, fields [u32, [u32; 4]]);
         assert_layout!(MaglevKey, size 8, align 4, fields [u32, u32]);
+        assert_layout!(event::Event, size 96, align 8, fields [u64, u32, u32, u32, u8, u8, u8, u8, event::EventTuple, event::EventTuple]);
+        assert_layout!(event::EventTuple, size 36, align 4, fields [[u32; 4], [u32; 4], u16, u16]);
+        assert_layout!(event::MonitorCtl, size 32, align 8, fields [u64, u64, u64, u32, u32]);
+        assert_layout!(event::MonitorCpu, size 48, align 8, fields [u64, u64, u64, u64, u64, u64]);
         assert_layout!(MaglevChunk, size 4032, align 4, fields [u32, u32, [u16; limits::MAGLEV_CHUNK_SLOTS]]);
     }
 

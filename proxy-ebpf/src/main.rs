@@ -1,5 +1,7 @@
 //! The kernel side of ebpf-proxy: socket-level load balancing at the cgroup hooks.
 //!
+//! - `events`: drops and new flows reported to `proxyctl monitor` (ring buffer, off
+//!   unless a monitor holds the lease);
 //! - `maps`: every map, with its purpose (sizes in `proxy_common::limits`);
 //! - `lb`: frontend lookup, equal-weight backend selection and the reverse path,
 //!   written once over an address family trait and instantiated for v4 and v6;
@@ -18,6 +20,7 @@
 #![no_main]
 
 mod affinity;
+mod events;
 mod lb;
 mod maglev;
 mod maps;

@@ -11,11 +11,14 @@ use aya_ebpf::{
     helpers::generated::bpf_sk_storage_get,
     macros::{btf_map, map},
     maps::{
-        lpm_trie::LpmTrie, Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap,
+        lpm_trie::LpmTrie, Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray,
+        PerCpuHashMap, RingBuf,
     },
 };
 use proxy_common::{
-    limits::*, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
+    event::{MonitorCpu, MonitorCtl, RINGBUF_BYTES},
+    limits::*,
+    AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
     MaglevChunk, MaglevKey, NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat4V3,
     SockRevNat4V3Key, SockRevNat6, SockRevNat6V3, SockRevNat6V3Key, SrcRange4, SrcRange6, Svc4Key,
     Svc6Key, SvcValue,
@@ -218,6 +221,21 @@ pub static SOCK_LB_BYPASS: HashMap<u64, u8> = HashMap::pinned(65536, BPF_F_NO_PR
 /// `[fwd_mode]`: SNAT or DSR for external traffic to a backend on another node.
 #[map]
 pub static FWD_MODE: Array<u32> = Array::pinned(1, 0);
+
+/// Datapath events for `proxyctl monitor` (`proxy_common::event::Event`), written by
+/// `crate::events` while a monitor holds the lease in `MONITOR`.
+#[map]
+pub static EVENTS: RingBuf = RingBuf::pinned(RINGBUF_BYTES, 0);
+
+/// `[MonitorCtl]`: the monitor's lease (reporting is off without one), the event types,
+/// rate and sampling it asked for; written by `proxyctl monitor`.
+#[map]
+pub static MONITOR: Array<MonitorCtl> = Array::pinned(1, 0);
+
+/// Per CPU `[MonitorCpu]`: the events' token bucket and how many were emitted, lost to
+/// the rate limit, lost to a full ring buffer, sampled out.
+#[map]
+pub static MONITOR_CPU: PerCpuArray<MonitorCpu> = PerCpuArray::pinned(1, 0);
 
 /// TC per-CPU scratch, IPv4: the parsed packet and a new flow's choice, kept off the
 /// stack (the verifier counts 512 bytes over the whole call chain).

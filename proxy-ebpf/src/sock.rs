@@ -24,9 +24,13 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use core::ptr::{read_volatile, write_volatile};
-use proxy_common::{proto, socket_lb, svc_cidr, Reason};
+use proxy_common::{
+    event::{event_hook, event_kind},
+    proto, socket_lb, svc_cidr, Reason,
+};
 
 use crate::{
+    events,
     lb::{xlate_fwd, xlate_rev, Fwd, V4, V6},
     maps::{count, SOCK_LB, SOCK_LB_BYPASS, SVC_CIDR4, SVC_CIDR6},
 };
@@ -43,12 +47,12 @@ const V4_MAPPED_WORD: u32 = u32::from_be(0x0000_ffff);
 
 #[cgroup_sock_addr(connect4)]
 pub fn sock4_connect(ctx: SockAddrContext) -> i32 {
-    fwd4(&ctx)
+    fwd4(&ctx, event_hook::CONNECT)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sock4_sendmsg(ctx: SockAddrContext) -> i32 {
-    fwd4(&ctx)
+    fwd4(&ctx, event_hook::SENDMSG)
 }
 
 #[cgroup_sock_addr(recvmsg4)]
@@ -65,12 +69,12 @@ pub fn sock4_getpeer(ctx: SockAddrContext) -> i32 {
 
 #[cgroup_sock_addr(connect6)]
 pub fn sock6_connect(ctx: SockAddrContext) -> i32 {
-    fwd6(&ctx)
+    fwd6(&ctx, event_hook::CONNECT)
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn sock6_sendmsg(ctx: SockAddrContext) -> i32 {
-    fwd6(&ctx)
+    fwd6(&ctx, event_hook::SENDMSG)
 }
 
 #[cgroup_sock_addr(recvmsg6)]
@@ -199,16 +203,42 @@ fn svc_cidr6(a: [u32; 4]) -> Option<u8> {
     SVC_CIDR6.get(&LpmKey::new(128, a)).copied()
 }
 
-/// Maps a forward result to the hook's return value, counting the outcome.
+/// The destination a socket hook was asked for, and which hook: its events'
+/// `before` (`proxyctl monitor`).
+struct Asked<A> {
+    hook: u8,
+    proto: u8,
+    addr: A,
+    port: u16,
+}
+
+impl<A> Asked<A> {
+    /// Reports a drop or translation when a monitor holds the lease.
+    #[inline(always)]
+    fn report(&self, kind: u8, reason: Reason, to: Option<&Fwd<A>>) {
+        if events::on() {
+            let meta = events::meta(self.hook, kind, self.proto, reason);
+            match to {
+                Some(to) => events::sock(meta, &self.addr, self.port, &to.addr, to.port),
+                None => events::sock(meta, &self.addr, self.port, &self.addr, self.port),
+            }
+        }
+    }
+}
+
+/// Maps a forward result to the hook's return value, counting (and reporting) the
+/// outcome.
 #[inline(always)]
-fn fwd_verdict<A>(
+fn fwd_verdict<A: Copy>(
     ctx: &SockAddrContext,
+    asked: &Asked<A>,
     r: Result<Option<Fwd<A>>, Reason>,
     write: impl FnOnce(Fwd<A>),
     in_svc_cidr: impl FnOnce() -> Option<u8>,
 ) -> i32 {
     match r {
         Ok(Some(to)) => {
+            asked.report(event_kind::TRANSLATE, Reason::Translated, Some(&to));
             write(to);
             count(Reason::Translated);
             ALLOW
@@ -224,12 +254,14 @@ fn fwd_verdict<A>(
                 }
             };
             count(reason);
+            asked.report(event_kind::DROP, reason, None);
             // SAFETY: cgroup hook; sets the syscall's error.
             unsafe { bpf_set_retval(-errno) };
             REJECT
         }
         Err(reason @ (Reason::NoBackend | Reason::NoLocalBackend)) => {
             count(reason);
+            asked.report(event_kind::DROP, reason, None);
             // No endpoints at all: kube-proxy REJECTs (connection refused). Endpoints
             // only on other nodes under a Local policy: kube-proxy DROPs; failing fast
             // with "no route to host" beats a connect() that hangs.
@@ -271,7 +303,7 @@ fn rev_apply<A>(r: Result<Option<Fwd<A>>, Reason>, write: impl FnOnce(Fwd<A>)) {
 }
 
 #[inline(always)]
-fn fwd4(ctx: &SockAddrContext) -> i32 {
+fn fwd4(ctx: &SockAddrContext, hook: u8) -> i32 {
     let sa = ctx.sock_addr;
     let Some(proto) = l4_proto(sa) else {
         count(Reason::UnsupportedProto);
@@ -282,9 +314,17 @@ fn fwd4(ctx: &SockAddrContext) -> i32 {
     }
     // SAFETY: 4-byte ctx field.
     let addr = unsafe { read_volatile(&raw const (*sa).user_ip4) };
-    let r = xlate_fwd::<V4>(addr, read_port(sa), proto, sk(sa), || netns(ctx));
+    let port = read_port(sa);
+    let r = xlate_fwd::<V4>(addr, port, proto, sk(sa), || netns(ctx));
+    let asked = Asked {
+        hook,
+        proto,
+        addr,
+        port,
+    };
     fwd_verdict(
         ctx,
+        &asked,
         r,
         |to| {
             // SAFETY: 4-byte ctx field.
@@ -312,7 +352,7 @@ fn rev4(ctx: &SockAddrContext) {
 /// IPv6 sockets; a v4-mapped destination (`::ffff:a.b.c.d` on a dual-stack socket)
 /// takes the IPv4 maps and is written back v4-mapped.
 #[inline(always)]
-fn fwd6(ctx: &SockAddrContext) -> i32 {
+fn fwd6(ctx: &SockAddrContext, hook: u8) -> i32 {
     let sa = ctx.sock_addr;
     let Some(proto) = l4_proto(sa) else {
         count(Reason::UnsupportedProto);
@@ -326,8 +366,15 @@ fn fwd6(ctx: &SockAddrContext) -> i32 {
     let sk = sk(sa);
     if is_v4_mapped(&addr) {
         let r = xlate_fwd::<V4>(addr[3], port, proto, sk, || netns(ctx));
+        let asked = Asked {
+            hook,
+            proto,
+            addr: addr[3],
+            port,
+        };
         return fwd_verdict(
             ctx,
+            &asked,
             r,
             |to| {
                 write_ip6(sa, [0, 0, V4_MAPPED_WORD, to.addr]);
@@ -337,8 +384,15 @@ fn fwd6(ctx: &SockAddrContext) -> i32 {
         );
     }
     let r = xlate_fwd::<V6>(addr, port, proto, sk, || netns(ctx));
+    let asked = Asked {
+        hook,
+        proto,
+        addr,
+        port,
+    };
     fwd_verdict(
         ctx,
+        &asked,
         r,
         |to| {
             write_ip6(sa, to.addr);

@@ -35,13 +35,14 @@ use aya_ebpf::{
 use proxy_common::Reason;
 
 use crate::{
+    events,
     lb::{V4, V6},
     maps::{count_xdp, FIB},
     pkt::{
         family::{csum_add, Pkt, PktAccess, PktFamily, ETH_P_IP, ETH_P_IPV6},
         hook::PktHook,
         nat::fib_params,
-        stages::flow,
+        stages::{flow, report},
         state::FibHop,
         verdict::{Step, Verdict},
     },
@@ -83,13 +84,21 @@ fn try_xdp(ctx: &XdpContext) -> Result<Verdict, Reason> {
             if for_tc4(ctx) {
                 return Ok(Verdict::new(XdpContext::PASS, Reason::XdpToStack));
             }
-            flow::<XdpContext, V4>(ctx, true)
+            let r = flow::<XdpContext, V4>(ctx, true);
+            if events::on() {
+                report::<XdpContext, V4>(&r, true);
+            }
+            r
         }
         ETH_P_IPV6 => {
             if for_tc6(ctx) {
                 return Ok(Verdict::new(XdpContext::PASS, Reason::XdpToStack));
             }
-            flow::<XdpContext, V6>(ctx, true)
+            let r = flow::<XdpContext, V6>(ctx, true);
+            if events::on() {
+                report::<XdpContext, V6>(&r, true);
+            }
+            r
         }
         _ => Ok(Verdict::not_ours(XdpContext::PASS)),
     }
@@ -249,6 +258,7 @@ impl PktAccess for XdpContext {
 impl PktHook for XdpContext {
     const PASS: i32 = xdp_action::XDP_PASS as i32;
     const DROP: i32 = xdp_action::XDP_DROP as i32;
+    const EVENT_HOOK: u8 = proxy_common::event::event_hook::XDP;
 
     #[inline(always)]
     fn count(r: Reason) {

@@ -781,7 +781,8 @@ fn raw_dump(pin: &Path) -> RawMaps {
         );
         // SK_STORAGE (`SOCK_REVNAT4/6`): values live in sockets, keyed by a socket fd of
         // the caller; the kernel offers no key iteration (ENOTSUPP). Listed, not read.
-        if map_type == 24 {
+        // RINGBUF (`EVENTS`): records, no keys (ENOTSUPP) either.
+        if map_type == 24 || map_type == 27 {
             out.insert(name, Vec::new());
             continue;
         }

@@ -20,6 +20,9 @@ pub trait PktHook: PktAccess + EbpfContext {
     const PASS: i32;
     /// Drops the packet.
     const DROP: i32;
+    /// The hook's `proxy_common::event::event_hook` at ingress (TC: `TC_INGRESS`, whose
+    /// egress is the next one, `TC_EGRESS`; XDP: `XDP`).
+    const EVENT_HOOK: u8;
     /// Counts an outcome in this hook's counters (TC: `STATS`, XDP: `XDP_STATS`).
     fn count(r: Reason);
     /// Whether this hook can forward a packet from `src` to `dst` itself. Asked before

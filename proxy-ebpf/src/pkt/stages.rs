@@ -15,7 +15,11 @@
 //! each stage returns a [`Step`] and the outcome to count, applied in [`flow`].
 
 use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
-use proxy_common::{backend_flags, ct_flags, proto, scope, svc_cidr, svc_flags, Reason, SvcValue};
+use proxy_common::{
+    backend_flags, ct_flags,
+    event::{event_hook, event_kind},
+    proto, scope, svc_cidr, svc_flags, Reason, SvcValue,
+};
 
 use super::{
     ct::{self, Chosen},
@@ -25,7 +29,7 @@ use super::{
     verdict::{Action, Step, Verdict},
 };
 use crate::{
-    affinity, lb, maglev,
+    affinity, events, lb, maglev,
     maps::{count_backend, warn_allowed},
 };
 
@@ -60,18 +64,19 @@ pub(crate) fn flow<C: PktHook, F: PktFamily>(ctx: &C, ingress: bool) -> Result<V
         None if !ingress => Step::not_ours(),
         None => match known_path::<C, F>(ctx, p, now)? {
             Some(s) => s,
-            None => {
-                // SAFETY: this CPU's scratch entry, a field apart from the packet.
-                let chosen = unsafe { &mut (*scratch).chosen };
-                match pick::<C, F>(ctx, p, chosen, now) {
-                    Some(s) => s,
-                    None => commit_flow::<C, F>(ctx, p, chosen, now)?,
+            None => match new_flow::<C, F>(ctx, p)? {
+                Some(s) => s,
+                None => {
+                    // SAFETY: this CPU's scratch entry, a field apart from the packet.
+                    let chosen = unsafe { &(*scratch).chosen };
+                    commit_flow::<C, F>(ctx, p, chosen, now)?
                 }
-            }
+            },
         },
     };
     let code = match step.action {
-        Action::Pass => C::PASS,
+        // `Reject` and `NoFrontend` never come back from `new_flow`.
+        Action::Pass | Action::NoFrontend | Action::Reject => C::PASS,
         Action::Drop => C::DROP,
         Action::Verdict(v) => v,
         Action::Redirect(src, dst) => ctx.forward::<F>(src, dst, p.proto),
@@ -80,6 +85,123 @@ pub(crate) fn flow<C: PktHook, F: PktFamily>(ctx: &C, ingress: bool) -> Result<V
         code,
         reason: step.reason,
     })
+}
+
+/// The hook's event id: `C::EVENT_HOOK` at ingress, TC's egress after it.
+#[inline(always)]
+fn event_hook<C: PktHook>(ingress: bool) -> u8 {
+    if ingress || C::EVENT_HOOK != event_hook::TC_INGRESS {
+        C::EVENT_HOOK
+    } else {
+        event_hook::TC_EGRESS
+    }
+}
+
+/// Reports this packet's event to `proxyctl monitor`, after the stage machine (called by
+/// the hooks only while a monitor holds the lease; out of the stage machine's call chain,
+/// whose stack is close to the verifier's 512 bytes): a UDP flow found with its backend
+/// gone (`after`: the old backend), then a new flow's outcome: a drop or REJECT answer,
+/// or its translation (`after`: backend, SNAT address). Other outcomes (known flows,
+/// replies, not ours, handed on to the next hook) are not events.
+#[inline(never)]
+pub(crate) fn report<C: PktHook, F: PktFamily>(r: &Result<Verdict, Reason>, ingress: bool) {
+    let Some(scratch) = F::scratch() else { return };
+    // SAFETY: this CPU's scratch entry; a program is not preempted on its CPU.
+    let s = unsafe { &mut *scratch };
+    let hook = event_hook::<C>(ingress);
+    if s.mark.stale != 0 {
+        s.mark.stale = 0;
+        let old = Chosen {
+            backend: s.mark.stale_backend,
+            snat: (F::zero(), 0),
+            service_id: 0,
+            backend_id: s.mark.stale_id,
+            flags: 0,
+        };
+        let meta = events::meta(
+            hook,
+            event_kind::TRANSLATE,
+            s.pkt.proto,
+            Reason::TcStaleBackend,
+        );
+        events::pkt::<F>(meta, &s.pkt, &old);
+    }
+    if s.mark.new_flow == 0 {
+        return;
+    }
+    s.mark.new_flow = 0;
+    let reason = match r {
+        Ok(v) => match v.reason {
+            Some(r) => r,
+            None => return,
+        },
+        Err(r) => *r,
+    };
+    // Only a new flow's outcomes (a mark left by a packet just before a lease ended is
+    // ignored for a known flow's reasons).
+    let kind = match reason {
+        Reason::TcNoBackend
+        | Reason::TcSourceDenied
+        | Reason::TcSnatFailed
+        | Reason::TcNoLocalBackend
+        | Reason::TcCtWriteFailed => event_kind::DROP,
+        Reason::TcNewFlow | Reason::TcDsrEncap => event_kind::TRANSLATE,
+        _ => return,
+    };
+    events::pkt::<F>(
+        events::meta(hook, kind, s.pkt.proto, reason),
+        &s.pkt,
+        &s.chosen,
+    );
+}
+
+/// Leaves the stale UDP backend of the flow entry `v` for [`report`]. In a frame of its
+/// own, reading the entry itself: `known_path`'s frame stays as it was (its call chain
+/// through DSR is at the verifier's 512-byte limit).
+#[inline(never)]
+fn mark_stale<F: PktFamily>(v: *const F::Val) {
+    // SAFETY: a conntrack entry the caller just looked up, copied out.
+    let (old, _) = F::ct_nat(unsafe { &*v });
+    // SAFETY: as above.
+    let backend_id = F::ct_backend_id(unsafe { &*v });
+    if let Some(scratch) = F::scratch() {
+        // SAFETY: this CPU's scratch entry.
+        unsafe {
+            (*scratch).mark.stale = 1;
+            (*scratch).mark.stale_backend = old;
+            (*scratch).mark.stale_id = backend_id;
+        }
+    }
+}
+
+/// 3. A packet of no known flow: the new flow's backend (`pick`) and its translation into
+/// the scratch's `chosen` (`None`: the caller writes its entries, `commit_flow`), or the
+/// step that refuses it, or the Service-CIDR rule when the destination is no frontend.
+/// Frames in turn rather than one inside the other, and out of `flow`'s frame (the
+/// verifier's 512-byte limit on a call chain's stack).
+#[inline(never)]
+fn new_flow<C: PktHook, F: PktFamily>(
+    ctx: &C,
+    p: &Pkt<F::Addr>,
+) -> Result<Option<Step<F::Addr>>, Reason> {
+    let scratch = F::scratch().ok_or(Reason::TcRewriteFailed)?;
+    // SAFETY: this CPU's scratch entry, a field apart from the packet.
+    let chosen = unsafe { &mut (*scratch).chosen };
+    if events::on() {
+        // SAFETY: this CPU's scratch entry, a field apart from the packet.
+        unsafe { (*scratch).mark.new_flow = 1 };
+    }
+    let step = match pick::<F>(p, chosen) {
+        // No frontend: the Service-CIDR rule.
+        Err(s) if matches!(s.action, Action::NoFrontend) => outside_frontends::<F>(p),
+        Err(s) => s,
+        Ok(remote) => return Ok(translation::<C, F>(ctx, p, chosen, remote)),
+    };
+    // The REJECT answer is asked for here, not below `pick` (one frame less on its chain).
+    Ok(Some(match step.action {
+        Action::Reject => reject::<C, F>(ctx, p, step.reason.unwrap_or(Reason::TcNoBackend)),
+        _ => step,
+    }))
 }
 
 /// Parses in its own frame (every `load` keeps its own stack slot).
@@ -162,6 +284,9 @@ fn known_path<C: PktHook, F: PktFamily>(
     // lookup is made only when backends were deleted since this flow's last check.
     if p.proto == proto::UDP && !ct::backend_still_there::<F>(v, dnat) {
         C::count(Reason::TcStaleBackend);
+        if events::on() {
+            mark_stale::<F>(v);
+        }
         return Ok(None);
     }
     // A DSR flow's packets may need the option (TC only): XDP hands them on untouched.
@@ -193,21 +318,20 @@ fn frontend<F: PktFamily>(p: &Pkt<F::Addr>) -> Option<(SvcValue, F::Addr)> {
     lb::frontend::<F>(p.daddr, p.dport, p.proto)
 }
 
-/// 3. A new flow to a frontend (or to a node address on a NodePort)? `None`: a backend
-/// was chosen into `out`; `Some(step)`: not ours, or refused.
+/// 3. A new flow to a frontend (or to a node address on a NodePort)? `Ok(remote)`: a
+/// backend was chosen into `out` (`remote`: on another node, for the whole Service);
+/// `Err(step)`: no frontend, or refused.
 #[inline(never)]
-fn pick<C: PktHook, F: PktFamily>(
-    ctx: &C,
-    p: &Pkt<F::Addr>,
-    out: &mut Chosen<F::Addr>,
-    now: u64,
-) -> Option<Step<F::Addr>> {
+fn pick<F: PktFamily>(p: &Pkt<F::Addr>, out: &mut Chosen<F::Addr>) -> Result<bool, Step<F::Addr>> {
     let Some((mut front, fe_addr)) = frontend::<F>(p) else {
-        return Some(outside_frontends::<C, F>(ctx, p));
+        return Err(Step::no_frontend());
     };
+    // Named by a refusal's event (`report`); a chosen flow overwrites both.
+    out.service_id = front.service_id;
+    out.backend_id = 0;
     if front.flags & svc_flags::SOURCE_RANGES != 0 && !F::source_allowed(front.service_id, p.saddr)
     {
-        return Some(Step::drop(Reason::TcSourceDenied));
+        return Err(Step::drop(Reason::TcSourceDenied));
     }
     let mut slot_scope = scope::ALL;
     // The local-only twin. While a policy change is being written the flag and the twin
@@ -218,28 +342,51 @@ fn pick<C: PktHook, F: PktFamily>(
             // without backends means no endpoint anywhere: REJECT below, like any
             // Service without endpoints (kube-proxy: `!hasEndpoints` -> REJECT).
             if local.count == 0 && local.flags & svc_flags::LOCAL_ONLY != 0 {
-                return Some(Step::drop(Reason::TcNoLocalBackend));
+                return Err(Step::drop(Reason::TcNoLocalBackend));
             }
             front = local;
             slot_scope = scope::EXTERNAL_LOCAL;
         }
     }
     if front.count == 0 {
-        return Some(reject::<C, F>(ctx, p, Reason::TcNoBackend));
+        return Err(Step::reject(Reason::TcNoBackend));
     }
-    let Some(backend_id) = choose::<F>(p, &front, fe_addr, slot_scope) else {
-        return Some(Step::pass(Reason::BackendMissing));
-    };
+    let preferred = maglev_slot::<F>(p, &front);
+    let backend_id = choose::<F>(p, &front, fe_addr, slot_scope, preferred);
+    if backend_id == 0 {
+        return Err(Step::pass(Reason::BackendMissing));
+    }
     let Some((baddr, bport, bflags)) = backend::<F>(backend_id) else {
-        return Some(Step::pass(Reason::BackendMissing));
+        return Err(Step::pass(Reason::BackendMissing));
     };
 
-    // SNAT when the backend is on another node, unless the client address must be kept.
+    *out = Chosen {
+        backend: (baddr, bport),
+        snat: (F::zero(), 0),
+        service_id: front.service_id,
+        backend_id,
+        flags: 0,
+    };
+    Ok(bflags & backend_flags::LOCAL == 0 && slot_scope == scope::ALL)
+}
+
+/// 3b. The chosen backend's translation: SNAT when it is on another node (unless the
+/// client address must be kept), or DSR instead (`--forwarding-mode`: the option is added
+/// at TC; XDP hands such a new flow on before anything is written), or SNAT for a hairpin;
+/// written into `out`. `Some(step)`: handed on or refused. (Five arguments at most, the
+/// return slot included, for a BPF call: the clock is read again here.)
+#[inline(never)]
+fn translation<C: PktHook, F: PktFamily>(
+    ctx: &C,
+    p: &Pkt<F::Addr>,
+    out: &mut Chosen<F::Addr>,
+    remote: bool,
+) -> Option<Step<F::Addr>> {
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let (baddr, bport) = out.backend;
     let mut snat = (F::zero(), 0u16);
     let mut flags = 0;
-    let remote = bflags & backend_flags::LOCAL == 0 && slot_scope == scope::ALL;
-    // DSR instead of SNAT (`--forwarding-mode`): the option is added at TC; XDP hands
-    // such a new flow on before anything is written.
     let dsr = remote
         && match ctx.dsr_wanted::<F>(p, baddr) {
             Some(wanted) => wanted,
@@ -265,14 +412,8 @@ fn pick<C: PktHook, F: PktFamily>(
         snat = (addr, port);
         flags = ct_flags::SNAT;
     }
-
-    *out = Chosen {
-        backend: (baddr, bport),
-        snat,
-        service_id: front.service_id,
-        backend_id,
-        flags,
-    };
+    out.snat = snat;
+    out.flags = flags;
     None
 }
 
@@ -290,13 +431,11 @@ fn hairpin<F: PktFamily>(p: &Pkt<F::Addr>, backend: F::Addr) -> bool {
 /// unless the agent knows them), a ClusterIP on a port no Service uses is rejected
 /// (`svc_port_unused`) and an unallocated address dropped (`svc_cidr_unallocated`), as
 /// kube-proxy's nftables mode does; anything else (node, pod, host addresses) is not
-/// ours and passes untouched: there is no wildcard entry (cilium#44430). Inlined into
-/// `pick`: a frame of its own on the way to the REJECT answer would pass the verifier's
-/// 512-byte limit on a call chain's stack.
-#[inline(always)]
-fn outside_frontends<C: PktHook, F: PktFamily>(ctx: &C, p: &Pkt<F::Addr>) -> Step<F::Addr> {
+/// ours and passes untouched: there is no wildcard entry (cilium#44430).
+#[inline(never)]
+fn outside_frontends<F: PktFamily>(p: &Pkt<F::Addr>) -> Step<F::Addr> {
     match F::svc_cidr(p.daddr) {
-        Some(svc_cidr::CLUSTER_IP) => reject::<C, F>(ctx, p, Reason::SvcPortUnused),
+        Some(svc_cidr::CLUSTER_IP) => Step::reject(Reason::SvcPortUnused),
         Some(svc_cidr::RANGE) => Step::drop(Reason::SvcCidrUnallocated),
         _ => Step::not_ours(),
     }
@@ -305,7 +444,7 @@ fn outside_frontends<C: PktHook, F: PktFamily>(ctx: &C, p: &Pkt<F::Addr>) -> Ste
 /// kube-proxy's REJECT (a frontend without endpoints, a ClusterIP's unused port): TCP
 /// SYN: RST; UDP: ICMP port unreachable, rate-limited; other packets dropped; or handed
 /// on to the hook that answers (XDP leaves it to TC). `reason`: the outcome counted.
-#[inline(never)]
+#[inline(always)]
 fn reject<C: PktHook, F: PktFamily>(ctx: &C, p: &Pkt<F::Addr>, reason: Reason) -> Step<F::Addr> {
     match ctx.reject::<F>(p) {
         Some(code) => Step {
@@ -319,32 +458,41 @@ fn reject<C: PktHook, F: PktFamily>(ctx: &C, p: &Pkt<F::Addr>, reason: Reason) -
 /// The backend for a new flow: the client's previous one under session affinity (the
 /// client is its source address), else, for a frontend with `svc_flags::MAGLEV`, the slot
 /// its Maglev table gives the flow's 5-tuple (the same on every node), else one at random
-/// with equal weight. The one place an external flow's backend is chosen.
+/// with equal weight. The one place an external flow's backend is chosen. `preferred`:
+/// the Maglev slot ([`maglev_slot`], asked by the caller: one frame less on this chain).
+/// Returns the backend id, 0 for none (never an id: a plain return value keeps this call
+/// within BPF's five arguments).
 #[inline(never)]
 fn choose<F: PktFamily>(
     p: &Pkt<F::Addr>,
     front: &SvcValue,
     fe_addr: F::Addr,
     sc: u8,
-) -> Option<u32> {
+    preferred: u16,
+) -> u32 {
     let slot_backend = |s: u16| F::svc_in(fe_addr, p.dport, p.proto, sc, s).map(|e| e.backend_id);
     let client = || {
         let (addr, kind) = F::client(p.saddr);
         affinity::key(front, addr, kind)
     };
-    let preferred = if front.flags & svc_flags::MAGLEV != 0 {
-        let hash = proxy_common::maglev::flow_hash(
-            F::client(p.saddr).0,
-            F::client(p.daddr).0,
-            p.sport,
-            p.dport,
-            p.proto,
-        );
-        maglev::slot(front.service_id, front.count, hash)
-    } else {
-        0
-    };
-    affinity::choose(front, client, slot_backend, preferred)
+    affinity::choose(front, client, slot_backend, preferred).unwrap_or(0)
+}
+
+/// For a frontend with `svc_flags::MAGLEV`, the slot its Maglev table gives the flow's
+/// 5-tuple (0: none, or not Maglev).
+#[inline(always)]
+fn maglev_slot<F: PktFamily>(p: &Pkt<F::Addr>, front: &SvcValue) -> u16 {
+    if front.flags & svc_flags::MAGLEV == 0 {
+        return 0;
+    }
+    let hash = proxy_common::maglev::flow_hash(
+        F::client(p.saddr).0,
+        F::client(p.daddr).0,
+        p.sport,
+        p.dport,
+        p.proto,
+    );
+    maglev::slot(front.service_id, front.count, hash)
 }
 
 /// Writes both conntrack entries of a new flow and translates its first packet:

@@ -42,8 +42,19 @@ pub struct Chosen<A> {
 
 /// Per-CPU scratch (one entry per family, `maps::SCRATCH4/6`).
 pub struct Scratch<A> {
-    pub(super) pkt: Pkt<A>,
-    pub(super) chosen: Chosen<A>,
+    pub(crate) pkt: Pkt<A>,
+    pub(crate) chosen: Chosen<A>,
+    pub(crate) mark: EventMark<A>,
+}
+
+/// What the stage machine leaves for `stages::report` (`proxyctl monitor`), written only
+/// while a monitor holds the lease: this packet started a new flow (`chosen` is its), or
+/// found its UDP flow's backend gone.
+pub struct EventMark<A> {
+    pub(crate) new_flow: u8,
+    pub(crate) stale: u8,
+    pub(crate) stale_backend: (A, u16),
+    pub(crate) stale_id: u32,
 }
 
 /// A token bucket in nanoseconds of credit (`maps::UNREACH_BUCKET`).

@@ -44,6 +44,12 @@ pub(crate) enum Action<A> {
     Verdict(i32),
     /// Forward by FIB lookup from `src` to `dst`.
     Redirect(A, A),
+    /// The destination is no frontend: the stage machine goes on with the Service-CIDR
+    /// rule (`stages::outside_frontends`); handed on if it comes back.
+    NoFrontend,
+    /// kube-proxy's REJECT is due (the step's reason says why): the stage machine asks the
+    /// hook for its answer (`stages::reject`).
+    Reject,
 }
 
 impl<A> Step<A> {
@@ -58,6 +64,22 @@ impl<A> Step<A> {
         Self {
             action: Action::Drop,
             reason: Some(reason),
+        }
+    }
+
+    /// The REJECT answer is due, counted as `reason` (see [`Action::Reject`]).
+    pub(crate) fn reject(reason: Reason) -> Self {
+        Self {
+            action: Action::Reject,
+            reason: Some(reason),
+        }
+    }
+
+    /// No frontend at the destination (see [`Action::NoFrontend`]); not counted.
+    pub(crate) fn no_frontend() -> Self {
+        Self {
+            action: Action::NoFrontend,
+            reason: None,
         }
     }
 

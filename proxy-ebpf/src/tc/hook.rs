@@ -53,6 +53,7 @@ impl PktAccess for TcContext {
 impl PktHook for TcContext {
     const PASS: i32 = TC_ACT_OK as i32;
     const DROP: i32 = TC_ACT_SHOT as i32;
+    const EVENT_HOOK: u8 = proxy_common::event::event_hook::TC_INGRESS;
 
     #[inline(always)]
     fn count(r: Reason) {

@@ -45,6 +45,7 @@ use aya_ebpf::{
 use proxy_common::Reason;
 
 use crate::{
+    events,
     lb::{V4, V6},
     maps::count,
     pkt::{
@@ -90,11 +91,23 @@ fn try_tc(ctx: &TcContext, ingress: bool) -> Result<Verdict, Reason> {
     match u16::from_be(eth_proto) {
         ETH_P_IP => match ingress.then(|| icmp::icmp4(ctx)).flatten() {
             Some(r) => r.map(|code| Verdict::new(code, Reason::TcIcmpError)),
-            None => stages::flow::<TcContext, V4>(ctx, ingress),
+            None => {
+                let r = stages::flow::<TcContext, V4>(ctx, ingress);
+                if events::on() {
+                    stages::report::<TcContext, V4>(&r, ingress);
+                }
+                r
+            }
         },
         ETH_P_IPV6 => match ingress.then(|| icmp::icmp6(ctx)).flatten() {
             Some(r) => r.map(|code| Verdict::new(code, Reason::TcIcmpError)),
-            None => stages::flow::<TcContext, V6>(ctx, ingress),
+            None => {
+                let r = stages::flow::<TcContext, V6>(ctx, ingress);
+                if events::on() {
+                    stages::report::<TcContext, V6>(&r, ingress);
+                }
+                r
+            }
         },
         _ => Ok(Verdict::not_ours(TC_ACT_OK as i32)),
     }

@@ -73,6 +73,7 @@ pub mod map_type {
     pub const PERCPU_ARRAY: u32 = 6;
     pub const LRU_PERCPU_HASH: u32 = 10;
     pub const SK_STORAGE: u32 = 24;
+    pub const RINGBUF: u32 = 27;
 }
 
 /// Link types (`enum bpf_link_type`).

@@ -19,6 +19,9 @@
 //! - `miss, 1 per call`: the `miss` packet with one repetition per call: what the
 //!   per-call figure adds (the timer's two clock reads) over `miss` with repeat.
 //!
+//! - `... (monitor on)`: the new-flow and conntrack-hit cases again with `proxyctl
+//!   monitor`'s reporting on (issue 28; the plain rows are the cost when off).
+//!
 //! Two figures per case: `ns_per_packet`, `BPF_PROG_RUN`'s own duration (its timer
 //! around the run: with one repetition per call that includes the timer's set-up), and
 //! `program_ns`, the program alone: the kernel's run-time statistics
@@ -32,7 +35,12 @@ use std::{
 };
 
 use anyhow::{bail, Context as _, Result};
-use proxy_common::backend_flags;
+use aya::maps::{Array, MapData, RingBuf};
+use proxy_common::{
+    backend_flags,
+    event::{event_kind, MonitorCtl},
+    map_names,
+};
 use proxy_user::prog_run::{self as progrun, pkt::Pkt};
 use proxy_user::{bpf, loader, model::Backend, BpfMaps, Frontend, Proto, ServiceEntry, Writer};
 
@@ -54,6 +62,49 @@ fn program_ns(ebpf: &aya::Ebpf, prog: &str, f: impl FnOnce() -> Result<()>) -> R
         bail!("{prog}: the kernel counted no run (BPF_ENABLE_STATS off?)");
     }
     Ok((t1 - t0) as f64 / (n1 - n0) as f64)
+}
+
+/// `proxyctl monitor`'s side of the maps: the lease in `MONITOR`, the `EVENTS` reader.
+struct Monitoring {
+    ctl: Array<MapData, MonitorCtl>,
+    ring: RingBuf<MapData>,
+    events: u64,
+}
+
+impl Monitoring {
+    fn on(pins: &std::path::Path) -> Result<Self> {
+        let dir = proxy_user::pins::PinDir::new(pins);
+        let rw = proxy_user::pins::Access::ReadWrite;
+        let mut ctl: Array<MapData, MonitorCtl> = dir.typed(map_names::MONITOR, rw)?;
+        let ring: RingBuf<MapData> = dir.typed(map_names::EVENTS, rw)?;
+        ctl.set(
+            0,
+            MonitorCtl {
+                lease_until_ns: proxy_user::ctl::maps::monotonic_ns() + 3_600_000_000_000,
+                cost_ns: 1,
+                burst_ns: 1 << 40,
+                types: u32::from(event_kind::DROP | event_kind::TRANSLATE),
+                sample: 1,
+            },
+            0,
+        )?;
+        Ok(Self {
+            ctl,
+            ring,
+            events: 0,
+        })
+    }
+
+    fn drain(&mut self) {
+        while self.ring.next().is_some() {
+            self.events += 1;
+        }
+    }
+
+    fn off(mut self) -> Result<()> {
+        self.ctl.set(0, MonitorCtl::default(), 0)?;
+        Ok(())
+    }
 }
 
 const TC_ACT_OK: u32 = 0;
@@ -259,6 +310,56 @@ fn main() -> Result<()> {
                 verdict,
                 &format!("median of {calls} calls, the same flow"),
             );
+            // The same two cases with `proxyctl monitor`'s reporting on (issue 28: the rows
+            // above are the cost when off): a lease in MONITOR, every event type, a rate
+            // no run here reaches, the ring buffer drained after each call (outside the
+            // measured run). A new flow writes one event; a conntrack hit none (known
+            // flows are no events), so it pays the lease check and the report call only.
+            let mut mon = Monitoring::on(&pins.0)?;
+            let mut v = Vec::new();
+            let base = first_port + calls;
+            let own = program_ns(&ebpf, prog, || {
+                for i in 0..calls {
+                    let p = Pkt::udp(&format!("198.51.100.7:{}", base + i), "10.96.0.10:53");
+                    let r = progrun::run_classifier(&ebpf, prog, &p.build(), 1)?;
+                    if r.verdict != pass {
+                        bail!("new flow {i} (monitor on): verdict {}", r.verdict);
+                    }
+                    mon.drain();
+                    v.push(r.duration_ns);
+                }
+                Ok(())
+            })?;
+            if mon.events != u64::from(calls) {
+                bail!("{prog}: {} events for {calls} new flows", mon.events);
+            }
+            record(
+                "frontend hit, new flow (monitor on)",
+                median(v),
+                own,
+                pass,
+                &format!("median of {calls} calls, one new flow and one event each"),
+            );
+            let mut v = Vec::new();
+            let own = program_ns(&ebpf, prog, || {
+                for _ in 0..calls {
+                    let r = progrun::run_classifier(&ebpf, prog, &p, 1)?;
+                    mon.drain();
+                    v.push(r.duration_ns);
+                }
+                Ok(())
+            })?;
+            if mon.events != u64::from(calls) {
+                bail!("{prog}: a conntrack hit wrote an event");
+            }
+            record(
+                "conntrack hit (monitor on)",
+                median(v),
+                own,
+                pass,
+                &format!("median of {calls} calls, the same flow, no event"),
+            );
+            mon.off()?;
         }
         drop(writer);
         drop(ebpf);

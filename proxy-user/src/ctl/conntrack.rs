@@ -93,7 +93,7 @@ fn touches(e: &CtEntry, addr: IpAddr) -> bool {
         .any(|a| a.ip() == addr)
 }
 
-fn flow_view(s: &Snapshot, e: &CtEntry) -> FlowView {
+pub(crate) fn flow_view(s: &Snapshot, e: &CtEntry) -> FlowView {
     let age = s.now_ns.saturating_sub(e.last_seen_ns);
     let timeout = timeout_ns(e);
     FlowView {

@@ -73,6 +73,9 @@ pub enum Error {
     },
     #[error("{0}")]
     Usage(String),
+    /// Another `proxyctl monitor` reads the events.
+    #[error("{0}")]
+    Busy(String),
     #[error("writing output: {0}")]
     Output(#[from] std::io::Error),
 }
@@ -85,7 +88,9 @@ impl Error {
             Error::Permission { .. } => exit::PERMISSION,
             Error::Abi { .. } | Error::Layout { .. } => exit::INCOMPATIBLE,
             Error::Usage(_) => exit::USAGE,
-            Error::Open { .. } | Error::Read { .. } | Error::Output(_) => exit::FAILURE,
+            Error::Open { .. } | Error::Read { .. } | Error::Output(_) | Error::Busy(_) => {
+                exit::FAILURE
+            }
         }
     }
 }

@@ -6,16 +6,19 @@
 //! - one module per subcommand, each a pure function of a snapshot into a serde view
 //!   (the stable JSON, documented in docs/proxyctl.md) and a text rendering:
 //!   `services`, `backends`, `conntrack`, `stats`, `explain` (with `iptables`: the rules
-//!   and chain names kube-proxy would have written), `watch`;
+//!   and chain names kube-proxy would have written), `watch`, `monitor` (the datapath's
+//!   events: the one command that writes, its lease in `MONITOR`);
 //! - `error`: the causes and their exit codes.
 
 pub mod affinity;
 pub mod backends;
 pub mod conntrack;
+pub mod ct_delete;
 pub mod error;
 pub mod explain;
 pub mod iptables;
 pub mod maps;
+pub mod monitor;
 pub mod schema;
 pub mod services;
 pub mod snapshot;
@@ -84,6 +87,15 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// `conntrack` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ConntrackAction {
+    /// Deletes flows (both directions) by flow, backend id or service id: only with
+    /// `--yes`; without it lists what would be deleted. The one write of proxyctl besides
+    /// `monitor`'s lease.
+    Delete(ct_delete::DeleteArgs),
+}
+
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -99,6 +111,8 @@ pub enum Command {
         /// Only flows with this address anywhere (source, destination, or a rewrite).
         #[arg(long, value_parser = conntrack::parse_addr)]
         addr: Option<IpAddr>,
+        #[command(subcommand)]
+        action: Option<ConntrackAction>,
     },
     /// Clients held to a backend by `sessionAffinity: ClientIP` (AFFINITY), and for how
     /// much longer.
@@ -127,6 +141,10 @@ pub enum Command {
     },
     /// The raw service maps, one entry per line (the writer's dump format; text only).
     Dump,
+    /// Drops and new flows as the datapath reports them (`-o json`: one object per line),
+    /// with the Service and the reason's meaning. Turns reporting on while it runs (a
+    /// lease in MONITOR that runs out 3 s after the monitor stops, even when killed).
+    Monitor(monitor::MonitorArgs),
 }
 
 fn json<T: Serialize>(out: &mut dyn Write, doc: &T) -> Result<()> {
@@ -179,7 +197,21 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 out.write_all(backends::render(&views, wide).as_bytes())?;
             }
         }
-        Command::Conntrack { addr } => {
+        Command::Conntrack {
+            action: Some(ConntrackAction::Delete(a)),
+            ..
+        } => {
+            let mut s = maps.snapshot()?;
+            warn(&s);
+            s.now_ns = maps::monotonic_ns();
+            let doc = ct_delete::run(&PinDir::new(&cli.pin_path), &s, a)?;
+            if as_json {
+                json(out, &doc)?;
+            } else {
+                out.write_all(ct_delete::render(&doc, wide).as_bytes())?;
+            }
+        }
+        Command::Conntrack { addr, action: None } => {
             let s = maps.snapshot_with_flows()?;
             warn(&s);
             let doc = conntrack::build(&s, *addr);
@@ -227,6 +259,9 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             interval,
             iterations,
         } => watch_loop(&maps, cli.output, *interval, *iterations, out)?,
+        Command::Monitor(a) => {
+            monitor::run(&PinDir::new(&cli.pin_path), &maps, a, as_json, wide, out)?
+        }
         Command::Dump => {
             if as_json {
                 return Err(Error::Usage(

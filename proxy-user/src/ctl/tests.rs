@@ -897,3 +897,119 @@ fn explain_says_which_path_pods_and_the_host_take_under_socket_lb() {
         "{off:?}"
     );
 }
+
+/// `monitor`'s JSON: docs/proxyctl.md's field tables list exactly the fields an event and
+/// the summary serialize to, and its example lines parse into them.
+#[test]
+fn monitor_event_schema_in_the_docs_is_the_code() {
+    use super::monitor::{view, Names, Summary};
+    use proxy_common::event::{event_hook, event_kind, Event, EventTuple};
+    let doc = include_str!("../../../docs/proxyctl.md");
+    let section = doc.split("\n## monitor").nth(1).expect("a monitor section");
+    let fields = |header: &str| -> Vec<String> {
+        section
+            .lines()
+            .skip_while(|l| !l.starts_with(header))
+            .skip(2)
+            .take_while(|l| l.starts_with('|'))
+            .map(|l| l.split('`').nth(1).expect("a backticked field").to_string())
+            .collect()
+    };
+    let w = |a: [u8; 4]| [u32::from_ne_bytes(a), 0, 0, 0];
+    let e = Event {
+        ts_ns: 5,
+        reason: Reason::TcNewFlow as u32,
+        service_id: 1,
+        backend_id: 7,
+        hook: event_hook::TC_INGRESS,
+        kind: event_kind::TRANSLATE,
+        family: 4,
+        proto: 6,
+        before: EventTuple {
+            saddr: w([198, 51, 100, 7]),
+            daddr: w([10, 96, 0, 10]),
+            sport: 40000u16.to_be(),
+            dport: 80u16.to_be(),
+        },
+        after: EventTuple {
+            saddr: w([192, 0, 2, 1]),
+            daddr: w([10, 1, 1, 2]),
+            sport: 33000u16.to_be(),
+            dport: 8080u16.to_be(),
+        },
+    };
+    let v = view(&e, &Names::default(), 1_000_000_000);
+    assert_eq!(
+        (v.source.as_deref(), v.destination.as_str()),
+        (Some("198.51.100.7:40000"), "10.96.0.10:80")
+    );
+    assert_eq!(
+        (v.new_source.as_deref(), v.new_destination.as_str()),
+        (Some("192.0.2.1:33000"), "10.1.1.2:8080")
+    );
+    assert_eq!(v.time, "1970-01-01T00:00:01.000000005Z");
+    assert_eq!(
+        (v.hook, v.kind, v.reason),
+        ("tc_ingress", "translate", "tc_new_flow")
+    );
+    let json = serde_json::to_value(&v).expect("json");
+    let keys: Vec<String> = json.as_object().expect("object").keys().cloned().collect();
+    let mut documented = fields("| field |");
+    documented.sort();
+    let mut keys = keys;
+    keys.sort();
+    assert_eq!(
+        documented, keys,
+        "docs/proxyctl.md monitor event fields vs EventView"
+    );
+    let summary = serde_json::to_value(Summary::default()).expect("json");
+    let mut skeys: Vec<String> = summary
+        .as_object()
+        .expect("object")
+        .keys()
+        .cloned()
+        .collect();
+    skeys.sort();
+    let mut sdoc = fields("| summary field |");
+    sdoc.sort();
+    assert_eq!(
+        sdoc, skeys,
+        "docs/proxyctl.md monitor summary fields vs Summary"
+    );
+    // The example lines parse, with the documented fields.
+    let example: Vec<serde_json::Value> = section
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).expect("example JSON line"))
+        .collect();
+    assert_eq!(example.len(), 2);
+    let mut ex_keys: Vec<String> = example[0].as_object().expect("o").keys().cloned().collect();
+    ex_keys.sort();
+    assert_eq!(ex_keys, keys);
+    // Every event reason the docs list is a reason.
+    let listed = section
+        .split("Which reasons are events")
+        .nth(1)
+        .expect("the reasons paragraph");
+    for name in listed.split('`').skip(1).step_by(2) {
+        assert!(
+            Reason::ALL.iter().any(|r| r.name() == name),
+            "{name} is not a reason"
+        );
+    }
+}
+
+#[test]
+fn monitor_rfc3339_utc() {
+    use super::monitor::rfc3339_utc;
+    assert_eq!(rfc3339_utc(0), "1970-01-01T00:00:00.000000000Z");
+    // 2026-12-04T17:02:11.5Z
+    assert_eq!(
+        rfc3339_utc(1_796_403_731_500_000_000),
+        "2026-12-04T17:02:11.500000000Z"
+    );
+    assert_eq!(
+        rfc3339_utc(951_782_400 * 1_000_000_000),
+        "2000-02-29T00:00:00.000000000Z"
+    );
+}

@@ -170,7 +170,11 @@ impl Migration {
             };
             let oi = bpf_sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
             let ni = self.staging.map_info(&name)?;
-            let storage = ni.map_type == bpf_sys::map_type::SK_STORAGE;
+            // Socket storage and the events' ring buffer (`EVENTS`) have no keys to copy.
+            let storage = matches!(
+                ni.map_type,
+                bpf_sys::map_type::SK_STORAGE | bpf_sys::map_type::RINGBUF
+            );
             if !storage && (copy_every || !matches!(converter(self.from, &name), Convert::Bytes)) {
                 continue;
             }
@@ -244,6 +248,14 @@ impl Migration {
                 _ => false,
             };
             if shared {
+                continue;
+            }
+            if old_info
+                .as_ref()
+                .is_ok_and(|i| i.map_type == bpf_sys::map_type::RINGBUF)
+            {
+                // `EVENTS`: records in flight to a monitor, no entries (the new ring buffer
+                // starts empty when the old one could not be shared).
                 continue;
             }
             if old_info.is_ok_and(|i| i.map_type == bpf_sys::map_type::SK_STORAGE) {

@@ -38,13 +38,14 @@ pub fn load_tc_with(
             .program_mut(name)
             .ok_or_else(|| anyhow::anyhow!("no program {name}"))?
             .try_into()?;
-        prog.load()?;
+        prog.load().map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
     }
     let prog: &mut aya::programs::Xdp = ebpf
         .program_mut(XDP_PROGRAM)
         .ok_or_else(|| anyhow::anyhow!("no program {XDP_PROGRAM}"))?
         .try_into()?;
-    prog.load()?;
+    prog.load()
+        .map_err(|e| anyhow::anyhow!("{XDP_PROGRAM}: {e}"))?;
     Ok(ebpf)
 }
 

@@ -35,10 +35,10 @@
 //! is SNATed instead, a later UDP datagram of a DSR flow is sent without them
 //! (`tc_dsr_too_big`).
 
-mod backend;
+mod decap;
 mod wire;
 
-pub use backend::{unencapsulated, unparsed};
+pub use decap::{unencapsulated, unparsed};
 
 use aya_ebpf::{
     bindings::{

@@ -1,5 +1,5 @@
 //! The DSR option's wire layout and the mode, shared by both ends: the first node (`super`)
-//! and the backend's node (`super::backend`).
+//! and the backend's node (`super::decap`).
 
 use aya_ebpf::{helpers::generated::bpf_csum_diff, programs::TcContext};
 use proxy_common::{dsr_opt, fwd_mode, Reason};

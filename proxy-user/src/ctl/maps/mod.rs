@@ -29,7 +29,7 @@ use crate::{
 pub use crate::pins::BPF_F_RDONLY;
 
 mod lookup;
-mod read;
+pub(crate) mod read;
 
 use crate::codec::{FamilyAbi, Ipv4, Ipv6};
 

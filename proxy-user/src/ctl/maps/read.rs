@@ -109,7 +109,7 @@ impl Maps {
 }
 
 /// A `CT4` entry in model terms.
-pub(super) fn ct4_entry(k: &Ct4Key, v: &Ct4Value) -> CtEntry {
+pub(crate) fn ct4_entry(k: &Ct4Key, v: &Ct4Value) -> CtEntry {
     let sa = |a: u32, p: u16| SocketAddr::new(IpAddr::V4(v4_from_word(a)), port_host(p));
     CtEntry {
         proto: k.proto,
@@ -127,7 +127,7 @@ pub(super) fn ct4_entry(k: &Ct4Key, v: &Ct4Value) -> CtEntry {
 }
 
 /// A `CT6` entry in model terms.
-pub(super) fn ct6_entry(k: &Ct6Key, v: &Ct6Value) -> CtEntry {
+pub(crate) fn ct6_entry(k: &Ct6Key, v: &Ct6Value) -> CtEntry {
     let sa = |a: [u32; 4], p: u16| SocketAddr::new(IpAddr::V6(v6_from_words(a)), port_host(p));
     CtEntry {
         proto: k.proto,
