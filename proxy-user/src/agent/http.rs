@@ -77,6 +77,8 @@ impl Drop for Open {
 }
 
 /// Serves `listener` until the task is dropped; `respond` maps a request path to a reply.
+// Long: one accept loop with its limits (connection cap, header timeout, keep-alive) around
+// one request handler; split, the limits would travel through every step.
 pub async fn serve<F>(listener: TcpListener, name: &'static str, limits: Limits, respond: F)
 where
     F: Fn(&str) -> Reply + Send + Sync + 'static,

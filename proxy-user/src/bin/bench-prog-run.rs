@@ -72,8 +72,7 @@ struct Monitoring {
 }
 
 impl Monitoring {
-    fn on(pins: &std::path::Path) -> Result<Self> {
-        let dir = proxy_user::pins::PinDir::new(pins);
+    fn on(dir: &proxy_user::pins::PinDir) -> Result<Self> {
         let rw = proxy_user::pins::Access::ReadWrite;
         let mut ctl: Array<MapData, MonitorCtl> = dir.typed(map_names::MONITOR, rw)?;
         let ring: RingBuf<MapData> = dir.typed(map_names::EVENTS, rw)?;
@@ -138,6 +137,8 @@ fn median(mut v: Vec<u32>) -> f64 {
     f64::from(v[v.len() / 2])
 }
 
+// Long: the measured sequence in the order of the printed table (load, fill, each case off
+// and on, cleanup); the steps share the loaded object and the pins.
 fn main() -> Result<()> {
     // SAFETY: plain getter.
     if unsafe { libc::geteuid() } != 0 {
@@ -315,7 +316,7 @@ fn main() -> Result<()> {
             // no run here reaches, the ring buffer drained after each call (outside the
             // measured run). A new flow writes one event; a conntrack hit none (known
             // flows are no events), so it pays the lease check and the report call only.
-            let mut mon = Monitoring::on(&pins.0)?;
+            let mut mon = Monitoring::on(&proxy_user::pins::PinDir::new(&pins.0))?;
             let mut v = Vec::new();
             let base = first_port + calls;
             let own = program_ns(&ebpf, prog, || {

@@ -19,6 +19,7 @@ pub mod explain;
 pub mod iptables;
 pub mod maps;
 pub mod monitor;
+mod monitor_view;
 pub mod schema;
 pub mod services;
 pub mod snapshot;

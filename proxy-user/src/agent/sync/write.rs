@@ -23,6 +23,8 @@ use crate::{
 
 impl<S: MapStore> Syncer<S> {
     /// Writes what is pending. Call when [`Self::ready`] and [`Self::pending`].
+    // Long: one sync's steps in the order the module doc gives (resolve conflicts, write,
+    // refused, triggers, metrics); each is a few lines over the same outcome.
     pub fn sync(&mut self, now: Instant) -> SyncOutcome {
         if !self.ready() {
             return SyncOutcome::default();
@@ -119,6 +121,8 @@ impl<S: MapStore> Syncer<S> {
     /// what nobody claims, pinned leftovers of a previous agent included). Each frontend
     /// gets its owner's entry (`cluster::conflicts`): a change of owner is one rewrite
     /// of the frontend, never a removal followed by an insert.
+    // Long: one pass over the claimed frontends: owner, entry, write or remove, and its
+    // bookkeeping share the loop's state.
     fn write(
         &mut self,
         keys: &[(ObjKey, Instant)],

@@ -50,6 +50,8 @@ fn words(a: IpAddr) -> [u32; 4] {
 
 /// The flow's backend. `view`: the frontend the packet path uses for traffic from
 /// outside (the ext-local twin under eTP=Local), `None` when that traffic is dropped.
+// Long: the backend choice explained in the order the datapath makes it (affinity, Maglev,
+// random, twin), one paragraph each.
 pub(super) fn choice(
     s: &Snapshot,
     f: &FlowFacts,

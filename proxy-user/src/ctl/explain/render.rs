@@ -74,6 +74,7 @@ pub(super) fn comparison(doc: &ExplainDoc) -> String {
 }
 
 /// The `table` / `wide` text (`wide` adds service ids and backend ids to the rows).
+// Long: the explain text: one template, section by section.
 pub fn render(doc: &ExplainDoc, wide: bool) -> String {
     let mut out = String::new();
     let dest = &doc.query.destination;
