@@ -68,7 +68,7 @@ fn main() {
         cluster_ip_client(Path::new(&netns));
         return;
     }
-    let tests: [(&str, fn()); 5] = [
+    let tests: [(&str, fn()); 7] = [
         (
             "upgrade_from_previous_release_keeps_every_connection",
             upgrade_from_previous_release_keeps_every_connection,
@@ -88,6 +88,14 @@ fn main() {
         (
             "a_build_with_more_outcome_counters_migrates_the_pinned_counter_array",
             a_build_with_more_outcome_counters_migrates_the_pinned_counter_array,
+        ),
+        (
+            "conntrack_grown_online_keeps_every_flow_and_its_backend",
+            conntrack_grown_online_keeps_every_flow_and_its_backend,
+        ),
+        (
+            "crash_at_each_resize_step_then_restart",
+            crash_at_each_resize_step_then_restart,
         ),
     ];
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -1444,5 +1452,223 @@ fn a_build_with_more_outcome_counters_migrates_the_pinned_counter_array() {
     assert!(errors.is_empty(), "{errors:?}");
     assert!(flows.iter().all(Result::is_ok), "{flows:?}");
     assert!(tcp.0 > 0 && udp.0 > 0, "traffic went on: {tcp:?} {udp:?}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+// --- online resize (issue 27): another --conntrack-max at a restart ---
+
+/// `max_entries` of the pinned `CT4` and `CT6`.
+fn ct_sizes(pins: &Path) -> (u32, u32) {
+    let dir = proxy_user::pins::PinDir::new(pins);
+    (
+        dir.max_entries(map_names::CT4).expect("CT4 pinned"),
+        dir.max_entries(map_names::CT6).expect("CT6 pinned"),
+    )
+}
+
+/// Long-lived TCP flows through the NodePort (this many, each asking every 20 ms: the
+/// machine is 2 shared cores) while conntrack is grown online.
+const RESIZE_LONG_LIVED: usize = 100;
+
+/// Conntrack grown 16,384 -> 32,768 -> 65,536 entries (`--conntrack-max` 8192 -> 16384 ->
+/// 32768 at restarts) under the client loops: the tables are resized online by the staged
+/// migration (new maps of the new size, flows copied, programs swapped, copied again),
+/// and not one connection or exchange fails; every long-lived flow keeps answering from
+/// its pod and keeps its conntrack entries (both directions: same backend, SNAT, service)
+/// in the new tables.
+fn conntrack_grown_online_keeps_every_flow_and_its_backend() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("ers-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[],
+        &["--conntrack-max", "8192"],
+    );
+    agent.wait_healthy();
+    assert_eq!(ct_sizes(&env.pins.path), (16_384, 16_384));
+    UDP_WRONG_SOURCE.store(0, Ordering::Relaxed);
+    let ext = ExtClients::start(&c, RESIZE_LONG_LIVED);
+    let cip = ClusterIpClient::start(&env, &c);
+    std::thread::sleep(Duration::from_millis(300));
+    let before = flow_entries(&env.pins.path, &ext.ports);
+    let mut ct_ids = vec![map_id(&env.pins.path, map_names::CT4)];
+    for flows in [16_384u32, 32_768] {
+        agent.stop();
+        let arg = flows.to_string();
+        agent = Agent::start_with(
+            &new_agent(),
+            &env,
+            &c,
+            &dir,
+            &[],
+            &["--conntrack-max", &arg],
+        );
+        agent.wait_healthy();
+        let log = agent.logs();
+        assert_eq!(ct_sizes(&env.pins.path), (flows * 2, flows * 2), "{log}");
+        assert!(
+            log.contains("resizing the pinned map online") && log.contains("layout migration done"),
+            "{log}"
+        );
+        assert_migrated(&env.pins.path, &[], &log);
+        ct_ids.push(map_id(&env.pins.path, map_names::CT4));
+        std::thread::sleep(Duration::from_millis(500));
+        // The long-lived flows' entries, copied into the new tables unchanged.
+        assert_eq!(
+            flow_entries(&env.pins.path, &ext.ports),
+            before,
+            "conntrack entries of the long-lived flows after growing to {flows}"
+        );
+    }
+    let (tcp, udp, flows, errors) = ext.finish();
+    let (cip_counts, cip_errors) = cip.finish();
+    let log = agent.stop();
+    eprintln!(
+        "conntrack 16k -> 32k -> 64k: NodePort TCP {}/{} UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed); {} long-lived flows",
+        tcp.0, tcp.1, udp.0, udp.1, cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3],
+        flows.len()
+    );
+    ct_ids.dedup();
+    assert_eq!(ct_ids.len(), 3, "a new CT4 map at each resize: {ct_ids:?}");
+    assert!(
+        errors.is_empty() && cip_failures(&cip_errors).is_empty(),
+        "failed connections: {errors:#?}\n{cip_errors}\n{log}"
+    );
+    assert!(tcp.0 > 0 && udp.0 > 0, "the loops ran: {tcp:?} {udp:?}");
+    assert!(flows.len() >= RESIZE_LONG_LIVED, "{} flows", flows.len());
+    for f in &flows {
+        let (_, answers) = f
+            .as_ref()
+            .unwrap_or_else(|e| panic!("long-lived flow broke: {e}"));
+        assert!(*answers > 0, "{flows:?}");
+    }
+    assert_eq!(
+        UDP_WRONG_SOURCE.load(Ordering::Relaxed),
+        0,
+        "NodePort UDP answers from another source"
+    );
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// A crash injected after each step of a resize (`EBPF_PROXY_MIGRATE_CRASH_AT`), the
+/// conntrack size doubled at each step from 1024 flows (the client loops fill the tables
+/// with a few thousand entries a step, so a shrink would be refused): the datapath left by the crash keeps serving (old or new programs, each
+/// with a complete map set), and the next start with the same size rolls back and redoes
+/// the resize (`staged`, `filled`) or finishes it (later steps): the tables have the new
+/// size, nothing staged is left, and no connection failed.
+fn crash_at_each_resize_step_then_restart() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("erc-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let mut size = 1024u32;
+    let arg = size.to_string();
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[],
+        &["--conntrack-max", &arg],
+    );
+    agent.wait_healthy();
+    agent.stop();
+    for step in migrate::STEPS {
+        let old_progs = program_ids(&env, &c);
+        let next = size * 2;
+        let arg = next.to_string();
+        let args = ["--conntrack-max", arg.as_str()];
+        UDP_WRONG_SOURCE.store(0, Ordering::Relaxed);
+        let ext = ExtClients::start(&c, 3);
+        let cip = ClusterIpClient::start(&env, &c);
+        std::thread::sleep(Duration::from_millis(300));
+        let mut crashing = Agent::start_with(
+            &new_agent(),
+            &env,
+            &c,
+            &dir,
+            &[(migrate::CRASH_ENV, step)],
+            &args,
+        );
+        let status = crashing.wait_exit();
+        let crash_log = crashing.logs();
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGABRT),
+            "{step}: {status}\n{crash_log}"
+        );
+        assert!(
+            crash_log.contains("resizing the pinned map online"),
+            "{crash_log}"
+        );
+        drop(crashing);
+        assert!(
+            env.pins.path.join(migrate::STAGING_DIR).exists(),
+            "{step}: the crash left the staging directory"
+        );
+        std::thread::sleep(Duration::from_millis(700));
+        let progs = program_ids(&env, &c);
+        assert_eq!(progs.len(), 12, "{step}: every hook attached: {progs:?}");
+        let swapped = progs.iter().filter(|id| !old_progs.contains(id)).count();
+        let want_swapped = match step {
+            "staged" | "filled" => 0,
+            "swap-first" => 1,
+            _ => 12,
+        };
+        assert_eq!(swapped, want_swapped, "{step}: hooks on new programs");
+
+        let mut agent = Agent::start_with(&new_agent(), &env, &c, &dir, &[], &args);
+        agent.wait_healthy();
+        std::thread::sleep(Duration::from_millis(500));
+        let (tcp, udp, flows, errors) = ext.finish();
+        let (cip_counts, cip_errors) = cip.finish();
+        let log = agent.logs();
+        eprintln!(
+            "resize {size} -> {next}, crash at {step}: NodePort TCP {}/{} UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed)",
+            tcp.0, tcp.1, udp.0, udp.1, cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3]
+        );
+        // Half-swapped TC hooks (`swap-first`) use two conntrack tables (the old size's
+        // and the new one's): a flow opened in that state while no agent runs may fail
+        // (as with a changed conntrack layout in crash_at_each_migration_step_then_restart:
+        // documented in docs/ARCHITECTURE.md); shown, not asserted, for that step only.
+        if step == "swap-first" {
+            eprintln!("{step}: half-swapped TC with two conntrack tables: {errors:?}");
+        }
+        assert!(
+            (errors.is_empty() || step == "swap-first") && cip_failures(&cip_errors).is_empty(),
+            "{step}: failed connections: {errors:#?}\n{cip_errors}\n--- crashed ---\n{crash_log}\n--- restarted ---\n{log}"
+        );
+        for f in &flows {
+            assert!(f.is_ok(), "{step}: long-lived flow broke: {flows:?}\n{log}");
+        }
+        let resumed = log.contains("resuming an interrupted layout migration");
+        let rolled_back = log.contains("rolling back");
+        match step {
+            "staged" | "filled" => assert!(
+                rolled_back && !resumed && log.contains("resizing the pinned map online"),
+                "{step}: {log}"
+            ),
+            _ => assert!(resumed && !rolled_back, "{step}: {log}"),
+        }
+        assert_eq!(
+            ct_sizes(&env.pins.path),
+            (next * 2, next * 2),
+            "{step}: resized\n{log}"
+        );
+        assert_migrated(&env.pins.path, &[], &format!("{crash_log}\n{log}"));
+        let progs = program_ids(&env, &c);
+        assert!(
+            progs.iter().all(|id| !old_progs.contains(id)),
+            "{step}: old programs left"
+        );
+        assert_eq!(nodeport_spread(&c, 30).len(), 3, "{step}");
+        agent.stop();
+        size = next;
+    }
     let _ = fs::remove_dir_all(&dir);
 }

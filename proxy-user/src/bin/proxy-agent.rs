@@ -135,16 +135,18 @@ struct RunArgs {
     interfaces: String,
     /// Size of the TC datapath's conntrack tables, in flows per address family (each
     /// flow takes two entries). LRU: when full, the least recently used flows are
-    /// evicted; new flows are never refused. Applies when the tables are created: pinned
-    /// tables keep their size until `proxy-agent uninstall`.
+    /// evicted; new flows are never refused. A start with another value resizes the
+    /// pinned tables online (staged migration: flows copied, programs swapped); a shrink
+    /// below the flows tracked keeps the pinned size, with a warning.
     #[arg(long, env = "PROXY_CONNTRACK_MAX", default_value_t = loader::DEFAULT_CONNTRACK_FLOWS)]
     conntrack_max: u32,
     /// Size of each service map (SVC4, SVC6) in entries: a frontend (a Service's port on
     /// one of its addresses: ClusterIP, NodePort, externalIP, LoadBalancer IP) takes one
     /// entry plus one per endpoint. The default, 1,048,576, holds 50,000 Services x 10
     /// endpoints twice; a write beyond it fails with `map_full` (that frontend's change
-    /// is rolled back, the others are written). Applies when the maps are created: pinned
-    /// maps keep their size until `proxy-agent uninstall`.
+    /// is rolled back, the others are written). A start with another value resizes the
+    /// pinned maps online (staged migration: entries copied, programs swapped); a shrink
+    /// below the entries in use keeps the pinned size, with a warning.
     #[arg(long, env = "PROXY_SERVICE_MAP_ENTRIES", default_value_t = loader::DEFAULT_SERVICE_ENTRIES)]
     service_map_entries: u32,
     /// How the TC programs are attached: `auto` (TCX links on kernels >= 6.6, clsact

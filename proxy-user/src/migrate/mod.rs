@@ -75,13 +75,88 @@ pub use rules::{converter, CRASH_ENV, FORCE_ENV, OLDEST_ABI, STEPS};
 /// node's pinned datapath is upgraded (or an interrupted upgrade finished) before it is
 /// adopted.
 pub fn install(opts: &loader::InstallOptions) -> Result<loader::InstallReport, LoadError> {
-    prepare(&PinDir::new(&opts.pin_path))?;
+    let sizes = Sizes {
+        conntrack: loader::conntrack_entries(opts.conntrack_flows)?,
+        service: loader::service_entries(opts.service_entries)?,
+    };
+    prepare_sized(&PinDir::new(&opts.pin_path), Some(sizes))?;
     loader::install(opts)
+}
+
+/// The `max_entries` wanted for the maps sized by flags: `CT4`/`CT6`
+/// (`--conntrack-max` x 2) and `SVC4`/`SVC6` (`--service-map-entries`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sizes {
+    pub conntrack: u32,
+    pub service: u32,
+}
+
+/// The maps sized by flags, each with its family twin and the flag's name.
+const SIZED: [(&str, &str, &str); 2] = [
+    (map_names::CT4, map_names::CT6, "--conntrack-max"),
+    (map_names::SVC4, map_names::SVC6, "--service-map-entries"),
+];
+
+impl Sizes {
+    fn of(&self, map: &str) -> u32 {
+        if map == map_names::CT4 || map == map_names::CT6 {
+            self.conntrack
+        } else {
+            self.service
+        }
+    }
+}
+
+/// A pinned map whose `max_entries` is not the wanted one: `(map, pinned, wanted)`.
+/// A shrink below the entries in use is not a resize: it is refused with a warning and
+/// the pinned size kept (copying would drop entries: flows evicted, frontends lost).
+fn resizes(pins: &PinDir, sizes: &Sizes) -> Result<Vec<(&'static str, u32, u32)>, LoadError> {
+    let mut out = Vec::new();
+    for (v4, v6, flag) in SIZED {
+        let wanted = sizes.of(v4);
+        for name in [v4, v6] {
+            let Some(pinned) = pins.max_entries(name) else {
+                continue;
+            };
+            if pinned == wanted {
+                continue;
+            }
+            if wanted < pinned {
+                let used = copy::count_entries(pins, name).map_err(|source| LoadError::Io {
+                    what: "counting the entries of",
+                    path: pins.map_path(name),
+                    source,
+                })?;
+                if used > u64::from(wanted) {
+                    warn!(
+                        map = name,
+                        pinned_entries = pinned,
+                        wanted_entries = wanted,
+                        entries_in_use = used,
+                        flag,
+                        "not shrinking the pinned map: it holds more entries than the new \
+                         size (they would be lost); keeping its size"
+                    );
+                    return Ok(Vec::new());
+                }
+            }
+            out.push((name, pinned, wanted));
+        }
+    }
+    Ok(out)
 }
 
 /// Before `install` reads `META`: finishes or rolls back an interrupted migration,
 /// migrates an older layout, or swaps the programs of another build in.
 pub fn prepare(pins: &PinDir) -> Result<(), LoadError> {
+    prepare_sized(pins, None)
+}
+
+/// [`prepare`], and pinned maps whose size is not `sizes` (a changed `--conntrack-max`
+/// or `--service-map-entries`) resized online: the staged migration at the same ABI
+/// into maps of the new sizes (entries copied, insert-if-absent around the program
+/// swap), with the same marker and crash recovery as a layout migration.
+pub fn prepare_sized(pins: &PinDir, sizes: Option<Sizes>) -> Result<(), LoadError> {
     if EBPF_OBJECT.is_empty() {
         return Ok(());
     }
@@ -94,10 +169,25 @@ pub fn prepare(pins: &PinDir) -> Result<(), LoadError> {
     let found = pins.abi_version(Access::ReadOnly)?;
     if found != ABI_VERSION {
         if (OLDEST_ABI..ABI_VERSION).contains(&found) {
-            return migrate(pins, found);
+            return migrate(pins, found, sizes);
         }
         // Refused by install with a clear error.
         return Ok(());
+    }
+    if let Some(sizes) = sizes {
+        let resized = resizes(pins, &sizes)?;
+        if !resized.is_empty() {
+            for (map, pinned, wanted) in &resized {
+                info!(
+                    map,
+                    pinned_entries = pinned,
+                    wanted_entries = wanted,
+                    "resizing the pinned map online (staged migration: copied, programs \
+                     swapped, copied again)"
+                );
+            }
+            return migrate(pins, found, Some(sizes));
+        }
     }
     let pinned_hash = pins.read_meta(meta::OBJECT_HASH, Access::ReadOnly)?;
     if pinned_hash == object_hash() {
@@ -108,7 +198,7 @@ pub fn prepare(pins: &PinDir) -> Result<(), LoadError> {
             ?mode,
             "{FORCE_ENV}: migrating through the staging directory at the same ABI"
         );
-        return migrate(pins, found);
+        return migrate(pins, found, sizes);
     }
     if let Some((map, pinned)) = counters_grew(pins)? {
         info!(
@@ -118,7 +208,7 @@ pub fn prepare(pins: &PinDir) -> Result<(), LoadError> {
             "this build counts more outcomes than the pinned counter array holds: \
              migrating through the staging directory (the counters are copied)"
         );
-        return migrate(pins, found);
+        return migrate(pins, found, sizes);
     }
     replace_programs(pins, pinned_hash)
 }
