@@ -68,7 +68,7 @@ fn main() {
         cluster_ip_client(Path::new(&netns));
         return;
     }
-    let tests: [(&str, fn()); 7] = [
+    let tests: [(&str, fn()); 8] = [
         (
             "upgrade_from_previous_release_keeps_every_connection",
             upgrade_from_previous_release_keeps_every_connection,
@@ -96,6 +96,10 @@ fn main() {
         (
             "crash_at_each_resize_step_then_restart",
             crash_at_each_resize_step_then_restart,
+        ),
+        (
+            "a_shrink_below_the_flows_tracked_is_refused_and_the_size_kept",
+            a_shrink_below_the_flows_tracked_is_refused_and_the_size_kept,
         ),
     ];
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -1670,5 +1674,88 @@ fn crash_at_each_resize_step_then_restart() {
         agent.stop();
         size = next;
     }
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// A start asking for conntrack tables smaller than the flows they hold (the client loops
+/// leave two entries per connection) does not resize (the flows would be evicted): the
+/// pinned tables keep their size and object, with a warning naming the map and the
+/// counts, and nothing is staged; a later start asking for a size that fits resizes.
+fn a_shrink_below_the_flows_tracked_is_refused_and_the_size_kept() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("ers-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[],
+        &["--conntrack-max", "1024"],
+    );
+    agent.wait_healthy();
+    let ext = ExtClients::start(&c, 3);
+    // Until CT4 holds more than 2 x 64 entries (the smallest size, --conntrack-max 64).
+    let start = Instant::now();
+    let tracked = || {
+        proxy_user::pins::PinDir::new(&env.pins.path)
+            .typed::<aya::maps::HashMap<aya::maps::MapData, proxy_common::Ct4Key, proxy_common::Ct4Value>>(
+                map_names::CT4,
+                proxy_user::pins::Access::ReadOnly,
+            )
+            .expect("CT4")
+            .keys()
+            .count()
+    };
+    while tracked() <= 2 * 64 {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "CT4 never filled"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    agent.stop();
+    let ct_id = map_id(&env.pins.path, map_names::CT4);
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[],
+        &["--conntrack-max", "64"],
+    );
+    agent.wait_healthy();
+    let log = agent.stop();
+    assert!(
+        log.contains("not shrinking the pinned map") && log.contains("map=\"CT4\""),
+        "{log}"
+    );
+    assert!(!log.contains("resizing the pinned map online"), "{log}");
+    assert_eq!(ct_sizes(&env.pins.path), (2048, 2048), "{log}");
+    assert_eq!(
+        map_id(&env.pins.path, map_names::CT4),
+        ct_id,
+        "the same table"
+    );
+    assert!(!env.pins.path.join(migrate::STAGING_DIR).exists());
+    // A size that holds them: resized.
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[],
+        &["--conntrack-max", "8192"],
+    );
+    agent.wait_healthy();
+    let (tcp, udp, flows, errors) = ext.finish();
+    let log = agent.stop();
+    assert_eq!(ct_sizes(&env.pins.path), (16_384, 16_384), "{log}");
+    assert!(
+        errors.is_empty() && flows.iter().all(|f| f.is_ok()),
+        "{errors:?} {flows:?}\n{log}"
+    );
+    assert!(tcp.0 > 0 && udp.0 > 0, "{tcp:?} {udp:?}");
     let _ = fs::remove_dir_all(&dir);
 }
