@@ -295,6 +295,14 @@ fn restarting_the_agent_drops_no_connection() {
         metrics.contains("ebpf_proxy_conntrack_max 2000\n"),
         "the pinned tables are resized to the new --conntrack-max: {metrics}"
     );
+    for map in ["CT4", "CT6"] {
+        assert!(
+            metrics.contains(&format!(
+                "ebpf_proxy_map_resizes_total{{map=\"{map}\",direction=\"grow\"}} 1\n"
+            )),
+            "{metrics}"
+        );
+    }
     let errors = client.join().expect("client");
     eprintln!(
         "connections: {} ok ({during} while no agent ran), {} failed",
@@ -1756,7 +1764,9 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
     agent.wait_healthy(Duration::from_secs(30));
     let metrics = agent.metrics();
     assert!(
-        metrics.contains("ebpf_proxy_service_map_entries 4096\n"),
+        metrics.contains("ebpf_proxy_service_map_entries 4096\n")
+            && metrics
+                .contains("ebpf_proxy_map_resizes_total{map=\"SVC4\",direction=\"grow\"} 1\n"),
         "{metrics}"
     );
     let resized = svc4_entries(&env.pins.path);
@@ -1772,7 +1782,9 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
     agent.wait_healthy(Duration::from_secs(30));
     let metrics = agent.metrics();
     assert!(
-        metrics.contains("ebpf_proxy_service_map_entries 64\n"),
+        metrics.contains("ebpf_proxy_service_map_entries 64\n")
+            && metrics
+                .contains("ebpf_proxy_map_resizes_total{map=\"SVC6\",direction=\"shrink\"} 1\n"),
         "{metrics}"
     );
     assert_eq!(

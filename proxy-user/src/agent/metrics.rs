@@ -38,6 +38,13 @@ pub struct MapLabel {
 }
 
 /// `mode="batch"` or `mode="single"`.
+/// `map="CT4",direction="grow"` (or `"shrink"`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResizeLabel {
+    pub map: String,
+    pub direction: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModeLabel {
     pub mode: String,
@@ -74,6 +81,8 @@ pub struct Metrics {
     /// Kernel memory of each pinned map (fdinfo `memlock`), charged to the memory cgroup
     /// of the agent that created the maps.
     pub map_memory: Family<MapLabel, Gauge>,
+    /// Pinned maps resized online at this start, per map and direction.
+    pub map_resizes: Family<ResizeLabel, Counter>,
     /// `map_writes_total{mode}`: map elements written by batch calls or one by one.
     pub map_writes: Family<ModeLabel, Counter>,
     /// Batch calls that failed and were finished element by element.
@@ -127,6 +136,7 @@ impl Metrics {
             objects_skipped: source.objects_skipped.clone(),
             map_write_errors: Family::default(),
             map_memory: Family::default(),
+            map_resizes: Family::default(),
             map_writes: Family::default(),
             map_batch_fallbacks: Counter::default(),
             adoption_repairs: Family::default(),
@@ -205,6 +215,12 @@ impl Metrics {
             "Kernel memory of each pinned BPF map (fdinfo memlock), charged to the memory \
              cgroup of the agent that created it",
             m.map_memory.clone(),
+        );
+        registry.register(
+            "map_resizes",
+            "Pinned BPF maps resized online (a start with another --conntrack-max or \
+             --service-map-entries), per map and direction (grow, shrink)",
+            m.map_resizes.clone(),
         );
         registry.register(
             "map_writes",

@@ -206,6 +206,16 @@ fn new_metrics(opts: &AgentOptions, datapath: &Datapath) -> Arc<Metrics> {
     metrics
         .service_map_entries
         .set(i64::from(installed.service_entries));
+    for r in &installed.resized {
+        let direction = if r.to > r.from { "grow" } else { "shrink" };
+        metrics
+            .map_resizes
+            .get_or_create(&metrics::ResizeLabel {
+                map: r.map.to_string(),
+                direction: direction.to_string(),
+            })
+            .inc();
+    }
     let map_memory = loader::map_memory(&opts.pin_path);
     info!(
         total_bytes = map_memory.iter().map(|m| m.bytes).sum::<u64>(),

@@ -109,6 +109,16 @@ pub struct InstallReport {
     pub conntrack_entries: u32,
     /// `max_entries` of each service map: the pinned one's when adopted.
     pub service_entries: u32,
+    /// Pinned maps resized online before the install (`migrate::prepare_sized`).
+    pub resized: Vec<MapResize>,
+}
+
+/// One pinned map resized online: its name and `max_entries` before and after.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapResize {
+    pub map: &'static str,
+    pub from: u32,
+    pub to: u32,
 }
 
 /// The `max_entries` `map` (and its other-family twin) will have: the pinned one's when

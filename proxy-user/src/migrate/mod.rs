@@ -79,8 +79,10 @@ pub fn install(opts: &loader::InstallOptions) -> Result<loader::InstallReport, L
         conntrack: loader::conntrack_entries(opts.conntrack_flows)?,
         service: loader::service_entries(opts.service_entries)?,
     };
-    prepare_sized(&PinDir::new(&opts.pin_path), Some(sizes))?;
-    loader::install(opts)
+    let resized = prepare_sized(&PinDir::new(&opts.pin_path), Some(sizes))?;
+    let mut report = loader::install(opts)?;
+    report.resized = resized;
+    Ok(report)
 }
 
 /// The `max_entries` wanted for the maps sized by flags: `CT4`/`CT6`
@@ -110,7 +112,7 @@ impl Sizes {
 /// A pinned map whose `max_entries` is not the wanted one: `(map, pinned, wanted)`.
 /// A shrink below the entries in use is not a resize: it is refused with a warning and
 /// the pinned size kept (copying would drop entries: flows evicted, frontends lost).
-fn resizes(pins: &PinDir, sizes: &Sizes) -> Result<Vec<(&'static str, u32, u32)>, LoadError> {
+fn resizes(pins: &PinDir, sizes: &Sizes) -> Result<Vec<loader::MapResize>, LoadError> {
     let mut out = Vec::new();
     for (v4, v6, flag) in SIZED {
         let wanted = sizes.of(v4);
@@ -140,7 +142,11 @@ fn resizes(pins: &PinDir, sizes: &Sizes) -> Result<Vec<(&'static str, u32, u32)>
                     return Ok(Vec::new());
                 }
             }
-            out.push((name, pinned, wanted));
+            out.push(loader::MapResize {
+                map: name,
+                from: pinned,
+                to: wanted,
+            });
         }
     }
     Ok(out)
@@ -149,56 +155,61 @@ fn resizes(pins: &PinDir, sizes: &Sizes) -> Result<Vec<(&'static str, u32, u32)>
 /// Before `install` reads `META`: finishes or rolls back an interrupted migration,
 /// migrates an older layout, or swaps the programs of another build in.
 pub fn prepare(pins: &PinDir) -> Result<(), LoadError> {
-    prepare_sized(pins, None)
+    prepare_sized(pins, None).map(drop)
 }
 
 /// [`prepare`], and pinned maps whose size is not `sizes` (a changed `--conntrack-max`
 /// or `--service-map-entries`) resized online: the staged migration at the same ABI
 /// into maps of the new sizes (entries copied, insert-if-absent around the program
-/// swap), with the same marker and crash recovery as a layout migration.
-pub fn prepare_sized(pins: &PinDir, sizes: Option<Sizes>) -> Result<(), LoadError> {
+/// swap), with the same marker and crash recovery as a layout migration. Returns the
+/// maps resized (none when a crashed resize was only finished or rolled back).
+pub fn prepare_sized(
+    pins: &PinDir,
+    sizes: Option<Sizes>,
+) -> Result<Vec<loader::MapResize>, LoadError> {
     if EBPF_OBJECT.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     if pins.staging().path().exists() {
         resume_or_roll_back(pins)?;
     }
     if !pins.has_maps() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let found = pins.abi_version(Access::ReadOnly)?;
     if found != ABI_VERSION {
         if (OLDEST_ABI..ABI_VERSION).contains(&found) {
-            return migrate(pins, found, sizes);
+            return migrate(pins, found, sizes).map(|()| Vec::new());
         }
         // Refused by install with a clear error.
-        return Ok(());
+        return Ok(Vec::new());
     }
     if let Some(sizes) = sizes {
         let resized = resizes(pins, &sizes)?;
         if !resized.is_empty() {
-            for (map, pinned, wanted) in &resized {
+            for r in &resized {
                 info!(
-                    map,
-                    pinned_entries = pinned,
-                    wanted_entries = wanted,
+                    map = r.map,
+                    pinned_entries = r.from,
+                    wanted_entries = r.to,
                     "resizing the pinned map online (staged migration: copied, programs \
                      swapped, copied again)"
                 );
             }
-            return migrate(pins, found, Some(sizes));
+            migrate(pins, found, Some(sizes))?;
+            return Ok(resized);
         }
     }
     let pinned_hash = pins.read_meta(meta::OBJECT_HASH, Access::ReadOnly)?;
     if pinned_hash == object_hash() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     if let Some(mode) = force_mode() {
         warn!(
             ?mode,
             "{FORCE_ENV}: migrating through the staging directory at the same ABI"
         );
-        return migrate(pins, found, sizes);
+        return migrate(pins, found, sizes).map(|()| Vec::new());
     }
     if let Some((map, pinned)) = counters_grew(pins)? {
         info!(
@@ -208,9 +219,9 @@ pub fn prepare_sized(pins: &PinDir, sizes: Option<Sizes>) -> Result<(), LoadErro
             "this build counts more outcomes than the pinned counter array holds: \
              migrating through the staging directory (the counters are copied)"
         );
-        return migrate(pins, found, sizes);
+        return migrate(pins, found, sizes).map(|()| Vec::new());
     }
-    replace_programs(pins, pinned_hash)
+    replace_programs(pins, pinned_hash).map(|()| Vec::new())
 }
 
 /// A pinned outcome-counter array (`STATS`, `XDP_STATS`: one entry per [`Reason`]) smaller
