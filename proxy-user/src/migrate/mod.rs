@@ -39,6 +39,15 @@
 //! new maps are complete; the swap, copies and renames are idempotent). At every point
 //! either the old or the new programs serve every hook, each with a complete map set.
 //!
+//! **Another size ([`prepare_sized`]).** Pinned `CT4/6` or `SVC4/6` whose `max_entries`
+//! is not what `--conntrack-max` / `--service-map-entries` ask take the same staged
+//! migration at the same ABI: the staging maps are created at the new sizes, so the
+//! resized maps are copied (not shared), the others shared; the same marker and crash
+//! recovery. A shrink below the entries in use is refused (warning, size kept). The
+//! copies around the swap are insert-if-absent, except that a conntrack entry the new
+//! programs made with another translation than the old table's is overwritten by the old
+//! one ([`copy_map`]).
+//!
 //! Test hooks: `EBPF_PROXY_MIGRATE_CRASH_AT=<step>` makes the process `abort()` right
 //! after that step ([`STEPS`]); `EBPF_PROXY_MIGRATE_FORCE=1` runs the full staged
 //! migration instead of the program swap when the layout is the same but the build
