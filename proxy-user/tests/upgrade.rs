@@ -68,7 +68,7 @@ fn main() {
         cluster_ip_client(Path::new(&netns));
         return;
     }
-    let tests: [(&str, fn()); 8] = [
+    let tests: [(&str, fn()); 9] = [
         (
             "upgrade_from_previous_release_keeps_every_connection",
             upgrade_from_previous_release_keeps_every_connection,
@@ -100,6 +100,10 @@ fn main() {
         (
             "a_shrink_below_the_flows_tracked_is_refused_and_the_size_kept",
             a_shrink_below_the_flows_tracked_is_refused_and_the_size_kept,
+        ),
+        (
+            "conntrack_grows_online_while_serving",
+            conntrack_grows_online_while_serving,
         ),
     ];
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -1491,7 +1495,7 @@ fn conntrack_grown_online_keeps_every_flow_and_its_backend() {
         &c,
         &dir,
         &[],
-        &["--conntrack-max", "8192"],
+        &["--conntrack-max", "8192", "--conntrack-start", "8192"],
     );
     agent.wait_healthy();
     assert_eq!(ct_sizes(&env.pins.path), (16_384, 16_384));
@@ -1510,7 +1514,7 @@ fn conntrack_grown_online_keeps_every_flow_and_its_backend() {
             &c,
             &dir,
             &[],
-            &["--conntrack-max", &arg],
+            &["--conntrack-max", &arg, "--conntrack-start", &arg],
         );
         agent.wait_healthy();
         let log = agent.logs();
@@ -1586,7 +1590,12 @@ fn crash_at_each_resize_step_then_restart() {
         let old_progs = program_ids(&env, &c);
         let next = size * 2;
         let arg = next.to_string();
-        let args = ["--conntrack-max", arg.as_str()];
+        let args = [
+            "--conntrack-max",
+            arg.as_str(),
+            "--conntrack-start",
+            arg.as_str(),
+        ];
         UDP_WRONG_SOURCE.store(0, Ordering::Relaxed);
         let ext = ExtClients::start(&c, 3);
         let cip = ClusterIpClient::start(&env, &c);
@@ -1757,5 +1766,216 @@ fn a_shrink_below_the_flows_tracked_is_refused_and_the_size_kept() {
         "{errors:?} {flows:?}\n{log}"
     );
     assert!(tcp.0 > 0 && udp.0 > 0, "{tcp:?} {udp:?}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+// --- online growth while serving (issue 27): conntrack starts small ---
+
+/// `GET /healthz` (node-a's health address) every 50 ms until stopped: the answers that
+/// were not 200 and the slowest answer.
+struct HealthProbe {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<(Vec<String>, Duration, u64)>,
+}
+
+impl HealthProbe {
+    fn start(c: &Cluster) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (stop2, netns) = (stop.clone(), c.node_a.path());
+        let thread = std::thread::spawn(move || {
+            let _g = NetnsGuard::enter(&netns);
+            let (mut bad, mut slowest, mut n) = (Vec::new(), Duration::ZERO, 0u64);
+            while !stop2.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                match http_get(10256, "/healthz") {
+                    Ok((200, _)) => {}
+                    other => bad.push(format!("{other:?}")),
+                }
+                slowest = slowest.max(t.elapsed());
+                n += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            (bad, slowest, n)
+        });
+        Self { stop, thread }
+    }
+
+    fn finish(self) -> (Vec<String>, Duration, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("health probe")
+    }
+}
+
+/// The agent's `/metrics` (node-a's metrics address).
+fn agent_metrics(c: &Cluster) -> String {
+    let _g = NetnsGuard::enter(&c.node_a.path());
+    http_get(10249, "/metrics").expect("metrics").1
+}
+
+/// The value of the sample `line` (name and labels) in a metrics text.
+fn metric_value(text: &str, line: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+}
+
+/// Conntrack starts at 1,024 flows per family (`--conntrack-start`, ceiling
+/// `--conntrack-max 8192`) and the RUNNING agent grows it online (sampling every 500 ms
+/// here, 10 s by default) as new connections fill it: the client loops (new TCP
+/// connections, UDP exchanges from new ports) plus two UDP fillers, around 100
+/// long-lived TCP flows and the ClusterIP client. At least two steps (2,048 -> 4,096 ->
+/// 8,192 entries or more), each a new table; not one connection, exchange or long-lived
+/// flow fails; every long-lived flow keeps its conntrack entries unchanged (same backend,
+/// SNAT, service); `/healthz` answers 200 throughout; the resizes are counted.
+fn conntrack_grows_online_while_serving() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("erg-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[(proxy_user::ctsize::CHECK_ENV, "500")],
+        &["--conntrack-start", "1024", "--conntrack-max", "8192"],
+    );
+    let mut agent = agent;
+    agent.wait_healthy();
+    assert_eq!(ct_sizes(&env.pins.path), (2048, 2048), "starts small");
+    let first_id = map_id(&env.pins.path, map_names::CT4);
+    let health = HealthProbe::start(&c);
+    UDP_WRONG_SOURCE.store(0, Ordering::Relaxed);
+    let ext = ExtClients::start(&c, RESIZE_LONG_LIVED);
+    let cip = ClusterIpClient::start(&env, &c);
+    std::thread::sleep(Duration::from_millis(300));
+    let before = flow_entries(&env.pins.path, &ext.ports);
+    // Two more UDP loops from new source ports (each exchange a new flow, live 60 s).
+    let stop = Arc::new(AtomicBool::new(false));
+    let fill = Arc::new(Tally::default());
+    let fillers: Vec<_> = (0..2)
+        .map(|_| {
+            let (stop, fill, ext) = (stop.clone(), fill.clone(), c.ext.path());
+            std::thread::spawn(move || {
+                let _g = NetnsGuard::enter(&ext);
+                let addr = SocketAddr::from(([10, 100, 0, 2], NODEPORT + 1));
+                while !stop.load(Ordering::Relaxed) {
+                    fill.record("filler UDP", ask_udp(addr));
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    let mut ids = vec![first_id];
+    while ct_sizes(&env.pins.path).0 < 8192 {
+        let id = map_id(&env.pins.path, map_names::CT4);
+        if ids.last() != Some(&id) {
+            ids.push(id);
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "not grown twice in 120 s: {:?}\n{}",
+            ct_sizes(&env.pins.path),
+            agent.logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let grown_in = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    for f in fillers {
+        f.join().expect("filler");
+    }
+    std::thread::sleep(Duration::from_millis(700));
+    ids.push(map_id(&env.pins.path, map_names::CT4));
+    ids.dedup();
+    // The long-lived flows' entries, carried into the grown tables unchanged.
+    let after = flow_entries(&env.pins.path, &ext.ports);
+    let metrics = agent_metrics(&c);
+    let (tcp, udp, flows, errors) = ext.finish();
+    let (cip_counts, cip_errors) = cip.finish();
+    let (unhealthy, slowest, probes) = health.finish();
+    let sizes = ct_sizes(&env.pins.path);
+    let log = agent.stop();
+    let grows = metric_value(
+        &metrics,
+        "ebpf_proxy_map_resizes_total{map=\"CT4\",direction=\"grow\"}",
+    );
+    eprintln!(
+        "conntrack grown online 1024 -> {} flows in {:.1} s ({} tables): NodePort TCP {}/{} UDP {}/{} filler UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed); {} long-lived flows; /healthz {} probes, slowest {:?}",
+        sizes.0 / 2,
+        grown_in.as_secs_f64(),
+        ids.len(),
+        tcp.0, tcp.1, udp.0, udp.1, fill.counts().0, fill.counts().1,
+        cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3],
+        flows.len(), probes, slowest
+    );
+    for l in log
+        .lines()
+        .filter(|l| {
+            l.contains("grown online")
+                || l.contains("high-water")
+                || l.contains("occupancy sampled")
+        })
+        .take(40)
+    {
+        eprintln!("  {l}");
+    }
+    assert!(
+        log.contains("conntrack tables grown online")
+            && !log.contains("growing the conntrack tables failed"),
+        "{log}"
+    );
+    assert!(
+        ids.len() >= 3,
+        "a new CT4 map at each of two steps at least: {ids:?}"
+    );
+    assert!(
+        grows.is_some_and(|g| g >= 2.0),
+        "ebpf_proxy_map_resizes_total CT4 grow: {grows:?}\n{metrics}"
+    );
+    assert_eq!(
+        metric_value(&metrics, "ebpf_proxy_conntrack_capacity"),
+        Some(f64::from(sizes.0 / 2)),
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_value(&metrics, "ebpf_proxy_conntrack_max"),
+        Some(8192.0)
+    );
+    assert!(
+        metric_value(
+            &metrics,
+            "ebpf_proxy_conntrack_live_entries{family=\"ipv4\"}"
+        )
+        .is_some_and(|v| v > 0.0),
+        "{metrics}"
+    );
+    assert_eq!(after, before, "the long-lived flows' conntrack entries");
+    let fill_errors = fill.errors.lock().expect("lock").clone();
+    assert!(
+        errors.is_empty() && fill_errors.is_empty() && cip_failures(&cip_errors).is_empty(),
+        "failed connections: {errors:#?}\n{fill_errors:#?}\n{cip_errors}\n{log}"
+    );
+    assert!(
+        tcp.0 > 0 && udp.0 > 0 && fill.counts().0 > 0,
+        "the loops ran"
+    );
+    assert!(flows.len() >= RESIZE_LONG_LIVED, "{} flows", flows.len());
+    for f in &flows {
+        let (_, answers) = f
+            .as_ref()
+            .unwrap_or_else(|e| panic!("long-lived flow broke: {e}"));
+        assert!(*answers > 0, "{flows:?}");
+    }
+    assert_eq!(
+        UDP_WRONG_SOURCE.load(Ordering::Relaxed),
+        0,
+        "NodePort UDP answers from another source"
+    );
+    assert!(unhealthy.is_empty(), "/healthz not 200: {unhealthy:?}");
+    assert!(
+        slowest < Duration::from_secs(2),
+        "/healthz stalled {slowest:?} (the resizes run off the runtime)"
+    );
     let _ = fs::remove_dir_all(&dir);
 }

@@ -45,6 +45,12 @@ pub struct ResizeLabel {
     pub direction: String,
 }
 
+/// `family="ipv4"` (`CT4`) or `"ipv6"` (`CT6`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FamilyLabel {
+    pub family: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModeLabel {
     pub mode: String,
@@ -65,8 +71,12 @@ pub struct Metrics {
     pub backends: Gauge,
     /// Services known (after filtering).
     pub services: Gauge,
-    /// Size of each conntrack table in flows (the pinned tables' size).
+    /// The ceiling the conntrack tables grow to, in flows (`--conntrack-max`).
     pub conntrack_max: Gauge,
+    /// Size of each conntrack table in flows now (grown online toward `conntrack_max`).
+    pub conntrack_capacity: Gauge,
+    /// Live entries (idle timeout not passed) of each conntrack table, by family.
+    pub conntrack_live_entries: Family<FamilyLabel, Gauge>,
     pub service_map_entries: Gauge,
     /// Connected UDP sockets destroyed because their backend left.
     pub stale_udp_sockets: Counter,
@@ -129,6 +139,8 @@ impl Metrics {
             backends: Gauge::default(),
             services: Gauge::default(),
             conntrack_max: Gauge::default(),
+            conntrack_capacity: Gauge::default(),
+            conntrack_live_entries: Family::default(),
             service_map_entries: Gauge::default(),
             stale_udp_sockets: Counter::default(),
             watch_restarts: source.watch_restarts.clone(),
@@ -176,8 +188,21 @@ impl Metrics {
         );
         registry.register(
             "conntrack_max",
-            "Size of each conntrack table (CT4, CT6) in flows; LRU when full",
+            "Ceiling of each conntrack table (CT4, CT6) in flows: the tables grow online \
+             up to it (--conntrack-max)",
             m.conntrack_max.clone(),
+        );
+        registry.register(
+            "conntrack_capacity",
+            "Size of each conntrack table (CT4, CT6) in flows now; LRU when full, grown x2 \
+             online when its live entries pass 75 % (two entries per flow)",
+            m.conntrack_capacity.clone(),
+        );
+        registry.register(
+            "conntrack_live_entries",
+            "Live entries (idle timeout not passed) of each conntrack table, by family \
+             (CT4 ipv4, CT6 ipv6), sampled every 10 s",
+            m.conntrack_live_entries.clone(),
         );
         registry.register(
             "service_map_entries",
@@ -218,8 +243,9 @@ impl Metrics {
         );
         registry.register(
             "map_resizes",
-            "Pinned BPF maps resized online (a start with another --conntrack-max or \
-             --service-map-entries), per map and direction (grow, shrink)",
+            "Pinned BPF maps resized online (conntrack grown while serving, or a start with \
+             another --conntrack-start/--conntrack-max or --service-map-entries), per map \
+             and direction (grow, shrink)",
             m.map_resizes.clone(),
         );
         registry.register(

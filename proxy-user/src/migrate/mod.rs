@@ -233,6 +233,57 @@ pub fn prepare_sized(
     replace_programs(pins, pinned_hash).map(|()| Vec::new())
 }
 
+/// Online conntrack growth while the agent runs (`crate::ctsize`): `CT4`/`CT6` resized
+/// to `entries` each by the staged migration at this ABI, every other map shared (the
+/// service maps keep their pinned size, so the writer's map fds stay the maps in use).
+/// The datapath-written maps are copied, insert-if-absent, before and after the program
+/// swap; the same marker and crash recovery as at a start. Returns the maps resized
+/// (none when they already have that size; a shrink below the flows tracked is refused
+/// with a warning, as at a start). Refused while another migration is under way (its
+/// staging directory exists: the next start finishes or rolls it back).
+pub fn resize_conntrack(pins: &PinDir, entries: u32) -> Result<Vec<loader::MapResize>, LoadError> {
+    if EBPF_OBJECT.is_empty() || !pins.has_maps() {
+        return Ok(Vec::new());
+    }
+    let staging = pins.staging();
+    if staging.path().exists() {
+        return Err(LoadError::Io {
+            what: "resizing conntrack: another migration is under way in",
+            path: staging.path().to_path_buf(),
+            source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+        });
+    }
+    let found = pins.abi_version(Access::ReadOnly)?;
+    if found != ABI_VERSION {
+        return Err(LoadError::Io {
+            what: "resizing conntrack: the pinned maps are of another ABI in",
+            path: pins.path().to_path_buf(),
+            source: std::io::Error::from(std::io::ErrorKind::InvalidData),
+        });
+    }
+    let sizes = Sizes {
+        conntrack: entries,
+        service: pins
+            .max_entries(map_names::SVC4)
+            .unwrap_or(loader::DEFAULT_SERVICE_ENTRIES),
+    };
+    let resized = resizes(pins, &sizes)?;
+    if resized.is_empty() {
+        return Ok(resized);
+    }
+    for r in &resized {
+        info!(
+            map = r.map,
+            pinned_entries = r.from,
+            wanted_entries = r.to,
+            "resizing the pinned map online while serving (staged migration: copied, \
+             programs swapped, copied again)"
+        );
+    }
+    migrate(pins, found, Some(sizes))?;
+    Ok(resized)
+}
+
 /// A pinned outcome-counter array (`STATS`, `XDP_STATS`: one entry per [`Reason`]) smaller
 /// than this build's `Reason::COUNT`: new reasons are added within an ABI (a new counter
 /// is not a layout change for the other maps), but a program swap keeps the pinned

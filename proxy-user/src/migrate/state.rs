@@ -298,6 +298,11 @@ impl Migration {
             }
             self.staging.write_meta(meta::ABI_VERSION, ABI_VERSION)?;
             self.staging.write_meta(meta::OBJECT_HASH, object_hash())?;
+            // The acceleration mode `install` recorded (for `proxyctl`): a resize while
+            // the agent runs is not followed by an install that would write it again.
+            if let Ok(mode) = self.pins.read_meta(meta::ACCELERATION, Access::ReadOnly) {
+                self.staging.write_meta(meta::ACCELERATION, mode)?;
+            }
         }
         info!(
             from_abi = self.from,
