@@ -1818,12 +1818,16 @@ fn metric_value(text: &str, line: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
 }
 
-/// Conntrack starts at 1,024 flows per family (`--conntrack-start`, ceiling
-/// `--conntrack-max 8192`) and the RUNNING agent grows it online (sampling every 500 ms
+/// Conntrack starts at 2,048 flows per family (`--conntrack-start`, ceiling
+/// `--conntrack-max 16384`) and the RUNNING agent grows it online (sampling every 200 ms
 /// here, 10 s by default) as new connections fill it: the client loops (new TCP
-/// connections, UDP exchanges from new ports) plus two UDP fillers, around 100
-/// long-lived TCP flows and the ClusterIP client. At least two steps (2,048 -> 4,096 ->
-/// 8,192 entries or more), each a new table; not one connection, exchange or long-lived
+/// connections, UDP exchanges from new ports, about 2,000 new conntrack entries a second
+/// together) plus a UDP filler, around 100 long-lived TCP flows and the ClusterIP client.
+/// The fill stays within what the sampling absorbs (the growth is projected two samples
+/// ahead; a faster fill meets the LRU's eviction first, as a full table always did). At
+/// least two steps (4,096 -> 8,192 -> 16,384 entries or more), each a new table; a
+/// Service added afterwards answers (the writer writes the maps the new programs read,
+/// every map but conntrack being the same object); not one connection, exchange or long-lived
 /// flow fails; every long-lived flow keeps its conntrack entries unchanged (same backend,
 /// SNAT, service); `/healthz` answers 200 throughout; the resizes are counted.
 fn conntrack_grows_online_while_serving() {
@@ -1836,23 +1840,34 @@ fn conntrack_grows_online_while_serving() {
         &env,
         &c,
         &dir,
-        &[(proxy_user::ctsize::CHECK_ENV, "500")],
-        &["--conntrack-start", "1024", "--conntrack-max", "8192"],
+        &[(proxy_user::ctsize::CHECK_ENV, "200")],
+        &["--conntrack-start", "2048", "--conntrack-max", "16384"],
     );
     let mut agent = agent;
     agent.wait_healthy();
-    assert_eq!(ct_sizes(&env.pins.path), (2048, 2048), "starts small");
+    assert_eq!(ct_sizes(&env.pins.path), (4096, 4096), "starts small");
     let first_id = map_id(&env.pins.path, map_names::CT4);
+    // Every map but conntrack (and META, rewritten by each migration) is shared by the
+    // resizes: the agent's writer keeps writing the maps the programs read.
+    let others = |pins: &Path| {
+        map_ids(pins)
+            .into_iter()
+            .filter(|(n, _)| {
+                ![map_names::CT4, map_names::CT6, map_names::META].contains(&n.as_str())
+            })
+            .collect::<Vec<_>>()
+    };
+    let others_before = others(&env.pins.path);
     let health = HealthProbe::start(&c);
     UDP_WRONG_SOURCE.store(0, Ordering::Relaxed);
     let ext = ExtClients::start(&c, RESIZE_LONG_LIVED);
     let cip = ClusterIpClient::start(&env, &c);
     std::thread::sleep(Duration::from_millis(300));
     let before = flow_entries(&env.pins.path, &ext.ports);
-    // Two more UDP loops from new source ports (each exchange a new flow, live 60 s).
+    // One more UDP loop from new source ports (each exchange a new flow, live 60 s).
     let stop = Arc::new(AtomicBool::new(false));
     let fill = Arc::new(Tally::default());
-    let fillers: Vec<_> = (0..2)
+    let fillers: Vec<_> = (0..1)
         .map(|_| {
             let (stop, fill, ext) = (stop.clone(), fill.clone(), c.ext.path());
             std::thread::spawn(move || {
@@ -1860,14 +1875,14 @@ fn conntrack_grows_online_while_serving() {
                 let addr = SocketAddr::from(([10, 100, 0, 2], NODEPORT + 1));
                 while !stop.load(Ordering::Relaxed) {
                     fill.record("filler UDP", ask_udp(addr));
-                    std::thread::sleep(Duration::from_millis(2));
+                    std::thread::sleep(Duration::from_millis(5));
                 }
             })
         })
         .collect();
     let started = Instant::now();
     let mut ids = vec![first_id];
-    while ct_sizes(&env.pins.path).0 < 8192 {
+    while ct_sizes(&env.pins.path).0 < 16_384 {
         let id = map_id(&env.pins.path, map_names::CT4);
         if ids.last() != Some(&id) {
             ids.push(id);
@@ -1888,6 +1903,27 @@ fn conntrack_grows_online_while_serving() {
     std::thread::sleep(Duration::from_millis(700));
     ids.push(map_id(&env.pins.path, map_names::CT4));
     ids.dedup();
+    // A Service added after the resizes: the agent's writer still writes the maps the
+    // swapped programs read.
+    let late = NODEPORT + 20;
+    fs::write(
+        dir.join("late.yaml"),
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: late, namespace: default}}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.12\n  clusterIPs: [10.96.0.12]\n  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: {late}, protocol: TCP}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: late-ipv4, namespace: default, labels: {{kubernetes.io/service-name: late}}}}\naddressType: IPv4\nports:\n- {{name: http, port: 8080, protocol: TCP}}\nendpoints:\n- {{addresses: [\"10.1.1.2\"], nodeName: node-a}}\n"
+        ),
+    )
+    .expect("write the late Service");
+    let late_answer = {
+        let _g = c.ext.enter();
+        let t = Instant::now();
+        loop {
+            match ask_tcp(SocketAddr::from(([10, 100, 0, 2], late))) {
+                Ok(pod) => break Ok(pod),
+                Err(e) if t.elapsed() > Duration::from_secs(15) => break Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    };
     // The long-lived flows' entries, carried into the grown tables unchanged.
     let after = flow_entries(&env.pins.path, &ext.ports);
     let metrics = agent_metrics(&c);
@@ -1901,7 +1937,7 @@ fn conntrack_grows_online_while_serving() {
         "ebpf_proxy_map_resizes_total{map=\"CT4\",direction=\"grow\"}",
     );
     eprintln!(
-        "conntrack grown online 1024 -> {} flows in {:.1} s ({} tables): NodePort TCP {}/{} UDP {}/{} filler UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed); {} long-lived flows; /healthz {} probes, slowest {:?}",
+        "conntrack grown online 2048 -> {} flows in {:.1} s ({} tables): NodePort TCP {}/{} UDP {}/{} filler UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed); {} long-lived flows; /healthz {} probes, slowest {:?}",
         sizes.0 / 2,
         grown_in.as_secs_f64(),
         ids.len(),
@@ -1940,7 +1976,7 @@ fn conntrack_grows_online_while_serving() {
     );
     assert_eq!(
         metric_value(&metrics, "ebpf_proxy_conntrack_max"),
-        Some(8192.0)
+        Some(16_384.0)
     );
     assert!(
         metric_value(
@@ -1951,6 +1987,16 @@ fn conntrack_grows_online_while_serving() {
         "{metrics}"
     );
     assert_eq!(after, before, "the long-lived flows' conntrack entries");
+    assert_eq!(
+        others(&env.pins.path),
+        others_before,
+        "the other maps are the same objects"
+    );
+    assert_eq!(
+        late_answer.as_deref().ok(),
+        Some("pod1"),
+        "a Service added after the resizes answers: {late_answer:?}"
+    );
     let fill_errors = fill.errors.lock().expect("lock").clone();
     assert!(
         errors.is_empty() && fill_errors.is_empty() && cip_failures(&cip_errors).is_empty(),

@@ -112,6 +112,9 @@ struct Row {
     insert_ns: f64,
     update_ns: f64,
     single_ns: f64,
+    /// A walk of every entry by `BPF_MAP_LOOKUP_BATCH` in chunks of 1,024 (keys and
+    /// values into fixed buffers), as the agent's conntrack sampler reads CT4/CT6.
+    walk_ns: f64,
     memlock_created: u64,
     memlock_filled: u64,
     charge_created: Option<u64>,
@@ -185,6 +188,8 @@ fn measure(kind: Kind, shape: &Shape, n: usize, memcg: Option<&MemCg>) -> Result
         let charge_filled = charge(cg.as_ref(), before)?;
         let memlock_filled = memlock(fd.as_fd())?;
         let update_ns = fill(&fd, shape, &keys, &values)? / n as f64;
+        let (walked, walk) = walk(&fd, shape)?;
+        let walk_ns = walk / walked.max(1) as f64;
 
         // One syscall per entry, over the first 16,384 (already there: an update).
         let m = n.min(16_384);
@@ -205,6 +210,7 @@ fn measure(kind: Kind, shape: &Shape, n: usize, memcg: Option<&MemCg>) -> Result
             insert_ns,
             update_ns,
             single_ns,
+            walk_ns,
             memlock_created,
             memlock_filled,
             charge_created,
@@ -265,6 +271,46 @@ fn update_batch(fd: BorrowedFd<'_>, keys: &[u8], values: &[u8], count: u32) -> R
         bail!("BPF_MAP_UPDATE_BATCH: {e} after {} of {count}", a.count);
     }
     Ok(())
+}
+
+/// (entries read, nanoseconds) of a walk of the whole map by `BPF_MAP_LOOKUP_BATCH`,
+/// 1,024 entries per call, into fixed buffers (arrays: their slots).
+fn walk(fd: &OwnedFd, shape: &Shape) -> Result<(usize, f64)> {
+    const WALK: u32 = 1024;
+    let mut chunk = WALK;
+    let mut keys = vec![0u8; chunk as usize * shape.key];
+    let mut values = vec![0u8; chunk as usize * shape.value];
+    let len = shape.key.max(8);
+    let (mut token_in, mut token_out) = (vec![0u8; len], vec![0u8; len]);
+    let (mut read, mut first) = (0usize, true);
+    let t = Instant::now();
+    loop {
+        let r = bpf_sys::map_lookup_batch(
+            fd.as_fd(),
+            (!first).then_some(&token_in[..]),
+            &mut token_out,
+            &mut keys,
+            &mut values,
+            chunk,
+        );
+        let (got, end) = match r {
+            Ok(r) => r,
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && chunk < (1 << 16) => {
+                chunk *= 2;
+                keys.resize(chunk as usize * shape.key, 0);
+                values.resize(chunk as usize * shape.value, 0);
+                continue;
+            }
+            Err(e) => return Err(e).context("BPF_MAP_LOOKUP_BATCH"),
+        };
+        read += got as usize;
+        if end == bpf_sys::BatchEnd::End {
+            break;
+        }
+        first = false;
+        token_in.copy_from_slice(&token_out);
+    }
+    Ok((read, t.elapsed().as_nanos() as f64))
 }
 
 /// Entries in the map after the fill (an LRU hash may have evicted some to make room).
@@ -433,9 +479,9 @@ fn print_table(rows: &[Row], n: usize) {
     );
     println!();
     println!(
-        "| layout (key + value B) | kind | insert ns/entry (batch, empty map) | update ns/entry (batch) | update ns/entry (one syscall each) | memlock at creation MiB | memlock filled MiB | B/entry filled (memlock) | memcg charge at creation MiB | memcg charge filled MiB | B/entry filled (memcg) |"
+        "| layout (key + value B) | kind | insert ns/entry (batch, empty map) | update ns/entry (batch) | update ns/entry (one syscall each) | walk ns/entry (lookup batch, 1,024) | memlock at creation MiB | memlock filled MiB | B/entry filled (memlock) | memcg charge at creation MiB | memcg charge filled MiB | B/entry filled (memcg) |"
     );
-    println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in rows {
         let opt = |c: Option<u64>| c.map_or("-".to_string(), mib);
         let opt_pe = |c: Option<u64>| c.map_or("-".to_string(), |c| per_entry(c, n));
@@ -445,7 +491,7 @@ fn print_table(rows: &[Row], n: usize) {
             format!(" ({} kept)", r.filled)
         };
         println!(
-            "| {} ({} + {}) | {}{} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} | {} | {} |",
+            "| {} ({} + {}) | {}{} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} | {} | {} |",
             r.shape,
             r.key,
             r.value,
@@ -454,6 +500,7 @@ fn print_table(rows: &[Row], n: usize) {
             r.insert_ns,
             r.update_ns,
             r.single_ns,
+            r.walk_ns,
             mib(r.memlock_created),
             mib(r.memlock_filled),
             per_entry(r.memlock_filled, n),

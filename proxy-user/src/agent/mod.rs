@@ -422,6 +422,8 @@ async fn grow_conntrack(
     let mut every = tokio::time::interval(crate::ctsize::check_interval());
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     every.tick().await;
+    // The previous sample's fullest table (live entries), for the projection.
+    let mut previous = None;
     loop {
         every.tick().await;
         let pins = crate::pins::PinDir::new(&pin_path);
@@ -457,7 +459,10 @@ async fn grow_conntrack(
             elapsed_us = started.elapsed().as_micros() as u64,
             "conntrack occupancy sampled"
         );
-        let Some(to) = crate::ctsize::grown(sample.entries, sample.fullest(), ceiling) else {
+        let expected =
+            crate::ctsize::projected(sample.fullest(), previous.unwrap_or(sample.fullest()));
+        previous = Some(sample.fullest());
+        let Some(to) = crate::ctsize::grown(sample.entries, expected, ceiling) else {
             continue;
         };
         info!(
@@ -465,6 +470,7 @@ async fn grow_conntrack(
             to_flows = to / 2,
             ceiling_flows,
             live_entries = ?sample.live,
+            expected_entries = expected,
             "conntrack past its high-water mark: growing the tables online"
         );
         let started = Instant::now();
