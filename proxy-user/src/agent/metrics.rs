@@ -195,7 +195,8 @@ impl Metrics {
         registry.register(
             "conntrack_capacity",
             "Size of each conntrack table (CT4, CT6) in flows now; LRU when full, grown x2 \
-             online when its live entries pass 75 % (two entries per flow)",
+             online when its live entries pass 75 % or are projected to (two entries per \
+             flow)",
             m.conntrack_capacity.clone(),
         );
         registry.register(
