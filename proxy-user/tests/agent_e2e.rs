@@ -1697,6 +1697,20 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
         "{logs}"
     );
     assert!(!env.pins.path.join("SVC4").exists(), "nothing was created");
+    // The conntrack bounds likewise, each named (the ceiling is checked although the
+    // tables start smaller).
+    for (flag, value) in [("--conntrack-max", "9000000"), ("--conntrack-start", "10")] {
+        let mut bad = AgentProcess::start(&env, &[m, d, flag, value]);
+        let status = bad.child.wait().expect("wait");
+        assert!(!status.success());
+        let logs = bad.logs();
+        assert!(
+            logs.contains(flag)
+                && logs.contains(&format!("conntrack size {value} flows is out of range")),
+            "{logs}"
+        );
+        assert!(!env.pins.path.join("CT4").exists(), "nothing was created");
+    }
 
     let mut agent = AgentProcess::start(&env, &[m, d, "--service-map-entries", "64"]);
     let metrics = wait_metrics(

@@ -161,6 +161,10 @@ fn open_datapath(opts: &AgentOptions) -> anyhow::Result<Datapath> {
         None => (Vec::new(), crate::node::node_interfaces(&all, &[]).1),
         Some(wanted) => crate::node::node_interfaces(&all, wanted),
     };
+    // Both bounds checked before anything is made (the ceiling is only created when the
+    // tables grow to it).
+    loader::conntrack_entries(opts.conntrack_flows).context("--conntrack-max")?;
+    loader::conntrack_entries(opts.conntrack_start).context("--conntrack-start")?;
     // The conntrack size at this start: the pinned one (grown online) within
     // [--conntrack-start, --conntrack-max], else the nearest bound.
     let conntrack_flows = crate::ctsize::start_flows(
