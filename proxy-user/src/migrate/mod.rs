@@ -46,7 +46,8 @@
 //! recovery. A shrink below the entries in use is refused (warning, size kept). The
 //! copies around the swap are insert-if-absent, except that a conntrack entry the new
 //! programs made with another translation than the old table's is overwritten by the old
-//! one ([`copy_map`]).
+//! one ([`copy_map`]). While the agent runs, [`resize_conntrack`] takes the same path for
+//! `CT4/6` alone (`crate::ctsize` decides when), every other map shared.
 //!
 //! Test hooks: `EBPF_PROXY_MIGRATE_CRASH_AT=<step>` makes the process `abort()` right
 //! after that step ([`STEPS`]); `EBPF_PROXY_MIGRATE_FORCE=1` runs the full staged
