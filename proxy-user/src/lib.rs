@@ -10,6 +10,7 @@ pub mod cleanup;
 pub mod cluster;
 pub mod codec;
 pub mod ctl;
+pub mod ctsize;
 pub mod dsr_trust;
 pub mod fasthash;
 pub mod fs;

@@ -284,16 +284,25 @@ fn restarting_the_agent_drops_no_connection() {
         "web-slice.yaml",
         &slice("web-1", "web", TARGET, &[ready(&pod(2)), ready(&pod(3))]),
     );
-    // Another size: the pinned tables (and their flows) are kept, with a warning.
+    // Another size: the pinned tables are resized online at the start (staged
+    // migration: the flows copied, the programs swapped) while the client connects.
     let mut agent = AgentProcess::start(&env, &[m, d, "--conntrack-max", "2000"]);
     agent.wait_healthy(Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, Ordering::Relaxed);
     let metrics = agent.metrics();
     assert!(
-        metrics.contains("ebpf_proxy_conntrack_max 1000\n"),
-        "pinned tables keep their size: {metrics}"
+        metrics.contains("ebpf_proxy_conntrack_max 2000\n"),
+        "the pinned tables are resized to the new --conntrack-max: {metrics}"
     );
+    for map in ["CT4", "CT6"] {
+        assert!(
+            metrics.contains(&format!(
+                "ebpf_proxy_map_resizes_total{{map=\"{map}\",direction=\"grow\"}} 1\n"
+            )),
+            "{metrics}"
+        );
+    }
     let errors = client.join().expect("client");
     eprintln!(
         "connections: {} ok ({during} while no agent ran), {} failed",
@@ -307,11 +316,11 @@ fn restarting_the_agent_drops_no_connection() {
     assert!(during > 10, "the client kept connecting while no agent ran");
     let logs = agent.logs();
     assert!(
-        logs.contains("adopted the pinned datapath") || logs.contains("adopted=8"),
+        logs.contains("resizing the pinned map online") && logs.contains("layout migration done"),
         "{logs}"
     );
     assert!(
-        logs.contains("the pinned conntrack tables keep their size"),
+        !logs.contains("the pinned conntrack tables keep their size"),
         "{logs}"
     );
     // The edit made while no agent ran is applied by the new one.
@@ -1688,6 +1697,20 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
         "{logs}"
     );
     assert!(!env.pins.path.join("SVC4").exists(), "nothing was created");
+    // The conntrack bounds likewise, each named (the ceiling is checked although the
+    // tables start smaller).
+    for (flag, value) in [("--conntrack-max", "9000000"), ("--conntrack-start", "10")] {
+        let mut bad = AgentProcess::start(&env, &[m, d, flag, value]);
+        let status = bad.child.wait().expect("wait");
+        assert!(!status.success());
+        let logs = bad.logs();
+        assert!(
+            logs.contains(flag)
+                && logs.contains(&format!("conntrack size {value} flows is out of range")),
+            "{logs}"
+        );
+        assert!(!env.pins.path.join("CT4").exists(), "nothing was created");
+    }
 
     let mut agent = AgentProcess::start(&env, &[m, d, "--service-map-entries", "64"]);
     let metrics = wait_metrics(
@@ -1749,19 +1772,42 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
     assert_eq!(entries.get(&vip_of(other)), None, "{entries:?}");
     agent.stop();
 
-    // Another size on a restart: the pinned maps keep theirs (with a warning).
+    // Another size on a restart: the pinned maps are resized online (entries copied,
+    // programs swapped): every frontend is there, whole, in the larger maps.
     let mut agent = AgentProcess::start(&env, &[m, d, "--service-map-entries", "4096"]);
     agent.wait_healthy(Duration::from_secs(30));
     let metrics = agent.metrics();
     assert!(
-        metrics.contains("ebpf_proxy_service_map_entries 64\n"),
+        metrics.contains("ebpf_proxy_service_map_entries 4096\n")
+            && metrics
+                .contains("ebpf_proxy_map_resizes_total{map=\"SVC4\",direction=\"grow\"} 1\n"),
         "{metrics}"
     );
+    let resized = svc4_entries(&env.pins.path);
+    assert_eq!(resized, entries, "the frontends survive the resize whole");
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
     let logs = agent.stop();
     assert!(
-        logs.contains("the pinned service maps keep their size"),
+        logs.contains("resizing the pinned map online") && logs.contains("layout migration done"),
         "{logs}"
     );
+    // Back down to 64 (the 57 entries in use fit): shrunk online, every frontend whole.
+    let mut agent = AgentProcess::start(&env, &[m, d, "--service-map-entries", "64"]);
+    agent.wait_healthy(Duration::from_secs(30));
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains("ebpf_proxy_service_map_entries 64\n")
+            && metrics
+                .contains("ebpf_proxy_map_resizes_total{map=\"SVC6\",direction=\"shrink\"} 1\n"),
+        "{metrics}"
+    );
+    assert_eq!(
+        svc4_entries(&env.pins.path),
+        entries,
+        "whole after the shrink"
+    );
+    let logs = agent.stop();
+    assert!(logs.contains("resizing the pinned map online"), "{logs}");
 }
 
 /// After a first complete sync, a Service that does not fit is a failed sync, not a sync

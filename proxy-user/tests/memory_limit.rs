@@ -4,7 +4,8 @@
 //! BPF map memory is charged to the memory cgroup of the process that creates the maps,
 //! and stays charged while the maps are pinned. So the test runs the real `proxy-agent`
 //! binary in a fresh child memory cgroup whose limit is the one `deploy/base/daemonset.yaml`
-//! gives the agent container, with the conntrack size of `deploy/base/configmap.yaml`:
+//! gives the agent container, with the conntrack ceiling of `deploy/base/configmap.yaml`
+//! (`PROXY_CONNTRACK_MAX`; the tables created at it, as the agent grows them under load):
 //! a cold start (the agent creates every map) must become healthy with every frontend
 //! programmed and no OOM kill; then the agent is stopped and started again *in the same
 //! cgroup* (what a container restart in the same pod does: the pinned maps are still
@@ -523,6 +524,10 @@ fn shipped_memory_limit_survives_cold_start_and_restart_at_10k_services() {
         "--manifests",
         dir.to_str().expect("utf-8"),
         "--conntrack-max",
+        &shipped.conntrack_max,
+        // The tables at their ceiling from the start: the agent grows them to it by
+        // itself under load, so the limit must hold them there.
+        "--conntrack-start",
         &shipped.conntrack_max,
         "--service-map-entries",
         &shipped.service_map_entries,

@@ -68,7 +68,7 @@ fn main() {
         cluster_ip_client(Path::new(&netns));
         return;
     }
-    let tests: [(&str, fn()); 5] = [
+    let tests: [(&str, fn()); 9] = [
         (
             "upgrade_from_previous_release_keeps_every_connection",
             upgrade_from_previous_release_keeps_every_connection,
@@ -88,6 +88,22 @@ fn main() {
         (
             "a_build_with_more_outcome_counters_migrates_the_pinned_counter_array",
             a_build_with_more_outcome_counters_migrates_the_pinned_counter_array,
+        ),
+        (
+            "conntrack_grown_online_keeps_every_flow_and_its_backend",
+            conntrack_grown_online_keeps_every_flow_and_its_backend,
+        ),
+        (
+            "crash_at_each_resize_step_then_restart",
+            crash_at_each_resize_step_then_restart,
+        ),
+        (
+            "a_shrink_below_the_flows_tracked_is_refused_and_the_size_kept",
+            a_shrink_below_the_flows_tracked_is_refused_and_the_size_kept,
+        ),
+        (
+            "conntrack_grows_online_while_serving",
+            conntrack_grows_online_while_serving,
         ),
     ];
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -1444,5 +1460,568 @@ fn a_build_with_more_outcome_counters_migrates_the_pinned_counter_array() {
     assert!(errors.is_empty(), "{errors:?}");
     assert!(flows.iter().all(Result::is_ok), "{flows:?}");
     assert!(tcp.0 > 0 && udp.0 > 0, "traffic went on: {tcp:?} {udp:?}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+// --- online resize (issue 27): another --conntrack-max at a restart ---
+
+/// `max_entries` of the pinned `CT4` and `CT6`.
+fn ct_sizes(pins: &Path) -> (u32, u32) {
+    let dir = proxy_user::pins::PinDir::new(pins);
+    (
+        dir.max_entries(map_names::CT4).expect("CT4 pinned"),
+        dir.max_entries(map_names::CT6).expect("CT6 pinned"),
+    )
+}
+
+/// Long-lived TCP flows through the NodePort (this many, each asking every 20 ms: the
+/// machine is 2 shared cores) while conntrack is grown online.
+const RESIZE_LONG_LIVED: usize = 100;
+
+/// Conntrack grown 16,384 -> 32,768 -> 65,536 entries (`--conntrack-max` 8192 -> 16384 ->
+/// 32768 at restarts) under the client loops: the tables are resized online by the staged
+/// migration (new maps of the new size, flows copied, programs swapped, copied again),
+/// and not one connection or exchange fails; every long-lived flow keeps answering from
+/// its pod and keeps its conntrack entries (both directions: same backend, SNAT, service)
+/// in the new tables.
+fn conntrack_grown_online_keeps_every_flow_and_its_backend() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("ers-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[],
+        &["--conntrack-max", "8192", "--conntrack-start", "8192"],
+    );
+    agent.wait_healthy();
+    assert_eq!(ct_sizes(&env.pins.path), (16_384, 16_384));
+    UDP_WRONG_SOURCE.store(0, Ordering::Relaxed);
+    let ext = ExtClients::start(&c, RESIZE_LONG_LIVED);
+    let cip = ClusterIpClient::start(&env, &c);
+    std::thread::sleep(Duration::from_millis(300));
+    let before = flow_entries(&env.pins.path, &ext.ports);
+    let mut ct_ids = vec![map_id(&env.pins.path, map_names::CT4)];
+    for flows in [16_384u32, 32_768] {
+        agent.stop();
+        let arg = flows.to_string();
+        agent = Agent::start_with(
+            &new_agent(),
+            &env,
+            &c,
+            &dir,
+            &[],
+            &["--conntrack-max", &arg, "--conntrack-start", &arg],
+        );
+        agent.wait_healthy();
+        let log = agent.logs();
+        assert_eq!(ct_sizes(&env.pins.path), (flows * 2, flows * 2), "{log}");
+        assert!(
+            log.contains("resizing the pinned map online") && log.contains("layout migration done"),
+            "{log}"
+        );
+        assert_migrated(&env.pins.path, &[], &log);
+        ct_ids.push(map_id(&env.pins.path, map_names::CT4));
+        std::thread::sleep(Duration::from_millis(500));
+        // The long-lived flows' entries, copied into the new tables unchanged.
+        assert_eq!(
+            flow_entries(&env.pins.path, &ext.ports),
+            before,
+            "conntrack entries of the long-lived flows after growing to {flows}"
+        );
+    }
+    let (tcp, udp, flows, errors) = ext.finish();
+    let (cip_counts, cip_errors) = cip.finish();
+    let log = agent.stop();
+    eprintln!(
+        "conntrack 16k -> 32k -> 64k: NodePort TCP {}/{} UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed); {} long-lived flows",
+        tcp.0, tcp.1, udp.0, udp.1, cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3],
+        flows.len()
+    );
+    ct_ids.dedup();
+    assert_eq!(ct_ids.len(), 3, "a new CT4 map at each resize: {ct_ids:?}");
+    assert!(
+        errors.is_empty() && cip_failures(&cip_errors).is_empty(),
+        "failed connections: {errors:#?}\n{cip_errors}\n{log}"
+    );
+    assert!(tcp.0 > 0 && udp.0 > 0, "the loops ran: {tcp:?} {udp:?}");
+    assert!(flows.len() >= RESIZE_LONG_LIVED, "{} flows", flows.len());
+    for f in &flows {
+        let (_, answers) = f
+            .as_ref()
+            .unwrap_or_else(|e| panic!("long-lived flow broke: {e}"));
+        assert!(*answers > 0, "{flows:?}");
+    }
+    assert_eq!(
+        UDP_WRONG_SOURCE.load(Ordering::Relaxed),
+        0,
+        "NodePort UDP answers from another source"
+    );
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// A crash injected after each step of a resize (`EBPF_PROXY_MIGRATE_CRASH_AT`), the
+/// conntrack size doubled at each step from 1024 flows (the client loops fill the tables
+/// with a few thousand entries a step, so a shrink would be refused): the datapath left by the crash keeps serving (old or new programs, each
+/// with a complete map set), and the next start with the same size rolls back and redoes
+/// the resize (`staged`, `filled`) or finishes it (later steps): the tables have the new
+/// size, nothing staged is left, and no connection failed.
+fn crash_at_each_resize_step_then_restart() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("erc-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let mut size = 1024u32;
+    let arg = size.to_string();
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[],
+        &["--conntrack-max", &arg],
+    );
+    agent.wait_healthy();
+    agent.stop();
+    for step in migrate::STEPS {
+        let old_progs = program_ids(&env, &c);
+        let next = size * 2;
+        let arg = next.to_string();
+        let args = [
+            "--conntrack-max",
+            arg.as_str(),
+            "--conntrack-start",
+            arg.as_str(),
+        ];
+        UDP_WRONG_SOURCE.store(0, Ordering::Relaxed);
+        let ext = ExtClients::start(&c, 3);
+        let cip = ClusterIpClient::start(&env, &c);
+        std::thread::sleep(Duration::from_millis(300));
+        let mut crashing = Agent::start_with(
+            &new_agent(),
+            &env,
+            &c,
+            &dir,
+            &[(migrate::CRASH_ENV, step)],
+            &args,
+        );
+        let status = crashing.wait_exit();
+        let crash_log = crashing.logs();
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGABRT),
+            "{step}: {status}\n{crash_log}"
+        );
+        assert!(
+            crash_log.contains("resizing the pinned map online"),
+            "{crash_log}"
+        );
+        drop(crashing);
+        assert!(
+            env.pins.path.join(migrate::STAGING_DIR).exists(),
+            "{step}: the crash left the staging directory"
+        );
+        std::thread::sleep(Duration::from_millis(700));
+        let progs = program_ids(&env, &c);
+        assert_eq!(progs.len(), 12, "{step}: every hook attached: {progs:?}");
+        let swapped = progs.iter().filter(|id| !old_progs.contains(id)).count();
+        let want_swapped = match step {
+            "staged" | "filled" => 0,
+            "swap-first" => 1,
+            _ => 12,
+        };
+        assert_eq!(swapped, want_swapped, "{step}: hooks on new programs");
+
+        let mut agent = Agent::start_with(&new_agent(), &env, &c, &dir, &[], &args);
+        agent.wait_healthy();
+        std::thread::sleep(Duration::from_millis(500));
+        let (tcp, udp, flows, errors) = ext.finish();
+        let (cip_counts, cip_errors) = cip.finish();
+        let log = agent.logs();
+        eprintln!(
+            "resize {size} -> {next}, crash at {step}: NodePort TCP {}/{} UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed)",
+            tcp.0, tcp.1, udp.0, udp.1, cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3]
+        );
+        // Half-swapped TC hooks (`swap-first`) use two conntrack tables (the old size's
+        // and the new one's): a flow opened in that state while no agent runs may fail
+        // (as with a changed conntrack layout in crash_at_each_migration_step_then_restart:
+        // documented in docs/ARCHITECTURE.md); shown, not asserted, for that step only.
+        if step == "swap-first" {
+            eprintln!("{step}: half-swapped TC with two conntrack tables: {errors:?}");
+        }
+        assert!(
+            (errors.is_empty() || step == "swap-first") && cip_failures(&cip_errors).is_empty(),
+            "{step}: failed connections: {errors:#?}\n{cip_errors}\n--- crashed ---\n{crash_log}\n--- restarted ---\n{log}"
+        );
+        for f in &flows {
+            assert!(f.is_ok(), "{step}: long-lived flow broke: {flows:?}\n{log}");
+        }
+        let resumed = log.contains("resuming an interrupted layout migration");
+        let rolled_back = log.contains("rolling back");
+        match step {
+            "staged" | "filled" => assert!(
+                rolled_back && !resumed && log.contains("resizing the pinned map online"),
+                "{step}: {log}"
+            ),
+            _ => assert!(resumed && !rolled_back, "{step}: {log}"),
+        }
+        assert_eq!(
+            ct_sizes(&env.pins.path),
+            (next * 2, next * 2),
+            "{step}: resized\n{log}"
+        );
+        assert_migrated(&env.pins.path, &[], &format!("{crash_log}\n{log}"));
+        let progs = program_ids(&env, &c);
+        assert!(
+            progs.iter().all(|id| !old_progs.contains(id)),
+            "{step}: old programs left"
+        );
+        assert_eq!(nodeport_spread(&c, 30).len(), 3, "{step}");
+        agent.stop();
+        size = next;
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// A start asking for conntrack tables smaller than the flows they hold (the client loops
+/// leave two entries per connection) does not resize (the flows would be evicted): the
+/// pinned tables keep their size and object, with a warning naming the map and the
+/// counts, and nothing is staged; a later start asking for a size that fits resizes.
+fn a_shrink_below_the_flows_tracked_is_refused_and_the_size_kept() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("ers-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[],
+        &["--conntrack-max", "1024"],
+    );
+    agent.wait_healthy();
+    let ext = ExtClients::start(&c, 3);
+    // Until CT4 holds more than 2 x 64 entries (the smallest size, --conntrack-max 64).
+    let start = Instant::now();
+    let tracked = || {
+        proxy_user::pins::PinDir::new(&env.pins.path)
+            .typed::<aya::maps::HashMap<aya::maps::MapData, proxy_common::Ct4Key, proxy_common::Ct4Value>>(
+                map_names::CT4,
+                proxy_user::pins::Access::ReadOnly,
+            )
+            .expect("CT4")
+            .keys()
+            .count()
+    };
+    while tracked() <= 2 * 64 {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "CT4 never filled"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    agent.stop();
+    let ct_id = map_id(&env.pins.path, map_names::CT4);
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[],
+        &["--conntrack-max", "64"],
+    );
+    agent.wait_healthy();
+    let log = agent.stop();
+    assert!(
+        log.contains("not shrinking the pinned map") && log.contains("map=\"CT4\""),
+        "{log}"
+    );
+    assert!(!log.contains("resizing the pinned map online"), "{log}");
+    assert_eq!(ct_sizes(&env.pins.path), (2048, 2048), "{log}");
+    assert_eq!(
+        map_id(&env.pins.path, map_names::CT4),
+        ct_id,
+        "the same table"
+    );
+    assert!(!env.pins.path.join(migrate::STAGING_DIR).exists());
+    // A size that holds them: resized.
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[],
+        &["--conntrack-max", "8192"],
+    );
+    agent.wait_healthy();
+    let (tcp, udp, flows, errors) = ext.finish();
+    let log = agent.stop();
+    assert_eq!(ct_sizes(&env.pins.path), (16_384, 16_384), "{log}");
+    assert!(
+        errors.is_empty() && flows.iter().all(|f| f.is_ok()),
+        "{errors:?} {flows:?}\n{log}"
+    );
+    assert!(tcp.0 > 0 && udp.0 > 0, "{tcp:?} {udp:?}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+// --- online growth while serving (issue 27): conntrack starts small ---
+
+/// `GET /healthz` (node-a's health address) every 50 ms until stopped: the answers that
+/// were not 200 and the slowest answer.
+struct HealthProbe {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<(Vec<String>, Duration, u64)>,
+}
+
+impl HealthProbe {
+    fn start(c: &Cluster) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (stop2, netns) = (stop.clone(), c.node_a.path());
+        let thread = std::thread::spawn(move || {
+            let _g = NetnsGuard::enter(&netns);
+            let (mut bad, mut slowest, mut n) = (Vec::new(), Duration::ZERO, 0u64);
+            while !stop2.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                match http_get(10256, "/healthz") {
+                    Ok((200, _)) => {}
+                    other => bad.push(format!("{other:?}")),
+                }
+                slowest = slowest.max(t.elapsed());
+                n += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            (bad, slowest, n)
+        });
+        Self { stop, thread }
+    }
+
+    fn finish(self) -> (Vec<String>, Duration, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("health probe")
+    }
+}
+
+/// The agent's `/metrics` (node-a's metrics address).
+fn agent_metrics(c: &Cluster) -> String {
+    let _g = NetnsGuard::enter(&c.node_a.path());
+    http_get(10249, "/metrics").expect("metrics").1
+}
+
+/// The value of the sample `line` (name and labels) in a metrics text.
+fn metric_value(text: &str, line: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+}
+
+/// Conntrack starts at 2,048 flows per family (`--conntrack-start`, ceiling
+/// `--conntrack-max 16384`) and the RUNNING agent grows it online (sampling every 200 ms
+/// here, 10 s by default) as new connections fill it: the client loops (new TCP
+/// connections, UDP exchanges from new ports, about 2,000 new conntrack entries a second
+/// together) plus a UDP filler, around 100 long-lived TCP flows and the ClusterIP client.
+/// The fill stays within what the sampling absorbs (the growth is projected two samples
+/// ahead; a faster fill meets the LRU's eviction first, as a full table always did). At
+/// least two steps (4,096 -> 8,192 -> 16,384 entries or more), each a new table; a
+/// Service added afterwards answers (the writer writes the maps the new programs read,
+/// every map but conntrack being the same object); not one connection, exchange or long-lived
+/// flow fails; every long-lived flow keeps its conntrack entries unchanged (same backend,
+/// SNAT, service); `/healthz` answers 200 throughout; the resizes are counted.
+fn conntrack_grows_online_while_serving() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("erg-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[(proxy_user::ctsize::CHECK_ENV, "200")],
+        &["--conntrack-start", "2048", "--conntrack-max", "16384"],
+    );
+    let mut agent = agent;
+    agent.wait_healthy();
+    assert_eq!(ct_sizes(&env.pins.path), (4096, 4096), "starts small");
+    let first_id = map_id(&env.pins.path, map_names::CT4);
+    // Every map but conntrack (and META, rewritten by each migration) is shared by the
+    // resizes: the agent's writer keeps writing the maps the programs read.
+    let others = |pins: &Path| {
+        map_ids(pins)
+            .into_iter()
+            .filter(|(n, _)| {
+                ![map_names::CT4, map_names::CT6, map_names::META].contains(&n.as_str())
+            })
+            .collect::<Vec<_>>()
+    };
+    let others_before = others(&env.pins.path);
+    let health = HealthProbe::start(&c);
+    UDP_WRONG_SOURCE.store(0, Ordering::Relaxed);
+    let ext = ExtClients::start(&c, RESIZE_LONG_LIVED);
+    let cip = ClusterIpClient::start(&env, &c);
+    std::thread::sleep(Duration::from_millis(300));
+    let before = flow_entries(&env.pins.path, &ext.ports);
+    // One more UDP loop from new source ports (each exchange a new flow, live 60 s).
+    let stop = Arc::new(AtomicBool::new(false));
+    let fill = Arc::new(Tally::default());
+    let fillers: Vec<_> = (0..1)
+        .map(|_| {
+            let (stop, fill, ext) = (stop.clone(), fill.clone(), c.ext.path());
+            std::thread::spawn(move || {
+                let _g = NetnsGuard::enter(&ext);
+                let addr = SocketAddr::from(([10, 100, 0, 2], NODEPORT + 1));
+                while !stop.load(Ordering::Relaxed) {
+                    fill.record("filler UDP", ask_udp(addr));
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    let mut ids = vec![first_id];
+    while ct_sizes(&env.pins.path).0 < 16_384 {
+        let id = map_id(&env.pins.path, map_names::CT4);
+        if ids.last() != Some(&id) {
+            ids.push(id);
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "not grown twice in 120 s: {:?}\n{}",
+            ct_sizes(&env.pins.path),
+            agent.logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let grown_in = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    for f in fillers {
+        f.join().expect("filler");
+    }
+    std::thread::sleep(Duration::from_millis(700));
+    ids.push(map_id(&env.pins.path, map_names::CT4));
+    ids.dedup();
+    // A Service added after the resizes: the agent's writer still writes the maps the
+    // swapped programs read.
+    let late = NODEPORT + 20;
+    fs::write(
+        dir.join("late.yaml"),
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: late, namespace: default}}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.12\n  clusterIPs: [10.96.0.12]\n  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: {late}, protocol: TCP}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: late-ipv4, namespace: default, labels: {{kubernetes.io/service-name: late}}}}\naddressType: IPv4\nports:\n- {{name: http, port: 8080, protocol: TCP}}\nendpoints:\n- {{addresses: [\"10.1.1.2\"], nodeName: node-a}}\n"
+        ),
+    )
+    .expect("write the late Service");
+    let late_answer = {
+        let _g = c.ext.enter();
+        let t = Instant::now();
+        loop {
+            match ask_tcp(SocketAddr::from(([10, 100, 0, 2], late))) {
+                Ok(pod) => break Ok(pod),
+                Err(e) if t.elapsed() > Duration::from_secs(15) => break Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    };
+    // The long-lived flows' entries, carried into the grown tables unchanged.
+    let after = flow_entries(&env.pins.path, &ext.ports);
+    let metrics = agent_metrics(&c);
+    let (tcp, udp, flows, errors) = ext.finish();
+    let (cip_counts, cip_errors) = cip.finish();
+    let (unhealthy, slowest, probes) = health.finish();
+    let sizes = ct_sizes(&env.pins.path);
+    let log = agent.stop();
+    let grows = metric_value(
+        &metrics,
+        "ebpf_proxy_map_resizes_total{map=\"CT4\",direction=\"grow\"}",
+    );
+    eprintln!(
+        "conntrack grown online 2048 -> {} flows in {:.1} s ({} tables): NodePort TCP {}/{} UDP {}/{} filler UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed); {} long-lived flows; /healthz {} probes, slowest {:?}",
+        sizes.0 / 2,
+        grown_in.as_secs_f64(),
+        ids.len(),
+        tcp.0, tcp.1, udp.0, udp.1, fill.counts().0, fill.counts().1,
+        cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3],
+        flows.len(), probes, slowest
+    );
+    for l in log
+        .lines()
+        .filter(|l| {
+            l.contains("grown online")
+                || l.contains("high-water")
+                || l.contains("occupancy sampled")
+        })
+        .take(40)
+    {
+        eprintln!("  {l}");
+    }
+    assert!(
+        log.contains("conntrack tables grown online")
+            && !log.contains("growing the conntrack tables failed"),
+        "{log}"
+    );
+    assert!(
+        ids.len() >= 3,
+        "a new CT4 map at each of two steps at least: {ids:?}"
+    );
+    assert!(
+        grows.is_some_and(|g| g >= 2.0),
+        "ebpf_proxy_map_resizes_total CT4 grow: {grows:?}\n{metrics}"
+    );
+    assert_eq!(
+        metric_value(&metrics, "ebpf_proxy_conntrack_capacity"),
+        Some(f64::from(sizes.0 / 2)),
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_value(&metrics, "ebpf_proxy_conntrack_max"),
+        Some(16_384.0)
+    );
+    assert!(
+        metric_value(
+            &metrics,
+            "ebpf_proxy_conntrack_live_entries{family=\"ipv4\"}"
+        )
+        .is_some_and(|v| v > 0.0),
+        "{metrics}"
+    );
+    assert_eq!(after, before, "the long-lived flows' conntrack entries");
+    assert_eq!(
+        others(&env.pins.path),
+        others_before,
+        "the other maps are the same objects"
+    );
+    assert_eq!(
+        late_answer.as_deref().ok(),
+        Some("pod1"),
+        "a Service added after the resizes answers: {late_answer:?}"
+    );
+    let fill_errors = fill.errors.lock().expect("lock").clone();
+    assert!(
+        errors.is_empty() && fill_errors.is_empty() && cip_failures(&cip_errors).is_empty(),
+        "failed connections: {errors:#?}\n{fill_errors:#?}\n{cip_errors}\n{log}"
+    );
+    assert!(
+        tcp.0 > 0 && udp.0 > 0 && fill.counts().0 > 0,
+        "the loops ran"
+    );
+    assert!(flows.len() >= RESIZE_LONG_LIVED, "{} flows", flows.len());
+    for f in &flows {
+        let (_, answers) = f
+            .as_ref()
+            .unwrap_or_else(|e| panic!("long-lived flow broke: {e}"));
+        assert!(*answers > 0, "{flows:?}");
+    }
+    assert_eq!(
+        UDP_WRONG_SOURCE.load(Ordering::Relaxed),
+        0,
+        "NodePort UDP answers from another source"
+    );
+    assert!(unhealthy.is_empty(), "/healthz not 200: {unhealthy:?}");
+    assert!(
+        slowest < Duration::from_secs(2),
+        "/healthz stalled {slowest:?} (the resizes run off the runtime)"
+    );
     let _ = fs::remove_dir_all(&dir);
 }

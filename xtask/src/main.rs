@@ -5,6 +5,7 @@
 //! - `demo`: the seed article's example live (see `demo.rs`);
 //! - `bench`: the datapath and control plane against kube-proxy's modes (see `bench/`);
 //! - `bench-report`: docs/benchmarks.md's tables of the committed run, from its JSON;
+//! - `bench-maps`: insert cost and memory per entry of each BPF map kind (see `mapcost.rs`);
 //! - `test`: formatting, clippy, unit and privileged integration tests (serially).
 //! - `image`: the shipped image from `deploy/Dockerfile` with buildah, no registry
 //!   needed (see `image.rs`);
@@ -14,6 +15,7 @@
 mod bench;
 mod demo;
 mod image;
+mod mapcost;
 mod setup;
 mod tiers;
 mod upgrade_from;
@@ -49,6 +51,10 @@ enum Cmd {
     /// Rewrite the tables of docs/benchmarks.md that quote the committed run
     /// (docs/bench/results.json) from that JSON.
     BenchReport,
+    /// What one entry costs in each kind of BPF map on this kernel (insert ns/entry,
+    /// memory per entry: fdinfo memlock and the memory cgroup's charge; as root;
+    /// docs/deploy.md "Memory").
+    BenchMaps(mapcost::Args),
     /// Build the shipped image (deploy/Dockerfile) with buildah, on a Debian base made
     /// locally with debootstrap unless --base names a registry image; prints its size and
     /// digest (as root).
@@ -90,6 +96,7 @@ fn main() -> Result<()> {
         }
         Cmd::Bench(args) => bench::main(args),
         Cmd::BenchReport => bench::headline::main(&workspace_root()),
+        Cmd::BenchMaps(args) => mapcost::main(&args),
         Cmd::Image(args) => {
             setup::ensure()?;
             image::main(args)

@@ -38,6 +38,19 @@ pub struct MapLabel {
 }
 
 /// `mode="batch"` or `mode="single"`.
+/// `map="CT4",direction="grow"` (or `"shrink"`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResizeLabel {
+    pub map: String,
+    pub direction: String,
+}
+
+/// `family="ipv4"` (`CT4`) or `"ipv6"` (`CT6`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FamilyLabel {
+    pub family: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModeLabel {
     pub mode: String,
@@ -58,8 +71,12 @@ pub struct Metrics {
     pub backends: Gauge,
     /// Services known (after filtering).
     pub services: Gauge,
-    /// Size of each conntrack table in flows (the pinned tables' size).
+    /// The ceiling the conntrack tables grow to, in flows (`--conntrack-max`).
     pub conntrack_max: Gauge,
+    /// Size of each conntrack table in flows now (grown online toward `conntrack_max`).
+    pub conntrack_capacity: Gauge,
+    /// Live entries (idle timeout not passed) of each conntrack table, by family.
+    pub conntrack_live_entries: Family<FamilyLabel, Gauge>,
     pub service_map_entries: Gauge,
     /// Connected UDP sockets destroyed because their backend left.
     pub stale_udp_sockets: Counter,
@@ -78,6 +95,8 @@ pub struct Metrics {
     /// Kernel memory of each pinned map (fdinfo `memlock`), charged to the memory cgroup
     /// of the agent that created the maps.
     pub map_memory: Family<MapLabel, Gauge>,
+    /// Pinned maps resized online at this start, per map and direction.
+    pub map_resizes: Family<ResizeLabel, Counter>,
     /// `map_writes_total{mode}`: map elements written by batch calls or one by one.
     pub map_writes: Family<ModeLabel, Counter>,
     /// Batch calls that failed and were finished element by element.
@@ -124,6 +143,8 @@ impl Metrics {
             backends: Gauge::default(),
             services: Gauge::default(),
             conntrack_max: Gauge::default(),
+            conntrack_capacity: Gauge::default(),
+            conntrack_live_entries: Family::default(),
             service_map_entries: Gauge::default(),
             stale_udp_sockets: Counter::default(),
             pod_interfaces: Gauge::default(),
@@ -133,6 +154,7 @@ impl Metrics {
             objects_skipped: source.objects_skipped.clone(),
             map_write_errors: Family::default(),
             map_memory: Family::default(),
+            map_resizes: Family::default(),
             map_writes: Family::default(),
             map_batch_fallbacks: Counter::default(),
             adoption_repairs: Family::default(),
@@ -172,8 +194,22 @@ impl Metrics {
         );
         registry.register(
             "conntrack_max",
-            "Size of each conntrack table (CT4, CT6) in flows; LRU when full",
+            "Ceiling of each conntrack table (CT4, CT6) in flows: the tables grow online \
+             up to it (--conntrack-max)",
             m.conntrack_max.clone(),
+        );
+        registry.register(
+            "conntrack_capacity",
+            "Size of each conntrack table (CT4, CT6) in flows now; LRU when full, grown x2 \
+             online when its live entries pass 75 % or are projected to (two entries per \
+             flow)",
+            m.conntrack_capacity.clone(),
+        );
+        registry.register(
+            "conntrack_live_entries",
+            "Live entries (idle timeout not passed) of each conntrack table, by family \
+             (CT4 ipv4, CT6 ipv6), sampled every 10 s",
+            m.conntrack_live_entries.clone(),
         );
         registry.register(
             "service_map_entries",
@@ -221,6 +257,13 @@ impl Metrics {
             "Kernel memory of each pinned BPF map (fdinfo memlock), charged to the memory \
              cgroup of the agent that created it",
             m.map_memory.clone(),
+        );
+        registry.register(
+            "map_resizes",
+            "Pinned BPF maps resized online (conntrack grown while serving, or a start with \
+             another --conntrack-start/--conntrack-max or --service-map-entries), per map \
+             and direction (grow, shrink)",
+            m.map_resizes.clone(),
         );
         registry.register(
             "map_writes",

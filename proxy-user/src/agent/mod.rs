@@ -63,8 +63,12 @@ pub struct AgentOptions {
     pub pod_interfaces: crate::podif::Patterns,
     /// `--socket-lb`: which sockets the socket hooks translate (`SOCK_LB`).
     pub socket_lb: crate::socklb::SocketLb,
-    /// Conntrack table size in flows per address family (`--conntrack-max`).
+    /// The ceiling of the conntrack tables in flows per address family
+    /// (`--conntrack-max`): they grow online up to it ([`crate::ctsize`]).
     pub conntrack_flows: u32,
+    /// The size new conntrack tables start at, in flows per family (`--conntrack-start`;
+    /// at most `conntrack_flows`).
+    pub conntrack_start: u32,
     /// `max_entries` of `SVC4`/`SVC6` (`--service-map-entries`).
     pub service_entries: u32,
     /// `--external-ip-cidrs`: prefixes `spec.externalIPs` must be in (`None`: any).
@@ -101,7 +105,7 @@ pub struct AgentOptions {
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     raise_open_file_limit();
     let datapath = open_datapath(&opts)?;
-    let _kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
+    let kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     // Metrics and health first: reading a large pinned state back takes seconds, and
     // /livez must answer meanwhile (/healthz says 503 until the first sync).
     let metrics = new_metrics(&opts, &datapath);
@@ -113,6 +117,12 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
             metrics.clone(),
         )?;
     }
+    let grow = tokio::spawn(grow_conntrack(
+        opts.pin_path.clone(),
+        metrics.clone(),
+        opts.conntrack_flows,
+        kernel_logs,
+    ));
     let health = Arc::new(Health::new(opts.sync_interval * 2));
     serve_http(&opts, &metrics, &health).await?;
     // The sources start before the pinned maps are read back: the lists (seconds at tens
@@ -135,6 +145,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         shutdown,
     )
     .await;
+    grow.abort();
     info!("stopping; the datapath stays pinned and keeps serving");
     Ok(())
 }
@@ -166,11 +177,22 @@ fn open_datapath(opts: &AgentOptions) -> anyhow::Result<Datapath> {
         None => (Vec::new(), crate::node::node_interfaces(&all, &[]).1),
         Some(wanted) => crate::node::node_interfaces(&all, wanted),
     };
+    // Both bounds checked before anything is made (the ceiling is only created when the
+    // tables grow to it).
+    loader::conntrack_entries(opts.conntrack_flows).context("--conntrack-max")?;
+    loader::conntrack_entries(opts.conntrack_start).context("--conntrack-start")?;
+    // The conntrack size at this start: the pinned one (grown online) within
+    // [--conntrack-start, --conntrack-max], else the nearest bound.
+    let conntrack_flows = crate::ctsize::start_flows(
+        crate::pins::PinDir::new(&opts.pin_path).max_entries(proxy_common::map_names::CT4),
+        opts.conntrack_start,
+        opts.conntrack_flows,
+    );
     let installed = crate::migrate::install(&loader::InstallOptions {
         pin_path: opts.pin_path.clone(),
         cgroup: opts.cgroup.clone(),
         interfaces: interfaces.clone(),
-        conntrack_flows: opts.conntrack_flows,
+        conntrack_flows,
         service_entries: opts.service_entries,
         tc_attach: opts.tc_attach,
         acceleration: opts.acceleration,
@@ -231,12 +253,23 @@ fn new_metrics(opts: &AgentOptions, datapath: &Datapath) -> Arc<Metrics> {
     );
     metrics.kube_proxy.set_ignored(&opts.config_fields_ignored);
     let metrics = Arc::new(metrics);
+    metrics.conntrack_max.set(i64::from(opts.conntrack_flows));
     metrics
-        .conntrack_max
+        .conntrack_capacity
         .set(i64::from(installed.conntrack_entries / 2));
     metrics
         .service_map_entries
         .set(i64::from(installed.service_entries));
+    for r in &installed.resized {
+        let direction = if r.to > r.from { "grow" } else { "shrink" };
+        metrics
+            .map_resizes
+            .get_or_create(&metrics::ResizeLabel {
+                map: r.map.to_string(),
+                direction: direction.to_string(),
+            })
+            .inc();
+    }
     let map_memory = loader::map_memory(&opts.pin_path);
     info!(
         total_bytes = map_memory.iter().map(|m| m.bytes).sum::<u64>(),
@@ -411,6 +444,114 @@ async fn refresh_map_memory(pin_path: PathBuf, metrics: Arc<Metrics>) {
         let path = pin_path.clone();
         if let Ok(maps) = tokio::task::spawn_blocking(move || loader::map_memory(&path)).await {
             set_map_memory(&metrics, &maps);
+        }
+    }
+}
+
+/// Conntrack grown online ([`crate::ctsize`]): every check interval both tables'
+/// live entries are counted (gauges), and past the high-water mark both are grown x2
+/// toward `ceiling_flows` by the staged migration, on the blocking pool (the servers and
+/// the sync loop go on meanwhile). A resize loads new programs, whose kernel log records
+/// go to a new ring buffer: the kernel logger follows them.
+async fn grow_conntrack(
+    pin_path: PathBuf,
+    metrics: Arc<Metrics>,
+    ceiling_flows: u32,
+    mut kernel_logs: Option<tokio::task::JoinHandle<()>>,
+) {
+    let ceiling = ceiling_flows.saturating_mul(2);
+    let mut every = tokio::time::interval(crate::ctsize::check_interval());
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    every.tick().await;
+    // The previous sample's fullest table (live entries), for the projection.
+    let mut previous = None;
+    loop {
+        every.tick().await;
+        let pins = crate::pins::PinDir::new(&pin_path);
+        let p = pins.clone();
+        let started = Instant::now();
+        let sample = match tokio::task::spawn_blocking(move || crate::ctsize::sample(&p)).await {
+            Ok(Ok(Some(s))) => s,
+            Ok(Ok(None)) => continue, // no conntrack tables (no TC datapath)
+            Ok(Err(e)) => {
+                warn!(error = %e, "counting the conntrack tables' entries failed");
+                continue;
+            }
+            Err(e) => {
+                warn!(error = %e, "the conntrack sampling task failed");
+                continue;
+            }
+        };
+        for (family, live) in ["ipv4", "ipv6"].into_iter().zip(sample.live) {
+            metrics
+                .conntrack_live_entries
+                .get_or_create(&metrics::FamilyLabel {
+                    family: family.to_string(),
+                })
+                .set(i64::try_from(live).unwrap_or(i64::MAX));
+        }
+        metrics
+            .conntrack_capacity
+            .set(i64::from(sample.entries / 2));
+        tracing::debug!(
+            entries = sample.entries,
+            live = ?sample.live,
+            total = ?sample.total,
+            elapsed_us = started.elapsed().as_micros() as u64,
+            "conntrack occupancy sampled"
+        );
+        let expected =
+            crate::ctsize::projected(sample.fullest(), previous.unwrap_or(sample.fullest()));
+        previous = Some(sample.fullest());
+        let Some(to) = crate::ctsize::grown(sample.entries, expected, ceiling) else {
+            continue;
+        };
+        info!(
+            from_flows = sample.entries / 2,
+            to_flows = to / 2,
+            ceiling_flows,
+            live_entries = ?sample.live,
+            expected_entries = expected,
+            "conntrack past its high-water mark: growing the tables online"
+        );
+        let started = Instant::now();
+        let p = pins.clone();
+        match tokio::task::spawn_blocking(move || crate::migrate::resize_conntrack(&p, to)).await {
+            Ok(Ok(resized)) => {
+                for r in &resized {
+                    let direction = if r.to > r.from { "grow" } else { "shrink" };
+                    metrics
+                        .map_resizes
+                        .get_or_create(&metrics::ResizeLabel {
+                            map: r.map.to_string(),
+                            direction: direction.to_string(),
+                        })
+                        .inc();
+                }
+                let now = pins.max_entries(proxy_common::map_names::CT4).unwrap_or(0);
+                metrics.conntrack_capacity.set(i64::from(now / 2));
+                info!(
+                    flows = now / 2,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "conntrack tables grown online"
+                );
+                if !resized.is_empty() {
+                    if let Some(h) = kernel_logs.take() {
+                        h.abort();
+                    }
+                    kernel_logs = loader::spawn_kernel_logger(&pin_path);
+                }
+            }
+            Ok(Err(e)) => {
+                warn!(error = %e, "growing the conntrack tables failed; kept their size");
+                metrics
+                    .map_write_errors
+                    .get_or_create(&metrics::ReasonLabel {
+                        reason: "conntrack_resize".into(),
+                    })
+                    .inc();
+            }
+            Err(e) => warn!(error = %e, "the conntrack resize task failed"),
         }
     }
 }

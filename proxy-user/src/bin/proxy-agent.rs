@@ -152,18 +152,27 @@ struct RunArgs {
     /// `SOCK_LB_BYPASS` are never translated (per-pod bypass).
     #[arg(long, env = "PROXY_SOCKET_LB", default_value = "auto")]
     socket_lb: String,
-    /// Size of the TC datapath's conntrack tables, in flows per address family (each
-    /// flow takes two entries). LRU: when full, the least recently used flows are
-    /// evicted; new flows are never refused. Applies when the tables are created: pinned
-    /// tables keep their size until `proxy-agent uninstall`.
+    /// The ceiling of the TC datapath's conntrack tables, in flows per address family
+    /// (each flow takes two entries): they start at `--conntrack-start` and the running
+    /// agent grows them x2 online (staged migration: flows copied, programs swapped) when
+    /// their live entries pass 75 % (or will within the next two samples, sampled every
+    /// 10 s), up to this. LRU: when full, the least recently used flows are evicted; new
+    /// flows are never refused. A start with a value below the pinned size shrinks the
+    /// tables to it, unless they track more flows (warning).
     #[arg(long, env = "PROXY_CONNTRACK_MAX", default_value_t = loader::DEFAULT_CONNTRACK_FLOWS)]
     conntrack_max: u32,
+    /// The size new conntrack tables start at, in flows per address family (at most
+    /// `--conntrack-max`); pinned tables smaller than it are grown to it at the start,
+    /// tables grown online keep their size across restarts.
+    #[arg(long, env = "PROXY_CONNTRACK_START", default_value_t = proxy_user::ctsize::DEFAULT_START_FLOWS)]
+    conntrack_start: u32,
     /// Size of each service map (SVC4, SVC6) in entries: a frontend (a Service's port on
     /// one of its addresses: ClusterIP, NodePort, externalIP, LoadBalancer IP) takes one
     /// entry plus one per endpoint. The default, 1,048,576, holds 50,000 Services x 10
     /// endpoints twice; a write beyond it fails with `map_full` (that frontend's change
-    /// is rolled back, the others are written). Applies when the maps are created: pinned
-    /// maps keep their size until `proxy-agent uninstall`.
+    /// is rolled back, the others are written). A start with another value resizes the
+    /// pinned maps online (staged migration: entries copied, programs swapped); a shrink
+    /// below the entries in use keeps the pinned size, with a warning.
     #[arg(long, env = "PROXY_SERVICE_MAP_ENTRIES", default_value_t = loader::DEFAULT_SERVICE_ENTRIES)]
     service_map_entries: u32,
     /// How the TC programs are attached: `auto` (TCX links on kernels >= 6.6, clsact
@@ -548,6 +557,7 @@ fn main() -> Result<()> {
                     }
                 },
                 conntrack_flows: args.conntrack_max,
+                conntrack_start: args.conntrack_start,
                 service_entries: args.service_map_entries,
                 external_ip_cidrs: args.external_ip_cidrs.map(|c| c.0),
                 tc_attach: args.tc_attach,

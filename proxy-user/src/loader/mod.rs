@@ -111,10 +111,21 @@ pub struct InstallReport {
     pub conntrack_entries: u32,
     /// `max_entries` of each service map: the pinned one's when adopted.
     pub service_entries: u32,
+    /// Pinned maps resized online before the install (`migrate::prepare_sized`).
+    pub resized: Vec<MapResize>,
+}
+
+/// One pinned map resized online: its name and `max_entries` before and after.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapResize {
+    pub map: &'static str,
+    pub from: u32,
+    pub to: u32,
 }
 
 /// The `max_entries` `map` (and its other-family twin) will have: the pinned one's when
-/// it is pinned (with a warning when `wanted` differs), else `wanted`.
+/// it is pinned (with a warning when `wanted` differs: `migrate::prepare_sized` resizes
+/// pinned maps before this, except a shrink below the entries in use), else `wanted`.
 fn size_in_use(pins: &PinDir, map: &str, wanted: u32, what: &str, why: &str) -> u32 {
     let Some(pinned) = pins.max_entries(map) else {
         return wanted;
@@ -124,8 +135,7 @@ fn size_in_use(pins: &PinDir, map: &str, wanted: u32, what: &str, why: &str) -> 
             map,
             pinned_entries = pinned,
             wanted_entries = wanted,
-            "the pinned {what} keep their size ({why}); `proxy-agent uninstall` and a \
-             restart apply the new size"
+            "the pinned {what} keep their size ({why})"
         );
     }
     pinned
@@ -157,7 +167,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
         map_names::CT4,
         ct_entries,
         "conntrack tables",
-        "resizing would drop every tracked flow",
+        "not resized at start: a shrink below the flows tracked would drop them",
     );
     let svc_entries = service_entries(opts.service_entries)?;
     report.service_entries = size_in_use(
@@ -165,7 +175,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
         map_names::SVC4,
         svc_entries,
         "service maps",
-        "a new map would have to be refilled under the running programs",
+        "not resized at start: a shrink below the entries in use would drop them",
     );
     let mut hooks: Vec<Hook> = SOCK_PROGRAMS.iter().map(|p| Hook::Sock(p)).collect();
     for iface in &opts.interfaces {

@@ -47,6 +47,24 @@ pub struct CopyCount {
     pub present: u64,
     /// Entries that could not be converted.
     pub dropped: u64,
+    /// Conntrack entries the new programs had made for a flow the old programs were
+    /// already tracking, with another translation: overwritten by the old one.
+    pub corrected: u64,
+}
+
+/// Bytes at the end of a conntrack value (`Ct4Value`, `Ct6Value`) that are not its
+/// translation: `flags`, `last_seen`, `packets`.
+const CT_VALUE_STATE_BYTES: usize = 4 + 8 + 8;
+const _: () = {
+    use proxy_common::{Ct4Value, Ct6Value};
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<Ct4Value>() - CT_VALUE_STATE_BYTES == offset_of!(Ct4Value, flags));
+    assert!(size_of::<Ct6Value>() - CT_VALUE_STATE_BYTES == offset_of!(Ct6Value, flags));
+};
+
+/// The conntrack maps, whose insert-if-absent copy corrects a conflicting translation.
+fn is_conntrack(name: &str) -> bool {
+    name == proxy_common::map_names::CT4 || name == proxy_common::map_names::CT6
 }
 
 /// Entries in map `name` of `pins`.
@@ -69,7 +87,13 @@ pub(super) fn count_entries(pins: &PinDir, name: &str) -> io::Result<u64> {
 }
 
 /// Copies the entries of map `name` of `old` into map `name` of `new`, through `conv`.
-/// `only_absent`: insert-if-absent (hash maps), for the copies around the swap.
+/// `only_absent`: insert-if-absent (hash maps), for the copies around the swap. For
+/// conntrack copied as bytes, an entry present in both with another translation (backend,
+/// SNAT address/port, service, backend id) takes the old one: after the swap, a packet of
+/// a flow the old programs opened after the last copy misses it in the new table and the
+/// new programs open it again, possibly to another backend; the old table's entry is the
+/// one the connection was established with (its 5-tuple cannot be a new flow's within
+/// the copy's window). The state bytes (flags, timestamps, counters) do not count.
 pub fn copy_map(
     old: &PinDir,
     new: &PinDir,
@@ -126,6 +150,20 @@ pub fn copy_map(
         };
         if written {
             count.copied += 1;
+        } else if only_absent
+            && is_conntrack(name)
+            && matches!(conv, Convert::Bytes)
+            && same_shape
+            && value.len() > CT_VALUE_STATE_BYTES
+        {
+            let mut now = vec![0u8; value.len()];
+            let n = value.len() - CT_VALUE_STATE_BYTES;
+            if bpf_sys::map_lookup(new_fd.as_fd(), &key, &mut now)? && now[..n] != value[..n] {
+                bpf_sys::map_update(new_fd.as_fd(), &key, &value, bpf_sys::ANY)?;
+                count.corrected += 1;
+            } else {
+                count.present += 1;
+            }
         } else {
             count.present += 1;
         }

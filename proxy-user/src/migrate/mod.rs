@@ -39,6 +39,16 @@
 //! new maps are complete; the swap, copies and renames are idempotent). At every point
 //! either the old or the new programs serve every hook, each with a complete map set.
 //!
+//! **Another size ([`prepare_sized`]).** Pinned `CT4/6` or `SVC4/6` whose `max_entries`
+//! is not what `--conntrack-max` / `--service-map-entries` ask take the same staged
+//! migration at the same ABI: the staging maps are created at the new sizes, so the
+//! resized maps are copied (not shared), the others shared; the same marker and crash
+//! recovery. A shrink below the entries in use is refused (warning, size kept). The
+//! copies around the swap are insert-if-absent, except that a conntrack entry the new
+//! programs made with another translation than the old table's is overwritten by the old
+//! one ([`copy_map`]). While the agent runs, [`resize_conntrack`] takes the same path for
+//! `CT4/6` alone (`crate::ctsize` decides when), every other map shared.
+//!
 //! Test hooks: `EBPF_PROXY_MIGRATE_CRASH_AT=<step>` makes the process `abort()` right
 //! after that step ([`STEPS`]); `EBPF_PROXY_MIGRATE_FORCE=1` runs the full staged
 //! migration instead of the program swap when the layout is the same but the build
@@ -75,40 +85,141 @@ pub use rules::{converter, CRASH_ENV, FORCE_ENV, OLDEST_ABI, STEPS};
 /// node's pinned datapath is upgraded (or an interrupted upgrade finished) before it is
 /// adopted.
 pub fn install(opts: &loader::InstallOptions) -> Result<loader::InstallReport, LoadError> {
-    prepare(&PinDir::new(&opts.pin_path))?;
-    loader::install(opts)
+    let sizes = Sizes {
+        conntrack: loader::conntrack_entries(opts.conntrack_flows)?,
+        service: loader::service_entries(opts.service_entries)?,
+    };
+    let resized = prepare_sized(&PinDir::new(&opts.pin_path), Some(sizes))?;
+    let mut report = loader::install(opts)?;
+    report.resized = resized;
+    Ok(report)
+}
+
+/// The `max_entries` wanted for the maps sized by flags: `CT4`/`CT6`
+/// (`--conntrack-max` x 2) and `SVC4`/`SVC6` (`--service-map-entries`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sizes {
+    pub conntrack: u32,
+    pub service: u32,
+}
+
+/// The maps sized by flags, each with its family twin and the flag's name.
+const SIZED: [(&str, &str, &str); 2] = [
+    (map_names::CT4, map_names::CT6, "--conntrack-max"),
+    (map_names::SVC4, map_names::SVC6, "--service-map-entries"),
+];
+
+impl Sizes {
+    fn of(&self, map: &str) -> u32 {
+        if map == map_names::CT4 || map == map_names::CT6 {
+            self.conntrack
+        } else {
+            self.service
+        }
+    }
+}
+
+/// A pinned map whose `max_entries` is not the wanted one: `(map, pinned, wanted)`.
+/// A shrink below the entries in use is not a resize: it is refused with a warning and
+/// the pinned size kept (copying would drop entries: flows evicted, frontends lost).
+fn resizes(pins: &PinDir, sizes: &Sizes) -> Result<Vec<loader::MapResize>, LoadError> {
+    let mut out = Vec::new();
+    for (v4, v6, flag) in SIZED {
+        let wanted = sizes.of(v4);
+        for name in [v4, v6] {
+            let Some(pinned) = pins.max_entries(name) else {
+                continue;
+            };
+            if pinned == wanted {
+                continue;
+            }
+            if wanted < pinned {
+                let used = copy::count_entries(pins, name).map_err(|source| LoadError::Io {
+                    what: "counting the entries of",
+                    path: pins.map_path(name),
+                    source,
+                })?;
+                if used > u64::from(wanted) {
+                    warn!(
+                        map = name,
+                        pinned_entries = pinned,
+                        wanted_entries = wanted,
+                        entries_in_use = used,
+                        flag,
+                        "not shrinking the pinned map: it holds more entries than the new \
+                         size (they would be lost); keeping its size"
+                    );
+                    return Ok(Vec::new());
+                }
+            }
+            out.push(loader::MapResize {
+                map: name,
+                from: pinned,
+                to: wanted,
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// Before `install` reads `META`: finishes or rolls back an interrupted migration,
 /// migrates an older layout, or swaps the programs of another build in.
 pub fn prepare(pins: &PinDir) -> Result<(), LoadError> {
+    prepare_sized(pins, None).map(drop)
+}
+
+/// [`prepare`], and pinned maps whose size is not `sizes` (a changed `--conntrack-max`
+/// or `--service-map-entries`) resized online: the staged migration at the same ABI
+/// into maps of the new sizes (entries copied, insert-if-absent around the program
+/// swap), with the same marker and crash recovery as a layout migration. Returns the
+/// maps resized (none when a crashed resize was only finished or rolled back).
+pub fn prepare_sized(
+    pins: &PinDir,
+    sizes: Option<Sizes>,
+) -> Result<Vec<loader::MapResize>, LoadError> {
     if EBPF_OBJECT.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     if pins.staging().path().exists() {
         resume_or_roll_back(pins)?;
     }
     if !pins.has_maps() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let found = pins.abi_version(Access::ReadOnly)?;
     if found != ABI_VERSION {
         if (OLDEST_ABI..ABI_VERSION).contains(&found) {
-            return migrate(pins, found);
+            return migrate(pins, found, sizes).map(|()| Vec::new());
         }
         // Refused by install with a clear error.
-        return Ok(());
+        return Ok(Vec::new());
+    }
+    if let Some(sizes) = sizes {
+        let resized = resizes(pins, &sizes)?;
+        if !resized.is_empty() {
+            for r in &resized {
+                info!(
+                    map = r.map,
+                    pinned_entries = r.from,
+                    wanted_entries = r.to,
+                    "resizing the pinned map online (staged migration: copied, programs \
+                     swapped, copied again)"
+                );
+            }
+            migrate(pins, found, Some(sizes))?;
+            return Ok(resized);
+        }
     }
     let pinned_hash = pins.read_meta(meta::OBJECT_HASH, Access::ReadOnly)?;
     if pinned_hash == object_hash() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     if let Some(mode) = force_mode() {
         warn!(
             ?mode,
             "{FORCE_ENV}: migrating through the staging directory at the same ABI"
         );
-        return migrate(pins, found);
+        return migrate(pins, found, sizes).map(|()| Vec::new());
     }
     if let Some((map, pinned)) = counters_grew(pins)? {
         info!(
@@ -118,9 +229,60 @@ pub fn prepare(pins: &PinDir) -> Result<(), LoadError> {
             "this build counts more outcomes than the pinned counter array holds: \
              migrating through the staging directory (the counters are copied)"
         );
-        return migrate(pins, found);
+        return migrate(pins, found, sizes).map(|()| Vec::new());
     }
-    replace_programs(pins, pinned_hash)
+    replace_programs(pins, pinned_hash).map(|()| Vec::new())
+}
+
+/// Online conntrack growth while the agent runs (`crate::ctsize`): `CT4`/`CT6` resized
+/// to `entries` each by the staged migration at this ABI, every other map shared (the
+/// service maps keep their pinned size, so the writer's map fds stay the maps in use).
+/// The datapath-written maps are copied, insert-if-absent, before and after the program
+/// swap; the same marker and crash recovery as at a start. Returns the maps resized
+/// (none when they already have that size; a shrink below the flows tracked is refused
+/// with a warning, as at a start). Refused while another migration is under way (its
+/// staging directory exists: the next start finishes or rolls it back).
+pub fn resize_conntrack(pins: &PinDir, entries: u32) -> Result<Vec<loader::MapResize>, LoadError> {
+    if EBPF_OBJECT.is_empty() || !pins.has_maps() {
+        return Ok(Vec::new());
+    }
+    let staging = pins.staging();
+    if staging.path().exists() {
+        return Err(LoadError::Io {
+            what: "resizing conntrack: another migration is under way in",
+            path: staging.path().to_path_buf(),
+            source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+        });
+    }
+    let found = pins.abi_version(Access::ReadOnly)?;
+    if found != ABI_VERSION {
+        return Err(LoadError::Io {
+            what: "resizing conntrack: the pinned maps are of another ABI in",
+            path: pins.path().to_path_buf(),
+            source: std::io::Error::from(std::io::ErrorKind::InvalidData),
+        });
+    }
+    let sizes = Sizes {
+        conntrack: entries,
+        service: pins
+            .max_entries(map_names::SVC4)
+            .unwrap_or(loader::DEFAULT_SERVICE_ENTRIES),
+    };
+    let resized = resizes(pins, &sizes)?;
+    if resized.is_empty() {
+        return Ok(resized);
+    }
+    for r in &resized {
+        info!(
+            map = r.map,
+            pinned_entries = r.from,
+            wanted_entries = r.to,
+            "resizing the pinned map online while serving (staged migration: copied, \
+             programs swapped, copied again)"
+        );
+    }
+    migrate(pins, found, Some(sizes))?;
+    Ok(resized)
 }
 
 /// A pinned outcome-counter array (`STATS`, `XDP_STATS`: one entry per [`Reason`]) smaller

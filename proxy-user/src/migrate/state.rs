@@ -13,7 +13,7 @@ use super::{
     rules::{
         converter, crash_point, force_mode, io_err, kept_as, kept_maps, Force, DATAPATH_WRITTEN,
     },
-    v3,
+    v3, Sizes,
 };
 use crate::{
     loader::{object_hash, LoadError, EBPF_OBJECT},
@@ -72,18 +72,27 @@ pub(super) fn resume_or_roll_back(pins: &PinDir) -> Result<(), LoadError> {
 }
 
 /// Migrates the pinned maps of ABI `from` to this build's layout (see the module doc).
-pub(super) fn migrate(pins: &PinDir, from: u32) -> Result<(), LoadError> {
+/// The maps sized by flags are created at `sizes` when given (a resize), else at the
+/// pinned maps' sizes.
+pub(super) fn migrate(pins: &PinDir, from: u32, sizes: Option<Sizes>) -> Result<(), LoadError> {
     let started = std::time::Instant::now();
     let mut m = Migration::new(pins, from);
     fs::create_dir(m.staging.path()).map_err(io_err("creating", m.staging.path()))?;
     set_marker(&m.staging, from, "staged")?;
-    let ct_entries = pins
-        .max_entries(map_names::CT4)
-        .unwrap_or(crate::loader::DEFAULT_CONNTRACK_FLOWS * 2);
+    let ct_entries = sizes.map(|s| s.conntrack).unwrap_or_else(|| {
+        pins.max_entries(map_names::CT4)
+            .unwrap_or(crate::loader::DEFAULT_CONNTRACK_FLOWS * 2)
+    });
+    let svc_entries = sizes.map(|s| s.service).unwrap_or_else(|| {
+        pins.max_entries(map_names::SVC4)
+            .unwrap_or(crate::loader::DEFAULT_SERVICE_ENTRIES)
+    });
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(m.staging.path())
         .map_max_entries(map_names::CT4, ct_entries)
         .map_max_entries(map_names::CT6, ct_entries)
+        .map_max_entries(map_names::SVC4, svc_entries)
+        .map_max_entries(map_names::SVC6, svc_entries)
         .load(EBPF_OBJECT)?;
     if m.share_unchanged()? > 0 {
         // Load again: the programs must reference the shared maps.
@@ -178,12 +187,13 @@ impl Migration {
             if !storage && (copy_every || !matches!(converter(self.from, &name), Convert::Bytes)) {
                 continue;
             }
-            let sized_at_load = name == map_names::CT4 || name == map_names::CT6;
+            // A map of another size (a resize: `--conntrack-max`, `--service-map-entries`)
+            // is copied into the new one.
             let same = oi.map_type == ni.map_type
                 && oi.key_size == ni.key_size
                 && oi.value_size == ni.value_size
                 && oi.map_flags == ni.map_flags
-                && (oi.max_entries == ni.max_entries || sized_at_load);
+                && oi.max_entries == ni.max_entries;
             if same {
                 fs::remove_file(&new).map_err(io_err("unpinning", &new))?;
                 self.staging
@@ -285,6 +295,7 @@ impl Migration {
             total.copied += count.copied;
             total.present += count.present;
             total.dropped += count.dropped;
+            total.corrected += count.corrected;
         }
         if !only_datapath {
             // Maps of the old layout that this one no longer has.
@@ -299,12 +310,18 @@ impl Migration {
             }
             self.staging.write_meta(meta::ABI_VERSION, ABI_VERSION)?;
             self.staging.write_meta(meta::OBJECT_HASH, object_hash())?;
+            // The acceleration mode `install` recorded (for `proxyctl`): a resize while
+            // the agent runs is not followed by an install that would write it again.
+            if let Ok(mode) = self.pins.read_meta(meta::ACCELERATION, Access::ReadOnly) {
+                self.staging.write_meta(meta::ACCELERATION, mode)?;
+            }
         }
         info!(
             from_abi = self.from,
             copied = total.copied,
             already_present = total.present,
             not_converted = total.dropped,
+            conntrack_corrected = total.corrected,
             pass = if only_datapath {
                 "datapath-written"
             } else {

@@ -24,8 +24,9 @@ pub fn markdown(r: &ApiResults) -> String {
             r.machine.get("mem_mib").map_or("?", String::as_str),
         );
     }
-    md += "| Services x 10 | service map entries | first list byte -> all frontends (s) | start -> /healthz 200 (s) | list pages | VmRSS (MiB) | VmHWM (MiB) | CPU at rest (%) | change, agent p50 / p99 (ms) | change, SLI (kubeproxy_network_programming_duration_seconds) p50 / p99 (ms) | change, accepted -> written p50 / p99 (ms) | change, accepted -> in traffic p50 / p99 (ms) | restart on pins -> healthy (s) | restart, first / last list page -> healthy (s) | map writes on restart |\n";
-    md += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    md += "| Services x 10 | service map entries | first list byte -> all frontends (s) | start -> /healthz 200 (s) | list pages | VmRSS (MiB) | VmHWM (MiB) | BPF maps (MiB) | whole node: VmRSS + maps (MiB) | CPU at rest (%) | change, agent p50 / p99 (ms) | change, SLI (kubeproxy_network_programming_duration_seconds) p50 / p99 (ms) | change, accepted -> written p50 / p99 (ms) | change, accepted -> in traffic p50 / p99 (ms) | restart on pins -> healthy (s) | restart, first / last list page -> healthy (s) | map writes on restart |\n";
+    md +=
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     for s in &r.scales {
         let d = |d: &Option<Dist>| {
             d.as_ref().map_or("-".into(), |d| {
@@ -33,7 +34,7 @@ pub fn markdown(r: &ApiResults) -> String {
             })
         };
         md += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} |\n",
             report::thousands(s.services),
             s.service_map_entries
                 .map_or("-".into(), |e| report::thousands(e as usize)),
@@ -42,6 +43,8 @@ pub fn markdown(r: &ApiResults) -> String {
             s.list_pages,
             f(s.rss_mib, 1),
             f(s.hwm_mib, 1),
+            f(s.map_memory_mib, 1),
+            f(s.rss_mib.zip(s.map_memory_mib).map(|(a, b)| a + b), 1),
             f(s.idle_cpu_percent, 2),
             d(&s.change_agent),
             d(&s.change_sli),

@@ -113,6 +113,11 @@ pub struct ApiScale {
     pub list_pages: usize,
     pub rss_mib: Option<f64>,
     pub hwm_mib: Option<f64>,
+    /// The BPF maps' memory once programmed (MiB): the sum of the agent's
+    /// `ebpf_proxy_map_memory_bytes` (fdinfo `memlock`, refreshed every 10 s), charged to
+    /// the memory cgroup of the agent that created the maps.
+    #[serde(default)]
+    pub map_memory_mib: Option<f64>,
     /// CPU used at rest, as a share of one CPU (%).
     pub idle_cpu_percent: Option<f64>,
     /// The agent's `network_programming_duration_seconds` per change.

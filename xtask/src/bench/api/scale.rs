@@ -88,12 +88,22 @@ pub(super) fn one_scale(
         scale.idle_cpu_percent = Some((b - a) / t.elapsed().as_secs_f64() * 100.0);
     }
     (scale.rss_mib, scale.hwm_mib) = agent.memory_mib();
+    scale.map_memory_mib = agent.metrics_text().ok().and_then(|m| {
+        let bytes: Vec<f64> = m
+            .lines()
+            .filter(|l| l.starts_with("ebpf_proxy_map_memory_bytes{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .collect();
+        (!bytes.is_empty()).then(|| bytes.iter().sum::<f64>() / (1024.0 * 1024.0))
+    });
     log(
         start,
         format!(
-            "  VmRSS {:.1} MiB, VmHWM {:.1} MiB, CPU at rest {:.2} %",
+            "  VmRSS {:.1} MiB, VmHWM {:.1} MiB, BPF maps {:.1} MiB (whole node: VmRSS + maps {:.1} MiB), CPU at rest {:.2} %",
             scale.rss_mib.unwrap_or_default(),
             scale.hwm_mib.unwrap_or_default(),
+            scale.map_memory_mib.unwrap_or_default(),
+            scale.rss_mib.unwrap_or_default() + scale.map_memory_mib.unwrap_or_default(),
             scale.idle_cpu_percent.unwrap_or_default()
         ),
     );

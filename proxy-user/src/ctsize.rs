@@ -1,0 +1,267 @@
+//! Conntrack sized to demand: the tables (`CT4`, `CT6`) start small (`--conntrack-start`,
+//! 16,384 flows per family) and the running agent grows them online toward the ceiling
+//! (`--conntrack-max`, or kube-proxy's `conntrack.maxPerCore` x CPUs, at least
+//! `conntrack.min`).
+//!
+//! Every [`CHECK_INTERVAL`] the agent counts the live entries of both tables ([`sample`]:
+//! a `BPF_MAP_LOOKUP_BATCH` walk in chunks of [`CHUNK`] entries, an entry live while its
+//! idle timeout has not passed, as the datapath judges it). When one table's live entries,
+//! or those [`projected`] [`AHEAD`] intervals on at the last interval's growth (a fast
+//! fill is met before the table is full: the next sample and the resize both take time),
+//! pass [`HIGH_WATER_PERCENT`] of its size and the size is below the ceiling, both grow
+//! x2 (at most to the ceiling) by the staged migration
+//! ([`migrate::resize_conntrack`](crate::migrate::resize_conntrack): new tables, flows
+//! copied, programs swapped with `BPF_LINK_UPDATE`, copied again, pins renamed; the same
+//! crash marker as at a start). Both run on the blocking pool: `/healthz` and the sync
+//! loop never wait for them. The tables are LRU: between two checks a burst beyond the
+//! size evicts the least recently used flows (new flows are never refused), as before.
+//!
+//! Nothing in the agent keeps a conntrack map open: the writer holds the service maps
+//! (shared, not copied, by a conntrack resize), and map memory, this sampler and
+//! `proxyctl` open the pins afresh each time, so they follow the new tables.
+
+use std::{io, os::fd::AsFd, time::Duration};
+
+use aya::Pod;
+use proxy_common::{ct_flags, ct_timeouts, map_names, proto, Ct4Key, Ct4Value, Ct6Key, Ct6Value};
+
+use crate::pins::{Access, PinDir};
+
+/// Default start size in flows per family (`--conntrack-start`).
+pub const DEFAULT_START_FLOWS: u32 = 16_384;
+/// A table whose live entries pass this share of its size grows.
+pub const HIGH_WATER_PERCENT: u64 = 75;
+/// How often the tables are sampled.
+pub const CHECK_INTERVAL: Duration = Duration::from_secs(10);
+/// Test hook: the sampling period in milliseconds instead of [`CHECK_INTERVAL`].
+pub const CHECK_ENV: &str = "EBPF_PROXY_CONNTRACK_CHECK_MS";
+/// Entries read per `BPF_MAP_LOOKUP_BATCH` call.
+pub const CHUNK: u32 = 1024;
+
+/// The sampling period: [`CHECK_ENV`] when set (a test), else [`CHECK_INTERVAL`].
+pub fn check_interval() -> Duration {
+    std::env::var(CHECK_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|ms| *ms > 0)
+        .map_or(CHECK_INTERVAL, Duration::from_millis)
+}
+
+/// The size in flows per family the tables get at a start: the pinned size when it lies
+/// between the start size and the ceiling (the tables grown online keep their size across
+/// restarts), else the nearest bound; `start` (at most `max`) for new tables.
+pub fn start_flows(pinned_entries: Option<u32>, start: u32, max: u32) -> u32 {
+    let start = start.min(max);
+    match pinned_entries {
+        None => start,
+        Some(entries) => (entries / 2).clamp(start, max),
+    }
+}
+
+/// The live entries expected [`AHEAD`] samples after one with `live` when the one
+/// before had `previous`: the last interval's growth, continued (never below `live`).
+pub fn projected(live: u64, previous: u64) -> u64 {
+    live + AHEAD * live.saturating_sub(previous)
+}
+
+/// How many sampling intervals ahead the growth is projected: the next sample, plus the
+/// time the resize itself takes (well under an interval: 0.5-0.7 s measured for 4,096
+/// entries on a loaded 2-core machine, most of it loading the programs).
+pub const AHEAD: u64 = 2;
+
+/// The size in entries a table of `entries` grows to, below the ceiling `ceiling`
+/// (entries), when `expected` live entries are expected ([`projected`]): x2, at most the
+/// ceiling; `None` below the high-water mark or at the ceiling.
+pub fn grown(entries: u32, expected: u64, ceiling: u32) -> Option<u32> {
+    if entries >= ceiling || expected * 100 < u64::from(entries) * HIGH_WATER_PERCENT {
+        return None;
+    }
+    Some(entries.saturating_mul(2).min(ceiling))
+}
+
+/// One sample of both tables.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Occupancy {
+    /// `max_entries` of `CT4` (and `CT6`: both have one size).
+    pub entries: u32,
+    /// Live entries (idle timeout not passed) of `CT4` and `CT6`.
+    pub live: [u64; 2],
+    /// Every entry read (live or expired, still taking a slot until evicted).
+    pub total: [u64; 2],
+}
+
+impl Occupancy {
+    /// The larger table's live entries.
+    pub fn fullest(&self) -> u64 {
+        self.live[0].max(self.live[1])
+    }
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the datapath's `bpf_ktime_get_ns`.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec out-parameter.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The idle timeout of an entry (as the datapath's `ct::timeout`).
+fn timeout(proto: u8, flags: u32) -> u64 {
+    if proto != proto::TCP {
+        ct_timeouts::UDP
+    } else if flags & ct_flags::CLOSING != 0 {
+        ct_timeouts::TCP_CLOSING
+    } else if flags & ct_flags::SEEN_REPLY != 0 {
+        ct_timeouts::TCP_ESTABLISHED
+    } else {
+        ct_timeouts::TCP_SYN
+    }
+}
+
+/// Both tables of `pins` sampled; `Ok(None)` when they are not pinned (no TC datapath).
+pub fn sample(pins: &PinDir) -> io::Result<Option<Occupancy>> {
+    let Some(entries) = pins.max_entries(map_names::CT4) else {
+        return Ok(None);
+    };
+    let now = monotonic_ns();
+    let (t4, l4) = count::<Ct4Key, Ct4Value>(pins, map_names::CT4, now, |k, v| {
+        (k.proto, v.flags, v.last_seen)
+    })?;
+    let (t6, l6) = count::<Ct6Key, Ct6Value>(pins, map_names::CT6, now, |k, v| {
+        (k.proto, v.flags, v.last_seen)
+    })?;
+    Ok(Some(Occupancy {
+        entries,
+        live: [l4, l6],
+        total: [t4, t6],
+    }))
+}
+
+/// (entries, live entries) of one table, by batch lookups into fixed buffers.
+fn count<K: Pod, V: Pod>(
+    pins: &PinDir,
+    name: &str,
+    now: u64,
+    state: impl Fn(&K, &V) -> (u8, u32, u64),
+) -> io::Result<(u64, u64)> {
+    let fd = match pins.open_fd(name, Access::ReadOnly) {
+        Ok(fd) => fd,
+        Err(_) => return Ok((0, 0)),
+    };
+    let (ks, vs) = (std::mem::size_of::<K>(), std::mem::size_of::<V>());
+    let mut chunk = CHUNK;
+    let mut keys = vec![0u8; chunk as usize * ks];
+    let mut values = vec![0u8; chunk as usize * vs];
+    let token_len = ks.max(8);
+    let (mut token_in, mut token_out) = (vec![0u8; token_len], vec![0u8; token_len]);
+    let (mut total, mut live, mut first) = (0u64, 0u64, true);
+    loop {
+        let r = bpf_sys::map_lookup_batch(
+            fd.as_fd(),
+            (!first).then_some(&token_in[..]),
+            &mut token_out,
+            &mut keys,
+            &mut values,
+            chunk,
+        );
+        let (got, end) = match r {
+            Ok(r) => r,
+            // One bucket holds more entries than a chunk: a bigger chunk.
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && chunk < (1 << 16) => {
+                chunk *= 2;
+                keys.resize(chunk as usize * ks, 0);
+                values.resize(chunk as usize * vs, 0);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        for i in 0..got as usize {
+            // SAFETY: `K`, `V: Pod` and the buffers hold `got` of each.
+            let (k, v): (K, V) = unsafe {
+                (
+                    std::ptr::read_unaligned(keys[i * ks..].as_ptr().cast()),
+                    std::ptr::read_unaligned(values[i * vs..].as_ptr().cast()),
+                )
+            };
+            let (proto, flags, last_seen) = state(&k, &v);
+            total += 1;
+            if now.saturating_sub(last_seen) <= timeout(proto, flags) {
+                live += 1;
+            }
+        }
+        if end == bpf_sys::BatchEnd::End {
+            return Ok((total, live));
+        }
+        first = false;
+        token_in.copy_from_slice(&token_out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_size_is_the_pinned_one_within_start_and_ceiling() {
+        assert_eq!(start_flows(None, 16_384, 131_072), 16_384);
+        assert_eq!(start_flows(None, 16_384, 1000), 1000, "start <= max");
+        assert_eq!(
+            start_flows(Some(65_536), 16_384, 131_072),
+            32_768,
+            "grown: kept"
+        );
+        assert_eq!(
+            start_flows(Some(2048), 16_384, 131_072),
+            16_384,
+            "below start"
+        );
+        assert_eq!(
+            start_flows(Some(524_288), 16_384, 131_072),
+            131_072,
+            "above max"
+        );
+    }
+
+    #[test]
+    fn grows_x2_past_the_high_water_mark_up_to_the_ceiling() {
+        assert_eq!(grown(2048, 1535, 16_384), None);
+        assert_eq!(grown(2048, 1536, 16_384), Some(4096));
+        assert_eq!(grown(2048, 5000, 16_384), Some(4096), "one step at a time");
+        assert_eq!(
+            grown(12_288, 12_000, 16_384),
+            Some(16_384),
+            "at most the ceiling"
+        );
+        assert_eq!(grown(16_384, 16_384, 16_384), None, "at the ceiling");
+    }
+
+    #[test]
+    fn a_fast_fill_is_projected_ahead() {
+        assert_eq!(
+            projected(1000, 600),
+            1800,
+            "400 more per interval, two ahead"
+        );
+        assert_eq!(projected(1000, 1200), 1000, "shrinking: the live count");
+        // 900 of 2,048 live, 500 more each interval: grown before the table fills.
+        assert_eq!(grown(2048, projected(900, 400), 16_384), Some(4096));
+        assert_eq!(grown(2048, projected(900, 880), 16_384), None, "steady");
+    }
+
+    #[test]
+    fn timeouts_follow_the_datapath() {
+        assert_eq!(timeout(proto::UDP, 0), ct_timeouts::UDP);
+        assert_eq!(
+            timeout(proto::TCP, ct_flags::SEEN_REPLY),
+            ct_timeouts::TCP_ESTABLISHED
+        );
+        assert_eq!(
+            timeout(proto::TCP, ct_flags::SEEN_REPLY | ct_flags::CLOSING),
+            ct_timeouts::TCP_CLOSING
+        );
+        assert_eq!(timeout(proto::TCP, 0), ct_timeouts::TCP_SYN);
+    }
+}

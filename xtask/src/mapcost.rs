@@ -1,0 +1,512 @@
+//! `cargo xtask bench-maps`: what one entry costs in each kind of BPF map on this kernel,
+//! the figures docs/deploy.md ("Memory") chooses each map's kind and size from.
+//!
+//! For each map kind the project uses or could use (hash without preallocation, hash
+//! preallocated, array, LRU hash) and for the key/value layouts of the real maps
+//! (`proxy-common`'s types), a map of `--entries` entries is created and filled through
+//! `BPF_MAP_UPDATE_BATCH` in chunks of 4,096 (as the agent's writer does). Reported:
+//! - insert cost: ns per entry of the batched fill of an empty map, of a second fill
+//!   over the same keys (an update of every entry: the hash without preallocation
+//!   allocates a new element for each), and of one `BPF_MAP_UPDATE_ELEM` per entry;
+//! - memory: the kernel's own figure (`memlock:` in the map's fdinfo) at creation and
+//!   filled, and the memory cgroup's charge (usage of a fresh child memory cgroup this
+//!   process moves into for the one map: the kernel charges a map's memory to the
+//!   cgroup of the process that creates it), at creation and filled.
+//!
+//! Needs root (BPF, cgroups); makes nothing but the maps (closed after each) and one
+//! child memory cgroup per map (removed after it).
+
+use std::{
+    fs,
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd},
+    path::{Path, PathBuf},
+    time::Instant,
+};
+
+use anyhow::{bail, Context as _, Result};
+use proxy_common::{Backend4, Ct4Key, Ct4Value, Ct6Key, Ct6Value, Svc4Key, SvcValue};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Entries per map (each map is created with exactly this many and filled).
+    #[arg(long, default_value_t = 131_072)]
+    entries: u32,
+}
+
+const HASH: u32 = 1;
+const ARRAY: u32 = bpf_sys::map_type::ARRAY;
+const LRU_HASH: u32 = 9;
+const F_NO_PREALLOC: u32 = 1;
+const CHUNK: usize = 4096;
+
+#[derive(Clone, Copy)]
+struct Kind {
+    name: &'static str,
+    map_type: u32,
+    flags: u32,
+}
+
+const KINDS: [Kind; 4] = [
+    Kind {
+        name: "hash, no prealloc",
+        map_type: HASH,
+        flags: F_NO_PREALLOC,
+    },
+    Kind {
+        name: "hash, prealloc",
+        map_type: HASH,
+        flags: 0,
+    },
+    Kind {
+        name: "LRU hash",
+        map_type: LRU_HASH,
+        flags: 0,
+    },
+    Kind {
+        name: "array",
+        map_type: ARRAY,
+        flags: 0,
+    },
+];
+
+/// A key/value layout of a real map.
+struct Shape {
+    /// The project's maps with this layout.
+    maps: &'static str,
+    key: usize,
+    value: usize,
+}
+
+fn shapes() -> [Shape; 4] {
+    use std::mem::size_of;
+    [
+        Shape {
+            maps: "BACKEND4 (u32 id -> Backend4)",
+            key: 4,
+            value: size_of::<Backend4>(),
+        },
+        Shape {
+            maps: "SVC4 (Svc4Key -> SvcValue)",
+            key: size_of::<Svc4Key>(),
+            value: size_of::<SvcValue>(),
+        },
+        Shape {
+            maps: "CT4 (Ct4Key -> Ct4Value)",
+            key: size_of::<Ct4Key>(),
+            value: size_of::<Ct4Value>(),
+        },
+        Shape {
+            maps: "CT6 (Ct6Key -> Ct6Value)",
+            key: size_of::<Ct6Key>(),
+            value: size_of::<Ct6Value>(),
+        },
+    ]
+}
+
+struct Row {
+    kind: &'static str,
+    shape: &'static str,
+    key: usize,
+    value: usize,
+    filled: usize,
+    insert_ns: f64,
+    update_ns: f64,
+    single_ns: f64,
+    /// A walk of every entry by `BPF_MAP_LOOKUP_BATCH` in chunks of 1,024 (keys and
+    /// values into fixed buffers), as the agent's conntrack sampler reads CT4/CT6.
+    walk_ns: f64,
+    memlock_created: u64,
+    memlock_filled: u64,
+    charge_created: Option<u64>,
+    charge_filled: Option<u64>,
+}
+
+pub fn main(args: &Args) -> Result<()> {
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("bench-maps needs root (BPF maps, a child memory cgroup)");
+    }
+    let n = args.entries as usize;
+    let memcg = MemCg::find();
+    match &memcg {
+        Ok(m) => eprintln!("memory cgroup: {} ({})", m.parent.display(), m.version()),
+        Err(e) => eprintln!("no memory cgroup charge figures: {e:#}"),
+    }
+    let mut rows = Vec::new();
+    for shape in shapes() {
+        for kind in KINDS {
+            // An array is addressed by a dense u32 index: only the layouts with a u32 key.
+            if kind.map_type == ARRAY && shape.key != 4 {
+                continue;
+            }
+            let row = measure(kind, &shape, n, memcg.as_ref().ok())
+                .with_context(|| format!("{} / {}", kind.name, shape.maps))?;
+            eprintln!(
+                "{:<18} {:<32} insert {:>6.0} ns/entry, memlock {} -> {}",
+                row.kind, row.shape, row.insert_ns, row.memlock_created, row.memlock_filled
+            );
+            rows.push(row);
+        }
+    }
+    print_table(&rows, n);
+    Ok(())
+}
+
+fn measure(kind: Kind, shape: &Shape, n: usize, memcg: Option<&MemCg>) -> Result<Row> {
+    // Keys: distinct, spread (a hash map's keys in a real map are not sequential); for
+    // an array, the dense indexes 0..n. Built before moving into the child cgroup, so
+    // that the process's own heap is not charged there.
+    let mut keys = vec![0u8; n * shape.key];
+    for (i, k) in keys.chunks_exact_mut(shape.key).enumerate() {
+        let v = if kind.map_type == ARRAY {
+            i as u32
+        } else {
+            (i as u32).wrapping_mul(0x9e37_79b9)
+        };
+        k[..4].copy_from_slice(&v.to_ne_bytes());
+        if shape.key > 4 {
+            k[4..8].copy_from_slice(&(!(i as u32)).to_ne_bytes());
+        }
+    }
+    let values = vec![0x5au8; n * shape.value];
+
+    let cg = memcg.map(MemCg::child).transpose()?;
+    let result = (|| -> Result<Row> {
+        let before = cg.as_ref().map(ChildCg::usage).transpose()?;
+        let fd = bpf_sys::map_create(
+            kind.map_type,
+            shape.key as u32,
+            shape.value as u32,
+            n as u32,
+            kind.flags,
+        )
+        .context("BPF_MAP_CREATE")?;
+        let charge_created = charge(cg.as_ref(), before)?;
+        let memlock_created = memlock(fd.as_fd())?;
+
+        let insert_ns = fill(&fd, shape, &keys, &values)? / n as f64;
+        let filled = count(&fd, shape, n)?;
+        let charge_filled = charge(cg.as_ref(), before)?;
+        let memlock_filled = memlock(fd.as_fd())?;
+        let update_ns = fill(&fd, shape, &keys, &values)? / n as f64;
+        let (walked, walk) = walk(&fd, shape)?;
+        let walk_ns = walk / walked.max(1) as f64;
+
+        // One syscall per entry, over the first 16,384 (already there: an update).
+        let m = n.min(16_384);
+        let t = Instant::now();
+        for i in 0..m {
+            let k = &keys[i * shape.key..(i + 1) * shape.key];
+            let v = &values[i * shape.value..(i + 1) * shape.value];
+            bpf_sys::map_update(fd.as_fd(), k, v, bpf_sys::ANY).context("BPF_MAP_UPDATE_ELEM")?;
+        }
+        let single_ns = t.elapsed().as_nanos() as f64 / m as f64;
+        drop(fd);
+        Ok(Row {
+            kind: kind.name,
+            shape: shape.maps,
+            key: shape.key,
+            value: shape.value,
+            filled,
+            insert_ns,
+            update_ns,
+            single_ns,
+            walk_ns,
+            memlock_created,
+            memlock_filled,
+            charge_created,
+            charge_filled,
+        })
+    })();
+    if let Some(cg) = cg {
+        cg.leave()?;
+    }
+    result
+}
+
+/// Nanoseconds to write every key through `BPF_MAP_UPDATE_BATCH` in chunks of 4,096.
+fn fill(fd: &OwnedFd, shape: &Shape, keys: &[u8], values: &[u8]) -> Result<f64> {
+    let t = Instant::now();
+    for (k, v) in keys
+        .chunks(CHUNK * shape.key)
+        .zip(values.chunks(CHUNK * shape.value))
+    {
+        update_batch(fd.as_fd(), k, v, (k.len() / shape.key) as u32)?;
+    }
+    Ok(t.elapsed().as_nanos() as f64)
+}
+
+/// `BPF_MAP_UPDATE_BATCH` over raw key/value bytes (the layouts are only sizes here).
+fn update_batch(fd: BorrowedFd<'_>, keys: &[u8], values: &[u8], count: u32) -> Result<()> {
+    #[repr(C)]
+    #[derive(Default)]
+    struct BatchAttr {
+        in_batch: u64,
+        out_batch: u64,
+        keys: u64,
+        values: u64,
+        count: u32,
+        map_fd: u32,
+        elem_flags: u64,
+        flags: u64,
+    }
+    let mut a = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count,
+        map_fd: fd.as_raw_fd() as u32,
+        ..Default::default()
+    };
+    // SAFETY: `a` is a valid `bpf_attr` prefix for BPF_MAP_UPDATE_BATCH; the buffers
+    // hold `count` keys and values of the map's sizes.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            26, // BPF_MAP_UPDATE_BATCH
+            &mut a as *mut BatchAttr,
+            std::mem::size_of::<BatchAttr>() as u32,
+        )
+    };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        bail!("BPF_MAP_UPDATE_BATCH: {e} after {} of {count}", a.count);
+    }
+    Ok(())
+}
+
+/// (entries read, nanoseconds) of a walk of the whole map by `BPF_MAP_LOOKUP_BATCH`,
+/// 1,024 entries per call, into fixed buffers (arrays: their slots).
+fn walk(fd: &OwnedFd, shape: &Shape) -> Result<(usize, f64)> {
+    const WALK: u32 = 1024;
+    let mut chunk = WALK;
+    let mut keys = vec![0u8; chunk as usize * shape.key];
+    let mut values = vec![0u8; chunk as usize * shape.value];
+    let len = shape.key.max(8);
+    let (mut token_in, mut token_out) = (vec![0u8; len], vec![0u8; len]);
+    let (mut read, mut first) = (0usize, true);
+    let t = Instant::now();
+    loop {
+        let r = bpf_sys::map_lookup_batch(
+            fd.as_fd(),
+            (!first).then_some(&token_in[..]),
+            &mut token_out,
+            &mut keys,
+            &mut values,
+            chunk,
+        );
+        let (got, end) = match r {
+            Ok(r) => r,
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && chunk < (1 << 16) => {
+                chunk *= 2;
+                keys.resize(chunk as usize * shape.key, 0);
+                values.resize(chunk as usize * shape.value, 0);
+                continue;
+            }
+            Err(e) => return Err(e).context("BPF_MAP_LOOKUP_BATCH"),
+        };
+        read += got as usize;
+        if end == bpf_sys::BatchEnd::End {
+            break;
+        }
+        first = false;
+        token_in.copy_from_slice(&token_out);
+    }
+    Ok((read, t.elapsed().as_nanos() as f64))
+}
+
+/// Entries in the map after the fill (an LRU hash may have evicted some to make room).
+fn count(fd: &OwnedFd, shape: &Shape, n: usize) -> Result<usize> {
+    let mut key = vec![0u8; shape.key];
+    let mut next = vec![0u8; shape.key];
+    let mut found = 0;
+    let mut first = true;
+    while bpf_sys::map_next_key(fd.as_fd(), (!first).then_some(&key[..]), &mut next)
+        .context("BPF_MAP_GET_NEXT_KEY")?
+    {
+        first = false;
+        found += 1;
+        std::mem::swap(&mut key, &mut next);
+        if found > n {
+            break;
+        }
+    }
+    Ok(found)
+}
+
+/// The `memlock:` line of the map's fdinfo: the kernel's own count of its memory.
+fn memlock(fd: BorrowedFd<'_>) -> Result<u64> {
+    let path = format!("/proc/self/fdinfo/{}", fd.as_raw_fd());
+    let text = fs::read_to_string(&path).with_context(|| path.clone())?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("memlock:"))
+        .and_then(|v| v.trim().parse().ok())
+        .with_context(|| format!("no memlock line in {path}"))
+}
+
+fn charge(cg: Option<&ChildCg>, before: Option<u64>) -> Result<Option<u64>> {
+    match (cg, before) {
+        (Some(cg), Some(b)) => Ok(Some(cg.usage()?.saturating_sub(b))),
+        _ => Ok(None),
+    }
+}
+
+/// The memory controller: cgroup v2 if the unified hierarchy has it, else v1's.
+struct MemCg {
+    /// This process's own memory cgroup directory (children are made below it).
+    parent: PathBuf,
+    v2: bool,
+}
+
+impl MemCg {
+    fn version(&self) -> &'static str {
+        if self.v2 {
+            "cgroup v2"
+        } else {
+            "cgroup v1 memory controller"
+        }
+    }
+
+    fn find() -> Result<MemCg> {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo")?;
+        let own = fs::read_to_string("/proc/self/cgroup")?;
+        let mounts: Vec<(String, String, String)> = mountinfo
+            .lines()
+            .filter_map(|l| {
+                let (pre, post) = l.split_once(" - ")?;
+                let mnt = pre.split_whitespace().nth(4)?.to_string();
+                let mut p = post.split_whitespace();
+                let fstype = p.next()?.to_string();
+                let opts = p.nth(1)?.to_string();
+                Some((mnt, fstype, opts))
+            })
+            .collect();
+        if let Some((mnt, _, _)) = mounts.iter().find(|(_, t, _)| t == "cgroup2") {
+            let path = own
+                .lines()
+                .find_map(|l| l.strip_prefix("0::"))
+                .unwrap_or("/");
+            let parent = Path::new(mnt).join(path.trim_start_matches('/'));
+            let ctl = fs::read_to_string(parent.join("cgroup.controllers")).unwrap_or_default();
+            if ctl.split_whitespace().any(|c| c == "memory") {
+                return Ok(MemCg { parent, v2: true });
+            }
+        }
+        let (mnt, _, _) = mounts
+            .iter()
+            .find(|(_, t, o)| t == "cgroup" && o.split(',').any(|x| x == "memory"))
+            .context(
+                "neither a cgroup2 hierarchy with the memory controller nor a v1 memory hierarchy",
+            )?;
+        let path = own
+            .lines()
+            .find_map(|l| {
+                let mut f = l.splitn(3, ':');
+                let _ = f.next();
+                let ctrl = f.next()?;
+                let path = f.next()?;
+                ctrl.split(',').any(|c| c == "memory").then_some(path)
+            })
+            .context("no memory line in /proc/self/cgroup")?;
+        Ok(MemCg {
+            parent: Path::new(mnt).join(path.trim_start_matches('/')),
+            v2: false,
+        })
+    }
+
+    /// A fresh child cgroup with this process moved into it.
+    fn child(&self) -> Result<ChildCg> {
+        let path = self
+            .parent
+            .join(format!("xtask-mapcost-{}", std::process::id()));
+        if self.v2 {
+            let _ = fs::write(self.parent.join("cgroup.subtree_control"), "+memory");
+        }
+        fs::create_dir(&path).with_context(|| format!("mkdir {}", path.display()))?;
+        let cg = ChildCg {
+            path,
+            parent: self.parent.clone(),
+            v2: self.v2,
+        };
+        fs::write(cg.path.join("cgroup.procs"), std::process::id().to_string())
+            .with_context(|| format!("moving into {}", cg.path.display()))?;
+        Ok(cg)
+    }
+}
+
+struct ChildCg {
+    path: PathBuf,
+    parent: PathBuf,
+    v2: bool,
+}
+
+impl ChildCg {
+    fn usage(&self) -> Result<u64> {
+        let f = self.path.join(if self.v2 {
+            "memory.current"
+        } else {
+            "memory.usage_in_bytes"
+        });
+        let s = fs::read_to_string(&f).with_context(|| f.display().to_string())?;
+        Ok(s.trim().parse()?)
+    }
+
+    /// Moves this process back to its own cgroup and removes the child.
+    fn leave(self) -> Result<()> {
+        fs::write(
+            self.parent.join("cgroup.procs"),
+            std::process::id().to_string(),
+        )
+        .context("moving back to the parent cgroup")?;
+        fs::remove_dir(&self.path).with_context(|| format!("rmdir {}", self.path.display()))
+    }
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.2}", b as f64 / (1024.0 * 1024.0))
+}
+
+fn per_entry(b: u64, n: usize) -> String {
+    format!("{:.0}", b as f64 / n as f64)
+}
+
+fn print_table(rows: &[Row], n: usize) {
+    println!(
+        "{} entries per map; {} CPUs; kernel {}",
+        n,
+        std::thread::available_parallelism().map_or(0, |p| p.get()),
+        fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+    );
+    println!();
+    println!(
+        "| layout (key + value B) | kind | insert ns/entry (batch, empty map) | update ns/entry (batch) | update ns/entry (one syscall each) | walk ns/entry (lookup batch, 1,024) | memlock at creation MiB | memlock filled MiB | B/entry filled (memlock) | memcg charge at creation MiB | memcg charge filled MiB | B/entry filled (memcg) |"
+    );
+    println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for r in rows {
+        let opt = |c: Option<u64>| c.map_or("-".to_string(), mib);
+        let opt_pe = |c: Option<u64>| c.map_or("-".to_string(), |c| per_entry(c, n));
+        let filled = if r.filled == n {
+            String::new()
+        } else {
+            format!(" ({} kept)", r.filled)
+        };
+        println!(
+            "| {} ({} + {}) | {}{} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} | {} | {} |",
+            r.shape,
+            r.key,
+            r.value,
+            r.kind,
+            filled,
+            r.insert_ns,
+            r.update_ns,
+            r.single_ns,
+            r.walk_ns,
+            mib(r.memlock_created),
+            mib(r.memlock_filled),
+            per_entry(r.memlock_filled, n),
+            opt(r.charge_created),
+            opt(r.charge_filled),
+            opt_pe(r.charge_filled),
+        );
+    }
+}
