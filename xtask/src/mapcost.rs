@@ -237,40 +237,13 @@ fn fill(fd: &OwnedFd, shape: &Shape, keys: &[u8], values: &[u8]) -> Result<f64> 
 
 /// `BPF_MAP_UPDATE_BATCH` over raw key/value bytes (the layouts are only sizes here).
 fn update_batch(fd: BorrowedFd<'_>, keys: &[u8], values: &[u8], count: u32) -> Result<()> {
-    #[repr(C)]
-    #[derive(Default)]
-    struct BatchAttr {
-        in_batch: u64,
-        out_batch: u64,
-        keys: u64,
-        values: u64,
-        count: u32,
-        map_fd: u32,
-        elem_flags: u64,
-        flags: u64,
-    }
-    let mut a = BatchAttr {
-        keys: keys.as_ptr() as u64,
-        values: values.as_ptr() as u64,
-        count,
-        map_fd: fd.as_raw_fd() as u32,
-        ..Default::default()
-    };
-    // SAFETY: `a` is a valid `bpf_attr` prefix for BPF_MAP_UPDATE_BATCH; the buffers
-    // hold `count` keys and values of the map's sizes.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            26, // BPF_MAP_UPDATE_BATCH
-            &mut a as *mut BatchAttr,
-            std::mem::size_of::<BatchAttr>() as u32,
+    bpf_sys::map_update_batch_raw(fd, keys, values, count).map_err(|f| {
+        anyhow::anyhow!(
+            "BPF_MAP_UPDATE_BATCH: {} after {} of {count}",
+            f.error,
+            f.count
         )
-    };
-    if r < 0 {
-        let e = std::io::Error::last_os_error();
-        bail!("BPF_MAP_UPDATE_BATCH: {e} after {} of {count}", a.count);
-    }
-    Ok(())
+    })
 }
 
 /// (entries read, nanoseconds) of a walk of the whole map by `BPF_MAP_LOOKUP_BATCH`,

@@ -392,6 +392,23 @@ pub fn map_update_batch<K: Copy, V: Copy>(
         })
 }
 
+/// `BPF_MAP_UPDATE_BATCH` of `count` keys and values laid out back to back in raw bytes
+/// (a caller that knows the layouts only by their sizes, as the map-cost bench).
+pub fn map_update_batch_raw(
+    fd: BorrowedFd<'_>,
+    keys: &[u8],
+    values: &[u8],
+    count: u32,
+) -> Result<(), BatchFailed> {
+    let mut a = batch_attr(fd, keys.as_ptr() as u64, values.as_ptr() as u64, count);
+    a.sys(cmd::MAP_UPDATE_BATCH)
+        .map(drop)
+        .map_err(|error| BatchFailed {
+            count: a.get_u32(32),
+            error,
+        })
+}
+
 /// `BPF_MAP_DELETE_BATCH` of `keys`: `Ok(count deleted)` or the failure (an absent key
 /// stops the kernel's batch with `ENOENT`, `count` then says where).
 pub fn map_delete_batch<K: Copy>(fd: BorrowedFd<'_>, keys: &[K]) -> Result<u32, BatchFailed> {

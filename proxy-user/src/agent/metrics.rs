@@ -128,6 +128,7 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    // Long: the registry: one registration per metric, in the order of the README's list.
     pub fn new() -> Self {
         // The root has kube-proxy's metrics (`kubeproxy_*`); ours are under `ebpf_proxy_`.
         let mut root = Registry::default();

@@ -4,6 +4,8 @@
 //! serving; the next agent adopts it.
 
 mod caps;
+pub mod cli;
+mod grow;
 pub mod healthcheck;
 pub mod http;
 pub mod kubeproxy_metrics;
@@ -103,7 +105,7 @@ pub struct AgentOptions {
 
 /// Runs the agent until `shutdown` completes: the steps of the module doc, in order.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-    raise_open_file_limit();
+    cli::raise_open_file_limit();
     let datapath = open_datapath(&opts)?;
     let kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     // Metrics and health first: reading a large pinned state back takes seconds, and
@@ -117,7 +119,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
             metrics.clone(),
         )?;
     }
-    let grow = tokio::spawn(grow_conntrack(
+    let grow = tokio::spawn(grow::grow_conntrack(
         opts.pin_path.clone(),
         metrics.clone(),
         opts.conntrack_flows,
@@ -148,15 +150,6 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     grow.abort();
     info!("stopping; the datapath stays pinned and keeps serving");
     Ok(())
-}
-
-/// Container runtimes start processes with a soft limit of 1024 descriptors; the
-/// servers' connection caps, the maps, the manifests and the watches need more room.
-fn raise_open_file_limit() {
-    match http::raise_nofile_limit() {
-        Ok((before, after)) => info!(before, after, "open file limit (RLIMIT_NOFILE, soft)"),
-        Err(e) => warn!(error = %e, "raising the open file limit"),
-    }
 }
 
 /// What [`open_datapath`] found and installed.
@@ -444,114 +437,6 @@ async fn refresh_map_memory(pin_path: PathBuf, metrics: Arc<Metrics>) {
         let path = pin_path.clone();
         if let Ok(maps) = tokio::task::spawn_blocking(move || loader::map_memory(&path)).await {
             set_map_memory(&metrics, &maps);
-        }
-    }
-}
-
-/// Conntrack grown online ([`crate::ctsize`]): every check interval both tables'
-/// live entries are counted (gauges), and past the high-water mark both are grown x2
-/// toward `ceiling_flows` by the staged migration, on the blocking pool (the servers and
-/// the sync loop go on meanwhile). A resize loads new programs, whose kernel log records
-/// go to a new ring buffer: the kernel logger follows them.
-async fn grow_conntrack(
-    pin_path: PathBuf,
-    metrics: Arc<Metrics>,
-    ceiling_flows: u32,
-    mut kernel_logs: Option<tokio::task::JoinHandle<()>>,
-) {
-    let ceiling = ceiling_flows.saturating_mul(2);
-    let mut every = tokio::time::interval(crate::ctsize::check_interval());
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    every.tick().await;
-    // The previous sample's fullest table (live entries), for the projection.
-    let mut previous = None;
-    loop {
-        every.tick().await;
-        let pins = crate::pins::PinDir::new(&pin_path);
-        let p = pins.clone();
-        let started = Instant::now();
-        let sample = match tokio::task::spawn_blocking(move || crate::ctsize::sample(&p)).await {
-            Ok(Ok(Some(s))) => s,
-            Ok(Ok(None)) => continue, // no conntrack tables (no TC datapath)
-            Ok(Err(e)) => {
-                warn!(error = %e, "counting the conntrack tables' entries failed");
-                continue;
-            }
-            Err(e) => {
-                warn!(error = %e, "the conntrack sampling task failed");
-                continue;
-            }
-        };
-        for (family, live) in ["ipv4", "ipv6"].into_iter().zip(sample.live) {
-            metrics
-                .conntrack_live_entries
-                .get_or_create(&metrics::FamilyLabel {
-                    family: family.to_string(),
-                })
-                .set(i64::try_from(live).unwrap_or(i64::MAX));
-        }
-        metrics
-            .conntrack_capacity
-            .set(i64::from(sample.entries / 2));
-        tracing::debug!(
-            entries = sample.entries,
-            live = ?sample.live,
-            total = ?sample.total,
-            elapsed_us = started.elapsed().as_micros() as u64,
-            "conntrack occupancy sampled"
-        );
-        let expected =
-            crate::ctsize::projected(sample.fullest(), previous.unwrap_or(sample.fullest()));
-        previous = Some(sample.fullest());
-        let Some(to) = crate::ctsize::grown(sample.entries, expected, ceiling) else {
-            continue;
-        };
-        info!(
-            from_flows = sample.entries / 2,
-            to_flows = to / 2,
-            ceiling_flows,
-            live_entries = ?sample.live,
-            expected_entries = expected,
-            "conntrack past its high-water mark: growing the tables online"
-        );
-        let started = Instant::now();
-        let p = pins.clone();
-        match tokio::task::spawn_blocking(move || crate::migrate::resize_conntrack(&p, to)).await {
-            Ok(Ok(resized)) => {
-                for r in &resized {
-                    let direction = if r.to > r.from { "grow" } else { "shrink" };
-                    metrics
-                        .map_resizes
-                        .get_or_create(&metrics::ResizeLabel {
-                            map: r.map.to_string(),
-                            direction: direction.to_string(),
-                        })
-                        .inc();
-                }
-                let now = pins.max_entries(proxy_common::map_names::CT4).unwrap_or(0);
-                metrics.conntrack_capacity.set(i64::from(now / 2));
-                info!(
-                    flows = now / 2,
-                    elapsed_ms = started.elapsed().as_millis() as u64,
-                    "conntrack tables grown online"
-                );
-                if !resized.is_empty() {
-                    if let Some(h) = kernel_logs.take() {
-                        h.abort();
-                    }
-                    kernel_logs = loader::spawn_kernel_logger(&pin_path);
-                }
-            }
-            Ok(Err(e)) => {
-                warn!(error = %e, "growing the conntrack tables failed; kept their size");
-                metrics
-                    .map_write_errors
-                    .get_or_create(&metrics::ReasonLabel {
-                        reason: "conntrack_resize".into(),
-                    })
-                    .inc();
-            }
-            Err(e) => warn!(error = %e, "the conntrack resize task failed"),
         }
     }
 }

@@ -5,7 +5,14 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use proxy_user::{
-    agent::{self, AgentOptions},
+    agent::{
+        self,
+        cli::{
+            init_tracing, limit_malloc_arenas, node_name, parse_cidrs, parse_duration,
+            parse_table_size, with_run_subcommand, CidrList,
+        },
+        AgentOptions,
+    },
     cleanup,
     cluster::lb_algorithm::LbAlgorithm,
     loader,
@@ -368,56 +375,6 @@ fn apply_kube_proxy(
     Ok(applied)
 }
 
-/// `--maglev-table-size`: a prime in the allowed range.
-fn parse_table_size(s: &str) -> Result<u32, String> {
-    let m: u32 = s.trim().parse().map_err(|e| format!("{s:?}: {e}"))?;
-    proxy_user::maglev::validate_table_size(m)?;
-    Ok(m)
-}
-
-/// A parsed `--external-ip-cidrs` or `--dsr-trusted-cidrs`.
-#[derive(Clone, Debug)]
-struct CidrList(Vec<(std::net::IpAddr, u8)>);
-
-/// `10.0.0.0/8,2001:db8::/32`, or `none`.
-fn parse_cidrs(s: &str) -> Result<CidrList, String> {
-    if s.trim() == "none" {
-        return Ok(CidrList(Vec::new()));
-    }
-    s.split(',')
-        .filter(|p| !p.trim().is_empty())
-        .map(|p| {
-            proxy_user::cluster::objects::parse_cidr(p)
-                .ok_or_else(|| format!("{p:?} is not a CIDR (like 10.0.0.0/8 or 2001:db8::/32)"))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map(CidrList)
-}
-
-/// `250ms`, `2s`, `1m`.
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let (num, unit) = s
-        .find(|c: char| !c.is_ascii_digit())
-        .map(|i| s.split_at(i))
-        .ok_or_else(|| format!("{s:?}: missing a unit (ms, s or m)"))?;
-    let n: u64 = num.parse().map_err(|_| format!("{s:?}: not a number"))?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(n)),
-        "s" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(60 * n)),
-        _ => Err(format!("{s:?}: unknown unit (ms, s or m)")),
-    }
-}
-
-fn node_name(flag: Option<String>) -> String {
-    flag.or_else(|| {
-        std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .ok()
-            .map(|h| h.trim().to_string())
-    })
-    .unwrap_or_else(|| "localhost".into())
-}
-
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = match signal(SignalKind::terminate()) {
@@ -430,50 +387,8 @@ async fn shutdown_signal() {
     }
 }
 
-/// glibc's malloc: one arena (`M_ARENA_MAX`), unless `MALLOC_ARENA_MAX` is set (the
-/// operator's choice wins). By default glibc gives a thread that allocates while another
-/// holds the lock an arena of its own, up to 8 per CPU; the list readers decode on the
-/// runtime's workers and the sync runs on the main thread, so the desired state ended
-/// up spread over three or more arenas, each keeping its own free space and partly used
-/// pages after the first sync. Measured with `cargo xtask bench --api` (the same binary
-/// with `MALLOC_ARENA_MAX` set, docs/benchmarks.md "Where the resident memory is"):
-/// VmRSS once programmed 62.1 / 52.7 / 47.2 MiB at 10,000 Services x 10 with 16 (the
-/// default here) / 2 / 1 arenas, 202.8 / 194.1 / 162.0 MiB at 50,000, with no slower
-/// programming (the agent's allocating work is mostly one thread at a time).
-/// Must run before any other thread starts.
-fn limit_malloc_arenas() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
-        // SAFETY: mallopt has no preconditions; called before other threads exist.
-        unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, 1);
-        }
-    }
-}
-
-fn init_tracing(default: &str) {
-    use std::io::IsTerminal as _;
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
-        )
-        .init();
-}
-
-/// kube-proxy's command line has no subcommand (`kube-proxy --config=...`): one that
-/// starts with a flag other than help/version is `run`'s, so kubeadm's DaemonSet
-/// arguments work unchanged.
-fn with_run_subcommand(mut argv: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
-    let first = argv.get(1).and_then(|a| a.to_str()).unwrap_or("");
-    if first.starts_with('-') && !matches!(first, "-h" | "--help" | "-V" | "--version") {
-        argv.insert(1, "run".into());
-    }
-    argv
-}
-
+// Long: the flags mapped to AgentOptions, one field per flag in the order of the flags, and
+// the subcommands dispatched.
 fn main() -> Result<()> {
     use clap::{CommandFactory as _, FromArgMatches as _};
     limit_malloc_arenas();

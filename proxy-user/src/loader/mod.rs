@@ -142,6 +142,10 @@ fn size_in_use(pins: &PinDir, map: &str, wanted: u32, what: &str, why: &str) -> 
 }
 
 /// Loads and attaches whatever is not already pinned, and pins it.
+// Long: the install's stages (pin directory checked, hooks wanted, what is missing, load,
+// attach with rollback, report) share the loaded object, the list of pins made for the
+// rollback and the report; splitting them needs a struct of their own (issue 25, not yet
+// done).
 pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     let pin_path = &opts.pin_path;
     let parent = pin_path.parent().unwrap_or(Path::new("/"));

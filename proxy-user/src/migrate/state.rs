@@ -226,6 +226,8 @@ impl Migration {
     /// Copies every old map into its staged counterpart (`only_datapath`: just the maps
     /// the programs write, insert-if-absent). `META` is never copied: the new one is
     /// written here.
+    // Long: one pass over every map of the layout: share, copy, convert or create, each arm
+    // a few lines over the same staging state.
     fn copy_all(&mut self, only_datapath: bool) -> Result<(), LoadError> {
         let staged = self.staged_maps()?;
         let mut total = CopyCount::default();

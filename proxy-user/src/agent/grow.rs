@@ -1,0 +1,119 @@
+//! Conntrack grown online while the agent runs ([`crate::ctsize`]): sampled, and grown by
+//! the staged migration off the async runtime.
+
+use std::{path::PathBuf, sync::Arc, time::Instant};
+
+use tracing::{info, warn};
+
+use super::metrics::{self, Metrics};
+use crate::loader;
+
+/// Conntrack grown online ([`crate::ctsize`]): every check interval both tables'
+/// live entries are counted (gauges), and past the high-water mark both are grown x2
+/// toward `ceiling_flows` by the staged migration, on the blocking pool (the servers and
+/// the sync loop go on meanwhile). A resize loads new programs, whose kernel log records
+/// go to a new ring buffer: the kernel logger follows them.
+// Long: one sampling loop (sample, gauges, decide, resize, follow the kernel logger);
+// the steps share the previous sample and the logger's handle.
+pub(super) async fn grow_conntrack(
+    pin_path: PathBuf,
+    metrics: Arc<Metrics>,
+    ceiling_flows: u32,
+    mut kernel_logs: Option<tokio::task::JoinHandle<()>>,
+) {
+    let ceiling = ceiling_flows.saturating_mul(2);
+    let mut every = tokio::time::interval(crate::ctsize::check_interval());
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    every.tick().await;
+    // The previous sample's fullest table (live entries), for the projection.
+    let mut previous = None;
+    loop {
+        every.tick().await;
+        let pins = crate::pins::PinDir::new(&pin_path);
+        let p = pins.clone();
+        let started = Instant::now();
+        let sample = match tokio::task::spawn_blocking(move || crate::ctsize::sample(&p)).await {
+            Ok(Ok(Some(s))) => s,
+            Ok(Ok(None)) => continue, // no conntrack tables (no TC datapath)
+            Ok(Err(e)) => {
+                warn!(error = %e, "counting the conntrack tables' entries failed");
+                continue;
+            }
+            Err(e) => {
+                warn!(error = %e, "the conntrack sampling task failed");
+                continue;
+            }
+        };
+        for (family, live) in ["ipv4", "ipv6"].into_iter().zip(sample.live) {
+            metrics
+                .conntrack_live_entries
+                .get_or_create(&metrics::FamilyLabel {
+                    family: family.to_string(),
+                })
+                .set(i64::try_from(live).unwrap_or(i64::MAX));
+        }
+        metrics
+            .conntrack_capacity
+            .set(i64::from(sample.entries / 2));
+        tracing::debug!(
+            entries = sample.entries,
+            live = ?sample.live,
+            total = ?sample.total,
+            elapsed_us = started.elapsed().as_micros() as u64,
+            "conntrack occupancy sampled"
+        );
+        let expected =
+            crate::ctsize::projected(sample.fullest(), previous.unwrap_or(sample.fullest()));
+        previous = Some(sample.fullest());
+        let Some(to) = crate::ctsize::grown(sample.entries, expected, ceiling) else {
+            continue;
+        };
+        info!(
+            from_flows = sample.entries / 2,
+            to_flows = to / 2,
+            ceiling_flows,
+            live_entries = ?sample.live,
+            expected_entries = expected,
+            "conntrack past its high-water mark: growing the tables online"
+        );
+        let started = Instant::now();
+        let p = pins.clone();
+        match tokio::task::spawn_blocking(move || crate::migrate::resize_conntrack(&p, to)).await {
+            Ok(Ok(resized)) => {
+                for r in &resized {
+                    let direction = if r.to > r.from { "grow" } else { "shrink" };
+                    metrics
+                        .map_resizes
+                        .get_or_create(&metrics::ResizeLabel {
+                            map: r.map.to_string(),
+                            direction: direction.to_string(),
+                        })
+                        .inc();
+                }
+                let now = pins.max_entries(proxy_common::map_names::CT4).unwrap_or(0);
+                metrics.conntrack_capacity.set(i64::from(now / 2));
+                info!(
+                    flows = now / 2,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "conntrack tables grown online"
+                );
+                if !resized.is_empty() {
+                    if let Some(h) = kernel_logs.take() {
+                        h.abort();
+                    }
+                    kernel_logs = loader::spawn_kernel_logger(&pin_path);
+                }
+            }
+            Ok(Err(e)) => {
+                warn!(error = %e, "growing the conntrack tables failed; kept their size");
+                metrics
+                    .map_write_errors
+                    .get_or_create(&metrics::ReasonLabel {
+                        reason: "conntrack_resize".into(),
+                    })
+                    .inc();
+            }
+            Err(e) => warn!(error = %e, "the conntrack resize task failed"),
+        }
+    }
+}
