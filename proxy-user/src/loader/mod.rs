@@ -141,62 +141,17 @@ fn size_in_use(pins: &PinDir, map: &str, wanted: u32, what: &str, why: &str) -> 
     pinned
 }
 
-/// Loads and attaches whatever is not already pinned, and pins it.
-// Long: the install's stages (pin directory checked, hooks wanted, what is missing, load,
-// attach with rollback, report) share the loaded object, the list of pins made for the
-// rollback and the report; splitting them needs a struct of their own (issue 25, not yet
-// done).
+/// Loads and attaches whatever is not already pinned, and pins it: the pin directory
+/// checked ([`open_pin_dir`]), the tables' sizes, the hooks wanted ([`wanted_hooks`]) and
+/// those already pinned adopted, then the object loaded and each missing hook attached
+/// and pinned ([`Attaching`]), every pin this call made removed again if one fails.
 pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     let pin_path = &opts.pin_path;
-    let parent = pin_path.parent().unwrap_or(Path::new("/"));
-    let on_bpffs = crate::fs::magic(if pin_path.exists() { pin_path } else { parent })
-        .map_err(io_err("checking", parent))?;
-    if on_bpffs != crate::fs::BPF_FS_MAGIC {
-        return Err(LoadError::NotBpffs {
-            path: pin_path.clone(),
-        });
-    }
-    let pins = PinDir::new(pin_path);
-    fs::create_dir_all(pins.links()).map_err(io_err("creating", pin_path))?;
-
-    // Maps of another ABI would be misread by the new programs: refuse.
-    if pins.has_maps() {
-        pins.check_abi(Access::ReadWrite)?;
-    }
-
+    let pins = open_pin_dir(pin_path)?;
     let mut report = InstallReport::default();
-    let ct_entries = conntrack_entries(opts.conntrack_flows)?;
-    report.conntrack_entries = size_in_use(
-        &pins,
-        map_names::CT4,
-        ct_entries,
-        "conntrack tables",
-        "not resized at start: a shrink below the flows tracked would drop them",
-    );
-    let svc_entries = service_entries(opts.service_entries)?;
-    report.service_entries = size_in_use(
-        &pins,
-        map_names::SVC4,
-        svc_entries,
-        "service maps",
-        "not resized at start: a shrink below the entries in use would drop them",
-    );
-    let mut hooks: Vec<Hook> = SOCK_PROGRAMS.iter().map(|p| Hook::Sock(p)).collect();
-    for iface in &opts.interfaces {
-        for ingress in [true, false] {
-            hooks.push(Hook::Tc {
-                iface: iface.clone(),
-                ingress,
-            });
-        }
-        if opts.acceleration != Acceleration::Off {
-            hooks.push(Hook::Xdp {
-                iface: iface.clone(),
-            });
-        }
-    }
+    let (ct_entries, svc_entries) = table_sizes(&pins, opts, &mut report)?;
     drop_other_xdp(&pins, opts.acceleration)?;
-    let missing: Vec<Hook> = hooks
+    let missing: Vec<Hook> = wanted_hooks(opts)
         .into_iter()
         .filter(|hook| match hook.existing_pin(&pins) {
             Some(name) => {
@@ -225,7 +180,6 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
         return Err(LoadError::TcxUnsupported);
     }
     bump_memlock_rlimit();
-
     let cgroup_dir = match &opts.cgroup {
         Some(dir) => dir.clone(),
         None => cgroup::cgroup2_mount()
@@ -234,123 +188,25 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     cgroup::check_cgroup2_dir(&cgroup_dir).map_err(io_err("checking", &cgroup_dir))?;
 
     let mut ebpf = load_object_sized(&pins, ct_entries, svc_entries)?;
-
-    // What this call made, for the rollback and the report: pin names.
-    let mut made: Vec<String> = Vec::new();
-    let mut log_program_id = None;
-    let result = (|| {
-        for hook in &missing {
-            let name = hook.program();
-            let prog_err = |source| LoadError::Program { name, source };
-            let program = ebpf.program_mut(name).ok_or(LoadError::Program {
-                name,
-                source: aya::programs::ProgramError::UnexpectedProgramType,
-            })?;
-            let pin_err = |path: &Path| {
-                let path = path.to_owned();
-                move |source| LoadError::Pin { path, source }
-            };
-            match hook {
-                Hook::Sock(_) => {
-                    let cgroup_file = fs::File::open(&cgroup_dir)
-                        .map_err(io_err("opening cgroup", &cgroup_dir))?;
-                    let prog: &mut CgroupSockAddr = program.try_into().map_err(prog_err)?;
-                    prog.load().map_err(prog_err)?;
-                    if let Ok(info) = prog.info() {
-                        log_program_id.get_or_insert(info.id());
-                    }
-                    // With BPF links (kernel >= 5.7) the kernel requires flags == 0
-                    // (`Single`) and still lets other programs' links share the hook
-                    // ("Invalid argument" otherwise).
-                    let link_id = prog
-                        .attach(cgroup_file, CgroupAttachMode::Single)
-                        .map_err(prog_err)?;
-                    let link = prog.take_link(link_id).map_err(prog_err)?;
-                    let fd_link: FdLink = link.try_into().map_err(|source| LoadError::Link {
-                        path: cgroup_dir.clone(),
-                        source,
-                    })?;
-                    let path = pins.link_path(&hook.pin_name());
-                    fd_link.pin(&path).map_err(pin_err(&path))?;
-                    made.push(hook.pin_name());
-                }
-                Hook::Xdp { iface } => {
-                    let prog: &mut Xdp = program.try_into().map_err(prog_err)?;
-                    if prog.fd().is_err() {
-                        prog.load().map_err(prog_err)?;
-                    }
-                    let mode = opts.acceleration;
-                    let link_id = prog.attach(iface, mode.xdp_mode()).map_err(|source| {
-                        if mode == Acceleration::Native {
-                            LoadError::XdpNative {
-                                iface: iface.clone(),
-                                source,
-                            }
-                        } else {
-                            LoadError::Attach {
-                                what: format!("{name} to interface {iface} (generic XDP)"),
-                                source,
-                            }
-                        }
-                    })?;
-                    let link = prog.take_link(link_id).map_err(prog_err)?;
-                    // A netlink attachment (kernels without XDP BPF links) cannot be
-                    // pinned: refused here, detached when `link` drops.
-                    let fd_link: FdLink = link.try_into().map_err(|source| LoadError::Link {
-                        path: PathBuf::from(iface),
-                        source,
-                    })?;
-                    let path = pins.link_path(&hook.pin_name());
-                    fd_link.pin(&path).map_err(pin_err(&path))?;
-                    made.push(hook.pin_name());
-                }
-                Hook::Tc { iface, ingress } => {
-                    let prog: &mut SchedClassifier = program.try_into().map_err(prog_err)?;
-                    // Loaded once, attached to every interface.
-                    if prog.fd().is_err() {
-                        prog.load().map_err(prog_err)?;
-                    }
-                    if tc_mode == TcAttachMode::Clsact {
-                        let pin = hook.link_pin(true).name();
-                        attach_clsact(prog, name, iface, *ingress)?;
-                        // Recorded (for the rollback) before the pin exists: the filter
-                        // is there already.
-                        made.push(pin.clone());
-                        let path = pins.link_path(&pin);
-                        prog.pin(&path).map_err(pin_err(&path))?;
-                    } else {
-                        let tcx = TcAttachOptions::TcxOrder(LinkOrder::default());
-                        let link_id = prog
-                            .attach_with_options(iface, tc_kind(*ingress), tcx)
-                            .map_err(|source| LoadError::Attach {
-                                what: format!("{name} to interface {iface}"),
-                                source,
-                            })?;
-                        let link = prog.take_link(link_id).map_err(prog_err)?;
-                        let fd_link: FdLink =
-                            link.try_into().map_err(|source| LoadError::Link {
-                                path: PathBuf::from(iface),
-                                source,
-                            })?;
-                        let path = pins.link_path(&hook.pin_name());
-                        fd_link.pin(&path).map_err(pin_err(&path))?;
-                        made.push(hook.pin_name());
-                    }
-                }
-            }
-            debug!(hook = made.last().map(String::as_str), "attached");
-        }
-        Ok(())
-    })();
-    if let Err(e) = result {
+    let mut att = Attaching {
+        ebpf: &mut ebpf,
+        pins: &pins,
+        cgroup_dir: &cgroup_dir,
+        tc_mode,
+        acceleration: opts.acceleration,
+        made: Vec::new(),
+        log_program_id: None,
+    };
+    if let Err(e) = missing.iter().try_for_each(|hook| att.attach(hook)) {
         // Leave no half-installed hook set behind from this call.
-        for pin in &made {
+        for pin in &att.made {
             if let Err(e) = remove_pin(&pins, pin) {
                 warn!(pin, "rolling back: {e}");
             }
         }
         return Err(e);
     }
+    let (made, log_program_id) = (att.made, att.log_program_id);
     if let Some(id) = log_program_id {
         let _ = write_meta(&mut ebpf, meta::LOG_PROGRAM_ID, id);
     }
@@ -366,6 +222,221 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
         "datapath installed"
     );
     Ok(report)
+}
+
+/// The sizes the conntrack tables and service maps are created with (map entries), and
+/// those the pinned ones have, in `report`.
+fn table_sizes(
+    pins: &PinDir,
+    opts: &InstallOptions,
+    report: &mut InstallReport,
+) -> Result<(u32, u32), LoadError> {
+    let ct_entries = conntrack_entries(opts.conntrack_flows)?;
+    report.conntrack_entries = size_in_use(
+        pins,
+        map_names::CT4,
+        ct_entries,
+        "conntrack tables",
+        "not resized at start: a shrink below the flows tracked would drop them",
+    );
+    let svc_entries = service_entries(opts.service_entries)?;
+    report.service_entries = size_in_use(
+        pins,
+        map_names::SVC4,
+        svc_entries,
+        "service maps",
+        "not resized at start: a shrink below the entries in use would drop them",
+    );
+    Ok((ct_entries, svc_entries))
+}
+
+/// The pin directory at `path` (where `--pin-path` becomes a [`PinDir`]), checked to be on
+/// a bpffs, with its `links/` directory; pins of another ABI are refused (the new
+/// programs would misread them).
+fn open_pin_dir(path: &Path) -> Result<PinDir, LoadError> {
+    let parent = path.parent().unwrap_or(Path::new("/"));
+    let on_bpffs = crate::fs::magic(if path.exists() { path } else { parent })
+        .map_err(io_err("checking", parent))?;
+    if on_bpffs != crate::fs::BPF_FS_MAGIC {
+        return Err(LoadError::NotBpffs {
+            path: path.to_path_buf(),
+        });
+    }
+    let pins = PinDir::new(path);
+    fs::create_dir_all(pins.links()).map_err(io_err("creating", path))?;
+    if pins.has_maps() {
+        pins.check_abi(Access::ReadWrite)?;
+    }
+    Ok(pins)
+}
+
+/// Every hook `opts` asks for: the socket hooks, TC both ways on each interface, and XDP
+/// there under `--acceleration`.
+fn wanted_hooks(opts: &InstallOptions) -> Vec<Hook> {
+    let mut hooks: Vec<Hook> = SOCK_PROGRAMS.iter().map(|p| Hook::Sock(p)).collect();
+    for iface in &opts.interfaces {
+        for ingress in [true, false] {
+            hooks.push(Hook::Tc {
+                iface: iface.clone(),
+                ingress,
+            });
+        }
+        if opts.acceleration != Acceleration::Off {
+            hooks.push(Hook::Xdp {
+                iface: iface.clone(),
+            });
+        }
+    }
+    hooks
+}
+
+/// The missing hooks being attached: the loaded object, and what this call made (pin
+/// names, for the rollback and the report).
+struct Attaching<'a> {
+    ebpf: &'a mut aya::Ebpf,
+    pins: &'a PinDir,
+    cgroup_dir: &'a Path,
+    tc_mode: TcAttachMode,
+    acceleration: Acceleration,
+    made: Vec<String>,
+    /// The first socket program's id (its aya-log ring buffer is the one read).
+    log_program_id: Option<u32>,
+}
+
+impl Attaching<'_> {
+    /// Loads `hook`'s program (once), attaches it and pins its link.
+    fn attach(&mut self, hook: &Hook) -> Result<(), LoadError> {
+        let name = hook.program();
+        let program = self.ebpf.program_mut(name).ok_or(LoadError::Program {
+            name,
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        })?;
+        let pinned = match hook {
+            Hook::Sock(_) => {
+                let prog: &mut CgroupSockAddr = program
+                    .try_into()
+                    .map_err(|source| LoadError::Program { name, source })?;
+                Self::attach_sock(prog, name, self.cgroup_dir, &mut self.log_program_id)?
+            }
+            Hook::Xdp { iface } => {
+                let prog: &mut Xdp = program
+                    .try_into()
+                    .map_err(|source| LoadError::Program { name, source })?;
+                Self::attach_xdp(prog, name, iface, self.acceleration)?
+            }
+            Hook::Tc { iface, ingress } => {
+                let prog: &mut SchedClassifier = program
+                    .try_into()
+                    .map_err(|source| LoadError::Program { name, source })?;
+                // Loaded once, attached to every interface.
+                if prog.fd().is_err() {
+                    prog.load()
+                        .map_err(|source| LoadError::Program { name, source })?;
+                }
+                if self.tc_mode == TcAttachMode::Clsact {
+                    let pin = hook.link_pin(true).name();
+                    attach_clsact(prog, name, iface, *ingress)?;
+                    // Recorded (for the rollback) before the pin exists: the filter is
+                    // there already.
+                    self.made.push(pin.clone());
+                    let path = self.pins.link_path(&pin);
+                    prog.pin(&path)
+                        .map_err(|source| LoadError::Pin { path, source })?;
+                    debug!(hook = pin.as_str(), "attached");
+                    return Ok(());
+                }
+                Self::attach_tcx(prog, name, iface, *ingress)?
+            }
+        };
+        let path = self.pins.link_path(&hook.pin_name());
+        pinned
+            .pin(&path)
+            .map_err(|source| LoadError::Pin { path, source })?;
+        self.made.push(hook.pin_name());
+        debug!(hook = self.made.last().map(String::as_str), "attached");
+        Ok(())
+    }
+
+    /// A socket hook on `cgroup_dir` (its program id recorded for the kernel logger).
+    fn attach_sock(
+        prog: &mut CgroupSockAddr,
+        name: &'static str,
+        cgroup_dir: &Path,
+        log_program_id: &mut Option<u32>,
+    ) -> Result<FdLink, LoadError> {
+        let prog_err = |source| LoadError::Program { name, source };
+        let cgroup_file =
+            fs::File::open(cgroup_dir).map_err(io_err("opening cgroup", cgroup_dir))?;
+        prog.load().map_err(prog_err)?;
+        if let Ok(info) = prog.info() {
+            log_program_id.get_or_insert(info.id());
+        }
+        // With BPF links (kernel >= 5.7) the kernel requires flags == 0 (`Single`) and
+        // still lets other programs' links share the hook ("Invalid argument" otherwise).
+        let link_id = prog
+            .attach(cgroup_file, CgroupAttachMode::Single)
+            .map_err(prog_err)?;
+        let link = prog.take_link(link_id).map_err(prog_err)?;
+        link.try_into().map_err(|source| LoadError::Link {
+            path: cgroup_dir.to_path_buf(),
+            source,
+        })
+    }
+
+    /// XDP on `iface` in the acceleration's mode (loaded once for every interface).
+    fn attach_xdp(
+        prog: &mut Xdp,
+        name: &'static str,
+        iface: &str,
+        mode: Acceleration,
+    ) -> Result<FdLink, LoadError> {
+        let prog_err = |source| LoadError::Program { name, source };
+        if prog.fd().is_err() {
+            prog.load().map_err(prog_err)?;
+        }
+        let link_id = prog.attach(iface, mode.xdp_mode()).map_err(|source| {
+            if mode == Acceleration::Native {
+                LoadError::XdpNative {
+                    iface: iface.to_string(),
+                    source,
+                }
+            } else {
+                LoadError::Attach {
+                    what: format!("{name} to interface {iface} (generic XDP)"),
+                    source,
+                }
+            }
+        })?;
+        let link = prog.take_link(link_id).map_err(prog_err)?;
+        // A netlink attachment (kernels without XDP BPF links) cannot be pinned: refused
+        // here, detached when `link` drops.
+        link.try_into().map_err(|source| LoadError::Link {
+            path: PathBuf::from(iface),
+            source,
+        })
+    }
+
+    /// TC on `iface` by a TCX link (the program already loaded).
+    fn attach_tcx(
+        prog: &mut SchedClassifier,
+        name: &'static str,
+        iface: &str,
+        ingress: bool,
+    ) -> Result<FdLink, LoadError> {
+        let prog_err = |source| LoadError::Program { name, source };
+        let tcx = TcAttachOptions::TcxOrder(LinkOrder::default());
+        let link_id = prog
+            .attach_with_options(iface, tc_kind(ingress), tcx)
+            .map_err(|source| LoadError::Attach {
+                what: format!("{name} to interface {iface}"),
+                source,
+            })?;
+        let link = prog.take_link(link_id).map_err(prog_err)?;
+        link.try_into().map_err(|source| LoadError::Link {
+            path: PathBuf::from(iface),
+            source,
+        })
+    }
 }
 
 /// The cgroup the first adopted socket hook's link is attached to; `wanted` (`--cgroup`)
