@@ -9,6 +9,8 @@
 
 mod support;
 
+use proxy_common::prog_names::TC_INGRESS;
+
 use std::{
     io::{BufRead as _, BufReader, Read as _},
     net::{Ipv4Addr, SocketAddr, TcpStream},
@@ -198,10 +200,7 @@ fn tc_drops_and_translations_show_with_reason_and_flow() {
         bed.writer.upsert(e).expect("upsert");
     }
     // Before the monitor: a new flow, not reported (off by default), and nothing counted.
-    let (v, _) = bed.run(
-        "tc_ingress",
-        &Pkt::udp("198.51.100.7:5000", "10.96.0.53:53"),
-    );
+    let (v, _) = bed.run(TC_INGRESS, &Pkt::udp("198.51.100.7:5000", "10.96.0.53:53"));
     assert_eq!(v, TC_ACT_OK);
     assert_eq!(cpu_counts(&pins), MonitorCpu::default(), "reporting is off");
     assert_eq!(lease(&pins), 0);
@@ -209,14 +208,14 @@ fn tc_drops_and_translations_show_with_reason_and_flow() {
     let mut m = Monitor::start(&pins, &["--type", "all"]);
     // 1. No endpoints: REJECT (a RST).
     let (v, _) = bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:40000", "10.96.0.20:80", SYN),
     );
     assert_eq!(v, TC_ACT_REDIRECT);
     let e = m.line();
     assert_eq!(
         (field(&e, "type"), field(&e, "reason"), field(&e, "hook")),
-        ("drop", "tc_no_backend", "tc_ingress")
+        ("drop", "tc_no_backend", TC_INGRESS)
     );
     assert_eq!(
         (field(&e, "source"), field(&e, "destination")),
@@ -230,7 +229,7 @@ fn tc_drops_and_translations_show_with_reason_and_flow() {
 
     // 2. Source outside loadBalancerSourceRanges.
     let (v, _) = bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("192.0.2.50:40001", "203.0.113.10:443", SYN),
     );
     assert_eq!(v, TC_ACT_SHOT);
@@ -254,7 +253,7 @@ fn tc_drops_and_translations_show_with_reason_and_flow() {
     cfg.set(0, NodeConfig::default(), 0)
         .expect("clear SNAT addresses");
     let (v, _) = bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:40002", "10.96.0.30:80", SYN),
     );
     assert_eq!(v, TC_ACT_SHOT);
@@ -272,7 +271,7 @@ fn tc_drops_and_translations_show_with_reason_and_flow() {
 
     // 4. A new flow SNATed to the remote backend: a translation, before and after.
     let (v, out) = bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:40003", "10.96.0.30:80", SYN),
     );
     assert_ne!(v, TC_ACT_SHOT);
@@ -294,10 +293,7 @@ fn tc_drops_and_translations_show_with_reason_and_flow() {
         flags: LOCAL,
     }];
     bed.writer.upsert(&dns_b).expect("replace the backend");
-    let (v, out) = bed.run(
-        "tc_ingress",
-        &Pkt::udp("198.51.100.7:5000", "10.96.0.53:53"),
-    );
+    let (v, out) = bed.run(TC_INGRESS, &Pkt::udp("198.51.100.7:5000", "10.96.0.53:53"));
     assert_eq!((v, out.dst), (TC_ACT_OK, sa("10.1.1.3:5353")));
     let stale = m.line();
     assert_eq!(
@@ -317,10 +313,7 @@ fn tc_drops_and_translations_show_with_reason_and_flow() {
 
     // A packet of a known flow is no event (events are per new flow): the summary counts
     // exactly the six above.
-    let (_, _) = bed.run(
-        "tc_ingress",
-        &Pkt::udp("198.51.100.7:5000", "10.96.0.53:53"),
-    );
+    let (_, _) = bed.run(TC_INGRESS, &Pkt::udp("198.51.100.7:5000", "10.96.0.53:53"));
     let (rest, summary) = m.stop();
     assert!(rest.is_empty(), "{rest:?}");
     assert_eq!(summary["shown"], 6, "{summary}");
@@ -330,7 +323,7 @@ fn tc_drops_and_translations_show_with_reason_and_flow() {
     assert_eq!(lease(&pins), 0, "lease cleared on exit");
     let before = cpu_counts(&pins);
     bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:40009", "10.96.0.20:80", SYN),
     );
     assert_eq!(
@@ -368,18 +361,18 @@ fn filters_rate_limit_and_lost_count() {
     );
     // Not shown: a translation (type), a drop from another client (address).
     bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:41000", "10.96.0.10:80", SYN),
     );
     bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.8:41000", "10.96.0.20:80", SYN),
     );
     // A flood of 200 refused SYNs: the bucket lets 5 through per CPU (+1 a second).
     const FLOOD: u64 = 200;
     for port in 0..FLOOD {
         let (v, _) = bed.run(
-            "tc_ingress",
+            TC_INGRESS,
             &Pkt::tcp(
                 &format!("198.51.100.7:{}", 42000 + port),
                 "10.96.0.20:80",
@@ -430,7 +423,7 @@ fn a_killed_monitor_stops_reporting_within_the_lease() {
     );
 
     bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:40000", "10.96.0.20:80", SYN),
     );
     assert_eq!(field(&m.line(), "reason"), "tc_no_backend");
@@ -444,7 +437,7 @@ fn a_killed_monitor_stops_reporting_within_the_lease() {
     }
     let before = cpu_counts(&pins);
     bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:40001", "10.96.0.20:80", SYN),
     );
     assert_eq!(
@@ -546,7 +539,7 @@ fn conntrack_delete_by_flow_backend_and_service() {
     let mut backends = std::collections::BTreeSet::new();
     for port in 0..20u16 {
         let (_, out) = bed.run(
-            "tc_ingress",
+            TC_INGRESS,
             &Pkt::tcp(
                 &format!("198.51.100.7:{}", 40000 + port),
                 "10.96.0.10:80",
@@ -558,7 +551,7 @@ fn conntrack_delete_by_flow_backend_and_service() {
     assert_eq!(backends.len(), 2, "both backends chosen in 20 flows");
     for port in [5000, 5001] {
         bed.run(
-            "tc_ingress",
+            TC_INGRESS,
             &Pkt::udp(&format!("198.51.100.7:{port}"), "10.96.0.53:53"),
         );
     }
@@ -614,10 +607,7 @@ fn conntrack_delete_by_flow_backend_and_service() {
     );
     // Its next datagram is a new flow again (and the other UDP flow was left alone).
     let new_before = bed.counter(proxy_common::Reason::TcNewFlow);
-    bed.run(
-        "tc_ingress",
-        &Pkt::udp("198.51.100.7:5000", "10.96.0.53:53"),
-    );
+    bed.run(TC_INGRESS, &Pkt::udp("198.51.100.7:5000", "10.96.0.53:53"));
     assert_eq!(bed.counter(proxy_common::Reason::TcNewFlow), new_before + 1);
     assert_eq!(ct_entries(&pins).len(), 44);
 

@@ -9,6 +9,8 @@
 
 mod support;
 
+use proxy_common::prog_names::TC_INGRESS;
+
 use std::net::{IpAddr, SocketAddr};
 
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
@@ -42,7 +44,7 @@ impl Node {
         let mut ebpf = loader::load_object(&proxy_user::pins::PinDir::new(&pins.path), entries)
             .expect("load object");
         let prog: &mut SchedClassifier = ebpf
-            .program_mut("tc_ingress")
+            .program_mut(TC_INGRESS)
             .expect("program")
             .try_into()
             .expect("classifier");
@@ -63,7 +65,7 @@ impl Node {
     fn dst(&self, pkt: &Pkt) -> SocketAddr {
         let p: &SchedClassifier = self
             .ebpf
-            .program("tc_ingress")
+            .program(TC_INGRESS)
             .expect("program")
             .try_into()
             .expect("classifier");

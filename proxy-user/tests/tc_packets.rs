@@ -13,6 +13,8 @@
 
 mod support;
 
+use proxy_common::prog_names::{TC_EGRESS, TC_INGRESS};
+
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use proxy_common::{map_names, svc_flags, Ct4Key, Ct4Value, Reason};
@@ -36,7 +38,7 @@ fn dnat_reverse_nat_and_checksums_ipv4_tcp_and_udp() {
 
     // A SYN to the frontend: DNAT to the local backend, client address kept.
     let syn = Pkt::tcp("198.51.100.7:40000", "10.96.0.10:80", SYN);
-    let (verdict, out) = bed.run("tc_ingress", &syn);
+    let (verdict, out) = bed.run(TC_INGRESS, &syn);
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         out,
@@ -47,7 +49,7 @@ fn dnat_reverse_nat_and_checksums_ipv4_tcp_and_udp() {
     );
     // The same flow again follows its entry.
     let (_, again) = bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt {
             flags: ACK,
             ..syn.clone()
@@ -56,7 +58,7 @@ fn dnat_reverse_nat_and_checksums_ipv4_tcp_and_udp() {
     assert_eq!(again.dst, sa("10.1.1.2:8080"));
     // The reply leaving the node: source back to the frontend.
     let reply = Pkt::tcp("10.1.1.2:8080", "198.51.100.7:40000", SYN | ACK);
-    let (verdict, out) = bed.run("tc_egress", &reply);
+    let (verdict, out) = bed.run(TC_EGRESS, &reply);
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         out,
@@ -68,7 +70,7 @@ fn dnat_reverse_nat_and_checksums_ipv4_tcp_and_udp() {
 
     // UDP, with a payload (the UDP checksum covers it).
     let q = Pkt::udp("198.51.100.7:5000", "10.96.0.10:53");
-    let (_, out) = bed.run("tc_ingress", &q);
+    let (_, out) = bed.run(TC_INGRESS, &q);
     assert_eq!(
         out,
         Pkt {
@@ -76,12 +78,12 @@ fn dnat_reverse_nat_and_checksums_ipv4_tcp_and_udp() {
             ..q.clone()
         }
     );
-    let (_, out) = bed.run("tc_egress", &Pkt::udp("10.1.1.2:5353", "198.51.100.7:5000"));
+    let (_, out) = bed.run(TC_EGRESS, &Pkt::udp("10.1.1.2:5353", "198.51.100.7:5000"));
     assert_eq!(out.src, sa("10.96.0.10:53"));
 
     // Not a frontend: untouched.
     let other = Pkt::tcp("198.51.100.7:40001", "10.96.0.11:80", SYN);
-    assert_eq!(bed.run("tc_ingress", &other), (TC_ACT_OK, other));
+    assert_eq!(bed.run(TC_INGRESS, &other), (TC_ACT_OK, other));
     drop(bed.pins);
 }
 
@@ -93,7 +95,7 @@ fn nodeport_to_a_remote_backend_is_source_natted_and_replies_restored() {
         .upsert(&entry(np, &[("10.2.1.2:8080", 0)], svc_flags::NODE_PORT))
         .expect("upsert");
     let syn = Pkt::tcp("198.51.100.7:40000", "192.0.2.1:30080", SYN);
-    let (verdict, out) = bed.run("tc_ingress", &syn);
+    let (verdict, out) = bed.run(TC_INGRESS, &syn);
     // Forwarded by FIB redirect, or handed to the stack when this test context has no
     // route: either way the packet is translated.
     assert!(
@@ -110,14 +112,14 @@ fn nodeport_to_a_remote_backend_is_source_natted_and_replies_restored() {
         &format!("192.0.2.1:{snat_port}"),
         SYN | ACK,
     );
-    let (_, out) = bed.run("tc_ingress", &reply);
+    let (_, out) = bed.run(TC_INGRESS, &reply);
     assert_eq!(
         (out.src, out.dst),
         (sa("192.0.2.1:30080"), sa("198.51.100.7:40000"))
     );
     // A NodePort on an address that is not the node's: untouched.
     let stray = Pkt::tcp("198.51.100.7:40002", "192.0.2.99:30080", SYN);
-    assert_eq!(bed.run("tc_ingress", &stray).1, stray);
+    assert_eq!(bed.run(TC_INGRESS, &stray).1, stray);
 }
 
 #[test]
@@ -132,7 +134,7 @@ fn ipv6_dnat_and_reverse_nat() {
         .upsert(&entry(fe, &[("[2001:db8:2::2]:8080", LOCAL)], 0))
         .expect("upsert");
     let syn = Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:96::10]:80", SYN);
-    let (verdict, out) = bed.run("tc_ingress", &syn);
+    let (verdict, out) = bed.run(TC_INGRESS, &syn);
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         out,
@@ -143,10 +145,10 @@ fn ipv6_dnat_and_reverse_nat() {
     );
     let reply = Pkt::udp("[2001:db8:2::2]:8080", "[2001:db8::7]:40000");
     // A UDP reply of no known flow is untouched...
-    assert_eq!(bed.run("tc_egress", &reply).1, reply);
+    assert_eq!(bed.run(TC_EGRESS, &reply).1, reply);
     // ...the TCP one is restored.
     let reply = Pkt::tcp("[2001:db8:2::2]:8080", "[2001:db8::7]:40000", SYN | ACK);
-    let (_, out) = bed.run("tc_egress", &reply);
+    let (_, out) = bed.run(TC_EGRESS, &reply);
     assert_eq!(out.src, sa("[2001:db8:96::10]:80"));
 }
 
@@ -156,7 +158,7 @@ fn no_endpoints_reject_and_source_ranges_deny() {
     let empty = Frontend::new(Ipv4Addr::new(10, 96, 0, 20), 80, Proto::Tcp);
     bed.writer.upsert(&entry(empty, &[], 0)).expect("upsert");
     let syn = Pkt::tcp("198.51.100.7:40000", "10.96.0.20:80", SYN);
-    let (verdict, out) = bed.run("tc_ingress", &syn);
+    let (verdict, out) = bed.run(TC_INGRESS, &syn);
     // Answered in place with a RST|ACK back to the client (kube-proxy's REJECT).
     assert_eq!(verdict, TC_ACT_REDIRECT);
     assert_eq!((out.src, out.dst), (syn.dst, syn.src));
@@ -177,7 +179,7 @@ fn no_endpoints_reject_and_source_ranges_deny() {
         bed.writer.upsert(&entry(udp, &[], 0)).expect("upsert");
         let dgram = Pkt::udp(client, frontend);
         let frame = dgram.build();
-        let (verdict, out) = bed.run_raw("tc_ingress", &frame);
+        let (verdict, out) = bed.run_raw(TC_INGRESS, &frame);
         assert_eq!(verdict, TC_ACT_REDIRECT, "{frontend}");
         assert_eq!((&out[..6], &out[6..12]), (&frame[6..12], &frame[..6]));
         let v4 = fe.is_ipv4();
@@ -206,12 +208,12 @@ fn no_endpoints_reject_and_source_ranges_deny() {
     e.source_ranges = vec![("198.51.100.0".parse().expect("ip"), 24)];
     bed.writer.upsert(&e).expect("upsert");
     let (verdict, out) = bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:40000", "203.0.113.10:443", SYN),
     );
     assert_eq!((verdict, out.dst), (TC_ACT_OK, sa("10.1.1.2:8443")));
     let (verdict, _) = bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("192.0.2.50:40000", "203.0.113.10:443", SYN),
     );
     assert_eq!(verdict, TC_ACT_SHOT);
@@ -242,7 +244,7 @@ fn etp_local_without_local_endpoints_drops_without_any_endpoint_rejects() {
         ))
         .expect("upsert twin");
     let syn = Pkt::tcp("198.51.100.7:40001", "203.0.113.30:80", SYN);
-    let (verdict, _) = bed.run("tc_ingress", &syn);
+    let (verdict, _) = bed.run(TC_INGRESS, &syn);
     assert_eq!(verdict, TC_ACT_SHOT, "none local: dropped");
 
     // No endpoint anywhere: both entries empty, the twin without LOCAL_ONLY.
@@ -260,7 +262,7 @@ fn etp_local_without_local_endpoints_drops_without_any_endpoint_rejects() {
             svc_flags::EXTERNAL_IP,
         ))
         .expect("upsert twin");
-    let (verdict, out) = bed.run("tc_ingress", &syn);
+    let (verdict, out) = bed.run(TC_INGRESS, &syn);
     assert_eq!(verdict, TC_ACT_REDIRECT, "no endpoint at all: rejected");
     assert_eq!((out.src, out.dst), (syn.dst, syn.src));
     assert_eq!(out.flags, RST | ACK);
@@ -277,12 +279,12 @@ fn icmp_errors_about_nated_flows_are_translated() {
         .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], 0))
         .expect("upsert");
     bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:40000", "10.96.0.10:80", SYN),
     );
     let quoted = Pkt::tcp("10.96.0.10:80", "198.51.100.7:40000", ACK);
     let (verdict, out) = bed.run_raw(
-        "tc_ingress",
+        TC_INGRESS,
         &icmp_error(ip("192.0.2.254"), ip("10.96.0.10"), 3, &quoted),
     );
     assert_eq!(verdict, TC_ACT_OK);
@@ -303,12 +305,12 @@ fn icmp_errors_about_nated_flows_are_translated() {
         .upsert(&entry(np, &[("10.2.1.2:8080", 0)], svc_flags::NODE_PORT))
         .expect("upsert");
     let (_, fwd) = bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:40001", "192.0.2.1:30080", SYN),
     );
     let quoted = Pkt::tcp(&fwd.src.to_string(), "10.2.1.2:8080", SYN);
     let (_, out) = bed.run_raw(
-        "tc_ingress",
+        TC_INGRESS,
         &icmp_error(ip("10.9.9.9"), ip("192.0.2.1"), 3, &quoted),
     );
     assert_eq!(
@@ -327,12 +329,12 @@ fn icmp_errors_about_nated_flows_are_translated() {
         .upsert(&entry(fe6, &[("[2001:db8:2::2]:8080", LOCAL)], 0))
         .expect("upsert");
     bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:96::10]:80", SYN),
     );
     let quoted = Pkt::tcp("[2001:db8:96::10]:80", "[2001:db8::7]:40000", ACK);
     let (verdict, out) = bed.run_raw(
-        "tc_ingress",
+        TC_INGRESS,
         &icmp_error(ip("2001:db8:ffff::1"), ip("2001:db8:96::10"), 2, &quoted),
     );
     assert_eq!(verdict, TC_ACT_OK);
@@ -353,7 +355,7 @@ fn icmp_errors_about_nated_flows_are_translated() {
         3,
         &Pkt::tcp("10.96.0.10:80", "198.51.100.8:1", ACK),
     );
-    assert_eq!(bed.run_raw("tc_ingress", &stray), (TC_ACT_OK, stray));
+    assert_eq!(bed.run_raw(TC_INGRESS, &stray), (TC_ACT_OK, stray));
 }
 
 #[test]
@@ -377,7 +379,7 @@ fn a_full_conntrack_table_evicts_old_flows_and_never_refuses_new_ones() {
     let total = 16 * flows as u16;
     for i in 0..total {
         let syn = Pkt::tcp(&format!("198.51.100.7:{}", 10000 + i), "10.96.0.30:80", SYN);
-        let (verdict, out) = bed.run("tc_ingress", &syn);
+        let (verdict, out) = bed.run(TC_INGRESS, &syn);
         assert_eq!(
             (verdict, out.dst),
             (TC_ACT_OK, sa("10.1.1.2:8080")),
@@ -402,7 +404,7 @@ fn a_full_conntrack_table_evicts_old_flows_and_never_refuses_new_ones() {
         "10.96.0.30:80",
         ACK,
     );
-    assert_eq!(bed.run("tc_ingress", &ack).1.dst, sa("10.1.1.2:8080"));
+    assert_eq!(bed.run(TC_INGRESS, &ack).1.dst, sa("10.1.1.2:8080"));
 }
 
 #[test]
@@ -419,7 +421,7 @@ fn session_affinity_by_client_address_until_the_timeout() {
     bed.writer.upsert(&e).expect("upsert");
     let syn = |client: &str, port: u16| {
         let pkt = Pkt::tcp(&format!("{client}:{port}"), "10.96.0.40:80", SYN);
-        let (verdict, out) = bed.run("tc_ingress", &pkt);
+        let (verdict, out) = bed.run(TC_INGRESS, &pkt);
         assert_eq!(verdict, TC_ACT_OK);
         out.dst
     };
@@ -461,7 +463,7 @@ fn session_affinity_by_client_address_until_the_timeout() {
     bed.writer.upsert(&e).expect("upsert");
     let dgram = |port: u16| {
         let pkt = Pkt::udp(&format!("[2001:db8::7]:{port}"), "[2001:db8:96::40]:80");
-        bed.run("tc_ingress", &pkt).1.dst
+        bed.run(TC_INGRESS, &pkt).1.dst
     };
     let first = dgram(5000);
     for port in 5001..5020 {
@@ -482,11 +484,11 @@ fn a_udp_flow_whose_backend_is_gone_is_balanced_afresh_tcp_is_not() {
         .expect("upsert");
     let q = Pkt::udp("198.51.100.7:5000", "10.96.0.50:53");
     let syn = Pkt::tcp("198.51.100.7:40000", "10.96.0.50:80", SYN);
-    assert_eq!(bed.run("tc_ingress", &q).1.dst, sa("10.1.1.2:5353"));
-    assert_eq!(bed.run("tc_ingress", &syn).1.dst, sa("10.1.1.2:8080"));
+    assert_eq!(bed.run(TC_INGRESS, &q).1.dst, sa("10.1.1.2:5353"));
+    assert_eq!(bed.run(TC_INGRESS, &syn).1.dst, sa("10.1.1.2:8080"));
     // Its second datagram finds the backend and records the generation it found it at:
     // later datagrams skip the backend lookup until backends are deleted.
-    assert_eq!(bed.run("tc_ingress", &q).1.dst, sa("10.1.1.2:5353"));
+    assert_eq!(bed.run(TC_INGRESS, &q).1.dst, sa("10.1.1.2:5353"));
     let gen = bed.writer.store().backend_gen().expect("BACKEND_GEN");
     assert_ne!(gen, 0, "opening the maps read-write bumps the generation");
     assert_eq!(
@@ -504,12 +506,12 @@ fn a_udp_flow_whose_backend_is_gone_is_balanced_afresh_tcp_is_not() {
     let after = bed.writer.store().backend_gen().expect("BACKEND_GEN");
     assert_ne!(after, gen, "deleting the old backends bumps the generation");
     // The same UDP flow moves to the live backend, and its replies are restored.
-    assert_eq!(bed.run("tc_ingress", &q).1.dst, sa("10.1.1.9:5353"));
+    assert_eq!(bed.run(TC_INGRESS, &q).1.dst, sa("10.1.1.9:5353"));
     let reply = Pkt::udp("10.1.1.9:5353", "198.51.100.7:5000");
-    assert_eq!(bed.run("tc_egress", &reply).1.src, sa("10.96.0.50:53"));
+    assert_eq!(bed.run(TC_EGRESS, &reply).1.src, sa("10.96.0.50:53"));
     // The TCP flow stays where it was (a removed endpoint may still be draining).
     let ack = Pkt::tcp("198.51.100.7:40000", "10.96.0.50:80", ACK);
-    assert_eq!(bed.run("tc_ingress", &ack).1.dst, sa("10.1.1.2:8080"));
+    assert_eq!(bed.run(TC_INGRESS, &ack).1.dst, sa("10.1.1.2:8080"));
     // The same through batched syncs: two backends deleted in one batch call.
     bed.writer.set_batch_threshold(1);
     let sync = |bed: &mut Bed, dns_backends: &[(&str, u8)]| {
@@ -524,12 +526,12 @@ fn a_udp_flow_whose_backend_is_gone_is_balanced_afresh_tcp_is_not() {
         &mut bed,
         &[("10.1.1.11:5353", LOCAL), ("10.1.1.12:5353", LOCAL)],
     );
-    let on = bed.run("tc_ingress", &q).1.dst;
+    let on = bed.run(TC_INGRESS, &q).1.dst;
     assert!(
         [sa("10.1.1.11:5353"), sa("10.1.1.12:5353")].contains(&on),
         "{on}"
     );
-    assert_eq!(bed.run("tc_ingress", &q).1.dst, on);
+    assert_eq!(bed.run(TC_INGRESS, &q).1.dst, on);
     let gen = bed.writer.store().backend_gen().expect("BACKEND_GEN");
     assert_eq!(
         udp_entry_gen(&bed, 5000),
@@ -544,7 +546,7 @@ fn a_udp_flow_whose_backend_is_gone_is_balanced_afresh_tcp_is_not() {
         counts.batch_calls > 0 && counts.fallbacks == 0 && counts.single == 0,
         "the sync went through the batch calls only: {counts:?}"
     );
-    let moved = bed.run("tc_ingress", &q).1.dst;
+    let moved = bed.run(TC_INGRESS, &q).1.dst;
     assert!(
         [sa("10.1.1.13:5353"), sa("10.1.1.14:5353")].contains(&moved),
         "the flow left its deleted backend: {moved}"
@@ -592,7 +594,7 @@ fn icmp_port_unreachable_is_rate_limited() {
     let start = std::time::Instant::now();
     let mut answered = 0;
     for _ in 0..n {
-        match bed.run_raw("tc_ingress", &frame).0 {
+        match bed.run_raw(TC_INGRESS, &frame).0 {
             TC_ACT_REDIRECT => answered += 1,
             verdict => assert_eq!(verdict, TC_ACT_SHOT),
         }
@@ -684,7 +686,7 @@ impl Bed {
             } else {
                 Pkt::udp(&src, frontend)
             };
-            let (verdict, out) = self.run_raw("tc_ingress", &pkt.build());
+            let (verdict, out) = self.run_raw(TC_INGRESS, &pkt.build());
             if verdict != TC_ACT_OK && verdict != TC_ACT_REDIRECT {
                 lost += 1;
                 continue;
@@ -769,7 +771,7 @@ fn snat_uses_every_free_port_reclaims_expired_flows_and_refuses_only_a_full_rang
         } else {
             Pkt::udp(&backend.to_string(), &reply_to)
         };
-        let (_, out) = bed.run("tc_ingress", &reply);
+        let (_, out) = bed.run(TC_INGRESS, &reply);
         assert_eq!(out.src, sa(frontend), "{name}: reply from the frontend");
         assert_eq!(
             out.dst.ip(),
@@ -805,7 +807,7 @@ fn a_rewrite_the_kernel_refuses_is_counted_and_dropped() {
     // Ethernet 14 + IPv4 20 + the first 14 bytes of TCP (up to the flags).
     frame.truncate(14 + 20 + 14);
     let before = bed.counter(proxy_common::Reason::TcRewriteFailed);
-    let (verdict, _) = bed.run_raw("tc_ingress", &frame);
+    let (verdict, _) = bed.run_raw(TC_INGRESS, &frame);
     assert_eq!(verdict, TC_ACT_SHOT, "a half-rewritten packet is dropped");
     assert_eq!(
         bed.counter(proxy_common::Reason::TcRewriteFailed),
@@ -814,7 +816,7 @@ fn a_rewrite_the_kernel_refuses_is_counted_and_dropped() {
     );
     // A whole packet of the same kind is translated.
     let (verdict, out) = bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:40001", "10.96.0.70:80", SYN),
     );
     assert_eq!((verdict, out.dst), (TC_ACT_OK, sa("10.1.1.2:8080")));
@@ -1054,14 +1056,14 @@ fn dsr_option_is_honoured_only_from_a_cluster_node_for_a_frontend_on_one() {
     let pod = Ipv4Addr::new(10, 2, 1, 2);
 
     let syn = Pkt::tcp("198.51.100.7:40000", "192.0.2.1:30080", SYN);
-    let (_, encapsulated) = first.run_raw("tc_ingress", &syn.build());
+    let (_, encapsulated) = first.run_raw(TC_INGRESS, &syn.build());
     let (from, to, inner) = split_ipip(&encapsulated);
     assert_eq!((from, to), (node, pod), "outer: this node to the pod");
     let (front, plain) = split_dsr_option(&inner);
     assert_eq!(front, sa("192.0.2.1:30080"));
     let reply = Pkt::tcp("10.2.1.2:8080", "198.51.100.7:40000", SYN | ACK);
     let not_honoured = |what: &str, frame: &[u8], verdict: u32, untrusted: u64| {
-        let (v, out) = backend_node.run_raw("tc_ingress", frame);
+        let (v, out) = backend_node.run_raw(TC_INGRESS, frame);
         assert_eq!(v, verdict, "{what}");
         if verdict == TC_ACT_OK {
             assert_eq!(out, frame, "{what}: goes on as it came");
@@ -1071,7 +1073,7 @@ fn dsr_option_is_honoured_only_from_a_cluster_node_for_a_frontend_on_one() {
             untrusted,
             "{what}"
         );
-        let (_, out) = backend_node.run("tc_egress", &reply);
+        let (_, out) = backend_node.run(TC_EGRESS, &reply);
         assert_eq!(out.src, reply.src, "{what}: no reply entry");
     };
 
@@ -1110,7 +1112,7 @@ fn dsr_option_is_honoured_only_from_a_cluster_node_for_a_frontend_on_one() {
     assert_eq!(backend_node.counter(Reason::TcDsrReply), 0);
 
     // Trusted: the first node's own packet, another cluster node's address.
-    let (verdict, out) = backend_node.run_raw("tc_ingress", &encapsulated);
+    let (verdict, out) = backend_node.run_raw(TC_INGRESS, &encapsulated);
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         out, plain,
@@ -1124,7 +1126,7 @@ fn dsr_option_is_honoured_only_from_a_cluster_node_for_a_frontend_on_one() {
         },
     );
     assert_eq!(backend_node.counter(Reason::TcDsrDecap), 1);
-    let (_, out) = backend_node.run("tc_egress", &reply);
+    let (_, out) = backend_node.run(TC_EGRESS, &reply);
     assert_eq!(
         out.src,
         sa("192.0.2.1:30080"),
@@ -1135,7 +1137,7 @@ fn dsr_option_is_honoured_only_from_a_cluster_node_for_a_frontend_on_one() {
         node,
         pod,
     );
-    backend_node.run_raw("tc_ingress", &other_node);
+    backend_node.run_raw(TC_INGRESS, &other_node);
     assert_eq!(backend_node.counter(Reason::TcDsrDecap), 2);
     assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 4);
 
@@ -1143,27 +1145,27 @@ fn dsr_option_is_honoured_only_from_a_cluster_node_for_a_frontend_on_one() {
     // replaces the set: 192.0.2.50 is no longer trusted, neither as the option's
     // frontend nor as the outer source).
     backend_node.dsr_trust(&["192.0.2.1", "2001:db8:1::1"], &[("203.0.113.0", 24)]);
-    let (_, out) = backend_node.run_raw("tc_ingress", &forged);
+    let (_, out) = backend_node.run_raw(TC_INGRESS, &forged);
     assert_eq!(Pkt::parse(&out).dst, sa("10.2.1.2:8080"));
     assert_eq!(backend_node.counter(Reason::TcDsrDecap), 3);
-    let (verdict, _) = backend_node.run_raw("tc_ingress", &other_node);
+    let (verdict, _) = backend_node.run_raw(TC_INGRESS, &other_node);
     assert_eq!(verdict, TC_ACT_SHOT);
     assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 5);
     let from_cidr = ipip(&inner, Ipv4Addr::new(203, 0, 113, 77), pod);
-    let (verdict, _) = backend_node.run_raw("tc_ingress", &from_cidr);
+    let (verdict, _) = backend_node.run_raw(TC_INGRESS, &from_cidr);
     assert_eq!(
         verdict, TC_ACT_OK,
         "an outer source inside a trusted prefix"
     );
     assert_eq!(backend_node.counter(Reason::TcDsrDecap), 4);
     let from_old = ipip(&inner, Ipv4Addr::new(192, 0, 2, 50), pod);
-    let (verdict, _) = backend_node.run_raw("tc_ingress", &from_old);
+    let (verdict, _) = backend_node.run_raw(TC_INGRESS, &from_old);
     assert_eq!(verdict, TC_ACT_SHOT, "an outer source no longer trusted");
     assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 6);
     // Any other IPIP packet (no DSR option inside) is not ours: untouched, not counted.
     let (_, other_ipip) = split_dsr_option(&inner);
     let other_ipip = ipip(&other_ipip, Ipv4Addr::new(198, 51, 100, 66), pod);
-    let (verdict, out) = backend_node.run_raw("tc_ingress", &other_ipip);
+    let (verdict, out) = backend_node.run_raw(TC_INGRESS, &other_ipip);
     assert_eq!((verdict, out), (TC_ACT_OK, other_ipip.clone()));
     assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 6);
 
@@ -1171,12 +1173,12 @@ fn dsr_option_is_honoured_only_from_a_cluster_node_for_a_frontend_on_one() {
     let node6: Ipv6Addr = "2001:db8:1::1".parse().expect("ip");
     let pod6: Ipv6Addr = "2001:db8:2::2".parse().expect("ip");
     let syn6 = Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:1::1]:30080", SYN);
-    let (_, out6) = first.run_raw("tc_ingress", &syn6.build());
+    let (_, out6) = first.run_raw(TC_INGRESS, &syn6.build());
     let (from, to, inner6) = split_ip6ip6(&out6);
     assert_eq!((from, to), (node6, pod6));
     let reply6 = Pkt::tcp("[2001:db8:2::2]:8080", "[2001:db8::7]:40000", SYN | ACK);
     let not_honoured6 = |what: &str, frame: &[u8], verdict: u32, untrusted: u64| {
-        let (v, out) = backend_node.run_raw("tc_ingress", frame);
+        let (v, out) = backend_node.run_raw(TC_INGRESS, frame);
         assert_eq!(v, verdict, "{what}");
         if verdict == TC_ACT_OK {
             assert_eq!(out, frame, "{what}: goes on as it came");
@@ -1186,7 +1188,7 @@ fn dsr_option_is_honoured_only_from_a_cluster_node_for_a_frontend_on_one() {
             untrusted,
             "{what}"
         );
-        let (_, out) = backend_node.run("tc_egress", &reply6);
+        let (_, out) = backend_node.run(TC_EGRESS, &reply6);
         assert_eq!(out.src, reply6.src, "{what}: no reply entry");
     };
     let stranger6 = ip6ip6(&inner6, "2001:db8:66::66".parse().expect("ip"), pod6);
@@ -1207,7 +1209,7 @@ fn dsr_option_is_honoured_only_from_a_cluster_node_for_a_frontend_on_one() {
         sa("[2001:db8:99::9]:30080")
     );
     not_honoured6("IPv6: a forged frontend", &forged6, TC_ACT_SHOT, 9);
-    let (verdict, out) = backend_node.run_raw("tc_ingress", &out6);
+    let (verdict, out) = backend_node.run_raw(TC_INGRESS, &out6);
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         out,
@@ -1217,7 +1219,7 @@ fn dsr_option_is_honoured_only_from_a_cluster_node_for_a_frontend_on_one() {
     assert_eq!(Pkt::parse(&out).dst, sa("[2001:db8:2::2]:8080"));
     assert_eq!(backend_node.counter(Reason::TcDsrDecap), 5);
     assert_eq!(backend_node.counter(Reason::TcDsrUntrusted), 9);
-    let (_, out) = backend_node.run("tc_egress", &reply6);
+    let (_, out) = backend_node.run(TC_EGRESS, &reply6);
     assert_eq!(out.src, sa("[2001:db8:1::1]:30080"));
 }
 
@@ -1250,7 +1252,7 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     // The SYN: DNAT, no SNAT, the option names the NodePort the client used, in an IPIP
     // outer header from this node (192.0.2.1) to the pod.
     let syn = Pkt::tcp("198.51.100.7:40000", "192.0.2.1:30080", SYN);
-    let (verdict, out) = first.run_raw("tc_ingress", &syn.build());
+    let (verdict, out) = first.run_raw(TC_INGRESS, &syn.build());
     // Forwarded by FIB redirect, or handed to the stack when this test context has no
     // route.
     assert!(
@@ -1275,7 +1277,7 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     assert_eq!(first.counter(Reason::TcNewFlow), 0);
     assert_eq!(first.counter(Reason::TcSnatFailed), 0);
     // A retransmitted SYN carries it again; the ACK after the handshake does not.
-    let (_, again) = first.run_raw("tc_ingress", &syn.build());
+    let (_, again) = first.run_raw(TC_INGRESS, &syn.build());
     assert_eq!(
         split_dsr_option(&split_ipip(&again).2).0,
         sa("192.0.2.1:30080")
@@ -1284,7 +1286,7 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
         flags: ACK,
         ..syn.clone()
     };
-    let (verdict, out) = first.run("tc_ingress", &ack);
+    let (verdict, out) = first.run(TC_INGRESS, &ack);
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         out,
@@ -1299,7 +1301,7 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     // UDP: every datagram carries the option.
     let q = Pkt::udp("198.51.100.7:5000", "192.0.2.1:30081");
     for n in 1..=2 {
-        let (verdict, out) = first.run_raw("tc_ingress", &q.build());
+        let (verdict, out) = first.run_raw(TC_INGRESS, &q.build());
         assert!(verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT);
         let (front, plain) = split_dsr_option(&split_ipip(&out).2);
         assert_eq!(front, sa("192.0.2.1:30081"));
@@ -1316,7 +1318,7 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
 
     // IPv6: the same option in a Destination Options header.
     let syn6 = Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:1::1]:30080", SYN);
-    let (verdict, out6) = first.run_raw("tc_ingress", &syn6.build());
+    let (verdict, out6) = first.run_raw(TC_INGRESS, &syn6.build());
     assert!(verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT);
     let (from, to, inner6) = split_ip6ip6(&out6);
     assert_eq!(
@@ -1345,8 +1347,8 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     backend_node.forwarding_mode(ForwardingMode::Dsr);
     backend_node.dsr_node_ports();
     backend_node.dsr_trust(&["192.0.2.1", "2001:db8:1::1"], &[]);
-    let (_, encapsulated) = first.run_raw("tc_ingress", &syn.build());
-    let (verdict, out) = backend_node.run_raw("tc_ingress", &encapsulated);
+    let (_, encapsulated) = first.run_raw(TC_INGRESS, &syn.build());
+    let (verdict, out) = backend_node.run_raw(TC_INGRESS, &encapsulated);
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         Pkt::parse(&out),
@@ -1359,7 +1361,7 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     assert_eq!(backend_node.counter(Reason::TcDsrDecap), 1);
     // The backend's reply leaves with the frontend as source, to the client.
     let reply = Pkt::tcp("10.2.1.2:8080", "198.51.100.7:40000", SYN | ACK);
-    let (verdict, out) = backend_node.run("tc_egress", &reply);
+    let (verdict, out) = backend_node.run(TC_EGRESS, &reply);
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         out,
@@ -1371,16 +1373,16 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
     assert_eq!(backend_node.counter(Reason::TcDsrReply), 1);
     assert_eq!(backend_node.counter(Reason::TcReply), 0);
     // UDP too.
-    let (_, encapsulated) = first.run_raw("tc_ingress", &q.build());
-    let (_, out) = backend_node.run_raw("tc_ingress", &encapsulated);
+    let (_, encapsulated) = first.run_raw(TC_INGRESS, &q.build());
+    let (_, out) = backend_node.run_raw(TC_INGRESS, &encapsulated);
     assert_eq!(Pkt::parse(&out).dst, sa("10.2.1.2:8080"));
     let answer = Pkt::udp("10.2.1.2:8080", "198.51.100.7:5000");
-    let (_, out) = backend_node.run("tc_egress", &answer);
+    let (_, out) = backend_node.run(TC_EGRESS, &answer);
     assert_eq!(out.src, sa("192.0.2.1:30081"));
     assert_eq!(backend_node.counter(Reason::TcDsrDecap), 2);
     assert_eq!(backend_node.counter(Reason::TcDsrReply), 2);
     // IPv6 too.
-    let (verdict, out) = backend_node.run_raw("tc_ingress", &out6);
+    let (verdict, out) = backend_node.run_raw(TC_INGRESS, &out6);
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         out, plain6,
@@ -1395,14 +1397,14 @@ fn dsr_option_added_on_the_first_node_and_removed_on_the_backends_node() {
         "delivered without the header, the client as source"
     );
     let reply6 = Pkt::tcp("[2001:db8:2::2]:8080", "[2001:db8::7]:40000", SYN | ACK);
-    let (_, out) = backend_node.run("tc_egress", &reply6);
+    let (_, out) = backend_node.run(TC_EGRESS, &reply6);
     assert_eq!(out.src, sa("[2001:db8:1::1]:30080"));
     assert_eq!(backend_node.counter(Reason::TcDsrDecap), 3);
     assert_eq!(backend_node.counter(Reason::TcDsrReply), 3);
 
     // A node in SNAT mode does not trust the option: the packet goes on as it came.
     let snat_node = Bed::new();
-    let (verdict, out) = snat_node.run_raw("tc_ingress", &encapsulated);
+    let (verdict, out) = snat_node.run_raw(TC_INGRESS, &encapsulated);
     assert_eq!((verdict, out), (TC_ACT_OK, encapsulated));
     assert_eq!(snat_node.counter(Reason::TcDsrDecap), 0);
 }
@@ -1423,18 +1425,18 @@ fn hybrid_mode_is_dsr_for_tcp_and_snat_for_udp() {
     let node: IpAddr = "192.0.2.1".parse().expect("ip");
     // SNAT mode (nothing written yet): no option, source NAT.
     let (_, out) = bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:40000", "192.0.2.1:30080", SYN),
     );
     assert_eq!(out.src.ip(), node);
     bed.forwarding_mode(ForwardingMode::Hybrid);
     let syn = Pkt::tcp("198.51.100.7:40001", "192.0.2.1:30080", SYN);
-    let (_, out) = bed.run_raw("tc_ingress", &syn.build());
+    let (_, out) = bed.run_raw(TC_INGRESS, &syn.build());
     let (front, plain) = split_dsr_option(&split_ipip(&out).2);
     assert_eq!(front, sa("192.0.2.1:30080"));
     assert_eq!(Pkt::parse(&plain).src, syn.src, "TCP: DSR, the client kept");
     let (_, out) = bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::udp("198.51.100.7:5001", "192.0.2.1:30081"),
     );
     assert_eq!(out.src.ip(), node, "UDP: SNAT");
@@ -1469,7 +1471,7 @@ fn a_service_cidr_miss_is_rejected_or_dropped_and_nothing_else_is_touched() {
 
     // No Service CIDR known: neither is refused (they are not ours).
     for p in [&unused_port, &unallocated] {
-        let (verdict, out) = bed.run("tc_ingress", p);
+        let (verdict, out) = bed.run(TC_INGRESS, p);
         assert_eq!((verdict, out.src, out.dst), (TC_ACT_OK, p.src, p.dst));
     }
 
@@ -1486,7 +1488,7 @@ fn a_service_cidr_miss_is_rejected_or_dropped_and_nothing_else_is_touched() {
 
     // The frontend itself is still served.
     let (verdict, out) = bed.run(
-        "tc_ingress",
+        TC_INGRESS,
         &Pkt::tcp("198.51.100.7:40002", "10.96.0.10:80", SYN),
     );
     assert_eq!((verdict, out.dst), (TC_ACT_OK, sa("10.1.1.2:8080")));
@@ -1496,7 +1498,7 @@ fn a_service_cidr_miss_is_rejected_or_dropped_and_nothing_else_is_touched() {
         unused_port.clone(),
         Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:96::10]:81", SYN),
     ] {
-        let (verdict, out) = bed.run("tc_ingress", &p);
+        let (verdict, out) = bed.run(TC_INGRESS, &p);
         assert_eq!(verdict, TC_ACT_REDIRECT, "{}", p.dst);
         assert_eq!(
             (out.src, out.dst, out.flags),
@@ -1507,7 +1509,7 @@ fn a_service_cidr_miss_is_rejected_or_dropped_and_nothing_else_is_touched() {
     }
     // UDP to another port of the ClusterIP: ICMP port unreachable from it.
     let frame = Pkt::udp("198.51.100.7:5000", "10.96.0.10:53").build();
-    let (verdict, out) = bed.run_raw("tc_ingress", &frame);
+    let (verdict, out) = bed.run_raw(TC_INGRESS, &frame);
     assert_eq!(verdict, TC_ACT_REDIRECT);
     assert_eq!((out[34], out[35]), (3, 3), "ICMP port unreachable");
     assert_eq!(bed.counter(Reason::SvcPortUnused), port0 + 3);
@@ -1518,7 +1520,7 @@ fn a_service_cidr_miss_is_rejected_or_dropped_and_nothing_else_is_touched() {
         Pkt::udp("198.51.100.7:5001", "10.96.255.254:53"),
         Pkt::tcp("[2001:db8::7]:40001", "[2001:db8:96::99]:80", SYN),
     ] {
-        let (verdict, _) = bed.run("tc_ingress", &p);
+        let (verdict, _) = bed.run(TC_INGRESS, &p);
         assert_eq!(verdict, TC_ACT_SHOT, "{}", p.dst);
     }
     assert_eq!(bed.counter(Reason::SvcCidrUnallocated), cidr0 + 3);
@@ -1533,7 +1535,7 @@ fn a_service_cidr_miss_is_rejected_or_dropped_and_nothing_else_is_touched() {
         Pkt::tcp("[2001:db8::7]:40002", "[2001:db8:1::1]:22", SYN),
         Pkt::tcp("[2001:db8::7]:40003", "[2001:db8:96::1:0]:80", SYN),
     ] {
-        let (verdict, out) = bed.run("tc_ingress", &p);
+        let (verdict, out) = bed.run(TC_INGRESS, &p);
         assert_eq!(
             (verdict, out.src, out.dst),
             (TC_ACT_OK, p.src, p.dst),

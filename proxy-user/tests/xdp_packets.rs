@@ -12,6 +12,8 @@
 
 mod support;
 
+use proxy_common::prog_names::{TC_EGRESS, TC_INGRESS, XDP_INGRESS};
+
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
@@ -53,7 +55,7 @@ fn a_new_flow_to_a_local_backend_is_translated_at_xdp_and_passed_to_the_stack() 
     // A SYN: DNAT to the local backend, client kept; handed to the stack, which routes
     // it to the pod.
     let syn = Pkt::tcp("198.51.100.7:40000", "10.96.0.10:80", SYN);
-    let (verdict, out) = bed.run("xdp_ingress", &syn);
+    let (verdict, out) = bed.run(XDP_INGRESS, &syn);
     assert_eq!(verdict, XDP_PASS);
     let want = Pkt {
         dst: sa("10.1.1.2:8080"),
@@ -62,14 +64,14 @@ fn a_new_flow_to_a_local_backend_is_translated_at_xdp_and_passed_to_the_stack() 
     assert_eq!(out, want);
     assert_eq!(bed.xdp_counter(Reason::TcNewFlow), 1, "counted at XDP");
     // TC ingress then sees the translated packet: neither a flow nor a frontend.
-    let (verdict, again) = bed.run("tc_ingress", &out);
+    let (verdict, again) = bed.run(TC_INGRESS, &out);
     assert_eq!((verdict, again), (TC_ACT_OK, want));
     assert_eq!(bed.counter(Reason::TcNewFlow), 0, "nothing at TC");
     assert_eq!(bed.counter(Reason::TcFlow), 0, "nothing at TC");
 
     // The next packet of the flow follows its entry, at XDP.
     let (_, out) = bed.run(
-        "xdp_ingress",
+        XDP_INGRESS,
         &Pkt {
             flags: ACK,
             ..syn.clone()
@@ -79,7 +81,7 @@ fn a_new_flow_to_a_local_backend_is_translated_at_xdp_and_passed_to_the_stack() 
     assert_eq!(bed.xdp_counter(Reason::TcFlow), 1);
     // The pod's reply leaves through TC egress, restored from the entry XDP wrote.
     let reply = Pkt::tcp("10.1.1.2:8080", "198.51.100.7:40000", SYN | ACK);
-    let (verdict, out) = bed.run("tc_egress", &reply);
+    let (verdict, out) = bed.run(TC_EGRESS, &reply);
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(
         out,
@@ -91,7 +93,7 @@ fn a_new_flow_to_a_local_backend_is_translated_at_xdp_and_passed_to_the_stack() 
 
     // UDP: the checksum covers the payload, and a zero (absent) checksum stays zero.
     let q = Pkt::udp("198.51.100.7:5000", "10.96.0.10:53");
-    let (verdict, out) = bed.run("xdp_ingress", &q);
+    let (verdict, out) = bed.run(XDP_INGRESS, &q);
     assert_eq!(verdict, XDP_PASS);
     assert_eq!(
         out,
@@ -102,14 +104,14 @@ fn a_new_flow_to_a_local_backend_is_translated_at_xdp_and_passed_to_the_stack() 
     );
     let mut no_csum = Pkt::udp("198.51.100.7:5001", "10.96.0.10:53").build();
     no_csum[40..42].copy_from_slice(&[0, 0]);
-    let (_, out) = bed.run_raw("xdp_ingress", &no_csum);
+    let (_, out) = bed.run_raw(XDP_INGRESS, &no_csum);
     assert_eq!(&out[30..34], &[10, 1, 1, 2], "translated");
     assert_eq!(&out[40..42], &[0, 0], "no UDP checksum before, none after");
     assert_eq!(bed.xdp_counter(Reason::TcNewFlow), 3);
 
     // Not a frontend: untouched, not counted.
     let other = Pkt::tcp("198.51.100.7:40001", "10.96.0.11:80", SYN);
-    assert_eq!(bed.run("xdp_ingress", &other), (XDP_PASS, other));
+    assert_eq!(bed.run(XDP_INGRESS, &other), (XDP_PASS, other));
     assert_eq!(bed.xdp_counter(Reason::XdpToStack), 0);
 }
 
@@ -125,7 +127,7 @@ fn ipv6_dnat_at_xdp_with_checksums() {
         ))
         .expect("upsert");
     let syn = Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:96::10]:80", SYN);
-    let (verdict, out) = bed.run("xdp_ingress", &syn);
+    let (verdict, out) = bed.run(XDP_INGRESS, &syn);
     assert_eq!(verdict, XDP_PASS);
     assert_eq!(
         out,
@@ -143,7 +145,7 @@ fn ipv6_dnat_at_xdp_with_checksums() {
         ))
         .expect("upsert");
     let q = Pkt::udp("[2001:db8::7]:5000", "[2001:db8:96::10]:53");
-    let (_, out) = bed.run("xdp_ingress", &q);
+    let (_, out) = bed.run(XDP_INGRESS, &q);
     assert_eq!(out.dst, sa("[2001:db8:2::2]:5353"));
     assert_eq!(bed.xdp_counter(Reason::TcNewFlow), 2);
 }
@@ -173,7 +175,7 @@ fn what_xdp_cannot_do_reaches_tc_untouched() {
     let sum = u32::from(!old) + u32::from(!0x4000u16) + 0x6000;
     let sum = (sum & 0xffff) + (sum >> 16);
     frag[24..26].copy_from_slice(&(!((sum & 0xffff) + (sum >> 16)) as u16).to_be_bytes());
-    assert_eq!(bed.run_raw("xdp_ingress", &frag), (XDP_PASS, frag.clone()));
+    assert_eq!(bed.run_raw(XDP_INGRESS, &frag), (XDP_PASS, frag.clone()));
     assert_eq!(bed.xdp_counter(Reason::XdpToStack), 1);
 
     // An ICMP error: TC translates those.
@@ -183,16 +185,16 @@ fn what_xdp_cannot_do_reaches_tc_untouched() {
         3,
         &Pkt::tcp("10.96.0.10:80", "198.51.100.7:40000", ACK),
     );
-    assert_eq!(bed.run_raw("xdp_ingress", &err), (XDP_PASS, err.clone()));
+    assert_eq!(bed.run_raw(XDP_INGRESS, &err), (XDP_PASS, err.clone()));
     assert_eq!(bed.xdp_counter(Reason::XdpToStack), 2);
 
     // A frontend without endpoints: XDP hands the SYN on untouched, TC answers with
     // the RST.
     let syn = Pkt::tcp("198.51.100.7:40001", "10.96.0.20:80", SYN);
-    assert_eq!(bed.run("xdp_ingress", &syn), (XDP_PASS, syn.clone()));
+    assert_eq!(bed.run(XDP_INGRESS, &syn), (XDP_PASS, syn.clone()));
     assert_eq!(bed.xdp_counter(Reason::XdpToStack), 3);
     assert_eq!(bed.xdp_counter(Reason::TcNoBackend), 0);
-    let (verdict, out) = bed.run("tc_ingress", &syn);
+    let (verdict, out) = bed.run(TC_INGRESS, &syn);
     assert_eq!(verdict, TC_ACT_REDIRECT);
     assert_eq!(out.flags, RST | ACK);
     assert_eq!(bed.counter(Reason::TcNoBackend), 1, "answered at TC");
@@ -221,7 +223,7 @@ fn etp_local_and_source_ranges_at_xdp() {
     // Local endpoints only, client address kept (no SNAT), every time.
     for port in 41000..41010 {
         let syn = Pkt::tcp(&format!("198.51.100.7:{port}"), "203.0.113.30:80", SYN);
-        let (verdict, out) = bed.run("xdp_ingress", &syn);
+        let (verdict, out) = bed.run(XDP_INGRESS, &syn);
         assert_eq!(verdict, XDP_PASS);
         assert_eq!(
             out,
@@ -240,7 +242,7 @@ fn etp_local_and_source_ranges_at_xdp() {
         ))
         .expect("upsert twin");
     let syn = Pkt::tcp("198.51.100.7:42000", "203.0.113.30:80", SYN);
-    assert_eq!(bed.run("xdp_ingress", &syn).0, XDP_DROP);
+    assert_eq!(bed.run(XDP_INGRESS, &syn).0, XDP_DROP);
     assert_eq!(bed.xdp_counter(Reason::TcNoLocalBackend), 1);
     assert_eq!(bed.counter(Reason::TcNoLocalBackend), 0);
 
@@ -254,12 +256,12 @@ fn etp_local_and_source_ranges_at_xdp() {
     e.source_ranges = vec![(ip("198.51.100.0"), 24)];
     bed.writer.upsert(&e).expect("upsert");
     let (verdict, out) = bed.run(
-        "xdp_ingress",
+        XDP_INGRESS,
         &Pkt::tcp("198.51.100.7:40000", "203.0.113.10:443", SYN),
     );
     assert_eq!((verdict, out.dst), (XDP_PASS, sa("10.1.1.2:8443")));
     let denied = Pkt::tcp("192.0.2.50:40000", "203.0.113.10:443", SYN);
-    assert_eq!(bed.run("xdp_ingress", &denied).0, XDP_DROP);
+    assert_eq!(bed.run(XDP_INGRESS, &denied).0, XDP_DROP);
     assert_eq!(bed.xdp_counter(Reason::TcSourceDenied), 1);
 }
 
@@ -356,7 +358,7 @@ fn remote_backends_are_snatted_and_forwarded_by_xdp_tx_or_redirect_after_a_fib_l
         .expect("upsert");
     let _in_ns = ns.enter();
     let run = |pkt: &Pkt, ifindex: u32| {
-        let (v, out) = bed.run_ctx("xdp_ingress", &pkt.build(), Some(ifindex));
+        let (v, out) = bed.run_ctx(XDP_INGRESS, &pkt.build(), Some(ifindex));
         (v, Pkt::parse(&out), out)
     };
 
@@ -412,7 +414,7 @@ fn remote_backends_are_snatted_and_forwarded_by_xdp_tx_or_redirect_after_a_fib_l
         2,
         "not a new flow at XDP"
     );
-    let (_, out) = bed.run("tc_ingress", &syn);
+    let (_, out) = bed.run(TC_INGRESS, &syn);
     assert_eq!(out.dst, sa("10.4.1.2:8080"));
     assert_eq!(out.src.ip(), ip("192.0.2.1"));
     assert_eq!(bed.counter(Reason::TcNewFlow), 1, "a new flow at TC");
@@ -476,7 +478,7 @@ fn a_cached_next_hop_follows_neighbour_and_route_changes_within_its_ttl() {
     let before = pin_to_this_cpu();
     let q = Pkt::udp("198.51.100.7:5000", "192.0.2.1:30081");
     let send = || {
-        let (v, out) = bed.run_ctx("xdp_ingress", &q.build(), Some(x0));
+        let (v, out) = bed.run_ctx(XDP_INGRESS, &q.build(), Some(x0));
         (v, out[0..6].to_vec())
     };
     let ttl = Duration::from_millis(100);
@@ -517,7 +519,7 @@ fn a_cached_next_hop_follows_neighbour_and_route_changes_within_its_ttl() {
     ns.ip(&["route", "del", "10.3.0.0/16"]);
     std::thread::sleep(past_ttl);
     let frame = q.build();
-    let (v, out) = bed.run_ctx("xdp_ingress", &frame, Some(x0));
+    let (v, out) = bed.run_ctx(XDP_INGRESS, &frame, Some(x0));
     // SAFETY: restoring this thread's own affinity.
     unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &before) };
     assert_eq!((v, out), (XDP_PASS, frame), "no route: to TC untouched");
@@ -541,7 +543,7 @@ fn a_cached_next_hop_is_used_until_its_ttl_and_dropped_when_removed() {
     let before = pin_to_this_cpu();
     let q = Pkt::udp("198.51.100.7:5000", "192.0.2.1:30081");
     let send = |bed: &Bed| {
-        let (v, out) = bed.run_ctx("xdp_ingress", &q.build(), Some(x0));
+        let (v, out) = bed.run_ctx(XDP_INGRESS, &q.build(), Some(x0));
         (v, out[0..6].to_vec())
     };
     let forget = |bed: &mut Bed| {
@@ -648,26 +650,26 @@ fn a_service_cidr_miss_is_dropped_at_xdp_or_handed_to_tc_for_the_reject() {
     let dropped = bed.xdp_counter(Reason::SvcCidrUnallocated);
 
     let unallocated = Pkt::tcp("198.51.100.7:40001", "10.96.5.5:80", SYN);
-    let (verdict, _) = bed.run("xdp_ingress", &unallocated);
+    let (verdict, _) = bed.run(XDP_INGRESS, &unallocated);
     assert_eq!(verdict, XDP_DROP);
     assert_eq!(bed.xdp_counter(Reason::SvcCidrUnallocated), dropped + 1);
 
     let unused_port = Pkt::tcp("198.51.100.7:40000", "10.96.0.10:81", SYN);
-    let (verdict, out) = bed.run("xdp_ingress", &unused_port);
+    let (verdict, out) = bed.run(XDP_INGRESS, &unused_port);
     assert_eq!(
         (verdict, out.src, out.dst),
         (XDP_PASS, unused_port.src, unused_port.dst)
     );
     assert_eq!(bed.xdp_counter(Reason::XdpToStack), to_stack + 1);
     // ... and TC, next, answers it.
-    let (verdict, out) = bed.run("tc_ingress", &unused_port);
+    let (verdict, out) = bed.run(TC_INGRESS, &unused_port);
     assert_eq!((verdict, out.flags), (TC_ACT_REDIRECT, RST | ACK));
 
     for p in [
         Pkt::tcp("198.51.100.7:40003", "192.0.2.1:22", SYN),
         Pkt::tcp("198.51.100.7:40005", "10.97.0.0:80", SYN),
     ] {
-        let (verdict, out) = bed.run("xdp_ingress", &p);
+        let (verdict, out) = bed.run(XDP_INGRESS, &p);
         assert_eq!(
             (verdict, out.src, out.dst),
             (XDP_PASS, p.src, p.dst),

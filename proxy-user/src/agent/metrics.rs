@@ -297,7 +297,7 @@ impl Metrics {
 
     /// Counts an object (or a part of it) not used, in `objects_skipped_total`.
     pub fn skipped(&self, kind: SkipKind, reason: SkipReason) {
-        self.source.skipped(kind.label(), reason.label());
+        self.source.skipped(kind, reason);
     }
 
     /// Adds the writer's write counts (`Writer::take_write_counts`).

@@ -8,6 +8,8 @@ use prometheus_client::{
     metrics::{counter::Counter, family::Family},
 };
 
+use super::skips::{SkipKind, SkipReason};
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindReason {
     pub kind: String,
@@ -53,11 +55,13 @@ impl SourceCounters {
             .inc();
     }
 
-    pub fn skipped(&self, kind: &str, reason: &str) {
+    /// Counts an object (or a part of it, or a manifests file) not used, under the
+    /// labels of [`SkipKind`] and [`SkipReason`] (`objects_skipped_total`).
+    pub fn skipped(&self, kind: SkipKind, reason: SkipReason) {
         self.objects_skipped
             .get_or_create(&KindReason {
-                kind: kind.to_string(),
-                reason: reason.to_string(),
+                kind: kind.label().to_string(),
+                reason: reason.label().to_string(),
             })
             .inc();
     }

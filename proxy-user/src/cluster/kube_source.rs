@@ -20,7 +20,11 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 pub use super::kube_client::{client, client_from, config, host};
-use super::{api_decode, counters::SourceCounters};
+use super::{
+    api_decode,
+    counters::SourceCounters,
+    skips::{SkipKind, SkipReason},
+};
 use super::{objects::label_selector, Kind, Object, Update};
 
 /// The collection's path on the API server.
@@ -439,7 +443,8 @@ impl Reader {
                         reason = "decode_error",
                         "skipping a deletion: {e}"
                     );
-                    self.metrics.skipped(self.kind.as_str(), "decode_error");
+                    self.metrics
+                        .skipped(SkipKind::Object(self.kind), SkipReason::DecodeError);
                     None
                 }
             },
@@ -464,7 +469,8 @@ impl Reader {
                     .unwrap_or_else(|_| "(no readable metadata)".into());
                 let kind = self.kind.as_str();
                 warn!(object = %key, reason = "decode_error", "skipping {kind} {key}: {e}");
-                self.metrics.skipped(kind, "decode_error");
+                self.metrics
+                    .skipped(SkipKind::Object(self.kind), SkipReason::DecodeError);
                 None
             }
         }

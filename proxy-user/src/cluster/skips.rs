@@ -45,6 +45,18 @@ pub enum SkipReason<'a> {
     Refused(&'static str),
     /// A manifests file that could not be read.
     ReadError,
+    /// An object that does not decode at all (the API's or a manifest's).
+    DecodeError,
+    /// A manifest document without `metadata.name`.
+    NoName,
+    /// A manifests file behind a broken symbolic link.
+    BrokenLink,
+    /// A manifests file over `MAX_MANIFEST_BYTES`.
+    TooLarge,
+    /// A manifests file nested deeper than `MAX_NESTING`.
+    TooDeep,
+    /// A manifests file that is not YAML/JSON.
+    ParseError,
 }
 
 impl SkipReason<'_> {
@@ -59,6 +71,12 @@ impl SkipReason<'_> {
             SkipReason::FrontendConflict => "frontend_conflict",
             SkipReason::Refused(reason) => reason,
             SkipReason::ReadError => "read_error",
+            SkipReason::DecodeError => "decode_error",
+            SkipReason::NoName => "no_name",
+            SkipReason::BrokenLink => "broken_link",
+            SkipReason::TooLarge => "too_large",
+            SkipReason::TooDeep => "too_deep",
+            SkipReason::ParseError => "parse_error",
         }
     }
 }
@@ -77,5 +95,7 @@ mod tests {
         assert_eq!(SkipReason::Object(&skip).label(), "no_name");
         assert_eq!(SkipReason::Refused("map_full").label(), "map_full");
         assert_eq!(SkipReason::SctpNotSupported.label(), "sctp_not_supported");
+        assert_eq!(SkipReason::DecodeError.label(), "decode_error");
+        assert_eq!(SkipReason::TooDeep.label(), "too_deep");
     }
 }

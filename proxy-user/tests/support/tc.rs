@@ -5,6 +5,7 @@
 //! `BPF_PROG_TEST_RUN` are in `proxy_user::prog_run::pkt` (shared with `bench-prog-run`)
 //! and re-exported here.
 
+use proxy_common::prog_names::{TC_EGRESS, TC_INGRESS};
 use std::{
     path::{Path, PathBuf},
     process::Command,
@@ -88,7 +89,7 @@ pub fn our_one_filter(ns: &Netns, iface: &str, ingress: bool) -> u32 {
     let [f] = filters.as_slice() else {
         panic!("{iface} ingress={ingress}: want exactly one bpf filter, got {filters:#?}");
     };
-    let want_name = if ingress { "tc_ingress" } else { "tc_egress" };
+    let want_name = if ingress { TC_INGRESS } else { TC_EGRESS };
     assert_eq!(f.pref, loader::CLSACT_PRIORITY, "{f:?}");
     assert_eq!(
         f.handle.as_deref(),

@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 use tracing::warn;
 
 use super::counters::SourceCounters;
+use super::skips::{SkipKind, SkipReason};
 use super::{Kind, ObjKey, Object, Update};
 
 mod parse;
@@ -95,7 +96,7 @@ impl ManifestsDir {
                     let stamp = (link.modified()?, link.len());
                     let target = fs::read_link(&path).unwrap_or_default();
                     let cause = format!("the link to {} cannot be followed: {e}", target.display());
-                    self.bad_file(&path, stamp, "broken_link", &cause);
+                    self.bad_file(&path, stamp, SkipReason::BrokenLink, &cause);
                     continue;
                 }
             };
@@ -112,18 +113,18 @@ impl ManifestsDir {
                     "{} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have",
                     meta.len()
                 );
-                self.bad_file(&path, stamp, "too_large", &cause);
+                self.bad_file(&path, stamp, SkipReason::TooLarge, &cause);
                 continue;
             }
             let text = match read_text(&path) {
                 Ok(t) => t,
                 Err(e) => {
-                    self.bad_file(&path, stamp, "read_error", &e.to_string());
+                    self.bad_file(&path, stamp, SkipReason::ReadError, &e.to_string());
                     continue;
                 }
             };
             if let Err(cause) = check_nesting(&text) {
-                self.bad_file(&path, stamp, "too_deep", &cause);
+                self.bad_file(&path, stamp, SkipReason::TooDeep, &cause);
                 continue;
             }
             changed = true;
@@ -142,7 +143,7 @@ impl ManifestsDir {
                         },
                     );
                 }
-                Err(e) => self.bad_file(&path, stamp, "parse_error", &e),
+                Err(e) => self.bad_file(&path, stamp, SkipReason::ParseError, &e),
             }
         }
         let before = self.files.len();
@@ -255,17 +256,18 @@ impl ManifestsDir {
     /// A file that cannot be used: named, logged and counted once per change of it (its
     /// size and modification time, or the link's), and the objects it held before stay
     /// (a half-saved file must not delete Services).
-    fn bad_file(&mut self, path: &Path, stamp: (SystemTime, u64), reason: &str, cause: &str) {
+    fn bad_file(&mut self, path: &Path, stamp: (SystemTime, u64), skip: SkipReason, cause: &str) {
+        let reason = skip.label();
         if self.files.get(path).is_some_and(|f| f.stamp == stamp) {
             return;
         }
-        let what = if reason == "parse_error" {
+        let what = if matches!(skip, SkipReason::ParseError) {
             "does not parse"
         } else {
             "skipped"
         };
         warn!(file = %path.display(), reason, "manifest {} {what}, keeping its previous objects: {cause}", path.display());
-        self.metrics.skipped("file", reason);
+        self.metrics.skipped(SkipKind::File, skip);
         match self.files.get_mut(path) {
             Some(f) => f.stamp = stamp,
             None => {
@@ -308,7 +310,7 @@ pub fn spawn(
                     Err(e) => {
                         if dir_error.as_deref() != Some(&e.to_string()) {
                             warn!(dir = %dir.dir.display(), "scanning the manifests directory: {e}");
-                            dir.metrics.skipped("file", "read_error");
+                            dir.metrics.skipped(SkipKind::File, SkipReason::ReadError);
                             dir_error = Some(e.to_string());
                         }
                     }

@@ -7,7 +7,11 @@ use serde::Deserialize as _;
 use serde_json::Value;
 use tracing::{debug, warn};
 
-use crate::cluster::{counters::SourceCounters, Kind, ObjKey, Object};
+use crate::cluster::{
+    counters::SourceCounters,
+    skips::{SkipKind, SkipReason},
+    Kind, ObjKey, Object,
+};
 
 /// The largest manifest file read (a bigger one is reported as `too_large`): 20,000
 /// Services with 10 endpoints each take about 40 MiB of YAML.
@@ -147,7 +151,7 @@ pub(super) fn parse_doc(
         }
         if unnamed {
             warn!(file = %path.display(), "skipping a {} without metadata.name in {}", kind.as_str(), path.display());
-            metrics.skipped(kind.as_str(), "no_name");
+            metrics.skipped(SkipKind::Object(kind), SkipReason::NoName);
             continue;
         }
         let hash = {
@@ -160,7 +164,7 @@ pub(super) fn parse_doc(
             Ok(obj) => out.push((kind, key, obj, hash)),
             Err(e) => {
                 warn!(file = %path.display(), object = %key, "skipping {} {key} in {}: {e}", kind.as_str(), path.display());
-                metrics.skipped(kind.as_str(), "decode_error");
+                metrics.skipped(SkipKind::Object(kind), SkipReason::DecodeError);
             }
         }
     }
