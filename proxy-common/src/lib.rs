@@ -238,6 +238,22 @@ pub mod ct_timeouts {
     pub const TCP_CLOSING: u64 = 10 * S;
     /// UDP (and other) flows: idle time.
     pub const UDP: u64 = 60 * S;
+
+    /// How long an entry of protocol `proto` with `CtValue::flags` `flags` lives after its
+    /// last packet: the one rule the datapath expires entries by and the agent's
+    /// occupancy sampling (`ctsize`) counts live ones by.
+    #[inline(always)]
+    pub fn idle(proto: u8, flags: u32) -> u64 {
+        if proto != crate::proto::TCP {
+            UDP
+        } else if flags & crate::ct_flags::CLOSING != 0 {
+            TCP_CLOSING
+        } else if flags & crate::ct_flags::SEEN_REPLY != 0 {
+            TCP_ESTABLISHED
+        } else {
+            TCP_SYN
+        }
+    }
 }
 
 /// `CtValue::flags`.

@@ -23,7 +23,7 @@
 use std::{io, os::fd::AsFd, time::Duration};
 
 use aya::Pod;
-use proxy_common::{ct_flags, ct_timeouts, map_names, proto, Ct4Key, Ct4Value, Ct6Key, Ct6Value};
+use proxy_common::{ct_timeouts, map_names, Ct4Key, Ct4Value, Ct6Key, Ct6Value};
 
 use crate::pins::{Access, PinDir};
 
@@ -97,36 +97,12 @@ impl Occupancy {
     }
 }
 
-/// `CLOCK_MONOTONIC` in nanoseconds: the datapath's `bpf_ktime_get_ns`.
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid timespec out-parameter.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// The idle timeout of an entry (as the datapath's `ct::timeout`).
-fn timeout(proto: u8, flags: u32) -> u64 {
-    if proto != proto::TCP {
-        ct_timeouts::UDP
-    } else if flags & ct_flags::CLOSING != 0 {
-        ct_timeouts::TCP_CLOSING
-    } else if flags & ct_flags::SEEN_REPLY != 0 {
-        ct_timeouts::TCP_ESTABLISHED
-    } else {
-        ct_timeouts::TCP_SYN
-    }
-}
-
 /// Both tables of `pins` sampled; `Ok(None)` when they are not pinned (no TC datapath).
 pub fn sample(pins: &PinDir) -> io::Result<Option<Occupancy>> {
     let Some(entries) = pins.max_entries(map_names::CT4) else {
         return Ok(None);
     };
-    let now = monotonic_ns();
+    let now = crate::ctl::maps::monotonic_ns();
     let (t4, l4) = count::<Ct4Key, Ct4Value>(pins, map_names::CT4, now, |k, v| {
         (k.proto, v.flags, v.last_seen)
     })?;
@@ -152,32 +128,8 @@ fn count<K: Pod, V: Pod>(
         Err(_) => return Ok((0, 0)),
     };
     let (ks, vs) = (std::mem::size_of::<K>(), std::mem::size_of::<V>());
-    let mut chunk = CHUNK;
-    let mut keys = vec![0u8; chunk as usize * ks];
-    let mut values = vec![0u8; chunk as usize * vs];
-    let token_len = ks.max(8);
-    let (mut token_in, mut token_out) = (vec![0u8; token_len], vec![0u8; token_len]);
-    let (mut total, mut live, mut first) = (0u64, 0u64, true);
-    loop {
-        let r = bpf_sys::map_lookup_batch(
-            fd.as_fd(),
-            (!first).then_some(&token_in[..]),
-            &mut token_out,
-            &mut keys,
-            &mut values,
-            chunk,
-        );
-        let (got, end) = match r {
-            Ok(r) => r,
-            // One bucket holds more entries than a chunk: a bigger chunk.
-            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && chunk < (1 << 16) => {
-                chunk *= 2;
-                keys.resize(chunk as usize * ks, 0);
-                values.resize(chunk as usize * vs, 0);
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
+    let mut live = 0u64;
+    let total = bpf_sys::map_walk_batch(fd.as_fd(), ks, vs, CHUNK, |keys, values, got| {
         for i in 0..got as usize {
             // SAFETY: `K`, `V: Pod` and the buffers hold `got` of each.
             let (k, v): (K, V) = unsafe {
@@ -187,17 +139,12 @@ fn count<K: Pod, V: Pod>(
                 )
             };
             let (proto, flags, last_seen) = state(&k, &v);
-            total += 1;
-            if now.saturating_sub(last_seen) <= timeout(proto, flags) {
+            if now.saturating_sub(last_seen) <= ct_timeouts::idle(proto, flags) {
                 live += 1;
             }
         }
-        if end == bpf_sys::BatchEnd::End {
-            return Ok((total, live));
-        }
-        first = false;
-        token_in.copy_from_slice(&token_out);
-    }
+    })?;
+    Ok((total, live))
 }
 
 #[cfg(test)]
@@ -253,15 +200,16 @@ mod tests {
 
     #[test]
     fn timeouts_follow_the_datapath() {
-        assert_eq!(timeout(proto::UDP, 0), ct_timeouts::UDP);
+        use proxy_common::{ct_flags, proto};
+        assert_eq!(ct_timeouts::idle(proto::UDP, 0), ct_timeouts::UDP);
         assert_eq!(
-            timeout(proto::TCP, ct_flags::SEEN_REPLY),
+            ct_timeouts::idle(proto::TCP, ct_flags::SEEN_REPLY),
             ct_timeouts::TCP_ESTABLISHED
         );
         assert_eq!(
-            timeout(proto::TCP, ct_flags::SEEN_REPLY | ct_flags::CLOSING),
+            ct_timeouts::idle(proto::TCP, ct_flags::SEEN_REPLY | ct_flags::CLOSING),
             ct_timeouts::TCP_CLOSING
         );
-        assert_eq!(timeout(proto::TCP, 0), ct_timeouts::TCP_SYN);
+        assert_eq!(ct_timeouts::idle(proto::TCP, 0), ct_timeouts::TCP_SYN);
     }
 }

@@ -250,39 +250,9 @@ fn update_batch(fd: BorrowedFd<'_>, keys: &[u8], values: &[u8], count: u32) -> R
 /// 1,024 entries per call, into fixed buffers (arrays: their slots).
 fn walk(fd: &OwnedFd, shape: &Shape) -> Result<(usize, f64)> {
     const WALK: u32 = 1024;
-    let mut chunk = WALK;
-    let mut keys = vec![0u8; chunk as usize * shape.key];
-    let mut values = vec![0u8; chunk as usize * shape.value];
-    let len = shape.key.max(8);
-    let (mut token_in, mut token_out) = (vec![0u8; len], vec![0u8; len]);
-    let (mut read, mut first) = (0usize, true);
     let t = Instant::now();
-    loop {
-        let r = bpf_sys::map_lookup_batch(
-            fd.as_fd(),
-            (!first).then_some(&token_in[..]),
-            &mut token_out,
-            &mut keys,
-            &mut values,
-            chunk,
-        );
-        let (got, end) = match r {
-            Ok(r) => r,
-            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && chunk < (1 << 16) => {
-                chunk *= 2;
-                keys.resize(chunk as usize * shape.key, 0);
-                values.resize(chunk as usize * shape.value, 0);
-                continue;
-            }
-            Err(e) => return Err(e).context("BPF_MAP_LOOKUP_BATCH"),
-        };
-        read += got as usize;
-        if end == bpf_sys::BatchEnd::End {
-            break;
-        }
-        first = false;
-        token_in.copy_from_slice(&token_out);
-    }
+    let read = bpf_sys::map_walk_batch(fd.as_fd(), shape.key, shape.value, WALK, |_, _, _| {})
+        .context("BPF_MAP_LOOKUP_BATCH")? as usize;
     Ok((read, t.elapsed().as_nanos() as f64))
 }
 

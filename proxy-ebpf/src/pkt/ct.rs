@@ -9,7 +9,7 @@
 use core::ffi::c_void;
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, generated::bpf_loop};
-use proxy_common::{ct_flags, ct_timeouts, proto, Reason};
+use proxy_common::{ct_flags, ct_timeouts, Reason};
 
 use super::family::{backend, Pkt, PktFamily};
 use crate::maps::BACKEND_GEN;
@@ -31,18 +31,11 @@ const SNAT_TRIES: u32 = 4;
 
 pub use super::state::Chosen;
 
-/// How long an entry lives after its last packet.
+/// How long an entry lives after its last packet (`ct_timeouts::idle`, the rule the
+/// agent's occupancy sampling shares).
 #[inline(always)]
 fn timeout(proto: u8, flags: u32) -> u64 {
-    if proto != proto::TCP {
-        ct_timeouts::UDP
-    } else if flags & ct_flags::CLOSING != 0 {
-        ct_timeouts::TCP_CLOSING
-    } else if flags & ct_flags::SEEN_REPLY != 0 {
-        ct_timeouts::TCP_ESTABLISHED
-    } else {
-        ct_timeouts::TCP_SYN
-    }
+    ct_timeouts::idle(proto, flags)
 }
 
 /// Whether an entry last seen at `last_seen` has expired at `now`.

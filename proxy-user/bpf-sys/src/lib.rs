@@ -432,6 +432,51 @@ pub enum BatchEnd {
     End,
 }
 
+/// Every entry of a hash or array map read by `BPF_MAP_LOOKUP_BATCH`, `chunk` entries per
+/// call into fixed buffers (a bucket with more entries than a chunk doubles the chunk, up
+/// to 65,536): `each` gets every call's keys and values, `got` of each, back to back in
+/// raw bytes of `key_size` and `value_size`. Returns the entries read.
+pub fn map_walk_batch(
+    fd: BorrowedFd<'_>,
+    key_size: usize,
+    value_size: usize,
+    mut chunk: u32,
+    mut each: impl FnMut(&[u8], &[u8], u32),
+) -> io::Result<u64> {
+    let mut keys = vec![0u8; chunk as usize * key_size];
+    let mut values = vec![0u8; chunk as usize * value_size];
+    let token_len = key_size.max(8);
+    let (mut token_in, mut token_out) = (vec![0u8; token_len], vec![0u8; token_len]);
+    let (mut read, mut first) = (0u64, true);
+    loop {
+        let r = map_lookup_batch(
+            fd,
+            (!first).then_some(&token_in[..]),
+            &mut token_out,
+            &mut keys,
+            &mut values,
+            chunk,
+        );
+        let (got, end) = match r {
+            Ok(r) => r,
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && chunk < (1 << 16) => {
+                chunk *= 2;
+                keys.resize(chunk as usize * key_size, 0);
+                values.resize(chunk as usize * value_size, 0);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        each(&keys, &values, got);
+        read += u64::from(got);
+        if end == BatchEnd::End {
+            return Ok(read);
+        }
+        first = false;
+        token_in.copy_from_slice(&token_out);
+    }
+}
+
 /// `BPF_MAP_LOOKUP_BATCH` of up to `count` entries into `keys` and `values` (raw, at
 /// least `count` keys and values long), from the position `token_in` (`None`: the start),
 /// writing the next position to `token_out` (both the larger of the key size and 8).

@@ -108,40 +108,9 @@ pub fn run(pins: &PinDir, s: &Snapshot, a: &DeleteArgs) -> Result<DeleteDoc> {
     let mut flows = Vec::new();
     for name in [names::CT4, names::CT6] {
         let mut map = open(name)?;
-        let read = |source| Error::Read { map: name, source };
         match &mut map {
-            MapOf::V4(m) => {
-                let mut hit = Vec::new();
-                for item in m.iter() {
-                    let (k, v) = item.map_err(read)?;
-                    let e = ct4_entry(&k, &v);
-                    if selects(a, &e) {
-                        hit.push((k, e));
-                    }
-                }
-                for (k, e) in hit {
-                    if a.yes {
-                        delete_entry(m.remove(&k), name)?;
-                    }
-                    flows.push(flow_view(s, &e));
-                }
-            }
-            MapOf::V6(m) => {
-                let mut hit = Vec::new();
-                for item in m.iter() {
-                    let (k, v) = item.map_err(read)?;
-                    let e = ct6_entry(&k, &v);
-                    if selects(a, &e) {
-                        hit.push((k, e));
-                    }
-                }
-                for (k, e) in hit {
-                    if a.yes {
-                        delete_entry(m.remove(&k), name)?;
-                    }
-                    flows.push(flow_view(s, &e));
-                }
-            }
+            MapOf::V4(m) => flows.extend(sweep(m, name, a, s, ct4_entry)?),
+            MapOf::V6(m) => flows.extend(sweep(m, name, a, s, ct6_entry)?),
         }
     }
     Ok(DeleteDoc {
@@ -149,6 +118,33 @@ pub fn run(pins: &PinDir, s: &Snapshot, a: &DeleteArgs) -> Result<DeleteDoc> {
         deleted: a.yes,
         flows,
     })
+}
+
+/// The entries of one conntrack table that `a` selects, as flows; deleted too with
+/// `--yes` (after the walk: a map is not changed under its own iteration).
+fn sweep<K: aya::Pod, V: aya::Pod>(
+    m: &mut HashMap<MapData, K, V>,
+    name: &'static str,
+    a: &DeleteArgs,
+    s: &Snapshot,
+    entry: fn(&K, &V) -> CtEntry,
+) -> Result<Vec<FlowView>> {
+    let mut hit = Vec::new();
+    for item in m.iter() {
+        let (k, v) = item.map_err(|source| Error::Read { map: name, source })?;
+        let e = entry(&k, &v);
+        if selects(a, &e) {
+            hit.push((k, e));
+        }
+    }
+    let mut flows = Vec::with_capacity(hit.len());
+    for (k, e) in hit {
+        if a.yes {
+            delete_entry(m.remove(&k), name)?;
+        }
+        flows.push(flow_view(s, &e));
+    }
+    Ok(flows)
 }
 
 enum MapOf {
