@@ -41,6 +41,14 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
+/// The pid in a name `unique(prefix)` made (`<prefix><pid>-<n>`); `None` for any other
+/// name, so what another naming scheme made is never taken for a run's.
+pub fn unique_pid(name: &str, prefix: &str) -> Option<u32> {
+    let (pid, n) = name.strip_prefix(prefix)?.split_once('-')?;
+    n.parse::<u64>().ok()?;
+    pid.parse().ok()
+}
+
 /// Runs a command, panicking with its output on failure.
 pub fn run(cmd: &str, args: &[&str]) {
     let out = Command::new(cmd)
@@ -509,4 +517,25 @@ pub fn cgroup2_mount() -> PathBuf {
                 .flatten()
         })
         .expect("a cgroup2 mount (cgroup v2 is required)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{unique, unique_pid};
+
+    #[test]
+    fn unique_pid_reads_back_only_what_unique_made() {
+        let name = unique("ebpf-proxy-test-");
+        assert_eq!(
+            unique_pid(&name, "ebpf-proxy-test-"),
+            Some(std::process::id())
+        );
+        // Another scheme's names under the same prefix, and near misses.
+        assert_eq!(
+            unique_pid("ebpf-proxy-test-kpc-4242-7", "ebpf-proxy-test-"),
+            None
+        );
+        assert_eq!(unique_pid("ebpf-proxy-test-4242", "ebpf-proxy-test-"), None);
+        assert_eq!(unique_pid("ebpf-proxy-4242-7", "ebpf-proxy-test-"), None);
+    }
 }

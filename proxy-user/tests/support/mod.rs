@@ -79,11 +79,15 @@ pub struct PinDir {
     pub path: PathBuf,
 }
 
+/// The prefix of every test run's pin directory; the test process's pid follows it.
+const PIN_PREFIX: &str = "ebpf-proxy-test-";
+
 impl PinDir {
     pub fn new() -> Self {
         ensure_bpffs();
+        reap_dead_runs_pins(Path::new("/sys/fs/bpf"));
         Self {
-            path: PathBuf::from("/sys/fs/bpf").join(unique("ebpf-proxy-test-")),
+            path: PathBuf::from("/sys/fs/bpf").join(unique(PIN_PREFIX)),
         }
     }
 
@@ -99,6 +103,32 @@ impl Drop for PinDir {
             if let Err(e) = loader::uninstall(&proxy_user::pins::PinDir::new(&self.path)) {
                 eprintln!("cleanup of {}: {e}", self.path.display());
                 let _ = fs::remove_dir_all(&self.path);
+            }
+        }
+    }
+}
+
+/// Uninstalls and removes the pin directories of test processes that no longer run (a
+/// test binary killed mid-run never reaches `Drop`). A directory is a test run's when its
+/// name is `ebpf-proxy-test-<pid>-<n>` (`unique`); one whose pid is alive is left alone,
+/// whoever runs it.
+fn reap_dead_runs_pins(bpffs: &Path) {
+    let Ok(entries) = fs::read_dir(bpffs) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if let Some(pid) = testbed::unique_pid(&name, PIN_PREFIX) {
+            if !Path::new("/proc").join(pid.to_string()).exists() {
+                let path = e.path();
+                eprintln!(
+                    "removing the pins of a test run that ended without cleanup: {}",
+                    path.display()
+                );
+                if let Err(err) = loader::uninstall(&proxy_user::pins::PinDir::new(&path)) {
+                    eprintln!("cleanup of {}: {err}", path.display());
+                }
+                let _ = fs::remove_dir_all(&path);
             }
         }
     }
