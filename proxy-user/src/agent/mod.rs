@@ -5,6 +5,7 @@
 
 mod caps;
 pub mod cli;
+mod ct_cleanup;
 mod grow;
 pub mod healthcheck;
 pub mod http;
@@ -479,6 +480,7 @@ pub async fn sync_loop<S: crate::MapStore>(
         Instant::now(),
     );
     let mut health_checks = healthcheck::HealthChecks::default();
+    let mut stale_udp = ct_cleanup::StaleUdp::new(crate::pins::PinDir::new(&opts.pin_path));
     let mut sources_open = true;
     loop {
         let now = Instant::now();
@@ -510,6 +512,7 @@ pub async fn sync_loop<S: crate::MapStore>(
                 }
                 let out = syncer.sync(now);
                 after_sync(&mut syncer, &out, health, &mut health_checks, &mut node_addresses, hooked_cgroup.as_deref()).await;
+                stale_udp.after_sync(&syncer, &out);
                 if let Some(delay) = schedule.synced(Instant::now(), out.failed > 0) {
                     warn!(failed = out.failed, retry_in_ms = delay.as_millis() as u64, "sync incomplete; retrying");
                 }

@@ -1,7 +1,8 @@
 //! The ids the writer assigned, with what names them: the labels of the per-Service and
-//! per-backend counters (`--metrics-per-service`, `crate::counters`).
+//! per-backend counters (`--metrics-per-service`, `crate::counters`), and the UDP
+//! frontends' backends (the agent's conntrack cleanup, `agent::ct_cleanup`).
 
-use std::net::SocketAddr;
+use std::{collections::HashSet, net::SocketAddr};
 
 use super::Writer;
 use crate::{model::Proto, store::MapStore};
@@ -31,5 +32,22 @@ impl<S: MapStore> Writer<S> {
                 .map(|(id, ((b, proto), _))| (id, b.addr, proto))
                 .collect(),
         }
+    }
+
+    /// `(service id, backend address)` for every slot of every UDP frontend: what a UDP
+    /// flow's conntrack entries may name while its Service port and endpoint are there.
+    pub fn udp_slots(&self) -> HashSet<(u32, SocketAddr)> {
+        let mut out = HashSet::new();
+        for (fe, p) in &self.services {
+            if fe.proto != Proto::Udp {
+                continue;
+            }
+            for id in &p.slots {
+                if let Some(addr) = self.backends.addr(*id) {
+                    out.insert((p.value.service_id, addr));
+                }
+            }
+        }
+        out
     }
 }
