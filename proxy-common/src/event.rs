@@ -67,7 +67,8 @@ pub struct EventTuple {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Event {
-    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) when it happened.
+    /// CLOCK_MONOTONIC when it happened, at the last tick (`bpf_ktime_get_coarse_ns`:
+    /// up to one tick early; the ring buffer keeps the order).
     pub ts_ns: u64,
     /// The `Reason` (outcome), as counted in `STATS` / `XDP_STATS`.
     pub reason: u32,
