@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use core::{mem::size_of, ptr::write_volatile};
 use proxy_common::{
-    event::{event_kind, Event, EventTuple, MonitorCpu},
+    event::{event_kind, Event, EventTuple, MonitorCpu, LEASE_TICK_SLACK_NS},
     Reason,
 };
 
@@ -42,7 +42,8 @@ pub const fn meta(hook: u8, kind: u8, proto: u8, reason: Reason) -> u32 {
 /// refuses.
 ///
 /// The clock is CLOCK_MONOTONIC at the last tick (`bpf_ktime_get_coarse_ns`, a read of
-/// the timekeeper's last update, not of the TSC), read once: the lease is seconds long,
+/// the timekeeper's last update, not of the TSC), read once: the lease is seconds long
+/// (and ended `LEASE_TICK_SLACK_NS` early, so never late),
 /// the bucket's refill sums the same deltas either way, and it is the event's timestamp
 /// (a tick early at most; the ring buffer keeps the order). Two `bpf_ktime_get_ns` calls
 /// per event were about a third of an event's cost (docs/CHANGELOG.md, issue 28).
@@ -56,7 +57,7 @@ fn admit(kind: u8) -> Option<(*mut MonitorCpu, u64)> {
     }
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
-    if now >= lease {
+    if now.saturating_add(LEASE_TICK_SLACK_NS) >= lease {
         // The monitor went away (exited or was killed): off for every hook until a
         // monitor writes a new lease (it rewrites it every second).
         // SAFETY: the array's entry.
