@@ -1889,7 +1889,7 @@ fn samples<'a>(text: &'a str, name: &str) -> Vec<&'a str> {
 
 /// `--metrics-per-service` at 10,000 Services (one endpoint each) and `web`: connections
 /// through `web` are counted for its Service port and its backend; every Service port and
-/// backend has its two series (40,004 in all, under the default cap of 50,000); /metrics
+/// backend has its two series (40,004 in all, under the default cap of 60,000); /metrics
 /// and /healthz answer within bounds that hold on a loaded machine while scrapes run. With
 /// a lower cap (30,000 series) the agent exports Service ports first, then backends up to
 /// the cap, and counts the rest in `ebpf_proxy_per_service_series_dropped`. Without the

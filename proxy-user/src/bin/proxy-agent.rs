@@ -132,7 +132,7 @@ struct RunArgs {
     #[arg(
         long,
         env = "PROXY_METRICS_PER_SERVICE_MAX_SERIES",
-        default_value_t = 50_000
+        default_value_t = 60_000
     )]
     metrics_per_service_max_series: usize,
     /// Address for /healthz and /livez (every address: load balancers probe it).
