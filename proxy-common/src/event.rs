@@ -5,11 +5,16 @@
 //! Off by default: the hooks read `MONITOR[0].lease_until_ns` and go on when it is 0 (one
 //! array lookup and a branch). A monitor writes `now + LEASE_NS` (CLOCK_MONOTONIC, the
 //! clock of `bpf_ktime_get_ns`) every second; the hooks honour a lease only while it is
-//! in the future and clear it when they find it expired, so a monitor that is killed
-//! turns reporting off within `LEASE_NS` with nothing left to undo.
+//! in the future (by [`LEASE_TICK_SLACK_NS`]) and clear it when they find it expired, so a
+//! monitor that is killed turns reporting off within `LEASE_NS` with nothing left to undo.
 
 /// How long a monitor's lease lasts after its last refresh (it refreshes every second).
 pub const LEASE_NS: u64 = 3_000_000_000;
+/// The hooks read the lease with CLOCK_MONOTONIC as of the last timer tick
+/// (`bpf_ktime_get_coarse_ns`, behind the precise clock by less than a tick: 10 ms at the
+/// lowest `CONFIG_HZ`, 100) and end it this much early, so that a lease never outlives its
+/// time (a refreshed one is seconds from its end).
+pub const LEASE_TICK_SLACK_NS: u64 = 10_000_000;
 /// Size of the `EVENTS` ring buffer in bytes (a power of two and a page multiple): about
 /// 2,500 events of [`Event`]'s 96 bytes plus the 8-byte record header; what does not fit
 /// while the reader is behind is lost, counted in [`MonitorCpu::lost_full`].
@@ -67,7 +72,8 @@ pub struct EventTuple {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Event {
-    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) when it happened.
+    /// CLOCK_MONOTONIC when it happened, at the last tick (`bpf_ktime_get_coarse_ns`:
+    /// up to one tick early; the ring buffer keeps the order).
     pub ts_ns: u64,
     /// The `Reason` (outcome), as counted in `STATS` / `XDP_STATS`.
     pub reason: u32,

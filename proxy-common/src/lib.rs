@@ -111,6 +111,15 @@ pub mod map_names {
     /// Per CPU `[event::MonitorCpu]`: the events' token bucket and emitted/lost counts.
     pub const MONITOR_CPU: &str = "MONITOR_CPU";
 
+    /// `--metrics-per-service`: `[0]` = 1 while the agent wants the per-Service and
+    /// per-backend counters (`SVC_COUNTERS`, `BACKEND_COUNTERS`); 0: the datapath does not
+    /// touch them (one branch per packet).
+    pub const COUNTERS_ON: &str = "COUNTERS_ON";
+    /// Per CPU, service id (one frontend) -> `FlowCounts` (connections, packets).
+    pub const SVC_COUNTERS: &str = "SVC_COUNTERS";
+    /// Per CPU, backend id -> `FlowCounts` (connections, packets).
+    pub const BACKEND_COUNTERS: &str = "BACKEND_COUNTERS";
+
     /// `--socket-lb`: `[socket_lb::MODE] = mode`, `[socket_lb::HOST_NETNS] = the host's
     /// network namespace cookie` (array of two `u64`).
     pub const SOCK_LB: &str = "SOCK_LB";
@@ -119,7 +128,7 @@ pub mod map_names {
     pub const SOCK_LB_BYPASS: &str = "SOCK_LB_BYPASS";
 
     /// Every pinned map.
-    pub const ALL: [&str; 34] = [
+    pub const ALL: [&str; 37] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -154,6 +163,9 @@ pub mod map_names {
         EVENTS,
         MONITOR,
         MONITOR_CPU,
+        COUNTERS_ON,
+        SVC_COUNTERS,
+        BACKEND_COUNTERS,
     ];
 }
 
@@ -373,6 +385,19 @@ pub mod backend_flags {
     pub const LOCAL: u8 = 1 << 1;
 }
 
+/// `SVC_COUNTERS` / `BACKEND_COUNTERS` value (per CPU, `--metrics-per-service`): what one
+/// frontend (service id) or backend (backend id) was used for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowCounts {
+    /// Backend selections: new flows at TC/XDP, `connect()` translations, unconnected UDP
+    /// datagrams translated at `sendmsg()` (what `BACKEND_CONNS` counts).
+    pub conns: u64,
+    /// Packets of the client's direction translated per packet (TC/XDP), the first one
+    /// included. Traffic of a socket translated at `connect()` is not seen per packet.
+    pub packets: u64,
+}
+
 /// `META` indices.
 pub mod meta {
     /// The `ABI_VERSION` the pinned maps were created with.
@@ -427,9 +452,9 @@ pub struct NodeConfig {
 mod user {
     use super::{
         event, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
-        MaglevChunk, MaglevKey, NodeConfig, RevNat4, RevNat6, SockRevNat4, SockRevNat4Entry,
-        SockRevNat4V3, SockRevNat4V3Key, SockRevNat6, SockRevNat6Entry, SockRevNat6V3,
-        SockRevNat6V3Key, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
+        FlowCounts, MaglevChunk, MaglevKey, NodeConfig, RevNat4, RevNat6, SockRevNat4,
+        SockRevNat4Entry, SockRevNat4V3, SockRevNat4V3Key, SockRevNat6, SockRevNat6Entry,
+        SockRevNat6V3, SockRevNat6V3Key, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
     };
 
     macro_rules! pod {
@@ -472,6 +497,7 @@ mod user {
         event::Event,
         event::MonitorCtl,
         event::MonitorCpu,
+        FlowCounts,
     );
 }
 
@@ -535,6 +561,7 @@ mod tests {
         assert_layout!(event::EventTuple, size 36, align 4, fields [[u32; 4], [u32; 4], u16, u16]);
         assert_layout!(event::MonitorCtl, size 32, align 8, fields [u64, u64, u64, u32, u32]);
         assert_layout!(event::MonitorCpu, size 48, align 8, fields [u64, u64, u64, u64, u64, u64]);
+        assert_layout!(FlowCounts, size 16, align 8, fields [u64, u64]);
         assert_layout!(MaglevChunk, size 4032, align 4, fields [u32, u32, [u16; limits::MAGLEV_CHUNK_SLOTS]]);
     }
 

@@ -58,3 +58,10 @@ pub const MAGLEV_TABLE_MAX: u32 = 131071;
 /// Service CIDRs and ClusterIP markers (`SVC_CIDR4/6`): one /32 (/128) per ClusterIP in
 /// use plus the ranges.
 pub const MAX_SVC_CIDR: u32 = 1 << 16;
+
+/// Frontends (service ids) and backends with per-CPU counters (`SVC_COUNTERS`,
+/// `BACKEND_COUNTERS`, `--metrics-per-service`): hash maps without preallocation, so the
+/// cost when off is the bucket arrays (16 B per entry: 512 KiB and 1 MiB); past these a
+/// new id is not counted (the agent says so in `per_service_series_dropped`).
+pub const MAX_COUNTED_FRONTENDS: u32 = 1 << 15;
+pub const MAX_COUNTED_BACKENDS: u32 = 1 << 16;

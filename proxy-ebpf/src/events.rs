@@ -5,11 +5,11 @@
 
 use aya_ebpf::{
     bindings::BPF_RB_NO_WAKEUP,
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    helpers::{bpf_get_prandom_u32, generated::bpf_ktime_get_coarse_ns},
 };
 use core::{mem::size_of, ptr::write_volatile};
 use proxy_common::{
-    event::{event_kind, Event, EventTuple},
+    event::{event_kind, Event, EventTuple, MonitorCpu, LEASE_TICK_SLACK_NS},
     Reason,
 };
 
@@ -38,41 +38,45 @@ pub const fn meta(hook: u8, kind: u8, proto: u8, reason: Reason) -> u32 {
 }
 
 /// The lease is fresh, the kind wanted, sampling and this CPU's token bucket let the
-/// event through. Counts what it refuses.
+/// event through: this CPU's entry to count the event in, and the time. Counts what it
+/// refuses.
+///
+/// The clock is CLOCK_MONOTONIC at the last tick (`bpf_ktime_get_coarse_ns`, a read of
+/// the timekeeper's last update, not of the TSC), read once: the lease is seconds long
+/// (and ended `LEASE_TICK_SLACK_NS` early, so never late),
+/// the bucket's refill sums the same deltas either way, and it is the event's timestamp
+/// (a tick early at most; the ring buffer keeps the order). Two `bpf_ktime_get_ns` calls
+/// per event were about a third of an event's cost (docs/CHANGELOG.md, issue 28).
 #[inline(always)]
-fn admit(kind: u8) -> bool {
-    let Some(ctl) = MONITOR.get_ptr_mut(0) else {
-        return false;
-    };
+fn admit(kind: u8) -> Option<(*mut MonitorCpu, u64)> {
+    let ctl = MONITOR.get_ptr_mut(0)?;
     // SAFETY: the array's one entry; a field read.
     let lease = unsafe { (*ctl).lease_until_ns };
     if lease == 0 {
-        return false;
+        return None;
     }
     // SAFETY: no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
-    if now >= lease {
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    if now.saturating_add(LEASE_TICK_SLACK_NS) >= lease {
         // The monitor went away (exited or was killed): off for every hook until a
         // monitor writes a new lease (it rewrites it every second).
         // SAFETY: the array's entry.
         unsafe { write_volatile(&raw mut (*ctl).lease_until_ns, 0) };
-        return false;
+        return None;
     }
     // SAFETY: the array's one entry, read only.
     let (types, sample, cost, burst) =
         unsafe { ((*ctl).types, (*ctl).sample, (*ctl).cost_ns, (*ctl).burst_ns) };
     if types & u32::from(kind) == 0 {
-        return false;
+        return None;
     }
-    let Some(cpu) = MONITOR_CPU.get_ptr_mut(0) else {
-        return false;
-    };
+    let cpu_ptr = MONITOR_CPU.get_ptr_mut(0)?;
     // SAFETY: this CPU's entry; a program is not preempted on its CPU.
-    let cpu = unsafe { &mut *cpu };
+    let cpu = unsafe { &mut *cpu_ptr };
     // SAFETY: no preconditions.
     if sample > 1 && unsafe { bpf_get_prandom_u32() } % sample != 0 {
         cpu.sampled_out += 1;
-        return false;
+        return None;
     }
     let credit = cpu
         .credit_ns
@@ -82,10 +86,10 @@ fn admit(kind: u8) -> bool {
     if credit < cost {
         cpu.credit_ns = credit;
         cpu.lost_rate += 1;
-        return false;
+        return None;
     }
     cpu.credit_ns = credit - cost;
-    true
+    Some((cpu_ptr, now))
 }
 
 /// An address as four network-order words (IPv4 in word 0).
@@ -119,20 +123,18 @@ unsafe fn put<A>(t: *mut EventTuple, (s, sport, d, dport): (&A, u16, &A, u16)) {
 #[inline(always)]
 fn emit<A>(meta: u32, before: (&A, u16, &A, u16), after: (&A, u16, &A, u16), ids: (u32, u32)) {
     let kind = (meta >> 8) as u8;
-    if !admit(kind) {
+    let Some((cpu, now)) = admit(kind) else {
         return;
-    }
+    };
     let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
-        if let Some(cpu) = MONITOR_CPU.get_ptr_mut(0) {
-            // SAFETY: this CPU's entry.
-            unsafe { (*cpu).lost_full += 1 };
-        }
+        // SAFETY: this CPU's entry.
+        unsafe { (*cpu).lost_full += 1 };
         return;
     };
     let e = entry.as_mut_ptr();
     // SAFETY: the reserved record, `size_of::<Event>()` bytes, every field written.
     unsafe {
-        (*e).ts_ns = bpf_ktime_get_ns();
+        (*e).ts_ns = now;
         (*e).reason = meta >> 24;
         (*e).service_id = ids.0;
         (*e).backend_id = ids.1;
@@ -146,10 +148,8 @@ fn emit<A>(meta: u32, before: (&A, u16, &A, u16), after: (&A, u16, &A, u16), ids
     // No wake-up of the reader: waking it (an irq_work per record) cost about 10 us a
     // new flow under BPF_PROG_RUN; `proxyctl monitor` polls every 100 ms instead.
     entry.submit(u64::from(BPF_RB_NO_WAKEUP));
-    if let Some(cpu) = MONITOR_CPU.get_ptr_mut(0) {
-        // SAFETY: this CPU's entry.
-        unsafe { (*cpu).emitted += 1 };
-    }
+    // SAFETY: this CPU's entry.
+    unsafe { (*cpu).emitted += 1 };
 }
 
 /// A socket hook's event: `connect()`/`sendmsg()` to `dst`, sent to `to` (a drop: `to`

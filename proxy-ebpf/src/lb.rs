@@ -414,6 +414,9 @@ pub fn xlate_fwd<F: Family>(
         affinity::choose(&front, client, slot_backend, 0).ok_or(Reason::BackendMissing)?;
     let (baddr, bport) = F::backend(backend_id).ok_or(Reason::BackendMissing)?;
     count_backend(backend_id);
+    if crate::maps::counters_on() {
+        crate::maps::count_flow(front.service_id, backend_id, 1, 0);
+    }
 
     // Remember the frontend for recvmsg/getpeername, in the socket's own storage.
     match F::rev_table(sk, true) {

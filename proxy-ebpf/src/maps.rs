@@ -18,7 +18,7 @@ use aya_ebpf::{
 use proxy_common::{
     event::{MonitorCpu, MonitorCtl, RINGBUF_BYTES},
     limits::*,
-    AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
+    AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, FlowCounts,
     MaglevChunk, MaglevKey, NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat4V3,
     SockRevNat4V3Key, SockRevNat6, SockRevNat6V3, SockRevNat6V3Key, SrcRange4, SrcRange6, Svc4Key,
     Svc6Key, SvcValue,
@@ -139,6 +139,23 @@ pub static XDP_STATS: PerCpuArray<u64> = PerCpuArray::pinned(Reason::COUNT, 0);
 #[map]
 pub static BACKEND_CONNS: PerCpuHashMap<u32, u64> =
     PerCpuHashMap::pinned(MAX_BACKENDS, BPF_F_NO_PREALLOC);
+
+/// `--metrics-per-service`: `[0]` = 1 while the agent wants `SVC_COUNTERS` and
+/// `BACKEND_COUNTERS` counted; 0 (the default): one branch per counted event.
+#[map]
+pub static COUNTERS_ON: Array<u32> = Array::pinned(1, 0);
+
+/// Per CPU, service id -> connections and packets of that frontend. A hash map without
+/// preallocation: memory only for the ids counted; the agent deletes an id's entry when
+/// it assigns the id (a reused id starts from zero).
+#[map]
+pub static SVC_COUNTERS: PerCpuHashMap<u32, FlowCounts> =
+    PerCpuHashMap::pinned(MAX_COUNTED_FRONTENDS, BPF_F_NO_PREALLOC);
+
+/// Per CPU, backend id -> connections and packets sent to that backend.
+#[map]
+pub static BACKEND_COUNTERS: PerCpuHashMap<u32, FlowCounts> =
+    PerCpuHashMap::pinned(MAX_COUNTED_BACKENDS, BPF_F_NO_PREALLOC);
 
 /// `[generation]`: bumped by the agent after it deletes backends. A UDP flow's entry
 /// records the generation at which its backend was last found (`ct_flags::GEN_SHIFT`);
@@ -322,6 +339,43 @@ pub fn count_backend(backend_id: u32) {
         Some(c) => unsafe { *c += 1 },
         None => {
             let _ = BACKEND_CONNS.insert(backend_id, 1, 0);
+        }
+    }
+}
+
+/// Whether the agent asked for the per-Service counters (`COUNTERS_ON[0]`).
+#[inline(always)]
+pub fn counters_on() -> bool {
+    match COUNTERS_ON.get_ptr(0) {
+        // SAFETY: the array's one entry, read.
+        Some(on) => unsafe { *on != 0 },
+        None => false,
+    }
+}
+
+/// Adds a connection (`conns`) and `packets` to the counters of a frontend and its
+/// backend (`--metrics-per-service`, called only when [`counters_on`]). An id the full
+/// map has no room for is not counted. In a frame of its own (the per-packet call
+/// chains are close to the verifier's 512 bytes).
+#[inline(never)]
+pub fn count_flow(service_id: u32, backend_id: u32, conns: u64, packets: u64) {
+    add_counts(&SVC_COUNTERS, service_id, conns, packets);
+    add_counts(&BACKEND_COUNTERS, backend_id, conns, packets);
+}
+
+#[inline(always)]
+fn add_counts(map: &PerCpuHashMap<u32, FlowCounts>, id: u32, conns: u64, packets: u64) {
+    if id == 0 {
+        return;
+    }
+    match map.get_ptr_mut(&id) {
+        // SAFETY: this CPU's value; the program is not preempted on its CPU.
+        Some(c) => unsafe {
+            (*c).conns += conns;
+            (*c).packets += packets;
+        },
+        None => {
+            let _ = map.insert(&id, &FlowCounts { conns, packets }, 0);
         }
     }
 }

@@ -9,6 +9,7 @@ pub mod cgroup;
 pub mod cleanup;
 pub mod cluster;
 pub mod codec;
+pub mod counters;
 pub mod ctl;
 pub mod ctsize;
 pub mod dsr_trust;

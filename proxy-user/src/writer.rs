@@ -564,12 +564,14 @@ impl<S: MapStore> Writer<S> {
 
 mod adopt;
 mod backends;
+mod counted;
 mod plan;
 mod remove;
 mod sync;
 mod upsert;
 
 use backends::Backends;
+pub use counted::CountedIds;
 pub use plan::{node_address_ops, Plan};
 use upsert::slot_no;
 

@@ -1880,3 +1880,146 @@ fn a_full_service_map_after_the_first_sync_turns_health_503_with_the_reason() {
     let logs = agent.stop();
     assert!(logs.contains("SVC4 is full"), "{logs}");
 }
+
+/// Lines of `text` that are samples of the metric family `name` (`name_total{...} v`).
+fn samples<'a>(text: &'a str, name: &str) -> Vec<&'a str> {
+    let prefix = format!("{name}_total{{");
+    text.lines().filter(|l| l.starts_with(&prefix)).collect()
+}
+
+/// `--metrics-per-service` at 10,000 Services (one endpoint each) and `web`: connections
+/// through `web` are counted for its Service port and its backend; every Service port and
+/// backend has its two series (40,004 in all, under the default cap of 60,000); /metrics
+/// and /healthz answer within bounds that hold on a loaded machine while scrapes run. With
+/// a lower cap (30,000 series) the agent exports Service ports first, then backends up to
+/// the cap, and counts the rest in `ebpf_proxy_per_service_series_dropped`. Without the
+/// flag there is no such series.
+#[test]
+fn per_service_metrics_at_ten_thousand_services() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    big_manifest(&dir.0.join("big.yaml"), 10_000, 1);
+    dir.write("web.yaml", &web_on_pod1());
+    let mut args = dir.arg().to_vec();
+    args.push("--metrics-per-service");
+    let mut agent = AgentProcess::start(&env, &args);
+    agent.wait_healthy(Duration::from_secs(120));
+    // Five connections through the socket hooks.
+    for _ in 0..5 {
+        let r = env.in_client(|| tcp_ask(vip()));
+        assert!(answer_is(&r, &["pod1"]), "{r:?}");
+    }
+    let t0 = Instant::now();
+    let text = agent.metrics();
+    let scrape = t0.elapsed();
+    let web = "namespace=\"default\",service=\"web\",port=\"http\",protocol=\"tcp\"";
+    assert!(
+        text.contains(&format!(
+            "ebpf_proxy_service_connections_total{{{web}}} 5\n"
+        )),
+        "{}",
+        samples(&text, "ebpf_proxy_service_connections")
+            .iter()
+            .filter(|l| l.contains("\"web\""))
+            .copied()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let pod1 = format!("backend=\"{}:{TARGET}\",protocol=\"tcp\"", pod(1));
+    assert!(
+        text.contains(&format!(
+            "ebpf_proxy_backend_connections_total{{{pod1}}} 5\n"
+        )),
+        "{pod1}"
+    );
+    let families = [
+        "ebpf_proxy_service_connections",
+        "ebpf_proxy_service_packets",
+        "ebpf_proxy_backend_connections",
+        "ebpf_proxy_backend_packets",
+    ];
+    let counts: Vec<usize> = families.iter().map(|f| samples(&text, f).len()).collect();
+    assert_eq!(counts, [10_001, 10_001, 10_001, 10_001]);
+    assert!(text.contains("ebpf_proxy_per_service_series 40004\n"));
+    assert!(text.contains("ebpf_proxy_per_service_series_dropped 0\n"));
+    assert!(
+        text.trim_end().ends_with("# EOF"),
+        "the exposition ends with # EOF"
+    );
+    // Size: about 100 bytes a series.
+    eprintln!(
+        "/metrics with 40,004 per-Service series: {} bytes, scraped in {scrape:?}",
+        text.len()
+    );
+    assert!(
+        text.len() < 40_004 * 160 + (1 << 20),
+        "{} bytes",
+        text.len()
+    );
+    // /healthz answers while scrapes run back to back.
+    let stop = Arc::new(AtomicBool::new(false));
+    let scraper = {
+        let stop = stop.clone();
+        let port = agent.metrics_port;
+        std::thread::spawn(move || {
+            let mut worst = Duration::ZERO;
+            while !stop.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                let (code, _) = support::http_get(port, "/metrics").expect("metrics");
+                assert_eq!(code, 200);
+                worst = worst.max(t.elapsed());
+            }
+            worst
+        })
+    };
+    let mut health_worst = Duration::ZERO;
+    for _ in 0..20 {
+        let t = Instant::now();
+        assert_eq!(agent.healthz().0, 200);
+        health_worst = health_worst.max(t.elapsed());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let scrape_worst = scraper.join().expect("scraper");
+    eprintln!("under scrapes: /healthz worst {health_worst:?}, /metrics worst {scrape_worst:?}");
+    // Liveness bounds (a loaded 2-core machine), far above the figures printed.
+    assert!(health_worst < Duration::from_secs(2), "{health_worst:?}");
+    assert!(scrape_worst < Duration::from_secs(10), "{scrape_worst:?}");
+    agent.stop();
+
+    // A lower cap: Service ports first (20,002 series), then backends up to 30,000.
+    let mut capped = dir.arg().to_vec();
+    capped.extend([
+        "--metrics-per-service",
+        "--metrics-per-service-max-series",
+        "30000",
+    ]);
+    let mut agent = AgentProcess::start(&env, &capped);
+    agent.wait_healthy(Duration::from_secs(120));
+    let text = agent.metrics();
+    let counts: Vec<usize> = families.iter().map(|f| samples(&text, f).len()).collect();
+    assert_eq!(counts, [10_001, 10_001, 4_999, 4_999]);
+    assert!(text.contains("ebpf_proxy_per_service_series 30000\n"));
+    assert!(text.contains("ebpf_proxy_per_service_series_dropped 10004\n"));
+    agent.stop();
+
+    // Off: no per-Service series, and the datapath counts nothing.
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(120));
+    let r = env.in_client(|| tcp_ask(vip()));
+    assert!(answer_is(&r, &["pod1"]), "{r:?}");
+    let text = agent.metrics();
+    for f in families.iter().chain(&["ebpf_proxy_per_service_series"]) {
+        assert!(!text.contains(f), "no {f} when off");
+    }
+    let pins = proxy_user::pins::PinDir::new(&env.pins.path);
+    let counters = proxy_user::counters::CounterMaps::open(&pins)
+        .expect("open")
+        .expect("pinned");
+    assert!(!counters.is_on().expect("COUNTERS_ON"));
+    assert!(counters
+        .read(proxy_user::counters::CounterKind::Service)
+        .expect("read")
+        .is_empty());
+}

@@ -1525,3 +1525,166 @@ fn maglev_gives_one_backend_per_flow_on_both_nodes_and_a_backend_leaving_moves_o
     drop(servers);
     let _ = fs::remove_dir_all(&dir);
 }
+
+/// Every conntrack entry of IPv4 as `proxyctl conntrack delete` lists it (nothing deleted).
+fn ct4_entries(pins: &Path) -> Vec<proxy_user::ctl::snapshot::CtEntry> {
+    let pins = proxy_user::pins::PinDir::new(pins);
+    let [v4, _] =
+        proxy_user::ctl::ct_delete::delete_where(&pins, false, |_| true).expect("read CT4/CT6");
+    v4
+}
+
+type Key = (u8, SocketAddr, SocketAddr, u8);
+
+fn key(e: &proxy_user::ctl::snapshot::CtEntry) -> Key {
+    (e.proto, e.src, e.dst, e.dir)
+}
+
+/// The agent's own conntrack cleanup, where kube-proxy flushes conntrack: after the sync
+/// that removes an endpoint from a UDP Service port, the conntrack entries (both
+/// directions) of that port's UDP flows to it are gone, within the sync latency bound,
+/// while the same port's flows to the other endpoint, a TCP flow to the removed endpoint
+/// and another Service's UDP flows to the same endpoint stay; after the Service is
+/// removed, its remaining UDP flows go too and the TCP one stays. Counted in
+/// `kubeproxy_conntrack_reconciler_deleted_entries_total`.
+#[test]
+fn udp_conntrack_entries_of_a_removed_endpoint_and_service_port_are_deleted() {
+    const UDP: u8 = 17;
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::dual_stack("ecc-");
+    let dir = manifests_dir();
+    write(
+        &dir,
+        "svc.yaml",
+        &service("svc", "10.96.0.10", "Cluster", "", &[1, 2]),
+    );
+    let other = service("other", "10.96.0.11", "Cluster", "", &[1, 2])
+        .replace("30080", "30090")
+        .replace("30081", "30091");
+    write(&dir, "other.yaml", &other);
+    let mut agent = AgentProcess::start_in(
+        &env,
+        Some(&c.node_a),
+        &[
+            "--manifests",
+            dir.to_str().expect("utf-8"),
+            "--interfaces",
+            "ext0,nb0",
+        ],
+    );
+    agent.wait_healthy(Duration::from_secs(20));
+    let udp = SocketAddr::from(([10, 100, 0, 2], NODEPORT + 1));
+    let udp_other = SocketAddr::from(([10, 100, 0, 2], 30091));
+    let tcp = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
+    wait_for("the UDP NodePorts answer", Duration::from_secs(5), || {
+        let _g = c.ext.enter();
+        ask_udp(udp).is_ok() && ask_udp(udp_other).is_ok()
+    });
+    // UDP flows, each from a port of its own, to both Services; TCP connections held open
+    // until both pods have one.
+    let mut held = Vec::new();
+    {
+        let _g = c.ext.enter();
+        for port in 21_000..21_030 {
+            ask_udp_from(udp, port, 2).expect("svc answers");
+        }
+        for port in 22_000..22_010 {
+            ask_udp_from(udp_other, port, 2).expect("other answers");
+        }
+        let mut pods = BTreeSet::new();
+        for _ in 0..40 {
+            let mut s = TcpStream::connect_timeout(&tcp, Duration::from_secs(1)).expect("tcp");
+            s.set_read_timeout(Some(Duration::from_secs(2)))
+                .expect("timeout");
+            s.write_all(b"hi\n").expect("write");
+            let mut line = String::new();
+            BufReader::new(&s).read_line(&mut line).expect("read");
+            pods.insert(
+                line.split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string(),
+            );
+            held.push(s);
+            if pods.len() == 2 {
+                break;
+            }
+        }
+        assert_eq!(pods.len(), 2, "TCP connections to both pods: {pods:?}");
+    }
+    let pod1: std::net::IpAddr = "10.1.1.2".parse().expect("ip");
+    let pod2: std::net::IpAddr = "10.1.2.2".parse().expect("ip");
+    let before = ct4_entries(&env.pins.path);
+    // Original-direction entries by destination port and backend, with both directions'
+    // keys of their flows.
+    let flows_of = |port: u16, proto: u8, backend: std::net::IpAddr| -> BTreeSet<Key> {
+        let mut keys = BTreeSet::new();
+        for e in before.iter().filter(|e| {
+            e.dir == 0
+                && e.proto == proto
+                && e.dst.port() == port
+                && e.dnat.map(|d| d.ip()) == Some(backend)
+        }) {
+            keys.insert(key(e));
+            let (p, s, d) = e.reply_key();
+            keys.insert((p, s, d, 1));
+        }
+        keys
+    };
+    let svc_udp1 = flows_of(NODEPORT + 1, UDP, pod1);
+    let svc_udp2 = flows_of(NODEPORT + 1, UDP, pod2);
+    let svc_tcp = flows_of(NODEPORT, 6, pod1);
+    let other_udp: BTreeSet<Key> = flows_of(30091, UDP, pod1)
+        .union(&flows_of(30091, UDP, pod2))
+        .copied()
+        .collect();
+    assert!(
+        !svc_udp1.is_empty() && !svc_udp2.is_empty() && !svc_tcp.is_empty() && other_udp.iter().any(|k| k.2.ip() == pod1 || k.1.ip() == pod1),
+        "flows to each: svc udp pod1 {svc_udp1:?} pod2 {svc_udp2:?}, tcp {svc_tcp:?}, other {other_udp:?}"
+    );
+    let present = || -> BTreeSet<Key> { ct4_entries(&env.pins.path).iter().map(key).collect() };
+    let kept = |p: &BTreeSet<Key>, keys: &BTreeSet<Key>| keys.iter().all(|k| p.contains(k));
+    let gone = |p: &BTreeSet<Key>, keys: &BTreeSet<Key>| keys.iter().all(|k| !p.contains(k));
+    assert!(kept(&present(), &svc_udp1), "both directions are tracked");
+
+    // pod1 leaves svc.
+    write(
+        &dir,
+        "svc.yaml",
+        &service("svc", "10.96.0.10", "Cluster", "", &[2]),
+    );
+    wait_for(
+        "svc's UDP flows to pod1 deleted",
+        Duration::from_secs(10),
+        || gone(&present(), &svc_udp1),
+    );
+    let p = present();
+    assert!(kept(&p, &svc_udp2), "svc's UDP flows to pod2 stay");
+    assert!(kept(&p, &svc_tcp), "svc's TCP flows to pod1 stay");
+    assert!(kept(&p, &other_udp), "other's UDP flows (pod1 too) stay");
+
+    // svc goes.
+    fs::remove_file(dir.join("svc.yaml")).expect("rm");
+    wait_for("svc's UDP flows deleted", Duration::from_secs(10), || {
+        gone(&present(), &svc_udp2)
+    });
+    let p = present();
+    assert!(kept(&p, &svc_tcp), "svc's TCP flows stay");
+    assert!(kept(&p, &other_udp), "other's UDP flows stay");
+    let deleted = (svc_udp1.len() + svc_udp2.len()) / 2;
+    let m = agent.metrics();
+    let line = format!(
+        "kubeproxy_conntrack_reconciler_deleted_entries_total{{ip_family=\"IPv4\"}} {deleted}"
+    );
+    assert!(
+        m.contains(&line),
+        "{line}\n{}",
+        m.lines()
+            .filter(|l| l.contains("conntrack_reconciler"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    drop(held);
+    drop(agent);
+    let _ = fs::remove_dir_all(&dir);
+}

@@ -1551,3 +1551,97 @@ fn a_service_cidr_miss_is_rejected_or_dropped_and_nothing_else_is_touched() {
         (port0 + 3, cidr0 + 3)
     );
 }
+
+/// `--metrics-per-service` in the datapath: with `COUNTERS_ON` off (a new datapath's
+/// state) nothing is counted; on, a new flow counts one connection and one packet for its
+/// frontend and its backend, each further packet of the client's direction one packet,
+/// replies nothing; a service id and a backend id freed and given to another frontend
+/// and backend start from zero (the store deletes their entries); off again deletes
+/// every entry and counts nothing.
+#[test]
+fn per_service_counters_count_only_when_on_and_start_from_zero_for_a_reused_id() {
+    use proxy_common::FlowCounts;
+    use proxy_user::counters::{CounterKind, CounterMaps};
+    let mut bed = Bed::new();
+    let fe = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(fe, &[("10.1.1.2:8080", LOCAL)], 0))
+        .expect("upsert");
+    let pins = proxy_user::pins::PinDir::new(&bed.pins.path);
+    let mut counters = CounterMaps::open(&pins)
+        .expect("open")
+        .expect("the counter maps are pinned");
+    let read = |c: &CounterMaps, kind| c.read(kind).expect("read");
+    let flow =
+        |sport: u16, flags: u8| Pkt::tcp(&format!("198.51.100.7:{sport}"), "10.96.0.10:80", flags);
+    // Off: a new flow and a known one, nothing counted.
+    assert!(!counters.is_on().expect("COUNTERS_ON"));
+    assert_eq!(
+        bed.run(TC_INGRESS, &flow(40000, SYN)).1.dst,
+        sa("10.1.1.2:8080")
+    );
+    bed.run(TC_INGRESS, &flow(40000, ACK));
+    assert!(read(&counters, CounterKind::Service).is_empty());
+    assert!(read(&counters, CounterKind::Backend).is_empty());
+
+    counters.set_on(true).expect("on");
+    // A new flow (connection + packet), two more of its packets, one packet of the flow
+    // from before, and a reply (not counted).
+    assert_eq!(
+        bed.run(TC_INGRESS, &flow(40001, SYN)).1.dst,
+        sa("10.1.1.2:8080")
+    );
+    bed.run(TC_INGRESS, &flow(40001, ACK));
+    bed.run(TC_INGRESS, &flow(40001, ACK));
+    bed.run(TC_INGRESS, &flow(40000, ACK));
+    let reply = Pkt::tcp("10.1.1.2:8080", "198.51.100.7:40001", ACK);
+    assert_eq!(bed.run(TC_EGRESS, &reply).1.src, sa("10.96.0.10:80"));
+    let d = bed.writer.expected_dump();
+    let sid = d.frontends[&fe].service_id;
+    let bid = *d.backends.keys().next().expect("one backend");
+    let want = FlowCounts {
+        conns: 1,
+        packets: 4,
+    };
+    assert_eq!(read(&counters, CounterKind::Service), [(sid, want)]);
+    assert_eq!(read(&counters, CounterKind::Backend), [(bid, want)]);
+
+    // The frontend and its backend go; another frontend and backend take both ids.
+    bed.writer.remove(&fe).expect("remove");
+    let fe2 = Frontend::new(Ipv4Addr::new(10, 96, 0, 11), 80, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(fe2, &[("10.1.1.3:8080", LOCAL)], 0))
+        .expect("upsert");
+    let d = bed.writer.expected_dump();
+    assert_eq!(d.frontends[&fe2].service_id, sid, "the id is reused");
+    assert_eq!(
+        *d.backends.keys().next().expect("one"),
+        bid,
+        "the id is reused"
+    );
+    assert!(
+        read(&counters, CounterKind::Service).is_empty(),
+        "no counts carried over"
+    );
+    assert!(
+        read(&counters, CounterKind::Backend).is_empty(),
+        "no counts carried over"
+    );
+    let to_fe2 = Pkt::tcp("198.51.100.7:40002", "10.96.0.11:80", SYN);
+    assert_eq!(bed.run(TC_INGRESS, &to_fe2).1.dst, sa("10.1.1.3:8080"));
+    let one = FlowCounts {
+        conns: 1,
+        packets: 1,
+    };
+    assert_eq!(read(&counters, CounterKind::Service), [(sid, one)]);
+
+    // Off again: every entry deleted, nothing counted.
+    counters.set_on(false).expect("off");
+    assert!(read(&counters, CounterKind::Service).is_empty());
+    bed.run(
+        TC_INGRESS,
+        &Pkt::tcp("198.51.100.7:40003", "10.96.0.11:80", SYN),
+    );
+    assert!(read(&counters, CounterKind::Service).is_empty());
+    assert!(read(&counters, CounterKind::Backend).is_empty());
+}

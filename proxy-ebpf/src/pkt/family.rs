@@ -106,6 +106,8 @@ pub trait PktFamily: Family {
     ) -> Self::Val;
     /// The backend id of a value.
     fn ct_backend_id(v: &Self::Val) -> u32;
+    /// The service id (frontend) of a value.
+    fn ct_service_id(v: &Self::Val) -> u32;
     /// `(dnat addr, dnat port), (snat addr, snat port)` of a value.
     fn ct_nat(v: &Self::Val) -> ((Self::Addr, u16), (Self::Addr, u16));
     fn ct_meta(v: *mut Self::Val) -> (*mut u32, *mut u64, *mut u64);
@@ -280,6 +282,11 @@ impl PktFamily for V4 {
     #[inline(always)]
     fn ct_backend_id(v: &Ct4Value) -> u32 {
         v.backend_id
+    }
+
+    #[inline(always)]
+    fn ct_service_id(v: &Ct4Value) -> u32 {
+        v.service_id
     }
 
     fn ct_nat(v: &Ct4Value) -> ((u32, u16), (u32, u16)) {
@@ -482,6 +489,11 @@ impl PktFamily for V6 {
     #[inline(always)]
     fn ct_backend_id(v: &Ct6Value) -> u32 {
         v.backend_id
+    }
+
+    #[inline(always)]
+    fn ct_service_id(v: &Ct6Value) -> u32 {
+        v.service_id
     }
 
     fn ct_nat(v: &Ct6Value) -> (([u32; 4], u16), ([u32; 4], u16)) {

@@ -30,7 +30,7 @@ use super::{
 };
 use crate::{
     affinity, events, lb, maglev,
-    maps::{count_backend, warn_allowed},
+    maps::{count_backend, count_flow, counters_on, warn_allowed},
 };
 
 /// The stage machine: reply of a known flow, packet of a known flow, new flow. Shared by
@@ -302,6 +302,9 @@ fn known_path<C: PktHook, F: PktFamily>(
         return Ok(None);
     }
     rewrite::<F, _>(ctx, p, &(dnat, snat))?;
+    if counters_on() {
+        count_packet::<F>(v);
+    }
     if dsr {
         return ctx.dsr_again::<F>(p, dnat.0);
     }
@@ -309,6 +312,15 @@ fn known_path<C: PktHook, F: PktFamily>(
         return Ok(Some(Step::pass(Reason::TcFlow)));
     }
     Ok(Some(Step::redirect(snat.0, dnat.0, Reason::TcFlow)))
+}
+
+/// A known flow's packet in its frontend's and backend's counters
+/// (`--metrics-per-service`), read from the flow entry `v` in a frame of its own.
+#[inline(never)]
+fn count_packet<F: PktFamily>(v: *const F::Val) {
+    // SAFETY: a conntrack entry the caller just looked up.
+    let (sid, bid) = unsafe { (F::ct_service_id(&*v), F::ct_backend_id(&*v)) };
+    count_flow(sid, bid, 0, 1);
 }
 
 /// The frontend a packet's destination hits (`lb::frontend`, the one lookup rule), in a
@@ -507,6 +519,9 @@ fn commit_flow<C: PktHook, F: PktFamily>(
 ) -> Result<Step<F::Addr>, Reason> {
     ct::put_flow::<F>(p, c, now)?;
     count_backend(c.backend_id);
+    if counters_on() {
+        count_flow(c.service_id, c.backend_id, 1, 1);
+    }
     rewrite::<F, _>(ctx, p, &(c.backend, c.snat))?;
     if c.flags & ct_flags::DSR != 0 {
         return ctx.dsr_first::<F>(p, c.backend.0);

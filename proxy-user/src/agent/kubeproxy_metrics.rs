@@ -79,6 +79,9 @@ pub struct KubeProxyMetrics {
     pub healthz_total: Family<Code, Counter>,
     pub livez_total: Family<Code, Counter>,
     pub config_fields_ignored: Family<Field, Gauge>,
+    /// UDP flows whose Service port or endpoint went, deleted from the conntrack tables.
+    pub conntrack_deleted: Family<IpFamily, Counter>,
+    pub conntrack_reconcile: Family<IpFamily, Histogram, fn() -> Histogram>,
 }
 
 fn new_sync_histogram() -> Histogram {
@@ -107,6 +110,8 @@ impl Default for KubeProxyMetrics {
             healthz_total: Family::default(),
             livez_total: Family::default(),
             config_fields_ignored: Family::default(),
+            conntrack_deleted: Family::default(),
+            conntrack_reconcile: Family::new_with_constructor(new_sync_histogram),
         }
     }
 }
@@ -120,6 +125,7 @@ fn now_unix() -> f64 {
 
 impl KubeProxyMetrics {
     /// Registers every metric at the root of `registry` (no prefix).
+    // Long: a table, one registration per metric with kube-proxy's name and help text.
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "kubeproxy_sync_proxy_rules_duration_seconds",
@@ -187,6 +193,16 @@ impl KubeProxyMetrics {
             self.livez_total.clone(),
         );
         registry.register(
+            "kubeproxy_conntrack_reconciler_deleted_entries",
+            "Cumulative conntrack flows deleted by conntrack reconciler",
+            self.conntrack_deleted.clone(),
+        );
+        registry.register(
+            "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+            "ReconcileConntrackFlowsLatency latency in seconds",
+            self.conntrack_reconcile.clone(),
+        );
+        registry.register(
             "ebpf_proxy_config_fields_ignored",
             "kube-proxy settings (--config fields, kube-proxy flags) set but not applied, \
              by field (1 each; the reason is in the start log)",
@@ -224,6 +240,16 @@ impl KubeProxyMetrics {
         for f in self.each_family() {
             self.last_queued_timestamp.get_or_create(&f).set(now);
         }
+    }
+
+    /// One cleanup of stale UDP flows (`agent::ct_cleanup`) in `family` took `seconds`
+    /// and deleted `flows`.
+    pub fn conntrack_reconciled(&self, family: &str, seconds: f64, flows: u64) {
+        let f = IpFamily {
+            ip_family: family.to_string(),
+        };
+        self.conntrack_reconcile.get_or_create(&f).observe(seconds);
+        self.conntrack_deleted.get_or_create(&f).inc_by(flows);
     }
 
     /// One sync took `seconds`; `ok`: everything was written.

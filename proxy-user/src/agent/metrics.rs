@@ -107,6 +107,8 @@ pub struct Metrics {
     pub source: SourceCounters,
     /// kube-proxy's metrics under kube-proxy's names (`kubeproxy_metrics`).
     pub kube_proxy: super::kubeproxy_metrics::KubeProxyMetrics,
+    /// `--metrics-per-service`: set at start when on (`per_service::start`).
+    pub per_service: std::sync::OnceLock<super::per_service::PerService>,
 }
 
 /// `kind="..."`.
@@ -161,6 +163,7 @@ impl Metrics {
             adoption_repairs: Family::default(),
             source,
             kube_proxy: Default::default(),
+            per_service: std::sync::OnceLock::new(),
             registry: Registry::default(),
         };
         registry.register(
@@ -322,11 +325,27 @@ impl Metrics {
         self.last_sync.set(now);
     }
 
+    /// Counts a failed map write of `reason` (`map_write_errors_total{reason}`).
+    pub fn map_write_error(&self, reason: &str) {
+        self.map_write_errors
+            .get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
         if let Err(e) = encode(&mut out, &self.registry) {
             warn!(error = %e, "encoding metrics");
+        }
+        if let Some(ps) = self.per_service.get() {
+            // Before the exposition's end marker.
+            let eof = out.rfind("# EOF").unwrap_or(out.len());
+            let tail = out.split_off(eof);
+            ps.render(&mut out);
+            out.push_str(&tail);
         }
         out
     }

@@ -5,12 +5,14 @@
 
 mod caps;
 pub mod cli;
+mod ct_cleanup;
 mod grow;
 pub mod healthcheck;
 pub mod http;
 pub mod kubeproxy_metrics;
 pub mod metrics;
 mod node_addresses;
+pub mod per_service;
 pub mod schedule;
 pub mod sync;
 
@@ -47,6 +49,8 @@ pub struct AgentOptions {
     pub pin_path: PathBuf,
     pub proxy_name: Option<String>,
     pub metrics_addr: SocketAddr,
+    /// `--metrics-per-service` with `--metrics-per-service-max-series` (`None`: off).
+    pub metrics_per_service: Option<usize>,
     pub healthz_addr: SocketAddr,
     /// Shortest time between two syncs (changes arriving meanwhile are coalesced).
     pub min_sync_interval: Duration,
@@ -274,6 +278,7 @@ fn new_metrics(opts: &AgentOptions, datapath: &Datapath) -> Arc<Metrics> {
         "BPF map memory (charged to the memory cgroup of the agent that created the maps)"
     );
     set_map_memory(&metrics, &map_memory);
+    per_service::start(opts, &metrics);
     tokio::spawn(refresh_map_memory(opts.pin_path.clone(), metrics.clone()));
     metrics
 }
@@ -475,6 +480,7 @@ pub async fn sync_loop<S: crate::MapStore>(
         Instant::now(),
     );
     let mut health_checks = healthcheck::HealthChecks::default();
+    let mut stale_udp = ct_cleanup::StaleUdp::new(crate::pins::PinDir::new(&opts.pin_path));
     let mut sources_open = true;
     loop {
         let now = Instant::now();
@@ -506,6 +512,7 @@ pub async fn sync_loop<S: crate::MapStore>(
                 }
                 let out = syncer.sync(now);
                 after_sync(&mut syncer, &out, health, &mut health_checks, &mut node_addresses, hooked_cgroup.as_deref()).await;
+                stale_udp.after_sync(&syncer, &out);
                 if let Some(delay) = schedule.synced(Instant::now(), out.failed > 0) {
                     warn!(failed = out.failed, retry_in_ms = delay.as_millis() as u64, "sync incomplete; retrying");
                 }
@@ -544,34 +551,17 @@ async fn after_sync<S: crate::MapStore>(
     let from_node = syncer.index().node.addresses.clone();
     if let Err(e) = node_addresses.update(syncer.writer_mut(), &from_node) {
         warn!(error = %e, "writing the node's addresses failed; kept the previous ones");
-        syncer
-            .metrics()
-            .map_write_errors
-            .get_or_create(&metrics::ReasonLabel {
-                reason: "node_addresses".into(),
-            })
-            .inc();
+        syncer.metrics().map_write_error("node_addresses");
     }
     if let Err(e) = node_addresses.update_dsr_trust(syncer.index()) {
         warn!(error = %e, "writing the DSR trusted senders failed; kept the previous ones");
-        syncer
-            .metrics()
-            .map_write_errors
-            .get_or_create(&metrics::ReasonLabel {
-                reason: "dsr_trusted".into(),
-            })
-            .inc();
+        syncer.metrics().map_write_error("dsr_trusted");
     }
     if let Err(e) = node_addresses.update_service_cidrs(syncer.index()) {
         warn!(error = %e, "writing the Service CIDRs failed; kept the previous ones");
-        syncer
-            .metrics()
-            .map_write_errors
-            .get_or_create(&metrics::ReasonLabel {
-                reason: "service_cidrs".into(),
-            })
-            .inc();
+        syncer.metrics().map_write_error("service_cidrs");
     }
+    per_service::relabel(syncer, out);
     let counts = syncer.writer_mut().take_write_counts();
     syncer.metrics().record_map_writes(&counts);
     if out.full || out.ops > 1000 {

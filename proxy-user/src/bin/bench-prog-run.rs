@@ -21,6 +21,10 @@
 //!
 //! - `... (monitor on)`: the new-flow and conntrack-hit cases again with `proxyctl
 //!   monitor`'s reporting on (issue 28; the plain rows are the cost when off).
+//! - `new flow, monitor off (in turn)` / `on (in turn)`: new flows with reporting off
+//!   and on alternating call by call, so that a busy machine's drift between two series
+//!   is not taken for the cost of an event; `program_ns` is the median of each run's own
+//!   run-time statistics.
 //!
 //! Two figures per case: `ns_per_packet`, `BPF_PROG_RUN`'s own duration (its timer
 //! around the run: with one repetition per call that includes the timer's set-up), and
@@ -74,24 +78,32 @@ struct Monitoring {
 impl Monitoring {
     fn on(dir: &proxy_user::pins::PinDir) -> Result<Self> {
         let rw = proxy_user::pins::Access::ReadWrite;
-        let mut ctl: Array<MapData, MonitorCtl> = dir.typed(map_names::MONITOR, rw)?;
+        let ctl: Array<MapData, MonitorCtl> = dir.typed(map_names::MONITOR, rw)?;
         let ring: RingBuf<MapData> = dir.typed(map_names::EVENTS, rw)?;
-        ctl.set(
-            0,
+        let mut m = Self {
+            ctl,
+            ring,
+            events: 0,
+        };
+        m.set(true)?;
+        Ok(m)
+    }
+
+    /// A lease (every event type, a rate no run here reaches) or none.
+    fn set(&mut self, on: bool) -> Result<()> {
+        let ctl = if on {
             MonitorCtl {
                 lease_until_ns: proxy_user::ctl::maps::monotonic_ns() + 3_600_000_000_000,
                 cost_ns: 1,
                 burst_ns: 1 << 40,
                 types: u32::from(event_kind::DROP | event_kind::TRANSLATE),
                 sample: 1,
-            },
-            0,
-        )?;
-        Ok(Self {
-            ctl,
-            ring,
-            events: 0,
-        })
+            }
+        } else {
+            MonitorCtl::default()
+        };
+        self.ctl.set(0, ctl, 0)?;
+        Ok(())
     }
 
     fn drain(&mut self) {
@@ -360,6 +372,44 @@ fn main() -> Result<()> {
                 pass,
                 &format!("median of {calls} calls, the same flow, no event"),
             );
+            // New flows with reporting off and on in turn, call by call (the lease
+            // written between calls, outside the measured runs): the cost of an event
+            // without the drift of a busy machine between two separate series.
+            let (mut off, mut on) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
+            let base = base + calls;
+            for i in 0..calls {
+                for (lease, v, port) in [
+                    (false, &mut off, base + 2 * i),
+                    (true, &mut on, base + 2 * i + 1),
+                ] {
+                    mon.set(lease)?;
+                    let p = Pkt::udp(&format!("198.51.100.7:{port}"), "10.96.0.10:53");
+                    let (t0, _) = run_stats(&ebpf, prog)?;
+                    let r = progrun::run_classifier(&ebpf, prog, &p.build(), 1)?;
+                    let (t1, _) = run_stats(&ebpf, prog)?;
+                    if r.verdict != pass {
+                        bail!("new flow {i} (in turn): verdict {}", r.verdict);
+                    }
+                    v.0.push(r.duration_ns);
+                    v.1.push(u32::try_from(t1 - t0).unwrap_or(u32::MAX));
+                }
+                mon.drain();
+            }
+            if mon.events != 2 * u64::from(calls) {
+                bail!(
+                    "{prog}: {} events for {calls} new flows in turn",
+                    mon.events
+                );
+            }
+            for (case, (ns, own)) in [
+                ("new flow, monitor off (in turn)", off),
+                ("new flow, monitor on (in turn)", on),
+            ] {
+                let how = format!(
+                    "median of {calls} calls, off and on alternating; program_ns: the median of each run's own run-time statistics"
+                );
+                record(case, median(ns), median(own), pass, &how);
+            }
             mon.off()?;
         }
         drop(writer);

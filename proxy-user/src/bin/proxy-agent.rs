@@ -121,6 +121,20 @@ struct RunArgs {
     /// `--metrics-bind-address`; `0.0.0.0:10249` to let Prometheus scrape it from outside.
     #[arg(long, env = "PROXY_METRICS_ADDR", default_value = "127.0.0.1:10249")]
     metrics_addr: SocketAddr,
+    /// Per-Service and per-backend counters in /metrics (connections and packets per
+    /// Service port and per backend): opt-in because of their cardinality. Off, the
+    /// datapath counts nothing more (one branch on `COUNTERS_ON`).
+    #[arg(long, env = "PROXY_METRICS_PER_SERVICE")]
+    metrics_per_service: bool,
+    /// The most series `--metrics-per-service` adds to /metrics (two per Service port,
+    /// then two per backend, lowest ids first); the rest are left out and counted in
+    /// `ebpf_proxy_per_service_series_dropped`.
+    #[arg(
+        long,
+        env = "PROXY_METRICS_PER_SERVICE_MAX_SERIES",
+        default_value_t = 60_000
+    )]
+    metrics_per_service_max_series: usize,
     /// Address for /healthz and /livez (every address: load balancers probe it).
     #[arg(long, env = "PROXY_HEALTHZ_ADDR", default_value = "0.0.0.0:10256")]
     healthz_addr: SocketAddr,
@@ -448,6 +462,9 @@ fn main() -> Result<()> {
                 pin_path: args.pin_path,
                 proxy_name: args.service_proxy_name,
                 metrics_addr: args.metrics_addr,
+                metrics_per_service: args
+                    .metrics_per_service
+                    .then_some(args.metrics_per_service_max_series),
                 healthz_addr: args.healthz_addr,
                 min_sync_interval: args.min_sync_interval,
                 sync_interval: args.sync_interval,

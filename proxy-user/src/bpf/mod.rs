@@ -25,7 +25,8 @@ use crate::{
 
 mod store;
 
-use store::{ignore_missing, map_err};
+pub(crate) use store::ignore_missing;
+use store::map_err;
 
 /// Opening the pinned maps failed (see [`crate::pins::PinError`]).
 pub type OpenError = crate::pins::PinError;
@@ -76,6 +77,9 @@ pub struct BpfMaps {
     stats: PerCpuArray<MapData, u64>,
     maglev: Pair<MaglevKey, MaglevChunk>,
     backend_gen: Array<MapData, u32>,
+    /// `SVC_COUNTERS`/`BACKEND_COUNTERS` (`--metrics-per-service`): an id's entry is
+    /// deleted whenever the id is assigned or freed. `None`: pins without them.
+    counters: Option<crate::counters::CounterMaps>,
     ncpus: usize,
 }
 
@@ -105,6 +109,7 @@ impl BpfMaps {
             stats: pins.typed(names::STATS, rw)?,
             maglev: open_pair(&pins, names::MAGLEV)?,
             backend_gen: pins.typed(names::BACKEND_GEN, rw)?,
+            counters: crate::counters::CounterMaps::open(&pins)?,
             ncpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
             pins,
         };
@@ -167,6 +172,18 @@ impl BpfMaps {
         Ok(out)
     }
 
+    /// Deletes the per-Service or per-backend counters of `ids` (assigned or freed).
+    fn reset_counters(
+        &mut self,
+        kind: crate::counters::CounterKind,
+        ids: &[u32],
+    ) -> Result<(), StoreError> {
+        match &mut self.counters {
+            Some(c) => c.reset(kind, ids),
+            None => Ok(()),
+        }
+    }
+
     /// The ids of `ids` that have per-backend counters.
     fn conns_present(&self, ids: &[u32]) -> Result<Vec<u32>, StoreError> {
         let present: HashSet<u32> = self.backend_conns()?.into_keys().collect();
@@ -180,6 +197,7 @@ impl BpfMaps {
     /// Deletes the per-backend counters of `ids` (a fresh id starts with fresh counters;
     /// a deleted backend leaves none behind).
     fn clear_conns(&mut self, ids: &[u32]) -> Result<(), StoreError> {
+        self.reset_counters(crate::counters::CounterKind::Backend, ids)?;
         let present = self.conns_present(ids)?;
         if batch::delete(self.backend_conns_fd.as_fd(), &present).is_err() {
             for id in &present {

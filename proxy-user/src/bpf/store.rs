@@ -10,6 +10,7 @@ use super::{BpfMaps, FamilyMaps};
 use crate::{
     batch,
     codec::{self, FamilyAbi, SvcKey},
+    counters::CounterKind,
     model::{Backend, Family, Frontend, Proto},
     store::{BatchFailed, Dump, FrontendValue, Group, MapKind, MapStore, Op, StoreError},
 };
@@ -28,7 +29,7 @@ pub(super) fn map_err(map: &'static str) -> impl Fn(MapError) -> StoreError {
 }
 
 /// Deleting an absent key is fine (idempotent cleanup).
-pub(super) fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
+pub(crate) fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
     match r {
         Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => Ok(()),
         Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
@@ -327,13 +328,22 @@ impl MapStore for BpfMaps {
                 // A fresh id starts with fresh counters.
                 ignore_missing(self.backend_conns.remove(id))
                     .map_err(map_err(names::BACKEND_CONNS))?;
+                self.reset_counters(CounterKind::Backend, &[*id])?;
                 self.apply_family(op)
             }
             Op::DelBackend { id, .. } => {
                 self.apply_family(op)?;
                 // After the delete: flows on this backend are checked on their next packet.
                 self.bump_backend_gen()?;
+                self.reset_counters(CounterKind::Backend, &[*id])?;
                 ignore_missing(self.backend_conns.remove(id)).map_err(map_err(names::BACKEND_CONNS))
+            }
+            // A service id's reverse-NAT entry is written when the id is assigned (or the
+            // frontend passes to another Service) and deleted when it is freed: its
+            // per-Service counters start from zero at each.
+            Op::PutRevNat { service_id, .. } | Op::DelRevNat { service_id, .. } => {
+                self.reset_counters(CounterKind::Service, &[*service_id])?;
+                self.apply_family(op)
             }
             Op::PutNodeConfig { snat } => self
                 .node_config
@@ -385,6 +395,19 @@ impl MapStore for BpfMaps {
             applied: 0,
             error: std::io::Error::other(e.to_string()),
         };
+        if g.map == MapKind::RevNat {
+            let ids: Vec<u32> = ops
+                .iter()
+                .filter_map(|op| match op {
+                    Op::PutRevNat { service_id, .. } | Op::DelRevNat { service_id, .. } => {
+                        Some(*service_id)
+                    }
+                    _ => None,
+                })
+                .collect();
+            self.reset_counters(CounterKind::Service, &ids)
+                .map_err(fail)?;
+        }
         let backends = g.map == MapKind::Backend;
         let ids = if backends {
             backend_ids(ops)

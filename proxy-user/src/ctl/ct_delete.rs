@@ -82,7 +82,23 @@ pub fn run(pins: &PinDir, s: &Snapshot, a: &DeleteArgs) -> Result<DeleteDoc> {
                 .into(),
         ));
     }
-    let access = if a.yes {
+    let found = delete_where(pins, a.yes, |e| selects(a, e))?;
+    Ok(DeleteDoc {
+        schema: SCHEMA,
+        deleted: a.yes,
+        flows: found.iter().flatten().map(|e| flow_view(s, e)).collect(),
+    })
+}
+
+/// The entries of `CT4` and `CT6` (in that order) that `pick` selects, deleted too with
+/// `delete`: the one conntrack deletion path, of `proxyctl conntrack delete` and of the
+/// agent's own cleanup of stale UDP flows (`agent::ct_cleanup`).
+pub fn delete_where(
+    pins: &PinDir,
+    delete: bool,
+    pick: impl Fn(&CtEntry) -> bool,
+) -> Result<[Vec<CtEntry>; 2]> {
+    let access = if delete {
         Access::ReadWrite
     } else {
         Access::ReadOnly
@@ -105,46 +121,41 @@ pub fn run(pins: &PinDir, s: &Snapshot, a: &DeleteArgs) -> Result<DeleteDoc> {
             other => Error::Usage(other.to_string()),
         })
     };
-    let mut flows = Vec::new();
-    for name in [names::CT4, names::CT6] {
-        let mut map = open(name)?;
-        match &mut map {
-            MapOf::V4(m) => flows.extend(sweep(m, name, a, s, ct4_entry)?),
-            MapOf::V6(m) => flows.extend(sweep(m, name, a, s, ct6_entry)?),
-        }
+    let mut out = [Vec::new(), Vec::new()];
+    for (i, name) in [names::CT4, names::CT6].into_iter().enumerate() {
+        out[i] = match &mut open(name)? {
+            MapOf::V4(m) => sweep(m, name, delete, &pick, ct4_entry)?,
+            MapOf::V6(m) => sweep(m, name, delete, &pick, ct6_entry)?,
+        };
     }
-    Ok(DeleteDoc {
-        schema: SCHEMA,
-        deleted: a.yes,
-        flows,
-    })
+    Ok(out)
 }
 
-/// The entries of one conntrack table that `a` selects, as flows; deleted too with
-/// `--yes` (after the walk: a map is not changed under its own iteration).
+/// The entries of one conntrack table that `pick` selects; deleted too with `delete`
+/// (after the walk: a map is not changed under its own iteration).
 fn sweep<K: aya::Pod, V: aya::Pod>(
     m: &mut HashMap<MapData, K, V>,
     name: &'static str,
-    a: &DeleteArgs,
-    s: &Snapshot,
+    delete: bool,
+    pick: &impl Fn(&CtEntry) -> bool,
     entry: fn(&K, &V) -> CtEntry,
-) -> Result<Vec<FlowView>> {
+) -> Result<Vec<CtEntry>> {
     let mut hit = Vec::new();
     for item in m.iter() {
         let (k, v) = item.map_err(|source| Error::Read { map: name, source })?;
         let e = entry(&k, &v);
-        if selects(a, &e) {
+        if pick(&e) {
             hit.push((k, e));
         }
     }
-    let mut flows = Vec::with_capacity(hit.len());
+    let mut found = Vec::with_capacity(hit.len());
     for (k, e) in hit {
-        if a.yes {
+        if delete {
             delete_entry(m.remove(&k), name)?;
         }
-        flows.push(flow_view(s, &e));
+        found.push(e);
     }
-    Ok(flows)
+    Ok(found)
 }
 
 enum MapOf {
