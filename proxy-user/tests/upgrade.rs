@@ -1474,6 +1474,17 @@ fn ct_sizes(pins: &Path) -> (u32, u32) {
     )
 }
 
+/// `max_entries` of the pinned `CT4_PREV` and `CT6_PREV` (1 outside a resize).
+fn prev_sizes(pins: &Path) -> (u32, u32) {
+    let dir = proxy_user::pins::PinDir::new(pins);
+    (
+        dir.max_entries(map_names::CT4_PREV)
+            .expect("CT4_PREV pinned"),
+        dir.max_entries(map_names::CT6_PREV)
+            .expect("CT6_PREV pinned"),
+    )
+}
+
 /// Long-lived TCP flows through the NodePort (this many, each asking every 20 ms: the
 /// machine is 2 shared cores) while conntrack is grown online.
 const RESIZE_LONG_LIVED: usize = 100;
@@ -1566,23 +1577,12 @@ fn conntrack_grown_online_keeps_every_flow_and_its_backend() {
 /// A crash injected after each step of a resize (`EBPF_PROXY_MIGRATE_CRASH_AT`), the
 /// conntrack size doubled at each step from 1024 flows (the client loops fill the tables
 /// with a few thousand entries a step, so a shrink would be refused): the datapath left by the crash keeps serving (old or new programs, each
-/// with a complete map set), and the next start with the same size rolls back and redoes
-/// the resize (`staged`, `filled`) or finishes it (later steps): the tables have the new
-/// size, nothing staged is left, and no connection failed.
+/// with a complete map set: after the swap the new programs still find, in the replaced
+/// table kept as `CT*_PREV`, the flows no copy reached before the crash), and the next
+/// start with the same size rolls back and redoes the resize (`staged`, `filled`) or
+/// finishes it (later steps): the tables have the new size, the replaced ones are
+/// released, nothing staged is left, and no connection failed.
 fn crash_at_each_resize_step_then_restart() {
-    // Known to fail in about half the runs (issue #27, open): after a crash injected at
-    // `staged`, `swapped` or `recopied`, some NodePort TCP exchanges time out or are reset
-    // (the 1,024-flow table under the client loops, or the copy-to-swap gap, suspected).
-    // Reported as skipped with that reason, not counted as passed, until it is fixed; run
-    // it with EBPF_PROXY_RUN_KNOWN_FLAKY=1.
-    if std::env::var_os("EBPF_PROXY_RUN_KNOWN_FLAKY").is_none() {
-        support::skipped(
-            "upgrade::crash_at_each_resize_step_then_restart",
-            "known to fail in about half the runs (#27: a crash mid-resize loses NodePort TCP \
-             exchanges); EBPF_PROXY_RUN_KNOWN_FLAKY=1 runs it",
-        );
-        return;
-    }
     let env = TestEnv::outside_cgroup();
     let c = Cluster::ipv4("erc-");
     let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
@@ -1685,6 +1685,11 @@ fn crash_at_each_resize_step_then_restart() {
             ct_sizes(&env.pins.path),
             (next * 2, next * 2),
             "{step}: resized\n{log}"
+        );
+        assert_eq!(
+            prev_sizes(&env.pins.path),
+            (1, 1),
+            "{step}: the replaced tables released\n{log}"
         );
         assert_migrated(&env.pins.path, &[], &format!("{crash_log}\n{log}"));
         let progs = program_ids(&env, &c);
@@ -1860,13 +1865,21 @@ fn conntrack_grows_online_while_serving() {
     agent.wait_healthy();
     assert_eq!(ct_sizes(&env.pins.path), (4096, 4096), "starts small");
     let first_id = map_id(&env.pins.path, map_names::CT4);
-    // Every map but conntrack (and META, rewritten by each migration) is shared by the
-    // resizes: the agent's writer keeps writing the maps the programs read.
+    // Every map but conntrack (with the replaced tables kept during a resize, and META,
+    // rewritten by each migration) is shared by the resizes: the agent's writer keeps
+    // writing the maps the programs read.
     let others = |pins: &Path| {
         map_ids(pins)
             .into_iter()
             .filter(|(n, _)| {
-                ![map_names::CT4, map_names::CT6, map_names::META].contains(&n.as_str())
+                ![
+                    map_names::CT4,
+                    map_names::CT6,
+                    map_names::CT4_PREV,
+                    map_names::CT6_PREV,
+                    map_names::META,
+                ]
+                .contains(&n.as_str())
             })
             .collect::<Vec<_>>()
     };
@@ -2000,6 +2013,14 @@ fn conntrack_grows_online_while_serving() {
         "{metrics}"
     );
     assert_eq!(after, before, "the long-lived flows' conntrack entries");
+    // The replaced tables were readable by the new programs during each resize, then
+    // released: 1-entry maps again once it ended.
+    assert_eq!(prev_sizes(&env.pins.path), (1, 1), "{log}");
+    assert!(
+        log.contains("stays readable by the new programs")
+            && log.contains("the replaced conntrack tables are released"),
+        "{log}"
+    );
     assert_eq!(
         others(&env.pins.path),
         others_before,
