@@ -68,7 +68,7 @@ fn main() {
         cluster_ip_client(Path::new(&netns));
         return;
     }
-    let tests: [(&str, fn()); 9] = [
+    let tests: [(&str, fn()); 10] = [
         (
             "upgrade_from_previous_release_keeps_every_connection",
             upgrade_from_previous_release_keeps_every_connection,
@@ -104,6 +104,10 @@ fn main() {
         (
             "conntrack_grows_online_while_serving",
             conntrack_grows_online_while_serving,
+        ),
+        (
+            "conntrack_shrinks_online_when_long_under_its_low_water_mark",
+            conntrack_shrinks_online_when_long_under_its_low_water_mark,
         ),
     ];
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -1984,7 +1988,7 @@ fn conntrack_grows_online_while_serving() {
     }
     assert!(
         log.contains("conntrack tables grown online")
-            && !log.contains("growing the conntrack tables failed"),
+            && !log.contains("resizing the conntrack tables failed"),
         "{log}"
     );
     assert!(
@@ -2056,6 +2060,211 @@ fn conntrack_grows_online_while_serving() {
     assert!(
         slowest < Duration::from_secs(2),
         "/healthz stalled {slowest:?} (the resizes run off the runtime)"
+    );
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// `ebpf_proxy_map_memory_bytes` of `map` in a metrics text.
+fn map_memory(metrics: &str, map: &str) -> Option<f64> {
+    metric_value(
+        metrics,
+        &format!("ebpf_proxy_map_memory_bytes{{map=\"{map}\"}}"),
+    )
+}
+
+/// Conntrack starts at 1,024 flows per family (`--conntrack-start`), new TCP connections
+/// (each closed at once: two entries living 10 s after the FIN) grow it online, then the
+/// connections stop: once the entries have expired the live ones stay under the
+/// low-water mark (25 %) and, after 5 samples in a row (200 ms apart here; 30 samples of
+/// 10 s by default), the RUNNING agent halves the tables, step by step, back to the start
+/// size by the same staged migration (only live entries copied): the tables' memory
+/// (`ebpf_proxy_map_memory_bytes{map="CT4"}`) comes back down to what it was at the
+/// start, the shrinks are counted, and a long-lived flow opened before keeps its backend
+/// and its conntrack entries throughout.
+fn conntrack_shrinks_online_when_long_under_its_low_water_mark() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("ers-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[
+            (proxy_user::ctsize::CHECK_ENV, "200"),
+            (proxy_user::ctsize::SHRINK_AFTER_ENV, "5"),
+        ],
+        &["--conntrack-start", "1024", "--conntrack-max", "16384"],
+    );
+    agent.wait_healthy();
+    assert_eq!(ct_sizes(&env.pins.path), (2048, 2048), "starts small");
+    let start_memory = map_memory(&agent_metrics(&c), map_names::CT4).expect("CT4 memory");
+    // Long-lived flows (no other client loop: UDP entries would stay live 60 s), until
+    // one goes to the remote, SNATed pod; each answers again at the end, from its pod.
+    let mut long_lived = Vec::new();
+    {
+        let _g = c.ext.enter();
+        while long_lived.len() < 3
+            || (!long_lived.iter().any(|(_, p, _)| p == "pod3") && long_lived.len() < 40)
+        {
+            let addr = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
+            let mut s = TcpStream::connect_timeout(&addr, ATTEMPT_TIMEOUT).expect("long-lived");
+            s.set_read_timeout(Some(ATTEMPT_TIMEOUT)).expect("timeout");
+            s.write_all(b"hi\n").expect("write");
+            let mut reader = BufReader::new(s.try_clone().expect("clone"));
+            let mut line = String::new();
+            reader.read_line(&mut line).expect("first answer");
+            long_lived.push((s, pod_of(&line).expect("pod"), reader));
+        }
+    }
+    let ports: Vec<u16> = long_lived
+        .iter()
+        .map(|(s, _, _)| s.local_addr().expect("local address").port())
+        .collect();
+    // Each asks every 20 ms (a flow in use is not what the LRU evicts while the fill
+    // outruns the table).
+    let stop_flows = Arc::new(AtomicBool::new(false));
+    let flow_threads: Vec<_> = long_lived
+        .into_iter()
+        .map(|(mut s, pod, mut reader)| {
+            let stop = stop_flows.clone();
+            std::thread::spawn(move || {
+                let mut answers = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let mut line = String::new();
+                    match s
+                        .write_all(b"hi\n")
+                        .and_then(|()| reader.read_line(&mut line))
+                    {
+                        Ok(n) if n > 0 && line.starts_with(&pod) => answers += 1,
+                        Ok(_) => return Err(format!("flow to {pod}: answer {line:?}")),
+                        Err(e) => return Err(format!("flow to {pod}: {e}")),
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Ok((pod, answers))
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let before = flow_entries(&env.pins.path, &ports);
+    // New TCP connections until the tables have grown (x2 at least once).
+    let stop = Arc::new(AtomicBool::new(false));
+    let fill = Arc::new(Tally::default());
+    let fillers: Vec<_> = (0..2)
+        .map(|_| {
+            let (stop, fill, ext) = (stop.clone(), fill.clone(), c.ext.path());
+            std::thread::spawn(move || {
+                let _g = NetnsGuard::enter(&ext);
+                let addr = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
+                while !stop.load(Ordering::Relaxed) {
+                    fill.record("filler TCP", ask_tcp(addr));
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    while ct_sizes(&env.pins.path).0 < 8192 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "not grown in 60 s: {:?}\n{}",
+            ct_sizes(&env.pins.path),
+            agent.logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for f in fillers {
+        f.join().expect("filler");
+    }
+    let grown = ct_sizes(&env.pins.path).0;
+    // The gauge is set right after each resize (the pins are renamed first).
+    let t = Instant::now();
+    let grown_memory = loop {
+        let m = map_memory(&agent_metrics(&c), map_names::CT4).expect("CT4 memory");
+        if m > start_memory * 3.0 || t.elapsed() > Duration::from_secs(5) {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // The closed connections' entries expire after 10 s, then 5 samples under the mark
+    // per halving.
+    let started = Instant::now();
+    while ct_sizes(&env.pins.path).0 > 2048 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "not shrunk back in 60 s: {:?}\n{}",
+            ct_sizes(&env.pins.path),
+            agent.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let metrics = agent_metrics(&c);
+    let shrunk_memory = map_memory(&metrics, map_names::CT4).expect("CT4 memory");
+    let after = flow_entries(&env.pins.path, &ports);
+    stop_flows.store(true, Ordering::Relaxed);
+    let flows: Vec<Result<(String, u64), String>> = flow_threads
+        .into_iter()
+        .map(|t| t.join().expect("flow thread"))
+        .collect();
+    let answers = nodeport_spread(&c, 30);
+    let log = agent.stop();
+    eprintln!(
+        "conntrack 1024 -> {} -> 1024 flows: CT4 memory {start_memory} -> {grown_memory} -> {shrunk_memory} bytes; filler TCP {}/{} (ok/failed); long-lived {flows:?}",
+        grown / 2,
+        fill.counts().0,
+        fill.counts().1,
+    );
+    for l in log
+        .lines()
+        .filter(|l| l.contains("conntrack tables") || l.contains("low-water"))
+    {
+        eprintln!("  {l}");
+    }
+    assert!(
+        log.contains("conntrack long under its low-water mark: shrinking the tables online")
+            && log.contains("conntrack tables shrunk online")
+            && !log.contains("resizing the conntrack tables failed"),
+        "{log}"
+    );
+    let shrinks = metric_value(
+        &metrics,
+        "ebpf_proxy_map_resizes_total{map=\"CT4\",direction=\"shrink\"}",
+    );
+    assert!(
+        shrinks.is_some_and(|n| n >= 2.0),
+        "two halvings at least (8,192 -> 4,096 -> 2,048 entries): {shrinks:?}"
+    );
+    assert!(
+        grown_memory > start_memory * 3.0,
+        "grown: {start_memory} -> {grown_memory}"
+    );
+    assert_eq!(
+        shrunk_memory, start_memory,
+        "the memory after the shrink is the start size's"
+    );
+    assert_eq!(
+        prev_sizes(&env.pins.path),
+        (1, 1),
+        "replaced tables released"
+    );
+    assert_eq!(after, before, "the long-lived flows' conntrack entries");
+    let fill_errors = fill.errors.lock().expect("lock").clone();
+    assert!(
+        fill_errors.is_empty(),
+        "failed connections: {fill_errors:#?}\n{log}"
+    );
+    assert!(
+        flows.iter().all(|f| f.as_ref().is_ok_and(|(_, n)| *n > 0)),
+        "long-lived flows: {flows:?}"
+    );
+    assert_eq!(
+        answers.len(),
+        3,
+        "the NodePort answers from every pod: {answers:?}"
     );
     let _ = fs::remove_dir_all(&dir);
 }

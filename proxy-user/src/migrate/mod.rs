@@ -148,7 +148,14 @@ fn resizes(pins: &PinDir, sizes: &Sizes) -> Result<Vec<loader::MapResize>, LoadE
                 continue;
             }
             if wanted < pinned {
-                let used = copy::count_entries(pins, name).map_err(|source| LoadError::Io {
+                // Conntrack: its live flows (expired entries are not copied).
+                let is_ct = name == map_names::CT4 || name == map_names::CT6;
+                let used = if is_ct {
+                    crate::ctsize::live_entries(pins, name)
+                } else {
+                    copy::count_entries(pins, name)
+                };
+                let used = used.map_err(|source| LoadError::Io {
                     what: "counting the entries of",
                     path: pins.map_path(name),
                     source,

@@ -324,6 +324,7 @@ impl Migration {
             total.present += count.present;
             total.dropped += count.dropped;
             total.corrected += count.corrected;
+            total.expired += count.expired;
         }
         if !only_datapath {
             // Maps of the old layout that this one no longer has.
@@ -350,6 +351,7 @@ impl Migration {
             already_present = total.present,
             not_converted = total.dropped,
             conntrack_corrected = total.corrected,
+            conntrack_expired_not_copied = total.expired,
             pass = if only_datapath {
                 "datapath-written"
             } else {
