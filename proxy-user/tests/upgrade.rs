@@ -1478,6 +1478,45 @@ fn ct_sizes(pins: &Path) -> (u32, u32) {
     )
 }
 
+/// A veth made in node-a now (its host side matches `--pod-interfaces auto`'s `veth*`):
+/// once the agent has attached TC to it, the map ids of its ingress program.
+fn pod_interface_ct_map(c: &Cluster) -> Vec<u32> {
+    let status = Command::new("nsenter")
+        .arg(format!("--net={}", c.node_a.path().display()))
+        .args([
+            "--", "ip", "link", "add", "vethrsz0", "type", "veth", "peer", "name", "rszpeer0",
+        ])
+        .status()
+        .expect("ip link add");
+    assert!(status.success(), "ip link add: {status}");
+    for dev in ["vethrsz0", "rszpeer0"] {
+        let up = Command::new("nsenter")
+            .arg(format!("--net={}", c.node_a.path().display()))
+            .args(["--", "ip", "link", "set", dev, "up"])
+            .status()
+            .expect("ip link set up");
+        assert!(up.success(), "ip link set {dev} up: {up}");
+    }
+    let t = Instant::now();
+    let prog = loop {
+        if let Some(id) = tcx_programs(&c.node_a, "vethrsz0", true).first() {
+            break *id;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "TC never attached to the pod interface"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    aya::programs::loaded_programs()
+        .flatten()
+        .find(|p| p.id() == prog)
+        .expect("the pod interface's program")
+        .map_ids()
+        .expect("map ids")
+        .unwrap_or_default()
+}
+
 /// `max_entries` of the pinned `CT4_PREV` and `CT6_PREV` (1 outside a resize).
 fn prev_sizes(pins: &Path) -> (u32, u32) {
     let dir = proxy_user::pins::PinDir::new(pins);
@@ -1954,6 +1993,10 @@ fn conntrack_grows_online_while_serving() {
             }
         }
     };
+    // A pod interface that appears after the resizes gets programs of the grown tables
+    // (the agent's pod-interface programs were loaded against the first ones).
+    let pod_ct = pod_interface_ct_map(&c);
+    let ct_now = map_id(&env.pins.path, map_names::CT4);
     // The long-lived flows' entries, carried into the grown tables unchanged.
     let after = flow_entries(&env.pins.path, &ext.ports);
     let metrics = agent_metrics(&c);
@@ -2017,6 +2060,11 @@ fn conntrack_grows_online_while_serving() {
         "{metrics}"
     );
     assert_eq!(after, before, "the long-lived flows' conntrack entries");
+    assert!(
+        pod_ct.contains(&ct_now) && !pod_ct.contains(&first_id),
+        "a pod interface attached after the resizes uses CT4 {ct_now}, not {first_id}: its \
+         programs' maps {pod_ct:?}"
+    );
     // The replaced tables were readable by the new programs during each resize, then
     // released: 1-entry maps again once it ended.
     assert_eq!(prev_sizes(&env.pins.path), (1, 1), "{log}");
