@@ -1701,15 +1701,13 @@ fn crash_at_each_resize_step_then_restart() {
             "resize {size} -> {next}, crash at {step}: NodePort TCP {}/{} UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed)",
             tcp.0, tcp.1, udp.0, udp.1, cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3]
         );
-        // Half-swapped TC hooks (`swap-first`) use two conntrack tables (the old size's
-        // and the new one's): a flow opened in that state while no agent runs may fail
-        // (as with a changed conntrack layout in crash_at_each_migration_step_then_restart:
-        // documented in docs/ARCHITECTURE.md); shown, not asserted, for that step only.
-        if step == "swap-first" {
-            eprintln!("{step}: half-swapped TC with two conntrack tables: {errors:?}");
-        }
+        // Half-swapped TC hooks (`swap-first`: the first hook swapped, `ext0`'s egress)
+        // use two conntrack tables, the old size's and the new one's; the swapped hook's
+        // program finds the flows the others open in the replaced table (`CT4_PREV`), so
+        // nothing fails in that state either (without that fallback, about 120 of its
+        // NodePort UDP exchanges failed).
         assert!(
-            (errors.is_empty() || step == "swap-first") && cip_failures(&cip_errors).is_empty(),
+            errors.is_empty() && cip_failures(&cip_errors).is_empty(),
             "{step}: failed connections: {errors:#?}\n{cip_errors}\n--- crashed ---\n{crash_log}\n--- restarted ---\n{log}"
         );
         for f in &flows {
