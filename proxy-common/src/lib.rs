@@ -72,6 +72,12 @@ pub mod map_names {
     pub const CT4: &str = "CT4";
     /// TC connection tracking, IPv6 (LRU).
     pub const CT6: &str = "CT6";
+    /// The conntrack table a resize replaces, IPv4: looked up on a `CT4` miss by the
+    /// programs of a resize until every entry is in the new table; a 1-entry empty map
+    /// otherwise.
+    pub const CT4_PREV: &str = "CT4_PREV";
+    /// The conntrack table a resize replaces, IPv6 (see `CT4_PREV`).
+    pub const CT6_PREV: &str = "CT6_PREV";
     /// The node's own IPv4 addresses (NodePort frontends answer on them).
     pub const NODE_ADDRS4: &str = "NODE_ADDRS4";
     /// The node's own IPv6 addresses.
@@ -128,7 +134,7 @@ pub mod map_names {
     pub const SOCK_LB_BYPASS: &str = "SOCK_LB_BYPASS";
 
     /// Every pinned map.
-    pub const ALL: [&str; 37] = [
+    pub const ALL: [&str; 39] = [
         SVC4,
         SVC6,
         BACKEND4,
@@ -142,6 +148,8 @@ pub mod map_names {
         META,
         CT4,
         CT6,
+        CT4_PREV,
+        CT6_PREV,
         NODE_ADDRS4,
         NODE_ADDRS6,
         NODE_CONFIG,

@@ -5,7 +5,7 @@
 
 use aya_ebpf::{
     bindings::{
-        bpf_map_type::BPF_MAP_TYPE_SK_STORAGE, bpf_sock, BPF_F_NO_PREALLOC,
+        bpf_map_type::BPF_MAP_TYPE_SK_STORAGE, bpf_sock, BPF_F_NO_PREALLOC, BPF_NOEXIST,
         BPF_SK_STORAGE_GET_F_CREATE,
     },
     helpers::generated::bpf_sk_storage_get,
@@ -175,6 +175,75 @@ pub static CT4: LruHashMap<Ct4Key, Ct4Value> = LruHashMap::pinned(MAX_CT, 0);
 /// TC connection tracking, IPv6.
 #[map]
 pub static CT6: LruHashMap<Ct6Key, Ct6Value> = LruHashMap::pinned(MAX_CT, 0);
+
+/// The conntrack table a resize replaces, IPv4 (`CT4`'s previous map object): while the
+/// programs of a resize run (loaded with [`CT_FALLBACK`] set), a `CT4` miss is looked up
+/// here and the entry found is moved into `CT4` ([`ct4_get`]), so a flow the old programs
+/// opened after the last copy keeps its translation across the program swap. The
+/// migration pins the old `CT4` here; once its entries are all in `CT4` the programs are
+/// swapped again to ones loaded without the fallback, and this is a 1-entry empty map.
+#[map]
+pub static CT4_PREV: LruHashMap<Ct4Key, Ct4Value> = LruHashMap::pinned(1, 0);
+
+/// The conntrack table a resize replaces, IPv6 (see [`CT4_PREV`]).
+#[map]
+pub static CT6_PREV: LruHashMap<Ct6Key, Ct6Value> = LruHashMap::pinned(1, 0);
+
+/// Set (to 1) by the loader for the programs of a conntrack resize only (a read-only
+/// global: the verifier prunes the fallback from every other load).
+#[unsafe(no_mangle)]
+static CT_FALLBACK: u8 = 0;
+
+/// Whether this load's programs look a `CT4`/`CT6` miss up in `CT4_PREV`/`CT6_PREV`.
+#[inline(always)]
+fn ct_fallback() -> bool {
+    // SAFETY: a read of a global the loader may have set (volatile: not folded at build).
+    unsafe { core::ptr::read_volatile(&raw const CT_FALLBACK) != 0 }
+}
+
+/// The `CT4` entry of `k`; during a resize also an entry of the previous table, moved
+/// into `CT4` first (insert-if-absent: another CPU may have moved it meanwhile).
+#[inline(always)]
+pub fn ct4_get(k: &Ct4Key) -> Option<*mut Ct4Value> {
+    if let Some(v) = CT4.get_ptr_mut(k) {
+        return Some(v);
+    }
+    if !ct_fallback() {
+        return None;
+    }
+    ct4_from_prev(k)
+}
+
+/// [`ct4_get`]'s fallback (inlined: no frame added to the stack chains; it needs no stack
+/// of its own, the value found is handed to the update helper as it is).
+#[inline(always)]
+fn ct4_from_prev(k: &Ct4Key) -> Option<*mut Ct4Value> {
+    let old = CT4_PREV.get_ptr(k)?;
+    // SAFETY: a live map value, handed to the update helper as the value to copy.
+    let _ = CT4.insert(k, unsafe { &*old }, u64::from(BPF_NOEXIST));
+    CT4.get_ptr_mut(k)
+}
+
+/// The IPv6 counterpart of [`ct4_get`].
+#[inline(always)]
+pub fn ct6_get(k: &Ct6Key) -> Option<*mut Ct6Value> {
+    if let Some(v) = CT6.get_ptr_mut(k) {
+        return Some(v);
+    }
+    if !ct_fallback() {
+        return None;
+    }
+    ct6_from_prev(k)
+}
+
+/// [`ct6_get`]'s fallback (inlined, as [`ct4_from_prev`]).
+#[inline(always)]
+fn ct6_from_prev(k: &Ct6Key) -> Option<*mut Ct6Value> {
+    let old = CT6_PREV.get_ptr(k)?;
+    // SAFETY: as in `ct4_from_prev`.
+    let _ = CT6.insert(k, unsafe { &*old }, u64::from(BPF_NOEXIST));
+    CT6.get_ptr_mut(k)
+}
 
 /// The node's IPv4 addresses: NodePort frontends answer on these.
 #[map]

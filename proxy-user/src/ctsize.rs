@@ -16,6 +16,11 @@
 //! loop never wait for them. The tables are LRU: between two checks a burst beyond the
 //! size evicts the least recently used flows (new flows are never refused), as before.
 //!
+//! When the fullest table's live entries stay under [`LOW_WATER_PERCENT`] of its size for
+//! [`SHRINK_AFTER_SAMPLES`] samples in a row (five minutes), both are halved, never below
+//! the start size, by the same migration (only live entries are copied; a shrink is
+//! refused, size kept, while the live entries would not fit).
+//!
 //! Nothing in the agent keeps a conntrack map open: the writer holds the service maps
 //! (shared, not copied, by a conntrack resize), and map memory, this sampler and
 //! `proxyctl` open the pins afresh each time, so they follow the new tables.
@@ -65,8 +70,9 @@ pub fn projected(live: u64, previous: u64) -> u64 {
 }
 
 /// How many sampling intervals ahead the growth is projected: the next sample, plus the
-/// time the resize itself takes (well under an interval: 0.5-0.7 s measured for 4,096
-/// entries on a loaded 2-core machine, most of it loading the programs).
+/// time the resize itself takes (well under an interval: 0.6-0.9 s measured for 4,096 to
+/// 16,384 entries on a loaded 2-core machine, most of it loading the programs twice: with
+/// the fallback to the replaced table, then without).
 pub const AHEAD: u64 = 2;
 
 /// The size in entries a table of `entries` grows to, below the ceiling `ceiling`
@@ -77,6 +83,38 @@ pub fn grown(entries: u32, expected: u64, ceiling: u32) -> Option<u32> {
         return None;
     }
     Some(entries.saturating_mul(2).min(ceiling))
+}
+
+/// A table whose live entries stay under this share of its size for
+/// [`SHRINK_AFTER_SAMPLES`] samples in a row is halved (toward the start size). Halved,
+/// it is under twice that share (50 %), below [`HIGH_WATER_PERCENT`]: no grow-shrink
+/// oscillation.
+pub const LOW_WATER_PERCENT: u64 = 25;
+/// Samples in a row under [`LOW_WATER_PERCENT`] before a shrink: 30, five minutes at the
+/// default [`CHECK_INTERVAL`].
+pub const SHRINK_AFTER_SAMPLES: u32 = 30;
+/// Test hook: [`SHRINK_AFTER_SAMPLES`] replaced by this count.
+pub const SHRINK_AFTER_ENV: &str = "EBPF_PROXY_CONNTRACK_SHRINK_AFTER";
+
+/// Samples under the low-water mark before a shrink: [`SHRINK_AFTER_ENV`] when set (a
+/// test), else [`SHRINK_AFTER_SAMPLES`].
+pub fn shrink_after() -> u32 {
+    std::env::var(SHRINK_AFTER_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(SHRINK_AFTER_SAMPLES)
+}
+
+/// Whether a table of `entries` with `live` live entries is under the low-water mark and
+/// above `floor` (the start size, entries): it may shrink.
+pub fn under_low_water(entries: u32, live: u64, floor: u32) -> bool {
+    entries > floor && live * 100 < u64::from(entries) * LOW_WATER_PERCENT
+}
+
+/// The size a table of `entries` shrinks to: half, at least `floor`.
+pub fn shrunk(entries: u32, floor: u32) -> u32 {
+    (entries / 2).max(floor)
 }
 
 /// One sample of both tables.
@@ -116,6 +154,50 @@ pub fn sample(pins: &PinDir) -> io::Result<Option<Occupancy>> {
     }))
 }
 
+/// Live entries of the conntrack table `name` (`CT4` or `CT6`) of `pins` (0 when not
+/// pinned): what a shrink must hold.
+pub fn live_entries(pins: &PinDir, name: &str) -> io::Result<u64> {
+    let now = crate::ctl::maps::monotonic_ns();
+    let (_, live) = if name == map_names::CT6 {
+        count::<Ct6Key, Ct6Value>(pins, name, now, |k, v| (k.proto, v.flags, v.last_seen))?
+    } else {
+        count::<Ct4Key, Ct4Value>(pins, name, now, |k, v| (k.proto, v.flags, v.last_seen))?
+    };
+    Ok(live)
+}
+
+/// Whether the conntrack entry `key`, `value` (bytes of `CT4` or `CT6`, by their sizes)
+/// has expired at `now` (monotonic ns), as the datapath judges it: such an entry is not
+/// carried into a resized table (the datapath treats it as absent). `false` for bytes of
+/// another layout.
+pub fn expired_entry(key: &[u8], value: &[u8], now: u64) -> bool {
+    use std::mem::size_of;
+    fn state<K: Pod, V: Pod>(
+        key: &[u8],
+        value: &[u8],
+        f: impl Fn(&K, &V) -> (u8, u32, u64),
+    ) -> (u8, u32, u64) {
+        // SAFETY: `K`, `V: Pod`; the lengths were checked by the caller.
+        let (k, v): (K, V) = unsafe {
+            (
+                std::ptr::read_unaligned(key.as_ptr().cast()),
+                std::ptr::read_unaligned(value.as_ptr().cast()),
+            )
+        };
+        f(&k, &v)
+    }
+    let (proto, flags, last_seen) = match (key.len(), value.len()) {
+        (k, v) if k == size_of::<Ct4Key>() && v == size_of::<Ct4Value>() => {
+            state::<Ct4Key, Ct4Value>(key, value, |k, v| (k.proto, v.flags, v.last_seen))
+        }
+        (k, v) if k == size_of::<Ct6Key>() && v == size_of::<Ct6Value>() => {
+            state::<Ct6Key, Ct6Value>(key, value, |k, v| (k.proto, v.flags, v.last_seen))
+        }
+        _ => return false,
+    };
+    now.saturating_sub(last_seen) > ct_timeouts::idle(proto, flags)
+}
+
 /// (entries, live entries) of one table, by batch lookups into fixed buffers.
 fn count<K: Pod, V: Pod>(
     pins: &PinDir,
@@ -150,6 +232,19 @@ fn count<K: Pod, V: Pod>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shrinks_by_half_under_the_low_water_mark_never_below_the_start() {
+        assert!(under_low_water(8192, 2047, 4096));
+        assert!(!under_low_water(8192, 2048, 4096), "25 % is not under");
+        assert!(!under_low_water(4096, 0, 4096), "at the start size");
+        assert_eq!(shrunk(8192, 4096), 4096);
+        assert_eq!(shrunk(8192, 2048), 4096, "halved, not to the floor at once");
+        assert_eq!(shrunk(6144, 4096), 4096);
+        // Halved, a table just under the low-water mark stays under the high-water one.
+        let (entries, live) = (8192u32, 2047u64);
+        assert_eq!(grown(shrunk(entries, 4096), live, 1 << 20), None);
+    }
 
     #[test]
     fn start_size_is_the_pinned_one_within_start_and_ceiling() {

@@ -68,7 +68,7 @@ fn main() {
         cluster_ip_client(Path::new(&netns));
         return;
     }
-    let tests: [(&str, fn()); 9] = [
+    let tests: [(&str, fn()); 10] = [
         (
             "upgrade_from_previous_release_keeps_every_connection",
             upgrade_from_previous_release_keeps_every_connection,
@@ -104,6 +104,10 @@ fn main() {
         (
             "conntrack_grows_online_while_serving",
             conntrack_grows_online_while_serving,
+        ),
+        (
+            "conntrack_shrinks_online_when_long_under_its_low_water_mark",
+            conntrack_shrinks_online_when_long_under_its_low_water_mark,
         ),
     ];
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -1474,6 +1478,56 @@ fn ct_sizes(pins: &Path) -> (u32, u32) {
     )
 }
 
+/// A veth made in node-a now (its host side matches `--pod-interfaces auto`'s `veth*`):
+/// once the agent has attached TC to it, the map ids of its ingress program.
+fn pod_interface_ct_map(c: &Cluster) -> Vec<u32> {
+    let status = Command::new("nsenter")
+        .arg(format!("--net={}", c.node_a.path().display()))
+        .args([
+            "--", "ip", "link", "add", "vethrsz0", "type", "veth", "peer", "name", "rszpeer0",
+        ])
+        .status()
+        .expect("ip link add");
+    assert!(status.success(), "ip link add: {status}");
+    for dev in ["vethrsz0", "rszpeer0"] {
+        let up = Command::new("nsenter")
+            .arg(format!("--net={}", c.node_a.path().display()))
+            .args(["--", "ip", "link", "set", dev, "up"])
+            .status()
+            .expect("ip link set up");
+        assert!(up.success(), "ip link set {dev} up: {up}");
+    }
+    let t = Instant::now();
+    let prog = loop {
+        if let Some(id) = tcx_programs(&c.node_a, "vethrsz0", true).first() {
+            break *id;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "TC never attached to the pod interface"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    aya::programs::loaded_programs()
+        .flatten()
+        .find(|p| p.id() == prog)
+        .expect("the pod interface's program")
+        .map_ids()
+        .expect("map ids")
+        .unwrap_or_default()
+}
+
+/// `max_entries` of the pinned `CT4_PREV` and `CT6_PREV` (1 outside a resize).
+fn prev_sizes(pins: &Path) -> (u32, u32) {
+    let dir = proxy_user::pins::PinDir::new(pins);
+    (
+        dir.max_entries(map_names::CT4_PREV)
+            .expect("CT4_PREV pinned"),
+        dir.max_entries(map_names::CT6_PREV)
+            .expect("CT6_PREV pinned"),
+    )
+}
+
 /// Long-lived TCP flows through the NodePort (this many, each asking every 20 ms: the
 /// machine is 2 shared cores) while conntrack is grown online.
 const RESIZE_LONG_LIVED: usize = 100;
@@ -1566,23 +1620,12 @@ fn conntrack_grown_online_keeps_every_flow_and_its_backend() {
 /// A crash injected after each step of a resize (`EBPF_PROXY_MIGRATE_CRASH_AT`), the
 /// conntrack size doubled at each step from 1024 flows (the client loops fill the tables
 /// with a few thousand entries a step, so a shrink would be refused): the datapath left by the crash keeps serving (old or new programs, each
-/// with a complete map set), and the next start with the same size rolls back and redoes
-/// the resize (`staged`, `filled`) or finishes it (later steps): the tables have the new
-/// size, nothing staged is left, and no connection failed.
+/// with a complete map set: after the swap the new programs still find, in the replaced
+/// table kept as `CT*_PREV`, the flows no copy reached before the crash), and the next
+/// start with the same size rolls back and redoes the resize (`staged`, `filled`) or
+/// finishes it (later steps): the tables have the new size, the replaced ones are
+/// released, nothing staged is left, and no connection failed.
 fn crash_at_each_resize_step_then_restart() {
-    // Known to fail in about half the runs (issue #27, open): after a crash injected at
-    // `staged`, `swapped` or `recopied`, some NodePort TCP exchanges time out or are reset
-    // (the 1,024-flow table under the client loops, or the copy-to-swap gap, suspected).
-    // Reported as skipped with that reason, not counted as passed, until it is fixed; run
-    // it with EBPF_PROXY_RUN_KNOWN_FLAKY=1.
-    if std::env::var_os("EBPF_PROXY_RUN_KNOWN_FLAKY").is_none() {
-        support::skipped(
-            "upgrade::crash_at_each_resize_step_then_restart",
-            "known to fail in about half the runs (#27: a crash mid-resize loses NodePort TCP \
-             exchanges); EBPF_PROXY_RUN_KNOWN_FLAKY=1 runs it",
-        );
-        return;
-    }
     let env = TestEnv::outside_cgroup();
     let c = Cluster::ipv4("erc-");
     let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
@@ -1658,15 +1701,13 @@ fn crash_at_each_resize_step_then_restart() {
             "resize {size} -> {next}, crash at {step}: NodePort TCP {}/{} UDP {}/{} ClusterIP TCP {}/{} UDP {}/{} (ok/failed)",
             tcp.0, tcp.1, udp.0, udp.1, cip_counts[0], cip_counts[1], cip_counts[2], cip_counts[3]
         );
-        // Half-swapped TC hooks (`swap-first`) use two conntrack tables (the old size's
-        // and the new one's): a flow opened in that state while no agent runs may fail
-        // (as with a changed conntrack layout in crash_at_each_migration_step_then_restart:
-        // documented in docs/ARCHITECTURE.md); shown, not asserted, for that step only.
-        if step == "swap-first" {
-            eprintln!("{step}: half-swapped TC with two conntrack tables: {errors:?}");
-        }
+        // Half-swapped TC hooks (`swap-first`: the first hook swapped, `ext0`'s egress)
+        // use two conntrack tables, the old size's and the new one's; the swapped hook's
+        // program finds the flows the others open in the replaced table (`CT4_PREV`), so
+        // nothing fails in that state either (without that fallback, about 120 of its
+        // NodePort UDP exchanges failed).
         assert!(
-            (errors.is_empty() || step == "swap-first") && cip_failures(&cip_errors).is_empty(),
+            errors.is_empty() && cip_failures(&cip_errors).is_empty(),
             "{step}: failed connections: {errors:#?}\n{cip_errors}\n--- crashed ---\n{crash_log}\n--- restarted ---\n{log}"
         );
         for f in &flows {
@@ -1685,6 +1726,11 @@ fn crash_at_each_resize_step_then_restart() {
             ct_sizes(&env.pins.path),
             (next * 2, next * 2),
             "{step}: resized\n{log}"
+        );
+        assert_eq!(
+            prev_sizes(&env.pins.path),
+            (1, 1),
+            "{step}: the replaced tables released\n{log}"
         );
         assert_migrated(&env.pins.path, &[], &format!("{crash_log}\n{log}"));
         let progs = program_ids(&env, &c);
@@ -1860,13 +1906,21 @@ fn conntrack_grows_online_while_serving() {
     agent.wait_healthy();
     assert_eq!(ct_sizes(&env.pins.path), (4096, 4096), "starts small");
     let first_id = map_id(&env.pins.path, map_names::CT4);
-    // Every map but conntrack (and META, rewritten by each migration) is shared by the
-    // resizes: the agent's writer keeps writing the maps the programs read.
+    // Every map but conntrack (with the replaced tables kept during a resize, and META,
+    // rewritten by each migration) is shared by the resizes: the agent's writer keeps
+    // writing the maps the programs read.
     let others = |pins: &Path| {
         map_ids(pins)
             .into_iter()
             .filter(|(n, _)| {
-                ![map_names::CT4, map_names::CT6, map_names::META].contains(&n.as_str())
+                ![
+                    map_names::CT4,
+                    map_names::CT6,
+                    map_names::CT4_PREV,
+                    map_names::CT6_PREV,
+                    map_names::META,
+                ]
+                .contains(&n.as_str())
             })
             .collect::<Vec<_>>()
     };
@@ -1937,6 +1991,10 @@ fn conntrack_grows_online_while_serving() {
             }
         }
     };
+    // A pod interface that appears after the resizes gets programs of the grown tables
+    // (the agent's pod-interface programs were loaded against the first ones).
+    let pod_ct = pod_interface_ct_map(&c);
+    let ct_now = map_id(&env.pins.path, map_names::CT4);
     // The long-lived flows' entries, carried into the grown tables unchanged.
     let after = flow_entries(&env.pins.path, &ext.ports);
     let metrics = agent_metrics(&c);
@@ -1971,7 +2029,7 @@ fn conntrack_grows_online_while_serving() {
     }
     assert!(
         log.contains("conntrack tables grown online")
-            && !log.contains("growing the conntrack tables failed"),
+            && !log.contains("resizing the conntrack tables failed"),
         "{log}"
     );
     assert!(
@@ -2000,6 +2058,19 @@ fn conntrack_grows_online_while_serving() {
         "{metrics}"
     );
     assert_eq!(after, before, "the long-lived flows' conntrack entries");
+    assert!(
+        pod_ct.contains(&ct_now) && !pod_ct.contains(&first_id),
+        "a pod interface attached after the resizes uses CT4 {ct_now}, not {first_id}: its \
+         programs' maps {pod_ct:?}"
+    );
+    // The replaced tables were readable by the new programs during each resize, then
+    // released: 1-entry maps again once it ended.
+    assert_eq!(prev_sizes(&env.pins.path), (1, 1), "{log}");
+    assert!(
+        log.contains("stays readable by the new programs")
+            && log.contains("the replaced conntrack tables are released"),
+        "{log}"
+    );
     assert_eq!(
         others(&env.pins.path),
         others_before,
@@ -2035,6 +2106,211 @@ fn conntrack_grows_online_while_serving() {
     assert!(
         slowest < Duration::from_secs(2),
         "/healthz stalled {slowest:?} (the resizes run off the runtime)"
+    );
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// `ebpf_proxy_map_memory_bytes` of `map` in a metrics text.
+fn map_memory(metrics: &str, map: &str) -> Option<f64> {
+    metric_value(
+        metrics,
+        &format!("ebpf_proxy_map_memory_bytes{{map=\"{map}\"}}"),
+    )
+}
+
+/// Conntrack starts at 1,024 flows per family (`--conntrack-start`), new TCP connections
+/// (each closed at once: two entries living 10 s after the FIN) grow it online, then the
+/// connections stop: once the entries have expired the live ones stay under the
+/// low-water mark (25 %) and, after 5 samples in a row (200 ms apart here; 30 samples of
+/// 10 s by default), the RUNNING agent halves the tables, step by step, back to the start
+/// size by the same staged migration (only live entries copied): the tables' memory
+/// (`ebpf_proxy_map_memory_bytes{map="CT4"}`) comes back down to what it was at the
+/// start, the shrinks are counted, and a long-lived flow opened before keeps its backend
+/// and its conntrack entries throughout.
+fn conntrack_shrinks_online_when_long_under_its_low_water_mark() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("ers-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[
+            (proxy_user::ctsize::CHECK_ENV, "200"),
+            (proxy_user::ctsize::SHRINK_AFTER_ENV, "5"),
+        ],
+        &["--conntrack-start", "1024", "--conntrack-max", "16384"],
+    );
+    agent.wait_healthy();
+    assert_eq!(ct_sizes(&env.pins.path), (2048, 2048), "starts small");
+    let start_memory = map_memory(&agent_metrics(&c), map_names::CT4).expect("CT4 memory");
+    // Long-lived flows (no other client loop: UDP entries would stay live 60 s), until
+    // one goes to the remote, SNATed pod; each answers again at the end, from its pod.
+    let mut long_lived = Vec::new();
+    {
+        let _g = c.ext.enter();
+        while long_lived.len() < 3
+            || (!long_lived.iter().any(|(_, p, _)| p == "pod3") && long_lived.len() < 40)
+        {
+            let addr = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
+            let mut s = TcpStream::connect_timeout(&addr, ATTEMPT_TIMEOUT).expect("long-lived");
+            s.set_read_timeout(Some(ATTEMPT_TIMEOUT)).expect("timeout");
+            s.write_all(b"hi\n").expect("write");
+            let mut reader = BufReader::new(s.try_clone().expect("clone"));
+            let mut line = String::new();
+            reader.read_line(&mut line).expect("first answer");
+            long_lived.push((s, pod_of(&line).expect("pod"), reader));
+        }
+    }
+    let ports: Vec<u16> = long_lived
+        .iter()
+        .map(|(s, _, _)| s.local_addr().expect("local address").port())
+        .collect();
+    // Each asks every 20 ms (a flow in use is not what the LRU evicts while the fill
+    // outruns the table).
+    let stop_flows = Arc::new(AtomicBool::new(false));
+    let flow_threads: Vec<_> = long_lived
+        .into_iter()
+        .map(|(mut s, pod, mut reader)| {
+            let stop = stop_flows.clone();
+            std::thread::spawn(move || {
+                let mut answers = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let mut line = String::new();
+                    match s
+                        .write_all(b"hi\n")
+                        .and_then(|()| reader.read_line(&mut line))
+                    {
+                        Ok(n) if n > 0 && line.starts_with(&pod) => answers += 1,
+                        Ok(_) => return Err(format!("flow to {pod}: answer {line:?}")),
+                        Err(e) => return Err(format!("flow to {pod}: {e}")),
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Ok((pod, answers))
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let before = flow_entries(&env.pins.path, &ports);
+    // New TCP connections until the tables have grown (x2 at least once).
+    let stop = Arc::new(AtomicBool::new(false));
+    let fill = Arc::new(Tally::default());
+    let fillers: Vec<_> = (0..2)
+        .map(|_| {
+            let (stop, fill, ext) = (stop.clone(), fill.clone(), c.ext.path());
+            std::thread::spawn(move || {
+                let _g = NetnsGuard::enter(&ext);
+                let addr = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
+                while !stop.load(Ordering::Relaxed) {
+                    fill.record("filler TCP", ask_tcp(addr));
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    while ct_sizes(&env.pins.path).0 < 8192 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "not grown in 60 s: {:?}\n{}",
+            ct_sizes(&env.pins.path),
+            agent.logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for f in fillers {
+        f.join().expect("filler");
+    }
+    let grown = ct_sizes(&env.pins.path).0;
+    // The gauge is set right after each resize (the pins are renamed first).
+    let t = Instant::now();
+    let grown_memory = loop {
+        let m = map_memory(&agent_metrics(&c), map_names::CT4).expect("CT4 memory");
+        if m > start_memory * 3.0 || t.elapsed() > Duration::from_secs(5) {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // The closed connections' entries expire after 10 s, then 5 samples under the mark
+    // per halving.
+    let started = Instant::now();
+    while ct_sizes(&env.pins.path).0 > 2048 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "not shrunk back in 60 s: {:?}\n{}",
+            ct_sizes(&env.pins.path),
+            agent.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let metrics = agent_metrics(&c);
+    let shrunk_memory = map_memory(&metrics, map_names::CT4).expect("CT4 memory");
+    let after = flow_entries(&env.pins.path, &ports);
+    stop_flows.store(true, Ordering::Relaxed);
+    let flows: Vec<Result<(String, u64), String>> = flow_threads
+        .into_iter()
+        .map(|t| t.join().expect("flow thread"))
+        .collect();
+    let answers = nodeport_spread(&c, 30);
+    let log = agent.stop();
+    eprintln!(
+        "conntrack 1024 -> {} -> 1024 flows: CT4 memory {start_memory} -> {grown_memory} -> {shrunk_memory} bytes; filler TCP {}/{} (ok/failed); long-lived {flows:?}",
+        grown / 2,
+        fill.counts().0,
+        fill.counts().1,
+    );
+    for l in log
+        .lines()
+        .filter(|l| l.contains("conntrack tables") || l.contains("low-water"))
+    {
+        eprintln!("  {l}");
+    }
+    assert!(
+        log.contains("conntrack long under its low-water mark: shrinking the tables online")
+            && log.contains("conntrack tables shrunk online")
+            && !log.contains("resizing the conntrack tables failed"),
+        "{log}"
+    );
+    let shrinks = metric_value(
+        &metrics,
+        "ebpf_proxy_map_resizes_total{map=\"CT4\",direction=\"shrink\"}",
+    );
+    assert!(
+        shrinks.is_some_and(|n| n >= 2.0),
+        "two halvings at least (8,192 -> 4,096 -> 2,048 entries): {shrinks:?}"
+    );
+    assert!(
+        grown_memory > start_memory * 3.0,
+        "grown: {start_memory} -> {grown_memory}"
+    );
+    assert_eq!(
+        shrunk_memory, start_memory,
+        "the memory after the shrink is the start size's"
+    );
+    assert_eq!(
+        prev_sizes(&env.pins.path),
+        (1, 1),
+        "replaced tables released"
+    );
+    assert_eq!(after, before, "the long-lived flows' conntrack entries");
+    let fill_errors = fill.errors.lock().expect("lock").clone();
+    assert!(
+        fill_errors.is_empty(),
+        "failed connections: {fill_errors:#?}\n{log}"
+    );
+    assert!(
+        flows.iter().all(|f| f.as_ref().is_ok_and(|(_, n)| *n > 0)),
+        "long-lived flows: {flows:?}"
+    );
+    assert_eq!(
+        answers.len(),
+        3,
+        "the NodePort answers from every pod: {answers:?}"
     );
     let _ = fs::remove_dir_all(&dir);
 }

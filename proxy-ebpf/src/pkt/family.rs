@@ -244,7 +244,7 @@ impl PktFamily for V4 {
 
     #[inline(always)]
     fn ct_get(k: &Ct4Key) -> Option<*mut Ct4Value> {
-        CT4.get_ptr_mut(k)
+        crate::maps::ct4_get(k)
     }
 
     #[inline(always)]
@@ -451,7 +451,7 @@ impl PktFamily for V6 {
 
     #[inline(always)]
     fn ct_get(k: &Ct6Key) -> Option<*mut Ct6Value> {
-        CT6.get_ptr_mut(k)
+        crate::maps::ct6_get(k)
     }
 
     #[inline(always)]

@@ -22,7 +22,7 @@ use aya_ebpf::{
 };
 use proxy_common::{proto, Ct4Key, Ct6Key, Reason};
 
-use crate::maps::{CT4, CT6};
+use crate::maps::{ct4_get, ct6_get};
 
 const ETH_HLEN: usize = 14;
 const IPPROTO_ICMP: u8 = 1;
@@ -57,7 +57,7 @@ pub fn icmp4(ctx: &TcContext) -> Option<Result<i32, Reason>> {
 
     // Inner reversed = the tuple the peer of the inner packet sends on.
     let (new_src, new_dst, outer_to) =
-        if let Some(v) = CT4.get_ptr(&Ct4Key::new(idst, isrc, idport, isport, iproto, 0)) {
+        if let Some(v) = ct4_get(&Ct4Key::new(idst, isrc, idport, isport, iproto, 0)) {
             // SAFETY: copied out of a live entry.
             let v = unsafe { *v };
             // An error about our reply: for the backend.
@@ -67,7 +67,7 @@ pub fn icmp4(ctx: &TcContext) -> Option<Result<i32, Reason>> {
                 (idst, idport)
             };
             ((v.dnat_addr, v.dnat_port), dst, v.dnat_addr)
-        } else if let Some(v) = CT4.get_ptr(&Ct4Key::new(idst, isrc, idport, isport, iproto, 1)) {
+        } else if let Some(v) = ct4_get(&Ct4Key::new(idst, isrc, idport, isport, iproto, 1)) {
             // SAFETY: copied out of a live entry.
             let v = unsafe { *v };
             if v.dnat_addr == 0 {
@@ -159,7 +159,7 @@ pub fn icmp6(ctx: &TcContext) -> Option<Result<i32, Reason>> {
     let isport: u16 = ctx.load(il4).ok()?;
     let idport: u16 = ctx.load(il4 + 2).ok()?;
     let (new_src, new_dst, outer_to) =
-        if let Some(v) = CT6.get_ptr(&Ct6Key::new(idst, isrc, idport, isport, iproto, 0)) {
+        if let Some(v) = ct6_get(&Ct6Key::new(idst, isrc, idport, isport, iproto, 0)) {
             // SAFETY: copied out of a live entry.
             let v = unsafe { *v };
             let dst = if !zero6(&v.snat_addr) {
@@ -168,7 +168,7 @@ pub fn icmp6(ctx: &TcContext) -> Option<Result<i32, Reason>> {
                 (idst, idport)
             };
             ((v.dnat_addr, v.dnat_port), dst, v.dnat_addr)
-        } else if let Some(v) = CT6.get_ptr(&Ct6Key::new(idst, isrc, idport, isport, iproto, 1)) {
+        } else if let Some(v) = ct6_get(&Ct6Key::new(idst, isrc, idport, isport, iproto, 1)) {
             // SAFETY: copied out of a live entry.
             let v = unsafe { *v };
             if zero6(&v.dnat_addr) {

@@ -19,9 +19,14 @@ pub(super) async fn grow_conntrack(
     pin_path: PathBuf,
     metrics: Arc<Metrics>,
     ceiling_flows: u32,
+    start_flows: u32,
     mut kernel_logs: Option<tokio::task::JoinHandle<()>>,
 ) {
     let ceiling = ceiling_flows.saturating_mul(2);
+    let floor = start_flows.min(ceiling_flows).saturating_mul(2);
+    let shrink_after = crate::ctsize::shrink_after();
+    // Samples in a row under the low-water mark.
+    let mut low = 0u32;
     let mut every = tokio::time::interval(crate::ctsize::check_interval());
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     every.tick().await;
@@ -65,17 +70,37 @@ pub(super) async fn grow_conntrack(
         let expected =
             crate::ctsize::projected(sample.fullest(), previous.unwrap_or(sample.fullest()));
         previous = Some(sample.fullest());
-        let Some(to) = crate::ctsize::grown(sample.entries, expected, ceiling) else {
+        let to = if let Some(to) = crate::ctsize::grown(sample.entries, expected, ceiling) {
+            low = 0;
+            info!(
+                from_flows = sample.entries / 2,
+                to_flows = to / 2,
+                ceiling_flows,
+                live_entries = ?sample.live,
+                expected_entries = expected,
+                "conntrack past its high-water mark: growing the tables online"
+            );
+            to
+        } else if crate::ctsize::under_low_water(sample.entries, sample.fullest(), floor) {
+            low += 1;
+            if low < shrink_after {
+                continue;
+            }
+            low = 0;
+            let to = crate::ctsize::shrunk(sample.entries, floor);
+            info!(
+                from_flows = sample.entries / 2,
+                to_flows = to / 2,
+                start_flows = floor / 2,
+                live_entries = ?sample.live,
+                samples = shrink_after,
+                "conntrack long under its low-water mark: shrinking the tables online"
+            );
+            to
+        } else {
+            low = 0;
             continue;
         };
-        info!(
-            from_flows = sample.entries / 2,
-            to_flows = to / 2,
-            ceiling_flows,
-            live_entries = ?sample.live,
-            expected_entries = expected,
-            "conntrack past its high-water mark: growing the tables online"
-        );
         let started = Instant::now();
         let p = pins.clone();
         match tokio::task::spawn_blocking(move || crate::migrate::resize_conntrack(&p, to)).await {
@@ -95,9 +120,21 @@ pub(super) async fn grow_conntrack(
                 info!(
                     flows = now / 2,
                     elapsed_ms = started.elapsed().as_millis() as u64,
-                    "conntrack tables grown online"
+                    "{}",
+                    if to > sample.entries {
+                        "conntrack tables grown online"
+                    } else {
+                        "conntrack tables shrunk online"
+                    }
                 );
                 if !resized.is_empty() {
+                    // The tables' memory as it is now (not at the next 10 s refresh).
+                    let path = pin_path.clone();
+                    if let Ok(maps) =
+                        tokio::task::spawn_blocking(move || loader::map_memory(&path)).await
+                    {
+                        super::set_map_memory(&metrics, &maps);
+                    }
                     if let Some(h) = kernel_logs.take() {
                         h.abort();
                     }
@@ -105,7 +142,7 @@ pub(super) async fn grow_conntrack(
                 }
             }
             Ok(Err(e)) => {
-                warn!(error = %e, "growing the conntrack tables failed; kept their size");
+                warn!(error = %e, "resizing the conntrack tables failed; kept their size");
                 metrics
                     .map_write_errors
                     .get_or_create(&metrics::ReasonLabel {

@@ -127,6 +127,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         opts.pin_path.clone(),
         metrics.clone(),
         opts.conntrack_flows,
+        opts.conntrack_start,
         kernel_logs,
     ));
     let health = Arc::new(Health::new(opts.sync_interval * 2));

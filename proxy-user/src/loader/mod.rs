@@ -67,7 +67,7 @@ pub(crate) use object::EBPF_OBJECT;
 use object::{bump_memlock_rlimit, write_meta};
 pub use object::{
     load_object, load_object_sized, load_object_with, object_hash, spawn_kernel_logger,
-    FIB_HOP_TTL_GLOBAL,
+    CT_FALLBACK_GLOBAL, FIB_HOP_TTL_GLOBAL,
 };
 pub use pods::PodTc;
 

@@ -57,6 +57,11 @@ pub fn load_object_sized(
 /// (`xdp::FIB_HOP_TTL_NS`, 100 ms unless set here).
 pub const FIB_HOP_TTL_GLOBAL: &str = "FIB_HOP_TTL_NS";
 
+/// The global in the eBPF object that turns the conntrack fallback on (`maps::CT_FALLBACK`):
+/// set (to 1) only for the programs of a conntrack resize (`migrate`), which look a
+/// `CT4`/`CT6` miss up in `CT4_PREV`/`CT6_PREV`, the tables being replaced.
+pub const CT_FALLBACK_GLOBAL: &str = "CT_FALLBACK";
+
 /// [`load_object_sized`] with XDP's FIB-answer TTL set to `fib_hop_ttl` (`None`: the
 /// object's 100 ms). For tests that check the cache without racing the clock; the agent
 /// always runs with the default.

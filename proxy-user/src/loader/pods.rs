@@ -27,6 +27,10 @@ pub struct PodTc {
     ebpf: aya::Ebpf,
     pins: PinDir,
     mode: TcAttachMode,
+    /// The id of the `CT4` these programs were loaded against: an online conntrack
+    /// resize replaces it (and swaps the pinned hooks), so programs for a later
+    /// interface are loaded again against the new one.
+    ct_id: Option<u32>,
 }
 
 impl PodTc {
@@ -51,7 +55,13 @@ impl PodTc {
         if mode == TcAttachMode::Tcx && !super::tcx_supported() {
             return Err(LoadError::TcxUnsupported);
         }
-        Ok(Self { ebpf, pins, mode })
+        let ct_id = ct_map_id(&pins);
+        Ok(Self {
+            ebpf,
+            pins,
+            mode,
+            ct_id,
+        })
     }
 
     /// Whether both of `iface`'s hooks are pinned (attached by this or an earlier agent).
@@ -70,6 +80,11 @@ impl PodTc {
     /// the attachments; a hook already pinned is kept. Ingress last: a flow is started
     /// only once its replies can be translated. On error nothing of this call stays.
     pub fn attach(&mut self, iface: &str) -> Result<(), LoadError> {
+        if ct_map_id(&self.pins) != self.ct_id {
+            // The conntrack tables were resized since: the hooks pinned meanwhile run the
+            // resize's programs; an interface attached now gets programs of the new tables.
+            *self = Self::load(&self.pins, self.mode)?;
+        }
         let mut made = Vec::new();
         for ingress in [false, true] {
             let hook = Hook::Tc {
@@ -176,4 +191,11 @@ fn program<'a>(
     program
         .try_into()
         .map_err(|source| LoadError::Program { name, source })
+}
+
+/// The id of the pinned `CT4` (`None`: not pinned).
+fn ct_map_id(pins: &PinDir) -> Option<u32> {
+    pins.map_info(proxy_common::map_names::CT4)
+        .ok()
+        .map(|i| i.id)
 }

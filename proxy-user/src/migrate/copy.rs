@@ -50,6 +50,8 @@ pub struct CopyCount {
     /// Conntrack entries the new programs had made for a flow the old programs were
     /// already tracking, with another translation: overwritten by the old one.
     pub corrected: u64,
+    /// Conntrack entries not copied because they had expired.
+    pub expired: u64,
 }
 
 /// Bytes at the end of a conntrack value (`Ct4Value`, `Ct6Value`) that are not its
@@ -65,6 +67,21 @@ const _: () = {
 /// The conntrack maps, whose insert-if-absent copy corrects a conflicting translation.
 fn is_conntrack(name: &str) -> bool {
     name == proxy_common::map_names::CT4 || name == proxy_common::map_names::CT6
+}
+
+/// A conntrack entry (`key`, the old table's `value`) that `new` holds with another
+/// translation: overwritten by the old one ([`copy_map`]). Whether it was.
+fn corrected(new: std::os::fd::BorrowedFd<'_>, key: &[u8], value: &[u8]) -> io::Result<bool> {
+    if value.len() <= CT_VALUE_STATE_BYTES {
+        return Ok(false);
+    }
+    let mut now = vec![0u8; value.len()];
+    let n = value.len() - CT_VALUE_STATE_BYTES;
+    if bpf_sys::map_lookup(new, key, &mut now)? && now[..n] != value[..n] {
+        bpf_sys::map_update(new, key, value, bpf_sys::ANY)?;
+        return Ok(true);
+    }
+    Ok(false)
 }
 
 /// Entries in map `name` of `pins`.
@@ -118,6 +135,10 @@ pub fn copy_map(
     } else {
         bpf_sys::ANY
     };
+    // Expired conntrack entries are not carried over (the datapath treats them as
+    // absent): a shrink copies the live flows only.
+    let skip_expired = is_conntrack(name) && matches!(conv, Convert::Bytes) && same_shape;
+    let now = crate::ctl::maps::monotonic_ns();
     let mut have = false;
     // LRU maps restart a walk whose key was evicted: bound the walk.
     let limit = u64::from(oi.max_entries) * 2 + 16;
@@ -131,6 +152,10 @@ pub fn copy_map(
         }
         if !bpf_sys::map_lookup(old_fd.as_fd(), &key, &mut value)? {
             continue; // gone meanwhile
+        }
+        if skip_expired && crate::ctsize::expired_entry(&key, &value, now) {
+            count.expired += 1;
+            continue;
         }
         let written = match conv {
             Convert::Bytes if same_shape => {
@@ -150,20 +175,8 @@ pub fn copy_map(
         };
         if written {
             count.copied += 1;
-        } else if only_absent
-            && is_conntrack(name)
-            && matches!(conv, Convert::Bytes)
-            && same_shape
-            && value.len() > CT_VALUE_STATE_BYTES
-        {
-            let mut now = vec![0u8; value.len()];
-            let n = value.len() - CT_VALUE_STATE_BYTES;
-            if bpf_sys::map_lookup(new_fd.as_fd(), &key, &mut now)? && now[..n] != value[..n] {
-                bpf_sys::map_update(new_fd.as_fd(), &key, &value, bpf_sys::ANY)?;
-                count.corrected += 1;
-            } else {
-                count.present += 1;
-            }
+        } else if only_absent && skip_expired && corrected(new_fd.as_fd(), &key, &value)? {
+            count.corrected += 1;
         } else {
             count.present += 1;
         }

@@ -49,6 +49,20 @@
 //! one ([`copy_map`]). While the agent runs, [`resize_conntrack`] takes the same path for
 //! `CT4/6` alone (`crate::ctsize` decides when), every other map shared.
 //!
+//! **No flow lost around a conntrack resize.** The copies alone leave two windows: a flow
+//! the old programs open after the copy before the swap, whose next packet a new program
+//! handles before the copy after it (a TCP handshake's ACK balanced again: another backend
+//! or SNAT port, a reset), and the hooks swapped one after another (a reply on a swapped
+//! hook whose flow an unswapped one just opened). So the running `CT4/6` are pinned in the
+//! staging directory as `CT4_PREV/CT6_PREV` and the new programs are loaded with the
+//! `CT_FALLBACK` global set: a miss in the new table is looked up in the old one and the
+//! entry found is moved into the new table. After the renames (the old tables get no more
+//! writes once every hook is swapped, and the copy after the swap has carried them over)
+//! the hooks are swapped once more, to programs loaded without the fallback against fresh
+//! 1-entry `CT*_PREV`, which releases the old tables' memory. A crash at any step leaves
+//! programs whose maps are complete (the fallback covers what a copy had not reached);
+//! the next start resumes, and that last swap is part of every resumed resize.
+//!
 //! Test hooks: `EBPF_PROXY_MIGRATE_CRASH_AT=<step>` makes the process `abort()` right
 //! after that step ([`STEPS`]); `EBPF_PROXY_MIGRATE_FORCE=1` runs the full staged
 //! migration instead of the program swap when the layout is the same but the build
@@ -134,7 +148,14 @@ fn resizes(pins: &PinDir, sizes: &Sizes) -> Result<Vec<loader::MapResize>, LoadE
                 continue;
             }
             if wanted < pinned {
-                let used = copy::count_entries(pins, name).map_err(|source| LoadError::Io {
+                // Conntrack: its live flows (expired entries are not copied).
+                let is_ct = name == map_names::CT4 || name == map_names::CT6;
+                let used = if is_ct {
+                    crate::ctsize::live_entries(pins, name)
+                } else {
+                    copy::count_entries(pins, name)
+                };
+                let used = used.map_err(|source| LoadError::Io {
                     what: "counting the entries of",
                     path: pins.map_path(name),
                     source,

@@ -16,9 +16,34 @@ use super::{
     v3, Sizes,
 };
 use crate::{
-    loader::{object_hash, LoadError, EBPF_OBJECT},
+    loader::{object_hash, LoadError, CT_FALLBACK_GLOBAL, EBPF_OBJECT},
     pins::{Access, PinDir},
 };
+
+/// `(CT*_PREV, CT*)`: where a resize keeps each conntrack table it replaces.
+const PREVIOUS_CT: [(&str, &str); 2] = [
+    (map_names::CT4_PREV, map_names::CT4),
+    (map_names::CT6_PREV, map_names::CT6),
+];
+
+/// Whether the staging directory holds a replaced conntrack table
+/// (`Migration::keep_previous_conntrack`): the staged programs then need the fallback.
+fn previous_conntrack_kept(staging: &PinDir) -> bool {
+    PREVIOUS_CT
+        .iter()
+        .any(|(prev, _)| staging.max_entries(prev).is_some_and(|n| n > 1))
+}
+
+/// The new object loaded against the staging directory's maps, with the conntrack
+/// fallback (`loader::CT_FALLBACK_GLOBAL`) on for a conntrack resize.
+fn load_staged(staging: &PinDir, fallback: bool) -> Result<aya::Ebpf, LoadError> {
+    let mut loader = EbpfLoader::new();
+    loader.default_map_pin_directory(staging.path());
+    if fallback {
+        loader.override_global(CT_FALLBACK_GLOBAL, &1u8, true);
+    }
+    Ok(loader.load(EBPF_OBJECT)?)
+}
 
 /// The migration's marker: `<staging>/abi<from>-<state>`.
 pub(super) fn read_marker(staging: &PinDir) -> Option<(u32, String)> {
@@ -94,12 +119,13 @@ pub(super) fn migrate(pins: &PinDir, from: u32, sizes: Option<Sizes>) -> Result<
         .map_max_entries(map_names::SVC4, svc_entries)
         .map_max_entries(map_names::SVC6, svc_entries)
         .load(EBPF_OBJECT)?;
-    if m.share_unchanged()? > 0 {
-        // Load again: the programs must reference the shared maps.
+    let shared = m.share_unchanged()?;
+    let fallback = m.keep_previous_conntrack()?;
+    if shared > 0 || fallback {
+        // Load again: the programs must reference the shared maps (and, for a conntrack
+        // resize, look a miss up in the tables being replaced).
         drop(ebpf);
-        ebpf = EbpfLoader::new()
-            .default_map_pin_directory(m.staging.path())
-            .load(EBPF_OBJECT)?;
+        ebpf = load_staged(&m.staging, fallback)?;
     }
     crash_point("staged");
     m.copy_all(false)?;
@@ -232,7 +258,7 @@ impl Migration {
         let staged = self.staged_maps()?;
         let mut total = CopyCount::default();
         for name in &staged {
-            if name == map_names::META {
+            if name == map_names::META || PREVIOUS_CT.iter().any(|(p, _)| p == name) {
                 continue;
             }
             if only_datapath && !DATAPATH_WRITTEN.contains(&name.as_str()) {
@@ -298,6 +324,7 @@ impl Migration {
             total.present += count.present;
             total.dropped += count.dropped;
             total.corrected += count.corrected;
+            total.expired += count.expired;
         }
         if !only_datapath {
             // Maps of the old layout that this one no longer has.
@@ -324,6 +351,7 @@ impl Migration {
             already_present = total.present,
             not_converted = total.dropped,
             conntrack_corrected = total.corrected,
+            conntrack_expired_not_copied = total.expired,
             pass = if only_datapath {
                 "datapath-written"
             } else {
@@ -364,9 +392,7 @@ impl Migration {
                 Some(e) => e,
                 None => {
                     // Resuming: the staged maps are all still in the staging directory.
-                    loaded = EbpfLoader::new()
-                        .default_map_pin_directory(self.staging.path())
-                        .load(EBPF_OBJECT)?;
+                    loaded = load_staged(&self.staging, previous_conntrack_kept(&self.staging))?;
                     &mut loaded
                 }
             };
@@ -412,6 +438,7 @@ impl Migration {
             set_marker(&self.staging, from, "meta")?;
             crash_point("meta");
         }
+        self.retire_previous_conntrack()?;
         for name in self.old_only_maps() {
             let path = self.pins.map_path(&name);
             fs::remove_file(&path).map_err(io_err("unpinning", &path))?;
@@ -419,6 +446,81 @@ impl Migration {
         }
         let dir = self.staging.path();
         fs::remove_dir_all(dir).map_err(io_err("removing", dir))?;
+        Ok(())
+    }
+
+    /// A conntrack resize: the running `CT4`/`CT6` are pinned in the staging directory as
+    /// `CT4_PREV`/`CT6_PREV` (in place of the 1-entry maps staged there), which the new
+    /// programs (loaded with the fallback on) look a miss up in, moving the entry found
+    /// into the new table. So a flow the old programs opened after the last copy before
+    /// the swap, or a packet a new program handles before the copy after it, finds its
+    /// entry (same backend, SNAT port) instead of being balanced again. Only a table
+    /// copied into another of the same layout (a resize) is kept so. Returns whether one
+    /// was.
+    fn keep_previous_conntrack(&self) -> Result<bool, LoadError> {
+        let mut kept = false;
+        for (prev, ct) in PREVIOUS_CT {
+            let (Ok(oi), Ok(ni)) = (self.pins.map_info(ct), self.staging.map_info(ct)) else {
+                continue;
+            };
+            let resized = oi.id != ni.id
+                && (oi.map_type, oi.key_size, oi.value_size, oi.map_flags)
+                    == (ni.map_type, ni.key_size, ni.value_size, ni.map_flags);
+            let staged_prev = self.staging.map_path(prev);
+            if !resized || !staged_prev.exists() {
+                continue;
+            }
+            let old_fd = self.pins.open_fd(ct, Access::ReadWrite)?;
+            fs::remove_file(&staged_prev).map_err(io_err("unpinning", &staged_prev))?;
+            self.staging
+                .pin_map(prev, old_fd.as_fd())
+                .map_err(io_err("pinning", &staged_prev))?;
+            info!(
+                map = ct,
+                kept_as = prev,
+                "the conntrack table being replaced stays readable by the new programs \
+                 until the resize ends (a miss is looked up there)"
+            );
+            kept = true;
+        }
+        Ok(kept)
+    }
+
+    /// After a conntrack resize (its tables renamed into place): every entry of the
+    /// replaced tables has been copied into the new ones (the copy after the swap; since
+    /// the swap only the new tables are written), so the hooks are swapped to programs
+    /// loaded without the fallback, against fresh 1-entry `CT4_PREV`/`CT6_PREV`, and the
+    /// replaced tables' memory goes with the last program that held them. Nothing to do
+    /// unless a replaced table is pinned there (a resize's, not a layout migration's), or
+    /// a `CT*_PREV` pin is missing (a crash after they were unpinned here).
+    fn retire_previous_conntrack(&self) -> Result<(), LoadError> {
+        let sizes = PREVIOUS_CT.map(|(prev, _)| (prev, self.pins.max_entries(prev)));
+        if sizes.iter().all(|(_, n)| *n == Some(1)) {
+            return Ok(());
+        }
+        let kept: Vec<&str> = sizes
+            .iter()
+            .filter(|(_, n)| n.is_some_and(|n| n > 1))
+            .map(|(prev, _)| *prev)
+            .collect();
+        for prev in &kept {
+            let path = self.pins.map_path(prev);
+            fs::remove_file(&path).map_err(io_err("unpinning", &path))?;
+        }
+        let mut ebpf = EbpfLoader::new()
+            .default_map_pin_directory(self.pins.path())
+            .load(EBPF_OBJECT)?;
+        let hooks = pinned_hooks(&self.pins)?;
+        let log_id = swap_hooks(&mut ebpf, &self.pins, &hooks, false, &mut || Ok(()))?;
+        if let Some(id) = log_id {
+            self.pins.write_meta(meta::LOG_PROGRAM_ID, id)?;
+        }
+        info!(
+            ?kept,
+            hooks = hooks.len(),
+            "the replaced conntrack tables are released (programs without the fallback \
+             swapped in)"
+        );
         Ok(())
     }
 
