@@ -178,6 +178,8 @@ pub fn decode(kind: Kind, v: Value) -> Result<Object, serde_json::Error> {
         Kind::Node => Object::Node(Box::new(serde_json::from_value(v)?)),
         // Not read from a manifests directory (`--service-cluster-ip-range` is its
         // source); decoded as the API reader does, should a caller ask.
-        Kind::ServiceCidr => crate::cluster::api_decode::object(kind, &v.to_string(), None)?,
+        Kind::ServiceCidr | Kind::Pod | Kind::Namespace => {
+            crate::cluster::api_decode::object(kind, &v.to_string(), None)?
+        }
     })
 }
