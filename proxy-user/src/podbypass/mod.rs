@@ -115,7 +115,7 @@ pub struct Options {
     pub root: PathBuf,
     /// The cgroup v2 mount (levels are counted from it).
     pub mount: PathBuf,
-    pub pins: PathBuf,
+    pub pins: PinDir,
     pub counters: SourceCounters,
 }
 
@@ -328,8 +328,8 @@ impl Bypass {
     }
 }
 
-fn bypass_map(pins: &std::path::Path) -> anyhow::Result<BpfHash<MapData, u64, u8>> {
-    Ok(PinDir::new(pins).typed(map_names::SOCK_LB_BYPASS, Access::ReadWrite)?)
+fn bypass_map(pins: &PinDir) -> anyhow::Result<BpfHash<MapData, u64, u8>> {
+    Ok(pins.typed(map_names::SOCK_LB_BYPASS, Access::ReadWrite)?)
 }
 
 /// Writes `SOCK_LB_BYPASS[BYPASS_LEVELS]` (removed when 0: the hooks' fast path) if it
@@ -385,7 +385,7 @@ pub fn start(
         selector,
         root: agent.cgroup.clone().unwrap_or_else(|| mount.clone()),
         mount,
-        pins: agent.pin_path.clone(),
+        pins: PinDir::new(&agent.pin_path),
         counters: counters.clone(),
     };
     info!(root = %opts.root.display(), "socket LB bypass: watching this node's Pods and the Namespaces");
