@@ -38,20 +38,23 @@ pub fn find(root: &Path, uid: &str) -> Option<PathBuf> {
     candidates(root, uid).into_iter().find(|p| p.is_dir())
 }
 
-/// The level of `dir` in the hierarchy mounted at `mount` (the mount's root is level 0):
-/// what `bpf_get_current_ancestor_cgroup_id` takes.
-pub fn level(mount: &Path, dir: &Path) -> io::Result<u32> {
-    let rel = dir.strip_prefix(mount).map_err(|_| {
-        io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!(
-                "{} is not under the cgroup2 mount {}",
-                dir.display(),
-                mount.display()
-            ),
-        )
-    })?;
-    Ok(rel.components().count() as u32)
+/// The level of the cgroup v2 directory `dir` (the hierarchy's root is level 0): what
+/// `bpf_get_current_ancestor_cgroup_id` takes. Counted up to the top of the cgroup2
+/// mount `dir` is in, which must show the hierarchy's root: the host's cgroup2 root, as
+/// the DaemonSet mounts it at `/host/sys/fs/cgroup` (a container's own `/sys/fs/cgroup`
+/// is its cgroup namespace, whose root is not level 0; the agent never reads that one).
+pub fn level(dir: &Path) -> io::Result<u32> {
+    crate::cgroup::check_cgroup2_dir(dir)?;
+    let mut level = 0;
+    let mut d = dir;
+    while let Some(parent) = d.parent() {
+        if crate::cgroup::check_cgroup2_dir(parent).is_err() {
+            break;
+        }
+        level += 1;
+        d = parent;
+    }
+    Ok(level)
 }
 
 #[cfg(test)]
@@ -82,9 +85,12 @@ mod tests {
                 "kubepods/pod0f1e-2d",
             ]
         );
-        assert_eq!(level(root, &c[0]).expect("level"), 3);
-        assert_eq!(level(root, &c[2]).expect("level"), 2);
-        assert_eq!(level(root, root).expect("level"), 0);
-        assert!(level(root, Path::new("/tmp/x")).is_err());
+    }
+
+    #[test]
+    fn levels_count_from_the_cgroup2_mount() {
+        let mount = crate::cgroup::cgroup2_mount().expect("a cgroup2 mount");
+        assert_eq!(level(&mount).expect("level"), 0);
+        assert!(level(Path::new("/")).is_err(), "not a cgroup");
     }
 }

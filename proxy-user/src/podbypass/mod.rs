@@ -113,8 +113,6 @@ pub struct Options {
     /// The node's cgroup root, where kubelet's `kubepods` hierarchy is (the socket
     /// hooks' cgroup).
     pub root: PathBuf,
-    /// The cgroup v2 mount (levels are counted from it).
-    pub mount: PathBuf,
     pub pins: PinDir,
     pub counters: SourceCounters,
 }
@@ -259,7 +257,7 @@ impl Bypass {
                 continue;
             };
             self.pending.remove(*uid);
-            let level = cgroups::level(&self.opts.mount, &dir)?;
+            let level = cgroups::level(&dir)?;
             if level > socket_lb::BYPASS_MAX_LEVEL {
                 warn!(
                     pod = %pod.key,
@@ -380,11 +378,13 @@ pub fn start(
         );
         return Ok(());
     }
-    let mount = crate::cgroup::cgroup2_mount()?;
+    let root = match &agent.cgroup {
+        Some(c) => c.clone(),
+        None => crate::cgroup::cgroup2_mount()?,
+    };
     let opts = Options {
         selector,
-        root: agent.cgroup.clone().unwrap_or_else(|| mount.clone()),
-        mount,
+        root,
         pins: PinDir::new(&agent.pin_path),
         counters: counters.clone(),
     };
