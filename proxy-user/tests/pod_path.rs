@@ -1048,7 +1048,7 @@ fn exchange(bed: &Bed, cgroup: &Path, capture: bool) -> bool {
 /// pod's interface) and is balanced per packet. A pod labelled before kubelet made its
 /// cgroup is bypassed once the cgroup appears; removing the label returns it to socket
 /// LB; a namespace label works the same (systemd and cgroupfs layouts); an unlabelled
-/// pod and a labelled pod of another node keep socket LB.
+/// pod, a labelled pod of another node and a labelled host-network pod keep socket LB.
 #[test]
 fn socket_lb_bypass_from_pod_and_namespace_labels() {
     let bed = Bed::with_api(
@@ -1061,6 +1061,9 @@ fn socket_lb_bypass_from_pod_and_namespace_labels() {
             api.apply(api_pod("default", "plain", "node-a", false));
             api.apply(api_pod("mesh", "inmesh", "node-a", false));
             api.apply(api_pod("default", "remote", "node-b", true));
+            let mut hostnet = api_pod("default", "hostnet", "node-a", true);
+            hostnet["spec"]["hostNetwork"] = true.into();
+            api.apply(hostnet);
         },
         &["--socket-lb", "tcp"],
     );
@@ -1072,11 +1075,12 @@ fn socket_lb_bypass_from_pod_and_namespace_labels() {
             .to_string()
     };
     let root = bed.env.cgroup.path.clone();
-    let (client, plain, inmesh, remote) = (
+    let (client, plain, inmesh, remote, hostnet) = (
         uid("default", "client"),
         uid("default", "plain"),
         uid("mesh", "inmesh"),
         uid("default", "remote"),
+        uid("default", "hostnet"),
     );
     // The labelled pod's cgroup does not exist yet: the agent waits for it.
     wait_log(&bed, "the pod's cgroup is not there yet", 2);
@@ -1097,6 +1101,8 @@ fn socket_lb_bypass_from_pod_and_namespace_labels() {
     let inmesh_cg = PodCgroup::new(&root, &format!("kubepods/besteffort/pod{inmesh}"));
     // Another node's pod: never watched (fieldSelector spec.nodeName), whatever its cgroup.
     let remote_cg = PodCgroup::new(&root, &systemd("besteffort", &remote));
+    // A host-network pod: its traffic has no pod interface to be translated on.
+    let hostnet_cg = PodCgroup::new(&root, &systemd("besteffort", &hostnet));
     wait_log(&bed, "socket LB bypassed for the pod", 2);
 
     assert!(
@@ -1114,6 +1120,10 @@ fn socket_lb_bypass_from_pod_and_namespace_labels() {
     assert!(
         exchange(&bed, &remote_cg.container, false),
         "another node's pod is not this agent's"
+    );
+    assert!(
+        exchange(&bed, &hostnet_cg.container, false),
+        "a host-network pod keeps socket LB"
     );
     assert!(
         !exchange(&bed, &client_cg.pod, false),

@@ -51,6 +51,9 @@ pub struct PodInfo {
     pub labels: BTreeMap<String, String>,
     /// `status.phase` is `Succeeded` or `Failed`.
     pub finished: bool,
+    /// `spec.hostNetwork`: its sockets are in the host's network namespace, whose traffic
+    /// has no pod interface to be translated on, so it is never bypassed.
+    pub host_network: bool,
 }
 
 /// A Namespace as the bypass reads it: its name (the key's name) and labels.
@@ -64,7 +67,15 @@ pub struct NamespaceInfo {
 struct Item {
     #[serde(default)]
     metadata: ItemMeta,
+    spec: Option<ItemSpec>,
     status: Option<ItemStatus>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ItemSpec {
+    #[serde(default)]
+    host_network: bool,
 }
 
 #[derive(Deserialize, Default)]
@@ -95,6 +106,7 @@ pub fn decode_pod(json: &str) -> Result<PodInfo, serde_json::Error> {
         uid,
         labels: m.labels.unwrap_or_default(),
         finished: matches!(phase.as_deref(), Some("Succeeded" | "Failed")),
+        host_network: item.spec.is_some_and(|s| s.host_network),
     })
 }
 
@@ -223,7 +235,7 @@ impl Bypass {
         let wanted: HashMap<&str, &PodInfo> = self
             .pods
             .values()
-            .filter(|p| !p.finished)
+            .filter(|p| !p.finished && !p.host_network)
             .filter(|p| {
                 self.opts
                     .selector
@@ -401,4 +413,35 @@ pub fn start(
     );
     tokio::spawn(bypass.run(rx));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pod_is_decoded_to_its_key_uid_labels_phase_and_host_network() {
+        let p = decode_pod(
+            r#"{"metadata": {"name": "p", "namespace": "n", "uid": "u-1",
+                "labels": {"a": "b"}, "annotations": {"big": "x"}},
+                "spec": {"hostNetwork": true, "containers": []},
+                "status": {"phase": "Succeeded", "qosClass": "BestEffort"}}"#,
+        )
+        .expect("decodes");
+        assert_eq!(p.key, ObjKey::new("n", "p"));
+        assert_eq!(p.uid, "u-1");
+        assert_eq!(p.labels.get("a").map(String::as_str), Some("b"));
+        assert!(p.finished && p.host_network);
+        let running = decode_pod(
+            r#"{"metadata": {"name": "p", "uid": "u"}, "status": {"phase": "Running"}}"#,
+        )
+        .expect("decodes");
+        assert!(!running.finished && !running.host_network);
+        let e = decode_pod(r#"{"metadata": {"name": "p"}}"#).expect_err("no uid");
+        assert!(e.to_string().contains("metadata.uid"), "{e}");
+        let ns = decode_namespace(r#"{"metadata": {"name": "mesh", "labels": {"k": "v"}}}"#)
+            .expect("decodes");
+        assert_eq!(ns.key.name.as_ref() as &str, "mesh");
+        assert_eq!(ns.labels.len(), 1);
+    }
 }
