@@ -1155,3 +1155,69 @@ fn socket_lb_bypass_from_pod_and_namespace_labels() {
         "the other node's pod was never seen"
     );
 }
+
+fn manifest_pod(name: &str, uid: &str, node: &str, ambient: bool) -> String {
+    let label = if ambient {
+        ", istio.io/dataplane-mode: ambient"
+    } else {
+        ""
+    };
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: default, uid: {uid}, labels: {{app: {name}{label}}}}}\nspec: {{nodeName: {node}, containers: [{{name: c, image: x}}]}}\n"
+    )
+}
+
+/// The same bypass from a manifests directory (tests and demos without an API server):
+/// its Pods (this node's only) and Namespaces go to the bypass, the rest to the syncer.
+#[test]
+fn socket_lb_bypass_from_a_manifests_directory() {
+    let (uid, other) = (
+        "0b0e0001-aaaa-4bbb-8ccc-000000000001",
+        "0b0e0001-aaaa-4bbb-8ccc-000000000002",
+    );
+    let bed = Bed::with(
+        TestEnv::without_datapath(0),
+        &[
+            (
+                "cip.yaml",
+                service(
+                    "cip",
+                    8080,
+                    "10.96.0.10",
+                    "Cluster",
+                    None,
+                    &[("10.244.0.11", "node-a")],
+                ),
+            ),
+            ("pod.yaml", manifest_pod("client", uid, "node-a", true)),
+            (
+                "other.yaml",
+                manifest_pod("elsewhere", other, "node-b", true),
+            ),
+        ],
+        &["--socket-lb", "tcp"],
+    );
+    let root = bed.env.cgroup.path.clone();
+    let client_cg = PodCgroup::new(&root, &format!("kubepods/burstable/pod{uid}"));
+    let other_cg = PodCgroup::new(&root, &format!("kubepods/burstable/pod{other}"));
+    wait_log(&bed, "socket LB bypassed for the pod", 1);
+    assert!(!exchange(&bed, &client_cg.container, true), "per packet");
+    assert!(
+        exchange(&bed, &other_cg.container, false),
+        "another node's pod"
+    );
+    write(
+        &bed.dir,
+        "pod.yaml",
+        &manifest_pod("client", uid, "node-a", false),
+    );
+    wait_log(&bed, "socket LB applies again to the pod", 1);
+    assert!(
+        exchange(&bed, &client_cg.container, false),
+        "the label removed"
+    );
+    assert_eq!(
+        bed.logs().matches("socket LB bypassed for the pod").count(),
+        1
+    );
+}

@@ -317,6 +317,7 @@ async fn start_source(
         Some(dir) => {
             info!(dir = %dir.display(), node = %opts.node_name, "source: manifests directory");
             let source = manifests::ManifestsDir::new(dir, metrics.source.clone());
+            let tx = crate::podbypass::start_manifests(opts, &metrics.source, tx)?;
             manifests::spawn(source, opts.manifests_poll, tx)
                 .context("starting the manifests thread")?;
         }

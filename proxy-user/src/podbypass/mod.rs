@@ -51,6 +51,9 @@ pub struct PodInfo {
     pub labels: BTreeMap<String, String>,
     /// `status.phase` is `Succeeded` or `Failed`.
     pub finished: bool,
+    /// `spec.nodeName` (the API watch selects this node's; a manifests directory may
+    /// hold any node's).
+    pub node: Option<String>,
     /// `spec.hostNetwork`: its sockets are in the host's network namespace, whose traffic
     /// has no pod interface to be translated on, so it is never bypassed.
     pub host_network: bool,
@@ -76,6 +79,7 @@ struct Item {
 struct ItemSpec {
     #[serde(default)]
     host_network: bool,
+    node_name: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -106,7 +110,8 @@ pub fn decode_pod(json: &str) -> Result<PodInfo, serde_json::Error> {
         uid,
         labels: m.labels.unwrap_or_default(),
         finished: matches!(phase.as_deref(), Some("Succeeded" | "Failed")),
-        host_network: item.spec.is_some_and(|s| s.host_network),
+        host_network: item.spec.as_ref().is_some_and(|s| s.host_network),
+        node: item.spec.and_then(|s| s.node_name),
     })
 }
 
@@ -127,6 +132,8 @@ pub struct Options {
     pub root: PathBuf,
     pub pins: PinDir,
     pub counters: SourceCounters,
+    /// This node's name: only its pods are bypassed.
+    pub node_name: String,
 }
 
 /// An entry written for a pod.
@@ -235,7 +242,11 @@ impl Bypass {
         let wanted: HashMap<&str, &PodInfo> = self
             .pods
             .values()
-            .filter(|p| !p.finished && !p.host_network)
+            .filter(|p| {
+                !p.finished
+                    && !p.host_network
+                    && p.node.as_deref() == Some(self.opts.node_name.as_str())
+            })
             .filter(|p| {
                 self.opts
                     .selector
@@ -294,10 +305,16 @@ impl Bypass {
             self.applied
                 .insert(uid.to_string(), Applied { cgroup, level });
         }
+        self.finish(&mut map)
+    }
+
+    /// The end of a reconcile: entries of an earlier agent that no pod accounts for
+    /// removed (the first time), the levels entry rewritten for the pods bypassed now.
+    fn finish(&mut self, map: &mut BpfHash<MapData, u64, u8>) -> anyhow::Result<()> {
         if let Some(stale) = self.stale.take() {
             let ours: HashSet<u64> = self.applied.values().map(|a| a.cgroup).collect();
             for id in stale.into_iter().filter(|id| !ours.contains(id)) {
-                remove(&mut map, id)?;
+                remove(map, id)?;
                 info!(id, "socket LB bypass: removed an entry no pod accounts for");
             }
         }
@@ -305,7 +322,7 @@ impl Bypass {
             .applied
             .values()
             .fold(0u8, |acc, a| acc | 1u8 << a.level);
-        write_levels(&mut map, &mut self.levels, levels)
+        write_levels(map, &mut self.levels, levels)
     }
 
     /// Runs until `rx` closes: takes updates, and reconciles after each batch of them and
@@ -378,27 +395,8 @@ pub fn start(
     client: &kube::Client,
     host: &str,
 ) -> anyhow::Result<()> {
-    use crate::socklb::SocketLb;
-    let Some(selector) = agent.socket_lb_bypass.clone() else {
+    let Some(opts) = options(agent, counters)? else {
         return Ok(());
-    };
-    if agent.pod_interfaces.is_empty() || !matches!(agent.socket_lb, SocketLb::All | SocketLb::Tcp)
-    {
-        info!(
-            socket_lb = agent.socket_lb.name(),
-            "socket LB bypass from labels off: it needs --pod-interfaces and --socket-lb all or tcp"
-        );
-        return Ok(());
-    }
-    let root = match &agent.cgroup {
-        Some(c) => c.clone(),
-        None => crate::cgroup::cgroup2_mount()?,
-    };
-    let opts = Options {
-        selector,
-        root,
-        pins: PinDir::new(&agent.pin_path),
-        counters: counters.clone(),
     };
     info!(root = %opts.root.display(), "socket LB bypass: watching this node's Pods and the Namespaces");
     let bypass = Bypass::new(opts)?;
@@ -413,6 +411,72 @@ pub fn start(
     );
     tokio::spawn(bypass.run(rx));
     Ok(())
+}
+
+/// The manifests directory's counterpart of [`start`]: the directory's Pods and
+/// Namespaces go to the bypass, everything else to `syncer`. Returns the sender the
+/// directory's thread writes to (`syncer` itself when the bypass is off).
+pub fn start_manifests(
+    agent: &crate::agent::AgentOptions,
+    counters: &SourceCounters,
+    syncer: mpsc::Sender<Update>,
+) -> anyhow::Result<mpsc::Sender<Update>> {
+    let Some(opts) = options(agent, counters)? else {
+        return Ok(syncer);
+    };
+    info!(root = %opts.root.display(), "socket LB bypass: reading Pods and Namespaces from the manifests directory");
+    let bypass = Bypass::new(opts)?;
+    let (tx, mut rx) = mpsc::channel(4096);
+    let (bypass_tx, bypass_rx) = mpsc::channel(1024);
+    tokio::spawn(bypass.run(bypass_rx));
+    tokio::spawn(async move {
+        while let Some(u) = rx.recv().await {
+            let kind = match &u {
+                Update::Snapshot { kind, .. } | Update::Delete { kind, .. } => *kind,
+                Update::Apply(o) => o.kind(),
+            };
+            let to = match kind {
+                Kind::Pod | Kind::Namespace => &bypass_tx,
+                _ => &syncer,
+            };
+            if to.send(u).await.is_err() {
+                return;
+            }
+        }
+    });
+    Ok(tx)
+}
+
+/// The bypass's options when it can matter: a selector is set, socket LB takes pods'
+/// sockets (`all`, `tcp`) and pods have the per-packet path (`--pod-interfaces`);
+/// otherwise `None`, said once.
+fn options(
+    agent: &crate::agent::AgentOptions,
+    counters: &SourceCounters,
+) -> anyhow::Result<Option<Options>> {
+    use crate::socklb::SocketLb;
+    let Some(selector) = agent.socket_lb_bypass.clone() else {
+        return Ok(None);
+    };
+    if agent.pod_interfaces.is_empty() || !matches!(agent.socket_lb, SocketLb::All | SocketLb::Tcp)
+    {
+        info!(
+            socket_lb = agent.socket_lb.name(),
+            "socket LB bypass from labels off: it needs --pod-interfaces and --socket-lb all or tcp"
+        );
+        return Ok(None);
+    }
+    let root = match &agent.cgroup {
+        Some(c) => c.clone(),
+        None => crate::cgroup::cgroup2_mount()?,
+    };
+    Ok(Some(Options {
+        selector,
+        root,
+        pins: PinDir::new(&agent.pin_path),
+        counters: counters.clone(),
+        node_name: agent.node_name.clone(),
+    }))
 }
 
 #[cfg(test)]

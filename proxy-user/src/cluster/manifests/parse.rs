@@ -120,7 +120,11 @@ pub(super) fn parse_doc(
             "Service" => Kind::Service,
             "EndpointSlice" => Kind::EndpointSlice,
             "Node" => Kind::Node,
-            "List" | "ServiceList" | "EndpointSliceList" | "NodeList" => {
+            // For the socket-LB bypass (`crate::podbypass`), not the syncer.
+            "Pod" => Kind::Pod,
+            "Namespace" => Kind::Namespace,
+            "List" | "ServiceList" | "EndpointSliceList" | "NodeList" | "PodList"
+            | "NamespaceList" => {
                 if let Some(Value::Array(items)) = doc.get("items").cloned() {
                     stack.extend(items.into_iter().rev());
                 }
