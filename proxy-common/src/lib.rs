@@ -435,6 +435,13 @@ pub mod socket_lb {
     pub const HOST_ONLY: u64 = 2;
     /// None.
     pub const OFF: u64 = 3;
+    /// The key in `SOCK_LB_BYPASS` (no cgroup has id 0) whose value is the set of cgroup
+    /// levels (bit `l`: level `l`, 0 the hierarchy's root) at which bypassed pod cgroups
+    /// sit: the hooks look each such ancestor of the caller's cgroup up, so a pod's
+    /// containers, in child cgroups made after the pod's, are covered as they appear.
+    pub const BYPASS_LEVELS: u64 = 0;
+    /// The deepest cgroup level [`BYPASS_LEVELS`] can name (its value is a `u8`).
+    pub const BYPASS_MAX_LEVEL: u32 = 7;
 }
 
 /// `META[ACCELERATION]`: where the node's north-south traffic is handled first.

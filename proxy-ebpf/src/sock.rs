@@ -16,7 +16,10 @@ use aya_ebpf::{
     bindings::{bpf_sock, bpf_sock_addr},
     helpers::{
         bpf_get_socket_cookie,
-        generated::{bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_set_retval},
+        generated::{
+            bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_get_netns_cookie,
+            bpf_set_retval,
+        },
     },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
@@ -124,15 +127,14 @@ fn netns(ctx: &SockAddrContext) -> u64 {
 }
 
 /// Whether the socket hooks translate this socket (`--socket-lb`): never one whose
-/// cgroup is in `SOCK_LB_BYPASS` (checked first); then by mode: every socket, TCP ones
-/// and any in the host's network namespace, only those in the host's, or none. A socket
-/// left alone reaches the frontend itself, translated per packet on its pod's interface.
+/// cgroup, or an ancestor of it at a level in `SOCK_LB_BYPASS[BYPASS_LEVELS]` (a pod's
+/// cgroup above its containers'), is in `SOCK_LB_BYPASS` (checked first); then by mode:
+/// every socket, TCP ones and any in the host's network namespace, only those in the
+/// host's, or none. A socket left alone reaches the frontend itself, translated per
+/// packet on its pod's interface.
 #[inline(always)]
 fn socket_lb_applies(ctx: &SockAddrContext, proto: u8) -> bool {
-    // SAFETY: no preconditions (cgroup programs).
-    let cgroup = unsafe { bpf_get_current_cgroup_id() };
-    // SAFETY: a read of a map value copied out at once.
-    if unsafe { SOCK_LB_BYPASS.get(&cgroup) }.is_some() {
+    if bypassed() {
         return false;
     }
     let mode = SOCK_LB
@@ -148,6 +150,35 @@ fn socket_lb_applies(ctx: &SockAddrContext, proto: u8) -> bool {
             host != 0 && netns(ctx) == host
         }
     }
+}
+
+/// Whether the caller's cgroup or one of its ancestors at the levels the agent names is
+/// in `SOCK_LB_BYPASS`. Cost: one lookup when no pod is bypassed (no levels), plus one
+/// helper call and one lookup per named level (one or two on a kubelet node).
+#[inline(never)]
+fn bypassed() -> bool {
+    // SAFETY: no preconditions (cgroup programs).
+    let cgroup = unsafe { bpf_get_current_cgroup_id() };
+    // SAFETY: reads of map values copied out at once.
+    if unsafe { SOCK_LB_BYPASS.get(&cgroup) }.is_some() {
+        return true;
+    }
+    let Some(&levels) = (unsafe { SOCK_LB_BYPASS.get(&socket_lb::BYPASS_LEVELS) }) else {
+        return false;
+    };
+    let mut level = 0u32;
+    while level <= socket_lb::BYPASS_MAX_LEVEL {
+        if levels & (1 << level) != 0 {
+            // SAFETY: no preconditions (cgroup programs run in process context); 0 when
+            // the caller's cgroup is shallower than `level`.
+            let id = unsafe { bpf_get_current_ancestor_cgroup_id(level as i32) };
+            if id != 0 && unsafe { SOCK_LB_BYPASS.get(&id) }.is_some() {
+                return true;
+            }
+        }
+        level += 1;
+    }
+    false
 }
 
 #[inline(always)]

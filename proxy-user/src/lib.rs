@@ -23,6 +23,7 @@ pub mod migrate;
 pub mod model;
 pub mod node;
 pub mod pins;
+pub mod podbypass;
 pub mod podif;
 #[cfg(feature = "prog-run")]
 pub mod prog_run;

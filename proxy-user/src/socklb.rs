@@ -127,6 +127,22 @@ pub fn set_bypass(pins: impl Into<PinDir>, cgroup: u64, bypass: bool) -> Result<
     })
 }
 
+/// How many cgroups are in `SOCK_LB_BYPASS` (the levels entry not counted); `Ok(0)` for
+/// pins without the map.
+pub fn bypassed(pins: &PinDir) -> Result<usize, PinError> {
+    let map: HashMap<MapData, u64, u8> =
+        match pins.typed(map_names::SOCK_LB_BYPASS, Access::ReadOnly) {
+            Ok(m) => m,
+            Err(PinError::Missing { .. }) => return Ok(0),
+            Err(e) => return Err(e),
+        };
+    Ok(map
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| *k != socket_lb::BYPASS_LEVELS)
+        .count())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -139,7 +139,14 @@ fn start_in_pod(env: &TestEnv, api: &FakeApiServer, sa: &ServiceAccountVolume) -
             // Nothing to fall back on.
             ("KUBECONFIG", "/nonexistent"),
         ],
-        &[],
+        // Pod interfaces (a name no interface has: nothing is attached) turn the socket-LB
+        // bypass's Pod and Namespace watches on, so the RBAC check covers them.
+        &[
+            "--socket-lb",
+            "all",
+            "--pod-interfaces",
+            &format!("nopod{}", std::process::id()),
+        ],
     )
 }
 

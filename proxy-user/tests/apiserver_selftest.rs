@@ -19,7 +19,10 @@ use std::{
 };
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Namespace, Node, Pod, Service},
+    discovery::v1::EndpointSlice,
+};
 use kube::{
     api::{Api, ListParams, WatchEvent, WatchParams},
     config::{KubeConfigOptions, Kubeconfig},
@@ -575,6 +578,72 @@ async fn stop_and_restart_converge_with_default_backoff() {
     services.expect(&["Apply default/d"]).await;
 }
 
+/// Pods and Namespaces as kube-apiserver serves them to a node agent: Pods across
+/// namespaces selected by `spec.nodeName` (a field selector no other kind takes: 400),
+/// Namespaces cluster-scoped with their labels, and a watch that sees a pod's label change.
+#[tokio::test]
+async fn pods_by_node_name_and_namespaces() {
+    let server = FakeApiServer::start();
+    let pod = |ns: &str, name: &str, node: &str| {
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+               "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x"}]}})
+    };
+    server.apply(pod("a", "p1", "node-a"));
+    server.apply(pod("b", "p2", "node-a"));
+    server.apply(pod("a", "p3", "node-b"));
+    server.apply(json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": "a", "labels": {"istio.io/dataplane-mode": "ambient"}}}));
+    let client = client_for(&server).await;
+    let pods = Api::<Pod>::all(client.clone());
+    let on_a = ListParams::default().fields("spec.nodeName=node-a");
+    let listed = pods.list(&on_a).await.expect("list pods");
+    let mut names: Vec<String> = listed.items.iter().map(|p| p.name_any()).collect();
+    names.sort();
+    assert_eq!(names, ["p1", "p2"]);
+    assert!(
+        listed.items.iter().all(|p| p.uid().is_some()),
+        "uids assigned"
+    );
+    let namespaces = Api::<Namespace>::all(client.clone());
+    let ns = namespaces
+        .list(&ListParams::default())
+        .await
+        .expect("list namespaces");
+    assert_eq!(ns.items.len(), 1);
+    assert_eq!(ns.items[0].labels()["istio.io/dataplane-mode"], "ambient");
+    let err = Api::<Service>::all(client.clone())
+        .list(&ListParams::default().fields("spec.nodeName=node-a"))
+        .await
+        .expect_err("spec.nodeName is a Pod field");
+    assert!(
+        matches!(err, kube::Error::Api(ref s) if s.code == 400),
+        "{err:?}"
+    );
+
+    let rv = listed.metadata.resource_version.expect("rv");
+    let mut events = pods
+        .watch(&WatchParams::default().fields("spec.nodeName=node-a"), &rv)
+        .await
+        .expect("watch")
+        .boxed();
+    server.apply(pod("a", "p4", "node-b"));
+    let mut p1 = pod("a", "p1", "node-a");
+    p1["metadata"]["labels"] = json!({"x": "y"});
+    server.apply(p1);
+    let event = tokio::time::timeout(Duration::from_secs(5), events.next())
+        .await
+        .expect("an event")
+        .expect("stream open")
+        .expect("event");
+    match event {
+        WatchEvent::Modified(p) => {
+            assert_eq!(p.name_any(), "p1", "another node's pod is not sent");
+            assert_eq!(p.labels()["x"], "y");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn api_calls_selectors_and_errors() {
     let server = FakeApiServer::start();
@@ -785,7 +854,7 @@ fn raw_http_from_sync_code() {
     assert!(list["metadata"].get("continue").is_none());
 
     writer
-        .write_all(b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n")
+        .write_all(b"GET /api/v1/configmaps HTTP/1.1\r\nHost: x\r\n\r\n")
         .expect("send unknown");
     let (status, _, body) = read_response(&mut reader);
     assert!(status.starts_with("HTTP/1.1 404"), "{status}");

@@ -455,6 +455,9 @@ fn check(objects: &[Object], expect: &Expect, origin: &str) {
     let wanted: BTreeMap<(String, String), BTreeSet<String>> = [
         ("", "services"),
         ("", "nodes"),
+        // The socket-LB bypass: this node's Pods and the Namespaces (their labels).
+        ("", "pods"),
+        ("", "namespaces"),
         ("discovery.k8s.io", "endpointslices"),
         ("networking.k8s.io", "servicecidrs"),
     ]

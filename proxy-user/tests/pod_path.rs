@@ -24,7 +24,8 @@ use std::{
 
 use proxy_common::Reason;
 use proxy_user::{socklb, BpfMaps};
-use support::{run, unique, AgentProcess, Netns, Server, TestEnv};
+use serde_json::{json, Value};
+use support::{apiserver::FakeApiServer, run, unique, AgentProcess, Netns, Server, TestEnv};
 
 const NODE_ADDR: &str = "10.100.0.2";
 const GATEWAY: &str = "169.254.1.1";
@@ -253,6 +254,8 @@ fn follow_backend_change(
 struct Bed {
     // Field order is drop order.
     agent: Option<AgentProcess>,
+    /// The API source (`Bed::with_api`), listening inside the node namespace.
+    api: Option<FakeApiServer>,
     _servers: Vec<Server>,
     pods: Vec<Netns>,
     node: Node,
@@ -268,6 +271,23 @@ impl Bed {
 
     /// `env` (whose cgroup this process may have joined) and extra agent arguments.
     fn with(env: TestEnv, manifests: &[(&str, String)], extra: &[&str]) -> Self {
+        Self::start(env, manifests, None, extra)
+    }
+
+    /// Like [`Self::with`], but the agent reads the test apiserver (started in the node
+    /// namespace, objects applied by `setup` before the agent starts) instead of a
+    /// manifests directory.
+    fn with_api(env: TestEnv, setup: impl FnOnce(&FakeApiServer), extra: &[&str]) -> Self {
+        Self::start(env, &[], Some(Box::new(setup)), extra)
+    }
+
+    #[allow(clippy::type_complexity, reason = "a one-off set-up callback")]
+    fn start(
+        env: TestEnv,
+        manifests: &[(&str, String)],
+        api_setup: Option<Box<dyn FnOnce(&FakeApiServer) + '_>>,
+        extra: &[&str],
+    ) -> Self {
         let node = Node::new();
         let mut pods = Vec::new();
         let mut servers = Vec::new();
@@ -289,12 +309,25 @@ impl Bed {
             write(&dir, name, text);
         }
         let dir_s = dir.to_str().expect("utf-8").to_string();
-        let mut args = vec!["--manifests", &dir_s, "--pod-interfaces", "lxc*"];
+        let kubeconfig = dir.join("kubeconfig");
+        let kubeconfig_s = kubeconfig.to_str().expect("utf-8").to_string();
+        let api = api_setup.map(|setup| {
+            let api = FakeApiServer::start_in_netns(&node.node.path());
+            api.write_kubeconfig(&kubeconfig);
+            setup(&api);
+            api
+        });
+        let mut args = match api {
+            Some(_) => vec!["--kubeconfig", &kubeconfig_s],
+            None => vec!["--manifests", &dir_s],
+        };
+        args.extend_from_slice(&["--pod-interfaces", "lxc*"]);
         args.extend_from_slice(extra);
         let mut agent = AgentProcess::start_in(&env, Some(&node.node), &args);
         agent.wait_healthy(Duration::from_secs(30));
         Self {
             agent: Some(agent),
+            api,
             _servers: servers,
             pods,
             node,
@@ -876,4 +909,315 @@ impl Capture {
         }
         false
     }
+}
+
+/// The ClusterIP Service of the bypass test (TCP 80 -> 8080 on pod b), as API objects.
+fn api_service() -> [Value; 2] {
+    [
+        json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "cip", "namespace": "default"},
+            "spec": {"type": "ClusterIP", "clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10"],
+                     "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]}}),
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "cip-1", "namespace": "default",
+                         "labels": {"kubernetes.io/service-name": "cip"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [{"addresses": ["10.244.0.11"], "nodeName": "node-a",
+                           "conditions": {"ready": true}}]}),
+    ]
+}
+
+const AMBIENT: &str = "istio.io/dataplane-mode";
+
+fn api_pod(namespace: &str, name: &str, node: &str, ambient: bool) -> Value {
+    let labels = if ambient {
+        json!({"app": name, AMBIENT: "ambient"})
+    } else {
+        json!({"app": name})
+    };
+    json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x"}]},
+        "status": {"phase": "Running"}})
+}
+
+fn api_namespace(name: &str, ambient: bool) -> Value {
+    let labels = if ambient {
+        json!({AMBIENT: "ambient"})
+    } else {
+        json!({})
+    };
+    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}})
+}
+
+/// kubelet-like cgroups under the test's cgroup: a pod's directory and one container's
+/// child in it, removed (children first) on drop.
+struct PodCgroup {
+    pod: PathBuf,
+    container: PathBuf,
+    made: Vec<PathBuf>,
+}
+
+impl PodCgroup {
+    /// `rel` is the pod's directory under the cgroup root, as kubelet names it.
+    fn new(root: &Path, rel: &str) -> Self {
+        let pod = root.join(rel);
+        let mut made = Vec::new();
+        let mut dir = root.to_path_buf();
+        for part in Path::new(rel).components() {
+            dir.push(part);
+            if !dir.exists() {
+                fs::create_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+                made.push(dir.clone());
+            }
+        }
+        let container = pod.join("cri-containerd-0123abcd.scope");
+        fs::create_dir(&container).expect("container cgroup");
+        made.push(container.clone());
+        Self {
+            pod,
+            container,
+            made,
+        }
+    }
+}
+
+impl Drop for PodCgroup {
+    fn drop(&mut self) {
+        for d in self.made.iter().rev() {
+            let _ = fs::remove_dir(d);
+        }
+    }
+}
+
+/// Waits until the agent's log has `n` lines containing `what` (10 s).
+fn wait_log(bed: &Bed, what: &str, n: usize) {
+    let start = Instant::now();
+    while bed.logs().matches(what).count() < n {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no {n}x {what:?} in the agent's log after 10 s:\n{}",
+            bed.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One TCP exchange with the ClusterIP from a process in `cgroup` (a container's) and
+/// pod a's network namespace; whether the socket hooks translated it (else TC did, per
+/// packet: asserted either way, with the answer from the backend and the frontend as
+/// the peer). With `capture`, the ClusterIP must also be seen on the pod's interface.
+fn exchange(bed: &Bed, cgroup: &Path, capture: bool) -> bool {
+    let pins = bed.env.pins.path.clone();
+    let cap = capture.then(|| Capture::start(&bed.node.node, "lxca"));
+    let (translated, tc_flows) = (
+        counter(&pins, Reason::Translated),
+        counter(&pins, Reason::TcNewFlow),
+    );
+    let out = in_cgroup(
+        cgroup,
+        &bed.pods[0],
+        "import socket; s = socket.create_connection(('10.96.0.10', 80), timeout=3); \
+         s.sendall(b'hi\\n'); print(s.recv(100).decode().split()[0], s.getpeername()[0])",
+    );
+    assert_eq!(out.trim(), "podb 10.96.0.10", "answer and peer");
+    let by_socket = counter(&pins, Reason::Translated) - translated;
+    let by_tc = counter(&pins, Reason::TcNewFlow) - tc_flows;
+    assert_eq!(
+        (by_socket + by_tc, by_socket.min(by_tc)),
+        (1, 0),
+        "one translation, socket or TC: {by_socket} socket, {by_tc} TC"
+    );
+    if let Some(cap) = cap {
+        assert!(
+            cap.wait_for(|f| f.proto == 6
+                && f.dst == [10, 96, 0, 10]
+                && f.dport == 80
+                && f.src == [10, 244, 0, 10]),
+            "no packet to the ClusterIP seen on lxca"
+        );
+    }
+    by_socket == 1
+}
+
+/// The socket-LB bypass from labels, through the API (what ships): the agent watches
+/// this node's Pods and the Namespaces and puts a selected pod's kubelet cgroup in
+/// `SOCK_LB_BYPASS`; a process in a container's cgroup (a child of the pod's, which the
+/// hooks reach through its ancestor) then sends to the ClusterIP itself (seen on the
+/// pod's interface) and is balanced per packet. A pod labelled before kubelet made its
+/// cgroup is bypassed once the cgroup appears; removing the label returns it to socket
+/// LB; a namespace label works the same (systemd and cgroupfs layouts); an unlabelled
+/// pod, a labelled pod of another node and a labelled host-network pod keep socket LB.
+#[test]
+fn socket_lb_bypass_from_pod_and_namespace_labels() {
+    let bed = Bed::with_api(
+        TestEnv::without_datapath(0),
+        |api| {
+            api.apply_many(api_service());
+            api.apply(api_namespace("default", false));
+            api.apply(api_namespace("mesh", true));
+            api.apply(api_pod("default", "client", "node-a", true));
+            api.apply(api_pod("default", "plain", "node-a", false));
+            api.apply(api_pod("mesh", "inmesh", "node-a", false));
+            api.apply(api_pod("default", "remote", "node-b", true));
+            let mut hostnet = api_pod("default", "hostnet", "node-a", true);
+            hostnet["spec"]["hostNetwork"] = true.into();
+            api.apply(hostnet);
+        },
+        &["--socket-lb", "tcp"],
+    );
+    let api = bed.api.as_ref().expect("api");
+    let uid = |ns: &str, name: &str| {
+        api.get("Pod", ns, name).expect("pod")["metadata"]["uid"]
+            .as_str()
+            .expect("uid")
+            .to_string()
+    };
+    let root = bed.env.cgroup.path.clone();
+    let (client, plain, inmesh, remote, hostnet) = (
+        uid("default", "client"),
+        uid("default", "plain"),
+        uid("mesh", "inmesh"),
+        uid("default", "remote"),
+        uid("default", "hostnet"),
+    );
+    // The labelled pod's cgroup does not exist yet: the agent waits for it.
+    wait_log(&bed, "the pod's cgroup is not there yet", 2);
+    let systemd = |qos: &str, uid: &str| {
+        format!(
+            "kubepods.slice/kubepods-{qos}.slice/kubepods-{qos}-pod{}.slice",
+            uid.replace('-', "_")
+        )
+    };
+    let client_cg = PodCgroup::new(&root, &systemd("burstable", &client));
+    let plain_cg = PodCgroup::new(
+        &root,
+        &format!(
+            "kubepods.slice/kubepods-pod{}.slice",
+            plain.replace('-', "_")
+        ),
+    );
+    let inmesh_cg = PodCgroup::new(&root, &format!("kubepods/besteffort/pod{inmesh}"));
+    // Another node's pod: never watched (fieldSelector spec.nodeName), whatever its cgroup.
+    let remote_cg = PodCgroup::new(&root, &systemd("besteffort", &remote));
+    // A host-network pod: its traffic has no pod interface to be translated on.
+    let hostnet_cg = PodCgroup::new(&root, &systemd("besteffort", &hostnet));
+    wait_log(&bed, "socket LB bypassed for the pod", 2);
+
+    assert!(
+        !exchange(&bed, &client_cg.container, true),
+        "a labelled pod's container: per packet"
+    );
+    assert!(
+        !exchange(&bed, &inmesh_cg.container, true),
+        "a pod of a labelled namespace: per packet"
+    );
+    assert!(
+        exchange(&bed, &plain_cg.container, false),
+        "an unlabelled pod keeps socket LB"
+    );
+    assert!(
+        exchange(&bed, &remote_cg.container, false),
+        "another node's pod is not this agent's"
+    );
+    assert!(
+        exchange(&bed, &hostnet_cg.container, false),
+        "a host-network pod keeps socket LB"
+    );
+    assert!(
+        !exchange(&bed, &client_cg.pod, false),
+        "the pod's own cgroup too"
+    );
+
+    // The label removed from the pod, then from the namespace: socket LB again.
+    api.apply(api_pod("default", "client", "node-a", false));
+    wait_log(&bed, "socket LB applies again to the pod", 1);
+    assert!(
+        exchange(&bed, &client_cg.container, false),
+        "the pod without its label"
+    );
+    api.apply(api_namespace("mesh", false));
+    wait_log(&bed, "socket LB applies again to the pod", 2);
+    assert!(
+        exchange(&bed, &inmesh_cg.container, false),
+        "the namespace without its label"
+    );
+    // Labelled again, then the pod deleted: its entry goes.
+    api.apply(api_pod("default", "client", "node-a", true));
+    wait_log(&bed, "socket LB bypassed for the pod", 3);
+    assert!(!exchange(&bed, &client_cg.container, false));
+    api.delete("Pod", "default", "client");
+    wait_log(&bed, "socket LB applies again to the pod", 3);
+    assert!(exchange(&bed, &client_cg.container, false));
+    assert!(
+        !bed.logs().contains(&remote),
+        "the other node's pod was never seen"
+    );
+}
+
+fn manifest_pod(name: &str, uid: &str, node: &str, ambient: bool) -> String {
+    let label = if ambient {
+        ", istio.io/dataplane-mode: ambient"
+    } else {
+        ""
+    };
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: default, uid: {uid}, labels: {{app: {name}{label}}}}}\nspec: {{nodeName: {node}, containers: [{{name: c, image: x}}]}}\n"
+    )
+}
+
+/// The same bypass from a manifests directory (tests and demos without an API server):
+/// its Pods (this node's only) and Namespaces go to the bypass, the rest to the syncer.
+#[test]
+fn socket_lb_bypass_from_a_manifests_directory() {
+    let (uid, other) = (
+        "0b0e0001-aaaa-4bbb-8ccc-000000000001",
+        "0b0e0001-aaaa-4bbb-8ccc-000000000002",
+    );
+    let bed = Bed::with(
+        TestEnv::without_datapath(0),
+        &[
+            (
+                "cip.yaml",
+                service(
+                    "cip",
+                    8080,
+                    "10.96.0.10",
+                    "Cluster",
+                    None,
+                    &[("10.244.0.11", "node-a")],
+                ),
+            ),
+            ("pod.yaml", manifest_pod("client", uid, "node-a", true)),
+            (
+                "other.yaml",
+                manifest_pod("elsewhere", other, "node-b", true),
+            ),
+        ],
+        &["--socket-lb", "tcp"],
+    );
+    let root = bed.env.cgroup.path.clone();
+    let client_cg = PodCgroup::new(&root, &format!("kubepods/burstable/pod{uid}"));
+    let other_cg = PodCgroup::new(&root, &format!("kubepods/burstable/pod{other}"));
+    wait_log(&bed, "socket LB bypassed for the pod", 1);
+    assert!(!exchange(&bed, &client_cg.container, true), "per packet");
+    assert!(
+        exchange(&bed, &other_cg.container, false),
+        "another node's pod"
+    );
+    write(
+        &bed.dir,
+        "pod.yaml",
+        &manifest_pod("client", uid, "node-a", false),
+    );
+    wait_log(&bed, "socket LB applies again to the pod", 1);
+    assert!(
+        exchange(&bed, &client_cg.container, false),
+        "the label removed"
+    );
+    assert_eq!(
+        bed.logs().matches("socket LB bypassed for the pod").count(),
+        1
+    );
 }

@@ -69,6 +69,8 @@ pub struct AgentOptions {
     pub pod_interfaces: crate::podif::Patterns,
     /// `--socket-lb`: which sockets the socket hooks translate (`SOCK_LB`).
     pub socket_lb: crate::socklb::SocketLb,
+    /// `--socket-lb-bypass-selector` (`None`: no bypass from labels).
+    pub socket_lb_bypass: Option<crate::podbypass::BypassSelector>,
     /// The ceiling of the conntrack tables in flows per address family
     /// (`--conntrack-max`): they grow online up to it ([`crate::ctsize`]).
     pub conntrack_flows: u32,
@@ -321,6 +323,7 @@ async fn start_source(
         Some(dir) => {
             info!(dir = %dir.display(), node = %opts.node_name, "source: manifests directory");
             let source = manifests::ManifestsDir::new(dir, metrics.source.clone());
+            let tx = crate::podbypass::start_manifests(opts, &metrics.source, tx)?;
             manifests::spawn(source, opts.manifests_poll, tx)
                 .context("starting the manifests thread")?;
         }
@@ -332,6 +335,7 @@ async fn start_source(
             let host = kube_source::host(&config);
             let client = kube_source::client_from(config)?;
             info!(node = %opts.node_name, %host, "source: Kubernetes API");
+            crate::podbypass::start(opts, &metrics.source, &client, &host)?;
             kube_source::spawn(
                 client,
                 &host,

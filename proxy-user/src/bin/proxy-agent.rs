@@ -16,6 +16,7 @@ use proxy_user::{
     cleanup,
     cluster::lb_algorithm::LbAlgorithm,
     loader,
+    podbypass::BypassSelector,
     podif::{Patterns, DEFAULT_POD_INTERFACES},
     socklb::SocketLb,
     Acceleration, ForwardingMode, TcAttachMode, DEFAULT_PIN_PATH,
@@ -173,6 +174,18 @@ struct RunArgs {
     /// `SOCK_LB_BYPASS` are never translated (per-pod bypass).
     #[arg(long, env = "PROXY_SOCKET_LB", default_value = "auto")]
     socket_lb: String,
+    /// Pods whose sockets the socket hooks leave alone, by a label selector (`k=v`,
+    /// `k!=v`, `k`, `!k`, comma-joined, all must hold) on the pod's labels or, when the
+    /// pod has none of its keys, its namespace's; `none` for no bypass. Read from the API
+    /// (this node's Pods and the Namespaces) when socket LB takes pods' sockets (`all`,
+    /// `tcp`) and `--pod-interfaces` are set: such a pod's traffic goes per packet on its
+    /// interface, where a mesh sees the ClusterIP. The default is Istio ambient's label.
+    #[arg(
+        long,
+        env = "PROXY_SOCKET_LB_BYPASS_SELECTOR",
+        default_value = proxy_user::podbypass::selector::DEFAULT
+    )]
+    socket_lb_bypass_selector: String,
     /// The ceiling of the TC datapath's conntrack tables, in flows per address family
     /// (each flow takes two entries): they start at `--conntrack-start` and the running
     /// agent grows them x2 online (staged migration: flows copied, programs swapped) when
@@ -488,6 +501,8 @@ fn main() -> Result<()> {
                         })?
                     }
                 },
+                socket_lb_bypass: BypassSelector::parse(&args.socket_lb_bypass_selector)
+                    .map_err(|e| anyhow::anyhow!("--socket-lb-bypass-selector {e}"))?,
                 conntrack_flows: args.conntrack_max,
                 conntrack_start: args.conntrack_start,
                 service_entries: args.service_map_entries,

@@ -34,6 +34,8 @@ fn path(kind: Kind) -> &'static str {
         Kind::EndpointSlice => "/apis/discovery.k8s.io/v1/endpointslices",
         Kind::Node => "/api/v1/nodes",
         Kind::ServiceCidr => "/apis/networking.k8s.io/v1/servicecidrs",
+        Kind::Pod => "/api/v1/pods",
+        Kind::Namespace => "/api/v1/namespaces",
     }
 }
 
@@ -101,6 +103,35 @@ pub fn spawn(
             tx: tx.clone(),
             metrics: metrics.clone(),
             proxy_name: proxy_name.map(str::to_string),
+            idle_timeout,
+        };
+        tokio::spawn(reader.run());
+    }
+}
+
+/// Starts the socket-LB bypass's two watches (`crate::podbypass`): this node's Pods
+/// (`fieldSelector=spec.nodeName=<node>`, what kubelet itself watches) and Namespaces;
+/// their updates go to `tx`.
+pub fn spawn_pods(
+    client: Client,
+    host: &str,
+    node_name: &str,
+    tx: mpsc::Sender<Update>,
+    metrics: SourceCounters,
+    idle_timeout: Duration,
+) {
+    for (kind, selector) in [
+        (Kind::Pod, format!("spec.nodeName={node_name}")),
+        (Kind::Namespace, String::new()),
+    ] {
+        let reader = Reader {
+            client: client.clone(),
+            host: host.to_string(),
+            kind,
+            selector: Selector::Fields(selector),
+            tx: tx.clone(),
+            metrics: metrics.clone(),
+            proxy_name: None,
             idle_timeout,
         };
         tokio::spawn(reader.run());

@@ -31,6 +31,11 @@ pub enum Kind {
     /// `networking.k8s.io/v1` `ServiceCIDR` (GA in 1.33): the ranges ClusterIPs are
     /// allocated from, read from the API only.
     ServiceCidr,
+    /// This node's Pods (`spec.nodeName`), reduced to what the socket-LB bypass reads
+    /// ([`crate::podbypass`]); read from the API only, never by the syncer.
+    Pod,
+    /// Namespaces, reduced to their labels (the socket-LB bypass); API only.
+    Namespace,
 }
 
 impl Kind {
@@ -40,6 +45,8 @@ impl Kind {
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
             Kind::ServiceCidr => "ServiceCIDR",
+            Kind::Pod => "Pod",
+            Kind::Namespace => "Namespace",
         }
     }
 }
@@ -65,6 +72,8 @@ pub enum Object {
     ReducedService(Box<Reduced<ServiceInfo>>),
     ReducedSlice(Box<Reduced<SliceInfo>>),
     ServiceCidr(Box<ServiceCidrInfo>),
+    Pod(Box<crate::podbypass::PodInfo>),
+    Namespace(Box<crate::podbypass::NamespaceInfo>),
 }
 
 /// An object reduced where it was decoded (`cluster::api_decode`): its key, what
@@ -107,6 +116,8 @@ impl Object {
             Object::Slice(_) | Object::ReducedSlice(_) => Kind::EndpointSlice,
             Object::Node(_) => Kind::Node,
             Object::ServiceCidr(_) => Kind::ServiceCidr,
+            Object::Pod(_) => Kind::Pod,
+            Object::Namespace(_) => Kind::Namespace,
         }
     }
 
@@ -118,6 +129,8 @@ impl Object {
             Object::ReducedService(r) => return r.key.clone(),
             Object::ReducedSlice(r) => return r.key.clone(),
             Object::ServiceCidr(c) => return c.key.clone(),
+            Object::Pod(p) => return p.key.clone(),
+            Object::Namespace(n) => return n.key.clone(),
         };
         ObjKey::new(
             meta.namespace.clone().unwrap_or_default(),

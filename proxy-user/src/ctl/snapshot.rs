@@ -32,6 +32,8 @@ pub struct Snapshot {
     /// `SOCK_LB[MODE]`: which sockets the socket hooks translate (`proxy_common::socket_lb`;
     /// `ALL` when not pinned).
     pub socket_lb: u64,
+    /// Pod cgroups in `SOCK_LB_BYPASS` (per-pod bypass, `--socket-lb-bypass-selector`).
+    pub socket_lb_bypassed: usize,
     /// `NODE_ADDRS4/6`; `None` when those maps are not pinned.
     pub node_addrs: Option<BTreeSet<IpAddr>>,
     /// `SRC_RANGE4/6`: service id -> allowed source prefixes.

@@ -888,6 +888,23 @@ fn explain_says_which_path_pods_and_the_host_take_under_socket_lb() {
         "{tcp:?}"
     );
 
+    // `all` with pods bypassed by label: those pods per packet.
+    s.socket_lb = proxy_common::socket_lb::ALL;
+    s.socket_lb_bypassed = 2;
+    let all_bypass = traffic(&s, "10.96.0.100:80");
+    assert!(
+        all_bypass[0].1.starts_with("pods and processes"),
+        "{all_bypass:?}"
+    );
+    assert!(
+        all_bypass
+            .last()
+            .expect("pod")
+            .1
+            .contains("the 2 pod(s) in SOCK_LB_BYPASS (--socket-lb-bypass-selector)"),
+        "{all_bypass:?}"
+    );
+
     // `off`: no socket path at all.
     s.socket_lb = proxy_common::socket_lb::OFF;
     let off = traffic(&s, "10.96.0.100:80");

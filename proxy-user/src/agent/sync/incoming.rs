@@ -59,6 +59,8 @@ impl<S: MapStore> Syncer<S> {
             Object::ReducedSlice(r) => Incoming::Slice(*r),
             Object::Node(n) => Incoming::Node(n),
             Object::ServiceCidr(c) => Incoming::ServiceCidr(c),
+            // The socket-LB bypass's kinds go to `crate::podbypass`, never to the syncer.
+            Object::Pod(_) | Object::Namespace(_) => Incoming::NotSynced,
         }
     }
 
@@ -127,4 +129,6 @@ pub(super) enum Incoming {
     Slice(Reduced<SliceInfo>),
     Node(Box<Node>),
     ServiceCidr(Box<crate::cluster::ServiceCidrInfo>),
+    /// A kind the syncer does not read (Pods, Namespaces).
+    NotSynced,
 }

@@ -41,7 +41,7 @@ impl<S: MapStore> Syncer<S> {
                 match obj.kind() {
                     Kind::Service => self.metrics.kube_proxy.queued(true),
                     Kind::EndpointSlice => self.metrics.kube_proxy.queued(false),
-                    Kind::Node | Kind::ServiceCidr => {}
+                    Kind::Node | Kind::ServiceCidr | Kind::Pod | Kind::Namespace => {}
                 }
                 self.apply(obj, now)
             }
@@ -49,7 +49,7 @@ impl<S: MapStore> Syncer<S> {
                 match kind {
                     Kind::Service => self.metrics.kube_proxy.queued(true),
                     Kind::EndpointSlice => self.metrics.kube_proxy.queued(false),
-                    Kind::Node | Kind::ServiceCidr => {}
+                    Kind::Node | Kind::ServiceCidr | Kind::Pod | Kind::Namespace => {}
                 }
                 self.release(kind, &key, now);
                 match kind {
@@ -69,6 +69,7 @@ impl<S: MapStore> Syncer<S> {
                         let gone = self.index.service_cidrs.remove(&key);
                         self.service_cidrs_changed |= gone.is_some();
                     }
+                    Kind::Pod | Kind::Namespace => {}
                 }
             }
         }
@@ -83,6 +84,7 @@ impl<S: MapStore> Syncer<S> {
             Kind::EndpointSlice => self.snapshot_slices(objects, &mut still_invalid, now),
             Kind::Node => self.snapshot_nodes(objects, now),
             Kind::ServiceCidr => self.snapshot_service_cidrs(objects),
+            Kind::Pod | Kind::Namespace => {}
         }
         let gone: Vec<ObjKey> = self
             .held
@@ -240,6 +242,7 @@ impl<S: MapStore> Syncer<S> {
                     self.set_node(Some(&n), now);
                 }
             }
+            Incoming::NotSynced => {}
         }
     }
 

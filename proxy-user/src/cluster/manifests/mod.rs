@@ -203,18 +203,24 @@ impl ManifestsDir {
         };
         let updates = if first {
             self.scanned = true;
-            [Kind::Service, Kind::EndpointSlice, Kind::Node]
-                .into_iter()
-                .map(|k| Update::Snapshot {
-                    kind: k,
-                    objects: wanted
-                        .iter()
-                        .filter(|(kind, ..)| *kind == k)
-                        .filter_map(|(kind, key, hash, _)| take(*kind, key, *hash))
-                        .collect(),
-                    relist: false,
-                })
-                .collect()
+            [
+                Kind::Service,
+                Kind::EndpointSlice,
+                Kind::Node,
+                Kind::Pod,
+                Kind::Namespace,
+            ]
+            .into_iter()
+            .map(|k| Update::Snapshot {
+                kind: k,
+                objects: wanted
+                    .iter()
+                    .filter(|(kind, ..)| *kind == k)
+                    .filter_map(|(kind, key, hash, _)| take(*kind, key, *hash))
+                    .collect(),
+                relist: false,
+            })
+            .collect()
         } else {
             let mut ups = Vec::new();
             for (kind, key) in self.current.keys() {

@@ -120,7 +120,11 @@ pub(super) fn parse_doc(
             "Service" => Kind::Service,
             "EndpointSlice" => Kind::EndpointSlice,
             "Node" => Kind::Node,
-            "List" | "ServiceList" | "EndpointSliceList" | "NodeList" => {
+            // For the socket-LB bypass (`crate::podbypass`), not the syncer.
+            "Pod" => Kind::Pod,
+            "Namespace" => Kind::Namespace,
+            "List" | "ServiceList" | "EndpointSliceList" | "NodeList" | "PodList"
+            | "NamespaceList" => {
                 if let Some(Value::Array(items)) = doc.get("items").cloned() {
                     stack.extend(items.into_iter().rev());
                 }
@@ -178,6 +182,8 @@ pub fn decode(kind: Kind, v: Value) -> Result<Object, serde_json::Error> {
         Kind::Node => Object::Node(Box::new(serde_json::from_value(v)?)),
         // Not read from a manifests directory (`--service-cluster-ip-range` is its
         // source); decoded as the API reader does, should a caller ask.
-        Kind::ServiceCidr => crate::cluster::api_decode::object(kind, &v.to_string(), None)?,
+        Kind::ServiceCidr | Kind::Pod | Kind::Namespace => {
+            crate::cluster::api_decode::object(kind, &v.to_string(), None)?
+        }
     })
 }

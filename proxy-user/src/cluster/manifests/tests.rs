@@ -41,7 +41,9 @@ fn first_scan_snapshots_then_diffs() {
         [
             "snapshot Service [default/web]",
             "snapshot EndpointSlice [default/web-1]",
-            "snapshot Node []"
+            "snapshot Node []",
+            "snapshot Pod []",
+            "snapshot Namespace []"
         ]
     );
     assert!(dir.scan().expect("scan").is_empty(), "nothing changed");

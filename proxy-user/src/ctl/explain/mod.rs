@@ -375,10 +375,11 @@ fn serving_paths<'a>(
             })
             .collect();
     }
-    // Pods' traffic the socket hooks leave alone (`--socket-lb` other than `all`): TC on
-    // their host-side veths (`--pod-interfaces`), never XDP (added after the mapping above).
-    if from_pods && s.socket_lb != proxy_common::socket_lb::ALL {
-        paths.push(pod_tc_path(primary, s.socket_lb, primary.protocol));
+    // Pods' traffic the socket hooks leave alone (`--socket-lb` other than `all`, or pods
+    // bypassed by label): TC on their host-side veths (`--pod-interfaces`), never XDP
+    // (added after the mapping above).
+    if from_pods && (s.socket_lb != proxy_common::socket_lb::ALL || s.socket_lb_bypassed > 0) {
+        paths.push(pod_tc_path(primary, s, primary.protocol));
     }
     (paths, tc_view)
 }

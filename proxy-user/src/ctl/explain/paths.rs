@@ -71,14 +71,17 @@ fn socket_lb_traffic(mode: u64, protocol: &str) -> Option<&'static str> {
 
 /// The per-packet path of pods' traffic the socket hooks leave alone (`--socket-lb` other
 /// than `all`): TC on the pods' host-side veths.
-pub(super) fn pod_tc_path(v: &ServiceView, mode: u64, protocol: &str) -> PathView {
+pub(super) fn pod_tc_path(v: &ServiceView, s: &Snapshot, protocol: &str) -> PathView {
     use proxy_common::socket_lb;
-    let which = match mode {
-        socket_lb::TCP if protocol == "tcp" => {
-            "pods' sockets of a cgroup in SOCK_LB_BYPASS (per-pod bypass)"
-        }
-        socket_lb::TCP => "pods' UDP (--socket-lb tcp) and sockets of a cgroup in SOCK_LB_BYPASS",
-        _ => "every pod's socket",
+    let bypassed = format!(
+        "sockets of the {} pod(s) in SOCK_LB_BYPASS (--socket-lb-bypass-selector)",
+        s.socket_lb_bypassed
+    );
+    let which = match s.socket_lb {
+        socket_lb::TCP if protocol == "tcp" => bypassed,
+        socket_lb::ALL => bypassed,
+        socket_lb::TCP => format!("pods' UDP (--socket-lb tcp) and {bypassed}"),
+        _ => "every pod's socket".to_string(),
     };
     let mut p = tc_path(
         v,

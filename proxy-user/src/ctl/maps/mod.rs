@@ -156,6 +156,7 @@ pub struct Maps {
     xdp_stats: Option<PerCpuArray<MapData, u64>>,
     acceleration: u32,
     socket_lb: u64,
+    socket_lb_bypassed: usize,
     conns: PerCpuHashMap<MapData, u32, u64>,
     conns_fd: OwnedFd,
     ct4: Option<HashMap<MapData, Ct4Key, Ct4Value>>,
@@ -209,6 +210,7 @@ impl Maps {
             .ok()
             .flatten()
             .map_or(proxy_common::socket_lb::ALL, crate::socklb::SocketLb::value);
+        let socket_lb_bypassed = crate::socklb::bypassed(pins).unwrap_or(0);
         let (conns, conns_fd) = req!(pins.typed_with_fd(names::BACKEND_CONNS, ro));
         Ok(Self {
             dir: pins.path().to_owned(),
@@ -218,6 +220,7 @@ impl Maps {
             xdp_stats,
             acceleration,
             socket_lb,
+            socket_lb_bypassed,
             conns,
             conns_fd,
             ct4,
@@ -239,6 +242,7 @@ impl Maps {
             missing_maps: self.missing.clone(),
             acceleration: self.acceleration,
             socket_lb: self.socket_lb,
+            socket_lb_bypassed: self.socket_lb_bypassed,
             ..Snapshot::default()
         }
     }

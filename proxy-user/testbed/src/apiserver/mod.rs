@@ -117,6 +117,14 @@ impl FakeApiServer {
         Self::start_with(Some(Arc::new(Tls::new())))
     }
 
+    /// Like [`Self::start`], but listening on 127.0.0.1 inside the network namespace at
+    /// `netns` (an agent started there reaches it; a socket keeps the namespace it was
+    /// made in). [`Self::restart`] binds in the caller's namespace, so it is not for these.
+    pub fn start_in_netns(netns: &Path) -> Self {
+        let _in = crate::NetnsGuard::enter(netns);
+        Self::start_with(None)
+    }
+
     fn start_with(tls: Option<Arc<Tls>>) -> Self {
         let (handle_tx, handle_rx) = std_mpsc::channel();
         let (shutdown, shutdown_rx) = oneshot::channel::<()>();

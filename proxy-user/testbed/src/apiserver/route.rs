@@ -41,6 +41,7 @@ fn route(path: &str) -> Option<Route> {
     let kind_of = |resource: &str| match resource {
         "services" => Some(Kind::Service),
         "nodes" => Some(Kind::Node),
+        "pods" => Some(Kind::Pod),
         _ => None,
     };
     Some(match s[..] {
@@ -48,6 +49,9 @@ fn route(path: &str) -> Option<Route> {
         ["api", "v1", "nodes"] => Route::Collection(Kind::Node, None),
         ["api", "v1", "nodes", name] => Route::Object(Kind::Node, None, name.to_owned()),
         ["api", "v1", "services"] => Route::Collection(Kind::Service, None),
+        ["api", "v1", "pods"] => Route::Collection(Kind::Pod, None),
+        ["api", "v1", "namespaces"] => Route::Collection(Kind::Namespace, None),
+        ["api", "v1", "namespaces", name] => Route::Object(Kind::Namespace, None, name.to_owned()),
         ["api", "v1", "namespaces", ns, resource] => Route::Collection(
             kind_of(resource).filter(|k| k.namespaced())?,
             Some(ns.to_owned()),
@@ -161,7 +165,7 @@ pub(super) fn handle(shared: &Shared, request: &Request) -> Reply {
         Ok(labels) => labels,
         Err(e) => return Reply::Json(400, status(400, "BadRequest", e)),
     };
-    let fields = match parse_field_selector(param("fieldSelector")) {
+    let fields = match parse_field_selector(param("fieldSelector"), kind) {
         Ok(fields) => fields,
         Err(e) => return Reply::Json(400, status(400, "BadRequest", e)),
     };

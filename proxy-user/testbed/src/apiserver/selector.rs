@@ -31,6 +31,8 @@ impl LabelRequirement {
 enum Field {
     Name,
     Namespace,
+    /// A Pod's `spec.nodeName` (what kubelet and node agents watch their pods by).
+    NodeName,
 }
 
 #[derive(Debug)]
@@ -63,6 +65,7 @@ impl Filter {
                 let actual = match r.field {
                     Field::Name => name,
                     Field::Namespace => namespace,
+                    Field::NodeName => obj["spec"]["nodeName"].as_str().unwrap_or_default(),
                 };
                 (actual == r.value) != r.negated
             })
@@ -148,7 +151,12 @@ pub(super) fn parse_label_selector(selector: &str) -> Result<Vec<LabelRequiremen
     Ok(requirements)
 }
 
-pub(super) fn parse_field_selector(selector: &str) -> Result<Vec<FieldRequirement>, String> {
+/// kube-apiserver's field selectors per kind: `metadata.name` and `metadata.namespace`
+/// for all, `spec.nodeName` for Pods only (others get 400 "field label not supported").
+pub(super) fn parse_field_selector(
+    selector: &str,
+    kind: super::store::Kind,
+) -> Result<Vec<FieldRequirement>, String> {
     let mut requirements = Vec::new();
     for term in split_terms(selector) {
         let (path, value, negated) = if let Some((p, v)) = term.split_once("!=") {
@@ -163,9 +171,10 @@ pub(super) fn parse_field_selector(selector: &str) -> Result<Vec<FieldRequiremen
         let field = match path.trim() {
             "metadata.name" => Field::Name,
             "metadata.namespace" => Field::Namespace,
+            "spec.nodeName" if kind == super::store::Kind::Pod => Field::NodeName,
             other => {
                 return Err(format!(
-                    "field label not supported: {other} (the fake apiserver knows metadata.name and metadata.namespace)"
+                    "field label not supported: {other} (the fake apiserver knows metadata.name and metadata.namespace, and spec.nodeName for pods)"
                 ))
             }
         };

@@ -31,7 +31,7 @@ pub(super) fn apply_locked(store: &mut Store, mut obj: Value) {
         .to_owned();
     let kind = Kind::parse(&kind_name).unwrap_or_else(|| {
         panic!(
-            "FakeApiServer::apply: unsupported kind {kind_name:?} (Service, EndpointSlice, Node)"
+            "FakeApiServer::apply: unsupported kind {kind_name:?} (Service, EndpointSlice, Node, ServiceCIDR, Pod, Namespace)"
         )
     });
     if let Some(api_version) = obj.get("apiVersion").and_then(Value::as_str) {
@@ -147,6 +147,8 @@ pub(super) enum Kind {
     EndpointSlice,
     Node,
     ServiceCidr,
+    Pod,
+    Namespace,
 }
 
 impl Kind {
@@ -156,6 +158,8 @@ impl Kind {
             "EndpointSlice" => Some(Self::EndpointSlice),
             "Node" => Some(Self::Node),
             "ServiceCIDR" => Some(Self::ServiceCidr),
+            "Pod" => Some(Self::Pod),
+            "Namespace" => Some(Self::Namespace),
             _ => None,
         }
     }
@@ -166,6 +170,8 @@ impl Kind {
             Self::EndpointSlice => "EndpointSlice",
             Self::Node => "Node",
             Self::ServiceCidr => "ServiceCIDR",
+            Self::Pod => "Pod",
+            Self::Namespace => "Namespace",
         }
     }
 
@@ -176,19 +182,21 @@ impl Kind {
             Self::EndpointSlice => "endpointslices",
             Self::Node => "nodes",
             Self::ServiceCidr => "servicecidrs",
+            Self::Pod => "pods",
+            Self::Namespace => "namespaces",
         }
     }
 
     pub(super) fn api_version(self) -> &'static str {
         match self {
-            Self::Service | Self::Node => "v1",
+            Self::Service | Self::Node | Self::Pod | Self::Namespace => "v1",
             Self::EndpointSlice => "discovery.k8s.io/v1",
             Self::ServiceCidr => "networking.k8s.io/v1",
         }
     }
 
     pub(super) fn namespaced(self) -> bool {
-        !matches!(self, Self::Node | Self::ServiceCidr)
+        !matches!(self, Self::Node | Self::ServiceCidr | Self::Namespace)
     }
 }
 

@@ -315,6 +315,8 @@ pub(super) fn discovery(path: &str) -> Option<Value> {
         "/openapi/v3/api/v1" => openapi(json!({
             "/api/v1/namespaces/{namespace}/services/{name}": patch_op("", "Service"),
             "/api/v1/nodes/{name}": patch_op("", "Node"),
+            "/api/v1/namespaces/{namespace}/pods/{name}": patch_op("", "Pod"),
+            "/api/v1/namespaces/{name}": patch_op("", "Namespace"),
         })),
         "/openapi/v3/apis/discovery.k8s.io/v1" => openapi(json!({
             "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices/{name}":
@@ -334,6 +336,8 @@ pub(super) fn discovery(path: &str) -> Option<Value> {
         "/api/v1" => json!({"kind": "APIResourceList", "groupVersion": "v1", "resources": [
             resource("services", "Service", true, &["svc"]),
             resource("nodes", "Node", false, &["no"]),
+            resource("pods", "Pod", true, &["po"]),
+            resource("namespaces", "Namespace", false, &["ns"]),
         ]}),
         "/apis/networking.k8s.io" => {
             let mut g = networking;
