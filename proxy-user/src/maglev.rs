@@ -346,6 +346,30 @@ pub fn sample_backends(n: usize) -> Vec<SocketAddr> {
         .collect()
 }
 
+/// `proxy-agent maglev-disruption`'s output: one JSON line per backend count (2 or more)
+/// with [`disruption`]'s figures at `params` and the time they took.
+pub fn disruption_lines(params: Params, flows: usize, backends: &[usize]) -> Vec<String> {
+    let mut out = Vec::new();
+    for &n in backends.iter().filter(|n| **n >= 2) {
+        let t = std::time::Instant::now();
+        let (left, added) = disruption(params, n, flows);
+        out.push(
+            serde_json::json!({
+                "table_size": params.table_size,
+                "fill": params.fill.name(),
+                "backends": n,
+                "flows": flows,
+                "moved_on_leave": left,
+                "moved_on_add": added,
+                "ideal": 1.0 / n as f64,
+                "seconds": t.elapsed().as_secs_f64(),
+            })
+            .to_string(),
+        );
+    }
+    out
+}
+
 /// The disruption figures of `cargo xtask bench` and the tests: over `flows` sample
 /// flows and `n` backends at `params`, the fraction of flows that change backend when
 /// the backend `leave` of the sorted set leaves, and when one new backend is added.

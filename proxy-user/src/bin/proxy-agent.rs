@@ -576,22 +576,8 @@ fn main() -> Result<()> {
             let params = proxy_user::maglev::Params::new(table_size, &seed)
                 .map_err(|e| anyhow::anyhow!(e))?
                 .with_fill(fill);
-            for n in backends.into_iter().filter(|n| *n >= 2) {
-                let t = std::time::Instant::now();
-                let (left, added) = proxy_user::maglev::disruption(params, n, flows);
-                println!(
-                    "{}",
-                    serde_json::json!({
-                        "table_size": table_size,
-                        "fill": fill.name(),
-                        "backends": n,
-                        "flows": flows,
-                        "moved_on_leave": left,
-                        "moved_on_add": added,
-                        "ideal": 1.0 / n as f64,
-                        "seconds": t.elapsed().as_secs_f64(),
-                    })
-                );
+            for line in proxy_user::maglev::disruption_lines(params, flows, &backends) {
+                println!("{line}");
             }
         }
         Command::Uninstall { pin_path } => {
