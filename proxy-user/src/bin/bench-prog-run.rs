@@ -6,7 +6,8 @@
 //! loading and packet code this shares: `proxy_user::prog_run`).
 //!
 //! Cases, at 1 and 10,000 Services (each of 10 local endpoints; the measured frontend,
-//! 10.96.0.10:53/UDP, written last):
+//! 10.96.0.10:53/UDP, written last but for the source-range LoadBalancer
+//! 203.0.113.10:53/UDP of the back-to-back rows):
 //! - `miss`: a packet to 10.96.0.11:53, not a frontend: passed untouched. `repeat` R
 //!   in one call, the kernel's average per repetition.
 //! - `frontend hit, new flow`: a new client port per call (frontend lookup, backend
@@ -25,6 +26,15 @@
 //!   and on alternating call by call, so that a busy machine's drift between two series
 //!   is not taken for the cost of an event; `program_ns` is the median of each run's own
 //!   run-time statistics.
+//!   Each "on" call writes one event and the bench drains the ring buffer after each
+//!   pair, as `proxyctl monitor`'s reader does (so the ring is never full and the rows
+//!   measure the written event, not the lost path: the event count is checked), and
+//!   the datapath submits without a wake-up (`BPF_RB_NO_WAKEUP`), as always.
+//! - `source-range drop, monitor off / on (in turn, back to back)`: a refused new flow
+//!   (loadBalancerSourceRanges) repeated `DROP_REPEAT` times in one call, one event per
+//!   repetition when on, drained after each call: the cost of an event at a sustained
+//!   rate. A per-call row pays the ring buffer's first touch after the syscall in its
+//!   one event; here one repetition in `DROP_REPEAT` does.
 //!
 //! Two figures per case: `ns_per_packet`, `BPF_PROG_RUN`'s own duration (its timer
 //! around the run: with one repetition per call that includes the timer's set-up), and
@@ -43,7 +53,7 @@ use aya::maps::{Array, MapData, RingBuf};
 use proxy_common::{
     backend_flags,
     event::{event_kind, MonitorCtl},
-    map_names,
+    map_names, svc_flags,
 };
 use proxy_user::prog_run::{self as progrun, pkt::Pkt};
 use proxy_user::{bpf, loader, model::Backend, BpfMaps, Frontend, Proto, ServiceEntry, Writer};
@@ -119,7 +129,12 @@ impl Monitoring {
 }
 
 const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
+/// Repetitions of a drop per call in the back-to-back case: fewer events than the ring
+/// buffer holds (`event::RINGBUF_BYTES` / 104 bytes a record), drained after each call.
+const DROP_REPEAT: u32 = 1000;
 
 struct Pins(PathBuf);
 
@@ -202,13 +217,30 @@ fn main() -> Result<()> {
             Proto::Udp,
             target.clone(),
         ))?;
+        // A LoadBalancer whose loadBalancerSourceRanges leave the bench's drop client
+        // out: every packet from it a refused new flow (a drop event, the packet
+        // untouched, so that one call can repeat it).
+        let mut lb = entry(
+            Ipv4Addr::new(203, 0, 113, 10),
+            53,
+            Proto::Udp,
+            target.clone(),
+        );
+        lb.flags |= svc_flags::LOAD_BALANCER | svc_flags::SOURCE_RANGES;
+        lb.source_ranges = vec![("198.51.100.0".parse()?, 24)];
+        writer.upsert(&lb)?;
 
         // TC ingress and XDP (`--acceleration`) on the same maps: each passes a packet for
         // a local backend to the stack (`TC_ACT_OK`, `XDP_PASS`) after DNAT; each its own
         // client ports, so that its new flows are new.
-        for (prog, pass, first_port) in [
-            (proxy_common::prog_names::TC_INGRESS, TC_ACT_OK, 10_000u32),
-            (progrun::XDP_PROGRAM, XDP_PASS, 30_000),
+        for (prog, pass, drop, first_port) in [
+            (
+                proxy_common::prog_names::TC_INGRESS,
+                TC_ACT_OK,
+                TC_ACT_SHOT,
+                10_000u32,
+            ),
+            (progrun::XDP_PROGRAM, XDP_PASS, XDP_DROP, 30_000),
         ] {
             let mut record = |case: &str, ns: f64, own: f64, verdict: u32, how: &str| {
                 results.push(serde_json::json!({
@@ -406,9 +438,52 @@ fn main() -> Result<()> {
                 ("new flow, monitor on (in turn)", on),
             ] {
                 let how = format!(
-                    "median of {calls} calls, off and on alternating; program_ns: the median of each run's own run-time statistics"
+                    "median of {calls} calls, off and on alternating; one event per call, the ring buffer drained after each pair (never full: every event read), no wake-up; program_ns: the median of each run's own run-time statistics"
                 );
                 record(case, median(ns), median(own), pass, &how);
+            }
+            // Events back to back: a refused new flow (source range) repeated
+            // DROP_REPEAT times in one call, one event each, off and on in turn; the
+            // ring drained after each call. The per-call rows above pay the ring
+            // buffer's first touch after the syscall (its pages, its lock's line) in every
+            // event; here only the first of DROP_REPEAT does: the cost of an event at a
+            // sustained rate.
+            let denied = Pkt::udp("192.0.2.50:40000", "203.0.113.10:53").build();
+            let (mut off, mut on) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
+            let before = mon.events;
+            for _ in 0..calls / 10 {
+                for (lease, v) in [(false, &mut off), (true, &mut on)] {
+                    mon.set(lease)?;
+                    let (t0, n0) = run_stats(&ebpf, prog)?;
+                    let r = progrun::run_classifier(&ebpf, prog, &denied, DROP_REPEAT)?;
+                    let (t1, n1) = run_stats(&ebpf, prog)?;
+                    if r.verdict != drop || n1 - n0 != u64::from(DROP_REPEAT) {
+                        bail!("source-range drop: verdict {}, {} runs", r.verdict, n1 - n0);
+                    }
+                    v.0.push(r.duration_ns);
+                    v.1.push(u32::try_from((t1 - t0) / u64::from(DROP_REPEAT)).unwrap_or(u32::MAX));
+                    mon.drain();
+                }
+            }
+            if mon.events - before != u64::from(calls / 10 * DROP_REPEAT) {
+                bail!(
+                    "{prog}: {} events for {} refused flows back to back",
+                    mon.events - before,
+                    calls / 10 * DROP_REPEAT
+                );
+            }
+            for (case, (ns, own)) in [
+                (
+                    "source-range drop, monitor off (in turn, back to back)",
+                    off,
+                ),
+                ("source-range drop, monitor on (in turn, back to back)", on),
+            ] {
+                let how = format!(
+                    "repeat {DROP_REPEAT} (one event each when on), median of {} calls, off and on alternating, the ring buffer drained after each call (never full: every event read), no wake-up",
+                    calls / 10
+                );
+                record(case, median(ns), median(own), drop, &how);
             }
             mon.off()?;
         }
