@@ -143,12 +143,12 @@ impl<S: MapStore> Writer<S> {
     /// map. At the ceiling, or when the growth fails, the sizes are kept: what does not
     /// fit fails as before (`map_full`, the frontend rolled back).
     fn make_svc_room(&mut self, upserts: &[&ServiceEntry]) {
-        let (Some(ceiling), Some(size)) = (self.svc_ceiling, self.store.svc_size()) else {
+        let Some(ceiling) = self.svc_ceiling.filter(|_| !upserts.is_empty()) else {
             return;
         };
-        if upserts.is_empty() || size >= ceiling {
+        let Some(size) = self.store.svc_size().filter(|&size| size < ceiling) else {
             return;
-        }
+        };
         let needed = self.svc_needed(upserts);
         let Some(to) = svc_grown(size, needed, ceiling) else {
             return;
