@@ -47,7 +47,9 @@
 //! copies around the swap are insert-if-absent, except that a conntrack entry the new
 //! programs made with another translation than the old table's is overwritten by the old
 //! one ([`copy_map`]). While the agent runs, [`resize_conntrack`] takes the same path for
-//! `CT4/6` alone (`crate::ctsize` decides when), every other map shared.
+//! `CT4/6` alone (`crate::ctsize` decides when), every other map shared, and
+//! [`resize_service`] for `SVC4/6` alone (the writer, before a sync whose writes would
+//! not fit: it writes nothing meanwhile, then reopens its handles); one at a time.
 //!
 //! **No flow lost around a conntrack resize.** The copies alone leave two windows: a flow
 //! the old programs open after the copy before the swap, whose next packet a new program
