@@ -1922,6 +1922,75 @@ fn service_maps_grow_online_during_a_sync_of_20000_new_services() {
     );
 }
 
+/// A crash after each step of a service-map growth (`EBPF_PROXY_MIGRATE_CRASH_AT`): the
+/// agent aborts in the middle of its first sync of 8,000 new Services; the next start
+/// finishes or rolls back the growth, and its first sync writes every frontend whole
+/// (growing the maps again after a roll-back), `web` answering.
+#[test]
+fn a_crash_at_each_step_of_a_service_map_growth_then_restart() {
+    for step in proxy_user::migrate::STEPS {
+        let mut env = TestEnv::without_datapath(1);
+        env.serve_all(TARGET);
+        let dir = Manifests::new();
+        dir.write("web.yaml", &web_on_pod1());
+        let mut agent = AgentProcess::start_wrapped(
+            &env,
+            &[],
+            &[(proxy_user::migrate::CRASH_ENV, step)],
+            &dir.arg(),
+        );
+        agent.wait_healthy(Duration::from_secs(20));
+        // 16,002 entries: past 3/4 of the 16,384-entry start.
+        dir.write("many.yaml", &manifests::many_services(8_000, 1, TARGET));
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = agent.child.try_wait().expect("wait") {
+                break s;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "{step}: no crash:\n{}",
+                agent.logs()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(!status.success(), "{step}: {status}");
+        drop(agent);
+        let mut agent = AgentProcess::start(&env, &dir.arg());
+        agent.wait_healthy(Duration::from_secs(120));
+        let metrics = agent.metrics();
+        assert!(
+            metrics.contains("ebpf_proxy_programmed_frontends 8001\n")
+                && !metrics.contains("map_write_errors_total{"),
+            "{step}: {metrics}"
+        );
+        let entries = svc4_entries(&env.pins.path);
+        assert_eq!(entries.len(), 8_001, "{step}");
+        assert!(entries.values().all(|&n| n == 2), "{step}: half-written");
+        let svc4 = aya::maps::MapData::from_pin(env.pins.path.join("SVC4")).expect("SVC4 pin");
+        assert_eq!(svc4.info().expect("info").max_entries(), 32_768, "{step}");
+        drop(svc4);
+        assert!(
+            !env.pins
+                .path
+                .join(proxy_user::migrate::STAGING_DIR)
+                .exists(),
+            "{step}: staging directory left"
+        );
+        env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+        let logs = agent.stop();
+        // The interrupted growth was found: rolled back before any hook swapped, resumed
+        // from the swap on.
+        let rolled_back = matches!(step, "staged" | "filled");
+        let found = if rolled_back {
+            "an interrupted layout migration had not swapped any hook: rolling back"
+        } else {
+            "resuming an interrupted layout migration"
+        };
+        assert!(logs.contains(found), "{step}: {logs}");
+    }
+}
+
 /// After a first complete sync, a Service that does not fit is a failed sync, not a sync
 /// (kube-proxy's rule): `/healthz` names the failure in its body at once, turns 503 with
 /// that reason once the last complete sync is older than twice `--sync-interval`, and is
