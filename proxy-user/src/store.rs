@@ -263,6 +263,8 @@ pub enum StoreError {
     },
     #[error("map {map}: {detail}")]
     Corrupt { map: &'static str, detail: String },
+    #[error("growing the service maps (SVC4, SVC6) to {entries} entries: {detail}")]
+    Grow { entries: u32, detail: String },
 }
 
 /// The service maps' contents, read back (adoption, dumps, tests).
@@ -390,6 +392,20 @@ pub trait MapStore {
         Err(BatchFailed {
             applied: 0,
             error: io::Error::from_raw_os_error(crate::batch::ENOTSUPP),
+        })
+    }
+    /// `max_entries` of each service map (`SVC4`, `SVC6`: one size), when the store has
+    /// such a limit and can grow it ([`Self::grow_svc`]); `None`: it cannot.
+    fn svc_size(&self) -> Option<u32> {
+        None
+    }
+    /// Grows each service map to `entries` while the datapath serves (no write of the
+    /// writer's runs meanwhile: it is the caller); the store's handles follow the new
+    /// maps. Returns the maps resized.
+    fn grow_svc(&mut self, entries: u32) -> Result<Vec<crate::loader::MapResize>, StoreError> {
+        Err(StoreError::Grow {
+            entries,
+            detail: "this store's maps cannot grow".into(),
         })
     }
 }

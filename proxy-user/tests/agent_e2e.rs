@@ -1674,17 +1674,17 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
     // entries each. A map of 64 entries holds `web` and five of them (57), not a sixth.
     dir.write("web.yaml", &web_on_pod1());
     let big_vip = |k: usize| format!("10.96.1.{k}");
-    for k in 1..=6 {
+    let big = |k: usize| {
         let addrs: Vec<String> = (1..=10).map(|i| format!("10.200.{k}.{i}")).collect();
         let eps: Vec<_> = addrs.iter().map(|a| ready(a)).collect();
-        dir.write(
-            &format!("big{k}.yaml"),
-            &format!(
-                "{}---\n{}",
-                service(&format!("big{k}"), &big_vip(k), 80),
-                slice(&format!("big{k}-1"), &format!("big{k}"), TARGET, &eps)
-            ),
-        );
+        format!(
+            "{}---\n{}",
+            service(&format!("big{k}"), &big_vip(k), 80),
+            slice(&format!("big{k}-1"), &format!("big{k}"), TARGET, &eps)
+        )
+    };
+    for k in 1..=6 {
+        dir.write(&format!("big{k}.yaml"), &big(k));
     }
     let [m, d] = dir.arg();
     // Out of range: refused at start with the flag's range, before anything is made.
@@ -1772,26 +1772,48 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
     assert_eq!(entries.get(&vip_of(other)), None, "{entries:?}");
     agent.stop();
 
-    // Another size on a restart: the pinned maps are resized online (entries copied,
-    // programs swapped): every frontend is there, whole, in the larger maps.
+    // A higher ceiling on a restart: the pinned maps keep their size (64) until a sync
+    // needs more: with big{other} back, the first sync needs 68 entries (> 3/4 of 64), so
+    // the maps are grown online to 128 before it writes (entries copied, programs
+    // swapped): no map_full, every frontend whole, in the larger maps.
+    dir.write(&format!("big{other}.yaml"), &big(other));
     let mut agent = AgentProcess::start(&env, &[m, d, "--service-map-entries", "4096"]);
     agent.wait_healthy(Duration::from_secs(30));
     let metrics = agent.metrics();
     assert!(
-        metrics.contains("ebpf_proxy_service_map_entries 4096\n")
+        metrics.contains("ebpf_proxy_service_map_entries 128\n")
             && metrics
-                .contains("ebpf_proxy_map_resizes_total{map=\"SVC4\",direction=\"grow\"} 1\n"),
+                .contains("ebpf_proxy_map_resizes_total{map=\"SVC4\",direction=\"grow\"} 1\n")
+            && !metrics.contains("reason=\"map_full\""),
         "{metrics}"
     );
-    let resized = svc4_entries(&env.pins.path);
-    assert_eq!(resized, entries, "the frontends survive the resize whole");
+    let svc4 = aya::maps::MapData::from_pin(env.pins.path.join("SVC4")).expect("SVC4 pin");
+    assert_eq!(svc4.info().expect("info").max_entries(), 128);
+    drop(svc4);
+    let grown = svc4_entries(&env.pins.path);
+    let mut want = entries.clone();
+    want.insert(vip_of(other), 11);
+    assert_eq!(grown, want, "the frontends survive the growth whole");
     env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    // big{other} gone again before the stop (57 entries in use).
+    dir.remove(&format!("big{other}.yaml"));
+    let t = Instant::now();
+    while svc4_entries(&env.pins.path) != entries {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "big{other} not removed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let logs = agent.stop();
     assert!(
-        logs.contains("resizing the pinned map online") && logs.contains("layout migration done"),
+        logs.contains("resizing the pinned map online while serving")
+            && logs.contains("service maps grown online")
+            && logs.contains("layout migration done"),
         "{logs}"
     );
-    // Back down to 64 (the 57 entries in use fit): shrunk online, every frontend whole.
+    // Back down to 64 (the 57 entries in use fit): shrunk online at the start, every
+    // frontend whole.
     let mut agent = AgentProcess::start(&env, &[m, d, "--service-map-entries", "64"]);
     agent.wait_healthy(Duration::from_secs(30));
     let metrics = agent.metrics();
@@ -1808,6 +1830,165 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
     );
     let logs = agent.stop();
     assert!(logs.contains("resizing the pinned map online"), "{logs}");
+}
+
+/// Issue 27, item 2: the service maps start small (`SERVICE_START_ENTRIES`) and grow
+/// online, before the writes, when a sync of 20,000 new Services (40,000 entries) would
+/// not fit: no `map_full`, no frontend failed or half-written, and a client connecting to
+/// an existing Service the whole time is never refused or misrouted.
+#[test]
+fn service_maps_grow_online_during_a_sync_of_20000_new_services() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &web_on_pod1());
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    let max_entries = |name: &str| {
+        aya::maps::MapData::from_pin(env.pins.path.join(name))
+            .expect("pin")
+            .info()
+            .expect("info")
+            .max_entries()
+    };
+    let start = proxy_user::loader::SERVICE_START_ENTRIES;
+    assert_eq!(max_entries("SVC4"), start, "made small");
+    assert_eq!(max_entries("SVC6"), start, "made small");
+    assert!(
+        agent
+            .metrics()
+            .contains(&format!("ebpf_proxy_service_map_entries {start}\n")),
+        "{}",
+        agent.metrics()
+    );
+
+    let hammer = Hammer::start(&env);
+    std::thread::sleep(Duration::from_millis(200));
+    let t = Instant::now();
+    dir.write("many.yaml", &manifests::many_services(20_000, 1, TARGET));
+    let metrics = wait_metrics(
+        &agent,
+        &[
+            "ebpf_proxy_programmed_frontends 20001\n",
+            "ebpf_proxy_map_resizes_total{map=\"SVC4\",direction=\"grow\"}",
+        ],
+        Duration::from_secs(180),
+    );
+    agent.wait_healthy(Duration::from_secs(60));
+    eprintln!("20,000 Services programmed in {:?}", t.elapsed());
+    std::thread::sleep(Duration::from_millis(300));
+    let answers = hammer.stop();
+    eprintln!("{} connections to web across the growth", answers.len());
+
+    // The existing Service answered from pod1 throughout, never refused.
+    assert!(answers.len() > 10, "{} answers", answers.len());
+    let bad: Vec<_> = answers
+        .iter()
+        .filter(|a| a.as_deref() != Ok("pod1"))
+        .take(5)
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{} of {} answers not pod1 across the growth: {bad:?}",
+        answers
+            .iter()
+            .filter(|a| a.as_deref() != Ok("pod1"))
+            .count(),
+        answers.len()
+    );
+    // No write failed; the maps grew (x2 steps) to the first size 40,002 entries fit in
+    // within 3/4: 65,536.
+    let metrics = agent.metrics() + &metrics;
+    assert!(!metrics.contains("map_write_errors_total{"), "{metrics}");
+    assert!(!metrics.contains("reason=\"map_full\""), "{metrics}");
+    assert_eq!(max_entries("SVC4"), 65_536);
+    assert_eq!(max_entries("SVC6"), 65_536);
+    assert!(
+        agent
+            .metrics()
+            .contains("ebpf_proxy_service_map_entries 65536\n"),
+        "{}",
+        agent.metrics()
+    );
+    // Every frontend whole: slot 0 and its one slot (web: its slot too).
+    let entries = svc4_entries(&env.pins.path);
+    assert_eq!(entries.len(), 20_001);
+    assert!(entries.values().all(|&n| n == 2), "a frontend half-written");
+    let logs = agent.stop();
+    assert!(
+        logs.contains("service maps grown online before the sync's writes"),
+        "{logs}"
+    );
+}
+
+/// A crash after each step of a service-map growth (`EBPF_PROXY_MIGRATE_CRASH_AT`): the
+/// agent aborts in the middle of its first sync of 8,000 new Services; the next start
+/// finishes or rolls back the growth, and its first sync writes every frontend whole
+/// (growing the maps again after a roll-back), `web` answering.
+#[test]
+fn a_crash_at_each_step_of_a_service_map_growth_then_restart() {
+    for step in proxy_user::migrate::STEPS {
+        let mut env = TestEnv::without_datapath(1);
+        env.serve_all(TARGET);
+        let dir = Manifests::new();
+        dir.write("web.yaml", &web_on_pod1());
+        let mut agent = AgentProcess::start_wrapped(
+            &env,
+            &[],
+            &[(proxy_user::migrate::CRASH_ENV, step)],
+            &dir.arg(),
+        );
+        agent.wait_healthy(Duration::from_secs(20));
+        // 16,002 entries: past 3/4 of the 16,384-entry start.
+        dir.write("many.yaml", &manifests::many_services(8_000, 1, TARGET));
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = agent.child.try_wait().expect("wait") {
+                break s;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "{step}: no crash:\n{}",
+                agent.logs()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(!status.success(), "{step}: {status}");
+        drop(agent);
+        let mut agent = AgentProcess::start(&env, &dir.arg());
+        agent.wait_healthy(Duration::from_secs(120));
+        let metrics = agent.metrics();
+        assert!(
+            metrics.contains("ebpf_proxy_programmed_frontends 8001\n")
+                && !metrics.contains("map_write_errors_total{"),
+            "{step}: {metrics}"
+        );
+        let entries = svc4_entries(&env.pins.path);
+        assert_eq!(entries.len(), 8_001, "{step}");
+        assert!(entries.values().all(|&n| n == 2), "{step}: half-written");
+        let svc4 = aya::maps::MapData::from_pin(env.pins.path.join("SVC4")).expect("SVC4 pin");
+        assert_eq!(svc4.info().expect("info").max_entries(), 32_768, "{step}");
+        drop(svc4);
+        assert!(
+            !env.pins
+                .path
+                .join(proxy_user::migrate::STAGING_DIR)
+                .exists(),
+            "{step}: staging directory left"
+        );
+        env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+        let logs = agent.stop();
+        // The interrupted growth was found: rolled back before any hook swapped, resumed
+        // from the swap on.
+        let rolled_back = matches!(step, "staged" | "filled");
+        let found = if rolled_back {
+            "an interrupted layout migration had not swapped any hook: rolling back"
+        } else {
+            "resuming an interrupted layout migration"
+        };
+        assert!(logs.contains(found), "{step}: {logs}");
+    }
 }
 
 /// After a first complete sync, a Service that does not fit is a failed sync, not a sync

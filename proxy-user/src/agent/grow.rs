@@ -32,8 +32,19 @@ pub(super) async fn grow_conntrack(
     every.tick().await;
     // The previous sample's fullest table (live entries), for the projection.
     let mut previous = None;
+    // Online resizes seen (the writer grows the service maps too: its new programs log
+    // to a new buffer as well).
+    let mut resizes_seen = crate::migrate::online_resizes();
     loop {
         every.tick().await;
+        let resizes_now = crate::migrate::online_resizes();
+        if resizes_now != resizes_seen {
+            resizes_seen = resizes_now;
+            if let Some(h) = kernel_logs.take() {
+                h.abort();
+            }
+            kernel_logs = loader::spawn_kernel_logger(&pin_path);
+        }
         let pins = crate::pins::PinDir::new(&pin_path);
         let p = pins.clone();
         let started = Instant::now();
@@ -139,6 +150,7 @@ pub(super) async fn grow_conntrack(
                         h.abort();
                     }
                     kernel_logs = loader::spawn_kernel_logger(&pin_path);
+                    resizes_seen = crate::migrate::online_resizes();
                 }
             }
             Ok(Err(e)) => {

@@ -217,8 +217,8 @@ impl Metrics {
         );
         registry.register(
             "service_map_entries",
-            "max_entries of each service map (SVC4, SVC6): a frontend takes one entry \
-             plus one per backend slot",
+            "max_entries of each service map (SVC4, SVC6) now: a frontend takes one entry \
+             plus one per backend slot; grown online up to --service-map-entries",
             m.service_map_entries.clone(),
         );
         registry.register(
@@ -264,9 +264,9 @@ impl Metrics {
         );
         registry.register(
             "map_resizes",
-            "Pinned BPF maps resized online (conntrack grown while serving, or a start with \
-             another --conntrack-start/--conntrack-max or --service-map-entries), per map \
-             and direction (grow, shrink)",
+            "Pinned BPF maps resized online (conntrack or the service maps grown while \
+             serving, or a start with another --conntrack-start/--conntrack-max or \
+             --service-map-entries), per map and direction (grow, shrink)",
             m.map_resizes.clone(),
         );
         registry.register(

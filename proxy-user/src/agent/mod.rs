@@ -77,7 +77,9 @@ pub struct AgentOptions {
     /// The size new conntrack tables start at, in flows per family (`--conntrack-start`;
     /// at most `conntrack_flows`).
     pub conntrack_start: u32,
-    /// `max_entries` of `SVC4`/`SVC6` (`--service-map-entries`).
+    /// The ceiling of `SVC4`/`SVC6`'s `max_entries` (`--service-map-entries`): they
+    /// are made at [`loader::SERVICE_START_ENTRIES`] (or kept at their pinned size) and
+    /// the writer grows them online up to it.
     pub service_entries: u32,
     /// `--external-ip-cidrs`: prefixes `spec.externalIPs` must be in (`None`: any).
     pub external_ip_cidrs: Option<Vec<(std::net::IpAddr, u8)>>,
@@ -188,12 +190,19 @@ fn open_datapath(opts: &AgentOptions) -> anyhow::Result<Datapath> {
         opts.conntrack_start,
         opts.conntrack_flows,
     );
+    // The service maps likewise: the ceiling checked, the maps made small (or kept at
+    // their pinned size up to the ceiling); the writer grows them online.
+    loader::service_entries(opts.service_entries).context("--service-map-entries")?;
+    let service_entries = loader::service_start_entries(
+        crate::pins::PinDir::new(&opts.pin_path).max_entries(proxy_common::map_names::SVC4),
+        opts.service_entries,
+    );
     let installed = crate::migrate::install(&loader::InstallOptions {
         pin_path: opts.pin_path.clone(),
         cgroup: opts.cgroup.clone(),
         interfaces: interfaces.clone(),
         conntrack_flows,
-        service_entries: opts.service_entries,
+        service_entries,
         tc_attach: opts.tc_attach,
         acceleration: opts.acceleration,
     })
@@ -369,6 +378,7 @@ async fn adopt_maps(
     .await
     .context("the adoption task failed")?
     .context("reading the pinned maps back")?;
+    writer.set_svc_ceiling(opts.service_entries);
     let mut node_addresses = NodeAddresses::new(node_addrs, opts.localhost_nodeports)
         .with_dsr_trust(&PinDir::new(&opts.pin_path), opts.dsr_trusted_cidrs.clone())
         .with_service_cidrs(&PinDir::new(&opts.pin_path), opts.service_cidrs.clone())

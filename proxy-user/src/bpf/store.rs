@@ -321,7 +321,33 @@ impl BpfMaps {
     }
 }
 
+/// Runs `f`, a long blocking step (a map resize: program loads, copies), telling a
+/// multi-threaded tokio runtime first (`block_in_place`: its other tasks, /healthz and
+/// /metrics among them, move to other workers meanwhile); plainly elsewhere.
+fn off_runtime<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 impl MapStore for BpfMaps {
+    fn svc_size(&self) -> Option<u32> {
+        self.pins.max_entries(names::SVC4)
+    }
+
+    fn grow_svc(&mut self, entries: u32) -> Result<Vec<crate::loader::MapResize>, StoreError> {
+        let grow_err = |detail: String| StoreError::Grow { entries, detail };
+        let pins = self.pins.clone();
+        let resized = off_runtime(|| crate::migrate::resize_service(&pins, entries))
+            .map_err(|e| grow_err(e.to_string()))?;
+        // The handles follow the new maps (every other map was shared: its handles stay).
+        self.v4 = FamilyMaps::open(&self.pins).map_err(|e| grow_err(e.to_string()))?;
+        self.v6 = FamilyMaps::open(&self.pins).map_err(|e| grow_err(e.to_string()))?;
+        Ok(resized)
+    }
+
     fn apply(&mut self, op: &Op) -> Result<(), StoreError> {
         match op {
             Op::PutBackend { id, .. } => {

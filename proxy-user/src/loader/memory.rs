@@ -23,6 +23,19 @@ pub fn conntrack_entries(flows: u32) -> Result<u32, LoadError> {
 /// Default `max_entries` of `SVC4`/`SVC6` (`--service-map-entries`).
 pub const DEFAULT_SERVICE_ENTRIES: u32 = proxy_common::limits::MAX_SVC_ENTRIES;
 
+/// `max_entries` of `SVC4`/`SVC6` when the agent creates them (or the ceiling, when
+/// smaller): the maps grow online toward `--service-map-entries` before a sync whose
+/// writes would not fit (`crate::writer`). 256 KiB of bucket array per family instead of
+/// 16 MiB at the ceiling's default.
+pub const SERVICE_START_ENTRIES: u32 = 1 << 14;
+
+/// The service maps' size at a start: the pinned one (grown online) up to the ceiling
+/// `--service-map-entries` (a larger pinned map is shrunk to it at the start, when its
+/// entries fit), else [`SERVICE_START_ENTRIES`] up to the ceiling.
+pub fn service_start_entries(pinned: Option<u32>, ceiling: u32) -> u32 {
+    pinned.unwrap_or(SERVICE_START_ENTRIES).min(ceiling)
+}
+
 /// `--service-map-entries` checked against the accepted range.
 pub fn service_entries(entries: u32) -> Result<u32, LoadError> {
     use proxy_common::limits::{SVC_ENTRIES_MAX, SVC_ENTRIES_MIN};

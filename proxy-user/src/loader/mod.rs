@@ -58,8 +58,8 @@ pub use hooks::{
     uninstall, UninstallReport, CLSACT_HANDLE, CLSACT_PRIORITY, MIGRATE_STAGING_DIR, SOCK_PROGRAMS,
 };
 pub use memory::{
-    conntrack_entries, map_memory, service_entries, MapMemory, DEFAULT_CONNTRACK_FLOWS,
-    DEFAULT_SERVICE_ENTRIES,
+    conntrack_entries, map_memory, service_entries, service_start_entries, MapMemory,
+    DEFAULT_CONNTRACK_FLOWS, DEFAULT_SERVICE_ENTRIES, SERVICE_START_ENTRIES,
 };
 use modes::tcx_supported;
 pub use modes::{Acceleration, TcAttachMode};

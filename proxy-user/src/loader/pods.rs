@@ -27,10 +27,10 @@ pub struct PodTc {
     ebpf: aya::Ebpf,
     pins: PinDir,
     mode: TcAttachMode,
-    /// The id of the `CT4` these programs were loaded against: an online conntrack
-    /// resize replaces it (and swaps the pinned hooks), so programs for a later
-    /// interface are loaded again against the new one.
-    ct_id: Option<u32>,
+    /// The ids of the `CT4` and `SVC4` these programs were loaded against: an online
+    /// resize replaces them (and swaps the pinned hooks), so programs for a later
+    /// interface are loaded again against the new ones.
+    ct_id: [Option<u32>; 2],
 }
 
 impl PodTc {
@@ -81,8 +81,9 @@ impl PodTc {
     /// only once its replies can be translated. On error nothing of this call stays.
     pub fn attach(&mut self, iface: &str) -> Result<(), LoadError> {
         if ct_map_id(&self.pins) != self.ct_id {
-            // The conntrack tables were resized since: the hooks pinned meanwhile run the
-            // resize's programs; an interface attached now gets programs of the new tables.
+            // The conntrack tables (or service maps) were resized since: the hooks pinned
+            // meanwhile run the resize's programs; an interface attached now gets
+            // programs of the new maps.
             *self = Self::load(&self.pins, self.mode)?;
         }
         let mut made = Vec::new();
@@ -193,9 +194,9 @@ fn program<'a>(
         .map_err(|source| LoadError::Program { name, source })
 }
 
-/// The id of the pinned `CT4` (`None`: not pinned).
-fn ct_map_id(pins: &PinDir) -> Option<u32> {
-    pins.map_info(proxy_common::map_names::CT4)
-        .ok()
-        .map(|i| i.id)
+/// The ids of the pinned `CT4` and `SVC4` (`None`: not pinned): both are replaced by
+/// an online resize.
+fn ct_map_id(pins: &PinDir) -> [Option<u32>; 2] {
+    [proxy_common::map_names::CT4, proxy_common::map_names::SVC4]
+        .map(|name| pins.map_info(name).ok().map(|i| i.id))
 }

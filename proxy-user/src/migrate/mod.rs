@@ -47,7 +47,9 @@
 //! copies around the swap are insert-if-absent, except that a conntrack entry the new
 //! programs made with another translation than the old table's is overwritten by the old
 //! one ([`copy_map`]). While the agent runs, [`resize_conntrack`] takes the same path for
-//! `CT4/6` alone (`crate::ctsize` decides when), every other map shared.
+//! `CT4/6` alone (`crate::ctsize` decides when), every other map shared, and
+//! [`resize_service`] for `SVC4/6` alone (the writer, before a sync whose writes would
+//! not fit: it writes nothing meanwhile, then reopens its handles); one at a time.
 //!
 //! **No flow lost around a conntrack resize.** The copies alone leave two windows: a flow
 //! the old programs open after the copy before the swap, whose next packet a new program
@@ -264,13 +266,59 @@ pub fn prepare_sized(
 /// with a warning, as at a start). Refused while another migration is under way (its
 /// staging directory exists: the next start finishes or rolls it back).
 pub fn resize_conntrack(pins: &PinDir, entries: u32) -> Result<Vec<loader::MapResize>, LoadError> {
+    resize_online(pins, "resizing conntrack", |pinned_svc, _| Sizes {
+        conntrack: entries,
+        service: pinned_svc,
+    })
+}
+
+/// Online service-map growth while the agent runs (the writer, before a sync whose
+/// writes would not fit: `crate::writer`): `SVC4`/`SVC6` resized to `entries` each by
+/// the same staged migration as [`resize_conntrack`], every other map shared (conntrack
+/// keeps its pinned size). The caller is the maps' only writer and writes nothing
+/// meanwhile, so the copy before the swap carries every frontend; then it reopens its
+/// handles on the new maps. Same refusals and crash recovery as [`resize_conntrack`].
+pub fn resize_service(pins: &PinDir, entries: u32) -> Result<Vec<loader::MapResize>, LoadError> {
+    resize_online(pins, "growing the service maps", |_, pinned_ct| Sizes {
+        conntrack: pinned_ct,
+        service: entries,
+    })
+}
+
+/// One online resize at a time (conntrack's sampler and the writer both resize; each
+/// migration uses the one staging directory).
+static ONLINE_RESIZE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Online resizes done by this process: whoever follows the programs (the kernel
+/// logger) sees a change here.
+static ONLINE_RESIZES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many online resizes ([`resize_conntrack`], [`resize_service`]) loaded new
+/// programs so far.
+pub fn online_resizes() -> u64 {
+    ONLINE_RESIZES.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// The staged migration at this ABI into the sizes `sizes(pinned SVC4, pinned CT4)`.
+fn resize_online(
+    pins: &PinDir,
+    what: &'static str,
+    sizes: impl FnOnce(u32, u32) -> Sizes,
+) -> Result<Vec<loader::MapResize>, LoadError> {
     if EBPF_OBJECT.is_empty() || !pins.has_maps() {
         return Ok(Vec::new());
     }
+    let _one = ONLINE_RESIZE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let staging = pins.staging();
     if staging.path().exists() {
         return Err(LoadError::Io {
-            what: "resizing conntrack: another migration is under way in",
+            what: if what == "resizing conntrack" {
+                "resizing conntrack: another migration is under way in"
+            } else {
+                "growing the service maps: another migration is under way in"
+            },
             path: staging.path().to_path_buf(),
             source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
         });
@@ -278,17 +326,21 @@ pub fn resize_conntrack(pins: &PinDir, entries: u32) -> Result<Vec<loader::MapRe
     let found = pins.abi_version(Access::ReadOnly)?;
     if found != ABI_VERSION {
         return Err(LoadError::Io {
-            what: "resizing conntrack: the pinned maps are of another ABI in",
+            what: if what == "resizing conntrack" {
+                "resizing conntrack: the pinned maps are of another ABI in"
+            } else {
+                "growing the service maps: the pinned maps are of another ABI in"
+            },
             path: pins.path().to_path_buf(),
             source: std::io::Error::from(std::io::ErrorKind::InvalidData),
         });
     }
-    let sizes = Sizes {
-        conntrack: entries,
-        service: pins
-            .max_entries(map_names::SVC4)
+    let sizes = sizes(
+        pins.max_entries(map_names::SVC4)
             .unwrap_or(loader::DEFAULT_SERVICE_ENTRIES),
-    };
+        pins.max_entries(map_names::CT4)
+            .unwrap_or(loader::DEFAULT_CONNTRACK_FLOWS * 2),
+    );
     let resized = resizes(pins, &sizes)?;
     if resized.is_empty() {
         return Ok(resized);
@@ -302,7 +354,8 @@ pub fn resize_conntrack(pins: &PinDir, entries: u32) -> Result<Vec<loader::MapRe
              programs swapped, copied again)"
         );
     }
-    migrate(pins, found, Some(sizes))?;
+    migrate(pins, ABI_VERSION, Some(sizes))?;
+    ONLINE_RESIZES.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     Ok(resized)
 }
 

@@ -12,6 +12,10 @@ pub struct MemStore {
     pub log: Vec<Op>,
     /// Maximum number of `SVC` entries (slot 0 and slots together), like `max_entries`.
     pub svc_capacity: Option<usize>,
+    /// Whether [`MapStore::grow_svc`] may raise `svc_capacity` (like the pinned maps):
+    /// the sizes grown to, in order.
+    pub svc_growable: bool,
+    pub svc_grown: Vec<u32>,
     /// The size of every batch applied, in order.
     pub batches: Vec<usize>,
     /// Make every batch call fail after applying this many ops, with this errno (the
@@ -61,6 +65,26 @@ impl MemStore {
 }
 
 impl MapStore for MemStore {
+    fn svc_size(&self) -> Option<u32> {
+        self.svc_capacity
+            .filter(|_| self.svc_growable)
+            .map(|c| u32::try_from(c).unwrap_or(u32::MAX))
+    }
+
+    fn grow_svc(&mut self, entries: u32) -> Result<Vec<crate::loader::MapResize>, StoreError> {
+        let from = self.svc_size().ok_or(StoreError::Grow {
+            entries,
+            detail: "not growable".into(),
+        })?;
+        self.svc_capacity = Some(entries as usize);
+        self.svc_grown.push(entries);
+        Ok(vec![crate::loader::MapResize {
+            map: "SVC4",
+            from,
+            to: entries,
+        }])
+    }
+
     fn apply(&mut self, op: &Op) -> Result<(), StoreError> {
         let s = &mut self.state;
         match op {

@@ -1360,3 +1360,79 @@ fn a_failed_round_is_undone_and_the_rest_written_one_by_one() {
     assert!(again.errors.is_empty(), "{:?}", again.errors);
     assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
 }
+
+#[test]
+fn svc_growth_doubles_to_the_high_water_mark_within_the_ceiling() {
+    // Within 3/4: no growth.
+    assert_eq!(svc_grown(64, 48, 4096), None);
+    assert_eq!(svc_grown(64, 49, 4096), Some(128));
+    // 440 entries: 512 x 3/4 = 384 < 440, 1024 x 3/4 = 768.
+    assert_eq!(svc_grown(64, 440, 4096), Some(1024));
+    // At most the ceiling; none at it.
+    assert_eq!(svc_grown(64, 440, 256), Some(256));
+    assert_eq!(svc_grown(64, 440, 100), Some(100));
+    assert_eq!(svc_grown(256, 440, 256), None);
+    // The default start and ceiling at 20,000 Services x 10 endpoints.
+    assert_eq!(svc_grown(16_384, 220_000, 1 << 20), Some(1 << 19));
+}
+
+#[test]
+fn a_sync_that_would_not_fit_grows_the_service_maps_first() {
+    // 64 entries, growable up to 4,096; 40 frontends x 10 backends need 440.
+    let mut w = Writer::new(MemStore {
+        svc_capacity: Some(64),
+        svc_growable: true,
+        ..MemStore::default()
+    });
+    w.set_svc_ceiling(4096);
+    let report = w.sync(many(40, 10, 0));
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(w.frontends().count(), 40);
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+    // One growth, before any write: x2 until 440 is within 3/4.
+    assert_eq!(w.store().svc_grown, vec![1024]);
+    let growths = w.take_svc_growths();
+    assert!(
+        matches!(&growths[..], [SvcGrowth::Grown { resized, needed: 440 }] if resized[0].to == 1024),
+        "{growths:?}"
+    );
+    assert_eq!(w.svc_entries(), [440, 0]);
+    // Unchanged: nothing grows. 30 more need 770 > 768: x2 again.
+    w.sync(many(40, 10, 0));
+    assert!(w.take_svc_growths().is_empty());
+    let report = w.sync(many(70, 10, 0));
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(w.store().svc_grown, vec![1024, 2048]);
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+}
+
+#[test]
+fn at_the_ceiling_what_does_not_fit_is_refused_whole_as_before() {
+    // Ceiling 256: grown to it, then the frontends that do not fit fail as map_full,
+    // each rolled back (never half-written).
+    let mut w = Writer::new(MemStore {
+        svc_capacity: Some(64),
+        svc_growable: true,
+        ..MemStore::default()
+    });
+    w.set_svc_ceiling(256);
+    let report = w.sync(many(40, 10, 0));
+    assert_eq!(w.store().svc_grown, vec![256]);
+    // 23 frontends of 11 entries fit in 256.
+    assert_eq!(w.frontends().count(), 23);
+    assert_eq!(report.errors.len(), 17, "{:?}", report.errors);
+    assert!(report
+        .errors
+        .iter()
+        .all(|e| e.reason().label() == "map_full"));
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+    // No ceiling set (a store of fixed size): never grown.
+    let mut fixed = Writer::new(MemStore {
+        svc_capacity: Some(64),
+        svc_growable: true,
+        ..MemStore::default()
+    });
+    fixed.sync(many(40, 10, 0));
+    assert!(fixed.store().svc_grown.is_empty());
+    assert_eq!(fixed.frontends().count(), 5);
+}

@@ -5,11 +5,11 @@
 
 use std::{collections::BTreeSet, time::Instant};
 
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::syncer::{SyncOutcome, Syncer};
 use crate::{
-    agent::metrics::ReasonLabel,
+    agent::metrics::{ReasonLabel, ResizeLabel},
     cluster::{
         conflicts::{write_order, Rank},
         objects::ObjKey,
@@ -18,7 +18,7 @@ use crate::{
     fasthash::{HashMap, HashSet},
     model::{Frontend, ServiceEntry},
     store::MapStore,
-    writer::WriteError,
+    writer::{SvcGrowth, WriteError},
 };
 
 impl<S: MapStore> Syncer<S> {
@@ -190,6 +190,7 @@ impl<S: MapStore> Syncer<S> {
         // write order; in batches when there are many (the first sync, a relist).
         let planned = Instant::now();
         let report = self.writer.write_many(&removals, &list);
+        self.svc_growths();
         debug!(
             frontends = list.len(),
             removals = removals.len(),
@@ -227,6 +228,37 @@ impl<S: MapStore> Syncer<S> {
         for fe in removals.iter().chain(list.iter().map(|e| &e.frontend)) {
             if !failed.contains(fe) {
                 self.refused.remove(fe);
+            }
+        }
+    }
+
+    /// The service maps grown before the write (or their growth failed): logged,
+    /// counted (`ebpf_proxy_map_resizes_total`, `ebpf_proxy_service_map_entries`; a
+    /// failure in `ebpf_proxy_map_write_errors_total{reason="service_map_resize"}`).
+    fn svc_growths(&mut self) {
+        for g in self.writer.take_svc_growths() {
+            match g {
+                SvcGrowth::Grown { resized, needed } => {
+                    for r in &resized {
+                        self.metrics
+                            .map_resizes
+                            .get_or_create(&ResizeLabel {
+                                map: r.map.to_string(),
+                                direction: "grow".to_string(),
+                            })
+                            .inc();
+                    }
+                    if let Some(to) = resized.iter().map(|r| r.to).max() {
+                        self.metrics.service_map_entries.set(i64::from(to));
+                        info!(
+                            entries = to,
+                            needed, "service maps grown online before the sync's writes"
+                        );
+                    }
+                }
+                SvcGrowth::Failed { .. } => {
+                    self.metrics.map_write_error("service_map_resize");
+                }
             }
         }
     }
