@@ -1,5 +1,6 @@
-//! Conntrack sized to demand: the tables (`CT4`, `CT6`) start small (`--conntrack-start`,
-//! 16,384 flows per family) and the running agent grows them online toward the ceiling
+//! Conntrack sized to demand: the tables (`CT4`, `CT6`) start at `--conntrack-start`
+//! (131,072 flows per family, kube-proxy's `conntrack.min`) and the running agent grows
+//! them online toward the ceiling
 //! (`--conntrack-max`, or kube-proxy's `conntrack.maxPerCore` x CPUs, at least
 //! `conntrack.min`).
 //!
@@ -32,8 +33,15 @@ use proxy_common::{ct_timeouts, map_names, Ct4Key, Ct4Value, Ct6Key, Ct6Value};
 
 use crate::pins::{Access, PinDir};
 
-/// Default start size in flows per family (`--conntrack-start`).
-pub const DEFAULT_START_FLOWS: u32 = 16_384;
+/// Default start size in flows per family (`--conntrack-start`): kube-proxy's
+/// `conntrack.min`, the smallest `nf_conntrack_max` kube-proxy ever sets, so a node never
+/// starts with less room for flows than under kube-proxy. A smaller start (16,384 was the
+/// default for a while) saves memory but is not a safe default: between two samples only
+/// the table's room absorbs a burst, and a full LRU table evicts entries of live flows
+/// (`cargo xtask bench`'s connections/s rounds at about 25,000 new connections a second
+/// lost 2-16 connections a round to resets and timeouts through TC at 16,384, none at
+/// 131,072).
+pub const DEFAULT_START_FLOWS: u32 = 131_072;
 /// A table whose live entries pass this share of its size grows.
 pub const HIGH_WATER_PERCENT: u64 = 75;
 /// How often the tables are sampled.

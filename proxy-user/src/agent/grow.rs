@@ -144,7 +144,7 @@ pub(super) async fn grow_conntrack(
                     if let Ok(maps) =
                         tokio::task::spawn_blocking(move || loader::map_memory(&path)).await
                     {
-                        super::set_map_memory(&metrics, &maps);
+                        metrics.set_map_memory(&maps);
                     }
                     if let Some(h) = kernel_logs.take() {
                         h.abort();
@@ -163,6 +163,19 @@ pub(super) async fn grow_conntrack(
                     .inc();
             }
             Err(e) => warn!(error = %e, "the conntrack resize task failed"),
+        }
+    }
+}
+
+/// `map_memory_bytes` follows the maps without preallocation as they fill.
+pub(super) async fn refresh_map_memory(pin_path: PathBuf, metrics: Arc<Metrics>) {
+    let mut every = tokio::time::interval(std::time::Duration::from_secs(10));
+    every.tick().await;
+    loop {
+        every.tick().await;
+        let path = pin_path.clone();
+        if let Ok(maps) = tokio::task::spawn_blocking(move || loader::map_memory(&path)).await {
+            metrics.set_map_memory(&maps);
         }
     }
 }

@@ -130,6 +130,17 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// `ebpf_proxy_map_memory_bytes` per map, from the loader's reading.
+    pub fn set_map_memory(&self, maps: &[crate::loader::MapMemory]) {
+        for m in maps {
+            self.map_memory
+                .get_or_create(&MapLabel {
+                    map: m.name.to_string(),
+                })
+                .set(i64::try_from(m.bytes).unwrap_or(i64::MAX));
+        }
+    }
+
     // Long: the registry: one registration per metric, in the order of the README's list.
     pub fn new() -> Self {
         // The root has kube-proxy's metrics (`kubeproxy_*`); ours are under `ebpf_proxy_`.

@@ -289,9 +289,12 @@ fn new_metrics(opts: &AgentOptions, datapath: &Datapath) -> Arc<Metrics> {
             .join(" "),
         "BPF map memory (charged to the memory cgroup of the agent that created the maps)"
     );
-    set_map_memory(&metrics, &map_memory);
+    metrics.set_map_memory(&map_memory);
     per_service::start(opts, &metrics);
-    tokio::spawn(refresh_map_memory(opts.pin_path.clone(), metrics.clone()));
+    tokio::spawn(grow::refresh_map_memory(
+        opts.pin_path.clone(),
+        metrics.clone(),
+    ));
     metrics
 }
 
@@ -435,30 +438,6 @@ fn new_syncer(
     )
     .with_external_ip_cidrs(opts.external_ip_cidrs.clone())
     .with_lb_algorithm(opts.lb_algorithm)
-}
-
-fn set_map_memory(metrics: &Metrics, maps: &[loader::MapMemory]) {
-    for m in maps {
-        metrics
-            .map_memory
-            .get_or_create(&metrics::MapLabel {
-                map: m.name.to_string(),
-            })
-            .set(i64::try_from(m.bytes).unwrap_or(i64::MAX));
-    }
-}
-
-/// `map_memory_bytes` follows the maps without preallocation as they fill.
-async fn refresh_map_memory(pin_path: PathBuf, metrics: Arc<Metrics>) {
-    let mut every = tokio::time::interval(Duration::from_secs(10));
-    every.tick().await;
-    loop {
-        every.tick().await;
-        let path = pin_path.clone();
-        if let Ok(maps) = tokio::task::spawn_blocking(move || loader::map_memory(&path)).await {
-            set_map_memory(&metrics, &maps);
-        }
-    }
 }
 
 /// `--cleanup-kube-proxy`: waits for the first successful sync (from then on the hooks
