@@ -147,7 +147,7 @@ impl CounterMaps {
             CounterKind::Backend => &mut self.backend.0,
         };
         for id in ids {
-            crate::bpf::ignore_missing(map.remove(id)).map_err(map_err(kind.map_name()))?;
+            crate::store::ignore_missing(map.remove(id)).map_err(map_err(kind.map_name()))?;
         }
         Ok(())
     }

@@ -20,10 +20,7 @@ use std::{
 
 use tracing::{info, warn};
 
-use crate::{
-    agent::metrics::{Metrics, ReasonLabel},
-    loader,
-};
+use crate::loader;
 
 /// The default `--pod-interfaces`: the host-side veth names of the common CNIs (Calico
 /// `cali*`, Cilium `lxc*`, flannel/bridge/kindnet/ptp `veth*`, GKE `gke*`, AWS VPC CNI
@@ -259,26 +256,30 @@ impl LinkSocket {
     }
 }
 
+/// Where the watcher reports (the agent's metrics: `ebpf_proxy_pod_interface_errors_total`
+/// and `ebpf_proxy_pod_interfaces`).
+pub trait Report: Send + Sync {
+    /// An attach or detach that failed, by reason.
+    fn error(&self, reason: &str);
+    /// How many pod interfaces are attached now.
+    fn attached(&self, interfaces: usize);
+}
+
 /// The watcher's state: the loaded programs and the pod interfaces seen (index -> name).
 struct Watcher {
     tc: loader::PodTc,
     patterns: Patterns,
     seen: HashMap<i32, String>,
-    metrics: Arc<Metrics>,
+    report: Arc<dyn Report>,
 }
 
 impl Watcher {
     fn error(&self, reason: &str) {
-        self.metrics
-            .pod_interface_errors
-            .get_or_create(&ReasonLabel {
-                reason: reason.into(),
-            })
-            .inc();
+        self.report.error(reason);
     }
 
     fn gauge(&self) {
-        self.metrics.pod_interfaces.set(self.seen.len() as i64);
+        self.report.attached(self.seen.len());
     }
 
     fn attach(&mut self, index: i32, name: &str) {
@@ -398,7 +399,7 @@ pub fn spawn(
     pin_path: PathBuf,
     tc_attach: loader::TcAttachMode,
     patterns: Patterns,
-    metrics: Arc<Metrics>,
+    report: Arc<dyn Report>,
 ) -> anyhow::Result<()> {
     use anyhow::Context as _;
     let tc = loader::PodTc::load(&crate::pins::PinDir::new(&pin_path), tc_attach)
@@ -408,7 +409,7 @@ pub fn spawn(
         tc,
         patterns,
         seen: HashMap::new(),
-        metrics,
+        report,
     };
     let mut buf = vec![0u8; 1 << 16];
     w.dump(&sock, &mut buf)

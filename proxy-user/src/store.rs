@@ -452,3 +452,18 @@ pub fn write_batch<S: MapStore + ?Sized>(
 mod mem;
 
 pub use mem::{BatchFault, MemStore};
+
+/// Deleting an absent key is fine (idempotent cleanup).
+pub(crate) fn ignore_missing(
+    r: Result<(), aya::maps::MapError>,
+) -> Result<(), aya::maps::MapError> {
+    match r {
+        Err(aya::maps::MapError::KeyNotFound) | Err(aya::maps::MapError::ElementNotFound) => Ok(()),
+        Err(aya::maps::MapError::SyscallError(e))
+            if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+        {
+            Ok(())
+        }
+        other => other,
+    }
+}

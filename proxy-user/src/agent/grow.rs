@@ -116,16 +116,7 @@ pub(super) async fn grow_conntrack(
         let p = pins.clone();
         match tokio::task::spawn_blocking(move || crate::migrate::resize_conntrack(&p, to)).await {
             Ok(Ok(resized)) => {
-                for r in &resized {
-                    let direction = if r.to > r.from { "grow" } else { "shrink" };
-                    metrics
-                        .map_resizes
-                        .get_or_create(&metrics::ResizeLabel {
-                            map: r.map.to_string(),
-                            direction: direction.to_string(),
-                        })
-                        .inc();
-                }
+                metrics.count_resizes(&resized);
                 let now = pins.max_entries(proxy_common::map_names::CT4).unwrap_or(0);
                 metrics.conntrack_capacity.set(i64::from(now / 2));
                 info!(

@@ -130,6 +130,20 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// `ebpf_proxy_map_resizes_total` for each map a resize replaced (grow or shrink by
+    /// its sizes).
+    pub fn count_resizes(&self, resized: &[crate::loader::MapResize]) {
+        for r in resized {
+            let direction = if r.to > r.from { "grow" } else { "shrink" };
+            self.map_resizes
+                .get_or_create(&ResizeLabel {
+                    map: r.map.to_string(),
+                    direction: direction.to_string(),
+                })
+                .inc();
+        }
+    }
+
     /// `ebpf_proxy_map_memory_bytes` per map, from the loader's reading.
     pub fn set_map_memory(&self, maps: &[crate::loader::MapMemory]) {
         for m in maps {
@@ -548,6 +562,21 @@ pub async fn spawn(
     let local = listener.local_addr()?;
     tokio::spawn(serve(listener, what, metrics, health));
     Ok(local)
+}
+
+impl crate::podif::Report for Metrics {
+    fn error(&self, reason: &str) {
+        self.pod_interface_errors
+            .get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    fn attached(&self, interfaces: usize) {
+        self.pod_interfaces
+            .set(i64::try_from(interfaces).unwrap_or(i64::MAX));
+    }
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! rate-limited sync loop until told to stop. Stopping leaves the datapath pinned and
 //! serving; the next agent adopts it.
 
+mod bypass;
 mod caps;
 pub mod cli;
 mod ct_cleanup;
@@ -269,16 +270,7 @@ fn new_metrics(opts: &AgentOptions, datapath: &Datapath) -> Arc<Metrics> {
     metrics
         .service_map_entries
         .set(i64::from(installed.service_entries));
-    for r in &installed.resized {
-        let direction = if r.to > r.from { "grow" } else { "shrink" };
-        metrics
-            .map_resizes
-            .get_or_create(&metrics::ResizeLabel {
-                map: r.map.to_string(),
-                direction: direction.to_string(),
-            })
-            .inc();
-    }
+    metrics.count_resizes(&installed.resized);
     let map_memory = loader::map_memory(&opts.pin_path);
     info!(
         total_bytes = map_memory.iter().map(|m| m.bytes).sum::<u64>(),
@@ -290,7 +282,12 @@ fn new_metrics(opts: &AgentOptions, datapath: &Datapath) -> Arc<Metrics> {
         "BPF map memory (charged to the memory cgroup of the agent that created the maps)"
     );
     metrics.set_map_memory(&map_memory);
-    per_service::start(opts, &metrics);
+    if let Some(ps) = per_service::start(
+        &crate::pins::PinDir::new(&opts.pin_path),
+        opts.metrics_per_service,
+    ) {
+        let _ = metrics.per_service.set(ps);
+    }
     tokio::spawn(grow::refresh_map_memory(
         opts.pin_path.clone(),
         metrics.clone(),
@@ -335,7 +332,10 @@ async fn start_source(
         Some(dir) => {
             info!(dir = %dir.display(), node = %opts.node_name, "source: manifests directory");
             let source = manifests::ManifestsDir::new(dir, metrics.source.clone());
-            let tx = crate::podbypass::start_manifests(opts, &metrics.source, tx)?;
+            let tx = match bypass::bypass_options(opts, &metrics.source)? {
+                Some(b) => crate::podbypass::start_manifests(b, tx)?,
+                None => tx,
+            };
             manifests::spawn(source, opts.manifests_poll, tx)
                 .context("starting the manifests thread")?;
         }
@@ -347,7 +347,9 @@ async fn start_source(
             let host = kube_source::host(&config);
             let client = kube_source::client_from(config)?;
             info!(node = %opts.node_name, %host, "source: Kubernetes API");
-            crate::podbypass::start(opts, &metrics.source, &client, &host)?;
+            if let Some(b) = bypass::bypass_options(opts, &metrics.source)? {
+                crate::podbypass::start(b, &client, &host, opts.api_idle_timeout)?;
+            }
             kube_source::spawn(
                 client,
                 &host,

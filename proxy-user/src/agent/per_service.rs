@@ -20,7 +20,6 @@ use std::{
 use proxy_common::FlowCounts;
 use tracing::{info, warn};
 
-use super::{metrics::Metrics, AgentOptions};
 use crate::{
     counters::{CounterKind, CounterMaps},
     model::Proto,
@@ -56,35 +55,35 @@ impl std::fmt::Debug for PerService {
 }
 
 /// Turns the datapath's counting on (`--metrics-per-service`) or off (the default; what
-/// was counted is deleted) in `COUNTERS_ON`, and, when on, hands the metrics the reader.
-/// Pins without the maps (an older datapath still running) leave it off, with a warning.
-pub fn start(opts: &AgentOptions, metrics: &Metrics) {
-    let pins = PinDir::new(&opts.pin_path);
-    let mut maps = match CounterMaps::open(&pins) {
+/// was counted is deleted) in `COUNTERS_ON` of `pins`; when on, the
+/// reader the metrics serve (`Metrics::per_service`). Pins without the maps (an older
+/// datapath still running) leave it off, with a warning. `max_series`: the
+/// `--metrics-per-service-max-series` of `--metrics-per-service`, `None` when off.
+pub fn start(pins: &PinDir, max_series: Option<usize>) -> Option<PerService> {
+    let mut maps = match CounterMaps::open(pins) {
         Ok(Some(m)) => m,
         Ok(None) => {
-            if opts.metrics_per_service.is_some() {
+            if max_series.is_some() {
                 warn!("--metrics-per-service: the running datapath has no counter maps (an older build); not counted");
             }
-            return;
+            return None;
         }
         Err(e) => {
             warn!(error = %e, "opening the per-Service counters; not counted");
-            return;
+            return None;
         }
     };
-    if let Err(e) = maps.set_on(opts.metrics_per_service.is_some()) {
+    if let Err(e) = maps.set_on(max_series.is_some()) {
         warn!(error = %e, "writing COUNTERS_ON; per-Service counters left as they were");
-        return;
+        return None;
     }
-    if let Some(max_series) = opts.metrics_per_service {
-        info!(max_series, "per-Service and per-backend counters on");
-        let _ = metrics.per_service.set(PerService {
-            maps,
-            max_series,
-            labels: Mutex::new(Arc::default()),
-        });
-    }
+    let max_series = max_series?;
+    info!(max_series, "per-Service and per-backend counters on");
+    Some(PerService {
+        maps,
+        max_series,
+        labels: Mutex::new(Arc::default()),
+    })
 }
 
 /// One Service port's label values.

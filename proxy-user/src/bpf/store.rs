@@ -28,14 +28,7 @@ pub(super) fn map_err(map: &'static str) -> impl Fn(MapError) -> StoreError {
     }
 }
 
-/// Deleting an absent key is fine (idempotent cleanup).
-pub(crate) fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
-    match r {
-        Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => Ok(()),
-        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
-        other => other,
-    }
-}
+pub(crate) use crate::store::ignore_missing;
 
 pub(super) fn corrupt(map: &'static str, detail: String) -> StoreError {
     StoreError::Corrupt { map, detail }

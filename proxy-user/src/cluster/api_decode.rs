@@ -193,8 +193,8 @@ pub fn object(
                 .collect::<Result<Vec<_>, _>>()?;
             Object::ServiceCidr(Box::new(super::ServiceCidrInfo { key, cidrs }))
         }
-        Kind::Pod => Object::Pod(Box::new(crate::podbypass::decode_pod(json)?)),
-        Kind::Namespace => Object::Namespace(Box::new(crate::podbypass::decode_namespace(json)?)),
+        Kind::Pod => Object::Pod(Box::new(super::objects::decode_pod(json)?)),
+        Kind::Namespace => Object::Namespace(Box::new(super::objects::decode_namespace(json)?)),
         Kind::Node => {
             let n: NodeItem = serde_json::from_str(json)?;
             Object::Node(Box::new(Node {

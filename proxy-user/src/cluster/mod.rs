@@ -72,8 +72,8 @@ pub enum Object {
     ReducedService(Box<Reduced<ServiceInfo>>),
     ReducedSlice(Box<Reduced<SliceInfo>>),
     ServiceCidr(Box<ServiceCidrInfo>),
-    Pod(Box<crate::podbypass::PodInfo>),
-    Namespace(Box<crate::podbypass::NamespaceInfo>),
+    Pod(Box<objects::PodInfo>),
+    Namespace(Box<objects::NamespaceInfo>),
 }
 
 /// An object reduced where it was decoded (`cluster::api_decode`): its key, what

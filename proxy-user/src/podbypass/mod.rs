@@ -24,7 +24,6 @@ use std::{
 
 use aya::maps::{HashMap as BpfHash, MapData};
 use proxy_common::{map_names, socket_lb};
-use serde::Deserialize;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
@@ -33,6 +32,7 @@ pub use selector::BypassSelector;
 use crate::{
     cluster::{
         counters::SourceCounters,
+        objects::PodInfo,
         skips::{SkipKind, SkipReason},
         Kind, ObjKey, Object, Update,
     },
@@ -41,88 +41,6 @@ use crate::{
 
 /// How often a selected pod whose cgroup is not there yet is looked for again.
 pub const RETRY: Duration = Duration::from_millis(200);
-
-/// A Pod as the bypass reads it: nothing but its key, uid, labels and whether it has
-/// finished (its cgroup is gone).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PodInfo {
-    pub key: ObjKey,
-    pub uid: String,
-    pub labels: BTreeMap<String, String>,
-    /// `status.phase` is `Succeeded` or `Failed`.
-    pub finished: bool,
-    /// `spec.nodeName` (the API watch selects this node's; a manifests directory may
-    /// hold any node's).
-    pub node: Option<String>,
-    /// `spec.hostNetwork`: its sockets are in the host's network namespace, whose traffic
-    /// has no pod interface to be translated on, so it is never bypassed.
-    pub host_network: bool,
-}
-
-/// A Namespace as the bypass reads it: its name (the key's name) and labels.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NamespaceInfo {
-    pub key: ObjKey,
-    pub labels: BTreeMap<String, String>,
-}
-
-#[derive(Deserialize)]
-struct Item {
-    #[serde(default)]
-    metadata: ItemMeta,
-    spec: Option<ItemSpec>,
-    status: Option<ItemStatus>,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct ItemSpec {
-    #[serde(default)]
-    host_network: bool,
-    node_name: Option<String>,
-}
-
-#[derive(Deserialize, Default)]
-struct ItemMeta {
-    name: Option<String>,
-    namespace: Option<String>,
-    uid: Option<String>,
-    labels: Option<BTreeMap<String, String>>,
-}
-
-#[derive(Deserialize)]
-struct ItemStatus {
-    phase: Option<String>,
-}
-
-/// A Pod from its JSON: only metadata's name, namespace, uid, labels and `status.phase`
-/// are decoded (the spec, annotations and the rest are skipped unread).
-pub fn decode_pod(json: &str) -> Result<PodInfo, serde_json::Error> {
-    let item: Item = serde_json::from_str(json)?;
-    let m = item.metadata;
-    let uid = m
-        .uid
-        .filter(|u| !u.is_empty())
-        .ok_or_else(|| <serde_json::Error as serde::de::Error>::custom("metadata.uid missing"))?;
-    let phase = item.status.and_then(|s| s.phase);
-    Ok(PodInfo {
-        key: ObjKey::new(m.namespace.unwrap_or_default(), m.name.unwrap_or_default()),
-        uid,
-        labels: m.labels.unwrap_or_default(),
-        finished: matches!(phase.as_deref(), Some("Succeeded" | "Failed")),
-        host_network: item.spec.as_ref().is_some_and(|s| s.host_network),
-        node: item.spec.and_then(|s| s.node_name),
-    })
-}
-
-/// A Namespace from its JSON: its name and labels.
-pub fn decode_namespace(json: &str) -> Result<NamespaceInfo, serde_json::Error> {
-    let item: Item = serde_json::from_str(json)?;
-    Ok(NamespaceInfo {
-        key: ObjKey::new("", item.metadata.name.unwrap_or_default()),
-        labels: item.metadata.labels.unwrap_or_default(),
-    })
-}
 
 /// What the bypass needs to run.
 pub struct Options {
@@ -386,28 +304,25 @@ fn remove(map: &mut BpfHash<MapData, u64, u8>, key: u64) -> anyhow::Result<()> {
 }
 
 /// Starts the bypass on its own task, fed by the Pod and Namespace watches
-/// (`kube_source::spawn_pods`), when it can matter: a selector is set, socket LB takes
-/// pods' sockets (`all`, `tcp`) and pods have the per-packet path (`--pod-interfaces`).
-/// Otherwise it says why not and watches nothing.
+/// (`kube_source::spawn_pods`). The agent starts it only when it can matter
+/// (`agent::bypass_options`).
 pub fn start(
-    agent: &crate::agent::AgentOptions,
-    counters: &SourceCounters,
+    opts: Options,
     client: &kube::Client,
     host: &str,
+    idle_timeout: Duration,
 ) -> anyhow::Result<()> {
-    let Some(opts) = options(agent, counters)? else {
-        return Ok(());
-    };
     info!(root = %opts.root.display(), "socket LB bypass: watching this node's Pods and the Namespaces");
-    let bypass = Bypass::new(opts)?;
     let (tx, rx) = mpsc::channel(1024);
+    let (node_name, counters) = (opts.node_name.clone(), opts.counters.clone());
+    let bypass = Bypass::new(opts)?;
     crate::cluster::kube_source::spawn_pods(
         client.clone(),
         host,
-        &agent.node_name,
+        &node_name,
         tx,
-        counters.clone(),
-        agent.api_idle_timeout,
+        counters,
+        idle_timeout,
     );
     tokio::spawn(bypass.run(rx));
     Ok(())
@@ -417,13 +332,9 @@ pub fn start(
 /// Namespaces go to the bypass, everything else to `syncer`. Returns the sender the
 /// directory's thread writes to (`syncer` itself when the bypass is off).
 pub fn start_manifests(
-    agent: &crate::agent::AgentOptions,
-    counters: &SourceCounters,
+    opts: Options,
     syncer: mpsc::Sender<Update>,
 ) -> anyhow::Result<mpsc::Sender<Update>> {
-    let Some(opts) = options(agent, counters)? else {
-        return Ok(syncer);
-    };
     info!(root = %opts.root.display(), "socket LB bypass: reading Pods and Namespaces from the manifests directory");
     let bypass = Bypass::new(opts)?;
     let (tx, mut rx) = mpsc::channel(4096);
@@ -445,67 +356,4 @@ pub fn start_manifests(
         }
     });
     Ok(tx)
-}
-
-/// The bypass's options when it can matter: a selector is set, socket LB takes pods'
-/// sockets (`all`, `tcp`) and pods have the per-packet path (`--pod-interfaces`);
-/// otherwise `None`, said once.
-fn options(
-    agent: &crate::agent::AgentOptions,
-    counters: &SourceCounters,
-) -> anyhow::Result<Option<Options>> {
-    use crate::socklb::SocketLb;
-    let Some(selector) = agent.socket_lb_bypass.clone() else {
-        return Ok(None);
-    };
-    if agent.pod_interfaces.is_empty() || !matches!(agent.socket_lb, SocketLb::All | SocketLb::Tcp)
-    {
-        info!(
-            socket_lb = agent.socket_lb.name(),
-            "socket LB bypass from labels off: it needs --pod-interfaces and --socket-lb all or tcp"
-        );
-        return Ok(None);
-    }
-    let root = match &agent.cgroup {
-        Some(c) => c.clone(),
-        None => crate::cgroup::cgroup2_mount()?,
-    };
-    Ok(Some(Options {
-        selector,
-        root,
-        pins: PinDir::new(&agent.pin_path),
-        counters: counters.clone(),
-        node_name: agent.node_name.clone(),
-    }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_pod_is_decoded_to_its_key_uid_labels_phase_and_host_network() {
-        let p = decode_pod(
-            r#"{"metadata": {"name": "p", "namespace": "n", "uid": "u-1",
-                "labels": {"a": "b"}, "annotations": {"big": "x"}},
-                "spec": {"hostNetwork": true, "containers": []},
-                "status": {"phase": "Succeeded", "qosClass": "BestEffort"}}"#,
-        )
-        .expect("decodes");
-        assert_eq!(p.key, ObjKey::new("n", "p"));
-        assert_eq!(p.uid, "u-1");
-        assert_eq!(p.labels.get("a").map(String::as_str), Some("b"));
-        assert!(p.finished && p.host_network);
-        let running = decode_pod(
-            r#"{"metadata": {"name": "p", "uid": "u"}, "status": {"phase": "Running"}}"#,
-        )
-        .expect("decodes");
-        assert!(!running.finished && !running.host_network);
-        let e = decode_pod(r#"{"metadata": {"name": "p"}}"#).expect_err("no uid");
-        assert!(e.to_string().contains("metadata.uid"), "{e}");
-        let ns = decode_namespace(r#"{"metadata": {"name": "mesh", "labels": {"k": "v"}}}"#)
-            .expect("decodes");
-        assert_eq!(ns.key.name.as_ref() as &str, "mesh");
-        assert_eq!(ns.labels.len(), 1);
-    }
 }

@@ -9,7 +9,7 @@ use tracing::{debug, info, warn};
 
 use super::syncer::{SyncOutcome, Syncer};
 use crate::{
-    agent::metrics::{ReasonLabel, ResizeLabel},
+    agent::metrics::ReasonLabel,
     cluster::{
         conflicts::{write_order, Rank},
         objects::ObjKey,
@@ -239,15 +239,7 @@ impl<S: MapStore> Syncer<S> {
         for g in self.writer.take_svc_growths() {
             match g {
                 SvcGrowth::Grown { resized, needed } => {
-                    for r in &resized {
-                        self.metrics
-                            .map_resizes
-                            .get_or_create(&ResizeLabel {
-                                map: r.map.to_string(),
-                                direction: "grow".to_string(),
-                            })
-                            .inc();
-                    }
+                    self.metrics.count_resizes(&resized);
                     if let Some(to) = resized.iter().map(|r| r.to).max() {
                         self.metrics.service_map_entries.set(i64::from(to));
                         info!(

@@ -13,10 +13,12 @@ use std::{
 use crate::model::{Family, Proto};
 
 mod node;
+mod pod;
 mod service;
 mod slice;
 
 pub use node::NodeInfo;
+pub use pod::{decode_namespace, decode_pod, NamespaceInfo, PodInfo};
 pub use service::{ServiceInfo, ServicePortInfo};
 pub use slice::{parse_rfc3339, EndpointInfo, Hints, SliceInfo, SlicePort, TRIGGER_TIME};
 
