@@ -12,24 +12,18 @@
 //! charged there) and must be healthy again. Peak memory and the maps' own figures are
 //! printed. Needs root; fails without it.
 //!
-//! The memory controller: cgroup v2 when the unified hierarchy has it; otherwise (this
+//! The memory controller (`proxy_testbed::memcg`): cgroup v2 when the unified hierarchy has it; otherwise (this
 //! project's hybrid-mode machines: the unified hierarchy at /sys/fs/cgroup/unified has no
 //! memory controller) the v1 memory controller, whose charging of kernel memory (BPF maps
 //! included) is the same memcg code. The test checks that the maps really are charged
 //! there (the cgroup's usage with no agent running covers the maps' memory), so it
 //! cannot pass by measuring the wrong hierarchy.
-//!
-//! Over 600 lines: one suite (the DaemonSet memory limit, measured). Each file under
-//! `tests/` is a test binary of its own that links the whole crate, so a suite is split
-//! into modules only when its scenarios stop sharing set-up (shared helpers live in
-//! `tests/support/`).
 
 mod support;
 
 use std::{
     fs,
     io::Write as _,
-    os::{fd::AsRawFd, unix::process::CommandExt as _},
     path::{Path, PathBuf},
     process::Command,
     time::{Duration, Instant},
@@ -39,6 +33,7 @@ use k8s_openapi::api::{apps::v1::DaemonSet, core::v1::ConfigMap};
 use support::{
     free_ports,
     manifests::{many_services, ready, service, slice},
+    memcg::MemCgroup,
     tcp_ask, unique, AgentProcess, TestEnv, Topology,
 };
 
@@ -132,202 +127,11 @@ fn shipped() -> Shipped {
     }
 }
 
-/// A fresh child memory cgroup with a limit, below this process's own memory cgroup;
-/// removed on drop (after the maps charged to it are gone, the kernel moves what is left
-/// to the parent).
-struct MemCgroup {
-    path: PathBuf,
-    v2: bool,
-}
-
-impl MemCgroup {
-    /// cgroup v2 if its hierarchy has the memory controller, else the v1 memory
-    /// controller. Both found from /proc/self/mountinfo and /proc/self/cgroup.
-    fn new(limit: u64) -> Self {
-        let mountinfo = fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
-        let own = fs::read_to_string("/proc/self/cgroup").expect("/proc/self/cgroup");
-        // mountinfo: "id parent major:minor root mountpoint opts - fstype source superopts".
-        let mounts: Vec<(String, String, String)> = mountinfo
-            .lines()
-            .filter_map(|l| {
-                let (left, right) = l.split_once(" - ")?;
-                let mount_point = left.split_whitespace().nth(4)?.to_string();
-                let mut r = right.split_whitespace();
-                let fstype = r.next()?.to_string();
-                let superopts = r.nth(1).unwrap_or("").to_string();
-                Some((mount_point, fstype, superopts))
-            })
-            .collect();
-        let v2_mount = mounts
-            .iter()
-            .find(|(_, t, _)| t == "cgroup2")
-            .map(|(m, _, _)| PathBuf::from(m));
-        let v2_controllers = v2_mount
-            .as_ref()
-            .and_then(|m| fs::read_to_string(m.join("cgroup.controllers")).ok())
-            .unwrap_or_default();
-        let (parent, v2) = if v2_controllers.split_whitespace().any(|c| c == "memory") {
-            let mount = v2_mount.expect("cgroup2 mount");
-            let rel = own
-                .lines()
-                .find_map(|l| l.strip_prefix("0::"))
-                .expect("0:: line");
-            (mount.join(rel.trim_start_matches('/')), true)
-        } else {
-            let mount = mounts
-                .iter()
-                .find(|(_, t, o)| t == "cgroup" && o.split(',').any(|x| x == "memory"))
-                .map(|(m, _, _)| PathBuf::from(m))
-                .unwrap_or_else(|| {
-                    panic!(
-                        "no memory controller: the cgroup2 hierarchy at {v2_mount:?} has \
-                         controllers {v2_controllers:?} and no cgroup v1 memory hierarchy \
-                         is mounted"
-                    )
-                });
-            let rel = own
-                .lines()
-                .find_map(|l| {
-                    let mut f = l.splitn(3, ':');
-                    let (_, ctrl, path) = (f.next()?, f.next()?, f.next()?);
-                    ctrl.split(',').any(|c| c == "memory").then_some(path)
-                })
-                .expect("a memory line in /proc/self/cgroup");
-            eprintln!(
-                "cgroup v2 ({}) has no memory controller (controllers: {:?}); using the v1 \
-                 memory controller at {}",
-                v2_mount
-                    .map(|m| m.display().to_string())
-                    .unwrap_or_default(),
-                v2_controllers.trim(),
-                mount.display()
-            );
-            (mount.join(rel.trim_start_matches('/')), false)
-        };
-        if v2 {
-            // The child's memory files exist only if the parent delegates the controller
-            // (refused when the parent holds processes: then memory.max below says so).
-            let _ = fs::write(parent.join("cgroup.subtree_control"), "+memory");
-        }
-        let path = parent.join(unique("ebpf-proxy-memtest-"));
-        fs::create_dir(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let cg = Self { path, v2 };
-        if v2 {
-            cg.write("memory.max", &limit.to_string());
-            cg.write("memory.swap.max", "0");
-        } else {
-            cg.write("memory.limit_in_bytes", &limit.to_string());
-            // No swap on the machine; if there were, memsw would keep it from hiding
-            // memory (may be missing without swap accounting).
-            let _ = fs::write(
-                cg.path.join("memory.memsw.limit_in_bytes"),
-                limit.to_string(),
-            );
-        }
-        assert_eq!(cg.limit(), limit, "the limit took");
-        cg
-    }
-
-    fn write(&self, file: &str, value: &str) {
-        let p = self.path.join(file);
-        fs::write(&p, value).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-    }
-
-    fn read(&self, file: &str) -> String {
-        let p = self.path.join(file);
-        fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-    }
-
-    fn read_u64(&self, file: &str) -> u64 {
-        self.read(file).trim().parse().expect(file)
-    }
-
-    fn limit(&self) -> u64 {
-        if self.v2 {
-            self.read_u64("memory.max")
-        } else {
-            self.read_u64("memory.limit_in_bytes")
-        }
-    }
-
-    fn usage(&self) -> u64 {
-        self.read_u64(if self.v2 {
-            "memory.current"
-        } else {
-            "memory.usage_in_bytes"
-        })
-    }
-
-    /// Highest usage since the last [`Self::reset_peak`] (v2 without a resettable
-    /// `memory.peak`: since creation).
-    fn peak(&self) -> u64 {
-        self.read_u64(if self.v2 {
-            "memory.peak"
-        } else {
-            "memory.max_usage_in_bytes"
-        })
-    }
-
-    fn reset_peak(&self) {
-        let file = if self.v2 {
-            "memory.peak"
-        } else {
-            "memory.max_usage_in_bytes"
-        };
-        // v2: writing resets it for the writer's fd only (6.12+): harmless, v1: resets.
-        let _ = fs::write(self.path.join(file), "0");
-    }
-
-    /// OOM kills in this cgroup (`memory.events` / `memory.oom_control`).
-    fn oom_kills(&self) -> u64 {
-        let text = self.read(if self.v2 {
-            "memory.events"
-        } else {
-            "memory.oom_control"
-        });
-        text.lines()
-            .find_map(|l| l.strip_prefix("oom_kill "))
-            .map(|v| v.trim().parse().expect("oom_kill"))
-            .unwrap_or(0)
-    }
-
-    fn events(&self) -> String {
-        if self.v2 {
-            self.read("memory.events")
-        } else {
-            format!(
-                "{}failcnt {}",
-                self.read("memory.oom_control"),
-                self.read("memory.failcnt").trim()
-            )
-        }
-    }
-
-    /// The open `cgroup.procs`: the child writes its pid through it between fork and exec,
-    /// so that everything the agent allocates, from its first page, is charged here.
-    fn procs(&self) -> fs::File {
-        fs::OpenOptions::new()
-            .write(true)
-            .open(self.path.join("cgroup.procs"))
-            .expect("cgroup.procs")
-    }
-}
-
-impl Drop for MemCgroup {
-    fn drop(&mut self) {
-        if let Err(e) = fs::remove_dir(&self.path) {
-            eprintln!("removing {}: {e}", self.path.display());
-        }
-    }
-}
-
 /// `proxy-agent run` as `AgentProcess::start` runs it, but placed in `memcg` before exec.
 fn start_in_memcg(env: &TestEnv, memcg: &MemCgroup, args: &[&str]) -> AgentProcess {
     let [healthz_port, metrics_port] = free_ports();
     let log = std::env::temp_dir().join(unique("ebpf-proxy-agent-log-"));
     let log_file = fs::File::create(&log).expect("log file");
-    let procs = memcg.procs();
-    let procs_fd = procs.as_raw_fd();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_proxy-agent"));
     cmd.arg("run")
         .args(args)
@@ -343,19 +147,11 @@ fn start_in_memcg(env: &TestEnv, memcg: &MemCgroup, args: &[&str]) -> AgentProce
         .env("RUST_LOG", "info")
         .stdout(log_file.try_clone().expect("log"))
         .stderr(log_file);
-    // SAFETY: between fork and exec only write(2) on an fd opened before the fork
-    // ("0" = the calling process), which is async-signal-safe.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::write(procs_fd, b"0".as_ptr().cast(), 1) != 1 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    memcg
+        .enter_before_exec(&mut cmd)
+        .expect("the memory cgroup's cgroup.procs");
     let child = cmd.spawn().expect("start proxy-agent in the memory cgroup");
-    drop(procs);
-    let procs_now = memcg.read("cgroup.procs");
+    let procs_now = memcg.read("cgroup.procs").expect("cgroup.procs");
     assert!(
         procs_now
             .split_whitespace()
@@ -414,8 +210,8 @@ fn wait_healthy(
             panic!(
                 "proxy-agent exited with {status} (peak {} MiB of {} MiB; events:\n{})\n\
                  last log lines:\n{}",
-                memcg.peak() / MIB,
-                memcg.limit() / MIB,
+                memcg.peak().expect("peak") / MIB,
+                memcg.limit().expect("limit") / MIB,
                 memcg.events(),
                 tail.into_iter().rev().collect::<Vec<_>>().join("\n")
             );
@@ -440,7 +236,7 @@ fn wait_healthy(
         assert!(
             start.elapsed() < timeout,
             "proxy-agent not healthy after {timeout:?} (peak {} MiB):\n{}",
-            memcg.peak() / MIB,
+            memcg.peak().expect("peak") / MIB,
             agent.logs()
         );
         std::thread::sleep(Duration::from_millis(100));
@@ -507,7 +303,20 @@ fn stop(agent: &mut AgentProcess) -> Duration {
 fn shipped_memory_limit_survives_cold_start_and_restart_at_10k_services() {
     support::require_root();
     let shipped = shipped();
-    let memcg = MemCgroup::new(shipped.memory_limit);
+    let memcg = MemCgroup::new("ebpf-proxy-memtest-", Some(shipped.memory_limit))
+        .expect("a child memory cgroup");
+    assert_eq!(
+        memcg.limit().expect("limit"),
+        shipped.memory_limit,
+        "the limit took"
+    );
+    if !memcg.v2 {
+        eprintln!(
+            "the cgroup v2 hierarchy has no memory controller: using the v1 memory \
+             controller at {}",
+            memcg.path.display()
+        );
+    }
     let mut env = TestEnv::without_datapath(1);
     env.serve_all(TARGET);
     let dir = std::env::temp_dir().join(unique("ebpf-proxy-manifests-"));
@@ -532,14 +341,14 @@ fn shipped_memory_limit_survives_cold_start_and_restart_at_10k_services() {
         "--service-map-entries",
         &shipped.service_map_entries,
     ];
-    let before = memcg.usage();
+    let before = memcg.usage().expect("usage");
     let test_start = Instant::now();
 
     // Cold start: this agent creates every map, charged to the cgroup.
     let mut agent = start_in_memcg(&env, &memcg, &args);
     let (cold, live_cold) = wait_healthy(&mut agent, &memcg, Duration::from_secs(300));
     let maps_cold = check_programmed(&env, &agent);
-    let peak_cold = memcg.peak();
+    let peak_cold = memcg.peak().expect("peak");
     let logs = agent.logs();
     assert!(
         logs.contains("BPF map memory"),
@@ -548,7 +357,7 @@ fn shipped_memory_limit_survives_cold_start_and_restart_at_10k_services() {
     let stop_took = stop(&mut agent);
     drop(agent);
     assert_eq!(
-        memcg.oom_kills(),
+        memcg.oom_kills().expect("oom_kills"),
         0,
         "no OOM kill on the cold start: {}",
         memcg.events()
@@ -556,7 +365,7 @@ fn shipped_memory_limit_survives_cold_start_and_restart_at_10k_services() {
 
     // No agent runs: what stays charged is the pinned maps.
     std::thread::sleep(Duration::from_millis(500));
-    let charged_idle = memcg.usage().saturating_sub(before);
+    let charged_idle = memcg.usage().expect("usage").saturating_sub(before);
     let filled = support_map_memory(&env);
     eprintln!(
         "maps at {SERVICES} x {ENDPOINTS} (fdinfo memlock): {}",
@@ -584,11 +393,11 @@ fn shipped_memory_limit_survives_cold_start_and_restart_at_10k_services() {
     let mut agent = start_in_memcg(&env, &memcg, &args);
     let (warm, live_warm) = wait_healthy(&mut agent, &memcg, Duration::from_secs(300));
     let maps_warm = check_programmed(&env, &agent);
-    let peak_warm = memcg.peak();
+    let peak_warm = memcg.peak().expect("peak");
     let stop_warm = stop(&mut agent);
     drop(agent);
     assert_eq!(
-        memcg.oom_kills(),
+        memcg.oom_kills().expect("oom_kills"),
         0,
         "no OOM kill on the restart: {}",
         memcg.events()

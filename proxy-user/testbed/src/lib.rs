@@ -14,6 +14,7 @@
 //! 10.96.0.0/16 and fd00:96::/64, which no namespace routes.
 
 pub mod apiserver;
+pub mod memcg;
 
 use std::{
     fs,

@@ -90,6 +90,37 @@ pub fn markdown(r: &ApiResults) -> String {
             }
             md += &format!(" {} / {} |\n", f(s.rss_mib, 1), f(s.manifests_rss_mib, 1));
         }
+        let rules: Vec<&String> = names
+            .iter()
+            .filter(|n| {
+                r.scales
+                    .iter()
+                    .any(|s| s.side_by_side_kernel_mib.contains_key(*n))
+            })
+            .collect();
+        md += "\n### Node memory at N, side by side (MiB)\n\nThis agent: VmRSS + BPF map memory charged (`ebpf_proxy_map_memory_bytes`). kube-proxy: the kernel memory of its rules, charged to a fresh memory cgroup by the commands that loaded them; kube-proxy's own process (not run here) is not included.\n\n| Services x 10 | this agent, API: VmRSS + maps = whole node |";
+        for n in &rules {
+            md += &format!(" kube-proxy {n}: rules |");
+        }
+        md += "\n|---:|---:|";
+        md += &"---:|".repeat(rules.len());
+        md += "\n";
+        for s in &r.scales {
+            md += &format!(
+                "| {} | {} + {} = {} |",
+                report::thousands(s.services),
+                f(s.rss_mib, 1),
+                f(s.map_memory_mib, 1),
+                f(s.rss_mib.zip(s.map_memory_mib).map(|(a, b)| a + b), 1)
+            );
+            for n in &rules {
+                md += &match s.side_by_side_kernel_mib.get(*n) {
+                    Some(mib) => format!(" {mib:.1} |"),
+                    None => " - |".into(),
+                };
+            }
+            md += "\n";
+        }
     }
     if !r.nodes.is_empty() {
         md += "\n### Cluster-wide network programming latency (`--nodes K`)\n\n| agents | Services x 10 | changes (rate/s) | accepted -> written on all agents p50 / p90 / p99 (ms) | missing | watch bytes per change (all agents) | VmRSS per agent (MiB) | poll interval (ms) |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n";

@@ -278,6 +278,23 @@ fn side_by_side(
             scale.errors.push(format!("{label}: not available: {why}"));
             continue;
         }
+        // kube-proxy's rules are kernel memory, charged to the memory cgroup of the
+        // command that loads them: a fresh one per mode, read after the load.
+        let memcg = if label == "manifests" {
+            None
+        } else {
+            match modes::MemCgroup::new("ebpf-proxy-bench-rules-", None) {
+                Ok(cg) => Some(std::sync::Arc::new(cg)),
+                Err(e) => {
+                    scale
+                        .errors
+                        .push(format!("{label}: no memory cgroup for the rules: {e}"));
+                    None
+                }
+            }
+        };
+        let charged_before = memcg.as_ref().and_then(|cg| cg.usage().ok());
+        mode.charge_rules_to(memcg.clone());
         match mode.program(ctx, &services, limit) {
             Ok(t) => {
                 let secs = t.map(|t| t.seconds);
@@ -295,12 +312,25 @@ fn side_by_side(
                 scale.side_by_side.insert(label.clone(), secs);
                 if label == "manifests" {
                     scale.manifests_rss_mib = mode.agent().and_then(|a| a.rss_mib);
+                } else if secs.is_some() {
+                    let after = memcg.as_ref().and_then(|cg| cg.usage().ok());
+                    if let Some((before, after)) = charged_before.zip(after) {
+                        let mib = after.saturating_sub(before) as f64 / f64::from(1u32 << 20);
+                        log(
+                            start,
+                            format!("  {label}: the rules' kernel memory {mib:.1} MiB"),
+                        );
+                        scale.side_by_side_kernel_mib.insert(label.clone(), mib);
+                    }
                 }
             }
             Err(e) => scale.errors.push(format!("{label}: {e:#}")),
         }
+        mode.charge_rules_to(None);
         if let Err(e) = mode.clear(ctx) {
             scale.errors.push(format!("{label}: clear: {e:#}"));
         }
+        // After the clear: the rules' memory is freed (what is left moves to the parent).
+        drop(memcg);
     }
 }

@@ -3,12 +3,13 @@
 
 use std::{
     process::Command,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result};
 
-use super::{new_stack, Ctx, Mode, Timing};
+use super::{new_stack, Ctx, MemCgroup, Mode, Timing};
 use crate::bench::{
     iptables, ipvs, nftables,
     plan::Service,
@@ -23,10 +24,21 @@ pub enum IptablesVariant {
     Nft,
 }
 
+/// `cmd` runs in `memcg` when one is set (its kernel allocations charged there).
+fn charge(memcg: &Option<Arc<MemCgroup>>, cmd: &mut Command) -> Result<()> {
+    if let Some(cg) = memcg {
+        cg.enter_before_exec(cmd)
+            .with_context(|| format!("joining the memory cgroup {}", cg.path.display()))?;
+    }
+    Ok(())
+}
+
 /// kube-proxy's iptables mode, with the legacy (x_tables) or the nft backend.
 pub struct Iptables {
     variant: IptablesVariant,
     stack: Option<Stack>,
+    /// Where the restores' kernel memory (the tables) is charged.
+    memcg: Option<Arc<MemCgroup>>,
 }
 
 impl Iptables {
@@ -34,6 +46,7 @@ impl Iptables {
         Self {
             variant,
             stack: None,
+            memcg: None,
         }
     }
 
@@ -51,12 +64,10 @@ impl Iptables {
     /// `iptables-restore -w 5 --noflush --counters`, as kube-proxy runs it.
     fn restore(&self, input: &str, limit: Duration) -> Result<Option<Duration>> {
         let tool = self.tool("-restore");
+        let mut cmd = in_ns(self.node()?, &tool, &["-w", "5", "--noflush", "--counters"]);
+        charge(&self.memcg, &mut cmd)?;
         let t = Instant::now();
-        let done = run_bounded(
-            &mut in_ns(self.node()?, &tool, &["-w", "5", "--noflush", "--counters"]),
-            input,
-            limit,
-        )?;
+        let done = run_bounded(&mut cmd, input, limit)?;
         Ok(done.map(|_| t.elapsed()))
     }
 
@@ -97,6 +108,9 @@ impl Mode for Iptables {
     }
     fn stack(&self) -> Option<&Stack> {
         self.stack.as_ref()
+    }
+    fn charge_rules_to(&mut self, memcg: Option<Arc<MemCgroup>>) {
+        self.memcg = memcg;
     }
     fn program(
         &mut self,
@@ -167,13 +181,17 @@ impl Mode for Iptables {
 #[derive(Default)]
 pub struct Nftables {
     stack: Option<Stack>,
+    /// Where `nft`'s kernel memory (the ruleset) is charged.
+    memcg: Option<Arc<MemCgroup>>,
 }
 
 impl Nftables {
     fn nft(&self, input: &str, limit: Duration) -> Result<Option<Duration>> {
         let node = &self.stack.as_ref().context("no stack")?.node;
+        let mut cmd = in_ns(node, "nft", &["-f", "-"]);
+        charge(&self.memcg, &mut cmd)?;
         let t = Instant::now();
-        let done = run_bounded(&mut in_ns(node, "nft", &["-f", "-"]), input, limit)?;
+        let done = run_bounded(&mut cmd, input, limit)?;
         Ok(done.map(|_| t.elapsed()))
     }
 }
@@ -184,6 +202,9 @@ impl Mode for Nftables {
     }
     fn describe(&self) -> &'static str {
         "kube-proxy nftables mode (one nft -f transaction per sync)"
+    }
+    fn charge_rules_to(&mut self, memcg: Option<Arc<MemCgroup>>) {
+        self.memcg = memcg;
     }
     fn setup(&mut self, _: &Ctx) -> Result<(), String> {
         let stack = new_stack()?;

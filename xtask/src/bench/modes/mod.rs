@@ -12,6 +12,7 @@
 use std::{net::SocketAddrV4, path::PathBuf, time::Duration};
 
 use anyhow::{bail, Result};
+pub use proxy_testbed::memcg::MemCgroup;
 use serde::{Deserialize, Serialize};
 
 use super::{
@@ -78,6 +79,9 @@ pub trait Mode {
     fn client_cgroup(&self, _ctx: &Ctx) -> Option<PathBuf> {
         None
     }
+    /// kube-proxy's modes: the commands that load rules run in `memcg` from now on (their
+    /// kernel memory, charged there, is the rules' memory); `None` stops it.
+    fn charge_rules_to(&mut self, _memcg: Option<std::sync::Arc<MemCgroup>>) {}
     /// Where clients send for `port` (the ClusterIP, or the endpoints themselves).
     fn targets(&self, port: u16, endpoints: &[std::net::Ipv4Addr]) -> Vec<SocketAddrV4> {
         let _ = endpoints;
