@@ -331,7 +331,8 @@ async fn start_source(
     match &opts.manifests {
         Some(dir) => {
             info!(dir = %dir.display(), node = %opts.node_name, "source: manifests directory");
-            let source = manifests::ManifestsDir::new(dir, metrics.source.clone());
+            let source = manifests::ManifestsDir::new(dir, metrics.source.clone())
+                .with_proxy_name(opts.proxy_name.clone());
             let tx = match bypass::bypass_options(opts, &metrics.source)? {
                 Some(b) => crate::podbypass::start_manifests(b, tx)?,
                 None => tx,

@@ -140,9 +140,35 @@ pub fn object(
     json: &str,
     proxy_name: Option<&str>,
 ) -> Result<Object, serde_json::Error> {
+    decode(kind, json, proxy_name, None)
+}
+
+/// [`object`] for an object that may have no `metadata.namespace` (a manifest): a
+/// namespaced one without it is in `namespace`.
+pub fn object_in(
+    kind: Kind,
+    json: &str,
+    proxy_name: Option<&str>,
+    namespace: &str,
+) -> Result<Object, serde_json::Error> {
+    decode(kind, json, proxy_name, Some(namespace))
+}
+
+fn decode(
+    kind: Kind,
+    json: &str,
+    proxy_name: Option<&str>,
+    namespace: Option<&str>,
+) -> Result<Object, serde_json::Error> {
+    let default_ns = |m: &mut Meta<'_>| {
+        if let (None, Some(ns)) = (&m.namespace, namespace) {
+            m.namespace = Some(Cow::Owned(ns.to_string()));
+        }
+    };
     Ok(match kind {
         Kind::Service => {
-            let s: ServiceItem = serde_json::from_str(json)?;
+            let mut s: ServiceItem = serde_json::from_str(json)?;
+            default_ns(&mut s.metadata);
             let lb = s
                 .metadata
                 .annotations
@@ -162,7 +188,8 @@ pub fn object(
             }))
         }
         Kind::EndpointSlice => {
-            let s: SliceItem = serde_json::from_str(json)?;
+            let mut s: SliceItem = serde_json::from_str(json)?;
+            default_ns(&mut s.metadata);
             let key = s.metadata.key();
             let slice = EndpointSlice {
                 metadata: s.metadata.into_object_meta(),
@@ -193,7 +220,13 @@ pub fn object(
                 .collect::<Result<Vec<_>, _>>()?;
             Object::ServiceCidr(Box::new(super::ServiceCidrInfo { key, cidrs }))
         }
-        Kind::Pod => Object::Pod(Box::new(super::objects::decode_pod(json)?)),
+        Kind::Pod => {
+            let mut pod = super::objects::decode_pod(json)?;
+            if let (true, Some(ns)) = (pod.key.namespace.is_empty(), namespace) {
+                pod.key = ObjKey::new(ns, &pod.key.name);
+            }
+            Object::Pod(Box::new(pod))
+        }
         Kind::Namespace => Object::Namespace(Box::new(super::objects::decode_namespace(json)?)),
         Kind::Node => {
             let n: NodeItem = serde_json::from_str(json)?;

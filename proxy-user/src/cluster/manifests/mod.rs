@@ -25,7 +25,7 @@ mod parse;
 #[cfg(test)]
 mod tests;
 
-use parse::{check_nesting, parse_file, read_text};
+use parse::{check_nesting, parse_file, read_text, Decoding};
 pub use parse::{decode, MAX_MANIFEST_BYTES, MAX_NESTING};
 
 #[derive(Debug)]
@@ -53,6 +53,9 @@ pub struct ManifestsDir {
     first_read: HashMap<ObjKey, SystemTime>,
     scanned: bool,
     metrics: SourceCounters,
+    /// `--service-proxy-name`: Services and EndpointSlices are reduced as they are read,
+    /// through its label selection.
+    proxy_name: Option<String>,
 }
 
 impl ManifestsDir {
@@ -64,6 +67,20 @@ impl ManifestsDir {
             first_read: HashMap::new(),
             scanned: false,
             metrics,
+            proxy_name: None,
+        }
+    }
+
+    /// The agent's `--service-proxy-name` (the objects are reduced as they are read).
+    pub fn with_proxy_name(mut self, proxy_name: Option<String>) -> Self {
+        self.proxy_name = proxy_name;
+        self
+    }
+
+    fn decoding(&self) -> Decoding<'_> {
+        Decoding {
+            metrics: &self.metrics,
+            proxy_name: self.proxy_name.as_deref(),
         }
     }
 
@@ -128,7 +145,7 @@ impl ManifestsDir {
                 continue;
             }
             changed = true;
-            match parse_file(&path, &text, &self.metrics) {
+            match parse_file(&path, &text, self.decoding()) {
                 Ok(objects) => {
                     let mut index = Vec::with_capacity(objects.len());
                     for (kind, key, obj, hash) in objects {
@@ -179,7 +196,7 @@ impl ManifestsDir {
         for (kind, key, hash, path) in &wanted {
             if !parsed.contains_key(&(*kind, key.clone(), *hash)) {
                 if let Ok(text) = fs::read_to_string(path) {
-                    if let Ok(objects) = parse_file(path, &text, &self.metrics) {
+                    if let Ok(objects) = parse_file(path, &text, self.decoding()) {
                         for (k, key, obj, h) in objects {
                             parsed.insert((k, key, h), obj);
                         }
@@ -193,10 +210,12 @@ impl ManifestsDir {
         let first_read = &mut self.first_read;
         let mut take = |kind: Kind, key: &ObjKey, hash: u64| {
             let mut obj = parsed.remove(&(kind, key.clone(), hash))?;
-            if let Object::Service(svc) = &mut obj {
-                if svc.metadata.creation_timestamp.is_none() {
-                    let read = *first_read.entry(key.clone()).or_insert(now);
-                    stamp_creation(svc, read);
+            if let Object::ReducedService(r) = &mut obj {
+                if let Ok(Some(svc)) = &mut r.info {
+                    if svc.creation_timestamp.is_none() {
+                        let read = *first_read.entry(key.clone()).or_insert(now);
+                        svc.creation_timestamp = Some(unix_seconds(read));
+                    }
                 }
             }
             Some(obj)
@@ -246,16 +265,11 @@ impl ManifestsDir {
     }
 }
 
-/// Gives a Service `metadata.creationTimestamp` the time `read` (whole seconds, as the
-/// API server stamps it).
-fn stamp_creation(svc: &mut k8s_openapi::api::core::v1::Service, read: SystemTime) {
-    let secs = read
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    if let Ok(t) = (SystemTime::UNIX_EPOCH + Duration::from_secs(secs)).try_into() {
-        svc.metadata.creation_timestamp =
-            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t));
-    }
+/// A Service's creation time from the time it was first `read` (whole seconds, as the
+/// API server stamps `metadata.creationTimestamp`).
+fn unix_seconds(read: SystemTime) -> i64 {
+    read.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
 }
 
 impl ManifestsDir {
