@@ -8,18 +8,19 @@
 //! not decode is skipped alone.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::BTreeMap,
     fs, io,
     path::{Path, PathBuf},
     time::{Duration, SystemTime},
 };
 
 use tokio::sync::mpsc;
-use tracing::warn;
+use tracing::{debug, info, warn};
 
 use super::counters::SourceCounters;
 use super::skips::{SkipKind, SkipReason};
 use super::{Kind, ObjKey, Object, Update};
+use crate::fasthash::HashMap;
 
 mod parse;
 #[cfg(test)]
@@ -56,6 +57,8 @@ pub struct ManifestsDir {
     /// `--service-proxy-name`: Services and EndpointSlices are reduced as they are read,
     /// through its label selection.
     proxy_name: Option<String>,
+    /// Hashes each object's text, to detect changes.
+    hasher: foldhash::fast::RandomState,
 }
 
 impl ManifestsDir {
@@ -63,11 +66,12 @@ impl ManifestsDir {
         Self {
             dir: dir.into(),
             files: BTreeMap::new(),
-            current: HashMap::new(),
-            first_read: HashMap::new(),
+            current: HashMap::default(),
+            first_read: HashMap::default(),
             scanned: false,
             metrics,
             proxy_name: None,
+            hasher: foldhash::fast::RandomState::default(),
         }
     }
 
@@ -81,14 +85,16 @@ impl ManifestsDir {
         Decoding {
             metrics: &self.metrics,
             proxy_name: self.proxy_name.as_deref(),
+            hasher: &self.hasher,
         }
     }
 
     /// Reads what changed and returns the updates for the agent.
     pub fn scan(&mut self) -> io::Result<Vec<Update>> {
+        let started = std::time::Instant::now();
         let mut seen = Vec::new();
         let mut changed = false;
-        let mut parsed: Parsed = HashMap::new();
+        let mut parsed: Parsed = HashMap::default();
         for entry in fs::read_dir(&self.dir)? {
             let entry = entry?;
             let path = entry.path();
@@ -173,7 +179,7 @@ impl ManifestsDir {
         }
 
         // The union of every file's objects (by reference: kind, key, hash, file).
-        let mut desired: HashMap<(Kind, &ObjKey), (u64, &PathBuf)> = HashMap::new();
+        let mut desired: HashMap<(Kind, &ObjKey), (u64, &PathBuf)> = HashMap::default();
         for (path, f) in &self.files {
             for (kind, key, hash) in &f.objects {
                 if desired.insert((*kind, key), (*hash, path)).is_some() {
@@ -261,6 +267,19 @@ impl ManifestsDir {
             .iter()
             .map(|((k, key), (h, _))| ((*k, (*key).clone()), *h))
             .collect();
+        let took_ms = started.elapsed().as_secs_f64() * 1e3;
+        let (files, objects) = (self.files.len(), self.current.len());
+        if first {
+            info!(files, objects, took_ms, "manifests directory read");
+        } else {
+            debug!(
+                files,
+                objects,
+                changed = wanted.len(),
+                took_ms,
+                "manifests directory read again"
+            );
+        }
         Ok(updates)
     }
 }

@@ -45,37 +45,40 @@ pub(super) fn check_nesting(text: &str) -> Result<(), String> {
             "collections nested more than {MAX_NESTING} deep (line {line})"
         ))
     };
-    for (line, l) in (1usize..).zip(text.split('\n')) {
+    // Bytes, not chars: every byte looked for is ASCII, and no byte of a multi-byte
+    // UTF-8 character is (a large file is checked at memory speed).
+    for (line, l) in (1usize..).zip(text.as_bytes().split(|&b| b == b'\n')) {
         // Compact block sequences: `- - - x` is three levels on one line.
-        let mut rest = l.trim_start_matches([' ', '\t']);
+        let blank = |r: &[u8]| r.iter().take_while(|&&b| b == b' ' || b == b'\t').count();
+        let mut rest = &l[blank(l)..];
         let mut dashes = 0usize;
-        while let Some(r) = rest.strip_prefix("- ").or_else(|| rest.strip_prefix("-\t")) {
+        while let [b'-', b' ' | b'\t', r @ ..] = rest {
             dashes += 1;
-            rest = r.trim_start_matches([' ', '\t']);
+            rest = &r[blank(r)..];
         }
         if dashes > MAX_NESTING || depth + dashes > MAX_NESTING {
             return too_deep(line);
         }
-        let mut quote: Option<char> = None;
-        let mut prev = ' ';
-        let mut chars = l.chars();
-        while let Some(c) = chars.next() {
+        let mut quote: Option<u8> = None;
+        let mut prev = b' ';
+        let mut bytes = l.iter().copied();
+        while let Some(c) = bytes.next() {
             match quote {
-                Some('"') if c == '\\' => {
-                    chars.next();
+                Some(b'"') if c == b'\\' => {
+                    bytes.next();
                 }
                 Some(q) if c == q => quote = None,
                 Some(_) => {}
                 None => match c {
-                    '#' if prev == ' ' || prev == '\t' => break,
-                    '"' | '\'' => quote = Some(c),
-                    '[' | '{' => {
+                    b'#' if prev == b' ' || prev == b'\t' => break,
+                    b'"' | b'\'' => quote = Some(c),
+                    b'[' | b'{' => {
                         depth += 1;
                         if depth > MAX_NESTING {
                             return too_deep(line);
                         }
                     }
-                    ']' | '}' => depth = depth.saturating_sub(1),
+                    b']' | b'}' => depth = depth.saturating_sub(1),
                     _ => {}
                 },
             }
@@ -91,6 +94,8 @@ pub(super) fn check_nesting(text: &str) -> Result<(), String> {
 pub(super) struct Decoding<'a> {
     pub metrics: &'a SourceCounters,
     pub proxy_name: Option<&'a str>,
+    /// Hashes an object's text (the same for every scan of the directory).
+    pub hasher: &'a foldhash::fast::RandomState,
 }
 
 /// One parsed object: its kind, key (namespace defaulted), the object (Services and
@@ -216,12 +221,7 @@ fn parse_object(path: &Path, text: &str, how: Decoding<'_>, out: &mut Vec<Parsed
             .skipped(SkipKind::Object(kind), SkipReason::NoName);
         return;
     }
-    let hash = {
-        use std::hash::{Hash as _, Hasher as _};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        text.hash(&mut h);
-        h.finish()
-    };
+    let hash = std::hash::BuildHasher::hash_one(how.hasher, text);
     match api_decode::object_in(kind, text, how.proxy_name, &namespace) {
         Ok(obj) => out.push((kind, key, obj, hash)),
         Err(e) => {
