@@ -466,3 +466,54 @@ fn services_are_reduced_for_the_agents_proxy_name() {
     assert_eq!(served(Some("ebpf")), ["default/mine"]);
     fs::remove_dir_all(&tmp).expect("cleanup");
 }
+
+#[test]
+fn a_long_list_is_read_whole_and_in_order() {
+    // 6,000 items: every Service is there; the object defined twice in the file is its
+    // last definition; a bad item is counted and the items after it are read.
+    let tmp = tempdir();
+    let metrics = SourceCounters::default();
+    let svc = |name: &str, ip: &str, port: &str| {
+        format!(
+            r#"{{"kind":"Service","metadata":{{"name":"{name}"}},"spec":{{"clusterIP":"{ip}","ports":[{{"port":{port}}}]}}}}"#
+        )
+    };
+    let mut items: Vec<String> = (0..6_000)
+        .map(|i| {
+            svc(
+                &format!("s{i}"),
+                &format!("10.96.{}.{}", i / 250, i % 250 + 1),
+                "80",
+            )
+        })
+        .collect();
+    items[0] = svc("twice", "10.97.0.1", "80");
+    items[5_999] = svc("twice", "10.97.0.2", "80");
+    items[5_000] = svc("bad", "10.97.0.3", r#""eighty""#);
+    write(
+        &tmp,
+        "l.json",
+        &format!(r#"{{"kind":"List","items":[{}]}}"#, items.join(",\n")),
+    );
+    let mut dir = ManifestsDir::new(&tmp, metrics.clone());
+    let ups = dir.scan().expect("scan");
+    let Update::Snapshot { objects, .. } = &ups[0] else {
+        panic!("snapshot first");
+    };
+    assert_eq!(
+        objects.len(),
+        5_998,
+        "s1..s5998 but s5000 (5,997), and twice"
+    );
+    let twice = objects
+        .iter()
+        .find(|o| o.key().name.as_ref() == "twice")
+        .expect("twice");
+    let Object::ReducedService(r) = twice else {
+        panic!("reduced");
+    };
+    let ip = r.info.clone().ok().flatten().map(|s| s.cluster_ips[0]);
+    assert_eq!(ip, Some("10.97.0.2".parse().expect("ip")));
+    assert_eq!(metrics.skipped_count("Service", "decode_error"), 1);
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
