@@ -25,6 +25,7 @@ use crate::fasthash::HashMap;
 mod parse;
 #[cfg(test)]
 mod tests;
+mod yaml;
 
 use parse::{check_nesting, parse_file, read_text, Decoding};
 pub use parse::{decode, MAX_MANIFEST_BYTES, MAX_NESTING};

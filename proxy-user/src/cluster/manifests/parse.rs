@@ -122,20 +122,33 @@ pub(super) fn parse_file(
         }
         return Ok(out);
     }
-    // One document at a time: all of a large file's documents as trees at once would be
-    // most of the agent's peak memory.
-    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let yaml =
-            serde_yaml::Value::deserialize(doc).map_err(|e| format!("document {}: {e}", i + 1))?;
-        if yaml.is_null() {
+    // One document at a time, a List's items one at a time: a large file as trees at once
+    // would be most of the agent's peak memory.
+    for doc in super::yaml::documents(text) {
+        let Some(doc) = doc? else {
             continue;
+        };
+        let kind = serde_json::from_str::<Head>(&doc.head)
+            .ok()
+            .and_then(|h| string(h.kind))
+            .unwrap_or_default();
+        if is_list(&kind) {
+            for item in &doc.items {
+                parse_object(path, item, how, &mut out);
+            }
+        } else {
+            parse_object(path, &doc.head, how, &mut out);
         }
-        let json = serde_json::to_value(&yaml).map_err(|e| format!("document {}: {e}", i + 1))?;
-        drop(yaml);
-        let json = json.to_string();
-        parse_object(path, &json, how, &mut out);
     }
     Ok(out)
+}
+
+/// The kinds of document whose `items` are objects.
+fn is_list(kind: &str) -> bool {
+    matches!(
+        kind,
+        "List" | "ServiceList" | "EndpointSliceList" | "NodeList" | "PodList" | "NamespaceList"
+    )
 }
 
 /// The file's JSON documents (one or more values, whitespace between), borrowed from the
@@ -245,7 +258,7 @@ fn parse_object(path: &Path, text: &str, how: Decoding<'_>, out: &mut Vec<Parsed
         // For the socket-LB bypass (`crate::podbypass`), not the syncer.
         "Pod" => Kind::Pod,
         "Namespace" => Kind::Namespace,
-        "List" | "ServiceList" | "EndpointSliceList" | "NodeList" | "PodList" | "NamespaceList" => {
+        list if is_list(list) => {
             // One thread: decoding a long List in parts on two threads measured slower
             // on a loaded 2-core node (malloc arenas, the datapath's load alongside).
             for item in head.items.0 {

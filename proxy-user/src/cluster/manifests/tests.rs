@@ -517,3 +517,17 @@ fn a_long_list_is_read_whole_and_in_order() {
     assert_eq!(metrics.skipped_count("Service", "decode_error"), 1);
     fs::remove_dir_all(&tmp).expect("cleanup");
 }
+
+#[test]
+fn yaml_lists_and_documents_that_are_not_objects() {
+    // A YAML List whose items come before its kind, a List of another kind's items, a
+    // document that is a sequence, one that is a scalar, an empty one: only the List's
+    // objects are read, and a Service with an `items` field is still a Service.
+    let tmp = tempdir();
+    let text = "apiVersion: v1\nitems:\n- kind: Service\n  metadata: {name: a}\n  spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n- {kind: Service, metadata: {name: b, namespace: ns}, spec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}}\nkind: List\n---\nkind: ConfigMapList\nitems: [{kind: Service, metadata: {name: c}}]\n---\n- kind: Service\n---\njust text\n---\n---\nkind: Service\nmetadata: {name: d}\nitems: 3\nspec: {clusterIP: 10.96.0.4, ports: [{port: 80}]}\n";
+    write(&tmp, "l.yaml", text);
+    let mut dir = ManifestsDir::new(&tmp, SourceCounters::default());
+    let ups = names(&dir.scan().expect("scan"));
+    assert_eq!(ups[0], "snapshot Service [default/a default/d ns/b]");
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
