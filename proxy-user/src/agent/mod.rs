@@ -15,6 +15,7 @@ pub mod metrics;
 mod node_addresses;
 pub mod per_service;
 pub mod schedule;
+mod source;
 pub mod sync;
 
 use std::{
@@ -30,7 +31,7 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use crate::{
-    cluster::{kube_source, manifests, objects::NodeInfo, Kind, Update},
+    cluster::{kube_source, objects::NodeInfo, Kind, Update},
     loader,
     pins::PinDir,
     BpfMaps, Writer,
@@ -118,7 +119,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     let metrics = Metrics::new();
     // A manifests directory is read while the datapath loads (another thread; at tens of
     // thousands of Services the read takes as long as the load or longer).
-    let manifests = read_manifests(&opts, &metrics)?;
+    let manifests = source::read_manifests(&opts, &metrics)?;
     let datapath = open_datapath(&opts)?;
     let kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     // Metrics and health first: reading a large pinned state back takes seconds, and
@@ -145,7 +146,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     // of thousands of Services) arrive and are decoded while adoption runs on another
     // thread, and wait in the channel for the syncer (which writes nothing before every
     // initial list is in).
-    let rx = start_source(&opts, &metrics, manifests).await?;
+    let rx = source::start_source(&opts, &metrics, manifests).await?;
     let (writer, node_addresses) = adopt_maps(&opts, datapath.node_addrs, &metrics).await?;
     let syncer = new_syncer(&opts, writer, metrics);
     if opts.cleanup_kube_proxy {
@@ -322,73 +323,6 @@ async fn serve_http(
     .with_context(|| format!("binding the health address {}", opts.healthz_addr))?;
     info!(metrics = %m, healthz = %h, "serving /metrics, /healthz and /livez");
     Ok(())
-}
-
-/// `--manifests`: starts reading the directory (its thread polls it from now on); the
-/// updates wait on the returned channel for [`start_source`].
-fn read_manifests(
-    opts: &AgentOptions,
-    metrics: &Metrics,
-) -> anyhow::Result<Option<mpsc::Receiver<Update>>> {
-    let Some(dir) = &opts.manifests else {
-        return Ok(None);
-    };
-    info!(dir = %dir.display(), node = %opts.node_name, "source: manifests directory");
-    let (tx, rx) = mpsc::channel(4096);
-    let source = manifests::ManifestsDir::new(dir, metrics.source.clone())
-        .with_proxy_name(opts.proxy_name.clone());
-    manifests::spawn(source, opts.manifests_poll, tx).context("starting the manifests thread")?;
-    Ok(Some(rx))
-}
-
-/// Starts the source (the manifests directory's updates from [`read_manifests`], or the
-/// Kubernetes API); its updates arrive on the returned channel.
-async fn start_source(
-    opts: &AgentOptions,
-    metrics: &Metrics,
-    manifests: Option<mpsc::Receiver<Update>>,
-) -> anyhow::Result<mpsc::Receiver<Update>> {
-    if let Some(mut from_dir) = manifests {
-        let Some(b) = bypass::bypass_options(opts, &metrics.source)? else {
-            return Ok(from_dir);
-        };
-        // Pods and Namespaces to the socket-LB bypass (which needs the pinned maps, so
-        // it starts here), the rest on to the syncer.
-        let (tx, rx) = mpsc::channel(4096);
-        let tx = crate::podbypass::start_manifests(b, tx)?;
-        tokio::spawn(async move {
-            while let Some(u) = from_dir.recv().await {
-                if tx.send(u).await.is_err() {
-                    return;
-                }
-            }
-        });
-        return Ok(rx);
-    }
-    let (tx, rx) = mpsc::channel(4096);
-    let mut config = kube_source::config(opts.kubeconfig.as_deref()).await?;
-    // A list or watch that hangs (the server stopped answering) fails after this
-    // long instead of never (kube's default: no read timeout).
-    config.read_timeout = Some(opts.api_idle_timeout);
-    let host = kube_source::host(&config);
-    let client = kube_source::client_from(config)?;
-    info!(node = %opts.node_name, %host, "source: Kubernetes API");
-    if let Some(b) = bypass::bypass_options(opts, &metrics.source)? {
-        crate::podbypass::start(b, &client, &host, opts.api_idle_timeout)?;
-    }
-    kube_source::spawn(
-        client,
-        &host,
-        opts.proxy_name.as_deref(),
-        &opts.node_name,
-        tx,
-        metrics.source.clone(),
-        kube_source::WatchOptions {
-            all_nodes: opts.forwarding_mode != crate::ForwardingMode::Snat,
-            idle_timeout: opts.api_idle_timeout,
-        },
-    );
-    Ok(rx)
 }
 
 /// Reads the pinned maps back (off the runtime: the servers keep answering meanwhile),

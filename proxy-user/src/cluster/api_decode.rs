@@ -199,27 +199,7 @@ fn decode(
             };
             Object::ReducedSlice(Box::new(Reduced::slice(key, &slice, proxy_name)))
         }
-        Kind::ServiceCidr => {
-            let c: ServiceCidrItem = serde_json::from_str(json)?;
-            let key = c.metadata.key();
-            let cidrs = c
-                .spec
-                .map(|s| s.cidrs)
-                .unwrap_or_default()
-                .iter()
-                .map(|text| {
-                    let bad = |why: &str| {
-                        <serde_json::Error as serde::de::Error>::custom(format!(
-                            "spec.cidrs: {text:?} {why}"
-                        ))
-                    };
-                    let p = super::objects::parse_cidr(text).ok_or_else(|| bad("is not a CIDR"))?;
-                    crate::svc_cidr::check_range(p).map_err(|why| bad(&why))?;
-                    Ok(p)
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            Object::ServiceCidr(Box::new(super::ServiceCidrInfo { key, cidrs }))
-        }
+        Kind::ServiceCidr => service_cidr(json)?,
         Kind::Pod => {
             let mut pod = super::objects::decode_pod(json)?;
             if let (true, Some(ns)) = (pod.key.namespace.is_empty(), namespace) {
@@ -237,6 +217,32 @@ fn decode(
             }))
         }
     })
+}
+
+/// A `ServiceCIDR`: its key and `spec.cidrs`, each a valid range.
+fn service_cidr(json: &str) -> Result<Object, serde_json::Error> {
+    let c: ServiceCidrItem = serde_json::from_str(json)?;
+    let key = c.metadata.key();
+    let cidrs = c
+        .spec
+        .map(|s| s.cidrs)
+        .unwrap_or_default()
+        .iter()
+        .map(|text| {
+            let bad = |why: &str| {
+                <serde_json::Error as serde::de::Error>::custom(format!(
+                    "spec.cidrs: {text:?} {why}"
+                ))
+            };
+            let p = super::objects::parse_cidr(text).ok_or_else(|| bad("is not a CIDR"))?;
+            crate::svc_cidr::check_range(p).map_err(|why| bad(&why))?;
+            Ok(p)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Object::ServiceCidr(Box::new(super::ServiceCidrInfo {
+        key,
+        cidrs,
+    })))
 }
 
 /// An object's metadata alone (its key and resourceVersion), however bad the rest is.
