@@ -15,6 +15,7 @@ pub mod metrics;
 mod node_addresses;
 pub mod per_service;
 pub mod schedule;
+mod source;
 pub mod sync;
 
 use std::{
@@ -30,7 +31,7 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use crate::{
-    cluster::{kube_source, manifests, objects::NodeInfo, Kind, Update},
+    cluster::{kube_source, objects::NodeInfo, Kind, Update},
     loader,
     pins::PinDir,
     BpfMaps, Writer,
@@ -115,11 +116,15 @@ pub struct AgentOptions {
 /// Runs the agent until `shutdown` completes: the steps of the module doc, in order.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     cli::raise_open_file_limit();
+    let metrics = Metrics::new();
+    // A manifests directory is read while the datapath loads (another thread; at tens of
+    // thousands of Services the read takes as long as the load or longer).
+    let manifests = source::read_manifests(&opts, &metrics)?;
     let datapath = open_datapath(&opts)?;
     let kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
     // Metrics and health first: reading a large pinned state back takes seconds, and
     // /livez must answer meanwhile (/healthz says 503 until the first sync).
-    let metrics = new_metrics(&opts, &datapath);
+    let metrics = new_metrics(&opts, &datapath, metrics);
     if !opts.pod_interfaces.is_empty() {
         crate::podif::spawn(
             opts.pin_path.clone(),
@@ -141,7 +146,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     // of thousands of Services) arrive and are decoded while adoption runs on another
     // thread, and wait in the channel for the syncer (which writes nothing before every
     // initial list is in).
-    let rx = start_source(&opts, &metrics).await?;
+    let rx = source::start_source(&opts, &metrics, manifests).await?;
     let (writer, node_addresses) = adopt_maps(&opts, datapath.node_addrs, &metrics).await?;
     let syncer = new_syncer(&opts, writer, metrics);
     if opts.cleanup_kube_proxy {
@@ -254,9 +259,8 @@ fn open_datapath(opts: &AgentOptions) -> anyhow::Result<Datapath> {
 
 /// The metrics registry, with what is known from the start (families, ignored settings,
 /// table sizes, map memory); map memory is refreshed every 10 s from then on.
-fn new_metrics(opts: &AgentOptions, datapath: &Datapath) -> Arc<Metrics> {
+fn new_metrics(opts: &AgentOptions, datapath: &Datapath, mut metrics: Metrics) -> Arc<Metrics> {
     let (node_addrs, installed) = (&datapath.node_addrs, &datapath.installed);
-    let mut metrics = Metrics::new();
     metrics.kube_proxy.set_families(
         node_addrs.iter().any(|a| a.is_ipv4()),
         node_addrs.iter().any(|a| a.is_ipv6()),
@@ -319,52 +323,6 @@ async fn serve_http(
     .with_context(|| format!("binding the health address {}", opts.healthz_addr))?;
     info!(metrics = %m, healthz = %h, "serving /metrics, /healthz and /livez");
     Ok(())
-}
-
-/// Starts the source (manifests directory or Kubernetes API); its updates arrive on the
-/// returned channel.
-async fn start_source(
-    opts: &AgentOptions,
-    metrics: &Metrics,
-) -> anyhow::Result<mpsc::Receiver<Update>> {
-    let (tx, rx) = mpsc::channel(4096);
-    match &opts.manifests {
-        Some(dir) => {
-            info!(dir = %dir.display(), node = %opts.node_name, "source: manifests directory");
-            let source = manifests::ManifestsDir::new(dir, metrics.source.clone());
-            let tx = match bypass::bypass_options(opts, &metrics.source)? {
-                Some(b) => crate::podbypass::start_manifests(b, tx)?,
-                None => tx,
-            };
-            manifests::spawn(source, opts.manifests_poll, tx)
-                .context("starting the manifests thread")?;
-        }
-        None => {
-            let mut config = kube_source::config(opts.kubeconfig.as_deref()).await?;
-            // A list or watch that hangs (the server stopped answering) fails after this
-            // long instead of never (kube's default: no read timeout).
-            config.read_timeout = Some(opts.api_idle_timeout);
-            let host = kube_source::host(&config);
-            let client = kube_source::client_from(config)?;
-            info!(node = %opts.node_name, %host, "source: Kubernetes API");
-            if let Some(b) = bypass::bypass_options(opts, &metrics.source)? {
-                crate::podbypass::start(b, &client, &host, opts.api_idle_timeout)?;
-            }
-            kube_source::spawn(
-                client,
-                &host,
-                opts.proxy_name.as_deref(),
-                &opts.node_name,
-                tx,
-                metrics.source.clone(),
-                kube_source::WatchOptions {
-                    all_nodes: opts.forwarding_mode != crate::ForwardingMode::Snat,
-                    idle_timeout: opts.api_idle_timeout,
-                },
-            );
-        }
-    }
-    Ok(rx)
 }
 
 /// Reads the pinned maps back (off the runtime: the servers keep answering meanwhile),

@@ -140,9 +140,35 @@ pub fn object(
     json: &str,
     proxy_name: Option<&str>,
 ) -> Result<Object, serde_json::Error> {
+    decode(kind, json, proxy_name, None)
+}
+
+/// [`object`] for an object that may have no `metadata.namespace` (a manifest): a
+/// namespaced one without it is in `namespace`.
+pub fn object_in(
+    kind: Kind,
+    json: &str,
+    proxy_name: Option<&str>,
+    namespace: &str,
+) -> Result<Object, serde_json::Error> {
+    decode(kind, json, proxy_name, Some(namespace))
+}
+
+fn decode(
+    kind: Kind,
+    json: &str,
+    proxy_name: Option<&str>,
+    namespace: Option<&str>,
+) -> Result<Object, serde_json::Error> {
+    let default_ns = |m: &mut Meta<'_>| {
+        if let (None, Some(ns)) = (&m.namespace, namespace) {
+            m.namespace = Some(Cow::Owned(ns.to_string()));
+        }
+    };
     Ok(match kind {
         Kind::Service => {
-            let s: ServiceItem = serde_json::from_str(json)?;
+            let mut s: ServiceItem = serde_json::from_str(json)?;
+            default_ns(&mut s.metadata);
             let lb = s
                 .metadata
                 .annotations
@@ -162,7 +188,8 @@ pub fn object(
             }))
         }
         Kind::EndpointSlice => {
-            let s: SliceItem = serde_json::from_str(json)?;
+            let mut s: SliceItem = serde_json::from_str(json)?;
+            default_ns(&mut s.metadata);
             let key = s.metadata.key();
             let slice = EndpointSlice {
                 metadata: s.metadata.into_object_meta(),
@@ -172,28 +199,14 @@ pub fn object(
             };
             Object::ReducedSlice(Box::new(Reduced::slice(key, &slice, proxy_name)))
         }
-        Kind::ServiceCidr => {
-            let c: ServiceCidrItem = serde_json::from_str(json)?;
-            let key = c.metadata.key();
-            let cidrs = c
-                .spec
-                .map(|s| s.cidrs)
-                .unwrap_or_default()
-                .iter()
-                .map(|text| {
-                    let bad = |why: &str| {
-                        <serde_json::Error as serde::de::Error>::custom(format!(
-                            "spec.cidrs: {text:?} {why}"
-                        ))
-                    };
-                    let p = super::objects::parse_cidr(text).ok_or_else(|| bad("is not a CIDR"))?;
-                    crate::svc_cidr::check_range(p).map_err(|why| bad(&why))?;
-                    Ok(p)
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            Object::ServiceCidr(Box::new(super::ServiceCidrInfo { key, cidrs }))
+        Kind::ServiceCidr => service_cidr(json)?,
+        Kind::Pod => {
+            let mut pod = super::objects::decode_pod(json)?;
+            if let (true, Some(ns)) = (pod.key.namespace.is_empty(), namespace) {
+                pod.key = ObjKey::new(ns, &pod.key.name);
+            }
+            Object::Pod(Box::new(pod))
         }
-        Kind::Pod => Object::Pod(Box::new(super::objects::decode_pod(json)?)),
         Kind::Namespace => Object::Namespace(Box::new(super::objects::decode_namespace(json)?)),
         Kind::Node => {
             let n: NodeItem = serde_json::from_str(json)?;
@@ -204,6 +217,32 @@ pub fn object(
             }))
         }
     })
+}
+
+/// A `ServiceCIDR`: its key and `spec.cidrs`, each a valid range.
+fn service_cidr(json: &str) -> Result<Object, serde_json::Error> {
+    let c: ServiceCidrItem = serde_json::from_str(json)?;
+    let key = c.metadata.key();
+    let cidrs = c
+        .spec
+        .map(|s| s.cidrs)
+        .unwrap_or_default()
+        .iter()
+        .map(|text| {
+            let bad = |why: &str| {
+                <serde_json::Error as serde::de::Error>::custom(format!(
+                    "spec.cidrs: {text:?} {why}"
+                ))
+            };
+            let p = super::objects::parse_cidr(text).ok_or_else(|| bad("is not a CIDR"))?;
+            crate::svc_cidr::check_range(p).map_err(|why| bad(&why))?;
+            Ok(p)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Object::ServiceCidr(Box::new(super::ServiceCidrInfo {
+        key,
+        cidrs,
+    })))
 }
 
 /// An object's metadata alone (its key and resourceVersion), however bad the rest is.

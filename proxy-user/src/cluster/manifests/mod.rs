@@ -8,24 +8,26 @@
 //! not decode is skipped alone.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::BTreeMap,
     fs, io,
     path::{Path, PathBuf},
     time::{Duration, SystemTime},
 };
 
 use tokio::sync::mpsc;
-use tracing::warn;
+use tracing::{debug, info, warn};
 
 use super::counters::SourceCounters;
 use super::skips::{SkipKind, SkipReason};
 use super::{Kind, ObjKey, Object, Update};
+use crate::fasthash::HashMap;
 
 mod parse;
 #[cfg(test)]
 mod tests;
+mod yaml;
 
-use parse::{check_nesting, parse_file, read_text};
+use parse::{check_nesting, parse_file, read_text, Decoding};
 pub use parse::{decode, MAX_MANIFEST_BYTES, MAX_NESTING};
 
 #[derive(Debug)]
@@ -53,6 +55,11 @@ pub struct ManifestsDir {
     first_read: HashMap<ObjKey, SystemTime>,
     scanned: bool,
     metrics: SourceCounters,
+    /// `--service-proxy-name`: Services and EndpointSlices are reduced as they are read,
+    /// through its label selection.
+    proxy_name: Option<String>,
+    /// Hashes each object's text, to detect changes.
+    hasher: foldhash::fast::RandomState,
 }
 
 impl ManifestsDir {
@@ -60,18 +67,35 @@ impl ManifestsDir {
         Self {
             dir: dir.into(),
             files: BTreeMap::new(),
-            current: HashMap::new(),
-            first_read: HashMap::new(),
+            current: HashMap::default(),
+            first_read: HashMap::default(),
             scanned: false,
             metrics,
+            proxy_name: None,
+            hasher: foldhash::fast::RandomState::default(),
+        }
+    }
+
+    /// The agent's `--service-proxy-name` (the objects are reduced as they are read).
+    pub fn with_proxy_name(mut self, proxy_name: Option<String>) -> Self {
+        self.proxy_name = proxy_name;
+        self
+    }
+
+    fn decoding(&self) -> Decoding<'_> {
+        Decoding {
+            metrics: &self.metrics,
+            proxy_name: self.proxy_name.as_deref(),
+            hasher: &self.hasher,
         }
     }
 
     /// Reads what changed and returns the updates for the agent.
     pub fn scan(&mut self) -> io::Result<Vec<Update>> {
+        let started = std::time::Instant::now();
         let mut seen = Vec::new();
         let mut changed = false;
-        let mut parsed: Parsed = HashMap::new();
+        let mut parsed: Parsed = HashMap::default();
         for entry in fs::read_dir(&self.dir)? {
             let entry = entry?;
             let path = entry.path();
@@ -128,7 +152,7 @@ impl ManifestsDir {
                 continue;
             }
             changed = true;
-            match parse_file(&path, &text, &self.metrics) {
+            match parse_file(&path, &text, self.decoding()) {
                 Ok(objects) => {
                     let mut index = Vec::with_capacity(objects.len());
                     for (kind, key, obj, hash) in objects {
@@ -156,7 +180,7 @@ impl ManifestsDir {
         }
 
         // The union of every file's objects (by reference: kind, key, hash, file).
-        let mut desired: HashMap<(Kind, &ObjKey), (u64, &PathBuf)> = HashMap::new();
+        let mut desired: HashMap<(Kind, &ObjKey), (u64, &PathBuf)> = HashMap::default();
         for (path, f) in &self.files {
             for (kind, key, hash) in &f.objects {
                 if desired.insert((*kind, key), (*hash, path)).is_some() {
@@ -179,7 +203,7 @@ impl ManifestsDir {
         for (kind, key, hash, path) in &wanted {
             if !parsed.contains_key(&(*kind, key.clone(), *hash)) {
                 if let Ok(text) = fs::read_to_string(path) {
-                    if let Ok(objects) = parse_file(path, &text, &self.metrics) {
+                    if let Ok(objects) = parse_file(path, &text, self.decoding()) {
                         for (k, key, obj, h) in objects {
                             parsed.insert((k, key, h), obj);
                         }
@@ -193,10 +217,12 @@ impl ManifestsDir {
         let first_read = &mut self.first_read;
         let mut take = |kind: Kind, key: &ObjKey, hash: u64| {
             let mut obj = parsed.remove(&(kind, key.clone(), hash))?;
-            if let Object::Service(svc) = &mut obj {
-                if svc.metadata.creation_timestamp.is_none() {
-                    let read = *first_read.entry(key.clone()).or_insert(now);
-                    stamp_creation(svc, read);
+            if let Object::ReducedService(r) = &mut obj {
+                if let Ok(Some(svc)) = &mut r.info {
+                    if svc.creation_timestamp.is_none() {
+                        let read = *first_read.entry(key.clone()).or_insert(now);
+                        svc.creation_timestamp = Some(unix_seconds(read));
+                    }
                 }
             }
             Some(obj)
@@ -242,20 +268,28 @@ impl ManifestsDir {
             .iter()
             .map(|((k, key), (h, _))| ((*k, (*key).clone()), *h))
             .collect();
+        let took_ms = started.elapsed().as_secs_f64() * 1e3;
+        let (files, objects) = (self.files.len(), self.current.len());
+        if first {
+            info!(files, objects, took_ms, "manifests directory read");
+        } else {
+            debug!(
+                files,
+                objects,
+                changed = wanted.len(),
+                took_ms,
+                "manifests directory read again"
+            );
+        }
         Ok(updates)
     }
 }
 
-/// Gives a Service `metadata.creationTimestamp` the time `read` (whole seconds, as the
-/// API server stamps it).
-fn stamp_creation(svc: &mut k8s_openapi::api::core::v1::Service, read: SystemTime) {
-    let secs = read
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    if let Ok(t) = (SystemTime::UNIX_EPOCH + Duration::from_secs(secs)).try_into() {
-        svc.metadata.creation_timestamp =
-            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t));
-    }
+/// A Service's creation time from the time it was first `read` (whole seconds, as the
+/// API server stamps `metadata.creationTimestamp`).
+fn unix_seconds(read: SystemTime) -> i64 {
+    read.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
 }
 
 impl ManifestsDir {

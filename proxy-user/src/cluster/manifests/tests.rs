@@ -116,21 +116,19 @@ fn a_definition_that_wins_again_is_read_back_from_its_file() {
     let Update::Snapshot { objects, .. } = &first[0] else {
         panic!("snapshot first");
     };
-    let Object::Service(svc) = &objects[0] else {
-        panic!("a Service");
+    let ip = |o: &Object| match o {
+        Object::ReducedService(r) => r.info.clone().ok().flatten().map(|s| s.cluster_ips[0]),
+        _ => None,
     };
-    let ip = |s: &k8s_openapi::api::core::v1::Service| {
-        s.spec.as_ref().and_then(|s| s.cluster_ip.clone())
-    };
-    assert_eq!(ip(svc).as_deref(), Some("10.96.0.11"));
+    assert_eq!(ip(&objects[0]), Some("10.96.0.11".parse().expect("ip")));
     // b.yaml goes: a.yaml's definition (not read again by mtime) is sent.
     fs::remove_file(tmp.join("b.yaml")).expect("rm");
     let ups = dir.scan().expect("scan");
     assert_eq!(names(&ups), ["apply Service default/web"]);
-    let Update::Apply(Object::Service(svc)) = &ups[0] else {
+    let Update::Apply(obj) = &ups[0] else {
         panic!("apply");
     };
-    assert_eq!(ip(svc).as_deref(), Some("10.96.0.10"));
+    assert_eq!(ip(obj), Some("10.96.0.10".parse().expect("ip")));
     fs::remove_dir_all(&tmp).expect("cleanup");
 }
 
@@ -254,12 +252,13 @@ fn bump(path: &Path) {
 /// The creation time of the Services in `updates`, by name (Unix seconds).
 fn created(updates: &[Update]) -> Vec<(String, Option<i64>)> {
     let svc = |o: &Object| match o {
-        Object::Service(s) => Some((
+        Object::ReducedService(r) => Some((
             o.key().to_string(),
-            s.metadata
-                .creation_timestamp
+            r.info
                 .as_ref()
-                .map(|t| t.0.as_second()),
+                .ok()
+                .and_then(Option::as_ref)
+                .and_then(|s| s.creation_timestamp),
         )),
         _ => None,
     };
@@ -325,4 +324,210 @@ fn a_service_without_creation_time_gets_the_time_it_was_first_read() {
     assert_eq!(got.len(), 1, "{got:?}");
     assert!(got[0].1.is_some_and(|t| t >= before), "{got:?}");
     fs::remove_dir_all(&tmp).ok();
+}
+
+/// Every object of the first scan's snapshots, as the syncer gets them: reduced.
+fn reduced(updates: &[Update]) -> Vec<String> {
+    updates
+        .iter()
+        .flat_map(|u| match u {
+            Update::Snapshot { objects, .. } => objects.iter().collect::<Vec<_>>(),
+            _ => Vec::new(),
+        })
+        .map(|o| match o {
+            Object::ReducedService(r) => format!("{} {:?}", r.key, r.info),
+            Object::ReducedSlice(r) => format!("{} {:?}", r.key, r.info),
+            other => format!("not reduced: {other:?}"),
+        })
+        .collect()
+}
+
+#[test]
+fn json_and_yaml_give_the_same_reduced_objects() {
+    // The same List (a Service without namespace, its slice) as YAML and as JSON: the
+    // JSON is read in place, the YAML as a tree; both reduce to the same objects, in the
+    // namespace `default`.
+    let json = r#"{"apiVersion":"v1","kind":"List","items":[
+        {"apiVersion":"v1","kind":"Service","metadata":{"name":"web","creationTimestamp":"2026-01-01T00:00:00Z"},
+         "spec":{"clusterIP":"10.96.0.10","ports":[{"name":"http","port":80}]}},
+        {"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice",
+         "metadata":{"name":"web-1","labels":{"kubernetes.io/service-name":"web"}},
+         "addressType":"IPv4","ports":[{"name":"http","port":8080}],
+         "endpoints":[{"addresses":["10.0.0.1"],"conditions":{"ready":true}}]}]}"#;
+    let value: serde_json::Value = serde_json::from_str(json).expect("json");
+    let yaml = serde_yaml::to_string(&value).expect("yaml");
+    let mut got = Vec::new();
+    for (name, text) in [("a.json", json), ("a.yaml", yaml.as_str())] {
+        let tmp = tempdir();
+        write(&tmp, name, text);
+        let mut dir = ManifestsDir::new(&tmp, SourceCounters::default());
+        got.push(reduced(&dir.scan().expect("scan")));
+        fs::remove_dir_all(&tmp).expect("cleanup");
+    }
+    assert_eq!(got[0].len(), 2, "{:?}", got[0]);
+    assert!(
+        got[0][0].starts_with("default/web Ok(Some("),
+        "{:?}",
+        got[0]
+    );
+    assert!(
+        got[0][1].starts_with("default/web-1 Ok(Some("),
+        "{:?}",
+        got[0]
+    );
+    assert_eq!(got[0], got[1]);
+}
+
+#[test]
+fn a_bad_item_of_a_json_list_is_named_and_skipped_alone() {
+    let tmp = tempdir();
+    let metrics = SourceCounters::default();
+    // Item 2 does not decode (a port that is not a number), item 3 has no name, item 4 is
+    // of another kind, item 5 is not an object: the others are read.
+    let items = [
+        r#"{"kind":"Service","metadata":{"name":"a","namespace":"ns"},"spec":{"clusterIP":"10.96.0.1","ports":[{"port":80}]}}"#,
+        r#"{"kind":"Service","metadata":{"name":"bad","namespace":"ns"},"spec":{"ports":[{"port":"eighty"}]}}"#,
+        r#"{"kind":"Service","metadata":{"namespace":"ns"},"spec":{"ports":[{"port":80}]}}"#,
+        r#"{"kind":"ConfigMap","metadata":{"name":"c"}}"#,
+        r#"42"#,
+        r#"{"kind":"ServiceList","items":[{"kind":"Service","metadata":{"name":"d"},"spec":{"clusterIP":"10.96.0.4","ports":[{"port":80}]}}]}"#,
+    ];
+    write(
+        &tmp,
+        "l.json",
+        &format!(r#"{{"kind":"List","items":[{}]}}"#, items.join(",")),
+    );
+    let mut dir = ManifestsDir::new(&tmp, metrics.clone());
+    let ups = names(&dir.scan().expect("scan"));
+    assert_eq!(ups[0], "snapshot Service [default/d ns/a]");
+    assert_eq!(metrics.skipped_count("Service", "decode_error"), 1);
+    assert_eq!(metrics.skipped_count("Service", "no_name"), 1);
+
+    // Broken JSON (cut short, as a half-written file) is a parse error of the file, which
+    // keeps its objects.
+    let text = fs::read_to_string(tmp.join("l.json")).expect("read");
+    write(&tmp, "l.json", &text[..text.len() / 2]);
+    bump(&tmp.join("l.json"));
+    assert!(dir.scan().expect("scan").is_empty());
+    assert_eq!(metrics.skipped_count("file", "parse_error"), 1);
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
+
+#[test]
+fn json_documents_one_after_another_and_yaml_in_a_json_file_are_read() {
+    let tmp = tempdir();
+    let svc = |name: &str, ip: &str| {
+        format!(
+            r#"{{"kind":"Service","metadata":{{"name":"{name}"}},"spec":{{"clusterIP":"{ip}","ports":[{{"port":80}}]}}}}"#
+        )
+    };
+    write(
+        &tmp,
+        "two.json",
+        &format!("{}\n{}\n", svc("a", "10.96.0.1"), svc("b", "10.96.0.2")),
+    );
+    // Not JSON throughout (a YAML document marker): read as YAML, as before.
+    write(
+        &tmp,
+        "yaml.json",
+        &format!(
+            "{}\n---\n{}\n",
+            svc("c", "10.96.0.3"),
+            svc("d", "10.96.0.4")
+        ),
+    );
+    let mut dir = ManifestsDir::new(&tmp, SourceCounters::default());
+    let ups = names(&dir.scan().expect("scan"));
+    assert_eq!(
+        ups[0],
+        "snapshot Service [default/a default/b default/c default/d]"
+    );
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
+
+#[test]
+fn services_are_reduced_for_the_agents_proxy_name() {
+    // kube-proxy's rule: without --service-proxy-name a Service labelled with a proxy
+    // name is not served; with it, only those labelled with that name are.
+    let tmp = tempdir();
+    let labelled = r#"{"kind":"Service","metadata":{"name":"mine","labels":{"service.kubernetes.io/service-proxy-name":"ebpf"}},"spec":{"clusterIP":"10.96.0.1","ports":[{"port":80}]}}"#;
+    let plain = r#"{"kind":"Service","metadata":{"name":"plain"},"spec":{"clusterIP":"10.96.0.2","ports":[{"port":80}]}}"#;
+    write(&tmp, "s.json", &format!("{labelled}\n{plain}"));
+    let served = |proxy_name: Option<&str>| {
+        let mut dir = ManifestsDir::new(&tmp, SourceCounters::default())
+            .with_proxy_name(proxy_name.map(str::to_string));
+        reduced(&dir.scan().expect("scan"))
+            .into_iter()
+            .filter(|r| r.contains("Ok(Some("))
+            .map(|r| r.split(' ').next().unwrap_or_default().to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(served(None), ["default/plain"]);
+    assert_eq!(served(Some("ebpf")), ["default/mine"]);
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
+
+#[test]
+fn a_long_list_is_read_whole_and_in_order() {
+    // 6,000 items: every Service is there; the object defined twice in the file is its
+    // last definition; a bad item is counted and the items after it are read.
+    let tmp = tempdir();
+    let metrics = SourceCounters::default();
+    let svc = |name: &str, ip: &str, port: &str| {
+        format!(
+            r#"{{"kind":"Service","metadata":{{"name":"{name}"}},"spec":{{"clusterIP":"{ip}","ports":[{{"port":{port}}}]}}}}"#
+        )
+    };
+    let mut items: Vec<String> = (0..6_000)
+        .map(|i| {
+            svc(
+                &format!("s{i}"),
+                &format!("10.96.{}.{}", i / 250, i % 250 + 1),
+                "80",
+            )
+        })
+        .collect();
+    items[0] = svc("twice", "10.97.0.1", "80");
+    items[5_999] = svc("twice", "10.97.0.2", "80");
+    items[5_000] = svc("bad", "10.97.0.3", r#""eighty""#);
+    write(
+        &tmp,
+        "l.json",
+        &format!(r#"{{"kind":"List","items":[{}]}}"#, items.join(",\n")),
+    );
+    let mut dir = ManifestsDir::new(&tmp, metrics.clone());
+    let ups = dir.scan().expect("scan");
+    let Update::Snapshot { objects, .. } = &ups[0] else {
+        panic!("snapshot first");
+    };
+    assert_eq!(
+        objects.len(),
+        5_998,
+        "s1..s5998 but s5000 (5,997), and twice"
+    );
+    let twice = objects
+        .iter()
+        .find(|o| o.key().name.as_ref() == "twice")
+        .expect("twice");
+    let Object::ReducedService(r) = twice else {
+        panic!("reduced");
+    };
+    let ip = r.info.clone().ok().flatten().map(|s| s.cluster_ips[0]);
+    assert_eq!(ip, Some("10.97.0.2".parse().expect("ip")));
+    assert_eq!(metrics.skipped_count("Service", "decode_error"), 1);
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
+
+#[test]
+fn yaml_lists_and_documents_that_are_not_objects() {
+    // A YAML List whose items come before its kind, a List of another kind's items, a
+    // document that is a sequence, one that is a scalar, an empty one: only the List's
+    // objects are read, and a Service with an `items` field is still a Service.
+    let tmp = tempdir();
+    let text = "apiVersion: v1\nitems:\n- kind: Service\n  metadata: {name: a}\n  spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n- {kind: Service, metadata: {name: b, namespace: ns}, spec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}}\nkind: List\n---\nkind: ConfigMapList\nitems: [{kind: Service, metadata: {name: c}}]\n---\n- kind: Service\n---\njust text\n---\n---\nkind: Service\nmetadata: {name: d}\nitems: 3\nspec: {clusterIP: 10.96.0.4, ports: [{port: 80}]}\n";
+    write(&tmp, "l.yaml", text);
+    let mut dir = ManifestsDir::new(&tmp, SourceCounters::default());
+    let ups = names(&dir.scan().expect("scan"));
+    assert_eq!(ups[0], "snapshot Service [default/a default/d ns/b]");
+    fs::remove_dir_all(&tmp).expect("cleanup");
 }
