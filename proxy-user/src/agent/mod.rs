@@ -204,6 +204,13 @@ fn open_datapath(opts: &AgentOptions) -> anyhow::Result<Datapath> {
         interfaces: interfaces.clone(),
         conntrack_flows,
         service_entries,
+        // The other service-side maps likewise: made at their floors (or kept at their
+        // pinned size up to their ceiling), grown online by the writer; the per-Service
+        // counters at their ceiling only with --metrics-per-service.
+        map_sizes: Some(loader::start_sizes(
+            &crate::pins::PinDir::new(&opts.pin_path),
+            opts.metrics_per_service.is_some(),
+        )),
         tc_attach: opts.tc_attach,
         acceleration: opts.acceleration,
     })

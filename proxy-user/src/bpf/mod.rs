@@ -120,6 +120,21 @@ impl BpfMaps {
         Ok(maps)
     }
 
+    /// Reopens the handles on the maps sized to demand (after they were resized: new map
+    /// objects under the same pins), without bumping `BACKEND_GEN`.
+    fn reopen_sized(&mut self) -> Result<(), OpenError> {
+        let rw = Access::ReadWrite;
+        self.v4 = FamilyMaps::open(&self.pins)?;
+        self.v6 = FamilyMaps::open(&self.pins)?;
+        let (backend_conns, backend_conns_fd) =
+            self.pins.typed_with_fd(names::BACKEND_CONNS, rw)?;
+        self.backend_conns = backend_conns;
+        self.backend_conns_fd = backend_conns_fd;
+        self.maglev = open_pair(&self.pins, names::MAGLEV)?;
+        self.counters = crate::counters::CounterMaps::open(&self.pins)?;
+        Ok(())
+    }
+
     /// `BACKEND_GEN[0]` := the next generation, after backends were deleted: every UDP
     /// flow's next packet looks its backend up again (once), and a flow whose backend is
     /// gone is balanced afresh (`proxy-ebpf` `ct::backend_still_there`).
