@@ -1808,7 +1808,7 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
     let logs = agent.stop();
     assert!(
         logs.contains("resizing the pinned map online while serving")
-            && logs.contains("service maps grown online")
+            && logs.contains("service-side maps grown online")
             && logs.contains("layout migration done"),
         "{logs}"
     );
@@ -2358,4 +2358,51 @@ fn per_service_metrics_at_ten_thousand_services() {
         .read(proxy_user::counters::CounterKind::Service)
         .expect("read")
         .is_empty());
+}
+
+/// Issue 27 (maps sized to demand): without `--metrics-per-service` the per-Service
+/// counter maps are made at one entry; a restart with the flag resizes them online to
+/// their ceilings (32,768 / 65,536) at the start, and connections through `web` are
+/// counted for its Service port and backend.
+#[test]
+fn turning_per_service_metrics_on_at_a_restart_resizes_the_counter_maps() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &web_on_pod1());
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    let max_entries = |name: &str| pinned_max_entries(&env.pins.path, name);
+    assert_eq!(max_entries("SVC_COUNTERS"), 1);
+    assert_eq!(max_entries("BACKEND_COUNTERS"), 1);
+    agent.stop();
+
+    let mut args = dir.arg().to_vec();
+    args.push("--metrics-per-service");
+    let mut agent = AgentProcess::start(&env, &args);
+    agent.wait_healthy(Duration::from_secs(30));
+    assert_eq!(
+        max_entries("SVC_COUNTERS"),
+        proxy_common::limits::MAX_COUNTED_FRONTENDS
+    );
+    assert_eq!(
+        max_entries("BACKEND_COUNTERS"),
+        proxy_common::limits::MAX_COUNTED_BACKENDS
+    );
+    for _ in 0..3 {
+        let r = env.in_client(|| tcp_ask(vip()));
+        assert!(answer_is(&r, &["pod1"]), "{r:?}");
+    }
+    let web = "namespace=\"default\",service=\"web\",port=\"http\",protocol=\"tcp\"";
+    let text = wait_metrics(
+        &agent,
+        &[
+            &format!("ebpf_proxy_service_connections_total{{{web}}} 3\n"),
+            "ebpf_proxy_map_resizes_total{map=\"SVC_COUNTERS\",direction=\"grow\"} 1\n",
+            "ebpf_proxy_map_resizes_total{map=\"BACKEND_COUNTERS\",direction=\"grow\"} 1\n",
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(!text.contains("map_write_errors_total{"), "{text}");
+    agent.stop();
 }
