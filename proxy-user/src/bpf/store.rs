@@ -327,12 +327,9 @@ fn off_runtime<T>(f: impl FnOnce() -> T) -> T {
 
 impl MapStore for BpfMaps {
     fn map_sizes(&self) -> Option<crate::loader::Sizes> {
-        // Pins without a service map cannot grow (a partial pin set).
-        self.pins.max_entries(names::SVC4)?;
-        Some(crate::loader::Sizes::pinned_or(
-            &self.pins,
-            crate::loader::Sizes::compiled(),
-        ))
+        // Read at open and after each growth: this store is those maps' only writer and
+        // only grower (conntrack's size, which `crate::ctsize` changes, is not used here).
+        self.sizes
     }
 
     fn grow_maps(

@@ -52,25 +52,11 @@ impl<S: MapStore> Writer<S> {
         n
     }
 
-    /// The `SVC` entries of each family the maps hold at most while `upserts` are
-    /// written: what they hold, plus each upsert's growth (a new frontend's slot 0 and
-    /// slots; a programmed one's new slots beyond its old count). Removals are not
-    /// subtracted (a bound, not an estimate).
-    fn svc_needed(&self, upserts: &[&ServiceEntry]) -> usize {
-        let mut n = self.svc_entries();
-        for e in upserts {
-            let now = self
-                .services
-                .get(&e.frontend)
-                .map_or(0, |p| 1 + p.slots.len());
-            n[usize::from(e.frontend.addr.is_ipv6())] += (1 + e.backends.len()).saturating_sub(now);
-        }
-        n[0].max(n[1])
-    }
-
     /// The entries each map the writer grows holds at most while `upserts` are written
     /// (bounds: removals are not subtracted; both families counted for each family's
-    /// map): the service maps ([`Self::svc_needed`]); backends, those programmed plus
+    /// map, except the service maps): the service maps, the `SVC` entries of each family
+    /// plus each upsert's growth (a new frontend's slot 0 and slots; a programmed one's
+    /// new slots beyond its old count); backends, those programmed plus
     /// the upserts' unknown ones; reverse NAT, the frontends plus the new ones; Maglev,
     /// the chunks of every table plus one table per Maglev upsert; affinity, its
     /// ceiling as soon as one frontend has `ClientIP` affinity (the LRU's demand is its
@@ -80,19 +66,26 @@ impl<S: MapStore> Writer<S> {
         upserts: &[&ServiceEntry],
         ceilings: &Sizes,
     ) -> Vec<(SizedMap, usize)> {
+        // One pass over what the maps hold (this runs before every sync's writes).
+        let mut svc = [0usize; 2];
         let mut frontends = self.services.len();
         let mut chunks = 0usize;
         let mut affinity = false;
-        for p in self.services.values() {
+        for (fe, p) in &self.services {
+            svc[usize::from(fe.addr.is_ipv6())] += 1 + p.slots.len();
             chunks += p.maglev.map_or(0, |(_, n)| n as usize);
             affinity |= p.value.flags & svc_flags::AFFINITY != 0;
         }
         let table = proxy_common::maglev::chunks(self.maglev.table_size) as usize;
         let mut new_backends: HashSet<BackendKey> = HashSet::default();
         for e in upserts {
-            if !self.services.contains_key(&e.frontend) {
+            // A new frontend's slot 0 and slots; a programmed one's slots beyond its count.
+            let now = self.services.get(&e.frontend);
+            if now.is_none() {
                 frontends += 1;
             }
+            svc[usize::from(e.frontend.addr.is_ipv6())] +=
+                (1 + e.backends.len()).saturating_sub(now.map_or(0, |p| 1 + p.slots.len()));
             if e.flags & svc_flags::MAGLEV != 0 {
                 chunks += table;
             }
@@ -111,7 +104,7 @@ impl<S: MapStore> Writer<S> {
             0
         };
         vec![
-            (SizedMap::Service, self.svc_needed(upserts)),
+            (SizedMap::Service, svc[0].max(svc[1])),
             (SizedMap::Backend, backends),
             (SizedMap::BackendConns, backends),
             (SizedMap::RevNat, frontends),
