@@ -263,8 +263,8 @@ pub enum StoreError {
     },
     #[error("map {map}: {detail}")]
     Corrupt { map: &'static str, detail: String },
-    #[error("growing the service maps (SVC4, SVC6) to {entries} entries: {detail}")]
-    Grow { entries: u32, detail: String },
+    #[error("growing the service-side maps to {to} entries: {detail}")]
+    Grow { to: String, detail: String },
 }
 
 /// The service maps' contents, read back (adoption, dumps, tests).
@@ -394,20 +394,31 @@ pub trait MapStore {
             error: io::Error::from_raw_os_error(crate::batch::ENOTSUPP),
         })
     }
-    /// `max_entries` of each service map (`SVC4`, `SVC6`: one size), when the store has
-    /// such a limit and can grow it ([`Self::grow_svc`]); `None`: it cannot.
-    fn svc_size(&self) -> Option<u32> {
+    /// `max_entries` of each map sized to demand, when the store has such limits and can
+    /// grow them ([`Self::grow_maps`]); `None`: it cannot.
+    fn map_sizes(&self) -> Option<crate::loader::Sizes> {
         None
     }
-    /// Grows each service map to `entries` while the datapath serves (no write of the
-    /// writer's runs meanwhile: it is the caller); the store's handles follow the new
-    /// maps. Returns the maps resized.
-    fn grow_svc(&mut self, entries: u32) -> Result<Vec<crate::loader::MapResize>, StoreError> {
+    /// Grows the maps of each kind in `to` to its entries, all in one step, while the
+    /// datapath serves (no write of the writer's runs meanwhile: it is the caller); the
+    /// store's handles follow the new maps. Returns the maps resized.
+    fn grow_maps(
+        &mut self,
+        to: &[(crate::loader::SizedMap, u32)],
+    ) -> Result<Vec<crate::loader::MapResize>, StoreError> {
         Err(StoreError::Grow {
-            entries,
+            to: describe_sizes(to),
             detail: "this store's maps cannot grow".into(),
         })
     }
+}
+
+/// `to` as text, for errors and logs: `Service=32768 Backend=32768`.
+pub fn describe_sizes(to: &[(crate::loader::SizedMap, u32)]) -> String {
+    to.iter()
+        .map(|(k, n)| format!("{k:?}={n}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Writes `ops` (one [`Op::group`], distinct entries) as one batch when the store has

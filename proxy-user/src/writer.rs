@@ -297,23 +297,11 @@ pub struct Writer<S> {
     deferred_frees: Option<Vec<(bool, u32)>>,
     /// Table size and seed of the Maglev tables (`--maglev-table-size`, `--maglev-seed`).
     maglev: MaglevParams,
-    /// The most entries the store's service maps may grow to (`--service-map-entries`);
-    /// `None`: they are never grown.
-    svc_ceiling: Option<u32>,
+    /// The most entries each map sized to demand may grow to (`--service-map-entries`
+    /// for the service maps); `None`: they are never grown.
+    ceilings: Option<crate::loader::Sizes>,
     /// Growths of the service maps since the last [`Self::take_svc_growths`].
     svc_growths: Vec<SvcGrowth>,
-}
-
-/// The service maps grown (or not) before a sync ([`Writer::take_svc_growths`]).
-#[derive(Debug)]
-pub enum SvcGrowth {
-    /// Grown: the maps resized, and the entries the sync needed.
-    Grown {
-        resized: Vec<crate::loader::MapResize>,
-        needed: usize,
-    },
-    /// The growth failed: the sizes are kept (what does not fit fails as `map_full`).
-    Failed { to: u32, error: StoreError },
 }
 
 /// The model's state, saved before a batched sync (restored if it fails).
@@ -357,7 +345,7 @@ impl<S: MapStore> Writer<S> {
             counts: WriteCounts::default(),
             deferred_frees: None,
             maglev: MaglevParams::default(),
-            svc_ceiling: None,
+            ceilings: None,
             svc_growths: Vec::new(),
         }
     }
@@ -584,6 +572,7 @@ impl<S: MapStore> Writer<S> {
 mod adopt;
 mod backends;
 mod counted;
+mod demand;
 mod plan;
 mod remove;
 mod sync;
@@ -591,6 +580,7 @@ mod upsert;
 
 use backends::Backends;
 pub use counted::CountedIds;
+pub use demand::SvcGrowth;
 pub use plan::{node_address_ops, Plan};
 pub use sync::{svc_grown, SVC_HIGH_WATER};
 use upsert::slot_no;

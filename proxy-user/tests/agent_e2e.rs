@@ -1808,7 +1808,7 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
     let logs = agent.stop();
     assert!(
         logs.contains("resizing the pinned map online while serving")
-            && logs.contains("service maps grown online")
+            && logs.contains("service-side maps grown online")
             && logs.contains("layout migration done"),
         "{logs}"
     );
@@ -1832,10 +1832,13 @@ fn a_full_service_map_refuses_whole_services_and_the_rest_is_served() {
     assert!(logs.contains("resizing the pinned map online"), "{logs}");
 }
 
-/// Issue 27, item 2: the service maps start small (`SERVICE_START_ENTRIES`) and grow
-/// online, before the writes, when a sync of 20,000 new Services (40,000 entries) would
-/// not fit: no `map_full`, no frontend failed or half-written, and a client connecting to
-/// an existing Service the whole time is never refused or misrouted.
+/// Issue 27, item 2: the service-side maps start small (`SVC4/6` and `BACKEND4/6`,
+/// `BACKEND_CONNS` at 16,384, `REVNAT4/6` at 4,096) and grow online, all in one resize
+/// before the writes, when a sync of 20,000 new Services with an endpoint each (40,000
+/// service entries, 20,000 backends and frontends) would not fit: no `map_full`, no
+/// frontend failed or half-written, every backend and reverse-NAT entry written, and a
+/// client connecting to an existing Service the whole time is never refused or
+/// misrouted.
 #[test]
 fn service_maps_grow_online_during_a_sync_of_20000_new_services() {
     let mut env = TestEnv::without_datapath(1);
@@ -1855,6 +1858,15 @@ fn service_maps_grow_online_during_a_sync_of_20000_new_services() {
     let start = proxy_user::loader::SERVICE_START_ENTRIES;
     assert_eq!(max_entries("SVC4"), start, "made small");
     assert_eq!(max_entries("SVC6"), start, "made small");
+    for (map, floor) in [
+        ("BACKEND4", 16_384),
+        ("BACKEND6", 16_384),
+        ("BACKEND_CONNS", 16_384),
+        ("REVNAT4", 4_096),
+        ("REVNAT6", 4_096),
+    ] {
+        assert_eq!(max_entries(map), floor, "{map} made small");
+    }
     assert!(
         agent
             .metrics()
@@ -1872,6 +1884,8 @@ fn service_maps_grow_online_during_a_sync_of_20000_new_services() {
         &[
             "ebpf_proxy_programmed_frontends 20001\n",
             "ebpf_proxy_map_resizes_total{map=\"SVC4\",direction=\"grow\"}",
+            "ebpf_proxy_map_resizes_total{map=\"BACKEND4\",direction=\"grow\"}",
+            "ebpf_proxy_map_resizes_total{map=\"REVNAT4\",direction=\"grow\"}",
         ],
         Duration::from_secs(180),
     );
@@ -1911,13 +1925,129 @@ fn service_maps_grow_online_during_a_sync_of_20000_new_services() {
         "{}",
         agent.metrics()
     );
-    // Every frontend whole: slot 0 and its one slot (web: its slot too).
+    // Backends and reverse NAT grown with them, in the same resize (x2 steps to the first
+    // size 20,001 fits in within 3/4: 32,768).
+    for map in [
+        "BACKEND4",
+        "BACKEND6",
+        "BACKEND_CONNS",
+        "REVNAT4",
+        "REVNAT6",
+    ] {
+        assert_eq!(max_entries(map), 32_768, "{map}");
+    }
+    for map in ["SVC4", "BACKEND4", "BACKEND_CONNS", "REVNAT4", "REVNAT6"] {
+        assert!(
+            metrics.contains(&format!(
+                "ebpf_proxy_map_resizes_total{{map=\"{map}\",direction=\"grow\"}}"
+            )),
+            "{map}: {metrics}"
+        );
+    }
+    // Every frontend whole: slot 0 and its one slot (web: its slot too), its backend and
+    // its reverse-NAT entry.
     let entries = svc4_entries(&env.pins.path);
     assert_eq!(entries.len(), 20_001);
     assert!(entries.values().all(|&n| n == 2), "a frontend half-written");
+    {
+        use proxy_user::MapStore as _;
+        let dump = proxy_user::bpf::BpfMaps::open(&env.pins.path)
+            .expect("open")
+            .dump()
+            .expect("dump");
+        assert_eq!(dump.backends.len(), 20_001, "every backend written");
+        assert_eq!(dump.revnat.len(), 20_001, "every reverse-NAT entry written");
+        assert!(
+            dump.slots.values().all(|id| dump.backends.contains_key(id)),
+            "a slot names a backend the map lacks"
+        );
+    }
     let logs = agent.stop();
     assert!(
-        logs.contains("service maps grown online before the sync's writes"),
+        logs.contains("service-side maps grown online before the sync's writes"),
+        "{logs}"
+    );
+}
+
+/// The pinned map `name`'s `max_entries`.
+fn pinned_max_entries(pins: &Path, name: &str) -> u32 {
+    aya::maps::MapData::from_pin(pins.join(name))
+        .expect("pin")
+        .info()
+        .expect("info")
+        .max_entries()
+}
+
+/// Issue 27 (maps sized to demand): `AFFINITY` (an LRU, preallocated: 104 B per entry) is
+/// made at 1,024 entries while no Service has `sessionAffinity: ClientIP`, `MAGLEV` small
+/// while no Maglev frontend, the per-Service counters at 1 entry without
+/// `--metrics-per-service`; the first ClientIP Service grows `AFFINITY` online to its
+/// ceiling before its frontend is written, and its affinity works: every connection of
+/// the client reaches the one pod of three it was first balanced to, `web` unbroken.
+#[test]
+fn the_first_client_ip_service_grows_affinity_online_and_its_affinity_works() {
+    let mut env = TestEnv::without_datapath(3);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &web_on_pod1());
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    let max_entries = |name: &str| pinned_max_entries(&env.pins.path, name);
+    for (map, small) in [
+        ("AFFINITY", 1_024),
+        ("MAGLEV", 1_024),
+        ("SVC_COUNTERS", 1),
+        ("BACKEND_COUNTERS", 1),
+    ] {
+        assert_eq!(max_entries(map), small, "{map} made small");
+    }
+
+    let sticky = "10.96.0.20";
+    let eps: Vec<String> = (1..=3).map(pod).collect();
+    let eps: Vec<_> = eps.iter().map(|a| ready(a)).collect();
+    dir.write(
+        "sticky.yaml",
+        &format!(
+            "{}---\n{}",
+            service("sticky", sticky, 80)
+                .replace("  ports:\n", "  sessionAffinity: ClientIP\n  ports:\n"),
+            slice("sticky-1", "sticky", TARGET, &eps)
+        ),
+    );
+    let metrics = wait_metrics(
+        &agent,
+        &[
+            "ebpf_proxy_programmed_frontends 2\n",
+            "ebpf_proxy_map_resizes_total{map=\"AFFINITY\",direction=\"grow\"} 1\n",
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(!metrics.contains("map_write_errors_total{"), "{metrics}");
+    assert_eq!(
+        max_entries("AFFINITY"),
+        proxy_common::limits::MAX_AFFINITY,
+        "grown to its ceiling"
+    );
+    // Only what the sync needed grew.
+    assert_eq!(
+        max_entries("SVC4"),
+        proxy_user::loader::SERVICE_START_ENTRIES
+    );
+    assert_eq!(max_entries("REVNAT4"), 4_096);
+    let dest = SocketAddr::new(sticky.parse().expect("ip"), 80);
+    env.in_client(|| {
+        until_at(dest, 1, |r| r.is_ok());
+        let first = tcp_ask(dest).expect("sticky answers").0;
+        for i in 0..30 {
+            let (pod, _) = tcp_ask(dest).expect("sticky answers");
+            assert_eq!(pod, first, "connection {i}: affinity to {first} not kept");
+        }
+        until(Instant::now(), 5, |r| answer_is(r, &["pod1"]));
+    });
+    let logs = agent.stop();
+    assert!(
+        logs.contains("service-side maps grown online before the sync's writes"),
         "{logs}"
     );
 }
@@ -1925,7 +2055,8 @@ fn service_maps_grow_online_during_a_sync_of_20000_new_services() {
 /// A crash after each step of a service-map growth (`EBPF_PROXY_MIGRATE_CRASH_AT`): the
 /// agent aborts in the middle of its first sync of 8,000 new Services; the next start
 /// finishes or rolls back the growth, and its first sync writes every frontend whole
-/// (growing the maps again after a roll-back), `web` answering.
+/// (growing the maps again after a roll-back), `web` answering. The growth resizes the
+/// service maps and reverse NAT in one migration.
 #[test]
 fn a_crash_at_each_step_of_a_service_map_growth_then_restart() {
     for step in proxy_user::migrate::STEPS {
@@ -1967,9 +2098,33 @@ fn a_crash_at_each_step_of_a_service_map_growth_then_restart() {
         let entries = svc4_entries(&env.pins.path);
         assert_eq!(entries.len(), 8_001, "{step}");
         assert!(entries.values().all(|&n| n == 2), "{step}: half-written");
-        let svc4 = aya::maps::MapData::from_pin(env.pins.path.join("SVC4")).expect("SVC4 pin");
-        assert_eq!(svc4.info().expect("info").max_entries(), 32_768, "{step}");
-        drop(svc4);
+        // The service maps and, in the same growth, reverse NAT (8,001 frontends past 3/4
+        // of its 4,096-entry start); the backends (8,001) fit within their start.
+        assert_eq!(pinned_max_entries(&env.pins.path, "SVC4"), 32_768, "{step}");
+        assert_eq!(
+            pinned_max_entries(&env.pins.path, "REVNAT4"),
+            16_384,
+            "{step}"
+        );
+        assert_eq!(
+            pinned_max_entries(&env.pins.path, "REVNAT6"),
+            16_384,
+            "{step}"
+        );
+        assert_eq!(
+            pinned_max_entries(&env.pins.path, "BACKEND4"),
+            16_384,
+            "{step}"
+        );
+        {
+            use proxy_user::MapStore as _;
+            let dump = proxy_user::bpf::BpfMaps::open(&env.pins.path)
+                .expect("open")
+                .dump()
+                .expect("dump");
+            assert_eq!(dump.revnat.len(), 8_001, "{step}: reverse NAT");
+            assert_eq!(dump.backends.len(), 8_001, "{step}: backends");
+        }
         assert!(
             !env.pins
                 .path
@@ -2203,4 +2358,51 @@ fn per_service_metrics_at_ten_thousand_services() {
         .read(proxy_user::counters::CounterKind::Service)
         .expect("read")
         .is_empty());
+}
+
+/// Issue 27 (maps sized to demand): without `--metrics-per-service` the per-Service
+/// counter maps are made at one entry; a restart with the flag resizes them online to
+/// their ceilings (32,768 / 65,536) at the start, and connections through `web` are
+/// counted for its Service port and backend.
+#[test]
+fn turning_per_service_metrics_on_at_a_restart_resizes_the_counter_maps() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &web_on_pod1());
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    let max_entries = |name: &str| pinned_max_entries(&env.pins.path, name);
+    assert_eq!(max_entries("SVC_COUNTERS"), 1);
+    assert_eq!(max_entries("BACKEND_COUNTERS"), 1);
+    agent.stop();
+
+    let mut args = dir.arg().to_vec();
+    args.push("--metrics-per-service");
+    let mut agent = AgentProcess::start(&env, &args);
+    agent.wait_healthy(Duration::from_secs(30));
+    assert_eq!(
+        max_entries("SVC_COUNTERS"),
+        proxy_common::limits::MAX_COUNTED_FRONTENDS
+    );
+    assert_eq!(
+        max_entries("BACKEND_COUNTERS"),
+        proxy_common::limits::MAX_COUNTED_BACKENDS
+    );
+    for _ in 0..3 {
+        let r = env.in_client(|| tcp_ask(vip()));
+        assert!(answer_is(&r, &["pod1"]), "{r:?}");
+    }
+    let web = "namespace=\"default\",service=\"web\",port=\"http\",protocol=\"tcp\"";
+    let text = wait_metrics(
+        &agent,
+        &[
+            &format!("ebpf_proxy_service_connections_total{{{web}}} 3\n"),
+            "ebpf_proxy_map_resizes_total{map=\"SVC_COUNTERS\",direction=\"grow\"} 1\n",
+            "ebpf_proxy_map_resizes_total{map=\"BACKEND_COUNTERS\",direction=\"grow\"} 1\n",
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(!text.contains("map_write_errors_total{"), "{text}");
+    agent.stop();
 }

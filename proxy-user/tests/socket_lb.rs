@@ -419,6 +419,7 @@ fn pinned_datapath_survives_the_agent_and_is_adopted() {
         interfaces: Vec::new(),
         conntrack_flows: loader::DEFAULT_CONNTRACK_FLOWS,
         service_entries: loader::DEFAULT_SERVICE_ENTRIES,
+        map_sizes: None,
         tc_attach: loader::TcAttachMode::Auto,
         acceleration: loader::Acceleration::Off,
     })

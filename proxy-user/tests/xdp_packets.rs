@@ -599,6 +599,7 @@ fn native_acceleration_without_driver_support_is_refused_naming_the_interface() 
             interfaces: vec!["br0".into()],
             conntrack_flows: proxy_user::loader::DEFAULT_CONNTRACK_FLOWS,
             service_entries: proxy_user::loader::DEFAULT_SERVICE_ENTRIES,
+            map_sizes: None,
             tc_attach: proxy_user::loader::TcAttachMode::Auto,
             acceleration,
         })

@@ -174,6 +174,22 @@ struct Datapath {
     node_addrs: Vec<std::net::IpAddr>,
 }
 
+/// The size of the service maps at this start (`--service-map-entries` checked: the
+/// pinned size up to it, else `loader::SERVICE_START_ENTRIES`) and of the other maps
+/// sized to demand (`loader::start_sizes`: made at their floors or kept at their pinned
+/// size up to their ceilings; the per-Service counters at their ceiling only with
+/// `--metrics-per-service`). The writer grows them online.
+fn service_start_sizes(opts: &AgentOptions) -> anyhow::Result<(u32, loader::Sizes)> {
+    loader::service_entries(opts.service_entries).context("--service-map-entries")?;
+    let pins = crate::pins::PinDir::new(&opts.pin_path);
+    let service_entries = loader::service_start_entries(
+        pins.max_entries(proxy_common::map_names::SVC4),
+        opts.service_entries,
+    );
+    let sizes = loader::start_sizes(&pins, opts.metrics_per_service.is_some());
+    Ok((service_entries, sizes))
+}
+
 /// Installs or adopts the datapath (programs, maps, attachments) and writes the
 /// forwarding mode.
 fn open_datapath(opts: &AgentOptions) -> anyhow::Result<Datapath> {
@@ -196,19 +212,16 @@ fn open_datapath(opts: &AgentOptions) -> anyhow::Result<Datapath> {
         opts.conntrack_start,
         opts.conntrack_flows,
     );
-    // The service maps likewise: the ceiling checked, the maps made small (or kept at
-    // their pinned size up to the ceiling); the writer grows them online.
-    loader::service_entries(opts.service_entries).context("--service-map-entries")?;
-    let service_entries = loader::service_start_entries(
-        crate::pins::PinDir::new(&opts.pin_path).max_entries(proxy_common::map_names::SVC4),
-        opts.service_entries,
-    );
+    // The service-side maps likewise: the ceiling checked, the maps made small (or kept at
+    // their pinned size up to their ceilings); the writer grows them online.
+    let (service_entries, map_sizes) = service_start_sizes(opts)?;
     let installed = crate::migrate::install(&loader::InstallOptions {
         pin_path: opts.pin_path.clone(),
         cgroup: opts.cgroup.clone(),
         interfaces: interfaces.clone(),
         conntrack_flows,
         service_entries,
+        map_sizes: Some(map_sizes),
         tc_attach: opts.tc_attach,
         acceleration: opts.acceleration,
     })

@@ -545,6 +545,7 @@ fn main() -> Result<()> {
                 interfaces,
                 conntrack_flows: conntrack_max,
                 service_entries: service_map_entries,
+                map_sizes: None,
                 tc_attach,
                 acceleration,
             })

@@ -37,6 +37,15 @@ fn open_pair<K: Pod, V: Pod>(pins: &PinDir, name: &str) -> Result<Pair<K, V>, Op
     pins.hash(name, Access::ReadWrite)
 }
 
+/// The pinned sizes of the maps sized to demand (`None` without a pinned `SVC4`).
+fn pinned_sizes(pins: &PinDir) -> Option<crate::loader::Sizes> {
+    pins.max_entries(names::SVC4)?;
+    Some(crate::loader::Sizes::pinned_or(
+        pins,
+        crate::loader::Sizes::compiled(),
+    ))
+}
+
 /// `BACKEND_GEN[0]` := its next generation.
 fn bump_gen(map: &mut Array<MapData, u32>) -> Result<u32, MapError> {
     let next = proxy_common::next_backend_gen(map.get(&0, 0)?);
@@ -81,6 +90,9 @@ pub struct BpfMaps {
     /// deleted whenever the id is assigned or freed. `None`: pins without them.
     counters: Option<crate::counters::CounterMaps>,
     ncpus: usize,
+    /// The pinned sizes of the maps sized to demand, read at open and after each growth
+    /// (`MapStore::map_sizes`, asked before every sync); `None`: no service map pinned.
+    sizes: Option<crate::loader::Sizes>,
 }
 
 impl std::fmt::Debug for BpfMaps {
@@ -111,6 +123,7 @@ impl BpfMaps {
             backend_gen: pins.typed(names::BACKEND_GEN, rw)?,
             counters: crate::counters::CounterMaps::open(&pins)?,
             ncpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
+            sizes: pinned_sizes(&pins),
             pins,
         };
         bump_gen(&mut maps.backend_gen).map_err(|source| OpenError::Map {
@@ -118,6 +131,22 @@ impl BpfMaps {
             source,
         })?;
         Ok(maps)
+    }
+
+    /// Reopens the handles on the maps sized to demand (after they were resized: new map
+    /// objects under the same pins), without bumping `BACKEND_GEN`.
+    fn reopen_sized(&mut self) -> Result<(), OpenError> {
+        let rw = Access::ReadWrite;
+        self.v4 = FamilyMaps::open(&self.pins)?;
+        self.v6 = FamilyMaps::open(&self.pins)?;
+        let (backend_conns, backend_conns_fd) =
+            self.pins.typed_with_fd(names::BACKEND_CONNS, rw)?;
+        self.backend_conns = backend_conns;
+        self.backend_conns_fd = backend_conns_fd;
+        self.maglev = open_pair(&self.pins, names::MAGLEV)?;
+        self.counters = crate::counters::CounterMaps::open(&self.pins)?;
+        self.sizes = pinned_sizes(&self.pins);
+        Ok(())
     }
 
     /// `BACKEND_GEN[0]` := the next generation, after backends were deleted: every UDP

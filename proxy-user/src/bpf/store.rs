@@ -326,18 +326,25 @@ fn off_runtime<T>(f: impl FnOnce() -> T) -> T {
 }
 
 impl MapStore for BpfMaps {
-    fn svc_size(&self) -> Option<u32> {
-        self.pins.max_entries(names::SVC4)
+    fn map_sizes(&self) -> Option<crate::loader::Sizes> {
+        // Read at open and after each growth: this store is those maps' only writer and
+        // only grower (conntrack's size, which `crate::ctsize` changes, is not used here).
+        self.sizes
     }
 
-    fn grow_svc(&mut self, entries: u32) -> Result<Vec<crate::loader::MapResize>, StoreError> {
-        let grow_err = |detail: String| StoreError::Grow { entries, detail };
+    fn grow_maps(
+        &mut self,
+        to: &[(crate::loader::SizedMap, u32)],
+    ) -> Result<Vec<crate::loader::MapResize>, StoreError> {
+        let grow_err = |detail: String| StoreError::Grow {
+            to: crate::store::describe_sizes(to),
+            detail,
+        };
         let pins = self.pins.clone();
-        let resized = off_runtime(|| crate::migrate::resize_service(&pins, entries))
+        let resized = off_runtime(|| crate::migrate::resize_maps(&pins, to))
             .map_err(|e| grow_err(e.to_string()))?;
         // The handles follow the new maps (every other map was shared: its handles stay).
-        self.v4 = FamilyMaps::open(&self.pins).map_err(|e| grow_err(e.to_string()))?;
-        self.v6 = FamilyMaps::open(&self.pins).map_err(|e| grow_err(e.to_string()))?;
+        self.reopen_sized().map_err(|e| grow_err(e.to_string()))?;
         Ok(resized)
     }
 

@@ -48,6 +48,7 @@ mod memory;
 mod modes;
 mod object;
 mod pods;
+mod sized;
 
 use error::io_err;
 pub use error::LoadError;
@@ -66,10 +67,11 @@ pub use modes::{Acceleration, TcAttachMode};
 pub(crate) use object::EBPF_OBJECT;
 use object::{bump_memlock_rlimit, write_meta};
 pub use object::{
-    load_object, load_object_sized, load_object_with, object_hash, spawn_kernel_logger,
-    CT_FALLBACK_GLOBAL, FIB_HOP_TTL_GLOBAL,
+    load_object, load_object_sized, load_object_sizes, load_object_with, object_hash,
+    spawn_kernel_logger, CT_FALLBACK_GLOBAL, FIB_HOP_TTL_GLOBAL,
 };
 pub use pods::PodTc;
+pub use sized::{grown, start_sizes, SizedMap, Sizes};
 
 /// Where to install.
 #[derive(Clone, Debug)]
@@ -89,6 +91,12 @@ pub struct InstallOptions {
     /// plus one per backend slot). Used when the maps are created: pinned maps keep
     /// theirs.
     pub service_entries: u32,
+    /// `max_entries` of the other maps sized to demand ([`SizedMap`]: backends, reverse
+    /// NAT, affinity, Maglev, per-Service counters) when they are created, and what a
+    /// pinned one is resized to at the start (`migrate::install`); its conntrack and
+    /// service entries are not used (`conntrack_flows`, `service_entries` above). `None`:
+    /// created at their compiled sizes, pinned ones kept.
+    pub map_sizes: Option<Sizes>,
     /// How the TC programs are attached (hooks already pinned are adopted whatever the
     /// mode they were attached with).
     pub tc_attach: TcAttachMode,
@@ -149,7 +157,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     let pin_path = &opts.pin_path;
     let pins = open_pin_dir(pin_path)?;
     let mut report = InstallReport::default();
-    let (ct_entries, svc_entries) = table_sizes(&pins, opts, &mut report)?;
+    let sizes = table_sizes(&pins, opts, &mut report)?;
     drop_other_xdp(&pins, opts.acceleration)?;
     let missing: Vec<Hook> = wanted_hooks(opts)
         .into_iter()
@@ -187,7 +195,7 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     };
     cgroup::check_cgroup2_dir(&cgroup_dir).map_err(io_err("checking", &cgroup_dir))?;
 
-    let mut ebpf = load_object_sized(&pins, ct_entries, svc_entries)?;
+    let mut ebpf = load_object_sizes(&pins, &sizes)?;
     let mut att = Attaching {
         ebpf: &mut ebpf,
         pins: &pins,
@@ -224,13 +232,13 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     Ok(report)
 }
 
-/// The sizes the conntrack tables and service maps are created with (map entries), and
-/// those the pinned ones have, in `report`.
+/// The sizes the maps sized to demand are created with (map entries), and those the
+/// pinned conntrack tables and service maps have, in `report`.
 fn table_sizes(
     pins: &PinDir,
     opts: &InstallOptions,
     report: &mut InstallReport,
-) -> Result<(u32, u32), LoadError> {
+) -> Result<Sizes, LoadError> {
     let ct_entries = conntrack_entries(opts.conntrack_flows)?;
     report.conntrack_entries = size_in_use(
         pins,
@@ -247,7 +255,11 @@ fn table_sizes(
         "service maps",
         "not resized at start: a shrink below the entries in use would drop them",
     );
-    Ok((ct_entries, svc_entries))
+    Ok(opts
+        .map_sizes
+        .unwrap_or_default()
+        .with(SizedMap::Conntrack, ct_entries)
+        .with(SizedMap::Service, svc_entries))
 }
 
 /// The pin directory at `path` (where `--pin-path` becomes a [`PinDir`]), checked to be on

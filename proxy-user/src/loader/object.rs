@@ -10,7 +10,10 @@ use aya::{
 use proxy_common::{map_names, meta, ABI_VERSION};
 use tracing::warn;
 
-use super::error::{io_err, LoadError};
+use super::{
+    error::{io_err, LoadError},
+    sized::{SizedMap, Sizes},
+};
 use crate::pins::{Access, PinDir};
 
 /// The eBPF object built by `build.rs` (empty when built with the stub switch).
@@ -53,6 +56,12 @@ pub fn load_object_sized(
     load_object_with(pins, ct_entries, svc_entries, None)
 }
 
+/// [`load_object`] with every map sized to demand made at `sizes` (maps created now;
+/// pinned maps keep the size they were made with).
+pub fn load_object_sizes(pins: &PinDir, sizes: &Sizes) -> Result<aya::Ebpf, LoadError> {
+    load_with_sizes(pins, sizes, None)
+}
+
 /// The global in the eBPF object that holds how long XDP reuses a FIB answer
 /// (`xdp::FIB_HOP_TTL_NS`, 100 ms unless set here).
 pub const FIB_HOP_TTL_GLOBAL: &str = "FIB_HOP_TTL_NS";
@@ -71,6 +80,17 @@ pub fn load_object_with(
     svc_entries: u32,
     fib_hop_ttl: Option<std::time::Duration>,
 ) -> Result<aya::Ebpf, LoadError> {
+    let sizes = Sizes::compiled()
+        .with(SizedMap::Conntrack, ct_entries)
+        .with(SizedMap::Service, svc_entries);
+    load_with_sizes(pins, &sizes, fib_hop_ttl)
+}
+
+fn load_with_sizes(
+    pins: &PinDir,
+    sizes: &Sizes,
+    fib_hop_ttl: Option<std::time::Duration>,
+) -> Result<aya::Ebpf, LoadError> {
     let pin_path = pins.path();
     if EBPF_OBJECT.is_empty() {
         return Err(LoadError::NoObject);
@@ -78,12 +98,12 @@ pub fn load_object_with(
     fs::create_dir_all(pin_path).map_err(io_err("creating", pin_path))?;
     let ttl_ns = fib_hop_ttl.map(|t| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX));
     let mut loader = EbpfLoader::new();
-    loader
-        .default_map_pin_directory(pin_path)
-        .map_max_entries(map_names::CT4, ct_entries)
-        .map_max_entries(map_names::CT6, ct_entries)
-        .map_max_entries(map_names::SVC4, svc_entries)
-        .map_max_entries(map_names::SVC6, svc_entries);
+    loader.default_map_pin_directory(pin_path);
+    for kind in SizedMap::ALL {
+        for map in kind.maps() {
+            loader.map_max_entries(map, sizes.get(kind));
+        }
+    }
     if let Some(ns) = ttl_ns.as_ref() {
         loader.override_global(FIB_HOP_TTL_GLOBAL, ns, true);
     }

@@ -18,7 +18,7 @@ use tracing::debug;
 
 use super::{
     hooks::{attach_clsact, remove_pin, tc_kind, Hook},
-    load_object_sized, LoadError, TcAttachMode,
+    LoadError, TcAttachMode,
 };
 use crate::pins::PinDir;
 
@@ -27,10 +27,11 @@ pub struct PodTc {
     ebpf: aya::Ebpf,
     pins: PinDir,
     mode: TcAttachMode,
-    /// The ids of the `CT4` and `SVC4` these programs were loaded against: an online
+    /// The ids of the maps sized to demand (the first of each kind: `CT4`, `SVC4`,
+    /// `BACKEND4`, ...) these programs were loaded against: an online
     /// resize replaces them (and swaps the pinned hooks), so programs for a later
     /// interface are loaded again against the new ones.
-    ct_id: [Option<u32>; 2],
+    ct_id: [Option<u32>; 9],
 }
 
 impl PodTc {
@@ -38,14 +39,9 @@ impl PodTc {
     /// [`super::install`] made): their sizes are the pinned ones.
     pub fn load(pins: &PinDir, mode: TcAttachMode) -> Result<Self, LoadError> {
         let pins = pins.clone();
-        let ct = pins
-            .max_entries(proxy_common::map_names::CT4)
-            .unwrap_or(super::conntrack_entries(super::DEFAULT_CONNTRACK_FLOWS)?);
-        let svc = pins
-            .max_entries(proxy_common::map_names::SVC4)
-            .unwrap_or(super::service_entries(super::DEFAULT_SERVICE_ENTRIES)?);
+        let sizes = super::Sizes::pinned_or(&pins, super::Sizes::compiled());
         super::object::bump_memlock_rlimit();
-        let mut ebpf = load_object_sized(&pins, ct, svc)?;
+        let mut ebpf = super::load_object_sizes(&pins, &sizes)?;
         for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS] {
             let prog = program(&mut ebpf, name)?;
             prog.load()
@@ -81,7 +77,7 @@ impl PodTc {
     /// only once its replies can be translated. On error nothing of this call stays.
     pub fn attach(&mut self, iface: &str) -> Result<(), LoadError> {
         if ct_map_id(&self.pins) != self.ct_id {
-            // The conntrack tables (or service maps) were resized since: the hooks pinned
+            // The conntrack tables (or service-side maps) were resized since: the hooks pinned
             // meanwhile run the resize's programs; an interface attached now gets
             // programs of the new maps.
             *self = Self::load(&self.pins, self.mode)?;
@@ -196,7 +192,6 @@ fn program<'a>(
 
 /// The ids of the pinned `CT4` and `SVC4` (`None`: not pinned): both are replaced by
 /// an online resize.
-fn ct_map_id(pins: &PinDir) -> [Option<u32>; 2] {
-    [proxy_common::map_names::CT4, proxy_common::map_names::SVC4]
-        .map(|name| pins.map_info(name).ok().map(|i| i.id))
+fn ct_map_id(pins: &PinDir) -> [Option<u32>; 9] {
+    super::SizedMap::ALL.map(|kind| pins.map_info(kind.maps()[0]).ok().map(|i| i.id))
 }

@@ -39,17 +39,21 @@
 //! new maps are complete; the swap, copies and renames are idempotent). At every point
 //! either the old or the new programs serve every hook, each with a complete map set.
 //!
-//! **Another size ([`prepare_sized`]).** Pinned `CT4/6` or `SVC4/6` whose `max_entries`
-//! is not what `--conntrack-max` / `--service-map-entries` ask take the same staged
-//! migration at the same ABI: the staging maps are created at the new sizes, so the
-//! resized maps are copied (not shared), the others shared; the same marker and crash
-//! recovery. A shrink below the entries in use is refused (warning, size kept). The
-//! copies around the swap are insert-if-absent, except that a conntrack entry the new
-//! programs made with another translation than the old table's is overwritten by the old
-//! one ([`copy_map`]). While the agent runs, [`resize_conntrack`] takes the same path for
-//! `CT4/6` alone (`crate::ctsize` decides when), every other map shared, and
-//! [`resize_service`] for `SVC4/6` alone (the writer, before a sync whose writes would
-//! not fit: it writes nothing meanwhile, then reopens its handles); one at a time.
+//! **Another size ([`prepare_sized`]).** The maps sized to demand ([`SizedMap`]: `CT4/6`,
+//! `SVC4/6`, `BACKEND4/6`, `BACKEND_CONNS`, `REVNAT4/6`, `AFFINITY`, `MAGLEV`,
+//! `SVC_COUNTERS`, `BACKEND_COUNTERS`; one [`Sizes`] table) whose pinned `max_entries` is
+//! not the wanted one (`--conntrack-max`, `--service-map-entries`, a start size,
+//! `--metrics-per-service` turned on) take the same staged migration at the same ABI: the
+//! staging maps are created at the new sizes, so the resized maps are copied (not
+//! shared), the others shared; the same marker and crash recovery. A shrink below the
+//! entries in use is refused (warning, that kind's size kept). The copies around the swap
+//! are insert-if-absent, except that a conntrack entry the new programs made with another
+//! translation than the old table's is overwritten by the old one ([`copy_map`]). While
+//! the agent runs, [`resize_conntrack`] takes the same path for `CT4/6` alone
+//! (`crate::ctsize` decides when), every other map shared, and [`resize_maps`] for the
+//! service-side kinds that need it, all in ONE migration (the writer, before a sync whose
+//! writes would pass their high-water mark: it writes nothing meanwhile, then reopens its
+//! handles); one at a time.
 //!
 //! **No flow lost around a conntrack resize.** The copies alone leave two windows: a flow
 //! the old programs open after the copy before the swap, whose next packet a new program
@@ -82,6 +86,7 @@ pub mod v3;
 use proxy_common::{map_names, meta, Reason, ABI_VERSION};
 use tracing::{info, warn};
 
+pub use crate::loader::{SizedMap, Sizes};
 use crate::{
     loader::{self, LoadError, EBPF_OBJECT},
     pins::{Access, PinDir},
@@ -101,48 +106,35 @@ pub use rules::{converter, CRASH_ENV, FORCE_ENV, OLDEST_ABI, STEPS};
 /// node's pinned datapath is upgraded (or an interrupted upgrade finished) before it is
 /// adopted.
 pub fn install(opts: &loader::InstallOptions) -> Result<loader::InstallReport, LoadError> {
-    let sizes = Sizes {
-        conntrack: loader::conntrack_entries(opts.conntrack_flows)?,
-        service: loader::service_entries(opts.service_entries)?,
-    };
-    let resized = prepare_sized(&PinDir::new(&opts.pin_path), Some(sizes))?;
+    let pins = PinDir::new(&opts.pin_path);
+    // Without sizes for the other maps: their pinned sizes are kept.
+    let sizes = opts
+        .map_sizes
+        .unwrap_or_else(|| Sizes::pinned_or(&pins, Sizes::compiled()))
+        .with(
+            SizedMap::Conntrack,
+            loader::conntrack_entries(opts.conntrack_flows)?,
+        )
+        .with(
+            SizedMap::Service,
+            loader::service_entries(opts.service_entries)?,
+        );
+    let resized = prepare_sized(&pins, Some(sizes))?;
     let mut report = loader::install(opts)?;
     report.resized = resized;
     Ok(report)
 }
 
-/// The `max_entries` wanted for the maps sized by flags: `CT4`/`CT6`
-/// (`--conntrack-max` x 2) and `SVC4`/`SVC6` (`--service-map-entries`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Sizes {
-    pub conntrack: u32,
-    pub service: u32,
-}
-
-/// The maps sized by flags, each with its family twin and the flag's name.
-const SIZED: [(&str, &str, &str); 2] = [
-    (map_names::CT4, map_names::CT6, "--conntrack-max"),
-    (map_names::SVC4, map_names::SVC6, "--service-map-entries"),
-];
-
-impl Sizes {
-    fn of(&self, map: &str) -> u32 {
-        if map == map_names::CT4 || map == map_names::CT6 {
-            self.conntrack
-        } else {
-            self.service
-        }
-    }
-}
-
 /// A pinned map whose `max_entries` is not the wanted one: `(map, pinned, wanted)`.
 /// A shrink below the entries in use is not a resize: it is refused with a warning and
-/// the pinned size kept (copying would drop entries: flows evicted, frontends lost).
-fn resizes(pins: &PinDir, sizes: &Sizes) -> Result<Vec<loader::MapResize>, LoadError> {
+/// the pinned size kept in `sizes` (copying would drop entries: flows evicted, frontends
+/// lost); the other kinds are still resized.
+fn resizes(pins: &PinDir, sizes: &mut Sizes) -> Result<Vec<loader::MapResize>, LoadError> {
     let mut out = Vec::new();
-    for (v4, v6, flag) in SIZED {
-        let wanted = sizes.of(v4);
-        for name in [v4, v6] {
+    'kinds: for kind in SizedMap::ALL {
+        let wanted = sizes.get(kind);
+        let mut of_kind = Vec::new();
+        for &name in kind.maps() {
             let Some(pinned) = pins.max_entries(name) else {
                 continue;
             };
@@ -151,8 +143,7 @@ fn resizes(pins: &PinDir, sizes: &Sizes) -> Result<Vec<loader::MapResize>, LoadE
             }
             if wanted < pinned {
                 // Conntrack: its live flows (expired entries are not copied).
-                let is_ct = name == map_names::CT4 || name == map_names::CT6;
-                let used = if is_ct {
+                let used = if kind == SizedMap::Conntrack {
                     crate::ctsize::live_entries(pins, name)
                 } else {
                     copy::count_entries(pins, name)
@@ -168,19 +159,23 @@ fn resizes(pins: &PinDir, sizes: &Sizes) -> Result<Vec<loader::MapResize>, LoadE
                         pinned_entries = pinned,
                         wanted_entries = wanted,
                         entries_in_use = used,
-                        flag,
+                        ceiling = kind.ceiling_name(),
                         "not shrinking the pinned map: it holds more entries than the new \
                          size (they would be lost); keeping its size"
                     );
-                    return Ok(Vec::new());
+                    if let Some(first) = pins.max_entries(kind.maps()[0]) {
+                        sizes.set(kind, first);
+                    }
+                    continue 'kinds;
                 }
             }
-            out.push(loader::MapResize {
+            of_kind.push(loader::MapResize {
                 map: name,
                 from: pinned,
                 to: wanted,
             });
         }
+        out.extend(of_kind);
     }
     Ok(out)
 }
@@ -217,8 +212,8 @@ pub fn prepare_sized(
         // Refused by install with a clear error.
         return Ok(Vec::new());
     }
-    if let Some(sizes) = sizes {
-        let resized = resizes(pins, &sizes)?;
+    if let Some(mut sizes) = sizes {
+        let resized = resizes(pins, &mut sizes)?;
         if !resized.is_empty() {
             for r in &resized {
                 info!(
@@ -266,23 +261,28 @@ pub fn prepare_sized(
 /// with a warning, as at a start). Refused while another migration is under way (its
 /// staging directory exists: the next start finishes or rolls it back).
 pub fn resize_conntrack(pins: &PinDir, entries: u32) -> Result<Vec<loader::MapResize>, LoadError> {
-    resize_online(pins, "resizing conntrack", |pinned_svc, _| Sizes {
-        conntrack: entries,
-        service: pinned_svc,
-    })
+    resize_online(pins, &[(SizedMap::Conntrack, entries)])
 }
 
-/// Online service-map growth while the agent runs (the writer, before a sync whose
-/// writes would not fit: `crate::writer`): `SVC4`/`SVC6` resized to `entries` each by
-/// the same staged migration as [`resize_conntrack`], every other map shared (conntrack
-/// keeps its pinned size). The caller is the maps' only writer and writes nothing
-/// meanwhile, so the copy before the swap carries every frontend; then it reopens its
-/// handles on the new maps. Same refusals and crash recovery as [`resize_conntrack`].
+/// Online service-map growth while the agent runs: `SVC4`/`SVC6` resized to `entries`
+/// each ([`resize_maps`]).
 pub fn resize_service(pins: &PinDir, entries: u32) -> Result<Vec<loader::MapResize>, LoadError> {
-    resize_online(pins, "growing the service maps", |_, pinned_ct| Sizes {
-        conntrack: pinned_ct,
-        service: entries,
-    })
+    resize_online(pins, &[(SizedMap::Service, entries)])
+}
+
+/// Online growth of maps sized to demand while the agent runs (the writer, before a sync
+/// whose writes would pass their high-water mark: `crate::writer`): every kind of
+/// `to` resized to its entries in ONE staged migration, like [`resize_conntrack`], every
+/// other map shared (conntrack keeps its pinned size unless named). The caller is the
+/// service-side maps' only writer and writes nothing meanwhile, so the copy before the
+/// swap carries every frontend and backend (the datapath-written maps are copied again
+/// after the swap); then it reopens its handles on the new maps. Same refusals and crash
+/// recovery as [`resize_conntrack`].
+pub fn resize_maps(
+    pins: &PinDir,
+    to: &[(SizedMap, u32)],
+) -> Result<Vec<loader::MapResize>, LoadError> {
+    resize_online(pins, to)
 }
 
 /// One online resize at a time (conntrack's sampler and the writer both resize; each
@@ -293,21 +293,25 @@ static ONLINE_RESIZE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// logger) sees a change here.
 static ONLINE_RESIZES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// How many online resizes ([`resize_conntrack`], [`resize_service`]) loaded new
-/// programs so far.
+/// How many online resizes ([`resize_conntrack`], [`resize_maps`]) loaded new programs
+/// so far.
 pub fn online_resizes() -> u64 {
     ONLINE_RESIZES.load(std::sync::atomic::Ordering::Acquire)
 }
 
-/// The staged migration at this ABI into the sizes `sizes(pinned SVC4, pinned CT4)`.
+/// The staged migration at this ABI into the pinned sizes with the kinds of `to` changed.
 fn resize_online(
     pins: &PinDir,
-    what: &'static str,
-    sizes: impl FnOnce(u32, u32) -> Sizes,
+    to: &[(SizedMap, u32)],
 ) -> Result<Vec<loader::MapResize>, LoadError> {
     if EBPF_OBJECT.is_empty() || !pins.has_maps() {
         return Ok(Vec::new());
     }
+    let what = if to.iter().all(|(k, _)| *k == SizedMap::Conntrack) {
+        "resizing conntrack"
+    } else {
+        "growing the service maps"
+    };
     let _one = ONLINE_RESIZE
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -335,13 +339,11 @@ fn resize_online(
             source: std::io::Error::from(std::io::ErrorKind::InvalidData),
         });
     }
-    let sizes = sizes(
-        pins.max_entries(map_names::SVC4)
-            .unwrap_or(loader::DEFAULT_SERVICE_ENTRIES),
-        pins.max_entries(map_names::CT4)
-            .unwrap_or(loader::DEFAULT_CONNTRACK_FLOWS * 2),
-    );
-    let resized = resizes(pins, &sizes)?;
+    let mut sizes = Sizes::pinned_or(pins, Sizes::compiled());
+    for (kind, entries) in to {
+        sizes.set(*kind, *entries);
+    }
+    let resized = resizes(pins, &mut sizes)?;
     if resized.is_empty() {
         return Ok(resized);
     }

@@ -27,11 +27,19 @@ pub const STEPS: [&str; 7] = [
     "meta",
 ];
 
-/// Maps the datapath itself writes: copied again, insert-if-absent, around the swap.
-/// (Not `SOCK_REVNAT4/6`: from ABI 4 on they live in each socket's storage, which is
-/// never copied but kept: [`kept_maps`] and `Migration::share_unchanged`.)
-pub(super) const DATAPATH_WRITTEN: [&str; 3] =
-    [map_names::CT4, map_names::CT6, map_names::AFFINITY];
+/// Maps the datapath itself writes: copied again, insert-if-absent, around the swap
+/// (the per-backend selection counters too: a backend's first selection between the
+/// copy and the swap is carried over; counts added meanwhile to an entry already copied
+/// are not). (Not `SOCK_REVNAT4/6`: from ABI 4 on they live in each socket's storage,
+/// which is never copied but kept: [`kept_maps`] and `Migration::share_unchanged`.)
+pub(super) const DATAPATH_WRITTEN: [&str; 6] = [
+    map_names::CT4,
+    map_names::CT6,
+    map_names::AFFINITY,
+    map_names::BACKEND_CONNS,
+    map_names::SVC_COUNTERS,
+    map_names::BACKEND_COUNTERS,
+];
 
 /// The conversion of map `map` from ABI `from` to this build's layout. **Every map
 /// whose key or value changed since `from` needs an arm here** (a function over the

@@ -13,7 +13,7 @@ use super::{
     rules::{
         converter, crash_point, force_mode, io_err, kept_as, kept_maps, Force, DATAPATH_WRITTEN,
     },
-    v3, Sizes,
+    v3, SizedMap, Sizes,
 };
 use crate::{
     loader::{object_hash, LoadError, CT_FALLBACK_GLOBAL, EBPF_OBJECT},
@@ -97,28 +97,23 @@ pub(super) fn resume_or_roll_back(pins: &PinDir) -> Result<(), LoadError> {
 }
 
 /// Migrates the pinned maps of ABI `from` to this build's layout (see the module doc).
-/// The maps sized by flags are created at `sizes` when given (a resize), else at the
+/// The maps sized to demand are created at `sizes` when given (a resize), else at the
 /// pinned maps' sizes.
 pub(super) fn migrate(pins: &PinDir, from: u32, sizes: Option<Sizes>) -> Result<(), LoadError> {
     let started = std::time::Instant::now();
     let mut m = Migration::new(pins, from);
     fs::create_dir(m.staging.path()).map_err(io_err("creating", m.staging.path()))?;
     set_marker(&m.staging, from, "staged")?;
-    let ct_entries = sizes.map(|s| s.conntrack).unwrap_or_else(|| {
-        pins.max_entries(map_names::CT4)
-            .unwrap_or(crate::loader::DEFAULT_CONNTRACK_FLOWS * 2)
-    });
-    let svc_entries = sizes.map(|s| s.service).unwrap_or_else(|| {
-        pins.max_entries(map_names::SVC4)
-            .unwrap_or(crate::loader::DEFAULT_SERVICE_ENTRIES)
-    });
-    let mut ebpf = EbpfLoader::new()
-        .default_map_pin_directory(m.staging.path())
-        .map_max_entries(map_names::CT4, ct_entries)
-        .map_max_entries(map_names::CT6, ct_entries)
-        .map_max_entries(map_names::SVC4, svc_entries)
-        .map_max_entries(map_names::SVC6, svc_entries)
-        .load(EBPF_OBJECT)?;
+    // Unless resized, each map keeps its pinned size (a map this layout adds: compiled).
+    let sizes = sizes.unwrap_or_else(|| Sizes::pinned_or(pins, Sizes::compiled()));
+    let mut loader = EbpfLoader::new();
+    loader.default_map_pin_directory(m.staging.path());
+    for kind in SizedMap::ALL {
+        for map in kind.maps() {
+            loader.map_max_entries(map, sizes.get(kind));
+        }
+    }
+    let mut ebpf = loader.load(EBPF_OBJECT)?;
     let shared = m.share_unchanged()?;
     let fallback = m.keep_previous_conntrack()?;
     if shared > 0 || fallback {

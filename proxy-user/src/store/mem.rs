@@ -3,6 +3,7 @@
 use std::{collections::BTreeSet, io};
 
 use super::{BatchFailed, Dump, Group, MapStore, Op, StoreError};
+use crate::loader::{SizedMap, Sizes};
 
 /// An in-memory [`MapStore`] that records every operation, with an optional capacity on
 /// the service map to exercise the "map full" paths.
@@ -16,6 +17,11 @@ pub struct MemStore {
     /// the sizes grown to, in order.
     pub svc_growable: bool,
     pub svc_grown: Vec<u32>,
+    /// The sizes of the other maps sized to demand (compiled by default; the service
+    /// maps' is `svc_capacity`), as [`MapStore::map_sizes`] reports them while
+    /// `svc_growable`; every growth, in order.
+    pub sizes: Sizes,
+    pub grown: Vec<Vec<(SizedMap, u32)>>,
     /// The size of every batch applied, in order.
     pub batches: Vec<usize>,
     /// Make every batch call fail after applying this many ops, with this errno (the
@@ -65,24 +71,37 @@ impl MemStore {
 }
 
 impl MapStore for MemStore {
-    fn svc_size(&self) -> Option<u32> {
-        self.svc_capacity
-            .filter(|_| self.svc_growable)
-            .map(|c| u32::try_from(c).unwrap_or(u32::MAX))
+    fn map_sizes(&self) -> Option<Sizes> {
+        let svc = self.svc_capacity.filter(|_| self.svc_growable)?;
+        Some(
+            self.sizes
+                .with(SizedMap::Service, u32::try_from(svc).unwrap_or(u32::MAX)),
+        )
     }
 
-    fn grow_svc(&mut self, entries: u32) -> Result<Vec<crate::loader::MapResize>, StoreError> {
-        let from = self.svc_size().ok_or(StoreError::Grow {
-            entries,
+    fn grow_maps(
+        &mut self,
+        to: &[(SizedMap, u32)],
+    ) -> Result<Vec<crate::loader::MapResize>, StoreError> {
+        let from = self.map_sizes().ok_or(StoreError::Grow {
+            to: super::describe_sizes(to),
             detail: "not growable".into(),
         })?;
-        self.svc_capacity = Some(entries as usize);
-        self.svc_grown.push(entries);
-        Ok(vec![crate::loader::MapResize {
-            map: "SVC4",
-            from,
-            to: entries,
-        }])
+        let mut resized = Vec::new();
+        for &(kind, entries) in to {
+            self.sizes.set(kind, entries);
+            if kind == SizedMap::Service {
+                self.svc_capacity = Some(entries as usize);
+                self.svc_grown.push(entries);
+            }
+            resized.push(crate::loader::MapResize {
+                map: kind.maps()[0],
+                from: from.get(kind),
+                to: entries,
+            });
+        }
+        self.grown.push(to.to_vec());
+        Ok(resized)
     }
 
     fn apply(&mut self, op: &Op) -> Result<(), StoreError> {

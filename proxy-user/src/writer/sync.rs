@@ -10,25 +10,17 @@ use tracing::{error, warn};
 
 use super::{
     plan::{phase, Plan, PHASES},
-    SvcGrowth, SyncReport, Writer,
+    SyncReport, Writer,
 };
 
-/// The share of the service maps' size a sync may fill before they are grown: 3/4.
+/// The share of a map sized to demand a sync may fill before it is grown: 3/4.
 pub const SVC_HIGH_WATER: (usize, usize) = (3, 4);
 
 /// The size the service maps grow to from `size` for `needed` entries: doubled until
 /// `needed` is within the high-water mark, at most `ceiling`; `None` when `needed` is
 /// within it already, or the maps are at the ceiling.
 pub fn svc_grown(size: u32, needed: usize, ceiling: u32) -> Option<u32> {
-    let within = |n: u32| needed * SVC_HIGH_WATER.1 <= n as usize * SVC_HIGH_WATER.0;
-    if within(size) || size >= ceiling {
-        return None;
-    }
-    let mut to = size.max(1);
-    while !within(to) && to < ceiling {
-        to = to.saturating_mul(2);
-    }
-    Some(to.min(ceiling))
+    crate::loader::grown(size, needed, ceiling, SVC_HIGH_WATER)
 }
 use crate::{
     maglev,
@@ -68,7 +60,7 @@ impl<S: MapStore> Writer<S> {
     ) -> SyncReport {
         let upserts: Vec<&ServiceEntry> =
             upserts.into_iter().filter(|e| !self.unchanged(e)).collect();
-        self.make_svc_room(&upserts);
+        self.make_room(&upserts);
         let to_write = removals.len() + upserts.len();
         let (mut report, removed, upserted) = if to_write > 0 && to_write >= self.batch_min {
             self.sync_batched(&upserts, removals)
@@ -97,69 +89,6 @@ impl<S: MapStore> Writer<S> {
             }
         }
         report
-    }
-
-    /// The most entries the store's service maps may grow to (`--service-map-entries`):
-    /// before a sync whose writes would pass [`SVC_HIGH_WATER`] of their size, they are
-    /// grown (x2 at a time, to what the sync needs) up to it.
-    pub fn set_svc_ceiling(&mut self, entries: u32) {
-        self.svc_ceiling = Some(entries);
-    }
-
-    /// The service maps' growths since the last call.
-    pub fn take_svc_growths(&mut self) -> Vec<SvcGrowth> {
-        std::mem::take(&mut self.svc_growths)
-    }
-
-    /// `SVC` entries of each family (IPv4, IPv6) the maps hold: slot 0 and one per slot
-    /// of every programmed frontend.
-    pub fn svc_entries(&self) -> [usize; 2] {
-        let mut n = [0usize; 2];
-        for (fe, p) in &self.services {
-            n[usize::from(fe.addr.is_ipv6())] += 1 + p.slots.len();
-        }
-        n
-    }
-
-    /// The `SVC` entries of each family the maps hold at most while `upserts` are
-    /// written: what they hold, plus each upsert's growth (a new frontend's slot 0 and
-    /// slots; a programmed one's new slots beyond its old count). Removals are not
-    /// subtracted (a bound, not an estimate).
-    fn svc_needed(&self, upserts: &[&ServiceEntry]) -> usize {
-        let mut n = self.svc_entries();
-        for e in upserts {
-            let now = self
-                .services
-                .get(&e.frontend)
-                .map_or(0, |p| 1 + p.slots.len());
-            n[usize::from(e.frontend.addr.is_ipv6())] += (1 + e.backends.len()).saturating_sub(now);
-        }
-        n[0].max(n[1])
-    }
-
-    /// Before `upserts` are written: when they would pass [`SVC_HIGH_WATER`] of the
-    /// service maps' size and the ceiling allows, the maps are grown first (the store
-    /// resizes them online; nothing is written meanwhile), so that no write meets a full
-    /// map. At the ceiling, or when the growth fails, the sizes are kept: what does not
-    /// fit fails as before (`map_full`, the frontend rolled back).
-    fn make_svc_room(&mut self, upserts: &[&ServiceEntry]) {
-        let Some(ceiling) = self.svc_ceiling.filter(|_| !upserts.is_empty()) else {
-            return;
-        };
-        let Some(size) = self.store.svc_size().filter(|&size| size < ceiling) else {
-            return;
-        };
-        let needed = self.svc_needed(upserts);
-        let Some(to) = svc_grown(size, needed, ceiling) else {
-            return;
-        };
-        match self.store.grow_svc(to) {
-            Ok(resized) => self.svc_growths.push(SvcGrowth::Grown { resized, needed }),
-            Err(error) => {
-                error!(entries = to, needed, error = %error, "growing the service maps failed; kept their size");
-                self.svc_growths.push(SvcGrowth::Failed { to, error });
-            }
-        }
     }
 
     /// Whether `fe` is programmed.

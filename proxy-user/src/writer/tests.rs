@@ -1436,3 +1436,79 @@ fn at_the_ceiling_what_does_not_fit_is_refused_whole_as_before() {
     assert!(fixed.store().svc_grown.is_empty());
     assert_eq!(fixed.frontends().count(), 5);
 }
+
+#[test]
+fn one_growth_carries_every_map_the_sync_would_overfill() {
+    use crate::loader::{SizedMap, Sizes};
+    // Service maps of 64 entries, backends 32, reverse NAT 16, the rest at their floors:
+    // 40 frontends x 10 backends (49 distinct) need 440, 49 and 40.
+    let mut w = Writer::new(MemStore {
+        svc_capacity: Some(64),
+        svc_growable: true,
+        sizes: Sizes::floors()
+            .with(SizedMap::Backend, 32)
+            .with(SizedMap::RevNat, 16),
+        ..MemStore::default()
+    });
+    w.set_svc_ceiling(4096);
+    let report = w.sync(many(40, 10, 0));
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+    // One growth, before any write, of the three that need it (x2 to within 3/4).
+    assert_eq!(
+        w.store().grown,
+        vec![vec![
+            (SizedMap::Service, 1024),
+            (SizedMap::Backend, 128),
+            (SizedMap::RevNat, 64),
+        ]]
+    );
+    let growths = w.take_svc_growths();
+    assert!(
+        matches!(&growths[..], [SvcGrowth::Grown { resized, .. }] if resized.len() == 3),
+        "{growths:?}"
+    );
+    // The first ClientIP frontend: AFFINITY (at its 1,024 floor) grows to its ceiling,
+    // alone (the rest fits).
+    let mut sticky = many(41, 10, 0);
+    sticky[40].flags |= proxy_common::svc_flags::AFFINITY;
+    sticky[40].affinity_timeout = 10_800;
+    let report = w.sync(sticky.clone());
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(
+        w.store().grown[1..],
+        [vec![(
+            SizedMap::Affinity,
+            proxy_common::limits::MAX_AFFINITY
+        )]]
+    );
+    // Nothing more grows while the demand is met.
+    w.sync(sticky);
+    assert_eq!(w.store().grown.len(), 2);
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+}
+
+#[test]
+fn maglev_frontends_grow_the_maglev_map_by_their_tables() {
+    use crate::loader::{SizedMap, Sizes};
+    // MAGLEV at 16 chunks: a table of the default M (16,381 slots) is 9 chunks, so the
+    // second Maglev frontend (18 > 12) grows it: x2 to within 3/4 (32: 18 <= 24).
+    let mut w = Writer::new(MemStore {
+        svc_capacity: Some(1 << 14),
+        svc_growable: true,
+        sizes: Sizes::floors().with(SizedMap::Maglev, 16),
+        ..MemStore::default()
+    });
+    w.set_svc_ceiling(1 << 14);
+    let mut es = many(2, 3, 0);
+    for e in &mut es {
+        e.flags |= proxy_common::svc_flags::MAGLEV;
+    }
+    let report = w.sync(es[..1].to_vec());
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert!(w.store().grown.is_empty(), "9 chunks fit within 3/4 of 16");
+    let report = w.sync(es);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(w.store().grown, vec![vec![(SizedMap::Maglev, 32)]]);
+    assert_eq!(w.store().dump().expect("dump").maglev.len(), 18);
+}

@@ -216,6 +216,7 @@ impl TestEnv {
             interfaces: Vec::new(),
             conntrack_flows: loader::DEFAULT_CONNTRACK_FLOWS,
             service_entries: loader::DEFAULT_SERVICE_ENTRIES,
+            map_sizes: None,
             tc_attach: loader::TcAttachMode::Auto,
             acceleration: loader::Acceleration::Off,
         })

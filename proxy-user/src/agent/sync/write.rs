@@ -232,7 +232,7 @@ impl<S: MapStore> Syncer<S> {
         }
     }
 
-    /// The service maps grown before the write (or their growth failed): logged,
+    /// The service-side maps grown before the write (or their growth failed): logged,
     /// counted (`ebpf_proxy_map_resizes_total`, `ebpf_proxy_service_map_entries`; a
     /// failure in `ebpf_proxy_map_write_errors_total{reason="service_map_resize"}`).
     fn svc_growths(&mut self) {
@@ -240,13 +240,21 @@ impl<S: MapStore> Syncer<S> {
             match g {
                 SvcGrowth::Grown { resized, needed } => {
                     self.metrics.count_resizes(&resized);
-                    if let Some(to) = resized.iter().map(|r| r.to).max() {
+                    if let Some(to) = resized
+                        .iter()
+                        .find(|r| r.map == proxy_common::map_names::SVC4)
+                        .map(|r| r.to)
+                    {
                         self.metrics.service_map_entries.set(i64::from(to));
-                        info!(
-                            entries = to,
-                            needed, "service maps grown online before the sync's writes"
-                        );
                     }
+                    let maps: Vec<String> = resized
+                        .iter()
+                        .map(|r| format!("{}={}->{}", r.map, r.from, r.to))
+                        .collect();
+                    info!(
+                        ?maps,
+                        needed, "service-side maps grown online before the sync's writes"
+                    );
                 }
                 SvcGrowth::Failed { .. } => {
                     self.metrics.map_write_error("service_map_resize");

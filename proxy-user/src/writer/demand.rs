@@ -1,0 +1,157 @@
+//! The maps sized to demand, from the writer's side: before a sync whose writes would pass
+//! [`SVC_HIGH_WATER`] of a map's size, every map that needs it is grown (x2 at a time, to
+//! what the sync needs, up to its ceiling) in one online resize of the store
+//! ([`MapStore::grow_maps`]: one staged migration), so that no write meets a full map.
+
+use proxy_common::svc_flags;
+use tracing::error;
+
+use super::{svc_grown, BackendKey, Writer, SVC_HIGH_WATER};
+use crate::{
+    fasthash::HashSet,
+    loader::{grown, SizedMap, Sizes},
+    model::ServiceEntry,
+    store::MapStore,
+};
+
+/// The service maps grown (or not) before a sync ([`Writer::take_svc_growths`]).
+#[derive(Debug)]
+pub enum SvcGrowth {
+    /// Grown: the maps resized, and the entries the sync needed.
+    Grown {
+        resized: Vec<crate::loader::MapResize>,
+        needed: usize,
+    },
+    /// The growth failed: the sizes are kept (what does not fit fails as `map_full`).
+    Failed {
+        to: Vec<(crate::loader::SizedMap, u32)>,
+        error: crate::store::StoreError,
+    },
+}
+
+impl<S: MapStore> Writer<S> {
+    /// The most entries the store's service maps may grow to (`--service-map-entries`);
+    /// the other maps the writer grows (backends, reverse NAT, affinity, Maglev) up to
+    /// their compiled sizes.
+    pub fn set_svc_ceiling(&mut self, entries: u32) {
+        self.ceilings = Some(Sizes::compiled().with(SizedMap::Service, entries));
+    }
+
+    /// The service-side maps' growths since the last call.
+    pub fn take_svc_growths(&mut self) -> Vec<SvcGrowth> {
+        std::mem::take(&mut self.svc_growths)
+    }
+
+    /// `SVC` entries of each family (IPv4, IPv6) the maps hold: slot 0 and one per slot
+    /// of every programmed frontend.
+    pub fn svc_entries(&self) -> [usize; 2] {
+        let mut n = [0usize; 2];
+        for (fe, p) in &self.services {
+            n[usize::from(fe.addr.is_ipv6())] += 1 + p.slots.len();
+        }
+        n
+    }
+
+    /// The entries each map the writer grows holds at most while `upserts` are written
+    /// (bounds: removals are not subtracted; both families counted for each family's
+    /// map, except the service maps): the service maps, the `SVC` entries of each family
+    /// plus each upsert's growth (a new frontend's slot 0 and slots; a programmed one's
+    /// new slots beyond its old count); backends, those programmed plus
+    /// the upserts' unknown ones; reverse NAT, the frontends plus the new ones; Maglev,
+    /// the chunks of every table plus one table per Maglev upsert; affinity, its
+    /// ceiling as soon as one frontend has `ClientIP` affinity (the LRU's demand is its
+    /// clients, unknown here), else nothing.
+    pub(super) fn needed(
+        &self,
+        upserts: &[&ServiceEntry],
+        ceilings: &Sizes,
+    ) -> Vec<(SizedMap, usize)> {
+        // One pass over what the maps hold (this runs before every sync's writes).
+        let mut svc = [0usize; 2];
+        let mut frontends = self.services.len();
+        let mut chunks = 0usize;
+        let mut affinity = false;
+        for (fe, p) in &self.services {
+            svc[usize::from(fe.addr.is_ipv6())] += 1 + p.slots.len();
+            chunks += p.maglev.map_or(0, |(_, n)| n as usize);
+            affinity |= p.value.flags & svc_flags::AFFINITY != 0;
+        }
+        let table = proxy_common::maglev::chunks(self.maglev.table_size) as usize;
+        let mut new_backends: HashSet<BackendKey> = HashSet::default();
+        for e in upserts {
+            // A new frontend's slot 0 and slots; a programmed one's slots beyond its count.
+            let now = self.services.get(&e.frontend);
+            if now.is_none() {
+                frontends += 1;
+            }
+            svc[usize::from(e.frontend.addr.is_ipv6())] +=
+                (1 + e.backends.len()).saturating_sub(now.map_or(0, |p| 1 + p.slots.len()));
+            if e.flags & svc_flags::MAGLEV != 0 {
+                chunks += table;
+            }
+            affinity |= e.flags & svc_flags::AFFINITY != 0;
+            for b in &e.backends {
+                let key = (*b, e.frontend.proto);
+                if self.backends.id_of(&key).is_none() {
+                    new_backends.insert(key);
+                }
+            }
+        }
+        let backends = self.backends.len() + new_backends.len();
+        let affinity = if affinity {
+            ceilings.get(SizedMap::Affinity) as usize * SVC_HIGH_WATER.0 / SVC_HIGH_WATER.1 + 1
+        } else {
+            0
+        };
+        vec![
+            (SizedMap::Service, svc[0].max(svc[1])),
+            (SizedMap::Backend, backends),
+            (SizedMap::BackendConns, backends),
+            (SizedMap::RevNat, frontends),
+            (SizedMap::Affinity, affinity),
+            (SizedMap::Maglev, chunks),
+        ]
+    }
+
+    /// Before `upserts` are written: every map the writer grows whose entries would pass
+    /// [`SVC_HIGH_WATER`] of its size, when its ceiling allows, is grown first, all in
+    /// one resize (the store resizes them online; nothing is written meanwhile). At the
+    /// ceiling, or when the growth fails, the sizes are kept: what does not fit fails as
+    /// before (`map_full`, the frontend rolled back).
+    pub(super) fn make_room(&mut self, upserts: &[&ServiceEntry]) {
+        let Some(ceilings) = self.ceilings.filter(|_| !upserts.is_empty()) else {
+            return;
+        };
+        let Some(sizes) = self.store.map_sizes() else {
+            return;
+        };
+        let needed = self.needed(upserts, &ceilings);
+        let to: Vec<(SizedMap, u32)> = needed
+            .iter()
+            .filter_map(|&(kind, n)| {
+                let (size, ceiling) = (sizes.get(kind), ceilings.get(kind));
+                let to = if kind == SizedMap::Service {
+                    svc_grown(size, n, ceiling)
+                } else {
+                    grown(size, n, ceiling, SVC_HIGH_WATER)
+                };
+                to.map(|to| (kind, to))
+            })
+            .collect();
+        if to.is_empty() {
+            return;
+        }
+        let svc = needed[0].1;
+        match self.store.grow_maps(&to) {
+            Ok(resized) => self.svc_growths.push(SvcGrowth::Grown {
+                resized,
+                needed: svc,
+            }),
+            Err(error) => {
+                error!(to = %crate::store::describe_sizes(&to), needed = ?needed, error = %error,
+                    "growing the service-side maps failed; kept their sizes");
+                self.svc_growths.push(SvcGrowth::Failed { to, error });
+            }
+        }
+    }
+}
