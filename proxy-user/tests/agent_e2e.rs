@@ -447,6 +447,60 @@ fn a_thousand_services_with_ten_endpoints_each() {
     eprintln!("one endpoint change at 1,001 services took effect in {d:?}");
 }
 
+/// `ebpf_proxy_map_memory_bytes{map="SVC4"}` in a metrics text (0 when absent).
+fn svc4_memory(metrics: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("ebpf_proxy_map_memory_bytes{map=\"SVC4\"} "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The maps' memory gauge follows a sync that wrote entries within seconds, not at the
+/// next 10 s refresh: `SVC4` (no preallocation) grows by its new elements. Three rounds
+/// of 1,000 new Services, each read within 4 s of being programmed (a fixed 10 s refresh
+/// alone would have to fall inside all three 4 s windows).
+#[test]
+fn map_memory_follows_a_sync_within_seconds() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &web_on_pod1());
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(60));
+    let mut before = svc4_memory(&wait_metrics(
+        &agent,
+        &["ebpf_proxy_map_memory_bytes{map=\"SVC4\"}"],
+        Duration::from_secs(30),
+    ));
+    for round in 1..=3usize {
+        big_manifest(&dir.0.join("big.yaml"), round * 1000, 2);
+        let frontends = format!("ebpf_proxy_programmed_frontends {}", round * 1000 + 1);
+        wait_metrics(&agent, &[&frontends], Duration::from_secs(60));
+        let programmed = Instant::now();
+        // 1,000 frontends and 2,000 slots more: each element is at least its key and value.
+        let want = before + 3000 * 48;
+        let now = loop {
+            let m = svc4_memory(&agent.metrics());
+            if m >= want {
+                break m;
+            }
+            assert!(
+                programmed.elapsed() < Duration::from_secs(4),
+                "round {round}: SVC4's memory gauge still {m} bytes 4 s after {} frontends \
+                 were programmed (was {before}, want >= {want})",
+                round * 1000 + 1
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        eprintln!(
+            "round {round}: SVC4 {before} -> {now} bytes, read {:?} after programming",
+            programmed.elapsed()
+        );
+        before = now;
+    }
+}
+
 #[test]
 fn connected_udp_sockets_to_a_removed_backend_are_closed() {
     let mut env = TestEnv::without_datapath(2);

@@ -158,12 +158,19 @@ pub(super) async fn grow_conntrack(
     }
 }
 
-/// `map_memory_bytes` follows the maps without preallocation as they fill.
+/// `map_memory_bytes` follows the maps without preallocation as they fill: read every
+/// 10 s, and soon after a sync that wrote entries or grew maps (at most once a second, so
+/// a stream of small syncs does not read it each time).
 pub(super) async fn refresh_map_memory(pin_path: PathBuf, metrics: Arc<Metrics>) {
     let mut every = tokio::time::interval(std::time::Duration::from_secs(10));
     every.tick().await;
     loop {
-        every.tick().await;
+        tokio::select! {
+            _ = every.tick() => {}
+            () = metrics.map_memory_changed.notified() => {
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        }
         let path = pin_path.clone();
         if let Ok(maps) = tokio::task::spawn_blocking(move || loader::map_memory(&path)).await {
             metrics.set_map_memory(&maps);

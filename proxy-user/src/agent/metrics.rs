@@ -95,6 +95,9 @@ pub struct Metrics {
     /// Kernel memory of each pinned map (fdinfo `memlock`), charged to the memory cgroup
     /// of the agent that created the maps.
     pub map_memory: Family<MapLabel, Gauge>,
+    /// Woken when the maps' memory changed (a sync wrote entries, maps were resized):
+    /// the refresher reads it again then, not only every 10 s.
+    pub map_memory_changed: tokio::sync::Notify,
     /// Pinned maps resized online at this start, per map and direction.
     pub map_resizes: Family<ResizeLabel, Counter>,
     /// `map_writes_total{mode}`: map elements written by batch calls or one by one.
@@ -182,6 +185,7 @@ impl Metrics {
             objects_skipped: source.objects_skipped.clone(),
             map_write_errors: Family::default(),
             map_memory: Family::default(),
+            map_memory_changed: tokio::sync::Notify::new(),
             map_resizes: Family::default(),
             map_writes: Family::default(),
             map_batch_fallbacks: Counter::default(),

@@ -106,6 +106,10 @@ impl<S: MapStore> Syncer<S> {
         if outcome.failed == 0 {
             self.metrics.mark_synced();
         }
+        if outcome.ops > 0 {
+            // Maps without preallocation grew (or were grown): memory read again.
+            self.metrics.map_memory_changed.notify_one();
+        }
         debug!(
             full,
             services = keys.len(),

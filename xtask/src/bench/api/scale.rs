@@ -278,21 +278,7 @@ fn side_by_side(
             scale.errors.push(format!("{label}: not available: {why}"));
             continue;
         }
-        // kube-proxy's rules are kernel memory, charged to the memory cgroup of the
-        // command that loads them: a fresh one per mode, read after the load.
-        let memcg = if label == "manifests" {
-            None
-        } else {
-            match modes::MemCgroup::new("ebpf-proxy-bench-rules-", None) {
-                Ok(cg) => Some(std::sync::Arc::new(cg)),
-                Err(e) => {
-                    scale
-                        .errors
-                        .push(format!("{label}: no memory cgroup for the rules: {e}"));
-                    None
-                }
-            }
-        };
+        let memcg = rules_memcg(&label, scale);
         let charged_before = memcg.as_ref().and_then(|cg| cg.usage().ok());
         mode.charge_rules_to(memcg.clone());
         match mode.program(ctx, &services, limit) {
@@ -312,16 +298,12 @@ fn side_by_side(
                 scale.side_by_side.insert(label.clone(), secs);
                 if label == "manifests" {
                     scale.manifests_rss_mib = mode.agent().and_then(|a| a.rss_mib);
-                } else if secs.is_some() {
-                    let after = memcg.as_ref().and_then(|cg| cg.usage().ok());
-                    if let Some((before, after)) = charged_before.zip(after) {
-                        let mib = after.saturating_sub(before) as f64 / f64::from(1u32 << 20);
-                        log(
-                            start,
-                            format!("  {label}: the rules' kernel memory {mib:.1} MiB"),
-                        );
-                        scale.side_by_side_kernel_mib.insert(label.clone(), mib);
-                    }
+                } else if let (Some(_), Some(mib)) = (secs, charged_mib(&memcg, charged_before)) {
+                    log(
+                        start,
+                        format!("  {label}: the rules' kernel memory {mib:.1} MiB"),
+                    );
+                    scale.side_by_side_kernel_mib.insert(label.clone(), mib);
                 }
             }
             Err(e) => scale.errors.push(format!("{label}: {e:#}")),
@@ -333,4 +315,31 @@ fn side_by_side(
         // After the clear: the rules' memory is freed (what is left moves to the parent).
         drop(memcg);
     }
+}
+
+/// kube-proxy's rules are kernel memory, charged to the memory cgroup of the command that
+/// loads them: a fresh one per kube-proxy mode (none for the manifests agent, whose maps
+/// the agent reports itself).
+fn rules_memcg(label: &str, scale: &mut ApiScale) -> Option<std::sync::Arc<modes::MemCgroup>> {
+    if label == "manifests" {
+        return None;
+    }
+    match modes::MemCgroup::new("ebpf-proxy-bench-rules-", None) {
+        Ok(cg) => Some(std::sync::Arc::new(cg)),
+        Err(e) => {
+            scale
+                .errors
+                .push(format!("{label}: no memory cgroup for the rules: {e}"));
+            None
+        }
+    }
+}
+
+/// MiB charged to `memcg` since it read `before`.
+fn charged_mib(
+    memcg: &Option<std::sync::Arc<modes::MemCgroup>>,
+    before: Option<u64>,
+) -> Option<f64> {
+    let after = memcg.as_ref()?.usage().ok()?;
+    Some(after.saturating_sub(before?) as f64 / f64::from(1u32 << 20))
 }
