@@ -1884,8 +1884,9 @@ fn metric_value(text: &str, line: &str) -> Option<f64> {
 }
 
 /// Conntrack starts at 2,048 flows per family (`--conntrack-start`, ceiling
-/// `--conntrack-max 16384`) and the RUNNING agent grows it online (sampling every 200 ms
-/// here, 10 s by default) as new connections fill it: the client loops (new TCP
+/// `--conntrack-max 16384`) and the RUNNING agent grows it online by the occupancy walk
+/// (sampling every 200 ms here, 10 s by default; the rate trigger off) as new
+/// connections fill it: the client loops (new TCP
 /// connections, UDP exchanges from new ports, about 2,000 new conntrack entries a second
 /// together) plus a UDP filler, around 100 long-lived TCP flows and the ClusterIP client.
 /// The fill stays within what the sampling absorbs (the growth is projected two samples
@@ -1905,7 +1906,13 @@ fn conntrack_grows_online_while_serving() {
         &env,
         &c,
         &dir,
-        &[(proxy_user::ctsize::CHECK_ENV, "200")],
+        // The occupancy walk's x2 steps: the rate trigger, which would go to the
+        // ceiling in one step, is off here (its own test:
+        // `conntrack_grows_with_the_new_flow_rate_before_a_burst_fills_it`).
+        &[
+            (proxy_user::ctsize::CHECK_ENV, "200"),
+            (proxy_user::ctsize::RATE_ENV, "0"),
+        ],
         &["--conntrack-start", "2048", "--conntrack-max", "16384"],
     );
     let mut agent = agent;
