@@ -50,11 +50,13 @@ use crate::pins::{Access, PinDir};
 /// Default start size in flows per family (`--conntrack-start`): kube-proxy's
 /// `conntrack.min`, the smallest `nf_conntrack_max` kube-proxy ever sets, so a node never
 /// starts with less room for flows than under kube-proxy. A smaller start (16,384 was the
-/// default for a while) saves memory but is not a safe default: between two samples only
-/// the table's room absorbs a burst, and a full LRU table evicts entries of live flows
-/// (`cargo xtask bench`'s connections/s rounds at about 25,000 new connections a second
-/// lost 2-16 connections a round to resets and timeouts through TC at 16,384, none at
-/// 131,072).
+/// default for a while) saves memory but is not shown safe yet: until a growth ends only
+/// the table's room absorbs a burst, and a full LRU table evicts entries of live flows.
+/// With the rate trigger, `cargo xtask bench`'s connections/s rounds (about 25,000 new
+/// connections a second through TC, the agent stopped with `SIGSTOP` during the rounds,
+/// so the tables grow only between them) still lost 1-20 connections a run at 16,384 and
+/// 32,768, each in a round during which a resize was under way; none at 131,072
+/// (docs/deploy.md).
 pub const DEFAULT_START_FLOWS: u32 = 131_072;
 /// A table whose live entries pass this share of its size grows.
 pub const HIGH_WATER_PERCENT: u64 = 75;
