@@ -47,17 +47,18 @@ use proxy_common::{ct_timeouts, map_names, Ct4Key, Ct4Value, Ct6Key, Ct6Value, R
 
 use crate::pins::{Access, PinDir};
 
-/// Default start size in flows per family (`--conntrack-start`): kube-proxy's
-/// `conntrack.min`, the smallest `nf_conntrack_max` kube-proxy ever sets, so a node never
-/// starts with less room for flows than under kube-proxy. A smaller start (16,384 was the
-/// default for a while) saves memory but is not shown safe yet: until a growth ends only
-/// the table's room absorbs a burst, and a full LRU table evicts entries of live flows.
-/// With the rate trigger, `cargo xtask bench`'s connections/s rounds (about 25,000 new
-/// connections a second through TC, the agent stopped with `SIGSTOP` during the rounds,
-/// so the tables grow only between them) still lost 1-20 connections a run at 16,384 and
-/// 32,768, each in a round during which a resize was under way; none at 131,072
-/// (docs/deploy.md).
-pub const DEFAULT_START_FLOWS: u32 = 131_072;
+/// Default start size in flows per family (`--conntrack-start`): 9 MiB for both tables
+/// instead of 72 MiB at kube-proxy's `conntrack.min` (131,072). Safe because the rate
+/// trigger grows the tables before a burst fills them: until a growth ends only the
+/// table's room absorbs a burst (a full LRU table evicts entries of live flows), and
+/// 32,768 entries hold the first rate interval plus a resize of the bench's burst.
+/// `cargo xtask bench`'s connections/s rounds (about 25,000 new connections a second
+/// through TC and the pod path, about 50,000 entries a second): grown 16,384 -> 131,072
+/// within 0.5-1.1 s of the first round, no failed connection at 16,384 with the agent
+/// running during its rounds; without the rate trigger this start lost 2-16 connections
+/// a round. A bench that stopped the agent (`SIGSTOP`) during its rounds, so the tables
+/// could grow only between them, lost 1-20 a run at 16,384 and 32,768 (docs/deploy.md).
+pub const DEFAULT_START_FLOWS: u32 = 16_384;
 /// A table whose live entries pass this share of its size grows.
 pub const HIGH_WATER_PERCENT: u64 = 75;
 /// How often the tables are sampled.
