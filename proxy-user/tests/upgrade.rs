@@ -68,7 +68,7 @@ fn main() {
         cluster_ip_client(Path::new(&netns));
         return;
     }
-    let tests: [(&str, fn()); 10] = [
+    let tests: [(&str, fn()); 11] = [
         (
             "upgrade_from_previous_release_keeps_every_connection",
             upgrade_from_previous_release_keeps_every_connection,
@@ -108,6 +108,10 @@ fn main() {
         (
             "conntrack_shrinks_online_when_long_under_its_low_water_mark",
             conntrack_shrinks_online_when_long_under_its_low_water_mark,
+        ),
+        (
+            "conntrack_grows_with_the_new_flow_rate_before_a_burst_fills_it",
+            conntrack_grows_with_the_new_flow_rate_before_a_burst_fills_it,
         ),
     ];
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -880,11 +884,13 @@ fn flow_entries(pins: &Path, ports: &[u16]) -> Vec<(Vec<u8>, [u32; 6])> {
             v.backend_id,
         ]
     };
+    // Read once (a grown table holds tens of thousands of entries).
+    let all: Vec<(Ct4Key, Ct4Value)> = ct.iter().map(|e| e.expect("CT4 entry")).collect();
     let mut out = Vec::new();
     for port in ports {
-        let (k, v) = ct
+        let (k, v) = all
             .iter()
-            .map(|e| e.expect("CT4 entry"))
+            .copied()
             .find(|(k, _)| {
                 k.dir == 0
                     && k.proto == 6
@@ -1878,8 +1884,9 @@ fn metric_value(text: &str, line: &str) -> Option<f64> {
 }
 
 /// Conntrack starts at 2,048 flows per family (`--conntrack-start`, ceiling
-/// `--conntrack-max 16384`) and the RUNNING agent grows it online (sampling every 200 ms
-/// here, 10 s by default) as new connections fill it: the client loops (new TCP
+/// `--conntrack-max 16384`) and the RUNNING agent grows it online by the occupancy walk
+/// (sampling every 200 ms here, 10 s by default; the rate trigger off) as new
+/// connections fill it: the client loops (new TCP
 /// connections, UDP exchanges from new ports, about 2,000 new conntrack entries a second
 /// together) plus a UDP filler, around 100 long-lived TCP flows and the ClusterIP client.
 /// The fill stays within what the sampling absorbs (the growth is projected two samples
@@ -1899,7 +1906,13 @@ fn conntrack_grows_online_while_serving() {
         &env,
         &c,
         &dir,
-        &[(proxy_user::ctsize::CHECK_ENV, "200")],
+        // The occupancy walk's x2 steps: the rate trigger, which would go to the
+        // ceiling in one step, is off here (its own test:
+        // `conntrack_grows_with_the_new_flow_rate_before_a_burst_fills_it`).
+        &[
+            (proxy_user::ctsize::CHECK_ENV, "200"),
+            (proxy_user::ctsize::RATE_ENV, "0"),
+        ],
         &["--conntrack-start", "2048", "--conntrack-max", "16384"],
     );
     let mut agent = agent;
@@ -2312,5 +2325,242 @@ fn conntrack_shrinks_online_when_long_under_its_low_water_mark() {
         3,
         "the NodePort answers from every pod: {answers:?}"
     );
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// Idle long-lived flows opened before the burst of
+/// [`conntrack_grows_with_the_new_flow_rate_before_a_burst_fills_it`].
+const BURST_IDLE_FLOWS: usize = 30;
+/// New TCP connections of the burst: 60,000 entries, nearly twice the start table's
+/// 32,768.
+const BURST_CONNECTIONS: u64 = 30_000;
+/// Client threads of the burst (the machine has 2 cores; the pods' echo servers and the
+/// agent share them).
+const BURST_THREADS: usize = 4;
+
+/// First client port of the burst: each connection binds the next one (30,000 distinct
+/// ports below the ephemeral range, which the idle flows use: every connection is a flow
+/// of its own, two entries of its own).
+const BURST_FIRST_PORT: u16 = 1024;
+
+/// One request over a new TCP connection from client port `port`, closed with a RST
+/// (`SO_LINGER` 0: no TIME_WAIT).
+fn ask_tcp_reset(addr: SocketAddr, port: u16) -> std::io::Result<String> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    fn check(rc: libc::c_int) -> std::io::Result<()> {
+        if rc < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+    fn sockaddr(a: std::net::SocketAddrV4) -> libc::sockaddr_in {
+        libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: a.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*a.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        }
+    }
+    let SocketAddr::V4(to) = addr else {
+        return Err(std::io::Error::other("IPv4 only"));
+    };
+    // SAFETY: a plain socket(2) call.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    check(fd)?;
+    // SAFETY: a socket just made, owned (and closed) by the stream from here.
+    let s = unsafe { TcpStream::from_raw_fd(fd) };
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    let connect_timeout = libc::timeval {
+        tv_sec: ATTEMPT_TIMEOUT.as_secs() as libc::time_t,
+        tv_usec: ATTEMPT_TIMEOUT.subsec_micros() as libc::suseconds_t,
+    };
+    let (from, to) = (
+        sockaddr(std::net::SocketAddrV4::new(
+            std::net::Ipv4Addr::UNSPECIFIED,
+            port,
+        )),
+        sockaddr(to),
+    );
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: options and addresses of the sizes given, on our socket. SO_SNDTIMEO bounds
+    // connect(2).
+    unsafe {
+        check(libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        ))?;
+        check(libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            (&raw const connect_timeout).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        ))?;
+        check(libc::bind(s.as_raw_fd(), (&raw const from).cast(), len))?;
+        check(libc::connect(s.as_raw_fd(), (&raw const to).cast(), len))?;
+    }
+    s.set_read_timeout(Some(ATTEMPT_TIMEOUT))?;
+    (&s).write_all(b"hi\n")?;
+    let mut line = String::new();
+    BufReader::new(&s).read_line(&mut line)?;
+    pod_of(&line)
+}
+
+/// Conntrack starts at 16,384 flows per family (32,768 entries; ceiling 65,536 flows)
+/// with the occupancy walk made slow (every 10 minutes here: within the test only the
+/// rate trigger can act). Idle long-lived TCP flows are opened through the NodePort (one
+/// exchange each, then silent: the least recently used entries, the first a full LRU
+/// table evicts; one at least to the remote, SNATed pod), then a burst of new TCP
+/// connections to the NodePort, back to back from several threads, each from a client
+/// port of its own and closed with a RST, 30,000 in all: 60,000 entries, nearly twice the
+/// start table. The rate trigger
+/// (the outcome counters read every 250 ms) sees the new-flow rate and grows the tables
+/// at once, before they fill: not one connection of the burst fails, every idle flow
+/// answers again from its pod with its conntrack entries (both directions) unchanged,
+/// and the growth is the rate trigger's (logged as such; the occupancy walk never acted).
+/// With the rate trigger off (`EBPF_PROXY_CONNTRACK_RATE_MS=0`) the burst overflows the
+/// start table, the LRU evicts the idle flows' entries and they break: this test fails
+/// (checked when it was written).
+fn conntrack_grows_with_the_new_flow_rate_before_a_burst_fills_it() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("erb-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &[(proxy_user::ctsize::CHECK_ENV, "600000")],
+        &["--conntrack-start", "16384", "--conntrack-max", "65536"],
+    );
+    agent.wait_healthy();
+    assert_eq!(ct_sizes(&env.pins.path), (32_768, 32_768), "starts small");
+    let nodeport = SocketAddr::from(([10, 100, 0, 2], NODEPORT));
+    // (connection, its reader, its pod)
+    let mut idle = Vec::new();
+    {
+        let _g = c.ext.enter();
+        while idle.len() < BURST_IDLE_FLOWS
+            || (!idle.iter().any(|(_, _, p): &(_, _, String)| p == "pod3") && idle.len() < 60)
+        {
+            let mut s = TcpStream::connect_timeout(&nodeport, ATTEMPT_TIMEOUT).expect("idle flow");
+            s.set_read_timeout(Some(ATTEMPT_TIMEOUT)).expect("timeout");
+            s.write_all(b"hi\n").expect("write");
+            let mut reader = BufReader::new(s.try_clone().expect("clone"));
+            let mut line = String::new();
+            reader.read_line(&mut line).expect("first answer");
+            let pod = pod_of(&line).expect("pod");
+            idle.push((s, reader, pod));
+        }
+    }
+    assert!(
+        idle.iter().any(|(_, _, p)| p == "pod3"),
+        "an idle flow goes to the remote (SNATed) pod"
+    );
+    let ports: Vec<u16> = idle
+        .iter()
+        .map(|(s, _, _)| s.local_addr().expect("local address").port())
+        .collect();
+    let before = flow_entries(&env.pins.path, &ports);
+    let burst = Arc::new(Tally::default());
+    let next = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let threads: Vec<_> = (0..BURST_THREADS)
+        .map(|_| {
+            let (burst, next, ext) = (burst.clone(), next.clone(), c.ext.path());
+            std::thread::spawn(move || {
+                let _g = NetnsGuard::enter(&ext);
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= BURST_CONNECTIONS || started.elapsed() > Duration::from_secs(180) {
+                        break;
+                    }
+                    let port = BURST_FIRST_PORT + i as u16;
+                    burst.record("burst TCP", ask_tcp_reset(nodeport, port));
+                }
+            })
+        })
+        .collect();
+    // The tables' size through the burst: (seconds in, entries) at each change.
+    let mut sizes = vec![(0.0, ct_sizes(&env.pins.path).0)];
+    while threads.iter().any(|t| !t.is_finished()) {
+        let now = ct_sizes(&env.pins.path).0;
+        if sizes.last().map(|(_, n)| *n) != Some(now) {
+            sizes.push((started.elapsed().as_secs_f64(), now));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for t in threads {
+        t.join().expect("burst thread");
+    }
+    let took = started.elapsed();
+    // Every idle flow once more, on its connection.
+    let answers: Vec<Result<(), String>> = idle
+        .iter_mut()
+        .map(|(s, reader, pod)| {
+            let mut line = String::new();
+            match s
+                .write_all(b"hi\n")
+                .and_then(|()| reader.read_line(&mut line))
+            {
+                Ok(n) if n > 0 && line.starts_with(pod.as_str()) => Ok(()),
+                Ok(_) => Err(format!("idle flow to {pod}: answer {line:?}")),
+                Err(e) => Err(format!("idle flow to {pod}: {e}")),
+            }
+        })
+        .collect();
+    let broken: Vec<_> = answers.iter().filter_map(|a| a.as_ref().err()).collect();
+    let after = if broken.is_empty() {
+        flow_entries(&env.pins.path, &ports)
+    } else {
+        Vec::new()
+    };
+    let end = ct_sizes(&env.pins.path);
+    let log = agent.stop();
+    let (ok, failed) = burst.counts();
+    eprintln!(
+        "burst of {ok} new TCP connections ({failed} failed) in {:.1} s ({:.0}/s); conntrack \
+         entries over time (s, entries): {sizes:?}; {} idle flows, {} broken",
+        took.as_secs_f64(),
+        (ok + failed) as f64 / took.as_secs_f64(),
+        idle.len(),
+        broken.len(),
+    );
+    for l in log.lines().filter(|l| {
+        l.contains("conntrack tables grown") || l.contains("high-water") || l.contains("resiz")
+    }) {
+        eprintln!("  {l}");
+    }
+    let burst_errors = burst.errors.lock().expect("lock").clone();
+    assert!(
+        broken.is_empty(),
+        "idle flows broken by the burst: {broken:#?}\nconntrack entries over time: {sizes:?}\n{log}"
+    );
+    assert!(
+        burst_errors.is_empty(),
+        "failed connections: {} of {}: {:#?}",
+        burst_errors.len(),
+        ok + failed,
+        &burst_errors[..burst_errors.len().min(20)]
+    );
+    assert_eq!(ok, BURST_CONNECTIONS, "the whole burst ran");
+    assert_eq!(after, before, "the idle flows' conntrack entries");
+    assert!(
+        log.contains("conntrack new-flow rate would pass its high-water mark")
+            && log.contains("conntrack tables grown online")
+            && !log.contains("conntrack past its high-water mark")
+            && !log.contains("resizing the conntrack tables failed"),
+        "grown by the rate trigger, not the occupancy walk: {log}"
+    );
+    assert!(end.0 > 32_768, "grown: {sizes:?}");
     let _ = fs::remove_dir_all(&dir);
 }

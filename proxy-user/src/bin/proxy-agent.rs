@@ -188,11 +188,11 @@ struct RunArgs {
     socket_lb_bypass_selector: String,
     /// The ceiling of the TC datapath's conntrack tables, in flows per address family
     /// (each flow takes two entries): they start at `--conntrack-start` and the running
-    /// agent grows them x2 online (staged migration: flows copied, programs swapped) when
-    /// their live entries pass 75 % (or will within the next two samples, sampled every
-    /// 10 s), up to this. LRU: when full, the least recently used flows are evicted; new
-    /// flows are never refused. A start with a value below the pinned size shrinks the
-    /// tables to it, unless they track more flows (warning).
+    /// agent grows them online (staged migration) up to this: at once to the size the
+    /// new-flow rate needs when, at that rate (read every 250 ms), they would pass 75 %
+    /// before a resize could end; x2 when their live entries (sampled every 10 s) pass it.
+    /// LRU: when full, the least recently used flows are evicted. A start with a value
+    /// below the pinned size shrinks the tables to it, unless they track more (warning).
     #[arg(long, env = "PROXY_CONNTRACK_MAX", default_value_t = loader::DEFAULT_CONNTRACK_FLOWS)]
     conntrack_max: u32,
     /// The size new conntrack tables start at, in flows per address family (at most

@@ -257,7 +257,14 @@ fn run_scale(
         let order: Vec<usize> = (0..k).map(|i| (i + round) % k.max(1)).collect();
         for &ri in &order {
             topo::check_interrupt()?;
+            // The mode's own agent runs during its workload, as on a node: it grows the
+            // conntrack tables as new flows fill them (a stopped agent cannot, and a
+            // resize stopped half-way stays so through the round). The other modes'
+            // agents stay stopped.
+            let idx = running[ri].idx;
+            states[idx].mode.pause(false);
             datapath_workload(ctx, cfg, &mut running[ri], states, round, start);
+            states[idx].mode.pause(true);
         }
         for &ri in &order {
             topo::check_interrupt()?;
