@@ -2106,6 +2106,77 @@ fn the_first_client_ip_service_grows_affinity_online_and_its_affinity_works() {
     );
 }
 
+/// A service-map growth that fails with an error after each step
+/// (`EBPF_PROXY_MIGRATE_FAIL_AT`: as a refused map allocation or program load would) is
+/// rolled back, or finished when a hook was already swapped, at once by the running
+/// agent: no staging directory is left to refuse the next growth, the writer's handles
+/// follow the maps in use, and the retry grows the maps and writes every frontend whole,
+/// `web` answering throughout; the agent never restarts.
+#[test]
+fn a_failed_service_map_growth_is_settled_at_once_and_retried() {
+    for step in proxy_user::migrate::STEPS {
+        let mut env = TestEnv::without_datapath(1);
+        env.serve_all(TARGET);
+        let dir = Manifests::new();
+        dir.write("web.yaml", &web_on_pod1());
+        let mut agent = AgentProcess::start_wrapped(
+            &env,
+            &[],
+            &[(proxy_user::migrate::FAIL_ENV, step)],
+            &dir.arg(),
+        );
+        agent.wait_healthy(Duration::from_secs(20));
+        // 16,002 entries: past 3/4 of the 16,384-entry start.
+        dir.write("many.yaml", &manifests::many_services(8_000, 1, TARGET));
+        let metrics = wait_metrics(
+            &agent,
+            &[
+                "ebpf_proxy_programmed_frontends 8001\n",
+                "ebpf_proxy_map_write_errors_total{reason=\"service_map_resize\"} 1\n",
+            ],
+            Duration::from_secs(180),
+        );
+        assert!(
+            agent.child.try_wait().expect("wait").is_none(),
+            "{step}: the agent exited:\n{}",
+            agent.logs()
+        );
+        let staging = env.pins.path.join(proxy_user::migrate::STAGING_DIR);
+        assert!(
+            !staging.exists(),
+            "{step}: the failed growth left {} behind",
+            staging.display()
+        );
+        // Failed before any hook was swapped: rolled back, then grown again by the retry
+        // (counted); after: finished by the settling, the maps grown already.
+        if matches!(step, "staged" | "filled") {
+            assert!(
+                metrics.contains("ebpf_proxy_map_resizes_total{map=\"SVC4\",direction=\"grow\"}"),
+                "{step}: the retry grew the maps:\n{metrics}"
+            );
+        }
+        let svc4 = aya::maps::MapData::from_pin(env.pins.path.join("SVC4"))
+            .expect("pin")
+            .info()
+            .expect("info")
+            .max_entries();
+        assert!(svc4 > 16_384, "{step}: SVC4 still {svc4} entries");
+        let entries = svc4_entries(&env.pins.path);
+        let whole = entries.values().filter(|n| **n == 2).count();
+        assert!(
+            whole >= 8_001,
+            "{step}: {whole} of 8,001 frontends whole in the pinned SVC4"
+        );
+        env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+        let logs = agent.logs();
+        assert!(
+            logs.contains("rolling the resize back (or finishing it) now"),
+            "{step}: {logs}"
+        );
+        eprintln!("{step}: settled at once, retried, 8,001 frontends whole");
+    }
+}
+
 /// A crash after each step of a service-map growth (`EBPF_PROXY_MIGRATE_CRASH_AT`): the
 /// agent aborts in the middle of its first sync of 8,000 new Services; the next start
 /// finishes or rolls back the growth, and its first sync writes every frontend whole

@@ -341,8 +341,15 @@ impl MapStore for BpfMaps {
             detail,
         };
         let pins = self.pins.clone();
-        let resized = off_runtime(|| crate::migrate::resize_maps(&pins, to))
-            .map_err(|e| grow_err(e.to_string()))?;
+        let resized = match off_runtime(|| crate::migrate::resize_maps(&pins, to)) {
+            Ok(r) => r,
+            Err(e) => {
+                // A failed resize is rolled back or finished at once: the handles follow
+                // whichever maps the pins hold now.
+                let _ = self.reopen_sized();
+                return Err(grow_err(e.to_string()));
+            }
+        };
         // The handles follow the new maps (every other map was shared: its handles stay).
         self.reopen_sized().map_err(|e| grow_err(e.to_string()))?;
         Ok(resized)

@@ -195,7 +195,7 @@ pub(super) fn swap_hooks(
                 .map_err(io_err("BPF_LINK_UPDATE of", &path))?;
         }
         if i == 0 && crash {
-            crash_point("swap-first");
+            crash_point("swap-first")?;
         }
     }
     Ok(log_id)

@@ -69,8 +69,14 @@
 //! programs whose maps are complete (the fallback covers what a copy had not reached);
 //! the next start resumes, and that last swap is part of every resumed resize.
 //!
+//! **A failed online resize** ([`resize_conntrack`], [`resize_service`], [`resize_maps`]:
+//! a map the kernel would not allocate, a program load refused) is settled at once by the
+//! running agent, as a start would: rolled back before any hook was swapped, finished
+//! after; a staging directory left behind would refuse every later resize until a restart.
+//!
 //! Test hooks: `EBPF_PROXY_MIGRATE_CRASH_AT=<step>` makes the process `abort()` right
-//! after that step ([`STEPS`]); `EBPF_PROXY_MIGRATE_FORCE=1` runs the full staged
+//! after that step ([`STEPS`]); `EBPF_PROXY_MIGRATE_FAIL_AT=<step>` makes the process's
+//! first migration fail there with an error ([`FAIL_ENV`]); `EBPF_PROXY_MIGRATE_FORCE=1` runs the full staged
 //! migration instead of the program swap when the layout is the same but the build
 //! differs (so that the migration can be tested before a layout change exists;
 //! `EBPF_PROXY_MIGRATE_FORCE=copy` converts every map through its [`v3`] function, as if
@@ -100,7 +106,7 @@ use hooks::replace_programs;
 use state::{migrate, resume_or_roll_back};
 
 use rules::force_mode;
-pub use rules::{converter, CRASH_ENV, FORCE_ENV, OLDEST_ABI, STEPS};
+pub use rules::{converter, CRASH_ENV, FAIL_ENV, FORCE_ENV, OLDEST_ABI, STEPS};
 
 /// [`loader::install`] after [`prepare`]: what `proxy-agent run` and `install` call, so a
 /// node's pinned datapath is upgraded (or an interrupted upgrade finished) before it is
@@ -356,9 +362,30 @@ fn resize_online(
              programs swapped, copied again)"
         );
     }
-    migrate(pins, ABI_VERSION, Some(sizes))?;
+    if let Err(e) = migrate(pins, ABI_VERSION, Some(sizes)) {
+        settle_failed(pins, what, &e);
+        return Err(e);
+    }
     ONLINE_RESIZES.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     Ok(resized)
+}
+
+/// A failed online resize (a map the kernel would not allocate, a program load refused)
+/// is rolled back at once, or finished when it failed after a hook was swapped, as the
+/// next start would do: left as it was, its staging directory would refuse every later
+/// resize until a restart. The programs may have changed: whoever follows them is told.
+fn settle_failed(pins: &PinDir, what: &'static str, error: &LoadError) {
+    if !pins.staging().path().exists() {
+        return;
+    }
+    warn!(%error, "{what} failed: rolling the resize back (or finishing it) now");
+    if let Err(e) = resume_or_roll_back(pins) {
+        warn!(
+            error = %e,
+            "{what}: settling the failed resize failed too; the next start will"
+        );
+    }
+    ONLINE_RESIZES.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
 }
 
 /// A pinned outcome-counter array (`STATS`, `XDP_STATS`: one entry per [`Reason`]) smaller

@@ -12,6 +12,10 @@ use crate::loader::LoadError;
 pub const OLDEST_ABI: u32 = 3;
 /// Test hook: abort right after the named step.
 pub const CRASH_ENV: &str = "EBPF_PROXY_MIGRATE_CRASH_AT";
+/// Test hook: the first migration of the process that passes this step ([`STEPS`]) fails
+/// there with an error (as a refused allocation or program load would), instead of
+/// aborting like [`CRASH_ENV`].
+pub const FAIL_ENV: &str = "EBPF_PROXY_MIGRATE_FAIL_AT";
 /// Test hook: migrate through the staging directory even at the same ABI.
 pub const FORCE_ENV: &str = "EBPF_PROXY_MIGRATE_FORCE";
 
@@ -113,9 +117,22 @@ pub(super) fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) 
     move |source| LoadError::Io { what, path, source }
 }
 
-pub(super) fn crash_point(step: &str) {
+pub(super) fn crash_point(step: &str) -> Result<(), crate::loader::LoadError> {
     if std::env::var(CRASH_ENV).is_ok_and(|s| s == step) {
         eprintln!("{CRASH_ENV}={step}: aborting (test hook)");
         std::process::abort();
     }
+    if std::env::var(FAIL_ENV).is_ok_and(|s| s == step)
+        && !FAILED_ONCE.swap(true, std::sync::atomic::Ordering::AcqRel)
+    {
+        return Err(crate::loader::LoadError::Io {
+            what: "test hook EBPF_PROXY_MIGRATE_FAIL_AT: failing the migration after step",
+            path: std::path::PathBuf::from(step),
+            source: std::io::Error::other("injected failure"),
+        });
+    }
+    Ok(())
 }
+
+/// [`FAIL_ENV`] fails one migration per process (the first to pass the step).
+static FAILED_ONCE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

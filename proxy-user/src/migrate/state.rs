@@ -122,10 +122,10 @@ pub(super) fn migrate(pins: &PinDir, from: u32, sizes: Option<Sizes>) -> Result<
         drop(ebpf);
         ebpf = load_staged(&m.staging, fallback)?;
     }
-    crash_point("staged");
+    crash_point("staged")?;
     m.copy_all(false)?;
     set_marker(&m.staging, from, "filled")?;
-    crash_point("filled");
+    crash_point("filled")?;
     m.run_from("filled", Some(&mut ebpf))?;
     info!(
         from_abi = from,
@@ -407,13 +407,13 @@ impl Migration {
                 "swapped every hook to the new programs"
             );
             set_marker(&self.staging, from, "swapped")?;
-            crash_point("swapped");
+            crash_point("swapped")?;
         }
         if at <= 2 {
             // What the old programs wrote until the swap.
             self.copy_all(true)?;
             set_marker(&self.staging, from, "recopied")?;
-            crash_point("recopied");
+            crash_point("recopied")?;
         }
         if at <= 4 {
             set_marker(&self.staging, from, "renaming")?;
@@ -422,7 +422,7 @@ impl Migration {
             for name in staged.iter().filter(|n| *n != map_names::META) {
                 self.move_pin(name)?;
                 if first {
-                    crash_point("rename-first");
+                    crash_point("rename-first")?;
                     first = false;
                 }
             }
@@ -431,7 +431,7 @@ impl Migration {
                 self.move_pin(map_names::META)?;
             }
             set_marker(&self.staging, from, "meta")?;
-            crash_point("meta");
+            crash_point("meta")?;
         }
         self.retire_previous_conntrack()?;
         for name in self.old_only_maps() {

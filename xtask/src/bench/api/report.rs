@@ -24,7 +24,7 @@ pub fn markdown(r: &ApiResults) -> String {
             r.machine.get("mem_mib").map_or("?", String::as_str),
         );
     }
-    md += "| Services x 10 | service map entries | first list byte -> all frontends (s) | start -> /healthz 200 (s) | list pages | VmRSS (MiB) | VmHWM (MiB) | BPF maps (MiB) | whole node: VmRSS + maps (MiB) | CPU at rest (%) | change, agent p50 / p99 (ms) | change, SLI (kubeproxy_network_programming_duration_seconds) p50 / p99 (ms) | change, accepted -> written p50 / p99 (ms) | change, accepted -> in traffic p50 / p99 (ms) | restart on pins -> healthy (s) | restart, first / last list page -> healthy (s) | map writes on restart |\n";
+    md += "| Services x 10 | service map ceiling (`--service-map-entries`) | first list byte -> all frontends (s) | start -> /healthz 200 (s) | list pages | VmRSS (MiB) | VmHWM (MiB) | BPF maps (MiB) | whole node: VmRSS + maps (MiB) | CPU at rest (%) | change, agent p50 / p99 (ms) | change, SLI (kubeproxy_network_programming_duration_seconds) p50 / p99 (ms) | change, accepted -> written p50 / p99 (ms) | change, accepted -> in traffic p50 / p99 (ms) | restart on pins -> healthy (s) | restart, first / last list page -> healthy (s) | map writes on restart |\n";
     md +=
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     for s in &r.scales {
