@@ -127,12 +127,37 @@ fn shipped() -> Shipped {
     }
 }
 
+/// The binary that ships: `cargo xtask test` builds the release binaries before the
+/// privileged tests and names the agent in [`SHIPPED_AGENT_ENV`]; without it (a plain
+/// `cargo test`) the test's own debug build, whose larger code is charged too, so the
+/// figures are higher than the image's.
+fn agent_binary() -> PathBuf {
+    match std::env::var_os(SHIPPED_AGENT_ENV) {
+        Some(p) => {
+            let p = PathBuf::from(p);
+            assert!(p.exists(), "{SHIPPED_AGENT_ENV}={} does not exist", p.display());
+            eprintln!("the shipped (release) agent: {}", p.display());
+            p
+        }
+        None => {
+            eprintln!(
+                "{SHIPPED_AGENT_ENV} not set: the debug agent (more code charged than the \
+                 release binary the image ships)"
+            );
+            PathBuf::from(env!("CARGO_BIN_EXE_proxy-agent"))
+        }
+    }
+}
+
+/// Set by `cargo xtask test`: the release `proxy-agent` it built (what the image ships).
+const SHIPPED_AGENT_ENV: &str = "EBPF_PROXY_SHIPPED_AGENT";
+
 /// `proxy-agent run` as `AgentProcess::start` runs it, but placed in `memcg` before exec.
 fn start_in_memcg(env: &TestEnv, memcg: &MemCgroup, args: &[&str]) -> AgentProcess {
     let [healthz_port, metrics_port] = free_ports();
     let log = std::env::temp_dir().join(unique("ebpf-proxy-agent-log-"));
     let log_file = fs::File::create(&log).expect("log file");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_proxy-agent"));
+    let mut cmd = Command::new(agent_binary());
     cmd.arg("run")
         .args(args)
         .args(["--pin-path", env.pins.path.to_str().expect("utf-8")])

@@ -238,6 +238,12 @@ fn test(no_lint: bool, no_bench: bool, tier: Tier, args: &[String]) -> Result<()
         let mut cmd = cargo();
         // The upgrade test runs the previous release's agent (tests/upgrade.rs).
         cmd.env(upgrade_from::ENV, upgrade_from::ensure()?);
+        // tests/memory_limit.rs measures the agent that ships: the release build (built
+        // above with the benches; a no-op then).
+        if setup::is_root() {
+            build()?;
+            cmd.env("EBPF_PROXY_SHIPPED_AGENT", release_dir().join("proxy-agent"));
+        }
         // tests/daemonset_image.rs starts the shipped image: build it (about a minute
         // once the base is cached: buildah reuses the apt layer).
         // A failed build fails that test (it names the missing image), not the others.
