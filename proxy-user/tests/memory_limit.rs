@@ -135,7 +135,11 @@ fn agent_binary() -> PathBuf {
     match std::env::var_os(SHIPPED_AGENT_ENV) {
         Some(p) => {
             let p = PathBuf::from(p);
-            assert!(p.exists(), "{SHIPPED_AGENT_ENV}={} does not exist", p.display());
+            assert!(
+                p.exists(),
+                "{SHIPPED_AGENT_ENV}={} does not exist",
+                p.display()
+            );
             eprintln!("the shipped (release) agent: {}", p.display());
             p
         }

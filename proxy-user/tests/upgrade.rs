@@ -2524,6 +2524,12 @@ fn conntrack_grows_with_the_new_flow_rate_before_a_burst_fills_it() {
     } else {
         Vec::new()
     };
+    // A growth the rate trigger began during the burst may still be under way (a fast
+    // burst ends first): its end is logged; the agent is stopped after it.
+    let waited = Instant::now();
+    while log_grown(&agent.logs()).is_none() && waited.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let end = ct_sizes(&env.pins.path);
     let log = agent.stop();
     let (ok, failed) = burst.counts();
@@ -2563,4 +2569,10 @@ fn conntrack_grows_with_the_new_flow_rate_before_a_burst_fills_it() {
     );
     assert!(end.0 > 32_768, "grown: {sizes:?}");
     let _ = fs::remove_dir_all(&dir);
+}
+
+/// The first "conntrack tables grown online" line of an agent's log.
+fn log_grown(log: &str) -> Option<&str> {
+    log.lines()
+        .find(|l| l.contains("conntrack tables grown online"))
 }

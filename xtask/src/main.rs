@@ -242,7 +242,10 @@ fn test(no_lint: bool, no_bench: bool, tier: Tier, args: &[String]) -> Result<()
         // above with the benches; a no-op then).
         if setup::is_root() {
             build()?;
-            cmd.env("EBPF_PROXY_SHIPPED_AGENT", release_dir().join("proxy-agent"));
+            cmd.env(
+                "EBPF_PROXY_SHIPPED_AGENT",
+                release_dir().join("proxy-agent"),
+            );
         }
         // tests/daemonset_image.rs starts the shipped image: build it (about a minute
         // once the base is cached: buildah reuses the apt layer).
