@@ -1,6 +1,7 @@
 //! The agent (`proxy-agent run`): installs or adopts the datapath, starts a source
 //! (Kubernetes watches or a manifests directory), serves metrics and health, and runs the
-//! rate-limited sync loop until told to stop. Stopping leaves the datapath pinned and
+//! rate-limited sync loop until told to stop (on a fresh node the source starts first
+//! and the maps are made at its first lists' needs: [`run`]). Stopping leaves the datapath pinned and
 //! serving; the next agent adopts it.
 
 mod bypass;
@@ -148,7 +149,12 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
             metrics.clone(),
         );
         let sizes = first_lists(&opts, &mut first, &mut rx, start).await;
-        let datapath = open_datapath(&opts, interfaces, node_addrs, &sizes)?;
+        // Off the runtime: the servers keep answering and the sources keep reading.
+        let o = opts.clone();
+        let datapath =
+            tokio::task::spawn_blocking(move || open_datapath(&o, interfaces, node_addrs, &sizes))
+                .await
+                .context("the install task failed")??;
         (datapath, metrics, rx, Some(first))
     } else {
         let datapath = open_datapath(&opts, interfaces, node_addrs, &start)?;
