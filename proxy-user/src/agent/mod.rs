@@ -1,8 +1,8 @@
 //! The agent (`proxy-agent run`): installs or adopts the datapath, starts a source
 //! (Kubernetes watches or a manifests directory), serves metrics and health, and runs the
 //! rate-limited sync loop until told to stop (on a fresh node the source starts first
-//! and the maps are made at its first lists' needs: [`run`]). Stopping leaves the datapath pinned and
-//! serving; the next agent adopts it.
+//! and the maps are made at its first lists' needs: [`run`]). Stopping leaves the
+//! datapath pinned and serving; the next agent adopts it.
 
 mod bypass;
 mod caps;
@@ -213,7 +213,8 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
 }
 
 /// The sizes the maps sized to demand start at on this node: conntrack's within its
-/// flags, the service maps' and the others' ([`service_start_sizes`]).
+/// flags (in flows: `InstallOptions::conntrack_flows`), the service maps' and the
+/// others' ([`service_start_sizes`]).
 fn start_sizes(opts: &AgentOptions) -> anyhow::Result<loader::Sizes> {
     // Both bounds checked before anything is made (the ceiling is only created when the
     // tables grow to it).
