@@ -2023,6 +2023,82 @@ fn service_maps_grow_online_during_a_sync_of_20000_new_services() {
     );
 }
 
+/// Issue 27: on a fresh node (nothing pinned) the agent reads its first lists before it
+/// makes the maps, and makes the maps sized to demand at what the first sync needs: 20,000
+/// Services x 1 already in the directory at the start are programmed without any growth
+/// (no migration, no `ebpf_proxy_map_resizes_total`), the maps made at the sizes the
+/// writer would have grown them to (`SVC4/6` 65,536 for 40,002 entries, `BACKEND4/6`,
+/// `BACKEND_CONNS`, `REVNAT4/6` 32,768 for 20,001); a restart on those pins keeps them
+/// and grows nothing either.
+#[test]
+fn a_fresh_node_makes_the_maps_at_the_first_syncs_size_and_grows_none() {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &web_on_pod1());
+    // As one JSON `kind: List` (the bench's form, read in place: YAML at 20,000 Services
+    // takes longer than the agent waits for its first lists in a debug build).
+    let items: Vec<serde_json::Value> = manifests::many_services(20_000, 1, TARGET)
+        .split("---\n")
+        .filter(|d| !d.trim().is_empty())
+        .map(|d| serde_yaml::from_str(d).expect("yaml"))
+        .collect();
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
+    dir.write("many.json", &list.to_string());
+    let sizes = [
+        ("SVC4", 65_536),
+        ("SVC6", 65_536),
+        ("BACKEND4", 32_768),
+        ("BACKEND6", 32_768),
+        ("BACKEND_CONNS", 32_768),
+        ("REVNAT4", 32_768),
+        ("REVNAT6", 32_768),
+        ("AFFINITY", 1_024),
+        ("MAGLEV", 1_024),
+    ];
+    for restart in [false, true] {
+        let mut agent = AgentProcess::start(&env, &dir.arg());
+        let metrics = wait_metrics(
+            &agent,
+            &["ebpf_proxy_programmed_frontends 20001\n"],
+            Duration::from_secs(120),
+        );
+        agent.wait_healthy(Duration::from_secs(60));
+        env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+        let metrics = agent.metrics() + &metrics;
+        assert!(
+            !metrics.contains("ebpf_proxy_map_resizes_total{"),
+            "restart {restart}: {metrics}"
+        );
+        assert!(!metrics.contains("map_write_errors_total{"), "{metrics}");
+        assert!(
+            metrics.contains("ebpf_proxy_service_map_entries 65536\n"),
+            "restart {restart}: {metrics}"
+        );
+        for (map, want) in sizes {
+            assert_eq!(
+                pinned_max_entries(&env.pins.path, map),
+                want,
+                "{map}, restart {restart}"
+            );
+        }
+        let entries = svc4_entries(&env.pins.path);
+        assert_eq!(entries.len(), 20_001);
+        assert!(entries.values().all(|&n| n == 2), "a frontend half-written");
+        let logs = agent.stop();
+        assert!(!logs.contains("grown online"), "restart {restart}: {logs}");
+        assert!(
+            !logs.contains("layout migration"),
+            "restart {restart}: {logs}"
+        );
+        assert_eq!(
+            logs.contains("fresh node: the maps are made at the first sync's sizes"),
+            !restart,
+            "{logs}"
+        );
+    }
+}
+
 /// The pinned map `name`'s `max_entries`.
 fn pinned_max_entries(pins: &Path, name: &str) -> u32 {
     aya::maps::MapData::from_pin(pins.join(name))

@@ -6,6 +6,14 @@ use tracing::info;
 use super::AgentOptions;
 use crate::{cluster::counters::SourceCounters, pins::PinDir, podbypass::Options};
 
+/// Whether the bypass runs (see [`bypass_options`]).
+pub(super) fn bypass_on(agent: &AgentOptions) -> bool {
+    use crate::socklb::SocketLb;
+    agent.socket_lb_bypass.is_some()
+        && !agent.pod_interfaces.is_empty()
+        && matches!(agent.socket_lb, SocketLb::All | SocketLb::Tcp)
+}
+
 /// The bypass's options when it can matter: a selector is set, socket LB takes pods'
 /// sockets (`all`, `tcp`) and pods have the per-packet path (`--pod-interfaces`);
 /// otherwise `None`, said once.
@@ -13,12 +21,10 @@ pub(super) fn bypass_options(
     agent: &AgentOptions,
     counters: &SourceCounters,
 ) -> anyhow::Result<Option<Options>> {
-    use crate::socklb::SocketLb;
     let Some(selector) = agent.socket_lb_bypass.clone() else {
         return Ok(None);
     };
-    if agent.pod_interfaces.is_empty() || !matches!(agent.socket_lb, SocketLb::All | SocketLb::Tcp)
-    {
+    if !bypass_on(agent) {
         info!(
             socket_lb = agent.socket_lb.name(),
             "socket LB bypass from labels off: it needs --pod-interfaces and --socket-lb all or tcp"

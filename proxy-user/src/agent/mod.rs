@@ -1,7 +1,8 @@
 //! The agent (`proxy-agent run`): installs or adopts the datapath, starts a source
 //! (Kubernetes watches or a manifests directory), serves metrics and health, and runs the
-//! rate-limited sync loop until told to stop. Stopping leaves the datapath pinned and
-//! serving; the next agent adopts it.
+//! rate-limited sync loop until told to stop (on a fresh node the source starts first
+//! and the maps are made at its first lists' needs: [`run`]). Stopping leaves the
+//! datapath pinned and serving; the next agent adopts it.
 
 mod bypass;
 mod caps;
@@ -113,18 +114,66 @@ pub struct AgentOptions {
     pub service_cidrs: Vec<(std::net::IpAddr, u8)>,
 }
 
+/// How long a fresh node's agent waits for its first lists before it makes the maps at
+/// their start sizes anyway (then the first sync grows them online).
+pub const FIRST_LISTS_WAIT: Duration = Duration::from_secs(5);
+
 /// Runs the agent until `shutdown` completes: the steps of the module doc, in order.
+/// On a fresh node (nothing pinned) the sources start first and the maps sized to demand
+/// are made at what the first lists need ([`first_lists`]); on pinned maps (a restart,
+/// an upgrade) the datapath is adopted first and the lists read meanwhile.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     cli::raise_open_file_limit();
     let metrics = Metrics::new();
     // A manifests directory is read while the datapath loads (another thread; at tens of
     // thousands of Services the read takes as long as the load or longer).
     let manifests = source::read_manifests(&opts, &metrics)?;
-    let datapath = open_datapath(&opts)?;
+    let (interfaces, node_addrs) = node_interfaces(&opts)?;
+    let start = start_sizes(&opts)?;
+    let health = Arc::new(Health::new(opts.sync_interval * 2));
+    // The socket-LB bypass reads the pinned maps when its source starts: with it, the
+    // maps are made first.
+    let fresh = PinDir::new(&opts.pin_path)
+        .max_entries(proxy_common::map_names::SVC4)
+        .is_none()
+        && !bypass::bypass_on(&opts);
+    let (datapath, metrics, rx, syncer) = if fresh {
+        // Metrics and health first (/livez answers while the lists are read), then the
+        // lists, then the maps at the first sync's sizes.
+        let metrics = new_metrics(&opts, &node_addrs, metrics);
+        serve_http(&opts, &metrics, &health).await?;
+        let mut rx = source::start_source(&opts, &metrics, manifests).await?;
+        let mut first = new_syncer(
+            &opts,
+            Writer::new(crate::store::MemStore::default()),
+            metrics.clone(),
+        );
+        let sizes = first_lists(&opts, &mut first, &mut rx, start).await;
+        // Off the runtime: the servers keep answering and the sources keep reading.
+        let o = opts.clone();
+        let datapath =
+            tokio::task::spawn_blocking(move || open_datapath(&o, interfaces, node_addrs, &sizes))
+                .await
+                .context("the install task failed")??;
+        (datapath, metrics, rx, Some(first))
+    } else {
+        let datapath = open_datapath(&opts, interfaces, node_addrs, &start)?;
+        // Metrics and health first: reading a large pinned state back takes seconds, and
+        // /livez must answer meanwhile (/healthz says 503 until the first sync).
+        let metrics = new_metrics(&opts, &datapath.node_addrs, metrics);
+        record_datapath(&opts, &datapath, &metrics);
+        serve_http(&opts, &metrics, &health).await?;
+        // The sources start before the pinned maps are read back: the lists (seconds at
+        // tens of thousands of Services) arrive and are decoded while adoption runs on
+        // another thread, and wait in the channel for the syncer (which writes nothing
+        // before every initial list is in).
+        let rx = source::start_source(&opts, &metrics, manifests).await?;
+        (datapath, metrics, rx, None)
+    };
+    if fresh {
+        record_datapath(&opts, &datapath, &metrics);
+    }
     let kernel_logs = loader::spawn_kernel_logger(&opts.pin_path);
-    // Metrics and health first: reading a large pinned state back takes seconds, and
-    // /livez must answer meanwhile (/healthz says 503 until the first sync).
-    let metrics = new_metrics(&opts, &datapath, metrics);
     if !opts.pod_interfaces.is_empty() {
         crate::podif::spawn(
             opts.pin_path.clone(),
@@ -140,15 +189,11 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         opts.conntrack_start,
         kernel_logs,
     ));
-    let health = Arc::new(Health::new(opts.sync_interval * 2));
-    serve_http(&opts, &metrics, &health).await?;
-    // The sources start before the pinned maps are read back: the lists (seconds at tens
-    // of thousands of Services) arrive and are decoded while adoption runs on another
-    // thread, and wait in the channel for the syncer (which writes nothing before every
-    // initial list is in).
-    let rx = source::start_source(&opts, &metrics, manifests).await?;
     let (writer, node_addresses) = adopt_maps(&opts, datapath.node_addrs, &metrics).await?;
-    let syncer = new_syncer(&opts, writer, metrics);
+    let syncer = match syncer {
+        Some(first) => first.with_writer(writer),
+        None => new_syncer(&opts, writer, metrics),
+    };
     if opts.cleanup_kube_proxy {
         tokio::spawn(cleanup_kube_proxy_when_synced(health.clone()));
     }
@@ -165,6 +210,71 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     grow.abort();
     info!("stopping; the datapath stays pinned and keeps serving");
     Ok(())
+}
+
+/// The sizes the maps sized to demand start at on this node: conntrack's within its
+/// flags (in flows: `InstallOptions::conntrack_flows`), the service maps' and the
+/// others' ([`service_start_sizes`]).
+fn start_sizes(opts: &AgentOptions) -> anyhow::Result<loader::Sizes> {
+    // Both bounds checked before anything is made (the ceiling is only created when the
+    // tables grow to it).
+    loader::conntrack_entries(opts.conntrack_flows).context("--conntrack-max")?;
+    loader::conntrack_entries(opts.conntrack_start).context("--conntrack-start")?;
+    // The conntrack size at this start: the pinned one (grown online) within
+    // [--conntrack-start, --conntrack-max], else the nearest bound.
+    let conntrack_flows = crate::ctsize::start_flows(
+        crate::pins::PinDir::new(&opts.pin_path).max_entries(proxy_common::map_names::CT4),
+        opts.conntrack_start,
+        opts.conntrack_flows,
+    );
+    // The service-side maps likewise: the ceiling checked, the maps made small (or kept at
+    // their pinned size up to their ceilings); the writer grows them online.
+    let (service_entries, map_sizes) = service_start_sizes(opts)?;
+    Ok(map_sizes
+        .with(loader::SizedMap::Conntrack, conntrack_flows)
+        .with(loader::SizedMap::Service, service_entries))
+}
+
+/// A fresh node: takes the sources' updates into `first` until every initial list is
+/// in (at most [`FIRST_LISTS_WAIT`]) and returns the sizes its first sync needs
+/// (`start` where it needs no more: what the writer would grow them to at that sync).
+/// Lists not in by then (or a source that stopped): `start`, and the first sync grows
+/// the maps online.
+async fn first_lists(
+    opts: &AgentOptions,
+    first: &mut Syncer<crate::store::MemStore>,
+    rx: &mut mpsc::Receiver<Update>,
+    start: loader::Sizes,
+) -> loader::Sizes {
+    let began = Instant::now();
+    let deadline = tokio::time::Instant::now() + FIRST_LISTS_WAIT;
+    while !first.ready() {
+        match tokio::time::timeout_at(deadline, rx.recv()).await {
+            Ok(Some(u)) => {
+                let now = Instant::now();
+                first.handle(u, now);
+                while let Ok(u) = rx.try_recv() {
+                    first.handle(u, now);
+                }
+            }
+            Ok(None) | Err(_) => {
+                warn!(
+                    waited_ms = began.elapsed().as_millis() as u64,
+                    "the first lists are not in: the maps are made at their start sizes (the first sync grows them)"
+                );
+                return start;
+            }
+        }
+    }
+    let ceilings = loader::Sizes::compiled().with(loader::SizedMap::Service, opts.service_entries);
+    let sizes = first.first_sync_sizes(start, &ceilings, opts.maglev);
+    info!(
+        services = first.index().service_count(),
+        waited_ms = began.elapsed().as_millis() as u64,
+        sizes = %crate::store::describe_sizes(&sizes.changed_from(&start)),
+        "fresh node: the maps are made at the first sync's sizes"
+    );
+    sizes
 }
 
 /// What [`open_datapath`] found and installed.
@@ -190,38 +300,34 @@ fn service_start_sizes(opts: &AgentOptions) -> anyhow::Result<(u32, loader::Size
     Ok((service_entries, sizes))
 }
 
-/// Installs or adopts the datapath (programs, maps, attachments) and writes the
-/// forwarding mode.
-fn open_datapath(opts: &AgentOptions) -> anyhow::Result<Datapath> {
+/// The interfaces the TC datapath attaches to and the node's addresses.
+fn node_interfaces(opts: &AgentOptions) -> anyhow::Result<(Vec<String>, Vec<std::net::IpAddr>)> {
     // The node's addresses serve NodePorts at the socket hooks too (pods and the node's
     // own processes connecting to `<node address>:<nodePort>`): found even without TC,
     // from the interfaces `auto` would pick.
     let all = crate::node::interface_addresses().context("listing the node's addresses")?;
-    let (interfaces, node_addrs) = match &opts.interfaces {
+    Ok(match &opts.interfaces {
         None => (Vec::new(), crate::node::node_interfaces(&all, &[]).1),
         Some(wanted) => crate::node::node_interfaces(&all, wanted),
-    };
-    // Both bounds checked before anything is made (the ceiling is only created when the
-    // tables grow to it).
-    loader::conntrack_entries(opts.conntrack_flows).context("--conntrack-max")?;
-    loader::conntrack_entries(opts.conntrack_start).context("--conntrack-start")?;
-    // The conntrack size at this start: the pinned one (grown online) within
-    // [--conntrack-start, --conntrack-max], else the nearest bound.
-    let conntrack_flows = crate::ctsize::start_flows(
-        crate::pins::PinDir::new(&opts.pin_path).max_entries(proxy_common::map_names::CT4),
-        opts.conntrack_start,
-        opts.conntrack_flows,
-    );
-    // The service-side maps likewise: the ceiling checked, the maps made small (or kept at
-    // their pinned size up to their ceilings); the writer grows them online.
-    let (service_entries, map_sizes) = service_start_sizes(opts)?;
+    })
+}
+
+/// Installs or adopts the datapath (programs, maps, attachments; the maps sized to
+/// demand made at `sizes`, or kept at their pinned sizes) and writes the forwarding
+/// mode.
+fn open_datapath(
+    opts: &AgentOptions,
+    interfaces: Vec<String>,
+    node_addrs: Vec<std::net::IpAddr>,
+    sizes: &loader::Sizes,
+) -> anyhow::Result<Datapath> {
     let installed = crate::migrate::install(&loader::InstallOptions {
         pin_path: opts.pin_path.clone(),
         cgroup: opts.cgroup.clone(),
         interfaces: interfaces.clone(),
-        conntrack_flows,
-        service_entries,
-        map_sizes: Some(map_sizes),
+        conntrack_flows: sizes.get(loader::SizedMap::Conntrack),
+        service_entries: sizes.get(loader::SizedMap::Service),
+        map_sizes: Some(*sizes),
         tc_attach: opts.tc_attach,
         acceleration: opts.acceleration,
     })
@@ -270,16 +376,25 @@ fn open_datapath(opts: &AgentOptions) -> anyhow::Result<Datapath> {
     })
 }
 
-/// The metrics registry, with what is known from the start (families, ignored settings,
-/// table sizes, map memory); map memory is refreshed every 10 s from then on.
-fn new_metrics(opts: &AgentOptions, datapath: &Datapath, mut metrics: Metrics) -> Arc<Metrics> {
-    let (node_addrs, installed) = (&datapath.node_addrs, &datapath.installed);
+/// The metrics registry, with what is known before the datapath (families, ignored
+/// settings).
+fn new_metrics(
+    opts: &AgentOptions,
+    node_addrs: &[std::net::IpAddr],
+    mut metrics: Metrics,
+) -> Arc<Metrics> {
     metrics.kube_proxy.set_families(
         node_addrs.iter().any(|a| a.is_ipv4()),
         node_addrs.iter().any(|a| a.is_ipv6()),
     );
     metrics.kube_proxy.set_ignored(&opts.config_fields_ignored);
-    let metrics = Arc::new(metrics);
+    Arc::new(metrics)
+}
+
+/// What the datapath's install tells the metrics (table sizes, resizes, map memory,
+/// per-Service counters); map memory is refreshed every 10 s from then on.
+fn record_datapath(opts: &AgentOptions, datapath: &Datapath, metrics: &Arc<Metrics>) {
+    let installed = &datapath.installed;
     metrics.conntrack_max.set(i64::from(opts.conntrack_flows));
     metrics
         .conntrack_capacity
@@ -309,7 +424,6 @@ fn new_metrics(opts: &AgentOptions, datapath: &Datapath, mut metrics: Metrics) -
         opts.pin_path.clone(),
         metrics.clone(),
     ));
-    metrics
 }
 
 /// Binds and serves /metrics and /healthz + /livez.
@@ -387,11 +501,11 @@ async fn adopt_maps(
 }
 
 /// The syncer for this node, watching Services, EndpointSlices and Nodes.
-fn new_syncer(
+fn new_syncer<S: crate::MapStore>(
     opts: &AgentOptions,
-    writer: Writer<BpfMaps>,
+    writer: Writer<S>,
     metrics: Arc<Metrics>,
-) -> Syncer<BpfMaps> {
+) -> Syncer<S> {
     let node = NodeInfo {
         name: opts.node_name.clone(),
         ..NodeInfo::default()

@@ -126,18 +126,7 @@ impl<S: MapStore> Writer<S> {
             return;
         };
         let needed = self.needed(upserts, &ceilings);
-        let to: Vec<(SizedMap, u32)> = needed
-            .iter()
-            .filter_map(|&(kind, n)| {
-                let (size, ceiling) = (sizes.get(kind), ceilings.get(kind));
-                let to = if kind == SizedMap::Service {
-                    svc_grown(size, n, ceiling)
-                } else {
-                    grown(size, n, ceiling, SVC_HIGH_WATER)
-                };
-                to.map(|to| (kind, to))
-            })
-            .collect();
+        let to = growths(&needed, &sizes, &ceilings);
         if to.is_empty() {
             return;
         }
@@ -154,4 +143,39 @@ impl<S: MapStore> Writer<S> {
             }
         }
     }
+}
+
+/// The kinds of `needed` that pass [`SVC_HIGH_WATER`] of their size in `sizes`, each
+/// with the size it grows to (x2 at a time, at most its ceiling).
+fn growths(needed: &[(SizedMap, usize)], sizes: &Sizes, ceilings: &Sizes) -> Vec<(SizedMap, u32)> {
+    needed
+        .iter()
+        .filter_map(|&(kind, n)| {
+            let (size, ceiling) = (sizes.get(kind), ceilings.get(kind));
+            let to = if kind == SizedMap::Service {
+                svc_grown(size, n, ceiling)
+            } else {
+                grown(size, n, ceiling, SVC_HIGH_WATER)
+            };
+            to.map(|to| (kind, to))
+        })
+        .collect()
+}
+
+/// The sizes a fresh node creates its maps at so that its first sync of `desired`
+/// grows nothing: `start` with every kind the first sync would grow (what
+/// [`Writer::make_room`] would ask for over empty maps of the `start` sizes) at that
+/// size. `ceilings` as [`Writer::set_svc_ceiling`] sets them.
+pub fn first_sync_sizes(
+    desired: &[&ServiceEntry],
+    start: Sizes,
+    ceilings: &Sizes,
+    maglev: crate::maglev::Params,
+) -> Sizes {
+    let mut empty = Writer::new(crate::store::MemStore::default());
+    empty.set_maglev_params(maglev);
+    let needed = empty.needed(desired, ceilings);
+    growths(&needed, &start, ceilings)
+        .into_iter()
+        .fold(start, |s, (kind, to)| s.with(kind, to))
 }

@@ -1512,3 +1512,49 @@ fn maglev_frontends_grow_the_maglev_map_by_their_tables() {
     assert_eq!(w.store().grown, vec![vec![(SizedMap::Maglev, 32)]]);
     assert_eq!(w.store().dump().expect("dump").maglev.len(), 18);
 }
+
+#[test]
+fn maps_made_at_the_first_syncs_sizes_grow_nothing_at_that_sync() {
+    use crate::loader::{SizedMap, Sizes};
+    // What the writer grows maps of the start sizes to at the first sync of 40 frontends
+    // x 10 backends ...
+    let start = Sizes::floors()
+        .with(SizedMap::Service, 64)
+        .with(SizedMap::Backend, 32)
+        .with(SizedMap::RevNat, 16);
+    let ceilings = Sizes::compiled().with(SizedMap::Service, 4096);
+    let store = |sizes: Sizes| MemStore {
+        svc_capacity: Some(sizes.get(SizedMap::Service) as usize),
+        svc_growable: true,
+        sizes,
+        ..MemStore::default()
+    };
+    let mut grown = Writer::new(store(start));
+    grown.set_svc_ceiling(4096);
+    grown.sync(many(40, 10, 0));
+    let [to] = &grown.store().grown[..] else {
+        panic!("{:?}", grown.store().grown);
+    };
+    // ... is what a fresh node makes them at ...
+    let desired = many(40, 10, 0);
+    let refs: Vec<&ServiceEntry> = desired.iter().collect();
+    let first = super::first_sync_sizes(&refs, start, &ceilings, Default::default());
+    assert_eq!(
+        first.changed_from(&start),
+        *to,
+        "the sizes the writer would grow to"
+    );
+    // ... and a first sync over maps of those sizes grows none, and writes everything.
+    let mut made = Writer::new(store(first));
+    made.set_svc_ceiling(4096);
+    let report = made.sync(desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert!(made.store().grown.is_empty(), "{:?}", made.store().grown);
+    assert!(made.take_svc_growths().is_empty());
+    assert_eq!(made.store().dump().expect("dump"), made.expected_dump());
+    // Nothing to write: the start sizes.
+    assert_eq!(
+        super::first_sync_sizes(&[], start, &ceilings, Default::default()),
+        start
+    );
+}

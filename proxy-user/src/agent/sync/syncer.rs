@@ -131,6 +131,54 @@ impl<S: MapStore> Syncer<S> {
         }
     }
 
+    /// The same syncer (index, pending changes, lists received) over `writer`: a fresh
+    /// node's agent takes its first lists in before the maps exist (the first sync's
+    /// needs size them, [`Self::first_sync_sizes`]), then writes through the maps made.
+    /// What the pinned maps hold is read again from `writer`.
+    pub fn with_writer<T: MapStore>(self, writer: Writer<T>) -> Syncer<T> {
+        Syncer {
+            writer,
+            index: self.index,
+            proxy_name: self.proxy_name,
+            external_ips: self.external_ips,
+            metrics: self.metrics,
+            dirty: self.dirty,
+            full_due: self.full_due,
+            nodes_changed: self.nodes_changed,
+            service_cidrs_changed: self.service_cidrs_changed,
+            claims: self.claims,
+            conflicts_reported: self.conflicts_reported,
+            refused: self.refused,
+            held: self.held,
+            pinned: None,
+            synced_once: self.synced_once,
+            listed: self.listed,
+            needs: self.needs,
+            orphans_reported: self.orphans_reported,
+            lb_default: self.lb_default,
+            triggers: self.triggers,
+            started: self.started,
+        }
+    }
+
+    /// The sizes a fresh node makes its maps sized to demand at so that the first sync
+    /// of what the index holds grows none of them (`writer::first_sync_sizes`: every
+    /// Service's entries, a frontend two Services claim counted twice).
+    pub fn first_sync_sizes(
+        &self,
+        start: crate::loader::Sizes,
+        ceilings: &crate::loader::Sizes,
+        maglev: crate::maglev::Params,
+    ) -> crate::loader::Sizes {
+        let entries: Vec<crate::model::ServiceEntry> = self
+            .index
+            .service_keys()
+            .flat_map(|k| self.index.entries(k))
+            .collect();
+        let refs: Vec<&crate::model::ServiceEntry> = entries.iter().collect();
+        crate::writer::first_sync_sizes(&refs, start, ceilings, maglev)
+    }
+
     /// The algorithm for external traffic of Services without the annotation.
     pub fn with_lb_algorithm(mut self, default: LbAlgorithm) -> Self {
         self.lb_default = default;
