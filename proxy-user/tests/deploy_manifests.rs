@@ -863,11 +863,12 @@ fn check(objects: &[Object], expect: &Expect, origin: &str) {
         Some(&tested_limit),
         "{origin}: the memory limit must be the one tests/memory_limit.rs measures"
     );
-    // The request at least covers the maps, charged from the first second (180 MiB with
-    // the base's conntrack size), and never exceeds the limit.
+    // The request at least covers what stays charged to the pod at 10,000 Services x 10
+    // with conntrack grown to the base's ceiling (tests/memory_limit.rs: 117 MiB with no
+    // agent running), and never exceeds the limit.
     let request = requests.get("memory").expect("memory request");
     assert!(
-        (256 * MIB..=quantity_bytes(&tested_limit.0)).contains(&quantity_bytes(&request.0)),
+        (128 * MIB..=quantity_bytes(&tested_limit.0)).contains(&quantity_bytes(&request.0)),
         "{origin}: memory request {request:?} (limit {tested_limit:?})"
     );
     assert_eq!(

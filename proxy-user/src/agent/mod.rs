@@ -17,6 +17,7 @@ mod node_addresses;
 pub mod per_service;
 pub mod schedule;
 mod source;
+mod start;
 pub mod sync;
 
 use std::{
@@ -40,6 +41,7 @@ use crate::{
 use metrics::{Endpoints, Health, Metrics};
 pub use node_addresses::{NodeAddresses, NodePortSelection};
 use schedule::{Backoff, Schedule};
+pub use start::FIRST_LISTS_WAIT;
 use sync::{SyncOutcome, Syncer};
 
 /// Everything `proxy-agent run` takes.
@@ -114,13 +116,9 @@ pub struct AgentOptions {
     pub service_cidrs: Vec<(std::net::IpAddr, u8)>,
 }
 
-/// How long a fresh node's agent waits for its first lists before it makes the maps at
-/// their start sizes anyway (then the first sync grows them online).
-pub const FIRST_LISTS_WAIT: Duration = Duration::from_secs(5);
-
 /// Runs the agent until `shutdown` completes: the steps of the module doc, in order.
 /// On a fresh node (nothing pinned) the sources start first and the maps sized to demand
-/// are made at what the first lists need ([`first_lists`]); on pinned maps (a restart,
+/// are made at what the first lists need ([`start::fresh`]); on pinned maps (a restart,
 /// an upgrade) the datapath is adopted first and the lists read meanwhile.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     cli::raise_open_file_limit();
@@ -129,7 +127,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     // thousands of Services the read takes as long as the load or longer).
     let manifests = source::read_manifests(&opts, &metrics)?;
     let (interfaces, node_addrs) = node_interfaces(&opts)?;
-    let start = start_sizes(&opts)?;
+    let start = start::start_sizes(&opts)?;
     let health = Arc::new(Health::new(opts.sync_interval * 2));
     // The socket-LB bypass reads the pinned maps when its source starts: with it, the
     // maps are made first.
@@ -138,37 +136,15 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         .is_none()
         && !bypass::bypass_on(&opts);
     let (datapath, metrics, rx, syncer) = if fresh {
-        // Metrics and health first (/livez answers while the lists are read), then the
-        // lists, then the maps at the first sync's sizes.
-        let metrics = new_metrics(&opts, &node_addrs, metrics);
-        serve_http(&opts, &metrics, &health).await?;
-        let mut rx = source::start_source(&opts, &metrics, manifests).await?;
-        let mut first = new_syncer(
-            &opts,
-            Writer::new(crate::store::MemStore::default()),
-            metrics.clone(),
-        );
-        let sizes = first_lists(&opts, &mut first, &mut rx, start).await;
-        // Off the runtime: the servers keep answering and the sources keep reading.
-        let o = opts.clone();
-        let datapath =
-            tokio::task::spawn_blocking(move || open_datapath(&o, interfaces, node_addrs, &sizes))
-                .await
-                .context("the install task failed")??;
-        (datapath, metrics, rx, Some(first))
+        start::fresh(
+            &opts, metrics, &health, manifests, interfaces, node_addrs, start,
+        )
+        .await?
     } else {
-        let datapath = open_datapath(&opts, interfaces, node_addrs, &start)?;
-        // Metrics and health first: reading a large pinned state back takes seconds, and
-        // /livez must answer meanwhile (/healthz says 503 until the first sync).
-        let metrics = new_metrics(&opts, &datapath.node_addrs, metrics);
-        record_datapath(&opts, &datapath, &metrics);
-        serve_http(&opts, &metrics, &health).await?;
-        // The sources start before the pinned maps are read back: the lists (seconds at
-        // tens of thousands of Services) arrive and are decoded while adoption runs on
-        // another thread, and wait in the channel for the syncer (which writes nothing
-        // before every initial list is in).
-        let rx = source::start_source(&opts, &metrics, manifests).await?;
-        (datapath, metrics, rx, None)
+        start::on_pins(
+            &opts, metrics, &health, manifests, interfaces, node_addrs, &start,
+        )
+        .await?
     };
     if fresh {
         record_datapath(&opts, &datapath, &metrics);
@@ -212,92 +188,11 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
     Ok(())
 }
 
-/// The sizes the maps sized to demand start at on this node: conntrack's within its
-/// flags (in flows: `InstallOptions::conntrack_flows`), the service maps' and the
-/// others' ([`service_start_sizes`]).
-fn start_sizes(opts: &AgentOptions) -> anyhow::Result<loader::Sizes> {
-    // Both bounds checked before anything is made (the ceiling is only created when the
-    // tables grow to it).
-    loader::conntrack_entries(opts.conntrack_flows).context("--conntrack-max")?;
-    loader::conntrack_entries(opts.conntrack_start).context("--conntrack-start")?;
-    // The conntrack size at this start: the pinned one (grown online) within
-    // [--conntrack-start, --conntrack-max], else the nearest bound.
-    let conntrack_flows = crate::ctsize::start_flows(
-        crate::pins::PinDir::new(&opts.pin_path).max_entries(proxy_common::map_names::CT4),
-        opts.conntrack_start,
-        opts.conntrack_flows,
-    );
-    // The service-side maps likewise: the ceiling checked, the maps made small (or kept at
-    // their pinned size up to their ceilings); the writer grows them online.
-    let (service_entries, map_sizes) = service_start_sizes(opts)?;
-    Ok(map_sizes
-        .with(loader::SizedMap::Conntrack, conntrack_flows)
-        .with(loader::SizedMap::Service, service_entries))
-}
-
-/// A fresh node: takes the sources' updates into `first` until every initial list is
-/// in (at most [`FIRST_LISTS_WAIT`]) and returns the sizes its first sync needs
-/// (`start` where it needs no more: what the writer would grow them to at that sync).
-/// Lists not in by then (or a source that stopped): `start`, and the first sync grows
-/// the maps online.
-async fn first_lists(
-    opts: &AgentOptions,
-    first: &mut Syncer<crate::store::MemStore>,
-    rx: &mut mpsc::Receiver<Update>,
-    start: loader::Sizes,
-) -> loader::Sizes {
-    let began = Instant::now();
-    let deadline = tokio::time::Instant::now() + FIRST_LISTS_WAIT;
-    while !first.ready() {
-        match tokio::time::timeout_at(deadline, rx.recv()).await {
-            Ok(Some(u)) => {
-                let now = Instant::now();
-                first.handle(u, now);
-                while let Ok(u) = rx.try_recv() {
-                    first.handle(u, now);
-                }
-            }
-            Ok(None) | Err(_) => {
-                warn!(
-                    waited_ms = began.elapsed().as_millis() as u64,
-                    "the first lists are not in: the maps are made at their start sizes (the first sync grows them)"
-                );
-                return start;
-            }
-        }
-    }
-    let ceilings = loader::Sizes::compiled().with(loader::SizedMap::Service, opts.service_entries);
-    let sizes = first.first_sync_sizes(start, &ceilings, opts.maglev);
-    info!(
-        services = first.index().service_count(),
-        waited_ms = began.elapsed().as_millis() as u64,
-        sizes = %crate::store::describe_sizes(&sizes.changed_from(&start)),
-        "fresh node: the maps are made at the first sync's sizes"
-    );
-    sizes
-}
-
 /// What [`open_datapath`] found and installed.
 struct Datapath {
     installed: loader::InstallReport,
     /// The node's addresses (NodePorts at the socket hooks, and on TC).
     node_addrs: Vec<std::net::IpAddr>,
-}
-
-/// The size of the service maps at this start (`--service-map-entries` checked: the
-/// pinned size up to it, else `loader::SERVICE_START_ENTRIES`) and of the other maps
-/// sized to demand (`loader::start_sizes`: made at their floors or kept at their pinned
-/// size up to their ceilings; the per-Service counters at their ceiling only with
-/// `--metrics-per-service`). The writer grows them online.
-fn service_start_sizes(opts: &AgentOptions) -> anyhow::Result<(u32, loader::Sizes)> {
-    loader::service_entries(opts.service_entries).context("--service-map-entries")?;
-    let pins = crate::pins::PinDir::new(&opts.pin_path);
-    let service_entries = loader::service_start_entries(
-        pins.max_entries(proxy_common::map_names::SVC4),
-        opts.service_entries,
-    );
-    let sizes = loader::start_sizes(&pins, opts.metrics_per_service.is_some());
-    Ok((service_entries, sizes))
 }
 
 /// The interfaces the TC datapath attaches to and the node's addresses.

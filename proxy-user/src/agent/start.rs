@@ -1,0 +1,172 @@
+//! How the agent comes up ([`super::run`]): on a fresh node (nothing pinned) the sources
+//! start first and the maps sized to demand are made at what the first lists need
+//! ([`fresh`], [`first_lists`]); on pinned maps (a restart, an upgrade) the datapath is
+//! adopted first and the lists read meanwhile ([`on_pins`]). Both start from the sizes
+//! of [`start_sizes`].
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use super::{
+    metrics::{Health, Metrics},
+    new_metrics, new_syncer, open_datapath, serve_http, source,
+    sync::Syncer,
+    AgentOptions, Datapath,
+};
+use crate::{cluster::Update, loader, Writer};
+
+/// A manifests directory read while the datapath loads ([`source::read_manifests`]).
+type Manifests = Option<mpsc::Receiver<Update>>;
+
+/// What the start hands on: the datapath, the metrics, the sources' channel, and on a
+/// fresh node the syncer that took the first lists.
+type Started = (
+    Datapath,
+    Arc<Metrics>,
+    mpsc::Receiver<Update>,
+    Option<Syncer<crate::store::MemStore>>,
+);
+
+/// A fresh node: metrics and health first (/livez answers while the lists are read),
+/// then the lists, then the maps at the first sync's sizes.
+pub(super) async fn fresh(
+    opts: &AgentOptions,
+    metrics: Metrics,
+    health: &Arc<Health>,
+    manifests: Manifests,
+    interfaces: Vec<String>,
+    node_addrs: Vec<std::net::IpAddr>,
+    start: loader::Sizes,
+) -> anyhow::Result<Started> {
+    let metrics = new_metrics(opts, &node_addrs, metrics);
+    serve_http(opts, &metrics, health).await?;
+    let mut rx = source::start_source(opts, &metrics, manifests).await?;
+    let mut first = new_syncer(
+        opts,
+        Writer::new(crate::store::MemStore::default()),
+        metrics.clone(),
+    );
+    let sizes = first_lists(opts, &mut first, &mut rx, start).await;
+    // Off the runtime: the servers keep answering and the sources keep reading.
+    let o = opts.clone();
+    let datapath =
+        tokio::task::spawn_blocking(move || open_datapath(&o, interfaces, node_addrs, &sizes))
+            .await
+            .context("the install task failed")??;
+    Ok((datapath, metrics, rx, Some(first)))
+}
+
+/// Pinned maps: the datapath adopted first, then metrics and health (reading a large
+/// pinned state back takes seconds, and /livez must answer meanwhile; /healthz says 503
+/// until the first sync), then the sources.
+pub(super) async fn on_pins(
+    opts: &AgentOptions,
+    metrics: Metrics,
+    health: &Arc<Health>,
+    manifests: Manifests,
+    interfaces: Vec<String>,
+    node_addrs: Vec<std::net::IpAddr>,
+    start: &loader::Sizes,
+) -> anyhow::Result<Started> {
+    let datapath = open_datapath(opts, interfaces, node_addrs, start)?;
+    let metrics = new_metrics(opts, &datapath.node_addrs, metrics);
+    super::record_datapath(opts, &datapath, &metrics);
+    serve_http(opts, &metrics, health).await?;
+    // The sources start before the pinned maps are read back: the lists (seconds at
+    // tens of thousands of Services) arrive and are decoded while adoption runs on
+    // another thread, and wait in the channel for the syncer (which writes nothing
+    // before every initial list is in).
+    let rx = source::start_source(opts, &metrics, manifests).await?;
+    Ok((datapath, metrics, rx, None))
+}
+
+/// How long a fresh node's agent waits for its first lists before it makes the maps at
+/// their start sizes anyway (then the first sync grows them online).
+pub const FIRST_LISTS_WAIT: Duration = Duration::from_secs(5);
+
+/// The sizes the maps sized to demand start at on this node: conntrack's within its
+/// flags (in flows: `InstallOptions::conntrack_flows`), the service maps' and the
+/// others' ([`service_start_sizes`]).
+pub(super) fn start_sizes(opts: &AgentOptions) -> anyhow::Result<loader::Sizes> {
+    // Both bounds checked before anything is made (the ceiling is only created when the
+    // tables grow to it).
+    loader::conntrack_entries(opts.conntrack_flows).context("--conntrack-max")?;
+    loader::conntrack_entries(opts.conntrack_start).context("--conntrack-start")?;
+    // The conntrack size at this start: the pinned one (grown online) within
+    // [--conntrack-start, --conntrack-max], else the nearest bound.
+    let conntrack_flows = crate::ctsize::start_flows(
+        crate::pins::PinDir::new(&opts.pin_path).max_entries(proxy_common::map_names::CT4),
+        opts.conntrack_start,
+        opts.conntrack_flows,
+    );
+    // The service-side maps likewise: the ceiling checked, the maps made small (or kept at
+    // their pinned size up to their ceilings); the writer grows them online.
+    let (service_entries, map_sizes) = service_start_sizes(opts)?;
+    Ok(map_sizes
+        .with(loader::SizedMap::Conntrack, conntrack_flows)
+        .with(loader::SizedMap::Service, service_entries))
+}
+
+/// A fresh node: takes the sources' updates into `first` until every initial list is
+/// in (at most [`FIRST_LISTS_WAIT`]) and returns the sizes its first sync needs
+/// (`start` where it needs no more: what the writer would grow them to at that sync).
+/// Lists not in by then (or a source that stopped): `start`, and the first sync grows
+/// the maps online.
+async fn first_lists(
+    opts: &AgentOptions,
+    first: &mut Syncer<crate::store::MemStore>,
+    rx: &mut mpsc::Receiver<Update>,
+    start: loader::Sizes,
+) -> loader::Sizes {
+    let began = Instant::now();
+    let deadline = tokio::time::Instant::now() + FIRST_LISTS_WAIT;
+    while !first.ready() {
+        match tokio::time::timeout_at(deadline, rx.recv()).await {
+            Ok(Some(u)) => {
+                let now = Instant::now();
+                first.handle(u, now);
+                while let Ok(u) = rx.try_recv() {
+                    first.handle(u, now);
+                }
+            }
+            Ok(None) | Err(_) => {
+                warn!(
+                    waited_ms = began.elapsed().as_millis() as u64,
+                    "the first lists are not in: the maps are made at their start sizes (the first sync grows them)"
+                );
+                return start;
+            }
+        }
+    }
+    let ceilings = loader::Sizes::compiled().with(loader::SizedMap::Service, opts.service_entries);
+    let sizes = first.first_sync_sizes(start, &ceilings, opts.maglev);
+    info!(
+        services = first.index().service_count(),
+        waited_ms = began.elapsed().as_millis() as u64,
+        sizes = %crate::store::describe_sizes(&sizes.changed_from(&start)),
+        "fresh node: the maps are made at the first sync's sizes"
+    );
+    sizes
+}
+
+/// The size of the service maps at this start (`--service-map-entries` checked: the
+/// pinned size up to it, else `loader::SERVICE_START_ENTRIES`) and of the other maps
+/// sized to demand (`loader::start_sizes`: made at their floors or kept at their pinned
+/// size up to their ceilings; the per-Service counters at their ceiling only with
+/// `--metrics-per-service`). The writer grows them online.
+fn service_start_sizes(opts: &AgentOptions) -> anyhow::Result<(u32, loader::Sizes)> {
+    loader::service_entries(opts.service_entries).context("--service-map-entries")?;
+    let pins = crate::pins::PinDir::new(&opts.pin_path);
+    let service_entries = loader::service_start_entries(
+        pins.max_entries(proxy_common::map_names::SVC4),
+        opts.service_entries,
+    );
+    let sizes = loader::start_sizes(&pins, opts.metrics_per_service.is_some());
+    Ok((service_entries, sizes))
+}
