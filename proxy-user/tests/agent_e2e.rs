@@ -2182,6 +2182,20 @@ fn the_first_client_ip_service_grows_affinity_online_and_its_affinity_works() {
     );
 }
 
+/// An agent started with the migration test hook `hook=step` on a fresh node serving
+/// `web`, then 8,000 new Services written (16,002 entries: past 3/4 of the 16,384-entry
+/// start, so the first sync grows the service maps).
+fn growth_with_hook(hook: &str, step: &str) -> (TestEnv, Manifests, AgentProcess) {
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &web_on_pod1());
+    let mut agent = AgentProcess::start_wrapped(&env, &[], &[(hook, step)], &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    dir.write("many.yaml", &manifests::many_services(8_000, 1, TARGET));
+    (env, dir, agent)
+}
+
 /// A service-map growth that fails with an error after each step
 /// (`EBPF_PROXY_MIGRATE_FAIL_AT`: as a refused map allocation or program load would) is
 /// rolled back, or finished when a hook was already swapped, at once by the running
@@ -2191,19 +2205,7 @@ fn the_first_client_ip_service_grows_affinity_online_and_its_affinity_works() {
 #[test]
 fn a_failed_service_map_growth_is_settled_at_once_and_retried() {
     for step in proxy_user::migrate::STEPS {
-        let mut env = TestEnv::without_datapath(1);
-        env.serve_all(TARGET);
-        let dir = Manifests::new();
-        dir.write("web.yaml", &web_on_pod1());
-        let mut agent = AgentProcess::start_wrapped(
-            &env,
-            &[],
-            &[(proxy_user::migrate::FAIL_ENV, step)],
-            &dir.arg(),
-        );
-        agent.wait_healthy(Duration::from_secs(20));
-        // 16,002 entries: past 3/4 of the 16,384-entry start.
-        dir.write("many.yaml", &manifests::many_services(8_000, 1, TARGET));
+        let (env, _dir, mut agent) = growth_with_hook(proxy_user::migrate::FAIL_ENV, step);
         let metrics = wait_metrics(
             &agent,
             &[
@@ -2261,19 +2263,7 @@ fn a_failed_service_map_growth_is_settled_at_once_and_retried() {
 #[test]
 fn a_crash_at_each_step_of_a_service_map_growth_then_restart() {
     for step in proxy_user::migrate::STEPS {
-        let mut env = TestEnv::without_datapath(1);
-        env.serve_all(TARGET);
-        let dir = Manifests::new();
-        dir.write("web.yaml", &web_on_pod1());
-        let mut agent = AgentProcess::start_wrapped(
-            &env,
-            &[],
-            &[(proxy_user::migrate::CRASH_ENV, step)],
-            &dir.arg(),
-        );
-        agent.wait_healthy(Duration::from_secs(20));
-        // 16,002 entries: past 3/4 of the 16,384-entry start.
-        dir.write("many.yaml", &manifests::many_services(8_000, 1, TARGET));
+        let (env, dir, mut agent) = growth_with_hook(proxy_user::migrate::CRASH_ENV, step);
         let t = Instant::now();
         let status = loop {
             if let Some(s) = agent.child.try_wait().expect("wait") {
