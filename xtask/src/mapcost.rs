@@ -19,12 +19,12 @@
 use std::{
     fs,
     os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd},
-    path::{Path, PathBuf},
     time::Instant,
 };
 
 use anyhow::{bail, Context as _, Result};
 use proxy_common::{Backend4, Ct4Key, Ct4Value, Ct6Key, Ct6Value, Svc4Key, SvcValue};
+use proxy_testbed::memcg::MemCgroup;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -126,11 +126,23 @@ pub fn main(args: &Args) -> Result<()> {
         bail!("bench-maps needs root (BPF maps, a child memory cgroup)");
     }
     let n = args.entries as usize;
-    let memcg = MemCg::find();
-    match &memcg {
-        Ok(m) => eprintln!("memory cgroup: {} ({})", m.parent.display(), m.version()),
-        Err(e) => eprintln!("no memory cgroup charge figures: {e:#}"),
-    }
+    // A probe: the memory controller this process can make children in (each map is
+    // measured in a fresh child cgroup of its own).
+    let memcg = match MemCgroup::new("xtask-mapcost", None) {
+        Ok(cg) => {
+            let kind = if cg.v2 {
+                "cgroup v2"
+            } else {
+                "cgroup v1 memory controller"
+            };
+            eprintln!("memory cgroup: below {} ({kind})", cg.path.display());
+            true
+        }
+        Err(e) => {
+            eprintln!("no memory cgroup charge figures: {e}");
+            false
+        }
+    };
     let mut rows = Vec::new();
     for shape in shapes() {
         for kind in KINDS {
@@ -138,7 +150,7 @@ pub fn main(args: &Args) -> Result<()> {
             if kind.map_type == ARRAY && shape.key != 4 {
                 continue;
             }
-            let row = measure(kind, &shape, n, memcg.as_ref().ok())
+            let row = measure(kind, &shape, n, memcg)
                 .with_context(|| format!("{} / {}", kind.name, shape.maps))?;
             eprintln!(
                 "{:<18} {:<32} insert {:>6.0} ns/entry, memlock {} -> {}",
@@ -151,7 +163,7 @@ pub fn main(args: &Args) -> Result<()> {
     Ok(())
 }
 
-fn measure(kind: Kind, shape: &Shape, n: usize, memcg: Option<&MemCg>) -> Result<Row> {
+fn measure(kind: Kind, shape: &Shape, n: usize, memcg: bool) -> Result<Row> {
     // Keys: distinct, spread (a hash map's keys in a real map are not sequential); for
     // an array, the dense indexes 0..n. Built before moving into the child cgroup, so
     // that the process's own heap is not charged there.
@@ -169,9 +181,15 @@ fn measure(kind: Kind, shape: &Shape, n: usize, memcg: Option<&MemCg>) -> Result
     }
     let values = vec![0x5au8; n * shape.value];
 
-    let cg = memcg.map(MemCg::child).transpose()?;
+    let cg = memcg
+        .then(|| -> Result<MemCgroup> {
+            let cg = MemCgroup::new("xtask-mapcost", None)?;
+            cg.enter()?;
+            Ok(cg)
+        })
+        .transpose()?;
     let result = (|| -> Result<Row> {
-        let before = cg.as_ref().map(ChildCg::usage).transpose()?;
+        let before = cg.as_ref().map(MemCgroup::usage).transpose()?;
         let fd = bpf_sys::map_create(
             kind.map_type,
             shape.key as u32,
@@ -285,121 +303,10 @@ fn memlock(fd: BorrowedFd<'_>) -> Result<u64> {
         .with_context(|| format!("no memlock line in {path}"))
 }
 
-fn charge(cg: Option<&ChildCg>, before: Option<u64>) -> Result<Option<u64>> {
+fn charge(cg: Option<&MemCgroup>, before: Option<u64>) -> Result<Option<u64>> {
     match (cg, before) {
         (Some(cg), Some(b)) => Ok(Some(cg.usage()?.saturating_sub(b))),
         _ => Ok(None),
-    }
-}
-
-/// The memory controller: cgroup v2 if the unified hierarchy has it, else v1's.
-struct MemCg {
-    /// This process's own memory cgroup directory (children are made below it).
-    parent: PathBuf,
-    v2: bool,
-}
-
-impl MemCg {
-    fn version(&self) -> &'static str {
-        if self.v2 {
-            "cgroup v2"
-        } else {
-            "cgroup v1 memory controller"
-        }
-    }
-
-    fn find() -> Result<MemCg> {
-        let mountinfo = fs::read_to_string("/proc/self/mountinfo")?;
-        let own = fs::read_to_string("/proc/self/cgroup")?;
-        let mounts: Vec<(String, String, String)> = mountinfo
-            .lines()
-            .filter_map(|l| {
-                let (pre, post) = l.split_once(" - ")?;
-                let mnt = pre.split_whitespace().nth(4)?.to_string();
-                let mut p = post.split_whitespace();
-                let fstype = p.next()?.to_string();
-                let opts = p.nth(1)?.to_string();
-                Some((mnt, fstype, opts))
-            })
-            .collect();
-        if let Some((mnt, _, _)) = mounts.iter().find(|(_, t, _)| t == "cgroup2") {
-            let path = own
-                .lines()
-                .find_map(|l| l.strip_prefix("0::"))
-                .unwrap_or("/");
-            let parent = Path::new(mnt).join(path.trim_start_matches('/'));
-            let ctl = fs::read_to_string(parent.join("cgroup.controllers")).unwrap_or_default();
-            if ctl.split_whitespace().any(|c| c == "memory") {
-                return Ok(MemCg { parent, v2: true });
-            }
-        }
-        let (mnt, _, _) = mounts
-            .iter()
-            .find(|(_, t, o)| t == "cgroup" && o.split(',').any(|x| x == "memory"))
-            .context(
-                "neither a cgroup2 hierarchy with the memory controller nor a v1 memory hierarchy",
-            )?;
-        let path = own
-            .lines()
-            .find_map(|l| {
-                let mut f = l.splitn(3, ':');
-                let _ = f.next();
-                let ctrl = f.next()?;
-                let path = f.next()?;
-                ctrl.split(',').any(|c| c == "memory").then_some(path)
-            })
-            .context("no memory line in /proc/self/cgroup")?;
-        Ok(MemCg {
-            parent: Path::new(mnt).join(path.trim_start_matches('/')),
-            v2: false,
-        })
-    }
-
-    /// A fresh child cgroup with this process moved into it.
-    fn child(&self) -> Result<ChildCg> {
-        let path = self
-            .parent
-            .join(format!("xtask-mapcost-{}", std::process::id()));
-        if self.v2 {
-            let _ = fs::write(self.parent.join("cgroup.subtree_control"), "+memory");
-        }
-        fs::create_dir(&path).with_context(|| format!("mkdir {}", path.display()))?;
-        let cg = ChildCg {
-            path,
-            parent: self.parent.clone(),
-            v2: self.v2,
-        };
-        fs::write(cg.path.join("cgroup.procs"), std::process::id().to_string())
-            .with_context(|| format!("moving into {}", cg.path.display()))?;
-        Ok(cg)
-    }
-}
-
-struct ChildCg {
-    path: PathBuf,
-    parent: PathBuf,
-    v2: bool,
-}
-
-impl ChildCg {
-    fn usage(&self) -> Result<u64> {
-        let f = self.path.join(if self.v2 {
-            "memory.current"
-        } else {
-            "memory.usage_in_bytes"
-        });
-        let s = fs::read_to_string(&f).with_context(|| f.display().to_string())?;
-        Ok(s.trim().parse()?)
-    }
-
-    /// Moves this process back to its own cgroup and removes the child.
-    fn leave(self) -> Result<()> {
-        fs::write(
-            self.parent.join("cgroup.procs"),
-            std::process::id().to_string(),
-        )
-        .context("moving back to the parent cgroup")?;
-        fs::remove_dir(&self.path).with_context(|| format!("rmdir {}", self.path.display()))
     }
 }
 

@@ -193,6 +193,24 @@ impl MemCgroup {
         }
     }
 
+    /// Moves the calling process into this cgroup: what it allocates from now on (its
+    /// pages, the kernel objects it creates) is charged here.
+    pub fn enter(&self) -> io::Result<()> {
+        self.write("cgroup.procs", &std::process::id().to_string())
+    }
+
+    /// Moves the calling process back to the cgroup this one was made in (before drop:
+    /// a cgroup with a process in it cannot be removed).
+    pub fn leave(&self) -> io::Result<()> {
+        let parent = self
+            .path
+            .parent()
+            .ok_or_else(|| invalid("no parent".into()))?;
+        let procs = parent.join("cgroup.procs");
+        fs::write(&procs, std::process::id().to_string())
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", procs.display())))
+    }
+
     /// `cmd`'s process is moved into this cgroup between fork and exec, so that
     /// everything it allocates, from its first page, is charged here.
     pub fn enter_before_exec(&self, cmd: &mut Command) -> io::Result<()> {
