@@ -2644,11 +2644,16 @@ fn a_crash_at_each_step_of_a_service_map_shrink_then_restart() {
             "resuming an interrupted layout migration"
         };
         assert!(logs.contains(found), "{step}: {logs}");
-        // Rolled back: shrunk again by this agent; finished: nothing left to shrink.
+        // Rolled back: shrunk again by this agent; finished: nothing left to shrink, and
+        // the start took the sizes of after the resume (nothing resized back).
         assert_eq!(
             logs.contains("service-side maps shrunk online"),
             rolled_back,
             "{step}: {logs}"
+        );
+        assert!(
+            !logs.contains("wanted_entries=32768"),
+            "{step}: resized back to the grown size at the start: {logs}"
         );
         eprintln!("{step}: settled at the start, 101 Services whole, maps at their start sizes");
     }

@@ -194,6 +194,17 @@ pub fn prepare(pins: &PinDir) -> Result<(), LoadError> {
     prepare_sized(pins, None).map(drop)
 }
 
+/// An interrupted migration (a crash in a resize or an upgrade) finished or rolled back
+/// now, before a start reads the pinned sizes ([`prepare_sized`] settles it too, but
+/// after the caller took its sizes from the maps of before the resume: a finished shrink
+/// or growth would then be resized back, and again by the running agent).
+pub fn settle_interrupted(pins: &PinDir) -> Result<(), LoadError> {
+    if EBPF_OBJECT.is_empty() || !pins.staging().path().exists() {
+        return Ok(());
+    }
+    resume_or_roll_back(pins).map(drop)
+}
+
 /// [`prepare`], and pinned maps whose size is not `sizes` (a changed `--conntrack-max`
 /// or `--service-map-entries`) resized online: the staged migration at the same ABI
 /// into maps of the new sizes (entries copied, insert-if-absent around the program
