@@ -2119,16 +2119,27 @@ fn pinned_max_entries(pins: &Path, name: &str) -> u32 {
 /// while no Maglev frontend, the per-Service counters at 1 entry without
 /// `--metrics-per-service`; the first ClientIP Service grows `AFFINITY` online to its
 /// ceiling before its frontend is written, and its affinity works: every connection of
-/// the client reaches the one pod of three it was first balanced to, `web` unbroken.
+/// the client reaches the one pod of three it was first balanced to, `web` unbroken. The
+/// Service gone, `AFFINITY` shrinks back to 1,024 once the hold (shortened to 3 s) has
+/// passed, and its memory returns to within 8 KiB of its figure before the growth.
 #[test]
 fn the_first_client_ip_service_grows_affinity_online_and_its_affinity_works() {
     let mut env = TestEnv::without_datapath(3);
     env.serve_all(TARGET);
     let dir = Manifests::new();
     dir.write("web.yaml", &web_on_pod1());
-    let mut agent = AgentProcess::start(&env, &dir.arg());
+    let hook = [(proxy_user::agent::shrink::SHRINK_AFTER_ENV, "3000")];
+    let mut agent = AgentProcess::start_wrapped(&env, &[], &hook, &dir.arg());
     agent.wait_healthy(Duration::from_secs(20));
     env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    let before = map_memory(
+        &wait_metrics(
+            &agent,
+            &["ebpf_proxy_map_memory_bytes{map=\"AFFINITY\"}"],
+            Duration::from_secs(30),
+        ),
+        "AFFINITY",
+    );
     let max_entries = |name: &str| pinned_max_entries(&env.pins.path, name);
     for (map, small) in [
         ("AFFINITY", 1_024),
@@ -2181,9 +2192,49 @@ fn the_first_client_ip_service_grows_affinity_online_and_its_affinity_works() {
         }
         until(Instant::now(), 5, |r| answer_is(r, &["pod1"]));
     });
+    // Grown: 104 B per entry of 65,536 (6.5 MiB), once the gauge is read again.
+    let t = Instant::now();
+    let grown = loop {
+        let grown = map_memory(&agent.metrics(), "AFFINITY");
+        if grown > 6 << 20 {
+            break grown;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "AFFINITY {grown} bytes grown"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    // The ClientIP Service gone: shrunk back after the hold, its memory returned.
+    dir.remove("sticky.yaml");
+    let metrics = wait_metrics(
+        &agent,
+        &[
+            "ebpf_proxy_programmed_frontends 1\n",
+            "ebpf_proxy_map_resizes_total{map=\"AFFINITY\",direction=\"shrink\"} 1\n",
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(!metrics.contains("map_write_errors_total{"), "{metrics}");
+    assert_eq!(max_entries("AFFINITY"), 1_024);
+    let t = Instant::now();
+    let after = loop {
+        let after = map_memory(&agent.metrics(), "AFFINITY");
+        if after <= before + 8192 {
+            break after;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "AFFINITY {after} bytes after the shrink, {before} before the growth, {grown} grown"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!("AFFINITY {before} bytes before the growth, {grown} grown, {after} after the shrink");
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
     let logs = agent.stop();
     assert!(
-        logs.contains("service-side maps grown online before the sync's writes"),
+        logs.contains("service-side maps grown online before the sync's writes")
+            && logs.contains("service-side maps shrunk online"),
         "{logs}"
     );
 }
