@@ -263,7 +263,7 @@ pub enum StoreError {
     },
     #[error("map {map}: {detail}")]
     Corrupt { map: &'static str, detail: String },
-    #[error("growing the service-side maps to {to} entries: {detail}")]
+    #[error("resizing the service-side maps to {to}: {detail}")]
     Grow { to: String, detail: String },
 }
 

@@ -580,7 +580,7 @@ mod upsert;
 
 use backends::Backends;
 pub use counted::CountedIds;
-pub use demand::{first_sync_sizes, SvcGrowth};
+pub use demand::{first_sync_sizes, SvcGrowth, SVC_LOW_WATER};
 pub use plan::{node_address_ops, Plan};
 pub use sync::{svc_grown, SVC_HIGH_WATER};
 use upsert::slot_no;

@@ -449,9 +449,15 @@ fn a_thousand_services_with_ten_endpoints_each() {
 
 /// `ebpf_proxy_map_memory_bytes{map="SVC4"}` in a metrics text (0 when absent).
 fn svc4_memory(metrics: &str) -> u64 {
+    map_memory(metrics, "SVC4")
+}
+
+/// `ebpf_proxy_map_memory_bytes{map="<map>"}` in a metrics text (0 when absent).
+fn map_memory(metrics: &str, map: &str) -> u64 {
+    let prefix = format!("ebpf_proxy_map_memory_bytes{{map=\"{map}\"}} ");
     metrics
         .lines()
-        .find_map(|l| l.strip_prefix("ebpf_proxy_map_memory_bytes{map=\"SVC4\"} "))
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0)
 }
@@ -2113,16 +2119,27 @@ fn pinned_max_entries(pins: &Path, name: &str) -> u32 {
 /// while no Maglev frontend, the per-Service counters at 1 entry without
 /// `--metrics-per-service`; the first ClientIP Service grows `AFFINITY` online to its
 /// ceiling before its frontend is written, and its affinity works: every connection of
-/// the client reaches the one pod of three it was first balanced to, `web` unbroken.
+/// the client reaches the one pod of three it was first balanced to, `web` unbroken. The
+/// Service gone, `AFFINITY` shrinks back to 1,024 once the hold (shortened to 3 s) has
+/// passed, and its memory returns to within 8 KiB of its figure before the growth.
 #[test]
 fn the_first_client_ip_service_grows_affinity_online_and_its_affinity_works() {
     let mut env = TestEnv::without_datapath(3);
     env.serve_all(TARGET);
     let dir = Manifests::new();
     dir.write("web.yaml", &web_on_pod1());
-    let mut agent = AgentProcess::start(&env, &dir.arg());
+    let hook = [(proxy_user::agent::shrink::SHRINK_AFTER_ENV, "3000")];
+    let mut agent = AgentProcess::start_wrapped(&env, &[], &hook, &dir.arg());
     agent.wait_healthy(Duration::from_secs(20));
     env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    let before = map_memory(
+        &wait_metrics(
+            &agent,
+            &["ebpf_proxy_map_memory_bytes{map=\"AFFINITY\"}"],
+            Duration::from_secs(30),
+        ),
+        "AFFINITY",
+    );
     let max_entries = |name: &str| pinned_max_entries(&env.pins.path, name);
     for (map, small) in [
         ("AFFINITY", 1_024),
@@ -2175,9 +2192,49 @@ fn the_first_client_ip_service_grows_affinity_online_and_its_affinity_works() {
         }
         until(Instant::now(), 5, |r| answer_is(r, &["pod1"]));
     });
+    // Grown: 104 B per entry of 65,536 (6.5 MiB), once the gauge is read again.
+    let t = Instant::now();
+    let grown = loop {
+        let grown = map_memory(&agent.metrics(), "AFFINITY");
+        if grown > 6 << 20 {
+            break grown;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "AFFINITY {grown} bytes grown"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    // The ClientIP Service gone: shrunk back after the hold, its memory returned.
+    dir.remove("sticky.yaml");
+    let metrics = wait_metrics(
+        &agent,
+        &[
+            "ebpf_proxy_programmed_frontends 1\n",
+            "ebpf_proxy_map_resizes_total{map=\"AFFINITY\",direction=\"shrink\"} 1\n",
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(!metrics.contains("map_write_errors_total{"), "{metrics}");
+    assert_eq!(max_entries("AFFINITY"), 1_024);
+    let t = Instant::now();
+    let after = loop {
+        let after = map_memory(&agent.metrics(), "AFFINITY");
+        if after <= before + 8192 {
+            break after;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "AFFINITY {after} bytes after the shrink, {before} before the growth, {grown} grown"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!("AFFINITY {before} bytes before the growth, {grown} grown, {after} after the shrink");
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
     let logs = agent.stop();
     assert!(
-        logs.contains("service-side maps grown online before the sync's writes"),
+        logs.contains("service-side maps grown online before the sync's writes")
+            && logs.contains("service-side maps shrunk online"),
         "{logs}"
     );
 }
@@ -2200,20 +2257,38 @@ fn growth_with_hook(hook: &str, step: &str) -> (TestEnv, Manifests, AgentProcess
 /// (`EBPF_PROXY_MIGRATE_FAIL_AT`: as a refused map allocation or program load would) is
 /// rolled back, or finished when a hook was already swapped, at once by the running
 /// agent: no staging directory is left to refuse the next growth, the writer's handles
-/// follow the maps in use, and the retry grows the maps and writes every frontend whole,
-/// `web` answering throughout; the agent never restarts.
+/// follow the maps in use, and every frontend is written whole, `web` answering
+/// throughout; the agent never restarts. The outcome is counted as what it is: rolled
+/// back (`staged`, `filled`), a failure (`map_write_errors_total{reason=
+/// "service_map_resize"} 1`) and the retry's growth (`map_resizes_total{direction=
+/// "grow"} 1` per map); finished (every later step), the growth done: counted once as a
+/// resize of each map, no write error.
 #[test]
 fn a_failed_service_map_growth_is_settled_at_once_and_retried() {
     for step in proxy_user::migrate::STEPS {
         let (env, _dir, mut agent) = growth_with_hook(proxy_user::migrate::FAIL_ENV, step);
-        let metrics = wait_metrics(
-            &agent,
-            &[
-                "ebpf_proxy_programmed_frontends 8001\n",
-                "ebpf_proxy_map_write_errors_total{reason=\"service_map_resize\"} 1\n",
-            ],
-            Duration::from_secs(180),
-        );
+        let rolled_back = matches!(step, "staged" | "filled");
+        let mut want = vec![
+            "ebpf_proxy_programmed_frontends 8001\n",
+            "ebpf_proxy_map_resizes_total{map=\"SVC4\",direction=\"grow\"} 1\n",
+            "ebpf_proxy_map_resizes_total{map=\"SVC6\",direction=\"grow\"} 1\n",
+            "ebpf_proxy_map_resizes_total{map=\"REVNAT4\",direction=\"grow\"} 1\n",
+        ];
+        if rolled_back {
+            want.push("ebpf_proxy_map_write_errors_total{reason=\"service_map_resize\"} 1\n");
+        }
+        wait_metrics(&agent, &want, Duration::from_secs(180));
+        agent.wait_healthy(Duration::from_secs(60));
+        let metrics = agent.metrics();
+        for w in &want {
+            assert!(metrics.contains(w), "{step}: {w}\n{metrics}");
+        }
+        if !rolled_back {
+            assert!(
+                !metrics.contains("map_write_errors_total{"),
+                "{step}: a growth finished by the settling counted as a failure:\n{metrics}"
+            );
+        }
         assert!(
             agent.child.try_wait().expect("wait").is_none(),
             "{step}: the agent exited:\n{}",
@@ -2225,33 +2300,22 @@ fn a_failed_service_map_growth_is_settled_at_once_and_retried() {
             "{step}: the failed growth left {} behind",
             staging.display()
         );
-        // Failed before any hook was swapped: rolled back, then grown again by the retry
-        // (counted); after: finished by the settling, the maps grown already.
-        if matches!(step, "staged" | "filled") {
-            assert!(
-                metrics.contains("ebpf_proxy_map_resizes_total{map=\"SVC4\",direction=\"grow\"}"),
-                "{step}: the retry grew the maps:\n{metrics}"
-            );
-        }
-        let svc4 = aya::maps::MapData::from_pin(env.pins.path.join("SVC4"))
-            .expect("pin")
-            .info()
-            .expect("info")
-            .max_entries();
-        assert!(svc4 > 16_384, "{step}: SVC4 still {svc4} entries");
+        assert_eq!(pinned_max_entries(&env.pins.path, "SVC4"), 32_768, "{step}");
         let entries = svc4_entries(&env.pins.path);
-        let whole = entries.values().filter(|n| **n == 2).count();
-        assert!(
-            whole >= 8_001,
-            "{step}: {whole} of 8,001 frontends whole in the pinned SVC4"
-        );
+        assert_eq!(entries.len(), 8_001, "{step}");
+        assert!(entries.values().all(|&n| n == 2), "{step}: half-written");
         env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
         let logs = agent.logs();
         assert!(
             logs.contains("rolling the resize back (or finishing it) now"),
             "{step}: {logs}"
         );
-        eprintln!("{step}: settled at once, retried, 8,001 frontends whole");
+        assert_eq!(
+            logs.contains("was finished: the maps are resized"),
+            !rolled_back,
+            "{step}: {logs}"
+        );
+        eprintln!("{step}: settled at once (rolled back: {rolled_back}), 8,001 frontends whole");
     }
 }
 
@@ -2334,6 +2398,315 @@ fn a_crash_at_each_step_of_a_service_map_growth_then_restart() {
             "resuming an interrupted layout migration"
         };
         assert!(logs.contains(found), "{step}: {logs}");
+    }
+}
+
+/// The service-side maps that shrink when their use falls (`SVC4/6`, `REVNAT4/6`), as
+/// 6,500 Services x 1 grow them: `SVC4/6` 16,384 -> 32,768 (13,002 entries), `REVNAT4/6`
+/// 4,096 -> 16,384 (6,501 frontends).
+const SHRUNK_MAPS: [(&str, u32, u32); 4] = [
+    ("SVC4", 16_384, 32_768),
+    ("SVC6", 16_384, 32_768),
+    ("REVNAT4", 4_096, 16_384),
+    ("REVNAT6", 4_096, 16_384),
+];
+
+/// Issue 27, "memory after shrink returns": maps grown by 6,500 Services x 1 (see
+/// [`SHRUNK_MAPS`]) are not shrunk while their use stays over a quarter of their size
+/// (down to 5,000 Services: 30.5 %, for more than twice the hold), nor before the hold
+/// (shortened to 10 s by `EBPF_PROXY_SERVICE_SHRINK_AFTER_MS`) has passed since the sync
+/// that took them under it (checked at half the hold: the hold runs from that sync, which
+/// comes after the change is written); then, every Service but `web` gone, they shrink
+/// in ONE online resize back to their start sizes, and `ebpf_proxy_map_memory_bytes` of
+/// each comes back to within 8 KiB of its figure before the growth (the same entries:
+/// `web`'s), while a client connects to `web`'s ClusterIP throughout: 0 failures, every
+/// answer from its pod. The shrunk sizes stay across a restart (no resize at it).
+#[test]
+fn service_maps_shrink_online_once_long_under_their_low_water_mark() {
+    let hold = Duration::from_secs(10);
+    let mut env = TestEnv::without_datapath(1);
+    env.serve_all(TARGET);
+    let dir = Manifests::new();
+    dir.write("web.yaml", &web_on_pod1());
+    let hold_ms = hold.as_millis().to_string();
+    let hook = [(
+        proxy_user::agent::shrink::SHRINK_AFTER_ENV,
+        hold_ms.as_str(),
+    )];
+    let mut agent = AgentProcess::start_wrapped(&env, &[], &hook, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(20));
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    let size = |map: &str| pinned_max_entries(&env.pins.path, map);
+    let memory_of = |m: &str| SHRUNK_MAPS.map(|(map, _, _)| map_memory(m, map));
+    let before = memory_of(&wait_metrics(
+        &agent,
+        &["ebpf_proxy_map_memory_bytes{map=\"REVNAT6\"}"],
+        Duration::from_secs(30),
+    ));
+    for (map, start, _) in SHRUNK_MAPS {
+        assert_eq!(size(map), start, "{map} made small");
+    }
+
+    // Grown.
+    dir.write("many.yaml", &manifests::many_services(6_500, 1, TARGET));
+    wait_metrics(
+        &agent,
+        &[
+            "ebpf_proxy_programmed_frontends 6501\n",
+            "ebpf_proxy_map_resizes_total{map=\"SVC4\",direction=\"grow\"} 1\n",
+            "ebpf_proxy_map_resizes_total{map=\"REVNAT4\",direction=\"grow\"} 1\n",
+        ],
+        Duration::from_secs(180),
+    );
+    for (map, _, grown) in SHRUNK_MAPS {
+        assert_eq!(size(map), grown, "{map} grown");
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let grown = memory_of(&agent.metrics());
+
+    // Over a quarter of the grown sizes: never shrunk, however long.
+    dir.write("many.yaml", &manifests::many_services(5_000, 1, TARGET));
+    wait_metrics(
+        &agent,
+        &["ebpf_proxy_programmed_frontends 5001\n"],
+        Duration::from_secs(120),
+    );
+    std::thread::sleep(hold * 2 + Duration::from_secs(2));
+    let metrics = agent.metrics();
+    assert!(!metrics.contains("direction=\"shrink\""), "{metrics}");
+    for (map, _, grown) in SHRUNK_MAPS {
+        assert_eq!(size(map), grown, "{map} shrunk at 30 % of its size");
+    }
+
+    // Every Service but `web` gone: under a quarter.
+    let hammer = Hammer::start(&env);
+    std::thread::sleep(Duration::from_millis(200));
+    let removed = Instant::now();
+    dir.remove("many.yaml");
+    wait_metrics(
+        &agent,
+        &["ebpf_proxy_programmed_frontends 1\n"],
+        Duration::from_secs(120),
+    );
+    // Not before the hold: half of it after the change was written.
+    std::thread::sleep((hold / 2).saturating_sub(removed.elapsed()));
+    let metrics = agent.metrics();
+    let checked = removed.elapsed();
+    assert!(
+        checked < hold,
+        "the early check came {checked:?} after the change: too late to tell (hold {hold:?})"
+    );
+    assert!(
+        !metrics.contains("direction=\"shrink\""),
+        "shrunk {checked:?} after the change, before the hold ({hold:?}):\n{metrics}"
+    );
+    for (map, _, grown) in SHRUNK_MAPS {
+        assert_eq!(size(map), grown, "{map} shrunk before the hold");
+    }
+    // Then shrunk, all four in one resize, back to their start sizes.
+    let want: Vec<String> = SHRUNK_MAPS
+        .iter()
+        .map(|(map, _, _)| {
+            format!("ebpf_proxy_map_resizes_total{{map=\"{map}\",direction=\"shrink\"}} 1\n")
+        })
+        .collect();
+    let want: Vec<&str> = want.iter().map(String::as_str).collect();
+    let metrics = wait_metrics(&agent, &want, hold + Duration::from_secs(60));
+    let shrunk_after = removed.elapsed();
+    std::thread::sleep(Duration::from_millis(500));
+    let answers = hammer.stop();
+    assert!(
+        metrics.contains("ebpf_proxy_service_map_entries 16384\n")
+            && !metrics.contains("map_write_errors_total{"),
+        "{metrics}"
+    );
+    for (map, start, _) in SHRUNK_MAPS {
+        assert_eq!(size(map), start, "{map} shrunk to its start size");
+    }
+    for map in ["BACKEND4", "BACKEND_CONNS", "AFFINITY", "MAGLEV"] {
+        assert!(
+            !metrics.contains(&format!("{{map=\"{map}\",direction=")),
+            "{map} was at its floor: {metrics}"
+        );
+    }
+    // The memory returns: within 8 KiB of each map's figure before the growth.
+    let t = Instant::now();
+    let after = loop {
+        let after = memory_of(&agent.metrics());
+        if before.iter().zip(&after).all(|(b, a)| *a <= b + 8192) {
+            break after;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "map memory {after:?} bytes after the shrink, {before:?} before the growth, \
+             {grown:?} grown"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!(
+        "{:?} bytes before the growth, {grown:?} grown, {after:?} after the shrink \
+         ({shrunk_after:?} after the removal, hold {hold:?})",
+        before
+    );
+    // `web` answered from its pod throughout.
+    let bad: Vec<_> = answers
+        .iter()
+        .filter(|a| a.as_deref() != Ok("pod1"))
+        .collect();
+    assert!(answers.len() > 10, "{} answers", answers.len());
+    assert!(
+        bad.is_empty(),
+        "{} of {} connections to web failed or misrouted across the shrink: {:?}",
+        bad.len(),
+        answers.len(),
+        &bad[..bad.len().min(5)]
+    );
+    eprintln!(
+        "{} connections to web across the shrink, 0 failed",
+        answers.len()
+    );
+    assert_eq!(
+        svc4_entries(&env.pins.path)
+            .into_values()
+            .collect::<Vec<_>>(),
+        [2]
+    );
+    let logs = agent.stop();
+    assert!(logs.contains("service-side maps shrunk online"), "{logs}");
+
+    // The shrunk sizes stay across a restart (the default hold: nothing resized).
+    let mut agent = AgentProcess::start(&env, &dir.arg());
+    agent.wait_healthy(Duration::from_secs(30));
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    let metrics = agent.metrics();
+    assert!(
+        !metrics.contains("ebpf_proxy_map_resizes_total{"),
+        "{metrics}"
+    );
+    for (map, start, _) in SHRUNK_MAPS {
+        assert_eq!(size(map), start, "{map} after a restart");
+    }
+    agent.stop();
+}
+
+/// A crash after each step of a service-map shrink (`EBPF_PROXY_MIGRATE_CRASH_AT`): maps
+/// grown by 6,500 Services ([`SHRUNK_MAPS`]), most of them removed while the agent is
+/// down; the next agent (hold 500 ms) removes them at its first sync and aborts in the
+/// shrink that follows. The start after it finishes or rolls the shrink back; every
+/// Service left (`web` and 100 others) is served whole, and the maps end at their start
+/// sizes (a rolled-back shrink is done again after the hold), no staging directory left.
+#[test]
+fn a_crash_at_each_step_of_a_service_map_shrink_then_restart() {
+    let hook = proxy_user::agent::shrink::SHRINK_AFTER_ENV;
+    for step in proxy_user::migrate::STEPS {
+        let mut env = TestEnv::without_datapath(1);
+        env.serve_all(TARGET);
+        let dir = Manifests::new();
+        dir.write("web.yaml", &web_on_pod1());
+        dir.write("many.yaml", &manifests::many_services(6_500, 1, TARGET));
+        let mut agent = AgentProcess::start(&env, &dir.arg());
+        wait_metrics(
+            &agent,
+            &["ebpf_proxy_programmed_frontends 6501\n"],
+            Duration::from_secs(180),
+        );
+        agent.wait_healthy(Duration::from_secs(60));
+        for (map, _, grown) in SHRUNK_MAPS {
+            assert_eq!(
+                pinned_max_entries(&env.pins.path, map),
+                grown,
+                "{step}: {map}"
+            );
+        }
+        agent.stop();
+
+        dir.write("many.yaml", &manifests::many_services(100, 1, TARGET));
+        let hooks = [(proxy_user::migrate::CRASH_ENV, step), (hook, "500")];
+        let mut agent = AgentProcess::start_wrapped(&env, &[], &hooks, &dir.arg());
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = agent.child.try_wait().expect("wait") {
+                break s;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "{step}: no crash:\n{}",
+                agent.logs()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(!status.success(), "{step}: {status}");
+        let logs = agent.logs();
+        assert!(
+            logs.contains("wanted_entries=16384") && logs.contains("aborting (test hook)"),
+            "{step}: not the shrink's crash:\n{logs}"
+        );
+        drop(agent);
+
+        let mut agent = AgentProcess::start_wrapped(&env, &[], &[(hook, "500")], &dir.arg());
+        agent.wait_healthy(Duration::from_secs(120));
+        let t = Instant::now();
+        while SHRUNK_MAPS
+            .iter()
+            .any(|(map, start, _)| pinned_max_entries(&env.pins.path, map) != *start)
+        {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "{step}: not shrunk:\n{}",
+                agent.logs()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let metrics = agent.metrics();
+        assert!(
+            metrics.contains("ebpf_proxy_programmed_frontends 101\n")
+                && !metrics.contains("map_write_errors_total{"),
+            "{step}: {metrics}"
+        );
+        let entries = svc4_entries(&env.pins.path);
+        assert_eq!(entries.len(), 101, "{step}");
+        assert!(entries.values().all(|&n| n == 2), "{step}: half-written");
+        {
+            use proxy_user::MapStore as _;
+            let dump = proxy_user::bpf::BpfMaps::open(&env.pins.path)
+                .expect("open")
+                .dump()
+                .expect("dump");
+            assert_eq!(dump.revnat.len(), 101, "{step}: reverse NAT");
+            assert_eq!(dump.backends.len(), 101, "{step}: backends");
+            assert!(
+                dump.slots.values().all(|id| dump.backends.contains_key(id)),
+                "{step}: a slot names a backend the map lacks"
+            );
+        }
+        assert!(
+            !env.pins
+                .path
+                .join(proxy_user::migrate::STAGING_DIR)
+                .exists(),
+            "{step}: staging directory left"
+        );
+        env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+        let logs = agent.stop();
+        let rolled_back = matches!(step, "staged" | "filled");
+        let found = if rolled_back {
+            "an interrupted layout migration had not swapped any hook: rolling back"
+        } else {
+            "resuming an interrupted layout migration"
+        };
+        assert!(logs.contains(found), "{step}: {logs}");
+        // Rolled back: shrunk again by this agent; finished: nothing left to shrink, and
+        // the start took the sizes of after the resume (nothing resized back).
+        assert_eq!(
+            logs.contains("service-side maps shrunk online"),
+            rolled_back,
+            "{step}: {logs}"
+        );
+        assert!(
+            !logs.contains("wanted_entries=32768"),
+            "{step}: resized back to the grown size at the start: {logs}"
+        );
+        eprintln!("{step}: settled at the start, 101 Services whole, maps at their start sizes");
     }
 }
 

@@ -293,8 +293,8 @@ impl Metrics {
         );
         registry.register(
             "map_resizes",
-            "Pinned BPF maps resized online (conntrack or the service maps grown while \
-             serving, or a start with another --conntrack-start/--conntrack-max or \
+            "Pinned BPF maps resized online (conntrack or the service maps grown or shrunk \
+             while serving, or a start with another --conntrack-start/--conntrack-max or \
              --service-map-entries), per map and direction (grow, shrink)",
             m.map_resizes.clone(),
         );

@@ -16,6 +16,7 @@ pub mod metrics;
 mod node_addresses;
 pub mod per_service;
 pub mod schedule;
+pub mod shrink;
 mod source;
 mod start;
 pub mod sync;
@@ -458,6 +459,9 @@ pub async fn sync_loop<S: crate::MapStore>(
     let mut health_checks = healthcheck::HealthChecks::default();
     let mut stale_udp = ct_cleanup::StaleUdp::new(crate::pins::PinDir::new(&opts.pin_path));
     let mut sources_open = true;
+    let mut shrinker = shrink::Shrinker::new(shrink::shrink_after());
+    let mut shrink_every = tokio::time::interval(shrink::check_interval(shrink::shrink_after()));
+    shrink_every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let now = Instant::now();
         if schedule.take_resync(now) {
@@ -467,6 +471,8 @@ pub async fn sync_loop<S: crate::MapStore>(
         let wake = schedule.wake_at(pending, now);
         tokio::select! {
             _ = &mut shutdown => return,
+            // Between syncs: the service-side maps long under their low-water mark shrunk.
+            _ = shrink_every.tick() => shrink::check(&mut shrinker, &mut syncer),
             u = rx.recv(), if sources_open => match u {
                 Some(u) => {
                     let now = Instant::now();
@@ -487,6 +493,9 @@ pub async fn sync_loop<S: crate::MapStore>(
                     continue; // woken for the periodic resync, handled above
                 }
                 let out = syncer.sync(now);
+                if out.ops > 0 {
+                    shrinker.after_sync(syncer.writer());
+                }
                 after_sync(&mut syncer, &out, health, &mut health_checks, &mut node_addresses, hooked_cgroup.as_deref()).await;
                 stale_udp.after_sync(&syncer, &out);
                 if let Some(delay) = schedule.synced(Instant::now(), out.failed > 0) {

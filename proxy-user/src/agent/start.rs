@@ -98,6 +98,10 @@ pub(super) fn start_sizes(opts: &AgentOptions) -> anyhow::Result<loader::Sizes> 
     // tables grow to it).
     loader::conntrack_entries(opts.conntrack_flows).context("--conntrack-max")?;
     loader::conntrack_entries(opts.conntrack_start).context("--conntrack-start")?;
+    // A migration a crash interrupted is settled first: the sizes below are the maps'
+    // after it.
+    crate::migrate::settle_interrupted(&crate::pins::PinDir::new(&opts.pin_path))
+        .context("settling an interrupted migration")?;
     // The conntrack size at this start: the pinned one (grown online) within
     // [--conntrack-start, --conntrack-max], else the nearest bound.
     let conntrack_flows = crate::ctsize::start_flows(

@@ -71,7 +71,7 @@ pub use object::{
     spawn_kernel_logger, CT_FALLBACK_GLOBAL, FIB_HOP_TTL_GLOBAL,
 };
 pub use pods::PodTc;
-pub use sized::{grown, start_sizes, SizedMap, Sizes};
+pub use sized::{grown, shrunk, start_sizes, SizedMap, Sizes};
 
 /// Where to install.
 #[derive(Clone, Debug)]

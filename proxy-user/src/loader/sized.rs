@@ -216,6 +216,26 @@ pub fn grown(size: u32, needed: usize, ceiling: u32, high: (usize, usize)) -> Op
     Some(to.min(ceiling))
 }
 
+/// The size a kind of `size` entries shrinks to with `used` entries in use, when `used`
+/// is under the low-water mark `low` (numerator, denominator) of `size`: the power of two
+/// that holds `used` twice over (2x headroom: at most half full), at least `floor`;
+/// `None` when `used` is not under the mark or that size is not smaller. With a mark of
+/// 1/4 the result is at most half of `size`, and `used` lies above a quarter of it
+/// (unless at the floor) and at most half: under the growth's 3/4, over the next
+/// shrink's 1/4, so a steady use neither grows nor shrinks it again.
+pub fn shrunk(size: u32, used: usize, floor: u32, low: (usize, usize)) -> Option<u32> {
+    if used.saturating_mul(low.1) >= size as usize * low.0 {
+        return None;
+    }
+    let to = used
+        .saturating_mul(2)
+        .checked_next_power_of_two()
+        .and_then(|n| u32::try_from(n).ok())
+        .unwrap_or(u32::MAX)
+        .max(floor);
+    (to < size).then_some(to)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -245,5 +265,38 @@ mod tests {
         assert_eq!(grown(1024, 10_000, 4096, q), Some(4096));
         assert_eq!(grown(4096, 10_000, 4096, q), None);
         assert_eq!(grown(1, 65536 * 3 / 4 + 1, 65536, q), Some(65536));
+    }
+
+    #[test]
+    fn shrink_halves_at_least_to_twice_the_use_and_never_below_the_floor() {
+        let (q, low) = ((3, 4), (1, 4));
+        // At or over the low-water mark (a quarter): kept.
+        assert_eq!(shrunk(65_536, 16_384, 1024, low), None);
+        assert_eq!(shrunk(65_536, 40_000, 1024, low), None);
+        // Under it: the power of two holding the use twice over.
+        assert_eq!(shrunk(65_536, 16_383, 1024, low), Some(32_768));
+        assert_eq!(shrunk(65_536, 5_000, 1024, low), Some(16_384));
+        assert_eq!(shrunk(65_536, 2, 1024, low), Some(1024), "the floor");
+        assert_eq!(shrunk(65_536, 0, 16_384, low), Some(16_384));
+        // At (or below: a smaller ceiling) the floor: nothing to shrink.
+        assert_eq!(shrunk(16_384, 0, 16_384, low), None);
+        assert_eq!(shrunk(64, 0, 16_384, low), None);
+        // No oscillation: right after a shrink the use is at most half the new size
+        // (under the growth's 3/4) and, above the floor, over a quarter (no second
+        // shrink); the growth rule would not grow it back.
+        for size in [2048u32, 16_384, 65_536, 1 << 20] {
+            for used in (0..size as usize / 4).step_by(97) {
+                let Some(to) = shrunk(size, used, 1024, low) else {
+                    assert!(size <= 1024, "{size} {used}");
+                    continue;
+                };
+                assert!(to <= size / 2 && to >= 1024, "{size} {used} -> {to}");
+                assert!(used * 2 <= to as usize, "{size} {used} -> {to}");
+                assert_eq!(grown(to, used, size, q), None, "{size} {used} -> {to}");
+                if to > 1024 {
+                    assert_eq!(shrunk(to, used, 1024, low), None, "{size} {used} -> {to}");
+                }
+            }
+        }
     }
 }

@@ -52,8 +52,9 @@
 //! the agent runs, [`resize_conntrack`] takes the same path for `CT4/6` alone
 //! (`crate::ctsize` decides when), every other map shared, and [`resize_maps`] for the
 //! service-side kinds that need it, all in ONE migration (the writer, before a sync whose
-//! writes would pass their high-water mark: it writes nothing meanwhile, then reopens its
-//! handles); one at a time.
+//! writes would pass their high-water mark, or between syncs for the kinds long under
+//! their low-water mark, shrunk: it writes nothing meanwhile, then reopens its handles);
+//! one at a time.
 //!
 //! **No flow lost around a conntrack resize.** The copies alone leave two windows: a flow
 //! the old programs open after the copy before the swap, whose next packet a new program
@@ -71,8 +72,9 @@
 //!
 //! **A failed online resize** ([`resize_conntrack`], [`resize_service`], [`resize_maps`]:
 //! a map the kernel would not allocate, a program load refused) is settled at once by the
-//! running agent, as a start would: rolled back before any hook was swapped, finished
-//! after; a staging directory left behind would refuse every later resize until a restart.
+//! running agent, as a start would: rolled back before any hook was swapped (the resize
+//! returns the error), finished after (the resize is done: it returns the maps resized);
+//! a staging directory left behind would refuse every later resize until a restart.
 //!
 //! Test hooks: `EBPF_PROXY_MIGRATE_CRASH_AT=<step>` makes the process `abort()` right
 //! after that step ([`STEPS`]); `EBPF_PROXY_MIGRATE_FAIL_AT=<step>` makes the process's
@@ -103,7 +105,7 @@ pub use crate::loader::{object_hash, MIGRATE_STAGING_DIR as STAGING_DIR};
 
 pub use copy::{copy_map, Convert, ConvertFn, CopyCount};
 use hooks::replace_programs;
-use state::{migrate, resume_or_roll_back};
+use state::{migrate, resume_or_roll_back, Settled};
 
 use rules::force_mode;
 pub use rules::{converter, CRASH_ENV, FAIL_ENV, FORCE_ENV, OLDEST_ABI, STEPS};
@@ -192,6 +194,17 @@ pub fn prepare(pins: &PinDir) -> Result<(), LoadError> {
     prepare_sized(pins, None).map(drop)
 }
 
+/// An interrupted migration (a crash in a resize or an upgrade) finished or rolled back
+/// now, before a start reads the pinned sizes ([`prepare_sized`] settles it too, but
+/// after the caller took its sizes from the maps of before the resume: a finished shrink
+/// or growth would then be resized back, and again by the running agent).
+pub fn settle_interrupted(pins: &PinDir) -> Result<(), LoadError> {
+    if EBPF_OBJECT.is_empty() || !pins.staging().path().exists() {
+        return Ok(());
+    }
+    resume_or_roll_back(pins).map(drop)
+}
+
 /// [`prepare`], and pinned maps whose size is not `sizes` (a changed `--conntrack-max`
 /// or `--service-map-entries`) resized online: the staged migration at the same ABI
 /// into maps of the new sizes (entries copied, insert-if-absent around the program
@@ -277,7 +290,9 @@ pub fn resize_service(pins: &PinDir, entries: u32) -> Result<Vec<loader::MapResi
 }
 
 /// Online growth of maps sized to demand while the agent runs (the writer, before a sync
-/// whose writes would pass their high-water mark: `crate::writer`): every kind of
+/// whose writes would pass their high-water mark: `crate::writer`), or shrink (the
+/// agent's writer task between syncs, kinds long under their low-water mark:
+/// `agent::shrink`): every kind of
 /// `to` resized to its entries in ONE staged migration, like [`resize_conntrack`], every
 /// other map shared (conntrack keeps its pinned size unless named). The caller is the
 /// service-side maps' only writer and writes nothing meanwhile, so the copy before the
@@ -305,7 +320,64 @@ pub fn online_resizes() -> u64 {
     ONLINE_RESIZES.load(std::sync::atomic::Ordering::Acquire)
 }
 
+/// What an online resize does, for its log lines and errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Online {
+    Conntrack,
+    Grow,
+    Shrink,
+    Resize,
+}
+
+impl Online {
+    /// The kinds of `to` against their pinned sizes: conntrack alone, every other kind
+    /// larger (grown), every one smaller (shrunk), or some of each.
+    fn of(pins: &PinDir, to: &[(SizedMap, u32)]) -> Self {
+        if to.iter().all(|(k, _)| *k == SizedMap::Conntrack) {
+            return Online::Conntrack;
+        }
+        let pinned = |k: SizedMap| pins.max_entries(k.maps()[0]).unwrap_or(0);
+        if to.iter().all(|&(k, n)| n >= pinned(k)) {
+            Online::Grow
+        } else if to.iter().all(|&(k, n)| n <= pinned(k)) {
+            Online::Shrink
+        } else {
+            Online::Resize
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Online::Conntrack => "resizing conntrack",
+            Online::Grow => "growing the service maps",
+            Online::Shrink => "shrinking the service maps",
+            Online::Resize => "resizing the service maps",
+        }
+    }
+
+    fn busy(self) -> &'static str {
+        match self {
+            Online::Conntrack => "resizing conntrack: another migration is under way in",
+            Online::Grow => "growing the service maps: another migration is under way in",
+            Online::Shrink => "shrinking the service maps: another migration is under way in",
+            Online::Resize => "resizing the service maps: another migration is under way in",
+        }
+    }
+
+    fn other_abi(self) -> &'static str {
+        match self {
+            Online::Conntrack => "resizing conntrack: the pinned maps are of another ABI in",
+            Online::Grow => "growing the service maps: the pinned maps are of another ABI in",
+            Online::Shrink => "shrinking the service maps: the pinned maps are of another ABI in",
+            Online::Resize => "resizing the service maps: the pinned maps are of another ABI in",
+        }
+    }
+}
+
 /// The staged migration at this ABI into the pinned sizes with the kinds of `to` changed.
+/// A migration that fails and is then finished by [`settle_failed`] (it failed after a
+/// hook was swapped) is a resize done: `Ok`, counted as one; rolled back (or not
+/// settled), the error.
 fn resize_online(
     pins: &PinDir,
     to: &[(SizedMap, u32)],
@@ -313,22 +385,14 @@ fn resize_online(
     if EBPF_OBJECT.is_empty() || !pins.has_maps() {
         return Ok(Vec::new());
     }
-    let what = if to.iter().all(|(k, _)| *k == SizedMap::Conntrack) {
-        "resizing conntrack"
-    } else {
-        "growing the service maps"
-    };
     let _one = ONLINE_RESIZE
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let online = Online::of(pins, to);
     let staging = pins.staging();
     if staging.path().exists() {
         return Err(LoadError::Io {
-            what: if what == "resizing conntrack" {
-                "resizing conntrack: another migration is under way in"
-            } else {
-                "growing the service maps: another migration is under way in"
-            },
+            what: online.busy(),
             path: staging.path().to_path_buf(),
             source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
         });
@@ -336,11 +400,7 @@ fn resize_online(
     let found = pins.abi_version(Access::ReadOnly)?;
     if found != ABI_VERSION {
         return Err(LoadError::Io {
-            what: if what == "resizing conntrack" {
-                "resizing conntrack: the pinned maps are of another ABI in"
-            } else {
-                "growing the service maps: the pinned maps are of another ABI in"
-            },
+            what: online.other_abi(),
             path: pins.path().to_path_buf(),
             source: std::io::Error::from(std::io::ErrorKind::InvalidData),
         });
@@ -363,8 +423,15 @@ fn resize_online(
         );
     }
     if let Err(e) = migrate(pins, ABI_VERSION, Some(sizes)) {
-        settle_failed(pins, what, &e);
-        return Err(e);
+        if settle_failed(pins, online.what(), &e) != Some(Settled::Finished) {
+            return Err(e);
+        }
+        info!(
+            error = %e,
+            "{}: the migration failed after a hook was swapped and was finished: the \
+             maps are resized",
+            online.what()
+        );
     }
     ONLINE_RESIZES.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     Ok(resized)
@@ -373,19 +440,29 @@ fn resize_online(
 /// A failed online resize (a map the kernel would not allocate, a program load refused)
 /// is rolled back at once, or finished when it failed after a hook was swapped, as the
 /// next start would do: left as it was, its staging directory would refuse every later
-/// resize until a restart. The programs may have changed: whoever follows them is told.
-fn settle_failed(pins: &PinDir, what: &'static str, error: &LoadError) {
+/// resize until a restart. The programs may have changed: whoever follows them is told
+/// (a roll-back counts here; a finished resize is counted by the caller as a resize).
+/// Returns how it was settled (`None`: nothing to settle, or settling failed too).
+fn settle_failed(pins: &PinDir, what: &'static str, error: &LoadError) -> Option<Settled> {
     if !pins.staging().path().exists() {
-        return;
+        return None;
     }
     warn!(%error, "{what} failed: rolling the resize back (or finishing it) now");
-    if let Err(e) = resume_or_roll_back(pins) {
-        warn!(
-            error = %e,
-            "{what}: settling the failed resize failed too; the next start will"
-        );
+    match resume_or_roll_back(pins) {
+        Ok(Settled::RolledBack) => {
+            ONLINE_RESIZES.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            Some(Settled::RolledBack)
+        }
+        Ok(Settled::Finished) => Some(Settled::Finished),
+        Err(e) => {
+            warn!(
+                error = %e,
+                "{what}: settling the failed resize failed too; the next start will"
+            );
+            ONLINE_RESIZES.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            None
+        }
     }
-    ONLINE_RESIZES.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
 }
 
 /// A pinned outcome-counter array (`STATS`, `XDP_STATS`: one entry per [`Reason`]) smaller

@@ -72,8 +72,17 @@ pub(super) fn set_marker(staging: &PinDir, from: u32, state: &str) -> Result<(),
     }
 }
 
+/// How an interrupted migration was settled ([`resume_or_roll_back`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Settled {
+    /// No hook ran a new program: the staging directory removed, the old maps serve.
+    RolledBack,
+    /// Resumed and finished: the new maps serve.
+    Finished,
+}
+
 /// A start found the staging directory: roll back or resume.
-pub(super) fn resume_or_roll_back(pins: &PinDir) -> Result<(), LoadError> {
+pub(super) fn resume_or_roll_back(pins: &PinDir) -> Result<Settled, LoadError> {
     let staging = pins.staging();
     let marker = read_marker(&staging);
     match marker.as_ref().map(|(a, s)| (*a, s.as_str())) {
@@ -83,7 +92,8 @@ pub(super) fn resume_or_roll_back(pins: &PinDir) -> Result<(), LoadError> {
                 "an interrupted layout migration had not swapped any hook: rolling back \
                  (the old programs kept serving)"
             );
-            fs::remove_dir_all(staging.path()).map_err(io_err("removing", staging.path()))
+            fs::remove_dir_all(staging.path()).map_err(io_err("removing", staging.path()))?;
+            Ok(Settled::RolledBack)
         }
         Some((from, state)) => {
             warn!(
@@ -91,7 +101,8 @@ pub(super) fn resume_or_roll_back(pins: &PinDir) -> Result<(), LoadError> {
                 state, "resuming an interrupted layout migration"
             );
             let mut m = Migration::new(pins, from);
-            m.run_from(state, None)
+            m.run_from(state, None)?;
+            Ok(Settled::Finished)
         }
     }
 }

@@ -145,6 +145,41 @@ impl<S: MapStore> Writer<S> {
     }
 }
 
+/// The share of a map sized to demand under which it may be shrunk (`agent::shrink`,
+/// once the use has stayed under it long enough): 1/4. Shrunk ([`crate::loader::shrunk`])
+/// to at least twice what it holds, it is then at most half full: under
+/// [`SVC_HIGH_WATER`], so a steady use neither grows nor shrinks it again.
+pub const SVC_LOW_WATER: (usize, usize) = (1, 4);
+
+impl<S: MapStore> Writer<S> {
+    /// The kinds the writer grows that are under [`SVC_LOW_WATER`] now: `(kind, size,
+    /// the size it would shrink to)` ([`crate::loader::shrunk`] of what the maps hold,
+    /// never below the kind's floor, at most its ceiling). Empty when the store's maps
+    /// are not sized to demand. One pass over the programmed frontends.
+    pub fn svc_shrinkable(&self) -> Vec<(SizedMap, u32, u32)> {
+        let (Some(ceilings), Some(sizes)) = (self.ceilings, self.store.map_sizes()) else {
+            return Vec::new();
+        };
+        self.needed(&[], &ceilings)
+            .into_iter()
+            .filter_map(|(kind, used)| {
+                let (size, floor) = (sizes.get(kind), kind.floor().min(ceilings.get(kind)));
+                crate::loader::shrunk(size, used, floor, SVC_LOW_WATER).map(|to| (kind, size, to))
+            })
+            .collect()
+    }
+
+    /// Shrinks the maps of each kind of `to` in one online resize (the store's
+    /// [`MapStore::grow_maps`], which resizes either way); the caller runs it between
+    /// syncs, so no write meets the smaller maps before the writer's handles follow them.
+    pub fn shrink_maps(
+        &mut self,
+        to: &[(SizedMap, u32)],
+    ) -> Result<Vec<crate::loader::MapResize>, crate::store::StoreError> {
+        self.store.grow_maps(to)
+    }
+}
+
 /// The kinds of `needed` that pass [`SVC_HIGH_WATER`] of their size in `sizes`, each
 /// with the size it grows to (x2 at a time, at most its ceiling).
 fn growths(needed: &[(SizedMap, usize)], sizes: &Sizes, ceilings: &Sizes) -> Vec<(SizedMap, u32)> {
