@@ -2328,31 +2328,10 @@ fn a_failed_service_map_growth_is_settled_at_once_and_retried() {
 fn a_crash_at_each_step_of_a_service_map_growth_then_restart() {
     for step in proxy_user::migrate::STEPS {
         let (env, dir, mut agent) = growth_with_hook(proxy_user::migrate::CRASH_ENV, step);
-        let t = Instant::now();
-        let status = loop {
-            if let Some(s) = agent.child.try_wait().expect("wait") {
-                break s;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(120),
-                "{step}: no crash:\n{}",
-                agent.logs()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        assert!(!status.success(), "{step}: {status}");
+        wait_crash(&mut agent, step);
         drop(agent);
         let mut agent = AgentProcess::start(&env, &dir.arg());
         agent.wait_healthy(Duration::from_secs(120));
-        let metrics = agent.metrics();
-        assert!(
-            metrics.contains("ebpf_proxy_programmed_frontends 8001\n")
-                && !metrics.contains("map_write_errors_total{"),
-            "{step}: {metrics}"
-        );
-        let entries = svc4_entries(&env.pins.path);
-        assert_eq!(entries.len(), 8_001, "{step}");
-        assert!(entries.values().all(|&n| n == 2), "{step}: half-written");
         // The service maps and, in the same growth, reverse NAT (8,001 frontends past 3/4
         // of its 4,096-entry start); the backends (8,001) fit within their start.
         assert_eq!(pinned_max_entries(&env.pins.path, "SVC4"), 32_768, "{step}");
@@ -2371,34 +2350,77 @@ fn a_crash_at_each_step_of_a_service_map_growth_then_restart() {
             16_384,
             "{step}"
         );
-        {
-            use proxy_user::MapStore as _;
-            let dump = proxy_user::bpf::BpfMaps::open(&env.pins.path)
-                .expect("open")
-                .dump()
-                .expect("dump");
-            assert_eq!(dump.revnat.len(), 8_001, "{step}: reverse NAT");
-            assert_eq!(dump.backends.len(), 8_001, "{step}: backends");
+        assert_crash_settled(&env, agent, step, 8_001);
+    }
+}
+
+/// Waits (up to 120 s) for the agent to die of the crash hook at `step`.
+fn wait_crash(agent: &mut AgentProcess, step: &str) {
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = agent.child.try_wait().expect("wait") {
+            break s;
         }
         assert!(
-            !env.pins
-                .path
-                .join(proxy_user::migrate::STAGING_DIR)
-                .exists(),
-            "{step}: staging directory left"
+            t.elapsed() < Duration::from_secs(120),
+            "{step}: no crash:\n{}",
+            agent.logs()
         );
-        env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
-        let logs = agent.stop();
-        // The interrupted growth was found: rolled back before any hook swapped, resumed
-        // from the swap on.
-        let rolled_back = matches!(step, "staged" | "filled");
-        let found = if rolled_back {
-            "an interrupted layout migration had not swapped any hook: rolling back"
-        } else {
-            "resuming an interrupted layout migration"
-        };
-        assert!(logs.contains(found), "{step}: {logs}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success(), "{step}: {status}");
+}
+
+/// After a start that followed a crash at `step` of a resize: `frontends` frontends (one
+/// backend each) written whole, no write error, every slot naming a backend the map has,
+/// no staging directory left, `web` answering; the interrupted resize found in the log as
+/// rolled back (before any hook swapped: `staged`, `filled`) or resumed (from the swap
+/// on). Stops the agent; returns its log and whether the resize was rolled back.
+fn assert_crash_settled(
+    env: &TestEnv,
+    agent: AgentProcess,
+    step: &str,
+    frontends: usize,
+) -> (String, bool) {
+    let metrics = agent.metrics();
+    assert!(
+        metrics.contains(&format!("ebpf_proxy_programmed_frontends {frontends}\n"))
+            && !metrics.contains("map_write_errors_total{"),
+        "{step}: {metrics}"
+    );
+    let entries = svc4_entries(&env.pins.path);
+    assert_eq!(entries.len(), frontends, "{step}");
+    assert!(entries.values().all(|&n| n == 2), "{step}: half-written");
+    {
+        use proxy_user::MapStore as _;
+        let dump = proxy_user::bpf::BpfMaps::open(&env.pins.path)
+            .expect("open")
+            .dump()
+            .expect("dump");
+        assert_eq!(dump.revnat.len(), frontends, "{step}: reverse NAT");
+        assert_eq!(dump.backends.len(), frontends, "{step}: backends");
+        assert!(
+            dump.slots.values().all(|id| dump.backends.contains_key(id)),
+            "{step}: a slot names a backend the map lacks"
+        );
     }
+    assert!(
+        !env.pins
+            .path
+            .join(proxy_user::migrate::STAGING_DIR)
+            .exists(),
+        "{step}: staging directory left"
+    );
+    env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+    let logs = agent.stop();
+    let rolled_back = matches!(step, "staged" | "filled");
+    let found = if rolled_back {
+        "an interrupted layout migration had not swapped any hook: rolling back"
+    } else {
+        "resuming an interrupted layout migration"
+    };
+    assert!(logs.contains(found), "{step}: {logs}");
+    (logs, rolled_back)
 }
 
 /// The service-side maps that shrink when their use falls (`SVC4/6`, `REVNAT4/6`), as
@@ -2623,19 +2645,7 @@ fn a_crash_at_each_step_of_a_service_map_shrink_then_restart() {
         dir.write("many.yaml", &manifests::many_services(100, 1, TARGET));
         let hooks = [(proxy_user::migrate::CRASH_ENV, step), (hook, "500")];
         let mut agent = AgentProcess::start_wrapped(&env, &[], &hooks, &dir.arg());
-        let t = Instant::now();
-        let status = loop {
-            if let Some(s) = agent.child.try_wait().expect("wait") {
-                break s;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(120),
-                "{step}: no crash:\n{}",
-                agent.logs()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        assert!(!status.success(), "{step}: {status}");
+        wait_crash(&mut agent, step);
         let logs = agent.logs();
         assert!(
             logs.contains("wanted_entries=16384") && logs.contains("aborting (test hook)"),
@@ -2657,44 +2667,7 @@ fn a_crash_at_each_step_of_a_service_map_shrink_then_restart() {
             );
             std::thread::sleep(Duration::from_millis(100));
         }
-        let metrics = agent.metrics();
-        assert!(
-            metrics.contains("ebpf_proxy_programmed_frontends 101\n")
-                && !metrics.contains("map_write_errors_total{"),
-            "{step}: {metrics}"
-        );
-        let entries = svc4_entries(&env.pins.path);
-        assert_eq!(entries.len(), 101, "{step}");
-        assert!(entries.values().all(|&n| n == 2), "{step}: half-written");
-        {
-            use proxy_user::MapStore as _;
-            let dump = proxy_user::bpf::BpfMaps::open(&env.pins.path)
-                .expect("open")
-                .dump()
-                .expect("dump");
-            assert_eq!(dump.revnat.len(), 101, "{step}: reverse NAT");
-            assert_eq!(dump.backends.len(), 101, "{step}: backends");
-            assert!(
-                dump.slots.values().all(|id| dump.backends.contains_key(id)),
-                "{step}: a slot names a backend the map lacks"
-            );
-        }
-        assert!(
-            !env.pins
-                .path
-                .join(proxy_user::migrate::STAGING_DIR)
-                .exists(),
-            "{step}: staging directory left"
-        );
-        env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
-        let logs = agent.stop();
-        let rolled_back = matches!(step, "staged" | "filled");
-        let found = if rolled_back {
-            "an interrupted layout migration had not swapped any hook: rolling back"
-        } else {
-            "resuming an interrupted layout migration"
-        };
-        assert!(logs.contains(found), "{step}: {logs}");
+        let (logs, rolled_back) = assert_crash_settled(&env, agent, step, 101);
         // Rolled back: shrunk again by this agent; finished: nothing left to shrink, and
         // the start took the sizes of after the resume (nothing resized back).
         assert_eq!(
