@@ -297,7 +297,18 @@ fn side_by_side(
                 }
                 scale.side_by_side.insert(label.clone(), secs);
                 if label == "manifests" {
-                    scale.manifests_rss_mib = mode.agent().and_then(|a| a.rss_mib);
+                    let figures = mode.agent().unwrap_or_default();
+                    scale.manifests_rss_mib = figures.rss_mib;
+                    scale.manifests_hwm_mib = figures.hwm_mib;
+                    if let (Some(rss), Some(hwm)) = (figures.rss_mib, figures.hwm_mib) {
+                        log(
+                            start,
+                            format!(
+                                "  manifests: VmRSS {rss:.1} MiB, VmHWM {hwm:.1} MiB (peak / steady {:.2})",
+                                hwm / rss
+                            ),
+                        );
+                    }
                 } else if let (Some(_), Some(mib)) = (secs, charged_mib(&memcg, charged_before)) {
                     log(
                         start,
