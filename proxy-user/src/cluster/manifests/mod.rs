@@ -431,12 +431,16 @@ pub fn spawn(
             loop {
                 let started = std::time::Instant::now();
                 match dir.scan() {
-                    Ok(updates) => {
+                    Ok(mut updates) => {
                         dir_error = None;
-                        for u in updates {
-                            if tx.blocking_send(u).is_err() {
-                                return;
-                            }
+                        // One scan's changes in one update: the agent syncs them together.
+                        let batch = match updates.len() {
+                            0 => None,
+                            1 => updates.pop(),
+                            _ => Some(Update::Batch(updates)),
+                        };
+                        if batch.is_some_and(|u| tx.blocking_send(u).is_err()) {
+                            return;
                         }
                     }
                     Err(e) => {

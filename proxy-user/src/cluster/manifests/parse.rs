@@ -200,6 +200,19 @@ const SPLIT_LIST_BYTES: usize = 64 << 10;
 /// by one. `Err`: the file is neither JSON nor YAML (YAML's error names the document).
 fn units(text: &str) -> Result<Vec<Cow<'_, str>>, String> {
     let mut out = Vec::new();
+    // A large file of one JSON document (a generated List): its kind and items read in
+    // one pass over the text, not a second one to split the documents first.
+    let one = text.trim();
+    if one.len() > SPLIT_LIST_BYTES && one.starts_with('{') {
+        if let Ok(head) = serde_json::from_str::<Head>(one) {
+            if is_list(&string(head.kind).unwrap_or_default()) {
+                out.extend(head.items.0.iter().map(|i| Cow::Borrowed(i.get())));
+            } else {
+                out.push(Cow::Borrowed(one));
+            }
+            return Ok(out);
+        }
+    }
     if let Some(docs) = json_documents(text) {
         for doc in docs {
             let list = (doc.get().len() > SPLIT_LIST_BYTES)
