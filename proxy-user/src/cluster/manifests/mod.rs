@@ -3,7 +3,9 @@
 //! only files whose size or modification time changed are read again.
 //!
 //! The first scan yields one [`Update::Snapshot`] per kind (the initial lists); later
-//! scans yield the difference as `Apply`/`Delete`. A file that does not parse is logged
+//! scans yield the difference as `Apply`/`Delete`; [`spawn`] sends each scan's updates as
+//! one [`Update::Batch`]. The objects of the files read are decoded on the node's CPUs
+//! (`parse.rs`). A file that does not parse is logged
 //! and counted, and the objects it held before stay as they were; a document that does
 //! not decode is skipped alone.
 
