@@ -202,7 +202,7 @@ fn units(text: &str) -> Result<Vec<Cow<'_, str>>, String> {
     let mut out = Vec::new();
     // A large file of one JSON document (a generated List): its kind and items read in
     // one pass over the text, not a second one to split the documents first.
-    let one = text.trim();
+    let one = text.trim_matches(|c| matches!(c, ' ' | '\t' | '\n' | '\r'));
     if one.len() > SPLIT_LIST_BYTES && one.starts_with('{') {
         if let Ok(head) = serde_json::from_str::<Head>(one) {
             if is_list(&string(head.kind).unwrap_or_default()) {
