@@ -153,4 +153,8 @@ pub enum Update {
     Apply(Object),
     /// An object was deleted.
     Delete { kind: Kind, key: ObjKey },
+    /// Updates taken together, in order, with no sync between them: what one read of
+    /// the manifests directory found changed (a file's Services and their slices land
+    /// in one sync, and the maps grow once for them).
+    Batch(Vec<Update>),
 }

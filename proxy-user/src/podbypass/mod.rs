@@ -108,6 +108,11 @@ impl Bypass {
     /// Takes one watch update.
     pub fn update(&mut self, u: Update) {
         match u {
+            Update::Batch(updates) => {
+                for u in updates {
+                    self.update(u);
+                }
+            }
             Update::Snapshot { kind, objects, .. } => {
                 match kind {
                     Kind::Pod => self.pods.clear(),
@@ -342,18 +347,89 @@ pub fn start_manifests(
     tokio::spawn(bypass.run(bypass_rx));
     tokio::spawn(async move {
         while let Some(u) = rx.recv().await {
-            let kind = match &u {
-                Update::Snapshot { kind, .. } | Update::Delete { kind, .. } => *kind,
-                Update::Apply(o) => o.kind(),
-            };
-            let to = match kind {
-                Kind::Pod | Kind::Namespace => &bypass_tx,
-                _ => &syncer,
-            };
-            if to.send(u).await.is_err() {
-                return;
+            let (to_bypass, to_syncer) = split(u);
+            for (to, u) in [(&bypass_tx, to_bypass), (&syncer, to_syncer)] {
+                if let Some(u) = u {
+                    if to.send(u).await.is_err() {
+                        return;
+                    }
+                }
             }
         }
     });
     Ok(tx)
+}
+
+/// An update of the manifests directory split into the bypass's part (Pods, Namespaces)
+/// and the syncer's (the rest); a batch into two batches, each in order.
+fn split(u: Update) -> (Option<Update>, Option<Update>) {
+    let is_bypass = |u: &Update| {
+        let kind = match u {
+            Update::Snapshot { kind, .. } | Update::Delete { kind, .. } => *kind,
+            Update::Apply(o) => o.kind(),
+            Update::Batch(_) => return false,
+        };
+        matches!(kind, Kind::Pod | Kind::Namespace)
+    };
+    let updates = match u {
+        Update::Batch(updates) => updates,
+        u if is_bypass(&u) => return (Some(u), None),
+        u => return (None, Some(u)),
+    };
+    let (bypass, rest): (Vec<Update>, Vec<Update>) = updates.into_iter().partition(is_bypass);
+    let batch = |us: Vec<Update>| (!us.is_empty()).then_some(Update::Batch(us));
+    (batch(bypass), batch(rest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{split, Kind, Update};
+    use crate::cluster::objects::ObjKey;
+
+    fn kinds(u: &Option<Update>) -> Vec<String> {
+        match u {
+            None => Vec::new(),
+            Some(Update::Batch(us)) => us
+                .iter()
+                .flat_map(|u| kinds(&Some(u.clone())))
+                .map(|k| format!("batch {k}"))
+                .collect(),
+            Some(Update::Snapshot { kind, .. }) => vec![format!("snapshot {}", kind.as_str())],
+            Some(Update::Delete { kind, .. }) => vec![format!("delete {}", kind.as_str())],
+            Some(Update::Apply(o)) => vec![format!("apply {}", o.kind().as_str())],
+        }
+    }
+
+    #[test]
+    fn a_batch_of_the_manifests_directory_is_split_in_order() {
+        let delete = |kind| Update::Delete {
+            kind,
+            key: ObjKey::new("default", "x"),
+        };
+        let snapshot = |kind| Update::Snapshot {
+            kind,
+            objects: Vec::new(),
+            relist: false,
+        };
+        let (bypass, syncer) = split(Update::Batch(vec![
+            snapshot(Kind::Service),
+            delete(Kind::Pod),
+            delete(Kind::EndpointSlice),
+            snapshot(Kind::Namespace),
+        ]));
+        assert_eq!(
+            kinds(&bypass),
+            ["batch delete Pod", "batch snapshot Namespace"]
+        );
+        assert_eq!(
+            kinds(&syncer),
+            ["batch snapshot Service", "batch delete EndpointSlice"]
+        );
+        let (bypass, syncer) = split(Update::Batch(vec![delete(Kind::Service)]));
+        assert!(bypass.is_none(), "nothing for the bypass");
+        assert_eq!(kinds(&syncer), ["batch delete Service"]);
+        let (bypass, syncer) = split(delete(Kind::Namespace));
+        assert_eq!(kinds(&bypass), ["delete Namespace"]);
+        assert!(syncer.is_none());
+    }
 }

@@ -1186,3 +1186,31 @@ fn the_service_holding_a_frontend_keeps_it_from_an_older_claimant_across_restart
     s.sync(t);
     assert_eq!(backends_of_vip(&s), ["10.0.0.2:8080"], "{}", maps(&s));
 }
+
+#[test]
+fn the_entries_computed_to_size_the_maps_are_written_unless_an_update_came_after() {
+    let t = Instant::now();
+    let sizes = crate::loader::Sizes::compiled();
+    let maglev = crate::maglev::Params::default();
+    // Without sizing first: what the first sync writes.
+    let (mut plain, _) = syncer(MemStore::default());
+    initial(&mut plain, t);
+    plain.sync(t);
+    // Sized first: the sync writes the entries kept from the sizing, the same maps.
+    let (mut sized, _) = syncer(MemStore::default());
+    initial(&mut sized, t);
+    sized.first_sync_sizes(sizes, &sizes, maglev);
+    assert!(sized.sized_entries.is_some(), "kept for the first sync");
+    sized.sync(t);
+    assert!(sized.sized_entries.is_none(), "used once");
+    assert_eq!(maps(&sized), maps(&plain));
+    assert_eq!(backends_of_vip(&sized), ["10.0.0.1:8080", "10.0.0.2:8080"]);
+    // An update between the sizing and the sync: what the index holds then is written.
+    let (mut changed, _) = syncer(MemStore::default());
+    initial(&mut changed, t);
+    changed.first_sync_sizes(sizes, &sizes, maglev);
+    changed.handle(Update::Apply(slice("web-1", "web", &["10.0.0.3"])), t);
+    assert!(changed.sized_entries.is_none(), "dropped by the update");
+    changed.sync(t);
+    assert_eq!(backends_of_vip(&changed), ["10.0.0.3:8080"]);
+}

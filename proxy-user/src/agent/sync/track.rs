@@ -23,7 +23,15 @@ use crate::{
 impl<S: MapStore> Syncer<S> {
     /// Records one update from a source.
     pub fn handle(&mut self, update: Update, now: Instant) {
+        // The index changes: entries computed from it before are not used.
+        self.sized_entries = None;
         match update {
+            Update::Batch(updates) => {
+                for u in updates {
+                    self.handle(u, now);
+                }
+                return;
+            }
             Update::Snapshot {
                 kind,
                 objects,

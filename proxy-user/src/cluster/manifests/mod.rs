@@ -3,7 +3,9 @@
 //! only files whose size or modification time changed are read again.
 //!
 //! The first scan yields one [`Update::Snapshot`] per kind (the initial lists); later
-//! scans yield the difference as `Apply`/`Delete`. A file that does not parse is logged
+//! scans yield the difference as `Apply`/`Delete`; [`spawn`] sends each scan's updates as
+//! one [`Update::Batch`]. The objects of the files read are decoded on the node's CPUs
+//! (`parse.rs`). A file that does not parse is logged
 //! and counted, and the objects it held before stay as they were; a document that does
 //! not decode is skipped alone.
 
@@ -22,12 +24,14 @@ use super::skips::{SkipKind, SkipReason};
 use super::{Kind, ObjKey, Object, Update};
 use crate::fasthash::HashMap;
 
+#[cfg(test)]
+mod parallel_tests;
 mod parse;
 #[cfg(test)]
 mod tests;
 mod yaml;
 
-use parse::{check_nesting, parse_file, read_text, Decoding};
+use parse::{check_nesting, parse_file, parse_files, read_text, Decoding, Found};
 pub use parse::{decode, MAX_MANIFEST_BYTES, MAX_NESTING};
 
 #[derive(Debug)]
@@ -60,7 +64,22 @@ pub struct ManifestsDir {
     proxy_name: Option<String>,
     /// Hashes each object's text, to detect changes.
     hasher: foldhash::fast::RandomState,
+    /// Threads the objects of the files read are decoded on (the node's CPUs, at most
+    /// [`MAX_PARSE_THREADS`]).
+    threads: usize,
+    /// The most threads a batch of the last scan was decoded on (logged).
+    last_threads: usize,
 }
+
+/// The most threads a scan decodes objects on.
+const MAX_PARSE_THREADS: usize = 8;
+
+/// Files read are decoded together until their text passes this size (then the next
+/// ones): the files' texts are held at once only up to it (or the largest file).
+const BATCH_BYTES: usize = 64 << 20;
+
+/// A file to decode: its path, stamp and text.
+type ToParse = (PathBuf, (SystemTime, u64), String);
 
 impl ManifestsDir {
     pub fn new(dir: impl Into<PathBuf>, metrics: SourceCounters) -> Self {
@@ -73,7 +92,16 @@ impl ManifestsDir {
             metrics,
             proxy_name: None,
             hasher: foldhash::fast::RandomState::default(),
+            threads: std::thread::available_parallelism()
+                .map_or(1, |n| n.get().min(MAX_PARSE_THREADS)),
+            last_threads: 0,
         }
+    }
+
+    /// Decodes on `threads` threads (at least one).
+    pub fn with_threads(mut self, threads: usize) -> Self {
+        self.threads = threads.max(1);
+        self
     }
 
     /// The agent's `--service-proxy-name` (the objects are reduced as they are read).
@@ -84,7 +112,6 @@ impl ManifestsDir {
 
     fn decoding(&self) -> Decoding<'_> {
         Decoding {
-            metrics: &self.metrics,
             proxy_name: self.proxy_name.as_deref(),
             hasher: &self.hasher,
         }
@@ -93,12 +120,19 @@ impl ManifestsDir {
     /// Reads what changed and returns the updates for the agent.
     pub fn scan(&mut self) -> io::Result<Vec<Update>> {
         let started = std::time::Instant::now();
+        self.last_threads = 0;
         let mut seen = Vec::new();
         let mut changed = false;
         let mut parsed: Parsed = HashMap::default();
-        for entry in fs::read_dir(&self.dir)? {
-            let entry = entry?;
-            let path = entry.path();
+        // In the paths' order: what is logged, and which of two definitions is read
+        // first, does not depend on the directory's order.
+        let mut paths = fs::read_dir(&self.dir)?
+            .map(|e| e.map(|e| e.path()))
+            .collect::<io::Result<Vec<_>>>()?;
+        paths.sort();
+        let mut batch: Vec<ToParse> = Vec::new();
+        let mut batch_bytes = 0;
+        for path in paths {
             let is_manifest = path
                 .extension()
                 .and_then(|e| e.to_str())
@@ -106,72 +140,21 @@ impl ManifestsDir {
             if !is_manifest {
                 continue;
             }
-            // Follows links; a link that leads nowhere (dangling, a loop) is reported.
-            let meta = match fs::metadata(&path) {
-                Ok(m) => m,
-                Err(e) => {
-                    let Ok(link) = fs::symlink_metadata(&path) else {
-                        continue; // removed meanwhile
-                    };
-                    if !link.file_type().is_symlink() {
-                        continue;
-                    }
-                    seen.push(path.clone());
-                    let stamp = (link.modified()?, link.len());
-                    let target = fs::read_link(&path).unwrap_or_default();
-                    let cause = format!("the link to {} cannot be followed: {e}", target.display());
-                    self.bad_file(&path, stamp, SkipReason::BrokenLink, &cause);
-                    continue;
-                }
+            let Some((stamp, text)) = self.read_if_changed(&path, &mut seen)? else {
+                continue;
             };
-            if !meta.is_file() {
-                continue;
-            }
-            seen.push(path.clone());
-            let stamp = (meta.modified()?, meta.len());
-            if self.files.get(&path).is_some_and(|f| f.stamp == stamp) {
-                continue;
-            }
-            if meta.len() > MAX_MANIFEST_BYTES {
-                let cause = format!(
-                    "{} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have",
-                    meta.len()
-                );
-                self.bad_file(&path, stamp, SkipReason::TooLarge, &cause);
-                continue;
-            }
-            let text = match read_text(&path) {
-                Ok(t) => t,
-                Err(e) => {
-                    self.bad_file(&path, stamp, SkipReason::ReadError, &e.to_string());
-                    continue;
-                }
-            };
-            if let Err(cause) = check_nesting(&text) {
-                self.bad_file(&path, stamp, SkipReason::TooDeep, &cause);
-                continue;
-            }
             changed = true;
-            match parse_file(&path, &text, self.decoding()) {
-                Ok(objects) => {
-                    let mut index = Vec::with_capacity(objects.len());
-                    for (kind, key, obj, hash) in objects {
-                        index.push((kind, key.clone(), hash));
-                        parsed.insert((kind, key, hash), obj);
-                    }
-                    self.files.insert(
-                        path,
-                        FileState {
-                            stamp,
-                            objects: index,
-                        },
-                    );
-                }
-                Err(e) => self.bad_file(&path, stamp, SkipReason::ParseError, &e),
+            batch_bytes += text.len();
+            batch.push((path, stamp, text));
+            if batch_bytes >= BATCH_BYTES {
+                self.parse_batch(std::mem::take(&mut batch), &mut parsed);
+                batch_bytes = 0;
             }
         }
+        self.parse_batch(batch, &mut parsed);
+        let parsed_ms = started.elapsed().as_secs_f64() * 1e3;
         let before = self.files.len();
-        self.files.retain(|p, _| seen.contains(p));
+        self.files.retain(|p, _| seen.binary_search(p).is_ok());
         changed |= self.files.len() != before;
         // Nothing was read again and nothing went away: nothing to diff (the common case,
         // every poll; rebuilding the union of thousands of objects would cost a core).
@@ -203,9 +186,12 @@ impl ManifestsDir {
         for (kind, key, hash, path) in &wanted {
             if !parsed.contains_key(&(*kind, key.clone(), *hash)) {
                 if let Ok(text) = fs::read_to_string(path) {
-                    if let Ok(objects) = parse_file(path, &text, self.decoding()) {
-                        for (k, key, obj, h) in objects {
-                            parsed.insert((k, key, h), obj);
+                    // Its skipped objects were reported when it was first read.
+                    if let Ok(found) = parse_file(path, &text, self.decoding()) {
+                        for f in found {
+                            if let Found::Object((k, key, obj, h)) = f {
+                                parsed.insert((k, key, h), obj);
+                            }
                         }
                     }
                 }
@@ -271,12 +257,21 @@ impl ManifestsDir {
         let took_ms = started.elapsed().as_secs_f64() * 1e3;
         let (files, objects) = (self.files.len(), self.current.len());
         if first {
-            info!(files, objects, took_ms, "manifests directory read");
+            info!(
+                files,
+                objects,
+                parsed_ms,
+                threads = self.last_threads,
+                took_ms,
+                "manifests directory read"
+            );
         } else {
             debug!(
                 files,
                 objects,
                 changed = wanted.len(),
+                parsed_ms,
+                threads = self.last_threads,
                 took_ms,
                 "manifests directory read again"
             );
@@ -293,6 +288,105 @@ fn unix_seconds(read: SystemTime) -> i64 {
 }
 
 impl ManifestsDir {
+    /// A manifest's text if it changed since it was last read (its size or modification
+    /// time) and can be used; `None` if it did not change, is not a file, or cannot be
+    /// used (then it is reported: [`Self::bad_file`]). Files still there go to `seen`.
+    fn read_if_changed(
+        &mut self,
+        path: &Path,
+        seen: &mut Vec<PathBuf>,
+    ) -> io::Result<Option<((SystemTime, u64), String)>> {
+        // Follows links; a link that leads nowhere (dangling, a loop) is reported.
+        let meta = match fs::metadata(path) {
+            Ok(m) => m,
+            Err(e) => {
+                let Ok(link) = fs::symlink_metadata(path) else {
+                    return Ok(None); // removed meanwhile
+                };
+                if !link.file_type().is_symlink() {
+                    return Ok(None);
+                }
+                seen.push(path.to_path_buf());
+                let stamp = (link.modified()?, link.len());
+                let target = fs::read_link(path).unwrap_or_default();
+                let cause = format!("the link to {} cannot be followed: {e}", target.display());
+                self.bad_file(path, stamp, SkipReason::BrokenLink, &cause);
+                return Ok(None);
+            }
+        };
+        if !meta.is_file() {
+            return Ok(None);
+        }
+        seen.push(path.to_path_buf());
+        let stamp = (meta.modified()?, meta.len());
+        if self.files.get(path).is_some_and(|f| f.stamp == stamp) {
+            return Ok(None);
+        }
+        if meta.len() > MAX_MANIFEST_BYTES {
+            let cause = format!(
+                "{} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have",
+                meta.len()
+            );
+            self.bad_file(path, stamp, SkipReason::TooLarge, &cause);
+            return Ok(None);
+        }
+        let text = match read_text(path) {
+            Ok(t) => t,
+            Err(e) => {
+                self.bad_file(path, stamp, SkipReason::ReadError, &e.to_string());
+                return Ok(None);
+            }
+        };
+        if let Err(cause) = check_nesting(&text) {
+            self.bad_file(path, stamp, SkipReason::TooDeep, &cause);
+            return Ok(None);
+        }
+        Ok(Some((stamp, text)))
+    }
+
+    /// Parses the files read (their objects decoded on [`Self::threads`] threads), then,
+    /// in the files' order, keeps each one's objects and reports what was skipped; a
+    /// file that does not parse is reported and keeps its previous objects.
+    fn parse_batch(&mut self, batch: Vec<ToParse>, parsed: &mut Parsed) {
+        if batch.is_empty() {
+            return;
+        }
+        let files: Vec<(&Path, &str)> = batch
+            .iter()
+            .map(|(p, _, t)| (p.as_path(), t.as_str()))
+            .collect();
+        let (results, threads) = parse_files(&files, self.decoding(), self.threads);
+        drop(files);
+        self.last_threads = self.last_threads.max(threads);
+        for ((path, stamp, text), result) in batch.into_iter().zip(results) {
+            drop(text);
+            let found = match result {
+                Ok(found) => found,
+                Err(e) => {
+                    self.bad_file(&path, stamp, SkipReason::ParseError, &e);
+                    continue;
+                }
+            };
+            let mut index = Vec::with_capacity(found.len());
+            for f in found {
+                match f {
+                    Found::Object((kind, key, obj, hash)) => {
+                        index.push((kind, key.clone(), hash));
+                        parsed.insert((kind, key, hash), obj);
+                    }
+                    Found::Skipped(skip) => skip.report(&path, &self.metrics),
+                }
+            }
+            self.files.insert(
+                path,
+                FileState {
+                    stamp,
+                    objects: index,
+                },
+            );
+        }
+    }
+
     /// A file that cannot be used: named, logged and counted once per change of it (its
     /// size and modification time, or the link's), and the objects it held before stay
     /// (a half-saved file must not delete Services).
@@ -339,12 +433,16 @@ pub fn spawn(
             loop {
                 let started = std::time::Instant::now();
                 match dir.scan() {
-                    Ok(updates) => {
+                    Ok(mut updates) => {
                         dir_error = None;
-                        for u in updates {
-                            if tx.blocking_send(u).is_err() {
-                                return;
-                            }
+                        // One scan's changes in one update: the agent syncs them together.
+                        let batch = match updates.len() {
+                            0 => None,
+                            1 => updates.pop(),
+                            _ => Some(Update::Batch(updates)),
+                        };
+                        if batch.is_some_and(|u| tx.blocking_send(u).is_err()) {
+                            return;
                         }
                     }
                     Err(e) => {

@@ -92,7 +92,6 @@ pub(super) fn check_nesting(text: &str) -> Result<(), String> {
 /// selection Services and EndpointSlices go through as they are reduced).
 #[derive(Clone, Copy)]
 pub(super) struct Decoding<'a> {
-    pub metrics: &'a SourceCounters,
     pub proxy_name: Option<&'a str>,
     /// Hashes an object's text (the same for every scan of the directory).
     pub hasher: &'a foldhash::fast::RandomState,
@@ -102,23 +101,128 @@ pub(super) struct Decoding<'a> {
 /// EndpointSlices already reduced, as the API reader does) and a hash of its JSON text.
 pub(super) type ParsedObject = (Kind, ObjKey, Object, u64);
 
-/// Parses every document of a file into [`ParsedObject`]s; documents of other kinds are
-/// ignored, documents that do not decode are logged, counted and skipped.
+/// What decoding a document found: an object, or one that is skipped (the scan logs and
+/// counts it, in the file's order, whichever thread decoded it).
+pub(super) enum Found {
+    Object(ParsedObject),
+    Skipped(Skipped),
+}
+
+/// An object skipped: its kind, key (if it has a name), why, and the message naming it
+/// and its file.
+pub(super) struct Skipped {
+    pub kind: Kind,
+    pub key: Option<ObjKey>,
+    pub reason: SkipReason<'static>,
+    pub message: String,
+}
+
+impl Skipped {
+    /// Logged and counted (`objects_skipped_total{kind,reason}`).
+    pub(super) fn report(&self, path: &Path, metrics: &SourceCounters) {
+        match &self.key {
+            Some(key) => warn!(file = %path.display(), object = %key, "{}", self.message),
+            None => warn!(file = %path.display(), "{}", self.message),
+        }
+        metrics.skipped(SkipKind::Object(self.kind), self.reason);
+    }
+}
+
+/// Parses every document of a file, on this thread (the scan decodes the files it reads
+/// on several: [`parse_files`]); documents of other kinds are ignored, documents that do
+/// not decode are returned as [`Found::Skipped`].
+pub(super) fn parse_file(path: &Path, text: &str, how: Decoding<'_>) -> Result<Vec<Found>, String> {
+    let units = units(text)?
+        .into_iter()
+        .map(|text| Unit { file: 0, text })
+        .collect::<Vec<_>>();
+    Ok(decode_range(&units, &[path], how)
+        .into_iter()
+        .map(|(_, f)| f)
+        .collect())
+}
+
+/// Decoding goes to several threads only past this many bytes of objects: below, the
+/// threads' start costs more than they save.
+const PARALLEL_MIN_BYTES: usize = 1 << 20;
+
+/// Parses the files of one scan: their documents split into objects on this thread, the
+/// objects decoded on up to `threads` threads (contiguous runs of about equal size), the
+/// results per file in the files' and the objects' order, whatever `threads` is.
 ///
 /// JSON (what the API server and generators write) is read in place: each document and
-/// each `List` item as a borrowed slice of the text (`&RawValue`), each item decoded on its
-/// own straight into the fields the proxy reads (`cluster::api_decode`) and reduced, so
-/// no tree of the file is built and only the reduced objects are kept. Text that is not
-/// JSON is YAML: one document at a time as a tree, then each object as above.
-pub(super) fn parse_file(
-    path: &Path,
-    text: &str,
+/// each `List` item as a borrowed slice of the text (`&RawValue`), each item decoded on
+/// its own straight into the fields the proxy reads (`cluster::api_decode`) and reduced,
+/// so no tree of the file is built and only the reduced objects are kept. Text that is
+/// not JSON is YAML: one document at a time as a tree, each object turned into JSON text,
+/// then decoded as above. `Err`: the file does not parse (its objects are not used).
+/// Also returns how many threads decoded.
+pub(super) fn parse_files(
+    files: &[(&Path, &str)],
     how: Decoding<'_>,
-) -> Result<Vec<ParsedObject>, String> {
+    threads: usize,
+) -> (Vec<Result<Vec<Found>, String>>, usize) {
+    let mut out: Vec<Result<Vec<Found>, String>> = Vec::with_capacity(files.len());
+    let mut all = Vec::new();
+    for (i, (_, text)) in files.iter().enumerate() {
+        match units(text) {
+            Ok(us) => {
+                all.extend(us.into_iter().map(|text| Unit {
+                    file: i as u32,
+                    text,
+                }));
+                out.push(Ok(Vec::new()));
+            }
+            Err(e) => out.push(Err(e)),
+        }
+    }
+    let paths: Vec<&Path> = files.iter().map(|(p, _)| *p).collect();
+    let (found, used) = decode_units(&all, &paths, how, threads);
+    for (file, found) in found {
+        if let Ok(v) = &mut out[file as usize] {
+            v.push(found);
+        }
+    }
+    (out, used)
+}
+
+/// One object's JSON text to decode (a document, or a `List`'s item), and its file.
+struct Unit<'a> {
+    file: u32,
+    text: Cow<'a, str>,
+}
+
+/// Documents up to this size that may be `List`s are split into their items by the
+/// worker that decodes them; a larger one here, so that its items spread over threads.
+const SPLIT_LIST_BYTES: usize = 64 << 10;
+
+/// The objects of a file to decode, in order: its documents, a large `List`'s items one
+/// by one. `Err`: the file is neither JSON nor YAML (YAML's error names the document).
+fn units(text: &str) -> Result<Vec<Cow<'_, str>>, String> {
     let mut out = Vec::new();
+    // A large file of one JSON document (a generated List): its kind and items read in
+    // one pass over the text, not a second one to split the documents first.
+    let one = text.trim_matches(|c| matches!(c, ' ' | '\t' | '\n' | '\r'));
+    if one.len() > SPLIT_LIST_BYTES && one.starts_with('{') {
+        if let Ok(head) = serde_json::from_str::<Head>(one) {
+            if is_list(&string(head.kind).unwrap_or_default()) {
+                out.extend(head.items.0.iter().map(|i| Cow::Borrowed(i.get())));
+            } else {
+                out.push(Cow::Borrowed(one));
+            }
+            return Ok(out);
+        }
+    }
     if let Some(docs) = json_documents(text) {
         for doc in docs {
-            parse_object(path, doc.get(), how, &mut out);
+            let list = (doc.get().len() > SPLIT_LIST_BYTES)
+                .then(|| serde_json::from_str::<Head>(doc.get()).ok())
+                .flatten()
+                .filter(|h| is_list(&string(h.kind).unwrap_or_default()));
+            match list {
+                Some(head) => out.extend(head.items.0.iter().map(|i| Cow::Borrowed(i.get()))),
+                None => out.push(Cow::Borrowed(doc.get())),
+            }
         }
         return Ok(out);
     }
@@ -133,14 +237,83 @@ pub(super) fn parse_file(
             .and_then(|h| string(h.kind))
             .unwrap_or_default();
         if is_list(&kind) {
-            for item in &doc.items {
-                parse_object(path, item, how, &mut out);
-            }
+            out.extend(doc.items.into_iter().map(Cow::Owned));
         } else {
-            parse_object(path, &doc.head, how, &mut out);
+            out.push(Cow::Owned(doc.head));
         }
     }
     Ok(out)
+}
+
+/// Decodes `units` on up to `threads` threads (this one included), each a contiguous run
+/// of about equal bytes; the results in the units' order, each with its file, and how
+/// many threads decoded.
+fn decode_units(
+    units: &[Unit<'_>],
+    paths: &[&Path],
+    how: Decoding<'_>,
+    threads: usize,
+) -> (Vec<(u32, Found)>, usize) {
+    let bytes: usize = units.iter().map(|u| u.text.len()).sum();
+    let workers = if bytes < PARALLEL_MIN_BYTES {
+        1
+    } else {
+        threads.clamp(1, units.len().max(1))
+    };
+    if workers == 1 {
+        return (decode_range(units, paths, how), 1);
+    }
+    let parts = split(units, bytes, workers);
+    let out = std::thread::scope(|s| {
+        let others: Vec<_> = parts[1..]
+            .iter()
+            .map(|part| {
+                let run = move || decode_range(part, paths, how);
+                (
+                    part,
+                    std::thread::Builder::new()
+                        .name("manifests-parse".into())
+                        .spawn_scoped(s, run),
+                )
+            })
+            .collect();
+        let mut out = decode_range(parts[0], paths, how);
+        for (part, worker) in others {
+            match worker {
+                Ok(h) => out.extend(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))),
+                // No thread to be had: decoded here.
+                Err(_) => out.extend(decode_range(part, paths, how)),
+            }
+        }
+        out
+    });
+    (out, parts.len())
+}
+
+/// `units` (of `bytes` bytes of text) in `workers` contiguous runs of about equal bytes.
+fn split<'u, 'a>(units: &'u [Unit<'a>], bytes: usize, workers: usize) -> Vec<&'u [Unit<'a>]> {
+    let mut parts = Vec::with_capacity(workers);
+    let (mut start, mut sum) = (0, 0);
+    for (i, u) in units.iter().enumerate() {
+        sum += u.text.len();
+        if parts.len() + 1 < workers && sum * workers >= bytes * (parts.len() + 1) {
+            parts.push(&units[start..=i]);
+            start = i + 1;
+        }
+    }
+    parts.push(&units[start..]);
+    parts
+}
+
+/// Decodes `units` on this thread, in order.
+fn decode_range(units: &[Unit<'_>], paths: &[&Path], how: Decoding<'_>) -> Vec<(u32, Found)> {
+    let mut out = Vec::with_capacity(units.len());
+    let mut found = Vec::new();
+    for u in units {
+        parse_object(paths[u.file as usize], &u.text, how, &mut found);
+        out.extend(found.drain(..).map(|f| (u.file, f)));
+    }
+    out
 }
 
 /// The kinds of document whose `items` are objects.
@@ -245,7 +418,7 @@ fn string(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
 }
 
 /// One document's JSON text (a `List`'s items in order) into `out`.
-fn parse_object(path: &Path, text: &str, how: Decoding<'_>, out: &mut Vec<ParsedObject>) {
+fn parse_object(path: &Path, text: &str, how: Decoding<'_>, out: &mut Vec<Found>) {
     let Ok(head) = serde_json::from_str::<Head>(text) else {
         debug!(file = %path.display(), "ignoring a document that is not an object");
         return;
@@ -259,8 +432,6 @@ fn parse_object(path: &Path, text: &str, how: Decoding<'_>, out: &mut Vec<Parsed
         "Pod" => Kind::Pod,
         "Namespace" => Kind::Namespace,
         list if is_list(list) => {
-            // One thread: decoding a long List in parts on two threads measured slower
-            // on a loaded 2-core node (malloc arenas, the datapath's load alongside).
             for item in head.items.0 {
                 parse_object(path, item.get(), how, out);
             }
@@ -282,19 +453,31 @@ fn parse_object(path: &Path, text: &str, how: Decoding<'_>, out: &mut Vec<Parsed
     };
     let key = ObjKey::new(&namespace, &name);
     if name.is_empty() {
-        warn!(file = %path.display(), "skipping a {} without metadata.name in {}", kind.as_str(), path.display());
-        how.metrics
-            .skipped(SkipKind::Object(kind), SkipReason::NoName);
+        out.push(Found::Skipped(Skipped {
+            kind,
+            key: None,
+            reason: SkipReason::NoName,
+            message: format!(
+                "skipping a {} without metadata.name in {}",
+                kind.as_str(),
+                path.display()
+            ),
+        }));
         return;
     }
     let hash = std::hash::BuildHasher::hash_one(how.hasher, text);
     match api_decode::object_in(kind, text, how.proxy_name, &namespace) {
-        Ok(obj) => out.push((kind, key, obj, hash)),
-        Err(e) => {
-            warn!(file = %path.display(), object = %key, "skipping {} {key} in {}: {e}", kind.as_str(), path.display());
-            how.metrics
-                .skipped(SkipKind::Object(kind), SkipReason::DecodeError);
-        }
+        Ok(obj) => out.push(Found::Object((kind, key, obj, hash))),
+        Err(e) => out.push(Found::Skipped(Skipped {
+            kind,
+            message: format!(
+                "skipping {} {key} in {}: {e}",
+                kind.as_str(),
+                path.display()
+            ),
+            key: Some(key),
+            reason: SkipReason::DecodeError,
+        })),
     }
 }
 

@@ -22,6 +22,7 @@ fn names(updates: &[Update]) -> Vec<String> {
             ),
             Update::Apply(o) => format!("apply {} {}", o.kind().as_str(), o.key()),
             Update::Delete { kind, key } => format!("delete {} {key}", kind.as_str()),
+            Update::Batch(us) => format!("batch [{}]", names(us).join(", ")),
         })
         .collect()
 }
@@ -268,6 +269,7 @@ fn created(updates: &[Update]) -> Vec<(String, Option<i64>)> {
             Update::Snapshot { objects, .. } => objects.iter().filter_map(svc).collect(),
             Update::Apply(o) => svc(o).into_iter().collect(),
             Update::Delete { .. } => Vec::new(),
+            Update::Batch(us) => created(us),
         })
         .collect()
 }
@@ -529,5 +531,30 @@ fn yaml_lists_and_documents_that_are_not_objects() {
     let mut dir = ManifestsDir::new(&tmp, SourceCounters::default());
     let ups = names(&dir.scan().expect("scan"));
     assert_eq!(ups[0], "snapshot Service [default/a default/d ns/b]");
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
+
+#[test]
+fn the_changes_of_one_read_arrive_as_one_update() {
+    // The directory's thread sends what one scan found as one batch: the agent takes a
+    // file's Services and slices in together, with no sync of half of them.
+    let tmp = tempdir();
+    let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+    let dir = ManifestsDir::new(&tmp, SourceCounters::default());
+    let thread = spawn(dir, Duration::from_millis(10), tx).expect("spawn");
+    let first = rx.blocking_recv().expect("the first read");
+    assert_eq!(
+        names(&[first]),
+        ["batch [snapshot Service [], snapshot EndpointSlice [], snapshot Node [], snapshot Pod [], snapshot Namespace []]"]
+    );
+    fs::write(tmp.join("a.tmp"), format!("{SVC}---\n{SLICE}")).expect("write");
+    fs::rename(tmp.join("a.tmp"), tmp.join("a.yaml")).expect("rename");
+    let next = rx.blocking_recv().expect("the change");
+    assert_eq!(
+        names(&[next]),
+        ["batch [apply Service default/web, apply EndpointSlice default/web-1]"]
+    );
+    drop(rx);
+    thread.join().expect("the thread ends with the receiver");
     fs::remove_dir_all(&tmp).expect("cleanup");
 }

@@ -71,8 +71,8 @@ pub fn markdown(r: &ApiResults) -> String {
         for n in &names {
             md += &format!(" {n} |");
         }
-        md += " VmRSS API / manifests (MiB) |\n|---:|---:|";
-        md += &"---:|".repeat(names.len() + 1);
+        md += " VmRSS API / manifests (MiB) | manifests VmHWM (MiB, peak / steady) |\n|---:|---:|";
+        md += &"---:|".repeat(names.len() + 2);
         md += "\n";
         for s in &r.scales {
             md += &format!(
@@ -88,7 +88,11 @@ pub fn markdown(r: &ApiResults) -> String {
                     None => " - |".into(),
                 };
             }
-            md += &format!(" {} / {} |\n", f(s.rss_mib, 1), f(s.manifests_rss_mib, 1));
+            md += &format!(" {} / {} |", f(s.rss_mib, 1), f(s.manifests_rss_mib, 1));
+            md += &match (s.manifests_hwm_mib, s.manifests_rss_mib) {
+                (Some(hwm), Some(rss)) if rss > 0.0 => format!(" {hwm:.1} ({:.2}x) |\n", hwm / rss),
+                (hwm, _) => format!(" {} |\n", f(hwm, 1)),
+            };
         }
         let rules: Vec<&String> = names
             .iter()

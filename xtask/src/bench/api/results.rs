@@ -155,6 +155,10 @@ pub struct ApiScale {
     pub side_by_side: BTreeMap<String, Option<f64>>,
     /// The manifests agent's VmRSS at the same N.
     pub manifests_rss_mib: Option<f64>,
+    /// The manifests agent's VmHWM then (its peak from the start, MiB; target <= 2x
+    /// its VmRSS).
+    #[serde(default)]
+    pub manifests_hwm_mib: Option<f64>,
     /// kube-proxy's modes at the same N: mode name -> the kernel memory of its rules
     /// (MiB; charged to a fresh memory cgroup by the commands that loaded them).
     #[serde(default)]

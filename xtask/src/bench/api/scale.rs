@@ -297,7 +297,7 @@ fn side_by_side(
                 }
                 scale.side_by_side.insert(label.clone(), secs);
                 if label == "manifests" {
-                    scale.manifests_rss_mib = mode.agent().and_then(|a| a.rss_mib);
+                    manifests_memory(mode.agent().unwrap_or_default(), scale, start);
                 } else if let (Some(_), Some(mib)) = (secs, charged_mib(&memcg, charged_before)) {
                     log(
                         start,
@@ -314,6 +314,22 @@ fn side_by_side(
         }
         // After the clear: the rules' memory is freed (what is left moves to the parent).
         drop(memcg);
+    }
+}
+
+/// The manifests agent's memory once programmed: VmRSS and its peak, VmHWM (target:
+/// peak <= 2x steady).
+fn manifests_memory(figures: modes::AgentFigures, scale: &mut ApiScale, start: Instant) {
+    scale.manifests_rss_mib = figures.rss_mib;
+    scale.manifests_hwm_mib = figures.hwm_mib;
+    if let (Some(rss), Some(hwm)) = (figures.rss_mib, figures.hwm_mib) {
+        log(
+            start,
+            format!(
+                "  manifests: VmRSS {rss:.1} MiB, VmHWM {hwm:.1} MiB (peak / steady {:.2})",
+                hwm / rss
+            ),
+        );
     }
 }
 

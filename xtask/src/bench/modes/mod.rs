@@ -45,6 +45,9 @@ impl Timing {
 pub struct AgentFigures {
     /// Resident memory after programming (VmRSS), MiB.
     pub rss_mib: Option<f64>,
+    /// The peak resident memory up to then (VmHWM), MiB.
+    #[serde(default)]
+    pub hwm_mib: Option<f64>,
     /// The agent's own `sync_proxy_rules_duration_seconds` for the programming sync.
     pub sync_seconds: Option<f64>,
     /// Time from starting the process to healthy (hooks loaded and attached).

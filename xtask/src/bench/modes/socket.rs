@@ -179,10 +179,15 @@ impl Agent {
     }
 
     fn rss_mib(&self) -> Option<f64> {
+        self.status_mib("VmRSS:")
+    }
+
+    /// `field` of `/proc/PID/status` (a `kB` figure) in MiB.
+    fn status_mib(&self, field: &str) -> Option<f64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
         let kib: f64 = status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))?
+            .find_map(|l| l.strip_prefix(field))?
             .split_whitespace()
             .next()?
             .parse()
@@ -520,6 +525,7 @@ impl Mode for Socket {
         let agent = self.agent_mut()?;
         let m = agent.metrics()?;
         let rss = agent.rss_mib();
+        self.figures.hwm_mib = agent.status_mib("VmHWM:");
         self.figures.sync_seconds =
             metric(&m, "ebpf_proxy_sync_proxy_rules_duration_seconds_sum").map(|s| s - sync_before);
         self.figures.rss_mib = rss;
