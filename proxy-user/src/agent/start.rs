@@ -145,10 +145,12 @@ async fn first_lists(
         }
     }
     let ceilings = loader::Sizes::compiled().with(loader::SizedMap::Service, opts.service_entries);
+    let sizing = Instant::now();
     let sizes = first.first_sync_sizes(start, &ceilings, opts.maglev);
     info!(
         services = first.index().service_count(),
         waited_ms = began.elapsed().as_millis() as u64,
+        sizing_ms = sizing.elapsed().as_millis() as u64,
         sizes = %crate::store::describe_sizes(&sizes.changed_from(&start)),
         "fresh node: the maps are made at the first sync's sizes"
     );

@@ -95,6 +95,10 @@ pub struct Syncer<S> {
     /// Trigger times before this are not observed (changes from before the agent
     /// started), as kube-proxy's endpoints change tracker does.
     pub(super) started: std::time::SystemTime,
+    /// Every Service's entries as [`Self::first_sync_sizes`] computed them, kept for the
+    /// first sync (which would compute the same again: a fifth of a fresh node's
+    /// programming after its lists); dropped by any update, taken by the next sync.
+    pub(super) prepared: Option<HashMap<ObjKey, Vec<crate::model::ServiceEntry>>>,
 }
 
 impl<S: MapStore> Syncer<S> {
@@ -128,6 +132,7 @@ impl<S: MapStore> Syncer<S> {
             lb_default: LbAlgorithm::default(),
             triggers: HashMap::default(),
             started: std::time::SystemTime::now(),
+            prepared: None,
         }
     }
 
@@ -158,25 +163,29 @@ impl<S: MapStore> Syncer<S> {
             lb_default: self.lb_default,
             triggers: self.triggers,
             started: self.started,
+            prepared: self.prepared,
         }
     }
 
     /// The sizes a fresh node makes its maps sized to demand at so that the first sync
     /// of what the index holds grows none of them (`writer::first_sync_sizes`: every
-    /// Service's entries, a frontend two Services claim counted twice).
+    /// Service's entries, a frontend two Services claim counted twice). The entries are
+    /// kept for the first sync ([`Self::prepared`]) unless an update comes first.
     pub fn first_sync_sizes(
-        &self,
+        &mut self,
         start: crate::loader::Sizes,
         ceilings: &crate::loader::Sizes,
         maglev: crate::maglev::Params,
     ) -> crate::loader::Sizes {
-        let entries: Vec<crate::model::ServiceEntry> = self
+        let entries: HashMap<ObjKey, Vec<crate::model::ServiceEntry>> = self
             .index
             .service_keys()
-            .flat_map(|k| self.index.entries(k))
+            .map(|k| (k.clone(), self.index.entries(k)))
             .collect();
-        let refs: Vec<&crate::model::ServiceEntry> = entries.iter().collect();
-        crate::writer::first_sync_sizes(&refs, start, ceilings, maglev)
+        let refs: Vec<&crate::model::ServiceEntry> = entries.values().flatten().collect();
+        let sizes = crate::writer::first_sync_sizes(&refs, start, ceilings, maglev);
+        self.prepared = Some(entries);
+        sizes
     }
 
     /// The algorithm for external traffic of Services without the annotation.
