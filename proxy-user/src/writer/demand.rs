@@ -91,6 +91,8 @@ impl<S: MapStore> Writer<S> {
             Default::default(),
         );
         let mut unknown = 0usize;
+        // A fresh node's first sync (and its sizing): no backend known, none looked up.
+        let none_known = self.backends.len() == 0;
         for e in upserts {
             // A new frontend's slot 0 and slots; a programmed one's slots beyond its count.
             let now = self.services.get(&e.frontend);
@@ -105,7 +107,7 @@ impl<S: MapStore> Writer<S> {
             affinity |= e.flags & svc_flags::AFFINITY != 0;
             for b in &e.backends {
                 let key = (*b, e.frontend.proto);
-                if self.backends.id_of(&key).is_none() {
+                if none_known || self.backends.id_of(&key).is_none() {
                     if exact {
                         new_backends.insert(key);
                     } else {
