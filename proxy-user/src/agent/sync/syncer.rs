@@ -177,11 +177,23 @@ impl<S: MapStore> Syncer<S> {
         ceilings: &crate::loader::Sizes,
         maglev: crate::maglev::Params,
     ) -> crate::loader::Sizes {
-        let entries: HashMap<ObjKey, Vec<crate::model::ServiceEntry>> = self
-            .index
-            .service_keys()
-            .map(|k| (k.clone(), self.index.entries(k)))
-            .collect();
+        // Computed on two threads (nothing else runs meanwhile: the maps wait for it).
+        let keys: Vec<&ObjKey> = self.index.service_keys().collect();
+        let index = &self.index;
+        let part = |ks: &[&ObjKey]| -> Vec<(ObjKey, Vec<crate::model::ServiceEntry>)> {
+            ks.iter()
+                .map(|k| ((*k).clone(), index.entries(k)))
+                .collect()
+        };
+        let (a, b) = keys.split_at(keys.len() / 2);
+        let (mut first, second) = std::thread::scope(|s| {
+            let other = s.spawn(|| part(b));
+            let first = part(a);
+            (first, other.join())
+        });
+        // A panic on the other thread: its half computed here instead.
+        first.extend(second.unwrap_or_else(|_| part(b)));
+        let entries: HashMap<ObjKey, Vec<crate::model::ServiceEntry>> = first.into_iter().collect();
         let refs: Vec<&crate::model::ServiceEntry> = entries.values().flatten().collect();
         let sizes = crate::writer::first_sync_sizes(&refs, start, ceilings, maglev);
         self.prepared = Some(entries);

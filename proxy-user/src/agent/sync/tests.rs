@@ -1186,3 +1186,46 @@ fn the_service_holding_a_frontend_keeps_it_from_an_older_claimant_across_restart
     s.sync(t);
     assert_eq!(backends_of_vip(&s), ["10.0.0.2:8080"], "{}", maps(&s));
 }
+
+/// Three Services with their slices, and the Node list (every initial list in).
+fn three(s: &mut Syncer<MemStore>, t: Instant) {
+    let svcs = vec![
+        svc("web", "10.96.0.10"),
+        svc("api", "10.96.0.11"),
+        svc("db", "10.96.0.12"),
+    ];
+    let slices = vec![
+        slice("web-1", "web", &["10.0.0.1", "10.0.0.2"]),
+        slice("api-1", "api", &["10.0.1.1"]),
+        slice("db-1", "db", &["10.0.2.1", "10.0.2.2", "10.0.2.3"]),
+    ];
+    s.handle(snapshot(Kind::Service, svcs), t);
+    s.handle(snapshot(Kind::EndpointSlice, slices), t);
+    s.handle(snapshot(Kind::Node, vec![]), t);
+}
+
+#[test]
+fn a_fresh_nodes_first_sync_writes_the_sized_entries_unless_an_update_came_first() {
+    let t = Instant::now();
+    let start = crate::loader::Sizes::compiled();
+    let (mut plain, _) = syncer(MemStore::default());
+    three(&mut plain, t);
+    plain.sync(t);
+    // Sized first (the entries computed on two threads, kept for the first sync): the
+    // same maps as without.
+    let (mut sized, _) = syncer(MemStore::default());
+    three(&mut sized, t);
+    sized.first_sync_sizes(start, &start, Default::default());
+    assert_eq!(sized.prepared.as_ref().map(|p| p.len()), Some(3));
+    sized.sync(t);
+    assert!(sized.prepared.is_none());
+    assert_eq!(maps(&sized), maps(&plain));
+    // An update between the sizing and the first sync: written as it is now.
+    let (mut late, _) = syncer(MemStore::default());
+    three(&mut late, t);
+    late.first_sync_sizes(start, &start, Default::default());
+    late.handle(Update::Apply(slice("web-1", "web", &["10.0.0.3"])), t);
+    assert!(late.prepared.is_none());
+    late.sync(t);
+    assert_eq!(backends_of_vip(&late), ["10.0.0.3:8080"], "{}", maps(&late));
+}
