@@ -352,6 +352,8 @@ pub struct WriteCounts {
     pub batch_calls: u64,
     /// Batch calls that failed and whose remaining elements were written one by one.
     pub fallbacks: u64,
+    /// Groups written as two batch calls at once (`writer/split.rs`).
+    pub split: u64,
 }
 
 impl WriteCounts {
@@ -361,6 +363,7 @@ impl WriteCounts {
         self.single += other.single;
         self.batch_calls += other.batch_calls;
         self.fallbacks += other.fallbacks;
+        self.split += other.split;
     }
 }
 
@@ -393,6 +396,21 @@ pub trait MapStore {
             applied: 0,
             error: io::Error::from_raw_os_error(crate::batch::ENOTSUPP),
         })
+    }
+    /// Whether [`Self::apply_batch_pair`] writes its two halves at once (on two CPUs) for
+    /// ops of this group: the writer then splits a large group in two
+    /// ([`crate::writer::SPLIT_MIN_OPS`]).
+    fn splits_batches(&self, group: Group) -> bool {
+        let _ = group;
+        false
+    }
+    /// Applies `a` and `b` - both of one [`Op::group`], every op on its own map entry
+    /// (none in both), so safe in any order and at once - as [`Self::apply_batch`] each:
+    /// the result of each half, its `applied` counted within that half (the other half
+    /// may be written whatever this one did). Default: one after the other.
+    fn apply_batch_pair(&mut self, a: &[Op], b: &[Op]) -> [Result<(), BatchFailed>; 2] {
+        let first = self.apply_batch(a);
+        [first, self.apply_batch(b)]
     }
     /// `max_entries` of each map sized to demand, when the store has such limits and can
     /// grow them ([`Self::grow_maps`]); `None`: it cannot.

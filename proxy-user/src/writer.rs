@@ -32,7 +32,9 @@
 //! all of them, one batch call per phase and map (`BPF_MAP_UPDATE_BATCH` /
 //! `BPF_MAP_DELETE_BATCH`): removals (slot 0, slots, source ranges, reverse NAT,
 //! backends), then the order above (backends, reverse NAT, source ranges, slots, slot 0,
-//! surplus slots, stale source ranges, backends). Each frontend's own writes keep the
+//! surplus slots, stale source ranges, backends). A group of at least [`SPLIT_MIN_OPS`]
+//! inserts is written as two batch calls at once, on two threads (`split.rs`: the
+//! kernel's per-element allocation scales across CPUs); the next phase waits for both. Each frontend's own writes keep the
 //! update order (all of a frontend's ops are in one round); ops of different frontends
 //! never touch one entry (ids freed during a round are only reused after it). Only one
 //! round's ops are held at once. A batch call that fails is finished element by element
@@ -575,6 +577,7 @@ mod counted;
 mod demand;
 mod plan;
 mod remove;
+mod split;
 mod sync;
 mod upsert;
 
@@ -582,6 +585,7 @@ use backends::Backends;
 pub use counted::CountedIds;
 pub use demand::{first_sync_sizes, SvcGrowth, SVC_LOW_WATER};
 pub use plan::{node_address_ops, Plan};
+pub use split::SPLIT_MIN_OPS;
 pub use sync::{svc_grown, SVC_HIGH_WATER};
 use upsert::slot_no;
 

@@ -240,6 +240,13 @@ fn a_batched_sync_reads_back_through_the_store_adoption_and_proxyctl() {
         assert!(counts.batch > counts.single * 10, "step {step}: {counts:?}");
         // No batch call failed: batches into the NO_PREALLOC maps work on this kernel.
         assert_eq!(counts.fallbacks, 0, "step {step}: {counts:?}");
+        if step == 0 {
+            // The new frontends' slots and backends (1,800 IPv4 frontends x 10): each
+            // group in two halves written at once (`writer/split.rs`), read back below
+            // exactly as the model and the in-memory store say.
+            assert!(n as usize * 9 / 10 * k as usize >= proxy_user::writer::SPLIT_MIN_OPS);
+            assert!(counts.split >= 2, "step {step}: {counts:?}");
+        }
         let dump = w.store().dump().expect("dump");
         assert!(
             dump == w.expected_dump(),

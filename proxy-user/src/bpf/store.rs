@@ -429,16 +429,7 @@ impl MapStore for BpfMaps {
             error: std::io::Error::other(e.to_string()),
         };
         if g.map == MapKind::RevNat {
-            let ids: Vec<u32> = ops
-                .iter()
-                .filter_map(|op| match op {
-                    Op::PutRevNat { service_id, .. } | Op::DelRevNat { service_id, .. } => {
-                        Some(*service_id)
-                    }
-                    _ => None,
-                })
-                .collect();
-            self.reset_counters(CounterKind::Service, &ids)
+            self.reset_counters(CounterKind::Service, &revnat_ids(ops))
                 .map_err(fail)?;
         }
         let backends = g.map == MapKind::Backend;
@@ -463,6 +454,57 @@ impl MapStore for BpfMaps {
             self.clear_conns(&ids[..done]).map_err(fail)?;
         }
         r.map_err(batch_failed)
+    }
+
+    fn splits_batches(&self, group: Group) -> bool {
+        // The large groups of a first sync: new frontends, slots, backends, reverse NAT.
+        !group.delete && matches!(group.map, MapKind::Svc | MapKind::Backend | MapKind::RevNat)
+    }
+
+    fn apply_batch_pair(&mut self, a: &[Op], b: &[Op]) -> [Result<(), BatchFailed>; 2] {
+        let g = match a.first().or(b.first()) {
+            Some(op) if self.splits_batches(op.group()) => op.group(),
+            _ => return [self.apply_batch(a), self.apply_batch(b)],
+        };
+        // What `apply_batch` does before its call, once for both halves.
+        let before = match g.map {
+            MapKind::RevNat => {
+                let mut ids = revnat_ids(a);
+                ids.extend(revnat_ids(b));
+                self.reset_counters(CounterKind::Service, &ids)
+            }
+            MapKind::Backend => {
+                let mut ids = backend_ids(a);
+                ids.extend(backend_ids(b));
+                self.clear_conns(&ids)
+            }
+            _ => Ok(()),
+        };
+        if let Err(e) = before {
+            let fail = || BatchFailed {
+                applied: 0,
+                error: std::io::Error::other(e.to_string()),
+            };
+            return [Err(fail()), Err(fail())];
+        }
+        let one = |ops: &[Op]| match g.family {
+            Family::V4 => self.v4.apply_batch(g, ops),
+            Family::V6 => self.v6.apply_batch(g, ops),
+        };
+        // Two kernel batch calls at once: the inserts' per-element allocations and
+        // memory-cgroup charges run on two CPUs.
+        let (ra, rb) = std::thread::scope(|s| {
+            let other = s.spawn(|| one(b));
+            let ra = one(a);
+            let rb = other.join().unwrap_or_else(|_| {
+                Err(batch::BatchError {
+                    done: 0,
+                    error: std::io::Error::other("the batch thread panicked"),
+                })
+            });
+            (ra, rb)
+        });
+        [ra.map_err(batch_failed), rb.map_err(batch_failed)]
     }
 
     fn dump(&self) -> Result<Dump, StoreError> {
@@ -496,4 +538,16 @@ impl MapStore for BpfMaps {
         }
         Ok(d)
     }
+}
+
+/// The service ids of reverse-NAT ops.
+fn revnat_ids(ops: &[Op]) -> Vec<u32> {
+    ops.iter()
+        .filter_map(|op| match op {
+            Op::PutRevNat { service_id, .. } | Op::DelRevNat { service_id, .. } => {
+                Some(*service_id)
+            }
+            _ => None,
+        })
+        .collect()
 }

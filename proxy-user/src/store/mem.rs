@@ -29,6 +29,9 @@ pub struct MemStore {
     pub batch_fault: Option<BatchFault>,
     /// No batch calls at all (like a store or kernel without them).
     pub no_batches: bool,
+    /// Large groups are split in two halves ([`MapStore::splits_batches`]; written one
+    /// after the other here, each half's result on its own).
+    pub split_batches: bool,
 }
 
 /// A forced failure of [`MemStore`]'s batch calls.
@@ -188,6 +191,10 @@ impl MapStore for MemStore {
 
     fn supports_batch(&self, _: Group) -> bool {
         !self.no_batches
+    }
+
+    fn splits_batches(&self, _: Group) -> bool {
+        self.split_batches && !self.no_batches
     }
 
     fn apply_batch(&mut self, ops: &[Op]) -> Result<(), BatchFailed> {

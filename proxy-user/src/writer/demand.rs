@@ -60,11 +60,15 @@ impl<S: MapStore> Writer<S> {
     /// the upserts' unknown ones; reverse NAT, the frontends plus the new ones; Maglev,
     /// the chunks of every table plus one table per Maglev upsert; affinity, its
     /// ceiling as soon as one frontend has `ClientIP` affinity (the LRU's demand is its
-    /// clients, unknown here), else nothing.
+    /// clients, unknown here), else nothing. Not `exact`: the backends not known are
+    /// counted without removing repeats (an upper bound, without the set of a million
+    /// keys a first sync would build; [`Self::make_room`] asks for the exact count only
+    /// when the bound would grow a map).
     pub(super) fn needed(
         &self,
         upserts: &[&ServiceEntry],
         ceilings: &Sizes,
+        exact: bool,
     ) -> Vec<(SizedMap, usize)> {
         // One pass over what the maps hold (this runs before every sync's writes).
         let mut svc = [0usize; 2];
@@ -77,7 +81,18 @@ impl<S: MapStore> Writer<S> {
             affinity |= p.value.flags & svc_flags::AFFINITY != 0;
         }
         let table = proxy_common::maglev::chunks(self.maglev.table_size) as usize;
-        let mut new_backends: HashSet<BackendKey> = HashSet::default();
+        // Sized once (a first sync's upserts name a million backends at 100,000 Services).
+        let mut new_backends: HashSet<BackendKey> = HashSet::with_capacity_and_hasher(
+            if exact {
+                upserts.iter().map(|e| e.backends.len()).sum()
+            } else {
+                0
+            },
+            Default::default(),
+        );
+        let mut unknown = 0usize;
+        // A fresh node's first sync (and its sizing): no backend known, none looked up.
+        let none_known = self.backends.len() == 0;
         for e in upserts {
             // A new frontend's slot 0 and slots; a programmed one's slots beyond its count.
             let now = self.services.get(&e.frontend);
@@ -92,12 +107,16 @@ impl<S: MapStore> Writer<S> {
             affinity |= e.flags & svc_flags::AFFINITY != 0;
             for b in &e.backends {
                 let key = (*b, e.frontend.proto);
-                if self.backends.id_of(&key).is_none() {
-                    new_backends.insert(key);
+                if none_known || self.backends.id_of(&key).is_none() {
+                    if exact {
+                        new_backends.insert(key);
+                    } else {
+                        unknown += 1;
+                    }
                 }
             }
         }
-        let backends = self.backends.len() + new_backends.len();
+        let backends = self.backends.len() + if exact { new_backends.len() } else { unknown };
         let affinity = if affinity {
             ceilings.get(SizedMap::Affinity) as usize * SVC_HIGH_WATER.0 / SVC_HIGH_WATER.1 + 1
         } else {
@@ -125,10 +144,21 @@ impl<S: MapStore> Writer<S> {
         let Some(sizes) = self.store.map_sizes() else {
             return;
         };
-        let needed = self.needed(upserts, &ceilings);
-        let to = growths(&needed, &sizes, &ceilings);
+        // The bound first: when it fits, the exact count does too.
+        let mut needed = self.needed(upserts, &ceilings, false);
+        let mut to = growths(&needed, &sizes, &ceilings);
         if to.is_empty() {
             return;
+        }
+        if to
+            .iter()
+            .any(|(k, _)| matches!(k, SizedMap::Backend | SizedMap::BackendConns))
+        {
+            needed = self.needed(upserts, &ceilings, true);
+            to = growths(&needed, &sizes, &ceilings);
+            if to.is_empty() {
+                return;
+            }
         }
         let svc = needed[0].1;
         match self.store.grow_maps(&to) {
@@ -160,7 +190,7 @@ impl<S: MapStore> Writer<S> {
         let (Some(ceilings), Some(sizes)) = (self.ceilings, self.store.map_sizes()) else {
             return Vec::new();
         };
-        self.needed(&[], &ceilings)
+        self.needed(&[], &ceilings, true)
             .into_iter()
             .filter_map(|(kind, used)| {
                 let (size, floor) = (sizes.get(kind), kind.floor().min(ceilings.get(kind)));
@@ -209,7 +239,7 @@ pub fn first_sync_sizes(
 ) -> Sizes {
     let mut empty = Writer::new(crate::store::MemStore::default());
     empty.set_maglev_params(maglev);
-    let needed = empty.needed(desired, ceilings);
+    let needed = empty.needed(desired, ceilings, true);
     growths(&needed, &start, ceilings)
         .into_iter()
         .fold(start, |s, (kind, to)| s.with(kind, to))

@@ -305,13 +305,15 @@ impl<S: MapStore> Writer<S> {
         for plan in phases {
             let mut undo_phase = Vec::new();
             for (ops, undo) in plan.by_group() {
-                if let Err((i, e)) = write_batch(&mut self.store, &ops, &mut self.counts) {
-                    undo_phase.extend(undo.into_iter().take(i));
-                    applied.push(undo_phase);
-                    let failed = self.rollback(applied);
-                    return Err((e, failed));
+                match self.write_group(ops, undo) {
+                    Ok(undo) => undo_phase.extend(undo),
+                    Err((written, e)) => {
+                        undo_phase.extend(written);
+                        applied.push(undo_phase);
+                        let failed = self.rollback(applied);
+                        return Err((e, failed));
+                    }
                 }
-                undo_phase.extend(undo);
             }
             applied.push(undo_phase);
         }

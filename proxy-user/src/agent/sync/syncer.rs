@@ -95,10 +95,10 @@ pub struct Syncer<S> {
     /// Trigger times before this are not observed (changes from before the agent
     /// started), as kube-proxy's endpoints change tracker does.
     pub(super) started: std::time::SystemTime,
-    /// Every Service's entries as [`Self::first_sync_sizes`] computed them from the
-    /// index, for the first sync to write instead of computing them again; dropped when
-    /// the index changes (any update).
-    pub(super) sized_entries: Option<HashMap<ObjKey, Vec<crate::model::ServiceEntry>>>,
+    /// Every Service's entries as [`Self::first_sync_sizes`] computed them, kept for the
+    /// first sync (which would compute the same again: a fifth of a fresh node's
+    /// programming after its lists); dropped by any update, taken by the next sync.
+    pub(super) prepared: Option<HashMap<ObjKey, Vec<crate::model::ServiceEntry>>>,
 }
 
 impl<S: MapStore> Syncer<S> {
@@ -132,7 +132,7 @@ impl<S: MapStore> Syncer<S> {
             lb_default: LbAlgorithm::default(),
             triggers: HashMap::default(),
             started: std::time::SystemTime::now(),
-            sized_entries: None,
+            prepared: None,
         }
     }
 
@@ -163,28 +163,40 @@ impl<S: MapStore> Syncer<S> {
             lb_default: self.lb_default,
             triggers: self.triggers,
             started: self.started,
-            sized_entries: self.sized_entries,
+            prepared: self.prepared,
         }
     }
 
     /// The sizes a fresh node makes its maps sized to demand at so that the first sync
     /// of what the index holds grows none of them (`writer::first_sync_sizes`: every
     /// Service's entries, a frontend two Services claim counted twice). The entries are
-    /// kept for the first sync, unless an update comes first.
+    /// kept for the first sync ([`Self::prepared`]) unless an update comes first.
     pub fn first_sync_sizes(
         &mut self,
         start: crate::loader::Sizes,
         ceilings: &crate::loader::Sizes,
         maglev: crate::maglev::Params,
     ) -> crate::loader::Sizes {
-        let entries: HashMap<ObjKey, Vec<crate::model::ServiceEntry>> = self
-            .index
-            .service_keys()
-            .map(|k| (k.clone(), self.index.entries(k)))
-            .collect();
+        // Computed on two threads (nothing else runs meanwhile: the maps wait for it).
+        let keys: Vec<&ObjKey> = self.index.service_keys().collect();
+        let index = &self.index;
+        let part = |ks: &[&ObjKey]| -> Vec<(ObjKey, Vec<crate::model::ServiceEntry>)> {
+            ks.iter()
+                .map(|k| ((*k).clone(), index.entries(k)))
+                .collect()
+        };
+        let (a, b) = keys.split_at(keys.len() / 2);
+        let (mut first, second) = std::thread::scope(|s| {
+            let other = s.spawn(|| part(b));
+            let first = part(a);
+            (first, other.join())
+        });
+        // A panic on the other thread: its half computed here instead.
+        first.extend(second.unwrap_or_else(|_| part(b)));
+        let entries: HashMap<ObjKey, Vec<crate::model::ServiceEntry>> = first.into_iter().collect();
         let refs: Vec<&crate::model::ServiceEntry> = entries.values().flatten().collect();
         let sizes = crate::writer::first_sync_sizes(&refs, start, ceilings, maglev);
-        self.sized_entries = Some(entries);
+        self.prepared = Some(entries);
         sizes
     }
 

@@ -1187,30 +1187,45 @@ fn the_service_holding_a_frontend_keeps_it_from_an_older_claimant_across_restart
     assert_eq!(backends_of_vip(&s), ["10.0.0.2:8080"], "{}", maps(&s));
 }
 
+/// Three Services with their slices, and the Node list (every initial list in).
+fn three(s: &mut Syncer<MemStore>, t: Instant) {
+    let svcs = vec![
+        svc("web", "10.96.0.10"),
+        svc("api", "10.96.0.11"),
+        svc("db", "10.96.0.12"),
+    ];
+    let slices = vec![
+        slice("web-1", "web", &["10.0.0.1", "10.0.0.2"]),
+        slice("api-1", "api", &["10.0.1.1"]),
+        slice("db-1", "db", &["10.0.2.1", "10.0.2.2", "10.0.2.3"]),
+    ];
+    s.handle(snapshot(Kind::Service, svcs), t);
+    s.handle(snapshot(Kind::EndpointSlice, slices), t);
+    s.handle(snapshot(Kind::Node, vec![]), t);
+}
+
 #[test]
-fn the_entries_computed_to_size_the_maps_are_written_unless_an_update_came_after() {
+fn a_fresh_nodes_first_sync_writes_the_sized_entries_unless_an_update_came_first() {
     let t = Instant::now();
-    let sizes = crate::loader::Sizes::compiled();
-    let maglev = crate::maglev::Params::default();
-    // Without sizing first: what the first sync writes.
+    let start = crate::loader::Sizes::compiled();
     let (mut plain, _) = syncer(MemStore::default());
-    initial(&mut plain, t);
+    three(&mut plain, t);
     plain.sync(t);
-    // Sized first: the sync writes the entries kept from the sizing, the same maps.
+    // Sized first (the entries computed on two threads, kept for the first sync): the
+    // same maps as without.
     let (mut sized, _) = syncer(MemStore::default());
-    initial(&mut sized, t);
-    sized.first_sync_sizes(sizes, &sizes, maglev);
-    assert!(sized.sized_entries.is_some(), "kept for the first sync");
+    three(&mut sized, t);
+    sized.first_sync_sizes(start, &start, Default::default());
+    assert_eq!(sized.prepared.as_ref().map(|p| p.len()), Some(3));
     sized.sync(t);
-    assert!(sized.sized_entries.is_none(), "used once");
+    assert!(sized.prepared.is_none());
     assert_eq!(maps(&sized), maps(&plain));
-    assert_eq!(backends_of_vip(&sized), ["10.0.0.1:8080", "10.0.0.2:8080"]);
-    // An update between the sizing and the sync: what the index holds then is written.
-    let (mut changed, _) = syncer(MemStore::default());
-    initial(&mut changed, t);
-    changed.first_sync_sizes(sizes, &sizes, maglev);
-    changed.handle(Update::Apply(slice("web-1", "web", &["10.0.0.3"])), t);
-    assert!(changed.sized_entries.is_none(), "dropped by the update");
-    changed.sync(t);
-    assert_eq!(backends_of_vip(&changed), ["10.0.0.3:8080"]);
+    // An update between the sizing and the first sync: written as it is now.
+    let (mut late, _) = syncer(MemStore::default());
+    three(&mut late, t);
+    late.first_sync_sizes(start, &start, Default::default());
+    late.handle(Update::Apply(slice("web-1", "web", &["10.0.0.3"])), t);
+    assert!(late.prepared.is_none());
+    late.sync(t);
+    assert_eq!(backends_of_vip(&late), ["10.0.0.3:8080"], "{}", maps(&late));
 }

@@ -8,7 +8,7 @@ use std::{
 };
 
 use k8s_openapi::api::core::v1::Node;
-use tracing::info;
+use tracing::{debug, info};
 
 use super::{incoming::Incoming, syncer::Syncer};
 use crate::{
@@ -23,8 +23,8 @@ use crate::{
 impl<S: MapStore> Syncer<S> {
     /// Records one update from a source.
     pub fn handle(&mut self, update: Update, now: Instant) {
-        // The index changes: entries computed from it before are not used.
-        self.sized_entries = None;
+        // What the entries were computed from changes (or may).
+        self.prepared = None;
         match update {
             Update::Batch(updates) => {
                 for u in updates {
@@ -40,7 +40,14 @@ impl<S: MapStore> Syncer<S> {
                 if relist {
                     info!(?kind, objects = objects.len(), "relist: full re-diff");
                 }
+                let (began, n) = (Instant::now(), objects.len());
                 self.snapshot(kind, objects, now);
+                debug!(
+                    ?kind,
+                    objects = n,
+                    took_ms = began.elapsed().as_secs_f64() * 1e3,
+                    "list taken in"
+                );
                 // The first full list of every kind, and every relist, re-diffs all.
                 self.full_due.get_or_insert(now);
                 self.listed.insert(kind);

@@ -136,9 +136,8 @@ impl<S: MapStore> Syncer<S> {
     ) {
         let started = Instant::now();
         let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> = HashMap::default();
-        // The first sync of a fresh node: each Service's entries as they were computed
-        // to size the maps (the index has not changed since).
-        let mut sized = self.sized_entries.take().unwrap_or_default();
+        // A fresh node's entries, computed to size its maps, nothing changed since.
+        let mut prepared = self.prepared.take().unwrap_or_default();
         let mut touched: BTreeSet<Frontend> = BTreeSet::new();
         if full {
             self.claims.clear();
@@ -149,7 +148,9 @@ impl<S: MapStore> Syncer<S> {
                 // Held: claims what the pinned maps hold for it, writes nothing.
                 Some(h) => (Vec::new(), h.frontends.clone()),
                 None => {
-                    let es = sized.remove(key).unwrap_or_else(|| self.index.entries(key));
+                    let es = prepared
+                        .remove(key)
+                        .unwrap_or_else(|| self.index.entries(key));
                     let fes = es.iter().map(|e| e.frontend).collect();
                     (es, fes)
                 }

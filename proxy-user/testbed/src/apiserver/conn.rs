@@ -171,9 +171,13 @@ async fn serve_connection<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 .is_ok(),
             Reply::List(kind, body) => {
                 lock(&shared.list_times).push((kind, std::time::Instant::now()));
-                write_text(&mut writer, 200, &body, request.close)
+                let written = write_text(&mut writer, 200, &body, request.close)
                     .await
-                    .is_ok()
+                    .is_ok();
+                if written {
+                    lock(&shared.list_ends).push((kind, std::time::Instant::now()));
+                }
+                written
             }
             Reply::Watch(watch) => tokio::select! {
                 biased;

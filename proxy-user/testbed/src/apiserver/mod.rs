@@ -41,7 +41,8 @@
 //! [`FakeApiServer::restart`].
 //!
 //! Instruments (for the bench): [`FakeApiServer::list_times`] (when each list page's
-//! first byte was written), [`FakeApiServer::watch_bytes`] (bytes written on watch
+//! first byte was written), [`FakeApiServer::list_end_times`] (its last byte),
+//! [`FakeApiServer::watch_bytes`] (bytes written on watch
 //! streams) and [`FakeApiServer::apply_many`] (bulk loading).
 //!
 //! The server runs on its own single-threaded tokio runtime on a background thread, so it
@@ -165,6 +166,7 @@ impl FakeApiServer {
                 compact_after_pages: AtomicUsize::new(0),
                 watch_bytes: AtomicU64::new(0),
                 list_times: Mutex::new(Vec::new()),
+                list_ends: Mutex::new(Vec::new()),
                 silent: std::sync::atomic::AtomicBool::new(false),
             }),
             handle,
@@ -420,6 +422,19 @@ preferences: {{}}
             .collect()
     }
 
+    /// When the last byte of every list response of `kind` was written (handed to the
+    /// connection's socket, flushed), in order; with [`Self::clear_requests`] forgotten too.
+    pub fn list_end_times(&self, kind: &str) -> Vec<std::time::Instant> {
+        let Some(kind) = Kind::parse(kind) else {
+            return Vec::new();
+        };
+        lock(&self.shared.list_ends)
+            .iter()
+            .filter(|(k, _)| *k == kind)
+            .map(|(_, t)| *t)
+            .collect()
+    }
+
     /// Bytes written on watch streams so far (events and bookmarks, chunk framing
     /// included; the response heads are not counted).
     pub fn watch_bytes(&self) -> u64 {
@@ -474,10 +489,11 @@ preferences: {{}}
         self.requests().iter().map(|r| percent_decode(r)).collect()
     }
 
-    /// Forgets the recorded requests (and [`Self::list_times`]).
+    /// Forgets the recorded requests (and [`Self::list_times`], [`Self::list_end_times`]).
     pub fn clear_requests(&self) {
         lock(&self.shared.requests).clear();
         lock(&self.shared.list_times).clear();
+        lock(&self.shared.list_ends).clear();
     }
 
     /// The current global resourceVersion.

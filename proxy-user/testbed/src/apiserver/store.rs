@@ -266,6 +266,8 @@ pub(super) struct Shared {
     pub(super) watch_bytes: AtomicU64,
     /// See [`FakeApiServer::list_times`].
     pub(super) list_times: Mutex<Vec<(Kind, std::time::Instant)>>,
+    /// See [`FakeApiServer::list_end_times`].
+    pub(super) list_ends: Mutex<Vec<(Kind, std::time::Instant)>>,
     /// See [`FakeApiServer::go_silent`].
     pub(super) silent: std::sync::atomic::AtomicBool,
 }

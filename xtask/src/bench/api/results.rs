@@ -105,6 +105,10 @@ pub struct ApiScale {
     pub service_map_entries: Option<u32>,
     /// First list byte -> all frontends in the maps (s).
     pub list_to_programmed_secs: Option<f64>,
+    /// Programming after the list: the last byte of the last initial list page (of the
+    /// kinds the agent waits for) written -> all frontends in the maps (s).
+    #[serde(default)]
+    pub after_list_to_programmed_secs: Option<f64>,
     /// Process start -> `/healthz` 200 (s).
     pub start_to_healthy_secs: Option<f64>,
     /// Process start -> all frontends in the maps (s).

@@ -67,13 +67,26 @@ pub(super) fn one_scale(
         .context("no list was served")?;
     scale.list_pages = api.list_times("Service").len() + api.list_times("EndpointSlice").len();
     scale.list_to_programmed_secs = Some(programmed.duration_since(first_list).as_secs_f64());
+    // Every initial list the agent waits for before its first sync, complete.
+    let last_page = ["Service", "EndpointSlice", "Node", "ServiceCIDR"]
+        .iter()
+        .flat_map(|k| api.list_end_times(k))
+        .filter(|t| *t <= programmed)
+        .max()
+        .context("no list page was written in full")?;
+    scale.after_list_to_programmed_secs = Some(
+        programmed
+            .saturating_duration_since(last_page)
+            .as_secs_f64(),
+    );
     scale.start_to_programmed_secs = Some(programmed.duration_since(spawned).as_secs_f64());
     log(
         start,
         format!(
-            "  healthy after {:.2} s; first list byte -> {n} frontends {:.3} s ({} pages)",
+            "  healthy after {:.2} s; first list byte -> {n} frontends {:.3} s, last list page -> {n} frontends {:.3} s ({} pages)",
             healthy.as_secs_f64(),
             scale.list_to_programmed_secs.unwrap_or_default(),
+            scale.after_list_to_programmed_secs.unwrap_or_default(),
             scale.list_pages
         ),
     );
@@ -197,6 +210,16 @@ pub(super) fn one_scale(
 
     // Restart on the pins.
     agent.stop();
+    if std::env::var_os("BENCH_AGENT_LOG").is_some() {
+        // The first agent's log (the restart starts a fresh one), kept for its timestamps.
+        let keep = std::env::temp_dir().join(format!("bench-api-agent-{n}-first.log"));
+        if fs::copy(&log_path, &keep).is_ok() {
+            log(
+                start,
+                format!("  first agent's log kept at {}", keep.display()),
+            );
+        }
+    }
     api.clear_requests();
     agent.restart()?;
     let healthy = agent.wait_healthy(limit)?;
