@@ -277,7 +277,7 @@ impl std::fmt::Debug for Repair {
 #[derive(Debug)]
 pub struct Writer<S> {
     store: S,
-    services: BTreeMap<Frontend, Programmed>,
+    services: Programs,
     /// Every live backend id: its backend and how many frontends reference it; the
     /// canonical id of each backend.
     backends: Backends,
@@ -308,7 +308,7 @@ pub struct Writer<S> {
 
 /// The model's state, saved before a batched sync (restored if it fails).
 struct Saved {
-    services: BTreeMap<Frontend, Programmed>,
+    services: Programs,
     backends: Backends,
     backend_alloc: IdAlloc,
     service_alloc: IdAlloc,
@@ -335,7 +335,7 @@ impl<S: MapStore> Writer<S> {
     pub fn new(store: S) -> Self {
         Self {
             store,
-            services: BTreeMap::new(),
+            services: Programs::default(),
             backends: Backends::default(),
             backend_alloc: IdAlloc::default(),
             service_alloc: IdAlloc::default(),
@@ -576,6 +576,7 @@ mod backends;
 mod counted;
 mod demand;
 mod plan;
+mod programs;
 mod remove;
 mod split;
 mod sync;
@@ -585,6 +586,7 @@ use backends::Backends;
 pub use counted::CountedIds;
 pub use demand::{first_sync_sizes, SvcGrowth, SVC_LOW_WATER};
 pub use plan::{node_address_ops, Plan};
+use programs::Programs;
 pub use split::SPLIT_MIN_OPS;
 pub use sync::{svc_grown, SVC_HIGH_WATER};
 use upsert::slot_no;

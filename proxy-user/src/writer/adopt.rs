@@ -301,9 +301,7 @@ impl<S: MapStore> Writer<S> {
                 report.repair(Repair::MaglevTableStale);
                 (0, n)
             };
-            if let Some(p) = self.services.get_mut(&fe) {
-                p.maglev = Some(state);
-            }
+            self.services.set_maglev(&fe, Some(state));
         }
         for (sid, chunk) in dump.maglev.keys() {
             if !kept_ids.contains(sid) {
@@ -371,17 +369,17 @@ impl<S: MapStore> Writer<S> {
     /// A frontend whose reverse-NAT entry is missing (or names another frontend) gets it
     /// back; one whose entry is right takes its Service name from it.
     fn restore_revnat(&mut self, dump: &Dump, report: &mut AdoptReport, orphans: &mut Vec<Op>) {
-        for (fe, p) in self.services.iter_mut() {
-            match dump.revnat.get(&p.value.service_id) {
-                Some((f, name)) if f == fe => p.name = name.clone(),
+        for (fe, value, own_name) in self.services.names_mut() {
+            match dump.revnat.get(&value.service_id) {
+                Some((f, name)) if f == fe => *own_name = name.clone(),
                 other => {
                     if let Some((f, _)) = other {
                         report.repair(Repair::RevnatRewritten);
-                        warn!(frontend = %fe, service_id = p.value.service_id, names = %f,
+                        warn!(frontend = %fe, service_id = value.service_id, names = %f,
                               "adoption: reverse-NAT entry names another frontend; rewritten");
                     }
                     orphans.push(Op::PutRevNat {
-                        service_id: p.value.service_id,
+                        service_id: value.service_id,
                         frontend: *fe,
                         name: String::new(),
                     })

@@ -590,6 +590,8 @@ fn random_changes_keep_maps_equal_to_the_model_at_every_step() {
         }
         let actual = w.store().dump().expect("dump");
         assert_eq!(actual, w.expected_dump(), "step {step}");
+        // The running totals the sizing reads are those of a count of every frontend.
+        assert_eq!(w.services.tally, w.services.recount(), "step {step}");
         // No backend is leaked: every backend is in some slot.
         let used: HashSet<u32> = actual.slots.values().copied().collect();
         assert!(
@@ -602,6 +604,7 @@ fn random_changes_keep_maps_equal_to_the_model_at_every_step() {
     let (second, report) = Writer::adopt(store).expect("adopt");
     assert_eq!(report.orphans_deleted, 0);
     assert_eq!(second.store().dump().expect("dump"), second.expected_dump());
+    assert_eq!(second.services.tally, w.services.tally, "adopted totals");
 }
 
 #[test]
@@ -795,6 +798,9 @@ fn batched_and_one_by_one_syncs_serve_the_same_at_every_step() {
         let a = batched.sync(desired.clone());
         let b = seq.sync(desired);
         assert!(a.errors.is_empty() && b.errors.is_empty(), "step {step}");
+        for w in [&batched.services, &seq.services] {
+            assert_eq!(w.tally, w.recount(), "step {step}");
+        }
         assert_eq!(
             (a.changed, a.removed),
             (b.changed, b.removed),
@@ -1218,6 +1224,9 @@ fn maglev_tables_survive_adoption_without_writes_and_stale_ones_are_rewritten() 
         Writer::adopt_with(store, BATCH_MIN_FRONTENDS, small_maglev()).expect("adopt");
     assert!(report.repairs.is_empty(), "{report:?}");
     assert_eq!(report.orphans_deleted, 0);
+    // The adopted totals are the writer's: the tables' chunks counted.
+    assert_eq!(w2.services.tally, w.services.tally);
+    assert!(w2.services.tally.chunks > 0 && w2.services.tally.svc[0] == 2 + 5);
     w2.store_mut().log.clear();
     let r = w2.sync(desired.clone());
     assert_eq!(r.ops, 0, "{}", w2.store_mut().take_log());
