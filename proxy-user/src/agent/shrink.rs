@@ -150,18 +150,8 @@ pub(super) fn check<S: MapStore>(shrinker: &mut Shrinker, syncer: &mut Syncer<S>
     let metrics = syncer.metrics().clone();
     match done {
         Shrink::Done(resized) => {
-            metrics.count_resizes(&resized);
-            if let Some(r) = resized
-                .iter()
-                .find(|r| r.map == proxy_common::map_names::SVC4)
-            {
-                metrics.service_map_entries.set(i64::from(r.to));
-            }
+            let maps = service_maps_resized(&metrics, &resized);
             metrics.map_memory_changed.notify_one();
-            let maps: Vec<String> = resized
-                .iter()
-                .map(|r| format!("{}={}->{}", r.map, r.from, r.to))
-                .collect();
             info!(
                 ?maps,
                 hold_s = hold.as_secs_f64(),
@@ -175,6 +165,26 @@ pub(super) fn check<S: MapStore>(shrinker: &mut Shrinker, syncer: &mut Syncer<S>
             metrics.map_write_error("service_map_resize");
         }
     }
+}
+
+/// A resize of the service-side maps done (a growth before a sync, a shrink between
+/// syncs): counted (`ebpf_proxy_map_resizes_total`), `ebpf_proxy_service_map_entries` set
+/// to `SVC4`'s new size. Returns the maps as `NAME=from->to`, for the log line.
+pub(super) fn service_maps_resized(
+    metrics: &super::metrics::Metrics,
+    resized: &[crate::loader::MapResize],
+) -> Vec<String> {
+    metrics.count_resizes(resized);
+    if let Some(r) = resized
+        .iter()
+        .find(|r| r.map == proxy_common::map_names::SVC4)
+    {
+        metrics.service_map_entries.set(i64::from(r.to));
+    }
+    resized
+        .iter()
+        .map(|r| format!("{}={}->{}", r.map, r.from, r.to))
+        .collect()
 }
 
 #[cfg(test)]

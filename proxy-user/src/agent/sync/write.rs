@@ -247,18 +247,7 @@ impl<S: MapStore> Syncer<S> {
         for g in self.writer.take_svc_growths() {
             match g {
                 SvcGrowth::Grown { resized, needed } => {
-                    self.metrics.count_resizes(&resized);
-                    if let Some(to) = resized
-                        .iter()
-                        .find(|r| r.map == proxy_common::map_names::SVC4)
-                        .map(|r| r.to)
-                    {
-                        self.metrics.service_map_entries.set(i64::from(to));
-                    }
-                    let maps: Vec<String> = resized
-                        .iter()
-                        .map(|r| format!("{}={}->{}", r.map, r.from, r.to))
-                        .collect();
+                    let maps = crate::agent::shrink::service_maps_resized(&self.metrics, &resized);
                     info!(
                         ?maps,
                         needed, "service-side maps grown online before the sync's writes"
