@@ -136,16 +136,18 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         .max_entries(proxy_common::map_names::SVC4)
         .is_none()
         && !bypass::bypass_on(&opts);
+    let begin = start::Start {
+        metrics,
+        health: health.clone(),
+        manifests,
+        interfaces,
+        node_addrs,
+        sizes: start,
+    };
     let (datapath, metrics, rx, syncer) = if fresh {
-        start::fresh(
-            &opts, metrics, &health, manifests, interfaces, node_addrs, start,
-        )
-        .await?
+        start::fresh(&opts, begin).await?
     } else {
-        start::on_pins(
-            &opts, metrics, &health, manifests, interfaces, node_addrs, &start,
-        )
-        .await?
+        start::on_pins(&opts, begin).await?
     };
     if fresh {
         record_datapath(&opts, &datapath, &metrics);

@@ -33,17 +33,29 @@ type Started = (
     Option<Syncer<crate::store::MemStore>>,
 );
 
+/// What either way of coming up starts from ([`fresh`], [`on_pins`]).
+pub(super) struct Start {
+    pub metrics: Metrics,
+    pub health: Arc<Health>,
+    pub manifests: Manifests,
+    pub interfaces: Vec<String>,
+    pub node_addrs: Vec<std::net::IpAddr>,
+    /// The maps' sizes at this start ([`start_sizes`]).
+    pub sizes: loader::Sizes,
+}
+
 /// A fresh node: metrics and health first (/livez answers while the lists are read),
 /// then the lists, then the maps at the first sync's sizes.
-pub(super) async fn fresh(
-    opts: &AgentOptions,
-    metrics: Metrics,
-    health: &Arc<Health>,
-    manifests: Manifests,
-    interfaces: Vec<String>,
-    node_addrs: Vec<std::net::IpAddr>,
-    start: loader::Sizes,
-) -> anyhow::Result<Started> {
+pub(super) async fn fresh(opts: &AgentOptions, s: Start) -> anyhow::Result<Started> {
+    let Start {
+        metrics,
+        health,
+        manifests,
+        interfaces,
+        node_addrs,
+        sizes: start,
+    } = s;
+    let health = &health;
     let metrics = new_metrics(opts, &node_addrs, metrics);
     serve_http(opts, &metrics, health).await?;
     let mut rx = source::start_source(opts, &metrics, manifests).await?;
@@ -65,16 +77,17 @@ pub(super) async fn fresh(
 /// Pinned maps: the datapath adopted first, then metrics and health (reading a large
 /// pinned state back takes seconds, and /livez must answer meanwhile; /healthz says 503
 /// until the first sync), then the sources.
-pub(super) async fn on_pins(
-    opts: &AgentOptions,
-    metrics: Metrics,
-    health: &Arc<Health>,
-    manifests: Manifests,
-    interfaces: Vec<String>,
-    node_addrs: Vec<std::net::IpAddr>,
-    start: &loader::Sizes,
-) -> anyhow::Result<Started> {
-    let datapath = open_datapath(opts, interfaces, node_addrs, start)?;
+pub(super) async fn on_pins(opts: &AgentOptions, s: Start) -> anyhow::Result<Started> {
+    let Start {
+        metrics,
+        health,
+        manifests,
+        interfaces,
+        node_addrs,
+        sizes,
+    } = s;
+    let health = &health;
+    let datapath = open_datapath(opts, interfaces, node_addrs, &sizes)?;
     let metrics = new_metrics(opts, &datapath.node_addrs, metrics);
     super::record_datapath(opts, &datapath, &metrics);
     serve_http(opts, &metrics, health).await?;
