@@ -68,7 +68,7 @@ fn main() {
         cluster_ip_client(Path::new(&netns));
         return;
     }
-    let tests: [(&str, fn()); 11] = [
+    let tests: [(&str, fn()); 12] = [
         (
             "upgrade_from_previous_release_keeps_every_connection",
             upgrade_from_previous_release_keeps_every_connection,
@@ -92,6 +92,10 @@ fn main() {
         (
             "conntrack_grown_online_keeps_every_flow_and_its_backend",
             conntrack_grown_online_keeps_every_flow_and_its_backend,
+        ),
+        (
+            "conntrack_resize_with_hooks_half_swapped_opens_every_flow_at_once",
+            conntrack_resize_with_hooks_half_swapped_opens_every_flow_at_once,
         ),
         (
             "crash_at_each_resize_step_then_restart",
@@ -1620,6 +1624,156 @@ fn conntrack_grown_online_keeps_every_flow_and_its_backend() {
         0,
         "NodePort UDP answers from another source"
     );
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// TCP counters of the network namespace `ns` (`/proc/thread-self/net/{snmp,netstat}`
+/// read from a thread inside it): `(TcpExt TCPSynRetrans, Tcp AttemptFails)`, the SYNs
+/// sent again and the connection attempts that ended in a reset or a timeout.
+fn handshake_counters(ns: &Path) -> (u64, u64) {
+    let ns = ns.to_path_buf();
+    std::thread::spawn(move || {
+        let _g = NetnsGuard::enter(&ns);
+        let field = |file: &str, table: &str, name: &str| -> u64 {
+            let text = fs::read_to_string(format!("/proc/thread-self/net/{file}"))
+                .unwrap_or_else(|e| panic!("/proc/thread-self/net/{file}: {e}"));
+            let rows: Vec<Vec<&str>> = text
+                .lines()
+                .filter(|l| l.starts_with(&format!("{table}:")))
+                .map(|l| l.split_whitespace().collect())
+                .collect();
+            assert_eq!(rows.len(), 2, "{table} in {file}: {text}");
+            let i = rows[0]
+                .iter()
+                .position(|n| *n == name)
+                .unwrap_or_else(|| panic!("{table} {name} in {file}: {text}"));
+            rows[1][i].parse().expect("a counter")
+        };
+        (
+            field("netstat", "TcpExt", "TCPSynRetrans"),
+            field("snmp", "Tcp", "AttemptFails"),
+        )
+    })
+    .join()
+    .expect("counters")
+}
+
+/// The pause of the test hook `EBPF_PROXY_MIGRATE_SWAP_PAUSE_MS` between two hooks of a
+/// resize's swap: the TC hooks are swapped one by one (`tc-ext0-egress`, `tc-ext0-ingress`,
+/// `tc-nb0-egress`, `tc-nb0-ingress`), so each mixed state lasts this long, the one
+/// where `ext0`'s ingress runs a new program and `nb0`'s ingress an old one twice this.
+const SWAP_PAUSE_MS: &str = "1000";
+
+/// A conntrack resize (`--conntrack-max` 8192 -> 16384 at a restart: the same staged
+/// migration an online growth takes) whose program swap pauses 1 s after each hook
+/// (`EBPF_PROXY_MIGRATE_SWAP_PAUSE_MS`), so that for seconds some hooks run the new
+/// programs (the new table, with the fallback into the old one) and others still the old
+/// ones (the old table only), while the external client opens new TCP connections and
+/// UDP exchanges through the NodePort. A flow to the remote pod is opened by `ext0`'s
+/// ingress and its replies come back through `nb0`'s ingress (SNATed): with `ext0`
+/// swapped and `nb0` not, an old program must find the flow a new one just opened, and
+/// with the egress hook swapped before the ingress one, a new program the flows an old
+/// one opened (local pods: the reply leaves through `ext0`'s egress). Every exchange
+/// must succeed at the first try: no connection failed, no SYN sent again and no attempt
+/// failed in the client's namespace (a reply that misses its translation is not the
+/// client's: the node resets it towards the pod, and the client sends its SYN again a
+/// second later or gives up), no UDP
+/// datagram asked again, and every long-lived flow keeps answering.
+fn conntrack_resize_with_hooks_half_swapped_opens_every_flow_at_once() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("erh-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    // The running agent does not resize by itself here (occupancy walk slow, rate off).
+    let quiet = [
+        (proxy_user::ctsize::CHECK_ENV, "600000"),
+        (proxy_user::ctsize::RATE_ENV, "0"),
+    ];
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &quiet,
+        &["--conntrack-max", "8192", "--conntrack-start", "8192"],
+    );
+    agent.wait_healthy();
+    assert_eq!(ct_sizes(&env.pins.path), (16_384, 16_384));
+    UDP_RETRIES.store(0, Ordering::Relaxed);
+    UDP_WRONG_SOURCE.store(0, Ordering::Relaxed);
+    let ext = ExtClients::start(&c, 8);
+    std::thread::sleep(Duration::from_millis(300));
+    let counters_before = handshake_counters(&c.ext.path());
+    agent.stop();
+    let mut paused = quiet.to_vec();
+    paused.push((migrate::SWAP_PAUSE_ENV, SWAP_PAUSE_MS));
+    agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &paused,
+        &["--conntrack-max", "16384", "--conntrack-start", "16384"],
+    );
+    agent.wait_healthy();
+    std::thread::sleep(Duration::from_millis(500));
+    let (tcp, udp, flows, errors) = ext.finish();
+    let counters_after = handshake_counters(&c.ext.path());
+    let log = agent.stop();
+    let pauses = log
+        .lines()
+        .filter(|l| l.contains("test hook: pausing the swap"))
+        .count();
+    let (syn_retrans, attempt_fails) = (
+        counters_after.0 - counters_before.0,
+        counters_after.1 - counters_before.1,
+    );
+    eprintln!(
+        "conntrack 8k -> 16k with the swap paused {SWAP_PAUSE_MS} ms after each of {} hooks: \
+         NodePort TCP {}/{} UDP {}/{} (ok/failed), UDP asked again {}; client SYNs sent \
+         again {syn_retrans}, attempts failed {attempt_fails}; {} long-lived flows",
+        pauses + 1,
+        tcp.0,
+        tcp.1,
+        udp.0,
+        udp.1,
+        UDP_RETRIES.load(Ordering::Relaxed),
+        flows.len()
+    );
+    assert_eq!(ct_sizes(&env.pins.path), (32_768, 32_768), "{log}");
+    assert!(log.contains("layout migration done"), "{log}");
+    assert!(
+        pauses >= 3,
+        "the swap paused between the TC hooks ({pauses} pauses): {log}"
+    );
+    assert_eq!(prev_sizes(&env.pins.path), (1, 1), "{log}");
+    assert!(tcp.0 > 0 && udp.0 > 0, "the loops ran: {tcp:?} {udp:?}");
+    assert!(
+        errors.is_empty(),
+        "failed exchanges while the hooks ran old and new programs side by side: {errors:#?}"
+    );
+    assert_eq!(
+        (syn_retrans, attempt_fails),
+        (0, 0),
+        "(SYNs sent again, connection attempts failed) in the client's namespace: a \
+         handshake needed a second try"
+    );
+    assert_eq!(
+        UDP_RETRIES.load(Ordering::Relaxed),
+        0,
+        "UDP exchanges asked again"
+    );
+    assert_eq!(
+        UDP_WRONG_SOURCE.load(Ordering::Relaxed),
+        0,
+        "NodePort UDP answers from another source"
+    );
+    for f in &flows {
+        let (_, answers) = f
+            .as_ref()
+            .unwrap_or_else(|e| panic!("long-lived flow broke: {e}"));
+        assert!(*answers > 0, "{flows:?}");
+    }
     let _ = fs::remove_dir_all(&dir);
 }
 
