@@ -1786,6 +1786,36 @@ fn a_resize_writes_new_flows_into_the_table_being_replaced_too() {
     let (_, out) = bed.run(TC_EGRESS, &reply6);
     assert_eq!(out.src, sa("[2001:db8:96::10]:80"));
 
+    // The copy after the swap carries into the new tables the state only the old
+    // programs saw (the replies: `SEEN_REPLY`, else the new tables' entries would keep
+    // the SYN timeout); the entries the old programs made alone are copied.
+    let seen = |f: u32| f & proxy_common::ct_flags::SEEN_REPLY != 0;
+    let flow4 = ct_dump::<Ct4Key, Ct4Value>(&staged.path, map_names::CT4);
+    assert!(flow4.values().all(|v| !seen(v.flags)), "{flow4:?}");
+    let count = proxy_user::migrate::copy_map(
+        &from,
+        &to,
+        map_names::CT4,
+        proxy_user::migrate::Convert::Bytes,
+        true,
+    )
+    .expect("copy CT4");
+    assert_eq!((count.copied, count.merged), (2, 2), "{count:?}");
+    let new4 = ct_dump::<Ct4Key, Ct4Value>(&staged.path, map_names::CT4);
+    assert_eq!(new4.len(), 4);
+    assert!(flow4.keys().all(|k| seen(new4[k].flags)), "{new4:?}");
+    let count = proxy_user::migrate::copy_map(
+        &from,
+        &to,
+        map_names::CT6,
+        proxy_user::migrate::Convert::Bytes,
+        true,
+    )
+    .expect("copy CT6");
+    assert_eq!((count.copied, count.merged), (0, 2), "{count:?}");
+    let new6 = ct_dump::<Ct6Key, Ct6Value>(&staged.path, map_names::CT6);
+    assert!(new6.values().all(|v| seen(v.flags)), "{new6:?}");
+
     // The old programs never wrote their own 1-entry `CT*_PREV`.
     assert!(ct_dump::<Ct4Key, Ct4Value>(old, map_names::CT4_PREV).is_empty());
     assert!(ct_dump::<Ct6Key, Ct6Value>(old, map_names::CT6_PREV).is_empty());
