@@ -52,8 +52,8 @@ pub fn load_tc_with(
 /// The programs of a conntrack resize, as `migrate` loads them: the object with the
 /// `CT_FALLBACK` global set against the maps pinned under `pins`, where the caller has
 /// pinned the tables being replaced as `CT4_PREV`/`CT6_PREV` (the new `CT4`/`CT6` of
-/// `flows` flows per family, made here unless pinned); both TC programs through the
-/// verifier.
+/// `flows` flows per family, made here unless pinned); both TC programs and the XDP
+/// program through the verifier.
 pub fn load_tc_resizing(pins: &PinDir, flows: u32) -> anyhow::Result<aya::Ebpf> {
     if loader::EBPF_OBJECT.is_empty() {
         anyhow::bail!("built without the eBPF object");
@@ -73,6 +73,12 @@ pub fn load_tc_resizing(pins: &PinDir, flows: u32) -> anyhow::Result<aya::Ebpf> 
             .try_into()?;
         prog.load().map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
     }
+    let prog: &mut aya::programs::Xdp = ebpf
+        .program_mut(XDP_PROGRAM)
+        .ok_or_else(|| anyhow::anyhow!("no program {XDP_PROGRAM}"))?
+        .try_into()?;
+    prog.load()
+        .map_err(|e| anyhow::anyhow!("{XDP_PROGRAM}: {e}"))?;
     Ok(ebpf)
 }
 
