@@ -2070,7 +2070,7 @@ fn metric_value(text: &str, line: &str) -> Option<f64> {
 /// least two steps (4,096 -> 8,192 -> 16,384 entries or more), each a new table; a
 /// Service added afterwards answers (the writer writes the maps the new programs read,
 /// every map but conntrack being the same object); not one connection, exchange or long-lived
-/// flow fails; every long-lived flow keeps its conntrack entries unchanged (same backend,
+/// flow fails, and no handshake of the client's namespace needs its SYN sent again; every long-lived flow keeps its conntrack entries unchanged (same backend,
 /// SNAT, service); `/healthz` answers 200 throughout; the resizes are counted.
 fn conntrack_grows_online_while_serving() {
     let env = TestEnv::outside_cgroup();
@@ -2115,6 +2115,7 @@ fn conntrack_grows_online_while_serving() {
     };
     let others_before = others(&env.pins.path);
     let health = HealthProbe::start(&c);
+    let handshakes_before = handshake_counters(&c.ext.path());
     UDP_WRONG_SOURCE.store(0, Ordering::Relaxed);
     let ext = ExtClients::start(&c, RESIZE_LONG_LIVED);
     let cip = ClusterIpClient::start(&env, &c);
@@ -2159,6 +2160,9 @@ fn conntrack_grows_online_while_serving() {
     std::thread::sleep(Duration::from_millis(700));
     ids.push(map_id(&env.pins.path, map_names::CT4));
     ids.dedup();
+    // Before the late Service (asked until it answers: the attempts before it is
+    // written are refused by the node).
+    let handshakes_after = handshake_counters(&c.ext.path());
     // A Service added after the resizes: the agent's writer still writes the maps the
     // swapped programs read.
     let late = NODEPORT + 20;
@@ -2290,6 +2294,16 @@ fn conntrack_grows_online_while_serving() {
         UDP_WRONG_SOURCE.load(Ordering::Relaxed),
         0,
         "NodePort UDP answers from another source"
+    );
+    // Every handshake of the client loops at the first try across the growths (their
+    // hooks swapped one by one while the loops run).
+    assert_eq!(
+        (
+            handshakes_after.0 - handshakes_before.0,
+            handshakes_after.1 - handshakes_before.1
+        ),
+        (0, 0),
+        "(SYNs sent again, connection attempts failed) in the client's namespace"
     );
     assert!(unhealthy.is_empty(), "/healthz not 200: {unhealthy:?}");
     assert!(
