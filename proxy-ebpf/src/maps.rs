@@ -179,9 +179,13 @@ pub static CT6: LruHashMap<Ct6Key, Ct6Value> = LruHashMap::pinned(MAX_CT, 0);
 /// The conntrack table a resize replaces, IPv4 (`CT4`'s previous map object): while the
 /// programs of a resize run (loaded with [`CT_FALLBACK`] set), a `CT4` miss is looked up
 /// here and the entry found is moved into `CT4` ([`ct4_get`]), so a flow the old programs
-/// opened after the last copy keeps its translation across the program swap. The
-/// migration pins the old `CT4` here; once its entries are all in `CT4` the programs are
-/// swapped again to ones loaded without the fallback, and this is a 1-entry empty map.
+/// opened after the last copy keeps its translation across the program swap; and every
+/// entry they write into `CT4` is written here too ([`ct4_put`], removed from both by
+/// [`ct4_del`]), so a hook still running an old program (the hooks are swapped one by
+/// one) finds a flow a new program opened on another hook (its reply, its next packet,
+/// an ICMP error about it, the SNAT port it holds). The migration pins the old `CT4`
+/// here; once its entries are all in `CT4` the programs are swapped again to ones loaded
+/// without the fallback, and this is a 1-entry empty map.
 #[map]
 pub static CT4_PREV: LruHashMap<Ct4Key, Ct4Value> = LruHashMap::pinned(1, 0);
 
@@ -190,7 +194,8 @@ pub static CT4_PREV: LruHashMap<Ct4Key, Ct4Value> = LruHashMap::pinned(1, 0);
 pub static CT6_PREV: LruHashMap<Ct6Key, Ct6Value> = LruHashMap::pinned(1, 0);
 
 /// Set (to 1) by the loader for the programs of a conntrack resize only (a read-only
-/// global: the verifier prunes the fallback from every other load).
+/// global: the verifier prunes the fallback lookup and the second write from every other
+/// load).
 #[unsafe(no_mangle)]
 static CT_FALLBACK: u8 = 0;
 
@@ -222,6 +227,46 @@ fn ct4_from_prev(k: &Ct4Key) -> Option<*mut Ct4Value> {
     // SAFETY: a live map value, handed to the update helper as the value to copy.
     let _ = CT4.insert(k, unsafe { &*old }, u64::from(BPF_NOEXIST));
     CT4.get_ptr_mut(k)
+}
+
+/// Writes the `CT4` entry of `k`; during a resize also into `CT4_PREV`, the table the
+/// old programs still running on other hooks use (best effort: a failure there costs
+/// only what the fallback alone would). The caller's result is `CT4`'s.
+#[inline(always)]
+pub fn ct4_put(k: &Ct4Key, v: &Ct4Value) -> Result<(), ()> {
+    CT4.insert(k, v, 0).map_err(|_| ())?;
+    if ct_fallback() {
+        let _ = CT4_PREV.insert(k, v, 0);
+    }
+    Ok(())
+}
+
+/// Removes the `CT4` entry of `k`; during a resize from `CT4_PREV` too ([`ct4_put`]).
+#[inline(always)]
+pub fn ct4_del(k: &Ct4Key) {
+    let _ = CT4.remove(k);
+    if ct_fallback() {
+        let _ = CT4_PREV.remove(k);
+    }
+}
+
+/// The IPv6 counterpart of [`ct4_put`].
+#[inline(always)]
+pub fn ct6_put(k: &Ct6Key, v: &Ct6Value) -> Result<(), ()> {
+    CT6.insert(k, v, 0).map_err(|_| ())?;
+    if ct_fallback() {
+        let _ = CT6_PREV.insert(k, v, 0);
+    }
+    Ok(())
+}
+
+/// The IPv6 counterpart of [`ct4_del`].
+#[inline(always)]
+pub fn ct6_del(k: &Ct6Key) {
+    let _ = CT6.remove(k);
+    if ct_fallback() {
+        let _ = CT6_PREV.remove(k);
+    }
 }
 
 /// The IPv6 counterpart of [`ct4_get`].

@@ -1645,3 +1645,178 @@ fn per_service_counters_count_only_when_on_and_start_from_zero_for_a_reused_id()
     assert!(read(&counters, CounterKind::Service).is_empty());
     assert!(read(&counters, CounterKind::Backend).is_empty());
 }
+
+/// Every entry of the pinned conntrack map `name` under `pins`.
+fn ct_dump<K: aya::Pod + Eq + std::hash::Hash, V: aya::Pod>(
+    pins: &std::path::Path,
+    name: &str,
+) -> std::collections::HashMap<K, V> {
+    let data = aya::maps::MapData::from_pin(pins.join(name)).expect("pinned map");
+    let map: aya::maps::HashMap<_, K, V> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).expect("hash map");
+    map.iter().map(|e| e.expect("entry")).collect()
+}
+
+/// The programs of a conntrack resize (the `CT_FALLBACK` global set, the running tables
+/// pinned as `CT4_PREV`/`CT6_PREV` beside every other map shared, as `migrate` stages
+/// them) write a new flow's entries into the table being replaced as well as into the
+/// new one: while the hooks are swapped one by one, a hook still running an old program
+/// translates the flow's reply and follows its next packet (same backend, same SNAT
+/// port) instead of missing them (IPv4: a NodePort flow SNATed to a remote backend,
+/// reply through ingress; IPv6: a local backend, reply through egress). Without that the
+/// old program passes the reply untranslated (the client never sees its SYN-ACK). The
+/// old programs, loaded without the fallback, write their own table only: the 1-entry
+/// `CT4_PREV`/`CT6_PREV` beside it stay empty.
+#[test]
+fn a_resize_writes_new_flows_into_the_table_being_replaced_too() {
+    use proxy_common::{Ct6Key, Ct6Value};
+    let mut bed = Bed::new();
+    let np = Frontend::new(Ipv4Addr::UNSPECIFIED, 30080, Proto::Tcp);
+    bed.writer
+        .upsert(&entry(np, &[("10.2.1.2:8080", 0)], svc_flags::NODE_PORT))
+        .expect("upsert");
+    let fe6 = Frontend::new(
+        "2001:db8:96::10".parse::<IpAddr>().expect("ip"),
+        80,
+        Proto::Tcp,
+    );
+    bed.writer
+        .upsert(&entry(fe6, &[("[2001:db8:2::2]:8080", LOCAL)], 0))
+        .expect("upsert");
+    // A flow of the old programs: in their table only.
+    let before = Pkt::tcp("198.51.100.7:40001", "192.0.2.1:30080", SYN);
+    assert_eq!(bed.run(TC_INGRESS, &before).1.dst, sa("10.2.1.2:8080"));
+    let old = &bed.pins.path;
+    assert_eq!(ct_dump::<Ct4Key, Ct4Value>(old, map_names::CT4).len(), 2);
+    assert!(ct_dump::<Ct4Key, Ct4Value>(old, map_names::CT4_PREV).is_empty());
+    assert!(ct_dump::<Ct6Key, Ct6Value>(old, map_names::CT6_PREV).is_empty());
+
+    // The resize's staging: every map shared but conntrack, whose running tables are
+    // the new programs' `CT*_PREV`.
+    let staged = support::PinDir::new();
+    std::fs::create_dir_all(&staged.path).expect("mkdir");
+    let (from, to) = (bed.pins.dir(), staged.dir());
+    let ct = [
+        map_names::CT4,
+        map_names::CT6,
+        map_names::CT4_PREV,
+        map_names::CT6_PREV,
+    ];
+    for e in std::fs::read_dir(old).expect("pins") {
+        let e = e.expect("pin");
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !e.file_type().expect("type").is_file() || ct.contains(&name.as_str()) {
+            continue;
+        }
+        let fd = from
+            .open_fd(&name, proxy_user::pins::Access::ReadWrite)
+            .expect("open");
+        to.pin_map(&name, std::os::fd::AsFd::as_fd(&fd))
+            .expect("share");
+    }
+    for (prev, running) in [
+        (map_names::CT4_PREV, map_names::CT4),
+        (map_names::CT6_PREV, map_names::CT6),
+    ] {
+        let fd = from
+            .open_fd(running, proxy_user::pins::Access::ReadWrite)
+            .expect("open");
+        to.pin_map(prev, std::os::fd::AsFd::as_fd(&fd))
+            .expect("keep the running table");
+    }
+    let resize =
+        support::progrun::load_tc_resizing(&to, 2 * proxy_user::loader::DEFAULT_CONNTRACK_FLOWS)
+            .expect("the resize's programs load; the verifier accepts them");
+    let run_new = |prog: &str, p: &Pkt| {
+        let r = support::progrun::run_classifier(&resize, prog, &p.build(), 1).expect("run");
+        (r.verdict, Pkt::parse(&r.out))
+    };
+
+    // IPv4: a new flow opened by a new program (ingress).
+    let syn = Pkt::tcp("198.51.100.7:40000", "192.0.2.1:30080", SYN);
+    let (verdict, out) = run_new(TC_INGRESS, &syn);
+    assert!(
+        verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT,
+        "{verdict}"
+    );
+    assert_eq!(out.dst, sa("10.2.1.2:8080"));
+    let snat = out.src;
+    let new4 = ct_dump::<Ct4Key, Ct4Value>(&staged.path, map_names::CT4);
+    let old4 = ct_dump::<Ct4Key, Ct4Value>(old, map_names::CT4);
+    assert_eq!(new4.len(), 2, "the new flow's two entries: {new4:?}");
+    for (k, v) in &new4 {
+        assert_eq!(
+            old4.get(k),
+            Some(v),
+            "written into the replaced table too: {k:?}"
+        );
+    }
+    // Its reply through a hook still running an old program: both ends restored.
+    let reply = Pkt::tcp("10.2.1.2:8080", &snat.to_string(), SYN | ACK);
+    let (_, out) = bed.run(TC_INGRESS, &reply);
+    assert_eq!(
+        (out.src, out.dst),
+        (sa("192.0.2.1:30080"), sa("198.51.100.7:40000")),
+        "the reply of a new program's flow, on an old program's hook"
+    );
+    // Its next packet on an old program: the same backend and SNAT port.
+    let ack = Pkt {
+        flags: ACK,
+        ..syn.clone()
+    };
+    let (_, out) = bed.run(TC_INGRESS, &ack);
+    assert_eq!((out.src, out.dst), (snat, sa("10.2.1.2:8080")));
+
+    // IPv6: a local backend; the reply leaves through an old program's egress.
+    let syn6 = Pkt::tcp("[2001:db8::7]:40000", "[2001:db8:96::10]:80", SYN);
+    let (verdict, out) = run_new(TC_INGRESS, &syn6);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out.dst, sa("[2001:db8:2::2]:8080"));
+    let new6 = ct_dump::<Ct6Key, Ct6Value>(&staged.path, map_names::CT6);
+    let old6 = ct_dump::<Ct6Key, Ct6Value>(old, map_names::CT6);
+    assert_eq!(new6.len(), 2, "{new6:?}");
+    for (k, v) in &new6 {
+        assert_eq!(
+            old6.get(k),
+            Some(v),
+            "written into the replaced table too: {k:?}"
+        );
+    }
+    let reply6 = Pkt::tcp("[2001:db8:2::2]:8080", "[2001:db8::7]:40000", SYN | ACK);
+    let (_, out) = bed.run(TC_EGRESS, &reply6);
+    assert_eq!(out.src, sa("[2001:db8:96::10]:80"));
+
+    // The copy after the swap carries into the new tables the state only the old
+    // programs saw (the replies: `SEEN_REPLY`, else the new tables' entries would keep
+    // the SYN timeout); the entries the old programs made alone are copied.
+    let seen = |f: u32| f & proxy_common::ct_flags::SEEN_REPLY != 0;
+    let flow4 = ct_dump::<Ct4Key, Ct4Value>(&staged.path, map_names::CT4);
+    assert!(flow4.values().all(|v| !seen(v.flags)), "{flow4:?}");
+    let count = proxy_user::migrate::copy_map(
+        &from,
+        &to,
+        map_names::CT4,
+        proxy_user::migrate::Convert::Bytes,
+        true,
+    )
+    .expect("copy CT4");
+    assert_eq!((count.copied, count.merged), (2, 2), "{count:?}");
+    let new4 = ct_dump::<Ct4Key, Ct4Value>(&staged.path, map_names::CT4);
+    assert_eq!(new4.len(), 4);
+    assert!(flow4.keys().all(|k| seen(new4[k].flags)), "{new4:?}");
+    let count = proxy_user::migrate::copy_map(
+        &from,
+        &to,
+        map_names::CT6,
+        proxy_user::migrate::Convert::Bytes,
+        true,
+    )
+    .expect("copy CT6");
+    assert_eq!((count.copied, count.merged), (0, 2), "{count:?}");
+    let new6 = ct_dump::<Ct6Key, Ct6Value>(&staged.path, map_names::CT6);
+    assert!(new6.values().all(|v| seen(v.flags)), "{new6:?}");
+
+    // The old programs never wrote their own 1-entry `CT*_PREV`.
+    assert!(ct_dump::<Ct4Key, Ct4Value>(old, map_names::CT4_PREV).is_empty());
+    assert!(ct_dump::<Ct6Key, Ct6Value>(old, map_names::CT6_PREV).is_empty());
+}

@@ -68,7 +68,7 @@ fn main() {
         cluster_ip_client(Path::new(&netns));
         return;
     }
-    let tests: [(&str, fn()); 11] = [
+    let tests: [(&str, fn()); 12] = [
         (
             "upgrade_from_previous_release_keeps_every_connection",
             upgrade_from_previous_release_keeps_every_connection,
@@ -92,6 +92,10 @@ fn main() {
         (
             "conntrack_grown_online_keeps_every_flow_and_its_backend",
             conntrack_grown_online_keeps_every_flow_and_its_backend,
+        ),
+        (
+            "conntrack_resize_with_hooks_half_swapped_opens_every_flow_at_once",
+            conntrack_resize_with_hooks_half_swapped_opens_every_flow_at_once,
         ),
         (
             "crash_at_each_resize_step_then_restart",
@@ -1623,6 +1627,178 @@ fn conntrack_grown_online_keeps_every_flow_and_its_backend() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// Counters of the network namespace `ns`, read from a thread inside it
+/// (`/proc/thread-self/net/<file>`): each `(file, table, name)`, e.g. `("netstat",
+/// "TcpExt", "TCPSynRetrans")`.
+fn ns_counters(ns: &Path, wanted: &[(&'static str, &'static str, &'static str)]) -> Vec<u64> {
+    let (ns, wanted) = (ns.to_path_buf(), wanted.to_vec());
+    std::thread::spawn(move || {
+        let _g = NetnsGuard::enter(&ns);
+        wanted
+            .iter()
+            .map(|(file, table, name)| {
+                let text = fs::read_to_string(format!("/proc/thread-self/net/{file}"))
+                    .unwrap_or_else(|e| panic!("/proc/thread-self/net/{file}: {e}"));
+                let rows: Vec<Vec<&str>> = text
+                    .lines()
+                    .filter(|l| l.starts_with(&format!("{table}:")))
+                    .map(|l| l.split_whitespace().collect())
+                    .collect();
+                assert_eq!(rows.len(), 2, "{table} in {file}: {text}");
+                let i = rows[0]
+                    .iter()
+                    .position(|n| n == name)
+                    .unwrap_or_else(|| panic!("{table} {name} in {file}: {text}"));
+                rows[1][i].parse().expect("a counter")
+            })
+            .collect()
+    })
+    .join()
+    .expect("counters")
+}
+
+/// `(TcpExt TCPSynRetrans, Tcp AttemptFails)` of the client namespace `ns`: the SYNs sent
+/// again and the connection attempts that ended in a reset or a timeout.
+fn handshake_counters(ns: &Path) -> (u64, u64) {
+    let v = ns_counters(
+        ns,
+        &[
+            ("netstat", "TcpExt", "TCPSynRetrans"),
+            ("snmp", "Tcp", "AttemptFails"),
+        ],
+    );
+    (v[0], v[1])
+}
+
+/// SYNs the pods' listeners dropped (`TcpExt ListenDrops`, accept queue full among
+/// others), summed over the pods: what would explain a SYN sent again other than the
+/// datapath.
+fn pods_listen_drops(c: &Cluster) -> u64 {
+    c.pods
+        .iter()
+        .map(|p| ns_counters(&p.path(), &[("netstat", "TcpExt", "ListenDrops")])[0])
+        .sum()
+}
+
+/// The pause of the test hook `EBPF_PROXY_MIGRATE_SWAP_PAUSE_MS` between two hooks of a
+/// resize's swap: the TC hooks are swapped one by one (`tc-ext0-egress`, `tc-ext0-ingress`,
+/// `tc-nb0-egress`, `tc-nb0-ingress`), so each mixed state lasts this long, the one
+/// where `ext0`'s ingress runs a new program and `nb0`'s ingress an old one twice this.
+const SWAP_PAUSE_MS: &str = "1000";
+
+/// A conntrack resize (`--conntrack-max` 8192 -> 16384 at a restart: the same staged
+/// migration an online growth takes) whose program swap pauses 1 s after each hook
+/// (`EBPF_PROXY_MIGRATE_SWAP_PAUSE_MS`), so that for seconds some hooks run the new
+/// programs (the new table, with the fallback into the old one) and others still the old
+/// ones (the old table only), while the external client opens new TCP connections and
+/// UDP exchanges through the NodePort. A flow to the remote pod is opened by `ext0`'s
+/// ingress and its replies come back through `nb0`'s ingress (SNATed): with `ext0`
+/// swapped and `nb0` not, an old program must find the flow a new one just opened, and
+/// with the egress hook swapped before the ingress one, a new program the flows an old
+/// one opened (local pods: the reply leaves through `ext0`'s egress). Every exchange
+/// must succeed at the first try: no connection failed, no SYN sent again and no attempt
+/// failed in the client's namespace (a reply that misses its translation is not the
+/// client's: the node resets it towards the pod, and the client sends its SYN again a
+/// second later or gives up), no UDP
+/// datagram asked again, and every long-lived flow keeps answering.
+fn conntrack_resize_with_hooks_half_swapped_opens_every_flow_at_once() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("erh-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    // The running agent does not resize by itself here (occupancy walk slow, rate off).
+    let quiet = [
+        (proxy_user::ctsize::CHECK_ENV, "600000"),
+        (proxy_user::ctsize::RATE_ENV, "0"),
+    ];
+    let mut agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &quiet,
+        &["--conntrack-max", "8192", "--conntrack-start", "8192"],
+    );
+    agent.wait_healthy();
+    assert_eq!(ct_sizes(&env.pins.path), (16_384, 16_384));
+    UDP_RETRIES.store(0, Ordering::Relaxed);
+    UDP_WRONG_SOURCE.store(0, Ordering::Relaxed);
+    let ext = ExtClients::start(&c, 8);
+    std::thread::sleep(Duration::from_millis(300));
+    let counters_before = handshake_counters(&c.ext.path());
+    agent.stop();
+    let mut paused = quiet.to_vec();
+    paused.push((migrate::SWAP_PAUSE_ENV, SWAP_PAUSE_MS));
+    agent = Agent::start_with(
+        &new_agent(),
+        &env,
+        &c,
+        &dir,
+        &paused,
+        &["--conntrack-max", "16384", "--conntrack-start", "16384"],
+    );
+    agent.wait_healthy();
+    std::thread::sleep(Duration::from_millis(500));
+    let (tcp, udp, flows, errors) = ext.finish();
+    let counters_after = handshake_counters(&c.ext.path());
+    let log = agent.stop();
+    let pauses = log
+        .lines()
+        .filter(|l| l.contains("test hook: pausing the swap"))
+        .count();
+    let (syn_retrans, attempt_fails) = (
+        counters_after.0 - counters_before.0,
+        counters_after.1 - counters_before.1,
+    );
+    eprintln!(
+        "conntrack 8k -> 16k with the swap paused {SWAP_PAUSE_MS} ms after each of {} hooks: \
+         NodePort TCP {}/{} UDP {}/{} (ok/failed), UDP asked again {}; client SYNs sent \
+         again {syn_retrans}, attempts failed {attempt_fails}; {} long-lived flows",
+        pauses + 1,
+        tcp.0,
+        tcp.1,
+        udp.0,
+        udp.1,
+        UDP_RETRIES.load(Ordering::Relaxed),
+        flows.len()
+    );
+    assert_eq!(ct_sizes(&env.pins.path), (32_768, 32_768), "{log}");
+    assert!(log.contains("layout migration done"), "{log}");
+    assert!(
+        pauses >= 3,
+        "the swap paused between the TC hooks ({pauses} pauses): {log}"
+    );
+    assert_eq!(prev_sizes(&env.pins.path), (1, 1), "{log}");
+    assert!(tcp.0 > 0 && udp.0 > 0, "the loops ran: {tcp:?} {udp:?}");
+    assert!(
+        errors.is_empty(),
+        "failed exchanges while the hooks ran old and new programs side by side: {errors:#?}"
+    );
+    assert_eq!(
+        (syn_retrans, attempt_fails),
+        (0, 0),
+        "(SYNs sent again, connection attempts failed) in the client's namespace: a \
+         handshake needed a second try"
+    );
+    assert_eq!(
+        UDP_RETRIES.load(Ordering::Relaxed),
+        0,
+        "UDP exchanges asked again"
+    );
+    assert_eq!(
+        UDP_WRONG_SOURCE.load(Ordering::Relaxed),
+        0,
+        "NodePort UDP answers from another source"
+    );
+    for f in &flows {
+        let (_, answers) = f
+            .as_ref()
+            .unwrap_or_else(|e| panic!("long-lived flow broke: {e}"));
+        assert!(*answers > 0, "{flows:?}");
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// A crash injected after each step of a resize (`EBPF_PROXY_MIGRATE_CRASH_AT`), the
 /// conntrack size doubled at each step from 1024 flows (the client loops fill the tables
 /// with a few thousand entries a step, so a shrink would be refused): the datapath left by the crash keeps serving (old or new programs, each
@@ -1894,7 +2070,7 @@ fn metric_value(text: &str, line: &str) -> Option<f64> {
 /// least two steps (4,096 -> 8,192 -> 16,384 entries or more), each a new table; a
 /// Service added afterwards answers (the writer writes the maps the new programs read,
 /// every map but conntrack being the same object); not one connection, exchange or long-lived
-/// flow fails; every long-lived flow keeps its conntrack entries unchanged (same backend,
+/// flow fails, and no handshake of the client's namespace needs its SYN sent again; every long-lived flow keeps its conntrack entries unchanged (same backend,
 /// SNAT, service); `/healthz` answers 200 throughout; the resizes are counted.
 fn conntrack_grows_online_while_serving() {
     let env = TestEnv::outside_cgroup();
@@ -1939,6 +2115,7 @@ fn conntrack_grows_online_while_serving() {
     };
     let others_before = others(&env.pins.path);
     let health = HealthProbe::start(&c);
+    let handshakes_before = handshake_counters(&c.ext.path());
     UDP_WRONG_SOURCE.store(0, Ordering::Relaxed);
     let ext = ExtClients::start(&c, RESIZE_LONG_LIVED);
     let cip = ClusterIpClient::start(&env, &c);
@@ -1983,6 +2160,9 @@ fn conntrack_grows_online_while_serving() {
     std::thread::sleep(Duration::from_millis(700));
     ids.push(map_id(&env.pins.path, map_names::CT4));
     ids.dedup();
+    // Before the late Service (asked until it answers: the attempts before it is
+    // written are refused by the node).
+    let handshakes_after = handshake_counters(&c.ext.path());
     // A Service added after the resizes: the agent's writer still writes the maps the
     // swapped programs read.
     let late = NODEPORT + 20;
@@ -2114,6 +2294,16 @@ fn conntrack_grows_online_while_serving() {
         UDP_WRONG_SOURCE.load(Ordering::Relaxed),
         0,
         "NodePort UDP answers from another source"
+    );
+    // Every handshake of the client loops at the first try across the growths (their
+    // hooks swapped one by one while the loops run).
+    assert_eq!(
+        (
+            handshakes_after.0 - handshakes_before.0,
+            handshakes_after.1 - handshakes_before.1
+        ),
+        (0, 0),
+        "(SYNs sent again, connection attempts failed) in the client's namespace"
     );
     assert!(unhealthy.is_empty(), "/healthz not 200: {unhealthy:?}");
     assert!(
@@ -2423,7 +2613,8 @@ fn ask_tcp_reset(addr: SocketAddr, port: u16) -> std::io::Result<String> {
 /// port of its own and closed with a RST, 30,000 in all: 60,000 entries, nearly twice the
 /// start table. The rate trigger
 /// (the outcome counters read every 250 ms) sees the new-flow rate and grows the tables
-/// at once, before they fill: not one connection of the burst fails, every idle flow
+/// at once, before they fill: not one connection of the burst fails or needs its SYN
+/// sent again (the growth swaps the hooks one by one while the burst runs), every idle flow
 /// answers again from its pod with its conntrack entries (both directions) unchanged,
 /// and the growth is the rate trigger's (logged as such; the occupancy walk never acted).
 /// With the rate trigger off (`EBPF_PROXY_CONNTRACK_RATE_MS=0`) the burst overflows the
@@ -2471,6 +2662,8 @@ fn conntrack_grows_with_the_new_flow_rate_before_a_burst_fills_it() {
         .map(|(s, _, _)| s.local_addr().expect("local address").port())
         .collect();
     let before = flow_entries(&env.pins.path, &ports);
+    let (handshakes_before, drops_before) =
+        (handshake_counters(&c.ext.path()), pods_listen_drops(&c));
     let burst = Arc::new(Tally::default());
     let next = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -2503,6 +2696,8 @@ fn conntrack_grows_with_the_new_flow_rate_before_a_burst_fills_it() {
         t.join().expect("burst thread");
     }
     let took = started.elapsed();
+    let (handshakes_after, drops_after) =
+        (handshake_counters(&c.ext.path()), pods_listen_drops(&c));
     // Every idle flow once more, on its connection.
     let answers: Vec<Result<(), String>> = idle
         .iter_mut()
@@ -2559,6 +2754,21 @@ fn conntrack_grows_with_the_new_flow_rate_before_a_burst_fills_it() {
         &burst_errors[..burst_errors.len().min(20)]
     );
     assert_eq!(ok, BURST_CONNECTIONS, "the whole burst ran");
+    // Every handshake at the first try, across the growth (its hooks swapped one by one
+    // while the burst runs): a reply that missed its translation on a hook still running
+    // an old program costs the client a SYN sent again a second later, within the
+    // attempt's timeout. The pods' listeners dropping SYNs would be the other cause
+    // (four clients, one connection at a time each: not expected; shown if it happens).
+    assert_eq!(
+        (
+            handshakes_after.0 - handshakes_before.0,
+            handshakes_after.1 - handshakes_before.1
+        ),
+        (0, 0),
+        "(SYNs sent again, connection attempts failed) by the burst's client; SYNs the \
+         pods' listeners dropped meanwhile: {}",
+        drops_after - drops_before
+    );
     assert_eq!(after, before, "the idle flows' conntrack entries");
     assert!(
         log.contains("conntrack new-flow rate would pass its high-water mark")

@@ -21,8 +21,8 @@ use proxy_common::{
 use super::state::{FibHop, FibHopKey4, FibHopKey6, Scratch};
 use crate::lb::{Family, V4, V6};
 use crate::maps::{
-    CT4, CT6, DSR_TRUSTED4, DSR_TRUSTED6, FIB_HOP4, FIB_HOP6, NODE_CONFIG, SCRATCH4, SCRATCH6,
-    SRC_RANGE4, SRC_RANGE6, SVC_CIDR4, SVC_CIDR6,
+    DSR_TRUSTED4, DSR_TRUSTED6, FIB_HOP4, FIB_HOP6, NODE_CONFIG, SCRATCH4, SCRATCH6, SRC_RANGE4,
+    SRC_RANGE6, SVC_CIDR4, SVC_CIDR6,
 };
 
 pub const ETH_HLEN: usize = 14;
@@ -249,12 +249,12 @@ impl PktFamily for V4 {
 
     #[inline(always)]
     fn ct_put(k: &Ct4Key, v: &Ct4Value) -> Result<(), ()> {
-        CT4.insert(k, v, 0).map_err(|_| ())
+        crate::maps::ct4_put(k, v)
     }
 
     #[inline(always)]
     fn ct_del(k: &Ct4Key) {
-        let _ = CT4.remove(k);
+        crate::maps::ct4_del(k);
     }
 
     #[inline(always)]
@@ -456,12 +456,12 @@ impl PktFamily for V6 {
 
     #[inline(always)]
     fn ct_put(k: &Ct6Key, v: &Ct6Value) -> Result<(), ()> {
-        CT6.insert(k, v, 0).map_err(|_| ())
+        crate::maps::ct6_put(k, v)
     }
 
     #[inline(always)]
     fn ct_del(k: &Ct6Key) {
-        let _ = CT6.remove(k);
+        crate::maps::ct6_del(k);
     }
 
     #[inline(always)]

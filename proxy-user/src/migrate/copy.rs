@@ -52,6 +52,10 @@ pub struct CopyCount {
     pub corrected: u64,
     /// Conntrack entries not copied because they had expired.
     pub expired: u64,
+    /// Conntrack entries present in both with the same translation, into which the state
+    /// the old programs added (a reply seen, a FIN or RST seen, a later packet) was
+    /// merged.
+    pub merged: u64,
 }
 
 /// Bytes at the end of a conntrack value (`Ct4Value`, `Ct6Value`) that are not its
@@ -62,6 +66,8 @@ const _: () = {
     use std::mem::{offset_of, size_of};
     assert!(size_of::<Ct4Value>() - CT_VALUE_STATE_BYTES == offset_of!(Ct4Value, flags));
     assert!(size_of::<Ct6Value>() - CT_VALUE_STATE_BYTES == offset_of!(Ct6Value, flags));
+    assert!(offset_of!(Ct4Value, last_seen) == offset_of!(Ct4Value, flags) + 4);
+    assert!(offset_of!(Ct6Value, last_seen) == offset_of!(Ct6Value, flags) + 4);
 };
 
 /// The conntrack maps, whose insert-if-absent copy corrects a conflicting translation.
@@ -69,19 +75,52 @@ fn is_conntrack(name: &str) -> bool {
     name == proxy_common::map_names::CT4 || name == proxy_common::map_names::CT6
 }
 
-/// A conntrack entry (`key`, the old table's `value`) that `new` holds with another
-/// translation: overwritten by the old one ([`copy_map`]). Whether it was.
-fn corrected(new: std::os::fd::BorrowedFd<'_>, key: &[u8], value: &[u8]) -> io::Result<bool> {
+/// What [`reconcile`] did to a conntrack entry present in both tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reconciled {
+    /// Another translation: overwritten by the old one.
+    Corrected,
+    /// The same translation: the old entry's state merged in.
+    Merged,
+    /// Nothing to do.
+    Same,
+}
+
+/// A conntrack entry (`key`, the old table's `value`) that `new` holds too ([`copy_map`]).
+/// With another translation it is overwritten by the old one. With the same one, the
+/// state only the old table has is merged in: the `SEEN_REPLY` and `CLOSING` flags and a
+/// later `last_seen`. A flow a new program opens while other hooks still run old programs
+/// has its entries in both tables (the resize's programs write both), and the old
+/// programs on the other hooks update the old table's copies: its handshake's reply, seen
+/// only there, would otherwise leave the new table's entries in the short SYN timeout.
+fn reconcile(new: std::os::fd::BorrowedFd<'_>, key: &[u8], value: &[u8]) -> io::Result<Reconciled> {
+    use proxy_common::ct_flags::{CLOSING, SEEN_REPLY};
     if value.len() <= CT_VALUE_STATE_BYTES {
-        return Ok(false);
+        return Ok(Reconciled::Same);
     }
     let mut now = vec![0u8; value.len()];
     let n = value.len() - CT_VALUE_STATE_BYTES;
-    if bpf_sys::map_lookup(new, key, &mut now)? && now[..n] != value[..n] {
-        bpf_sys::map_update(new, key, value, bpf_sys::ANY)?;
-        return Ok(true);
+    if !bpf_sys::map_lookup(new, key, &mut now)? {
+        return Ok(Reconciled::Same); // gone meanwhile (evicted): nothing to merge into
     }
-    Ok(false)
+    if now[..n] != value[..n] {
+        bpf_sys::map_update(new, key, value, bpf_sys::ANY)?;
+        return Ok(Reconciled::Corrected);
+    }
+    let u32_at = |b: &[u8]| u32::from_ne_bytes(b[n..n + 4].try_into().expect("4 bytes"));
+    let u64_at = |b: &[u8]| u64::from_ne_bytes(b[n + 4..n + 12].try_into().expect("8 bytes"));
+    let (flags, old_flags) = (u32_at(&now), u32_at(value));
+    let merged_flags = flags | (old_flags & (SEEN_REPLY | CLOSING));
+    let last_seen = u64_at(&now).max(u64_at(value));
+    if merged_flags == flags && last_seen == u64_at(&now) {
+        return Ok(Reconciled::Same);
+    }
+    now[n..n + 4].copy_from_slice(&merged_flags.to_ne_bytes());
+    now[n + 4..n + 12].copy_from_slice(&last_seen.to_ne_bytes());
+    // The datapath may refresh the entry meanwhile: at worst a `last_seen` or packet
+    // count a few microseconds old is written back.
+    bpf_sys::map_update(new, key, &now, bpf_sys::ANY)?;
+    Ok(Reconciled::Merged)
 }
 
 /// Entries in map `name` of `pins`.
@@ -110,7 +149,9 @@ pub(super) fn count_entries(pins: &PinDir, name: &str) -> io::Result<u64> {
 /// a flow the old programs opened after the last copy misses it in the new table and the
 /// new programs open it again, possibly to another backend; the old table's entry is the
 /// one the connection was established with (its 5-tuple cannot be a new flow's within
-/// the copy's window). The state bytes (flags, timestamps, counters) do not count.
+/// the copy's window). The state bytes (flags, timestamps, counters) do not count; an
+/// entry with the same translation takes the old one's reply-seen and closing flags and
+/// its later `last_seen` ([`reconcile`]).
 pub fn copy_map(
     old: &PinDir,
     new: &PinDir,
@@ -175,8 +216,12 @@ pub fn copy_map(
         };
         if written {
             count.copied += 1;
-        } else if only_absent && skip_expired && corrected(new_fd.as_fd(), &key, &value)? {
-            count.corrected += 1;
+        } else if only_absent && skip_expired {
+            match reconcile(new_fd.as_fd(), &key, &value)? {
+                Reconciled::Corrected => count.corrected += 1,
+                Reconciled::Merged => count.merged += 1,
+                Reconciled::Same => count.present += 1,
+            }
         } else {
             count.present += 1;
         }

@@ -13,7 +13,7 @@ use aya::{
 use proxy_common::meta;
 use tracing::info;
 
-use super::rules::{crash_point, io_err};
+use super::rules::{crash_point, io_err, swap_pause};
 use crate::{
     loader::{object_hash, LoadError, CLSACT_HANDLE, CLSACT_PRIORITY, EBPF_OBJECT},
     pins::{LinkPin, PinDir},
@@ -100,7 +100,8 @@ pub(super) fn pinned_hooks(pins: &PinDir) -> Result<Vec<PinnedHook>, LoadError> 
 }
 
 /// Loads the programs the hooks need from `ebpf` and swaps each hook to its program
-/// (`crash` enables the `swap-first` crash point). Returns a loaded socket program's id
+/// (`crash`: a migration's swap, with the `swap-first` crash point and the
+/// `SWAP_PAUSE_ENV` pauses between hooks). Returns a loaded socket program's id
 /// (for `META[LOG_PROGRAM_ID]`).
 pub(super) fn swap_hooks(
     ebpf: &mut aya::Ebpf,
@@ -196,6 +197,14 @@ pub(super) fn swap_hooks(
         }
         if i == 0 && crash {
             crash_point("swap-first")?;
+        }
+        if let Some(pause) = swap_pause().filter(|_| crash && i + 1 < hooks.len()) {
+            info!(
+                swapped = hook.pin.as_str(),
+                pause_ms = pause.as_millis() as u64,
+                "test hook: pausing the swap (old and new programs side by side)"
+            );
+            std::thread::sleep(pause);
         }
     }
     Ok(log_id)

@@ -83,7 +83,9 @@
 //! differs (so that the migration can be tested before a layout change exists;
 //! `EBPF_PROXY_MIGRATE_FORCE=copy` converts every map through its [`v3`] function, as if
 //! every layout had changed, sharing only what user space cannot copy: socket storage
-//! and the kept maps).
+//! and the kept maps); `EBPF_PROXY_MIGRATE_SWAP_PAUSE_MS=<ms>` pauses a migration's swap
+//! after each hook but the last ([`SWAP_PAUSE_ENV`]: old and new programs side by side on
+//! the hooks, for a test of the flows that cross them).
 
 mod copy;
 mod hooks;
@@ -108,7 +110,7 @@ use hooks::replace_programs;
 use state::{migrate, resume_or_roll_back, Settled};
 
 use rules::force_mode;
-pub use rules::{converter, CRASH_ENV, FAIL_ENV, FORCE_ENV, OLDEST_ABI, STEPS};
+pub use rules::{converter, CRASH_ENV, FAIL_ENV, FORCE_ENV, OLDEST_ABI, STEPS, SWAP_PAUSE_ENV};
 
 /// [`loader::install`] after [`prepare`]: what `proxy-agent run` and `install` call, so a
 /// node's pinned datapath is upgraded (or an interrupted upgrade finished) before it is

@@ -18,6 +18,10 @@ pub const CRASH_ENV: &str = "EBPF_PROXY_MIGRATE_CRASH_AT";
 pub const FAIL_ENV: &str = "EBPF_PROXY_MIGRATE_FAIL_AT";
 /// Test hook: migrate through the staging directory even at the same ABI.
 pub const FORCE_ENV: &str = "EBPF_PROXY_MIGRATE_FORCE";
+/// Test hook: a migration's program swap pauses this many milliseconds after each hook
+/// swapped but the last, so that hooks running the old and the new programs stay side
+/// by side long enough for a test to open flows across them ([`swap_pause`]).
+pub const SWAP_PAUSE_ENV: &str = "EBPF_PROXY_MIGRATE_SWAP_PAUSE_MS";
 
 /// The steps [`CRASH_ENV`] can name, in order. `swap-first` and `rename-first` stop
 /// after the first hook swapped / the first map renamed (half-done states).
@@ -132,6 +136,13 @@ pub(super) fn crash_point(step: &str) -> Result<(), crate::loader::LoadError> {
         });
     }
     Ok(())
+}
+
+/// [`SWAP_PAUSE_ENV`]: the pause between two hooks of a migration's swap (`None`: none,
+/// the default; an unparsable value is none too).
+pub(super) fn swap_pause() -> Option<std::time::Duration> {
+    let ms: u64 = std::env::var(SWAP_PAUSE_ENV).ok()?.parse().ok()?;
+    (ms > 0).then(|| std::time::Duration::from_millis(ms))
 }
 
 /// [`FAIL_ENV`] fails one migration per process (the first to pass the step).

@@ -330,6 +330,7 @@ impl Migration {
             total.present += count.present;
             total.dropped += count.dropped;
             total.corrected += count.corrected;
+            total.merged += count.merged;
             total.expired += count.expired;
         }
         if !only_datapath {
@@ -357,6 +358,7 @@ impl Migration {
             already_present = total.present,
             not_converted = total.dropped,
             conntrack_corrected = total.corrected,
+            conntrack_state_merged = total.merged,
             conntrack_expired_not_copied = total.expired,
             pass = if only_datapath {
                 "datapath-written"

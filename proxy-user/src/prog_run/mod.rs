@@ -49,6 +49,39 @@ pub fn load_tc_with(
     Ok(ebpf)
 }
 
+/// The programs of a conntrack resize, as `migrate` loads them: the object with the
+/// `CT_FALLBACK` global set against the maps pinned under `pins`, where the caller has
+/// pinned the tables being replaced as `CT4_PREV`/`CT6_PREV` (the new `CT4`/`CT6` of
+/// `flows` flows per family, made here unless pinned); both TC programs and the XDP
+/// program through the verifier.
+pub fn load_tc_resizing(pins: &PinDir, flows: u32) -> anyhow::Result<aya::Ebpf> {
+    if loader::EBPF_OBJECT.is_empty() {
+        anyhow::bail!("built without the eBPF object");
+    }
+    let entries = loader::conntrack_entries(flows)?;
+    let mut l = aya::EbpfLoader::new();
+    l.default_map_pin_directory(pins.path());
+    for map in loader::SizedMap::Conntrack.maps() {
+        l.map_max_entries(map, entries);
+    }
+    l.override_global(loader::CT_FALLBACK_GLOBAL, &1u8, true);
+    let mut ebpf = l.load(loader::EBPF_OBJECT)?;
+    for name in TC_PROGRAMS {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow::anyhow!("no program {name}"))?
+            .try_into()?;
+        prog.load().map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+    }
+    let prog: &mut aya::programs::Xdp = ebpf
+        .program_mut(XDP_PROGRAM)
+        .ok_or_else(|| anyhow::anyhow!("no program {XDP_PROGRAM}"))?
+        .try_into()?;
+    prog.load()
+        .map_err(|e| anyhow::anyhow!("{XDP_PROGRAM}: {e}"))?;
+    Ok(ebpf)
+}
+
 /// One `BPF_PROG_TEST_RUN` of `prog` (a TC classifier or the XDP program) on `data`, `repeat` times (the same
 /// skb each time: what the program writes stays for the next repetition).
 pub struct Run {
