@@ -51,34 +51,16 @@ pub(super) fn check_nesting(text: &str) -> Result<(), String> {
             "collections nested more than {MAX_NESTING} deep (line {line})"
         ))
     };
-    let next = |from: usize, class: u8| {
-        b[from..]
-            .iter()
-            .position(|&c| NESTING_BYTES[usize::from(c)] & class != 0)
-            .map_or(b.len(), |p| from + p)
-    };
     let (mut line, mut i) = (1usize, 0usize);
     while i < b.len() {
-        // A line's start: compact block sequences (`- - - x` is three levels).
-        let line_start = i;
-        let blank = |at: usize| {
-            b[at..]
-                .iter()
-                .take_while(|&&c| c == b' ' || c == b'\t')
-                .count()
-        };
-        let mut at = i + blank(i);
-        let mut dashes = 0usize;
-        while b.get(at) == Some(&b'-') && matches!(b.get(at + 1), Some(b' ' | b'\t')) {
-            dashes += 1;
-            at += 1 + blank(at + 1);
-        }
+        let dashes = compact_dashes(b, i);
         if dashes > MAX_NESTING || depth + dashes > MAX_NESTING {
             return too_deep(line);
         }
         // The rest of the line.
+        let line_start = i;
         loop {
-            i = next(i, OUTSIDE);
+            i = next_of(b, i, OUTSIDE);
             let Some(&c) = b.get(i) else {
                 return Ok(());
             };
@@ -87,31 +69,14 @@ pub(super) fn check_nesting(text: &str) -> Result<(), String> {
                 b'#' => {
                     let prev = if i == line_start { b' ' } else { b[i - 1] };
                     if prev == b' ' || prev == b'\t' {
-                        i = next(i, NEWLINE);
+                        i = next_of(b, i, NEWLINE);
                         break;
                     }
                     i += 1;
                 }
-                b'"' => loop {
-                    i = next(i + 1, IN_DOUBLE);
-                    match b.get(i) {
-                        // An escape: the next byte is text, but a newline still ends
-                        // the line (and the quote).
-                        Some(b'\\') => {
-                            i += 1;
-                            if matches!(b.get(i), None | Some(b'\n')) {
-                                break;
-                            }
-                        }
-                        Some(b'"') => {
-                            i += 1;
-                            break;
-                        }
-                        _ => break, // the line's end (or the text's): the quote ends
-                    }
-                },
+                b'"' => i = after_double_quoted(b, i),
                 b'\'' => {
-                    i = next(i + 1, IN_SINGLE);
+                    i = next_of(b, i + 1, IN_SINGLE);
                     if b.get(i) == Some(&b'\'') {
                         i += 1;
                     }
@@ -135,6 +100,51 @@ pub(super) fn check_nesting(text: &str) -> Result<(), String> {
         i += 1;
     }
     Ok(())
+}
+
+/// The compact block sequences at the start of the line at `at` (`- - - x`: three).
+fn compact_dashes(b: &[u8], mut at: usize) -> usize {
+    let blank = |at: usize| {
+        b[at..]
+            .iter()
+            .take_while(|&&c| c == b' ' || c == b'\t')
+            .count()
+    };
+    at += blank(at);
+    let mut dashes = 0usize;
+    while b.get(at) == Some(&b'-') && matches!(b.get(at + 1), Some(b' ' | b'\t')) {
+        dashes += 1;
+        at += 1 + blank(at + 1);
+    }
+    dashes
+}
+
+/// Where the double-quoted string opened at `open` ends: after its closing quote, or at
+/// its line's end (a newline, or the text's end). A backslash makes the next byte text,
+/// but a newline still ends the line (and the quote).
+fn after_double_quoted(b: &[u8], open: usize) -> usize {
+    let mut i = open;
+    loop {
+        i = next_of(b, i + 1, IN_DOUBLE);
+        match b.get(i) {
+            Some(b'\\') => {
+                i += 1;
+                if matches!(b.get(i), None | Some(b'\n')) {
+                    return i;
+                }
+            }
+            Some(b'"') => return i + 1,
+            _ => return i,
+        }
+    }
+}
+
+/// The first byte at or after `from` of `class` ([`NESTING_BYTES`]), or the text's end.
+fn next_of(b: &[u8], from: usize, class: u8) -> usize {
+    b[from..]
+        .iter()
+        .position(|&c| NESTING_BYTES[usize::from(c)] & class != 0)
+        .map_or(b.len(), |p| from + p)
 }
 
 /// The bytes [`check_nesting`] stops at, by where it is: outside quotes, in a
