@@ -16,8 +16,20 @@ use aya::Pod;
 /// type without the batch operation.
 pub const ENOTSUPP: i32 = bpf_sys::ENOTSUPP;
 
-/// Elements per lookup call (grown when one hash bucket holds more).
+/// Elements per lookup call at most (grown when one hash bucket holds more).
 const LOOKUP_CHUNK: u32 = 4096;
+
+/// Bytes of keys and values one lookup call is given room for at most: a map of large
+/// values (a `MAGLEV` chunk is 8 KiB) read 4,096 at a time took a zeroed 32 MiB buffer
+/// even when empty, the agent's peak memory at start (its adoption reads every map).
+const LOOKUP_CHUNK_BYTES: usize = 1 << 20;
+
+/// Elements per lookup call for entries of `entry_bytes`: [`LOOKUP_CHUNK`], fewer for
+/// large entries ([`LOOKUP_CHUNK_BYTES`]), at least one.
+fn lookup_chunk(entry_bytes: usize) -> u32 {
+    let fit = LOOKUP_CHUNK_BYTES / entry_bytes.max(1);
+    u32::try_from(fit).map_or(LOOKUP_CHUNK, |n| n.clamp(1, LOOKUP_CHUNK))
+}
 
 /// A batch call that did not apply every element: `done` were applied (in order), then
 /// the kernel returned `error`.
@@ -105,7 +117,7 @@ pub fn lookup_raw(
     let mut keys = Vec::new();
     let mut values = Vec::new();
     let mut total = 0usize;
-    let mut chunk = LOOKUP_CHUNK;
+    let mut chunk = lookup_chunk(key_size + value_size);
     // Batch tokens: an opaque position (a bucket index for hash maps, a key for arrays).
     let token_len = key_size.max(8);
     let mut token_in = vec![0u8; token_len];
@@ -174,4 +186,23 @@ fn read_pod<T: Pod>(bytes: &[u8]) -> T {
     // SAFETY: `T: Pod` (any bytes are a valid T) and the slice holds at least
     // size_of::<T>() bytes; read_unaligned copes with the byte buffer's alignment.
     unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lookup_call_gets_room_for_at_most_a_mebibyte() {
+        // Small entries: the most per call.
+        assert_eq!(lookup_chunk(4 + 16), LOOKUP_CHUNK);
+        // A MAGLEV chunk (8-byte key, 4,032-byte value): 259 per call, 1 MiB, not 16.5.
+        let maglev = 8 + std::mem::size_of::<proxy_common::MaglevChunk>();
+        assert_eq!(maglev, 4040);
+        assert_eq!(lookup_chunk(maglev), 259);
+        assert!(lookup_chunk(maglev) as usize * maglev <= LOOKUP_CHUNK_BYTES);
+        // Larger than the room: one at a time.
+        assert_eq!(lookup_chunk(LOOKUP_CHUNK_BYTES * 2), 1);
+        assert_eq!(lookup_chunk(0), LOOKUP_CHUNK);
+    }
 }

@@ -14,7 +14,7 @@ use std::{
 };
 
 use aya::maps::{HashMap, MapData, PerCpuHashMap, PerCpuValues};
-use proxy_common::{map_names as names, Backend4, RevNat4};
+use proxy_common::{map_names as names, Backend4, MaglevChunk, MaglevKey, RevNat4};
 use proxy_user::{
     batch,
     model::{name_bytes, port_net, v4_word},
@@ -126,6 +126,49 @@ fn batch_calls_round_trip_on_the_real_no_prealloc_maps() {
             ),
             "{e}"
         ),
+    }
+}
+
+/// Large values (`MAGLEV`'s 4 KiB chunks) are read back in calls of about 1 MiB (259
+/// chunks each, not 4,096: a zeroed 16.5 MiB buffer even for an empty map), every entry
+/// exactly once.
+#[test]
+fn large_values_are_read_back_in_several_calls_each_entry_once() {
+    require_root();
+    let pins = PinDir::new();
+    let _ebpf = load(&pins);
+    let dir = Pins::new(&pins.path);
+    let fd = dir
+        .open_fd(names::MAGLEV, Access::ReadWrite)
+        .expect("MAGLEV");
+    assert!(batch::lookup::<MaglevKey, MaglevChunk>(fd.as_fd())
+        .expect("lookup of the empty map")
+        .is_empty());
+    let chunk = |service_id: u32, chunk: u32| {
+        let mut slots = [0u16; proxy_common::limits::MAGLEV_CHUNK_SLOTS];
+        for (i, s) in slots.iter_mut().enumerate() {
+            *s = (service_id as usize + chunk as usize + i) as u16;
+        }
+        MaglevChunk {
+            table_size: 16381,
+            _pad: 0,
+            slots,
+        }
+    };
+    let keys: Vec<MaglevKey> = (1..=100)
+        .flat_map(|service_id| (0..9).map(move |chunk| MaglevKey { service_id, chunk }))
+        .collect();
+    let values: Vec<MaglevChunk> = keys.iter().map(|k| chunk(k.service_id, k.chunk)).collect();
+    batch::update(fd.as_fd(), &keys, &values).expect("update");
+    let mut got = batch::lookup::<MaglevKey, MaglevChunk>(fd.as_fd()).expect("lookup");
+    got.sort_by_key(|(k, _)| *k);
+    assert_eq!(
+        got.len(),
+        900,
+        "every chunk once, over several calls of 259"
+    );
+    for (k, v) in &got {
+        assert_eq!(*v, chunk(k.service_id, k.chunk), "{k:?}");
     }
 }
 

@@ -18,7 +18,7 @@ use std::{borrow::Cow, collections::BTreeMap};
 use k8s_openapi::{
     api::{
         core::v1::{Node, NodeSpec, NodeStatus, Service, ServiceSpec, ServiceStatus},
-        discovery::v1::{Endpoint, EndpointPort, EndpointSlice},
+        discovery::v1::{Endpoint, EndpointConditions, EndpointHints, EndpointPort, EndpointSlice},
     },
     apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
 };
@@ -101,14 +101,122 @@ struct ServiceItem<'a> {
     status: Option<ServiceStatus>,
 }
 
+/// An EndpointSlice as the API type reads it (every endpoint's strings allocated): what
+/// [`SliceItem`] falls back to when it does not decode, for the API type's result and
+/// error message.
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct SliceItem<'a> {
+struct ApiSliceItem<'a> {
     #[serde(borrow, default)]
     metadata: Meta<'a>,
     address_type: String,
     endpoints: Option<Vec<Endpoint>>,
     ports: Option<Vec<EndpointPort>>,
+}
+
+/// An EndpointSlice with its endpoints' strings borrowed from the text (tens of
+/// thousands of endpoints in a list: three allocations each, then freed, were most of a
+/// slice's decode). Every field the API type reads is read with the same type (an
+/// unread one too: a value of the wrong type fails here as there), but it is stricter:
+/// a duplicate field, or an escaped string where a borrowed one is read, fails, and the
+/// slice is then decoded as [`ApiSliceItem`], whose result and error stand.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SliceItem<'a> {
+    #[serde(borrow, default)]
+    metadata: Meta<'a>,
+    address_type: &'a str,
+    #[serde(borrow)]
+    endpoints: Option<Vec<EndpointItem<'a>>>,
+    ports: Option<Vec<EndpointPort>>,
+}
+
+/// `discovery.k8s.io/v1` `Endpoint`, its strings borrowed; the fields the agent does
+/// not read are checked (as the API type does) and not kept.
+#[derive(Deserialize)]
+struct EndpointItem<'a> {
+    #[serde(borrow)]
+    addresses: Option<FirstAddress<'a>>,
+    conditions: Option<EndpointConditions>,
+    #[serde(rename = "deprecatedTopology")]
+    _deprecated_topology: Option<Checked<BTreeMap<String, String>>>,
+    hints: Option<EndpointHints>,
+    #[serde(borrow, rename = "hostname")]
+    _hostname: Option<Checked<&'a str>>,
+    #[serde(borrow, rename = "nodeName")]
+    node_name: Option<&'a str>,
+    #[serde(borrow, rename = "targetRef")]
+    _target_ref: Option<Checked<ReferenceItem<'a>>>,
+    #[serde(borrow, rename = "zone")]
+    _zone: Option<Checked<&'a str>>,
+}
+
+impl super::objects::EndpointFields for EndpointItem<'_> {
+    fn first_address(&self) -> Option<&str> {
+        self.addresses.as_ref().and_then(|a| a.0)
+    }
+    fn conditions(&self) -> Option<&EndpointConditions> {
+        self.conditions.as_ref()
+    }
+    fn node_name(&self) -> Option<&str> {
+        self.node_name
+    }
+    fn hints(&self) -> Option<&EndpointHints> {
+        self.hints.as_ref()
+    }
+}
+
+/// An endpoint's `addresses`, every one a string, the first kept (kube-proxy uses only
+/// it): no allocation.
+struct FirstAddress<'a>(Option<&'a str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for FirstAddress<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Visit<'a> {
+            type Value = FirstAddress<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a sequence of strings")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<FirstAddress<'a>, A::Error> {
+                let first = seq.next_element::<&'de str>()?;
+                while seq.next_element::<&'de str>()?.is_some() {}
+                Ok(FirstAddress(first))
+            }
+        }
+        d.deserialize_seq(Visit(std::marker::PhantomData))
+    }
+}
+
+/// A value decoded as `T` (so of `T`'s type, or an error) and not kept.
+struct Checked<T>(std::marker::PhantomData<T>);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Checked<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        T::deserialize(d).map(|_| Checked(std::marker::PhantomData))
+    }
+}
+
+/// `core/v1` `ObjectReference` (an endpoint's `targetRef`), checked and dropped.
+#[derive(Deserialize)]
+struct ReferenceItem<'a> {
+    #[serde(borrow, rename = "apiVersion")]
+    _api_version: Option<&'a str>,
+    #[serde(borrow, rename = "fieldPath")]
+    _field_path: Option<&'a str>,
+    #[serde(borrow, rename = "kind")]
+    _kind: Option<&'a str>,
+    #[serde(borrow, rename = "name")]
+    _name: Option<&'a str>,
+    #[serde(borrow, rename = "namespace")]
+    _namespace: Option<&'a str>,
+    #[serde(borrow, rename = "resourceVersion")]
+    _resource_version: Option<&'a str>,
+    #[serde(borrow, rename = "uid")]
+    _uid: Option<&'a str>,
 }
 
 #[derive(Deserialize)]
@@ -160,11 +268,7 @@ fn decode(
     proxy_name: Option<&str>,
     namespace: Option<&str>,
 ) -> Result<Object, serde_json::Error> {
-    let default_ns = |m: &mut Meta<'_>| {
-        if let (None, Some(ns)) = (&m.namespace, namespace) {
-            m.namespace = Some(Cow::Owned(ns.to_string()));
-        }
-    };
+    let default_ns = |m: &mut Meta<'_>| default_namespace(m, namespace);
     Ok(match kind {
         Kind::Service => {
             let mut s: ServiceItem = serde_json::from_str(json)?;
@@ -187,18 +291,10 @@ fn decode(
                 tag: lb,
             }))
         }
-        Kind::EndpointSlice => {
-            let mut s: SliceItem = serde_json::from_str(json)?;
-            default_ns(&mut s.metadata);
-            let key = s.metadata.key();
-            let slice = EndpointSlice {
-                metadata: s.metadata.into_object_meta(),
-                address_type: s.address_type,
-                endpoints: s.endpoints.unwrap_or_default(),
-                ports: s.ports,
-            };
-            Object::ReducedSlice(Box::new(Reduced::slice(key, &slice, proxy_name)))
-        }
+        Kind::EndpointSlice => match borrowed_slice(json, proxy_name, namespace) {
+            Some(slice) => slice,
+            None => api_slice(json, proxy_name, namespace)?,
+        },
         Kind::ServiceCidr => service_cidr(json)?,
         Kind::Pod => {
             let mut pod = super::objects::decode_pod(json)?;
@@ -217,6 +313,50 @@ fn decode(
             }))
         }
     })
+}
+
+/// An EndpointSlice decoded as [`SliceItem`] (its strings borrowed) and reduced; `None`
+/// if it does not decode so (then [`api_slice`] decides).
+fn borrowed_slice(json: &str, proxy_name: Option<&str>, namespace: Option<&str>) -> Option<Object> {
+    let mut s = serde_json::from_str::<SliceItem>(json).ok()?;
+    default_namespace(&mut s.metadata, namespace);
+    let key = s.metadata.key();
+    let metadata = s.metadata.into_object_meta();
+    Some(Object::ReducedSlice(Box::new(Reduced::slice_parts(
+        key,
+        &metadata,
+        s.address_type,
+        s.ports.as_deref(),
+        s.endpoints.as_deref().unwrap_or_default(),
+        proxy_name,
+    ))))
+}
+
+/// An EndpointSlice decoded as the API type reads it ([`ApiSliceItem`]) and reduced.
+fn api_slice(
+    json: &str,
+    proxy_name: Option<&str>,
+    namespace: Option<&str>,
+) -> Result<Object, serde_json::Error> {
+    let mut s: ApiSliceItem = serde_json::from_str(json)?;
+    default_namespace(&mut s.metadata, namespace);
+    let key = s.metadata.key();
+    let slice = EndpointSlice {
+        metadata: s.metadata.into_object_meta(),
+        address_type: s.address_type,
+        endpoints: s.endpoints.unwrap_or_default(),
+        ports: s.ports,
+    };
+    Ok(Object::ReducedSlice(Box::new(Reduced::slice(
+        key, &slice, proxy_name,
+    ))))
+}
+
+/// An object without `metadata.namespace` is in `namespace` (a manifest's default).
+fn default_namespace(m: &mut Meta<'_>, namespace: Option<&str>) {
+    if let (None, Some(ns)) = (&m.namespace, namespace) {
+        m.namespace = Some(Cow::Owned(ns.to_string()));
+    }
 }
 
 /// A `ServiceCIDR`: its key and `spec.cidrs`, each a valid range.
@@ -428,6 +568,83 @@ mod tests {
         };
         assert!(s.info.is_err());
         assert_eq!(s.tag.as_deref(), Some("web"));
+    }
+
+    /// The slice's reduction, however it was decoded, as text to compare.
+    fn reduced(obj: Result<Object, serde_json::Error>) -> String {
+        match obj {
+            Ok(Object::ReducedSlice(r)) => format!("{} {:?} {:?}", r.key, r.info, r.tag),
+            Ok(_) => "not a slice".into(),
+            Err(e) => format!("error: {e}"),
+        }
+    }
+
+    /// The borrowed decode gives the API type's result on every slice, and falls back to
+    /// it (its result and error message) where it is stricter: a duplicate field, an
+    /// escaped string, a field of the wrong type it does not read.
+    #[test]
+    fn a_slice_decodes_as_the_api_type_reads_it() {
+        let head = r#""metadata":{"name":"s","labels":{"kubernetes.io/service-name":"web"}}"#;
+        let ep = r#"{"addresses":["10.0.0.1","10.0.0.2"],"conditions":{"ready":false,"terminating":true},
+            "nodeName":"n1","hostname":"h","zone":"z","deprecatedTopology":{"a":"b"},
+            "targetRef":{"kind":"Pod","name":"p","namespace":"ns","uid":"u","resourceVersion":"1","apiVersion":"v1","fieldPath":""},
+            "hints":{"forZones":[{"name":"z"}],"forNodes":[{"name":"n1"}]},"unknown":[1]}"#;
+        let cases: Vec<(String, bool)> = [
+            (format!(r#"{{{head},"addressType":"IPv4","endpoints":[{ep},{{"addresses":["10.0.0.3"]}}],"ports":[{{"name":"http","port":80}}]}}"#), true),
+            (format!(r#"{{{head},"addressType":"IPv4","endpoints":null}}"#), true),
+            (format!(r#"{{{head},"addressType":"IPv4","endpoints":[{{"addresses":null}},{{}},{{"addresses":[]}}]}}"#), true),
+            (format!(r#"{{{head},"addressType":"IPv6","endpoints":[{{"addresses":["fd00::1"],"nodeName":null,"conditions":null}}]}}"#), true),
+            (format!(r#"{{{head},"addressType":"FQDN","endpoints":[{{"addresses":["x.example"]}}]}}"#), true),
+            // Unusable, the same Skip either way.
+            (format!(r#"{{{head},"addressType":"IPv4","endpoints":[{{"addresses":["fd00::1"]}}]}}"#), true),
+            (format!(r#"{{{head},"addressType":"IPv5","endpoints":[]}}"#), true),
+            (r#"{"metadata":{"name":"s"},"addressType":"IPv4","endpoints":[]}"#.to_string(), true),
+            // Stricter here: the API type's answer stands.
+            (format!(r#"{{{head},"addressType":"IPv4","endpoints":[{{"addresses":["10.0.0.1"],"nodeName":"a","nodeName":"b"}}]}}"#), false),
+            (format!(r#"{{{head},"addressType":"IPv4","endpoints":[{{"addresses":["10.0.0.\u0031"],"nodeName":"n\u0031"}}]}}"#), false),
+            (format!(r#"{{{head},"addressType":"IPv\u0034","endpoints":[]}}"#), false),
+            (format!(r#"{{{head},"addressType":"IPv4","endpoints":[{{"addresses":["10.0.0.1"],"targetRef":{{"name":"a","name":"b"}}}}]}}"#), false),
+            // Errors either way, the API type's message.
+            (format!(r#"{{{head},"addressType":"IPv4","endpoints":[{{"addresses":["10.0.0.1"],"hostname":5}}]}}"#), false),
+            (format!(r#"{{{head},"addressType":"IPv4","endpoints":[{{"addresses":["10.0.0.1"],"targetRef":{{"uid":5}}}}]}}"#), false),
+            (format!(r#"{{{head},"addressType":"IPv4","endpoints":[{{"addresses":["10.0.0.1"],"deprecatedTopology":[]}}]}}"#), false),
+            (format!(r#"{{{head},"addressType":"IPv4","endpoints":[{{"addresses":[5]}}]}}"#), false),
+            (format!(r#"{{{head},"addressType":"IPv4","endpoints":{{}}}}"#), false),
+            (format!(r#"{{{head},"endpoints":[]}}"#), false),
+        ]
+        .into_iter()
+        .collect();
+        for (json, borrowed) in &cases {
+            for ns in [None, Some("manifest-ns")] {
+                let want = reduced(api_slice(json, None, ns));
+                assert_eq!(
+                    borrowed_slice(json, None, ns).is_some(),
+                    *borrowed,
+                    "borrowed decode of {json}: {want}"
+                );
+                assert_eq!(
+                    reduced(decode(Kind::EndpointSlice, json, None, ns)),
+                    want,
+                    "{json}"
+                );
+            }
+        }
+        // The first case, read as the agent needs it.
+        let Ok(Object::ReducedSlice(r)) =
+            decode(Kind::EndpointSlice, &cases[0].0, None, Some("ns"))
+        else {
+            panic!("decodes");
+        };
+        let info = r.info.as_ref().expect("valid").as_ref().expect("selected");
+        assert_eq!(info.key.to_string(), "ns/s");
+        assert_eq!(info.endpoints.len(), 2);
+        let e = &info.endpoints[0];
+        assert_eq!(e.addr.to_string(), "10.0.0.1");
+        assert!(!e.ready && !e.serving && e.terminating);
+        assert_eq!(e.node.as_deref(), Some("n1"));
+        assert_eq!(e.zone_hints().len(), 1);
+        assert_eq!(e.node_hints().len(), 1);
+        assert!(info.endpoints[1].ready && info.endpoints[1].node.is_none());
     }
 
     #[test]

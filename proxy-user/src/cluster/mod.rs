@@ -95,10 +95,28 @@ impl Reduced<SliceInfo> {
     /// An EndpointSlice reduced (`SliceInfo::from_k8s`), with its Service's name as the
     /// tag when it does not validate.
     pub fn slice(key: ObjKey, s: &EndpointSlice, proxy_name: Option<&str>) -> Self {
-        let info = SliceInfo::from_k8s(s, proxy_name);
+        Self::slice_parts(
+            key,
+            &s.metadata,
+            &s.address_type,
+            s.ports.as_deref(),
+            &s.endpoints,
+            proxy_name,
+        )
+    }
+
+    /// [`Self::slice`] over an EndpointSlice's fields (`SliceInfo::from_parts`).
+    pub fn slice_parts<E: objects::EndpointFields>(
+        key: ObjKey,
+        metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+        address_type: &str,
+        ports: Option<&[k8s_openapi::api::discovery::v1::EndpointPort]>,
+        endpoints: &[E],
+        proxy_name: Option<&str>,
+    ) -> Self {
+        let info = SliceInfo::from_parts(metadata, address_type, ports, endpoints, proxy_name);
         let tag = match &info {
-            Err(_) => s
-                .metadata
+            Err(_) => metadata
                 .labels
                 .as_ref()
                 .and_then(|l| l.get(objects::LABEL_SERVICE_NAME))

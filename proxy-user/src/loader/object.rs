@@ -98,6 +98,11 @@ fn load_with_sizes(
     fs::create_dir_all(pin_path).map_err(io_err("creating", pin_path))?;
     let ttl_ns = fib_hop_ttl.map(|t| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX));
     let mut loader = EbpfLoader::new();
+    // The kernel's BTF (`/sys/kernel/btf/vmlinux`, which `EbpfLoader::new` parses) serves
+    // only CO-RE relocations, and the object has none (`tests::no_co_re_relocations`):
+    // dropped before the object is parsed, so the two (about 12 and 12 MiB of heap) are
+    // not held at once, the agent's peak memory at start.
+    loader.btf(None);
     loader.default_map_pin_directory(pin_path);
     for kind in SizedMap::ALL {
         for map in kind.maps() {
@@ -242,6 +247,43 @@ mod tests {
             }
         }
         out
+    }
+
+    /// The object's CO-RE relocations (`.BTF.ext`'s `core_relo` part, in bytes). The
+    /// loader drops the kernel's BTF before loading (`load_with_sizes`): a CO-RE
+    /// relocation would then fail the load.
+    fn co_re_relocation_bytes() -> u32 {
+        let file = object::File::parse(EBPF_OBJECT).expect("the eBPF object parses as ELF");
+        let ext = file
+            .section_by_name(".BTF.ext")
+            .expect("the object has .BTF.ext")
+            .data()
+            .expect("readable");
+        let word = |at: usize| u32::from_le_bytes(ext[at..at + 4].try_into().expect("4 bytes"));
+        // btf_ext_header: magic u16, version u8, flags u8, hdr_len u32, then offset/length
+        // pairs of func_info and line_info (24 bytes), core_relo's after them (32).
+        assert_eq!(
+            u16::from_le_bytes([ext[0], ext[1]]),
+            0xeb9f,
+            "BTF.ext magic"
+        );
+        if word(4) < 32 {
+            return 0;
+        }
+        word(28)
+    }
+
+    #[test]
+    fn no_co_re_relocations() {
+        assert!(
+            !EBPF_OBJECT.is_empty(),
+            "built without the eBPF object (PROXY_EBPF_STUB or no bpf-linker): run `cargo xtask setup`"
+        );
+        assert_eq!(
+            co_re_relocation_bytes(),
+            0,
+            "the object has CO-RE relocations: load_with_sizes must keep the kernel's BTF"
+        );
     }
 
     fn on_known_flow_path(func: &str) -> bool {

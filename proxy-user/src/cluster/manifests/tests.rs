@@ -230,6 +230,81 @@ fn a_file_nested_too_deep_is_refused_before_parsing() {
     fs::remove_dir_all(&tmp).expect("cleanup");
 }
 
+/// The table-driven nesting check gives the byte-by-byte rule's answer (refused or
+/// not, and the line named) on texts made of the bytes that matter: quotes and escapes
+/// (one at a line's end too), comments after blanks or not, compact sequences, CRLF, deep
+/// brackets around the limit; and on real manifests.
+#[test]
+fn the_nesting_check_agrees_with_the_byte_by_byte_rule() {
+    use super::parse::check_nesting_by_bytes;
+    let alphabet: &[&str] = &[
+        "[",
+        "[",
+        "[",
+        "{",
+        "]",
+        "}",
+        "\"",
+        "'",
+        "\\",
+        "#",
+        " ",
+        "\t",
+        "\n",
+        "\r\n",
+        "- ",
+        "-",
+        "a",
+        "é",
+        "[[[[[[[[",
+        "]]]]]]]]",
+        "- - - - - - - - ",
+    ];
+    // xorshift64*: the same texts every run.
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut rand = |n: usize| {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % n
+    };
+    let (mut refused, mut accepted) = (0, 0);
+    for _ in 0..20_000 {
+        // Most texts start near the limit, so that what follows decides.
+        let mut text = "[".repeat(rand(MAX_NESTING + 8));
+        let len = rand(120);
+        text.extend((0..len).map(|_| alphabet[rand(alphabet.len())]));
+        let want = check_nesting_by_bytes(&text);
+        assert_eq!(check_nesting(&text), want, "{text:?}");
+        match want {
+            Ok(()) => accepted += 1,
+            Err(_) => refused += 1,
+        }
+    }
+    assert!(
+        refused > 2_000 && accepted > 2_000,
+        "{refused} / {accepted}"
+    );
+    for text in [
+        SVC.to_string(),
+        SLICE.to_string(),
+        format!("a: \"x\\\n{}", "[".repeat(MAX_NESTING + 1)),
+        format!("a: '{}'\n{}", "[".repeat(70), "{".repeat(MAX_NESTING)),
+        format!("a: b#{}\n", "[".repeat(70)),
+        format!("# {}\n- {}", "[".repeat(70), "[".repeat(MAX_NESTING)),
+        format!("{}x", "- ".repeat(MAX_NESTING + 1)),
+        String::new(),
+        "\\".into(),
+        "\"\\".into(),
+    ] {
+        assert_eq!(
+            check_nesting(&text),
+            check_nesting_by_bytes(&text),
+            "{text:?}"
+        );
+    }
+}
+
 fn tempdir() -> PathBuf {
     let p = std::env::temp_dir().join(format!(
         "ebpf-proxy-manifests-{}-{}",

@@ -20,7 +20,9 @@ mod slice;
 pub use node::NodeInfo;
 pub use pod::{decode_namespace, decode_pod, NamespaceInfo, PodInfo};
 pub use service::{ServiceInfo, ServicePortInfo};
-pub use slice::{parse_rfc3339, EndpointInfo, Hints, SliceInfo, SlicePort, TRIGGER_TIME};
+pub use slice::{
+    parse_rfc3339, EndpointFields, EndpointInfo, Hints, SliceInfo, SlicePort, TRIGGER_TIME,
+};
 
 /// Label that opts a Service (and its slices) out of the default proxy (KEP-2447).
 pub const LABEL_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";

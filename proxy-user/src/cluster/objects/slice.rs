@@ -3,7 +3,10 @@
 
 use crate::model::Family;
 use crate::model::Proto;
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
+use k8s_openapi::api::discovery::v1::{
+    Endpoint, EndpointConditions, EndpointHints, EndpointPort, EndpointSlice,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -86,30 +89,50 @@ pub fn parse_rfc3339(s: &str) -> Option<std::time::SystemTime> {
 impl SliceInfo {
     /// `Ok(None)`: ignored by design (FQDN slices, not selected by labels).
     pub fn from_k8s(slice: &EndpointSlice, proxy_name: Option<&str>) -> Result<Option<Self>, Skip> {
-        let key = ObjKey::of(&slice.metadata);
+        Self::from_parts(
+            &slice.metadata,
+            &slice.address_type,
+            slice.ports.as_deref(),
+            &slice.endpoints,
+            proxy_name,
+        )
+    }
+
+    /// [`Self::from_k8s`] over an EndpointSlice's fields, its endpoints of any type that
+    /// has an endpoint's fields (the API object's, or the decoder's borrowed one:
+    /// `cluster::api_decode`).
+    pub fn from_parts<E: EndpointFields>(
+        metadata: &ObjectMeta,
+        address_type: &str,
+        ports: Option<&[EndpointPort]>,
+        endpoints: &[E],
+        proxy_name: Option<&str>,
+    ) -> Result<Option<Self>, Skip> {
+        let key = ObjKey::of(metadata);
         if key.name.is_empty() {
             return Err(Skip::NoName);
         }
-        if !selected(slice.metadata.labels.as_ref(), proxy_name) {
+        if !selected(metadata.labels.as_ref(), proxy_name) {
             return Ok(None);
         }
-        let service_name = slice
-            .metadata
+        let service_name = metadata
             .labels
             .as_ref()
             .and_then(|l| l.get(LABEL_SERVICE_NAME))
             .ok_or(Skip::NoServiceLabel)?;
-        let family = match slice.address_type.as_str() {
+        let family = match address_type {
             "IPv4" => Family::V4,
             "IPv6" => Family::V6,
             "FQDN" => return Ok(None),
             other => return Err(Skip::BadAddressType(other.to_string())),
         };
-        let ports = slice_ports(slice)?;
-        let endpoints = slice
-            .endpoints
+        let ports = slice_ports(ports)?;
+        // The endpoints of a slice are mostly on a few nodes: the last one's name is
+        // reused, not interned again (a lock and a lookup) for each.
+        let mut last_node: Option<Atom> = None;
+        let endpoints = endpoints
             .iter()
-            .filter_map(|ep| endpoint(ep, family).transpose())
+            .filter_map(|ep| endpoint(ep, family, &mut last_node).transpose())
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Some(Self {
             service: ObjKey {
@@ -120,8 +143,7 @@ impl SliceInfo {
             family,
             ports: ports.into_boxed_slice(),
             endpoints: endpoints.into_boxed_slice(),
-            trigger_time: slice
-                .metadata
+            trigger_time: metadata
                 .annotations
                 .as_ref()
                 .and_then(|a| a.get(TRIGGER_TIME))
@@ -132,9 +154,9 @@ impl SliceInfo {
 
 /// The slice's ports, each checked (1..=65535); a nil port ("all ports", headless
 /// Services only) has nothing to balance and is left out.
-fn slice_ports(slice: &EndpointSlice) -> Result<Vec<SlicePort>, Skip> {
+fn slice_ports(slice_ports: Option<&[EndpointPort]>) -> Result<Vec<SlicePort>, Skip> {
     let mut ports = Vec::new();
-    for p in slice.ports.iter().flatten() {
+    for p in slice_ports.into_iter().flatten() {
         let name = p.name.as_deref().unwrap_or_default();
         let Some(port) = p.port else { continue };
         let port = u16::try_from(port)
@@ -155,20 +177,25 @@ fn slice_ports(slice: &EndpointSlice) -> Result<Vec<SlicePort>, Skip> {
 
 /// One endpoint: its first address (kube-proxy uses the first only; it must be of the
 /// slice's family), conditions and hints. `None`: no address.
-fn endpoint(ep: &Endpoint, family: Family) -> Result<Option<EndpointInfo>, Skip> {
-    let Some(raw) = ep.addresses.first() else {
+/// `last_node`: the node name interned last, reused when this endpoint's is the same.
+fn endpoint<E: EndpointFields>(
+    ep: &E,
+    family: Family,
+    last_node: &mut Option<Atom>,
+) -> Result<Option<EndpointInfo>, Skip> {
+    let Some(raw) = ep.first_address() else {
         return Ok(None);
     };
     let addr: IpAddr = raw
         .parse()
         .ok()
         .filter(|a| Family::of(a) == family)
-        .ok_or_else(|| Skip::BadEndpointAddress(raw.clone(), family))?;
-    let cond = ep.conditions.as_ref();
+        .ok_or_else(|| Skip::BadEndpointAddress(raw.to_string(), family))?;
+    let cond = ep.conditions();
     let ready = cond.and_then(|c| c.ready).unwrap_or(true);
     let serving = cond.and_then(|c| c.serving).unwrap_or(ready);
     let terminating = cond.and_then(|c| c.terminating).unwrap_or(false);
-    let hints = ep.hints.as_ref().map(|h| Hints {
+    let hints = ep.hints().map(|h| Hints {
         zones: h
             .for_zones
             .iter()
@@ -190,9 +217,36 @@ fn endpoint(ep: &Endpoint, family: Family) -> Result<Option<EndpointInfo>, Skip>
         ready,
         serving,
         terminating,
-        node: ep.node_name.as_deref().map(intern),
+        node: ep.node_name().map(|name| match last_node {
+            Some(last) if **last == *name => last.clone(),
+            _ => last_node.insert(intern(name)).clone(),
+        }),
         hints: hints
             .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
             .map(Box::new),
     }))
+}
+
+/// The fields of an EndpointSlice's endpoint that [`SliceInfo`] reads.
+pub trait EndpointFields {
+    /// `addresses[0]` (kube-proxy uses the first only).
+    fn first_address(&self) -> Option<&str>;
+    fn conditions(&self) -> Option<&EndpointConditions>;
+    fn node_name(&self) -> Option<&str>;
+    fn hints(&self) -> Option<&EndpointHints>;
+}
+
+impl EndpointFields for Endpoint {
+    fn first_address(&self) -> Option<&str> {
+        self.addresses.first().map(String::as_str)
+    }
+    fn conditions(&self) -> Option<&EndpointConditions> {
+        self.conditions.as_ref()
+    }
+    fn node_name(&self) -> Option<&str> {
+        self.node_name.as_deref()
+    }
+    fn hints(&self) -> Option<&EndpointHints> {
+        self.hints.as_ref()
+    }
 }
