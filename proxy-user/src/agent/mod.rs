@@ -37,7 +37,7 @@ use crate::{
     cluster::{kube_source, objects::NodeInfo, Kind, Update},
     loader,
     pins::PinDir,
-    BpfMaps, Writer,
+    Writer,
 };
 use metrics::{Endpoints, Health, Metrics};
 pub use node_addresses::{NodeAddresses, NodePortSelection};
@@ -173,17 +173,8 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         opts.conntrack_start,
         kernel_logs,
     ));
-    // A fresh node's syncer has written its first sync already (while the programs
-    // loaded: `start::fresh`); on pins the maps are read back now.
-    let (syncer, node_addresses, first_sync) = match first {
-        Some(first) => (first.syncer, first.node_addresses, first.outcome),
-        None => {
-            let writer = adopt_maps(&opts, &metrics).await?;
-            let (writer, node_addresses) =
-                write_node_addresses(&opts, datapath.node_addrs, writer)?;
-            (new_syncer(&opts, writer, metrics), node_addresses, None)
-        }
-    };
+    let (syncer, node_addresses, first_sync) =
+        start::syncer(&opts, first, datapath.node_addrs, metrics).await?;
     if opts.cleanup_kube_proxy {
         tokio::spawn(cleanup_kube_proxy_when_synced(health.clone()));
     }
@@ -374,69 +365,6 @@ async fn serve_http(
     Ok(())
 }
 
-/// Reads the pinned maps back (off the runtime: the servers keep answering meanwhile)
-/// and counts the repairs adoption made.
-async fn adopt_maps(opts: &AgentOptions, metrics: &Metrics) -> anyhow::Result<Writer<BpfMaps>> {
-    let maps = BpfMaps::open(&opts.pin_path)?;
-    // Off the runtime: the servers above keep answering while the maps are read back.
-    let maglev = opts.maglev;
-    let (mut writer, adopted) = tokio::task::spawn_blocking(move || {
-        Writer::adopt_with(maps, crate::writer::BATCH_MIN_FRONTENDS, maglev)
-    })
-    .await
-    .context("the adoption task failed")?
-    .context("reading the pinned maps back")?;
-    writer.set_svc_ceiling(opts.service_entries);
-    info!(
-        frontends = adopted.frontends,
-        backends = adopted.backends,
-        orphans_deleted = adopted.orphans_deleted,
-        repairs = ?adopted.repairs,
-        "adopted the maps' contents"
-    );
-    for (kind, n) in &adopted.repairs {
-        metrics
-            .adoption_repairs
-            .get_or_create(&metrics::KindLabel {
-                kind: kind.label().to_string(),
-            })
-            .inc_by(*n as u64);
-    }
-    Ok(writer)
-}
-
-/// The writer over maps this agent has just made (nothing to read back: a fresh node,
-/// [`loader::make_maps`]); its ceilings are set once the programs serve
-/// ([`start::fresh`]).
-fn fresh_writer(opts: &AgentOptions) -> anyhow::Result<Writer<BpfMaps>> {
-    let mut writer = Writer::new(BpfMaps::open(&opts.pin_path)?);
-    writer.set_maglev_params(opts.maglev);
-    Ok(writer)
-}
-
-/// Writes the node's addresses (and the DSR trusted senders', Service CIDRs' and
-/// NodePort selection's settings) through `writer`.
-fn write_node_addresses(
-    opts: &AgentOptions,
-    node_addrs: Vec<std::net::IpAddr>,
-    mut writer: Writer<BpfMaps>,
-) -> anyhow::Result<(Writer<BpfMaps>, NodeAddresses)> {
-    let mut node_addresses = NodeAddresses::new(node_addrs, opts.localhost_nodeports)
-        .with_dsr_trust(&PinDir::new(&opts.pin_path), opts.dsr_trusted_cidrs.clone())
-        .with_service_cidrs(&PinDir::new(&opts.pin_path), opts.service_cidrs.clone())
-        .with_selection(
-            opts.nodeport_addresses
-                .as_deref()
-                .map(NodePortSelection::parse)
-                .transpose()
-                .map_err(|e| anyhow::anyhow!(e))?,
-        );
-    node_addresses
-        .update(&mut writer, &[])
-        .context("writing the node's addresses")?;
-    Ok((writer, node_addresses))
-}
-
 /// The syncer for this node, watching Services, EndpointSlices and Nodes.
 fn new_syncer<S: crate::MapStore>(
     opts: &AgentOptions,
@@ -481,6 +409,8 @@ async fn cleanup_kube_proxy_when_synced(health: Arc<Health>) {
 /// Applies updates as they come and syncs on the schedule of [`Schedule`]: at most
 /// every `min_sync_interval`, fully every `sync_interval`, retrying failed writes with
 /// backoff.
+// Long: one select loop; a sync's follow-up (shrinker, health checks, node addresses,
+// stale UDP flows, schedule) shares the loop's state.
 pub async fn sync_loop<S: crate::MapStore>(
     mut syncer: Syncer<S>,
     mut rx: mpsc::Receiver<Update>,

@@ -14,13 +14,13 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use super::{
-    adopt_maps, fresh_writer, install_options,
+    install_options, metrics,
     metrics::{Health, Metrics},
     new_metrics, new_syncer, open_datapath, serve_http, source,
     sync::{SyncOutcome, Syncer},
-    write_node_addresses, AgentOptions, Datapath, NodeAddresses,
+    AgentOptions, Datapath, NodeAddresses, NodePortSelection,
 };
-use crate::{cluster::Update, loader, BpfMaps, Writer};
+use crate::{cluster::Update, loader, pins::PinDir, BpfMaps, Writer};
 
 /// A manifests directory read while the datapath loads ([`source::read_manifests`]).
 type Manifests = Option<mpsc::Receiver<Update>>;
@@ -270,4 +270,84 @@ fn service_start_sizes(opts: &AgentOptions) -> anyhow::Result<(u32, loader::Size
     );
     let sizes = loader::start_sizes(&pins, opts.metrics_per_service.is_some());
     Ok((service_entries, sizes))
+}
+
+/// The syncer the sync loop runs: a fresh node's, its first sync written already (while
+/// the programs loaded: [`fresh`]), with that sync's outcome; else one over the pinned
+/// maps, read back now.
+pub(super) async fn syncer(
+    opts: &AgentOptions,
+    first: Option<FirstSync>,
+    node_addrs: Vec<std::net::IpAddr>,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<(Syncer<BpfMaps>, NodeAddresses, Option<SyncOutcome>)> {
+    if let Some(first) = first {
+        return Ok((first.syncer, first.node_addresses, first.outcome));
+    }
+    let writer = adopt_maps(opts, &metrics).await?;
+    let (writer, node_addresses) = write_node_addresses(opts, node_addrs, writer)?;
+    Ok((new_syncer(opts, writer, metrics), node_addresses, None))
+}
+
+/// Reads the pinned maps back (off the runtime: the servers keep answering meanwhile)
+/// and counts the repairs adoption made.
+async fn adopt_maps(opts: &AgentOptions, metrics: &Metrics) -> anyhow::Result<Writer<BpfMaps>> {
+    let maps = BpfMaps::open(&opts.pin_path)?;
+    // Off the runtime: the servers above keep answering while the maps are read back.
+    let maglev = opts.maglev;
+    let (mut writer, adopted) = tokio::task::spawn_blocking(move || {
+        Writer::adopt_with(maps, crate::writer::BATCH_MIN_FRONTENDS, maglev)
+    })
+    .await
+    .context("the adoption task failed")?
+    .context("reading the pinned maps back")?;
+    writer.set_svc_ceiling(opts.service_entries);
+    info!(
+        frontends = adopted.frontends,
+        backends = adopted.backends,
+        orphans_deleted = adopted.orphans_deleted,
+        repairs = ?adopted.repairs,
+        "adopted the maps' contents"
+    );
+    for (kind, n) in &adopted.repairs {
+        metrics
+            .adoption_repairs
+            .get_or_create(&metrics::KindLabel {
+                kind: kind.label().to_string(),
+            })
+            .inc_by(*n as u64);
+    }
+    Ok(writer)
+}
+
+/// The writer over maps this agent has just made (nothing to read back: a fresh node,
+/// [`loader::make_maps`]); its ceilings are set once the programs serve
+/// ([`start::fresh`]).
+fn fresh_writer(opts: &AgentOptions) -> anyhow::Result<Writer<BpfMaps>> {
+    let mut writer = Writer::new(BpfMaps::open(&opts.pin_path)?);
+    writer.set_maglev_params(opts.maglev);
+    Ok(writer)
+}
+
+/// Writes the node's addresses (and the DSR trusted senders', Service CIDRs' and
+/// NodePort selection's settings) through `writer`.
+fn write_node_addresses(
+    opts: &AgentOptions,
+    node_addrs: Vec<std::net::IpAddr>,
+    mut writer: Writer<BpfMaps>,
+) -> anyhow::Result<(Writer<BpfMaps>, NodeAddresses)> {
+    let mut node_addresses = NodeAddresses::new(node_addrs, opts.localhost_nodeports)
+        .with_dsr_trust(&PinDir::new(&opts.pin_path), opts.dsr_trusted_cidrs.clone())
+        .with_service_cidrs(&PinDir::new(&opts.pin_path), opts.service_cidrs.clone())
+        .with_selection(
+            opts.nodeport_addresses
+                .as_deref()
+                .map(NodePortSelection::parse)
+                .transpose()
+                .map_err(|e| anyhow::anyhow!(e))?,
+        );
+    node_addresses
+        .update(&mut writer, &[])
+        .context("writing the node's addresses")?;
+    Ok((writer, node_addresses))
 }

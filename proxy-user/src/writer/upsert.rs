@@ -80,19 +80,14 @@ impl<S: MapStore> Writer<S> {
         //    names, before the flag in slot 0).
         let layout = stable_layout(&old_slots, &ids);
         stage_slots(&mut plan, fe, service_id, &old_slots, &layout);
-        // Only a Maglev table reads the addresses (not built for the others: this runs
-        // for every frontend of a first sync).
-        let addr_of_new: HashMap<u32, std::net::SocketAddr> =
-            if entry.flags & proxy_common::svc_flags::MAGLEV != 0 {
-                ids.iter()
-                    .zip(&backends)
-                    .map(|(id, b)| (*id, b.addr))
-                    .collect()
-            } else {
-                HashMap::default()
-            };
-        let (maglev_state, maglev_dels) =
-            self.stage_maglev(&mut plan, entry, service_id, old, &layout, &addr_of_new);
+        let (maglev_state, maglev_dels) = self.stage_maglev(
+            &mut plan,
+            entry,
+            service_id,
+            old,
+            &layout,
+            (&ids, &backends),
+        );
         // 4. Slot 0 with the new count.
         let value = FrontendValue {
             service_id,
@@ -169,7 +164,8 @@ impl<S: MapStore> Writer<S> {
 
     /// Step 3 (Maglev): the table's chunks when the slots' fingerprint changed; the
     /// chunks no longer used are returned (with their undo) to be planned after slot 0.
-    /// Returns the new table state and those deletions.
+    /// `(ids, backends)`: the wanted backends and their ids, in the same order. Returns
+    /// the new table state and those deletions.
     fn stage_maglev(
         &self,
         plan: &mut Plan,
@@ -177,7 +173,7 @@ impl<S: MapStore> Writer<S> {
         service_id: u32,
         old: Option<&Programmed>,
         layout: &[u32],
-        addr_of_new: &HashMap<u32, std::net::SocketAddr>,
+        (ids, backends): (&[u32], &[Backend]),
     ) -> (Option<(u64, u32)>, Vec<OpAndUndo>) {
         let old_maglev = old.and_then(|p| p.maglev);
         let mut maglev_state = None;
@@ -196,6 +192,13 @@ impl<S: MapStore> Writer<S> {
             None => del_chunk(chunk),
         };
         if entry.flags & proxy_common::svc_flags::MAGLEV != 0 && !layout.is_empty() {
+            // The addresses of the ids, built only for a Maglev frontend (planning runs
+            // for every frontend of a first sync).
+            let addr_of_new: HashMap<u32, std::net::SocketAddr> = ids
+                .iter()
+                .zip(backends)
+                .map(|(id, b)| (*id, b.addr))
+                .collect();
             let inputs = Self::maglev_inputs(layout, |id| addr_of_new.get(&id).copied());
             let fp = maglev::fingerprint(self.maglev, &inputs);
             let n = proxy_common::maglev::chunks(self.maglev.table_size);
