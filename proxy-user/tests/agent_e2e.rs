@@ -2035,7 +2035,10 @@ fn service_maps_grow_online_during_a_sync_of_20000_new_services() {
 /// (no migration, no `ebpf_proxy_map_resizes_total`), the maps made at the sizes the
 /// writer would have grown them to (`SVC4/6` 65,536 for 40,002 entries, `BACKEND4/6`,
 /// `BACKEND_CONNS`, `REVNAT4/6` 32,768 for 20,001); a restart on those pins keeps them
-/// and grows nothing either.
+/// and grows nothing either. The fresh start writes its first sync while the programs
+/// load (they attach during the writes): a client connecting to `web` from before the
+/// agent starts is, once first answered, never refused or misrouted (no frontend seen
+/// half-written), and `/healthz` is 200 only once the hooks are attached.
 #[test]
 fn a_fresh_node_makes_the_maps_at_the_first_syncs_size_and_grows_none() {
     let mut env = TestEnv::without_datapath(1);
@@ -2063,6 +2066,7 @@ fn a_fresh_node_makes_the_maps_at_the_first_syncs_size_and_grows_none() {
         ("MAGLEV", 1_024),
     ];
     for restart in [false, true] {
+        let hammer = (!restart).then(|| Hammer::start(&env));
         let mut agent = AgentProcess::start(&env, &dir.arg());
         let metrics = wait_metrics(
             &agent,
@@ -2070,7 +2074,31 @@ fn a_fresh_node_makes_the_maps_at_the_first_syncs_size_and_grows_none() {
             Duration::from_secs(120),
         );
         agent.wait_healthy(Duration::from_secs(60));
-        env.in_client(|| until(Instant::now(), 5, |r| answer_is(r, &["pod1"])));
+        // Healthy: every hook attached, so web answers at once.
+        let answered = env.in_client(|| tcp_ask(vip()));
+        assert_eq!(
+            answered.as_ref().map(|(p, _)| p.as_str()).ok(),
+            Some("pod1"),
+            "restart {restart}: web did not answer once healthy: {answered:?}"
+        );
+        if let Some(hammer) = hammer {
+            let answers = hammer.stop();
+            let served: Vec<_> = answers
+                .iter()
+                .skip_while(|a| a.as_deref() != Ok("pod1"))
+                .collect();
+            assert!(!served.is_empty(), "web never answered: {answers:?}");
+            let bad: Vec<_> = served
+                .iter()
+                .filter(|a| a.as_deref() != Ok("pod1"))
+                .take(5)
+                .collect();
+            assert!(
+                bad.is_empty(),
+                "{} answers after web was first served, not all pod1: {bad:?}",
+                served.len()
+            );
+        }
         let metrics = agent.metrics() + &metrics;
         assert!(
             !metrics.contains("ebpf_proxy_map_resizes_total{"),
@@ -2099,6 +2127,12 @@ fn a_fresh_node_makes_the_maps_at_the_first_syncs_size_and_grows_none() {
         );
         assert_eq!(
             logs.contains("fresh node: the maps are made at the first sync's sizes"),
+            !restart,
+            "{logs}"
+        );
+        // The fresh start wrote the maps before it waited for the programs.
+        assert_eq!(
+            logs.contains("first sync written while the programs loaded"),
             !restart,
             "{logs}"
         );

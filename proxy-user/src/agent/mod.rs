@@ -37,7 +37,7 @@ use crate::{
     cluster::{kube_source, objects::NodeInfo, Kind, Update},
     loader,
     pins::PinDir,
-    BpfMaps, Writer,
+    Writer,
 };
 use metrics::{Endpoints, Health, Metrics};
 pub use node_addresses::{NodeAddresses, NodePortSelection};
@@ -144,7 +144,12 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         node_addrs,
         sizes: start,
     };
-    let (datapath, metrics, rx, syncer) = if fresh {
+    let start::Started {
+        datapath,
+        metrics,
+        rx,
+        first,
+    } = if fresh {
         start::fresh(&opts, begin).await?
     } else {
         start::on_pins(&opts, begin).await?
@@ -168,11 +173,8 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         opts.conntrack_start,
         kernel_logs,
     ));
-    let (writer, node_addresses) = adopt_maps(&opts, datapath.node_addrs, &metrics).await?;
-    let syncer = match syncer {
-        Some(first) => first.with_writer(writer),
-        None => new_syncer(&opts, writer, metrics),
-    };
+    let (syncer, node_addresses, first_sync) =
+        start::syncer(&opts, first, datapath.node_addrs, metrics).await?;
     if opts.cleanup_kube_proxy {
         tokio::spawn(cleanup_kube_proxy_when_synced(health.clone()));
     }
@@ -181,8 +183,11 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> anyh
         rx,
         &opts,
         &health,
-        node_addresses,
-        datapath.installed.cgroup,
+        Served {
+            node_addresses,
+            hooked_cgroup: datapath.installed.cgroup,
+            first_sync,
+        },
         shutdown,
     )
     .await;
@@ -219,23 +224,14 @@ fn open_datapath(
     node_addrs: Vec<std::net::IpAddr>,
     sizes: &loader::Sizes,
 ) -> anyhow::Result<Datapath> {
-    let installed = crate::migrate::install(&loader::InstallOptions {
-        pin_path: opts.pin_path.clone(),
-        cgroup: opts.cgroup.clone(),
-        interfaces: interfaces.clone(),
-        conntrack_flows: sizes.get(loader::SizedMap::Conntrack),
-        service_entries: sizes.get(loader::SizedMap::Service),
-        map_sizes: Some(*sizes),
-        tc_attach: opts.tc_attach,
-        acceleration: opts.acceleration,
-    })
-    .with_context(|| {
-        format!(
-            "installing the datapath at {}{}",
-            opts.pin_path.display(),
-            caps::missing_hint()
-        )
-    })?;
+    let installed = crate::migrate::install(&install_options(opts, &interfaces, sizes))
+        .with_context(|| {
+            format!(
+                "installing the datapath at {}{}",
+                opts.pin_path.display(),
+                caps::missing_hint()
+            )
+        })?;
     info!(
         attached = installed.attached.len(),
         adopted = installed.adopted.len(),
@@ -272,6 +268,25 @@ fn open_datapath(
         installed,
         node_addrs,
     })
+}
+
+/// What [`open_datapath`] installs: the maps sized to demand at `sizes` (conntrack's in
+/// flows).
+fn install_options(
+    opts: &AgentOptions,
+    interfaces: &[String],
+    sizes: &loader::Sizes,
+) -> loader::InstallOptions {
+    loader::InstallOptions {
+        pin_path: opts.pin_path.clone(),
+        cgroup: opts.cgroup.clone(),
+        interfaces: interfaces.to_vec(),
+        conntrack_flows: sizes.get(loader::SizedMap::Conntrack),
+        service_entries: sizes.get(loader::SizedMap::Service),
+        map_sizes: Some(*sizes),
+        tc_attach: opts.tc_attach,
+        acceleration: opts.acceleration,
+    }
 }
 
 /// The metrics registry, with what is known before the datapath (families, ignored
@@ -350,54 +365,6 @@ async fn serve_http(
     Ok(())
 }
 
-/// Reads the pinned maps back (off the runtime: the servers keep answering meanwhile),
-/// writes the node's addresses, and counts the repairs adoption made.
-async fn adopt_maps(
-    opts: &AgentOptions,
-    node_addrs: Vec<std::net::IpAddr>,
-    metrics: &Metrics,
-) -> anyhow::Result<(Writer<BpfMaps>, NodeAddresses)> {
-    let maps = BpfMaps::open(&opts.pin_path)?;
-    // Off the runtime: the servers above keep answering while the maps are read back.
-    let maglev = opts.maglev;
-    let (mut writer, adopted) = tokio::task::spawn_blocking(move || {
-        Writer::adopt_with(maps, crate::writer::BATCH_MIN_FRONTENDS, maglev)
-    })
-    .await
-    .context("the adoption task failed")?
-    .context("reading the pinned maps back")?;
-    writer.set_svc_ceiling(opts.service_entries);
-    let mut node_addresses = NodeAddresses::new(node_addrs, opts.localhost_nodeports)
-        .with_dsr_trust(&PinDir::new(&opts.pin_path), opts.dsr_trusted_cidrs.clone())
-        .with_service_cidrs(&PinDir::new(&opts.pin_path), opts.service_cidrs.clone())
-        .with_selection(
-            opts.nodeport_addresses
-                .as_deref()
-                .map(NodePortSelection::parse)
-                .transpose()
-                .map_err(|e| anyhow::anyhow!(e))?,
-        );
-    node_addresses
-        .update(&mut writer, &[])
-        .context("writing the node's addresses")?;
-    info!(
-        frontends = adopted.frontends,
-        backends = adopted.backends,
-        orphans_deleted = adopted.orphans_deleted,
-        repairs = ?adopted.repairs,
-        "adopted the maps' contents"
-    );
-    for (kind, n) in &adopted.repairs {
-        metrics
-            .adoption_repairs
-            .get_or_create(&metrics::KindLabel {
-                kind: kind.label().to_string(),
-            })
-            .inc_by(*n as u64);
-    }
-    Ok((writer, node_addresses))
-}
-
 /// The syncer for this node, watching Services, EndpointSlices and Nodes.
 fn new_syncer<S: crate::MapStore>(
     opts: &AgentOptions,
@@ -442,15 +409,21 @@ async fn cleanup_kube_proxy_when_synced(health: Arc<Health>) {
 /// Applies updates as they come and syncs on the schedule of [`Schedule`]: at most
 /// every `min_sync_interval`, fully every `sync_interval`, retrying failed writes with
 /// backoff.
+// Long: one select loop; a sync's follow-up (shrinker, health checks, node addresses,
+// stale UDP flows, schedule) shares the loop's state.
 pub async fn sync_loop<S: crate::MapStore>(
     mut syncer: Syncer<S>,
     mut rx: mpsc::Receiver<Update>,
     opts: &AgentOptions,
     health: &Health,
-    mut node_addresses: NodeAddresses,
-    hooked_cgroup: Option<PathBuf>,
+    served: Served,
     shutdown: impl Future<Output = ()>,
 ) {
+    let Served {
+        mut node_addresses,
+        hooked_cgroup,
+        first_sync,
+    } = served;
     tokio::pin!(shutdown);
     let mut schedule = Schedule::new(
         opts.min_sync_interval,
@@ -464,7 +437,32 @@ pub async fn sync_loop<S: crate::MapStore>(
     let mut shrinker = shrink::Shrinker::new(shrink::shrink_after());
     let mut shrink_every = tokio::time::interval(shrink::check_interval(shrink::shrink_after()));
     shrink_every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The last sync written (a fresh node's first is written before the loop:
+    // `start::fresh`), followed up before anything else.
+    let mut synced = first_sync;
     loop {
+        if let Some(out) = synced.take() {
+            if out.ops > 0 {
+                shrinker.after_sync(syncer.writer());
+            }
+            after_sync(
+                &mut syncer,
+                &out,
+                health,
+                &mut health_checks,
+                &mut node_addresses,
+                hooked_cgroup.as_deref(),
+            )
+            .await;
+            stale_udp.after_sync(&syncer, &out);
+            if let Some(delay) = schedule.synced(Instant::now(), out.failed > 0) {
+                warn!(
+                    failed = out.failed,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "sync incomplete; retrying"
+                );
+            }
+        }
         let now = Instant::now();
         if schedule.take_resync(now) {
             syncer.request_full(now);
@@ -494,18 +492,22 @@ pub async fn sync_loop<S: crate::MapStore>(
                 if schedule.next_sync(pending, now).is_none_or(|due| due > now) {
                     continue; // woken for the periodic resync, handled above
                 }
-                let out = syncer.sync(now);
-                if out.ops > 0 {
-                    shrinker.after_sync(syncer.writer());
-                }
-                after_sync(&mut syncer, &out, health, &mut health_checks, &mut node_addresses, hooked_cgroup.as_deref()).await;
-                stale_udp.after_sync(&syncer, &out);
-                if let Some(delay) = schedule.synced(Instant::now(), out.failed > 0) {
-                    warn!(failed = out.failed, retry_in_ms = delay.as_millis() as u64, "sync incomplete; retrying");
-                }
+                // Followed up at the top of the loop.
+                synced = Some(syncer.sync(now));
             },
         }
     }
+}
+
+/// What the sync loop writes besides the syncer's maps, and a sync written before it.
+pub struct Served {
+    /// The node's addresses (NodePorts, SNAT, DSR trust, Service CIDRs).
+    pub node_addresses: NodeAddresses,
+    /// The cgroup the socket hooks are attached to (stale UDP sockets destroyed in it).
+    pub hooked_cgroup: Option<PathBuf>,
+    /// The outcome of a sync written before the loop (a fresh node's first, written while
+    /// its programs loaded: [`start::fresh`]), followed up first.
+    pub first_sync: Option<SyncOutcome>,
 }
 
 /// What follows every sync: health-check node ports, node health, stale UDP sockets,

@@ -14,24 +14,33 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use super::{
+    install_options, metrics,
     metrics::{Health, Metrics},
     new_metrics, new_syncer, open_datapath, serve_http, source,
-    sync::Syncer,
-    AgentOptions, Datapath,
+    sync::{SyncOutcome, Syncer},
+    AgentOptions, Datapath, NodeAddresses, NodePortSelection,
 };
-use crate::{cluster::Update, loader, Writer};
+use crate::{cluster::Update, loader, pins::PinDir, BpfMaps, Writer};
 
 /// A manifests directory read while the datapath loads ([`source::read_manifests`]).
 type Manifests = Option<mpsc::Receiver<Update>>;
 
 /// What the start hands on: the datapath, the metrics, the sources' channel, and on a
-/// fresh node the syncer that took the first lists.
-type Started = (
-    Datapath,
-    Arc<Metrics>,
-    mpsc::Receiver<Update>,
-    Option<Syncer<crate::store::MemStore>>,
-);
+/// fresh node its syncer with the first sync written ([`fresh`]).
+pub(super) struct Started {
+    pub datapath: Datapath,
+    pub metrics: Arc<Metrics>,
+    pub rx: mpsc::Receiver<Update>,
+    pub first: Option<FirstSync>,
+}
+
+/// A fresh node's syncer over the maps it made, the node's addresses written, and the
+/// outcome of its first sync (`None`: not run, the lists were not in).
+pub(super) struct FirstSync {
+    pub syncer: Syncer<BpfMaps>,
+    pub node_addresses: NodeAddresses,
+    pub outcome: Option<SyncOutcome>,
+}
 
 /// What either way of coming up starts from ([`fresh`], [`on_pins`]).
 pub(super) struct Start {
@@ -45,7 +54,9 @@ pub(super) struct Start {
 }
 
 /// A fresh node: metrics and health first (/livez answers while the lists are read),
-/// then the lists, then the maps at the first sync's sizes.
+/// then the lists, then the maps at the first sync's sizes, then the programs loaded,
+/// verified and attached on a blocking thread WHILE the first sync writes the maps
+/// ([`first_sync_while_loading`]).
 pub(super) async fn fresh(opts: &AgentOptions, s: Start) -> anyhow::Result<Started> {
     let Start {
         metrics,
@@ -65,13 +76,79 @@ pub(super) async fn fresh(opts: &AgentOptions, s: Start) -> anyhow::Result<Start
         metrics.clone(),
     );
     let sizes = first_lists(opts, &mut first, &mut rx, start).await;
+    let (datapath, first) =
+        first_sync_while_loading(opts, first, interfaces, node_addrs, sizes, &metrics).await?;
+    Ok(Started {
+        datapath,
+        metrics,
+        rx,
+        first: Some(first),
+    })
+}
+
+/// A fresh node's maps made at `sizes` (pinned, empty: milliseconds), then its programs
+/// loaded (verified: 0.1-0.2 s) and attached on a blocking thread while the first sync
+/// writes every frontend into the maps here. A program attached during the writes sees
+/// each frontend whole or not at all: the writer's order (`writer` module doc: backends,
+/// reverse NAT, slots, then slot 0 in its own phase after all of a round's slots) is
+/// what every later sync relies on too, and a frontend not yet written is what the node
+/// had before (no translation). `/healthz` turns 200 only after both (the sync's
+/// follow-up runs in the sync loop, after this returns). The writer's ceilings are set
+/// only then: the first sync needs no growth (`first_sync_sizes`), and none may swap
+/// the programs while they load.
+async fn first_sync_while_loading(
+    opts: &AgentOptions,
+    first: Syncer<crate::store::MemStore>,
+    interfaces: Vec<String>,
+    node_addrs: Vec<std::net::IpAddr>,
+    sizes: loader::Sizes,
+    metrics: &Arc<Metrics>,
+) -> anyhow::Result<(Datapath, FirstSync)> {
+    let began = Instant::now();
+    let install = install_options(opts, &interfaces, &sizes);
+    let empty = tokio::task::spawn_blocking(move || loader::make_maps(&install))
+        .await
+        .context("the map-making task failed")?
+        .with_context(|| {
+            format!(
+                "making the maps at {}{}",
+                opts.pin_path.display(),
+                super::caps::missing_hint()
+            )
+        })?;
+    let made = began.elapsed();
     // Off the runtime: the servers keep answering and the sources keep reading.
     let o = opts.clone();
-    let datapath =
-        tokio::task::spawn_blocking(move || open_datapath(&o, interfaces, node_addrs, &sizes))
-            .await
-            .context("the install task failed")??;
-    Ok((datapath, metrics, rx, Some(first)))
+    let addrs = node_addrs.clone();
+    let loading = tokio::task::spawn_blocking(move || open_datapath(&o, interfaces, addrs, &sizes));
+    let writer = if empty {
+        fresh_writer(opts)?
+    } else {
+        // Maps left by an agent that stopped before making them all: read back.
+        adopt_maps(opts, metrics).await?
+    };
+    let (writer, node_addresses) = write_node_addresses(opts, node_addrs, writer)?;
+    let mut syncer = first.with_writer(writer);
+    let writing = Instant::now();
+    let outcome = syncer.ready().then(|| syncer.sync(Instant::now()));
+    let written = writing.elapsed();
+    let datapath = loading.await.context("the install task failed")??;
+    syncer.writer_mut().set_svc_ceiling(opts.service_entries);
+    info!(
+        maps_ms = made.as_millis() as u64,
+        first_sync_ms = written.as_millis() as u64,
+        programs_waited_ms = (began.elapsed() - made - written).as_millis() as u64,
+        total_ms = began.elapsed().as_millis() as u64,
+        "fresh node: maps made, first sync written while the programs loaded"
+    );
+    Ok((
+        datapath,
+        FirstSync {
+            syncer,
+            node_addresses,
+            outcome,
+        },
+    ))
 }
 
 /// Pinned maps: the datapath adopted first, then metrics and health (reading a large
@@ -96,7 +173,12 @@ pub(super) async fn on_pins(opts: &AgentOptions, s: Start) -> anyhow::Result<Sta
     // another thread, and wait in the channel for the syncer (which writes nothing
     // before every initial list is in).
     let rx = source::start_source(opts, &metrics, manifests).await?;
-    Ok((datapath, metrics, rx, None))
+    Ok(Started {
+        datapath,
+        metrics,
+        rx,
+        first: None,
+    })
 }
 
 /// How long a fresh node's agent waits for its first lists before it makes the maps at
@@ -188,4 +270,84 @@ fn service_start_sizes(opts: &AgentOptions) -> anyhow::Result<(u32, loader::Size
     );
     let sizes = loader::start_sizes(&pins, opts.metrics_per_service.is_some());
     Ok((service_entries, sizes))
+}
+
+/// The syncer the sync loop runs: a fresh node's, its first sync written already (while
+/// the programs loaded: [`fresh`]), with that sync's outcome; else one over the pinned
+/// maps, read back now.
+pub(super) async fn syncer(
+    opts: &AgentOptions,
+    first: Option<FirstSync>,
+    node_addrs: Vec<std::net::IpAddr>,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<(Syncer<BpfMaps>, NodeAddresses, Option<SyncOutcome>)> {
+    if let Some(first) = first {
+        return Ok((first.syncer, first.node_addresses, first.outcome));
+    }
+    let writer = adopt_maps(opts, &metrics).await?;
+    let (writer, node_addresses) = write_node_addresses(opts, node_addrs, writer)?;
+    Ok((new_syncer(opts, writer, metrics), node_addresses, None))
+}
+
+/// Reads the pinned maps back (off the runtime: the servers keep answering meanwhile)
+/// and counts the repairs adoption made.
+async fn adopt_maps(opts: &AgentOptions, metrics: &Metrics) -> anyhow::Result<Writer<BpfMaps>> {
+    let maps = BpfMaps::open(&opts.pin_path)?;
+    // Off the runtime: the servers above keep answering while the maps are read back.
+    let maglev = opts.maglev;
+    let (mut writer, adopted) = tokio::task::spawn_blocking(move || {
+        Writer::adopt_with(maps, crate::writer::BATCH_MIN_FRONTENDS, maglev)
+    })
+    .await
+    .context("the adoption task failed")?
+    .context("reading the pinned maps back")?;
+    writer.set_svc_ceiling(opts.service_entries);
+    info!(
+        frontends = adopted.frontends,
+        backends = adopted.backends,
+        orphans_deleted = adopted.orphans_deleted,
+        repairs = ?adopted.repairs,
+        "adopted the maps' contents"
+    );
+    for (kind, n) in &adopted.repairs {
+        metrics
+            .adoption_repairs
+            .get_or_create(&metrics::KindLabel {
+                kind: kind.label().to_string(),
+            })
+            .inc_by(*n as u64);
+    }
+    Ok(writer)
+}
+
+/// The writer over maps this agent has just made (nothing to read back: a fresh node,
+/// [`loader::make_maps`]); its ceilings are set once the programs serve
+/// ([`start::fresh`]).
+fn fresh_writer(opts: &AgentOptions) -> anyhow::Result<Writer<BpfMaps>> {
+    let mut writer = Writer::new(BpfMaps::open(&opts.pin_path)?);
+    writer.set_maglev_params(opts.maglev);
+    Ok(writer)
+}
+
+/// Writes the node's addresses (and the DSR trusted senders', Service CIDRs' and
+/// NodePort selection's settings) through `writer`.
+fn write_node_addresses(
+    opts: &AgentOptions,
+    node_addrs: Vec<std::net::IpAddr>,
+    mut writer: Writer<BpfMaps>,
+) -> anyhow::Result<(Writer<BpfMaps>, NodeAddresses)> {
+    let mut node_addresses = NodeAddresses::new(node_addrs, opts.localhost_nodeports)
+        .with_dsr_trust(&PinDir::new(&opts.pin_path), opts.dsr_trusted_cidrs.clone())
+        .with_service_cidrs(&PinDir::new(&opts.pin_path), opts.service_cidrs.clone())
+        .with_selection(
+            opts.nodeport_addresses
+                .as_deref()
+                .map(NodePortSelection::parse)
+                .transpose()
+                .map_err(|e| anyhow::anyhow!(e))?,
+        );
+    node_addresses
+        .update(&mut writer, &[])
+        .context("writing the node's addresses")?;
+    Ok((writer, node_addresses))
 }

@@ -232,6 +232,41 @@ pub fn install(opts: &InstallOptions) -> Result<InstallReport, LoadError> {
     Ok(report)
 }
 
+/// Creates and pins the maps [`install`] would (at the same sizes, in the same checked
+/// pin directory) without loading any program: a fresh node's agent writes its first
+/// sync into them while [`install`] (which then finds them pinned and shares them)
+/// loads, verifies and attaches the programs on another thread (`agent::start`).
+/// Pinned maps are kept as they are. Returns whether the maps the service writer reads
+/// back (`MapStore::dump`) were all made now, so hold nothing.
+pub fn make_maps(opts: &InstallOptions) -> Result<bool, LoadError> {
+    let pins = open_pin_dir(&opts.pin_path)?;
+    if EBPF_OBJECT.is_empty() {
+        return Err(LoadError::NoObject);
+    }
+    let empty = WRITER_MAPS.iter().all(|name| !pins.map_path(name).exists());
+    bump_memlock_rlimit();
+    let sizes = table_sizes(&pins, opts, &mut InstallReport::default())?;
+    load_object_sizes(&pins, &sizes)?;
+    Ok(empty)
+}
+
+/// The maps the service writer reads back when it adopts them (`MapStore::dump`).
+const WRITER_MAPS: &[&str] = &[
+    map_names::SVC4,
+    map_names::SVC6,
+    map_names::BACKEND4,
+    map_names::BACKEND6,
+    map_names::REVNAT4,
+    map_names::REVNAT6,
+    map_names::SRC_RANGE4,
+    map_names::SRC_RANGE6,
+    map_names::NODE_ADDRS4,
+    map_names::NODE_ADDRS6,
+    map_names::NODE_CONFIG,
+    map_names::MAGLEV,
+    map_names::META,
+];
+
 /// The sizes the maps sized to demand are created with (map entries), and those the
 /// pinned conntrack tables and service maps have, in `report`.
 fn table_sizes(

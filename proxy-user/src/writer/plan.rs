@@ -15,6 +15,14 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// An empty plan with room for `n` ops.
+    pub fn with_capacity(n: usize) -> Self {
+        Self {
+            ops: Vec::with_capacity(n),
+            undo: Vec::with_capacity(n),
+        }
+    }
+
     /// Adds `op`, undone by `undo`.
     pub fn push(&mut self, op: Op, undo: Op) {
         self.ops.push(op);

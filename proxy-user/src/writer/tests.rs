@@ -632,6 +632,52 @@ fn released_udp_backends_are_those_no_frontend_uses_any_more() {
     assert!(w.take_released_udp().is_empty());
 }
 
+/// A frontend's repeated backends are written once each, whether few (found by a scan)
+/// or many (a hash set): new, then rewritten unchanged (nothing written), on either path.
+#[test]
+fn repeated_backends_are_written_once_few_or_many() {
+    for n in [3usize, 16, 17, 40] {
+        for batched in [false, true] {
+            let mut w = if batched { batch_writer() } else { writer() };
+            let pods: Vec<String> = (1..=n)
+                .map(|i| format!("10.0.{}.{}:8080", i / 200 + 1, i % 200 + 1))
+                .collect();
+            // Each backend twice, the second time after all the others.
+            let repeated: Vec<&str> = pods.iter().chain(&pods).map(String::as_str).collect();
+            let fe = vip("10.96.0.1", 80);
+            let entry = svc(fe, &repeated);
+            let others: Vec<ServiceEntry> = (2..40u8)
+                .map(|i| svc(vip(&format!("10.96.0.{i}"), 80), &[A]))
+                .collect();
+            let report = w.sync(std::iter::once(entry.clone()).chain(others.clone()));
+            assert!(report.errors.is_empty(), "n={n}: {:?}", report.errors);
+            let state = &w.store().inner.state;
+            let slots: Vec<u32> = state
+                .slots
+                .range((fe, 1)..=(fe, u16::MAX))
+                .map(|(_, id)| *id)
+                .collect();
+            assert_eq!(
+                slots.len(),
+                n,
+                "n={n} batched={batched}: one slot per backend"
+            );
+            assert_eq!(state.frontends[&fe].count as usize, n);
+            let mut ids = slots.clone();
+            ids.sort_unstable();
+            ids.dedup();
+            assert_eq!(ids.len(), n, "n={n}: a backend in two slots");
+            let addrs: std::collections::BTreeSet<SocketAddr> =
+                ids.iter().map(|id| state.backends[id].0.addr).collect();
+            let want: std::collections::BTreeSet<SocketAddr> =
+                pods.iter().map(|p| pod(p)).collect();
+            assert_eq!(addrs, want, "n={n}");
+            let again = w.sync(std::iter::once(entry).chain(others));
+            assert_eq!(again.ops, 0, "n={n} batched={batched}: rewritten unchanged");
+        }
+    }
+}
+
 // ---- Batches -------------------------------------------------------------------------
 
 fn batch_writer() -> Writer<CheckingStore> {

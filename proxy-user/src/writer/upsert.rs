@@ -56,7 +56,8 @@ impl<S: MapStore> Writer<S> {
             .services
             .get(&fe)
             .map_or_else(Vec::new, |p| p.slots.clone());
-        let mut plan = Plan::default();
+        // A new frontend: a backend and a slot per backend, reverse NAT, slot 0.
+        let mut plan = Plan::with_capacity(2 * backends.len() + 2);
 
         // 1. New backends.
         let (ids, new_backend_ids) = self.stage_new_backends(fe, &backends, &mut plan);
@@ -79,13 +80,14 @@ impl<S: MapStore> Writer<S> {
         //    names, before the flag in slot 0).
         let layout = stable_layout(&old_slots, &ids);
         stage_slots(&mut plan, fe, service_id, &old_slots, &layout);
-        let addr_of_new: HashMap<u32, std::net::SocketAddr> = ids
-            .iter()
-            .zip(&backends)
-            .map(|(id, b)| (*id, b.addr))
-            .collect();
-        let (maglev_state, maglev_dels) =
-            self.stage_maglev(&mut plan, entry, service_id, old, &layout, &addr_of_new);
+        let (maglev_state, maglev_dels) = self.stage_maglev(
+            &mut plan,
+            entry,
+            service_id,
+            old,
+            &layout,
+            (&ids, &backends),
+        );
         // 4. Slot 0 with the new count.
         let value = FrontendValue {
             service_id,
@@ -162,7 +164,8 @@ impl<S: MapStore> Writer<S> {
 
     /// Step 3 (Maglev): the table's chunks when the slots' fingerprint changed; the
     /// chunks no longer used are returned (with their undo) to be planned after slot 0.
-    /// Returns the new table state and those deletions.
+    /// `(ids, backends)`: the wanted backends and their ids, in the same order. Returns
+    /// the new table state and those deletions.
     fn stage_maglev(
         &self,
         plan: &mut Plan,
@@ -170,7 +173,7 @@ impl<S: MapStore> Writer<S> {
         service_id: u32,
         old: Option<&Programmed>,
         layout: &[u32],
-        addr_of_new: &HashMap<u32, std::net::SocketAddr>,
+        (ids, backends): (&[u32], &[Backend]),
     ) -> (Option<(u64, u32)>, Vec<OpAndUndo>) {
         let old_maglev = old.and_then(|p| p.maglev);
         let mut maglev_state = None;
@@ -189,6 +192,13 @@ impl<S: MapStore> Writer<S> {
             None => del_chunk(chunk),
         };
         if entry.flags & proxy_common::svc_flags::MAGLEV != 0 && !layout.is_empty() {
+            // The addresses of the ids, built only for a Maglev frontend (planning runs
+            // for every frontend of a first sync).
+            let addr_of_new: HashMap<u32, std::net::SocketAddr> = ids
+                .iter()
+                .zip(backends)
+                .map(|(id, b)| (*id, b.addr))
+                .collect();
             let inputs = Self::maglev_inputs(layout, |id| addr_of_new.get(&id).copied());
             let fp = maglev::fingerprint(self.maglev, &inputs);
             let n = proxy_common::maglev::chunks(self.maglev.table_size);
@@ -215,6 +225,9 @@ impl<S: MapStore> Writer<S> {
     /// Step 6: backends the old slots named, the new layout does not, and no other
     /// frontend references.
     fn stage_unused_backends(&self, plan: &mut Plan, old_slots: &[u32], layout: &[u32]) {
+        if old_slots.is_empty() {
+            return;
+        }
         let new_set: HashSet<u32> = layout.iter().copied().collect();
         for id in unique(old_slots) {
             if id == 0 || new_set.contains(&id) {
@@ -240,6 +253,26 @@ impl<S: MapStore> Writer<S> {
     pub(super) fn commit_upsert(&mut self, s: StagedUpsert) {
         for (id, key) in s.new_backend_ids {
             self.backends.insert(id, key, 0, true);
+        }
+        if s.old_slots.is_empty() {
+            // A new frontend (every frontend of a first sync): each of its backends gains
+            // one reference, nothing else changes.
+            for id in unique(&s.layout) {
+                if let Some(refs) = self.backends.refs_mut(id) {
+                    *refs += 1;
+                }
+            }
+            self.services.insert(
+                s.fe,
+                Programmed {
+                    value: s.value,
+                    name: s.name,
+                    source_ranges: s.want_ranges,
+                    slots: s.layout,
+                    maglev: s.maglev,
+                },
+            );
+            return;
         }
         let old_set: HashSet<u32> = s.old_slots.iter().copied().collect();
         let new_set: HashSet<u32> = s.layout.iter().copied().collect();
@@ -393,7 +426,9 @@ pub(super) fn validate(entry: &ServiceEntry) -> Result<Vec<Backend>, WriteError>
         return Err(WriteError::ZeroPort { frontend: fe });
     }
     let mut seen = HashSet::default();
-    let mut out = Vec::with_capacity(entry.backends.len());
+    // Few backends (most Services): duplicates found by a scan of those kept, no set.
+    let small = entry.backends.len() <= SMALL;
+    let mut out: Vec<Backend> = Vec::with_capacity(entry.backends.len());
     for b in &entry.backends {
         if b.family() != fe.family() {
             return Err(WriteError::FamilyMismatch {
@@ -407,7 +442,12 @@ pub(super) fn validate(entry: &ServiceEntry) -> Result<Vec<Backend>, WriteError>
                 backend: *b,
             });
         }
-        if seen.insert(*b) {
+        let new = if small {
+            !out.contains(b)
+        } else {
+            seen.insert(*b)
+        };
+        if new {
             out.push(*b);
         }
     }
@@ -424,6 +464,11 @@ pub(super) fn validate(entry: &ServiceEntry) -> Result<Vec<Backend>, WriteError>
 /// left by departed ones and then go at the end, and the tail is moved into remaining
 /// holes so slots stay dense. Minimises rewritten slots.
 pub(super) fn stable_layout(old: &[u32], wanted: &[u32]) -> Vec<u32> {
+    if old.is_empty() {
+        // A new frontend: every wanted id a newcomer, in order (what the steps below
+        // give without old slots).
+        return wanted.to_vec();
+    }
     let wanted_set: HashSet<u32> = wanted.iter().copied().collect();
     let mut layout: Vec<Option<u32>> = old
         .iter()
@@ -470,6 +515,19 @@ pub(super) fn slot_no(index: usize) -> u16 {
 }
 
 pub(super) fn unique(ids: &[u32]) -> Vec<u32> {
+    if ids.len() <= SMALL {
+        let mut out: Vec<u32> = Vec::with_capacity(ids.len());
+        for id in ids {
+            if !out.contains(id) {
+                out.push(*id);
+            }
+        }
+        return out;
+    }
     let mut seen = HashSet::default();
     ids.iter().copied().filter(|id| seen.insert(*id)).collect()
 }
+
+/// Up to this many ids or backends, duplicates are found by scanning those kept (no hash
+/// set: the writer plans every frontend of a first sync, most with a few backends).
+const SMALL: usize = 16;
