@@ -23,6 +23,21 @@ fn main() -> Result<()> {
             "bpf-linker not found (run `cargo xtask setup`)"
         };
         println!("cargo:warning=building without the eBPF object: {why}");
+        if !forced {
+            // Built again once bpf-linker appears: on a new PATH, or installed into
+            // `$CARGO_HOME/bin` (where `cargo xtask setup` puts it; the directory's
+            // contents change). Without this a stub build stays cached after setup.
+            println!("cargo:rerun-if-env-changed=PATH");
+            let home = env::var_os("CARGO_HOME")
+                .map(PathBuf::from)
+                .or_else(|| env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
+            if let Some(home) = home {
+                let bin = home.join("bin");
+                if bin.is_dir() {
+                    println!("cargo:rerun-if-changed={}", bin.display());
+                }
+            }
+        }
         fs::write(&object, []).context("writing the stub eBPF object")?;
         return Ok(());
     }

@@ -367,6 +367,14 @@ fn shipped_memory_limit_survives_cold_start_and_restart_at_10k_services() {
         "--service-map-entries",
         &shipped.service_map_entries,
     ];
+    // The binary's pages in the page cache are charged to the cgroup that first reads
+    // them: on a node, the agent's own on its first start (clean, reclaimable before any
+    // OOM). Read here, from outside the memory cgroup, so the peaks below measure the
+    // same thing on every run (a first run after a build read 19 MiB more, cold and
+    // restart); the bound with them charged is checked at the end.
+    let binary_bytes = fs::read(agent_binary())
+        .expect("read the agent binary")
+        .len() as u64;
     let before = memcg.usage().expect("usage");
     let test_start = Instant::now();
 
@@ -453,6 +461,17 @@ fn shipped_memory_limit_survives_cold_start_and_restart_at_10k_services() {
             peak <= limit / 100 * 85,
             "{what}: peak {} MiB leaves less than 15% headroom under {} MiB",
             peak / MIB,
+            limit / MIB
+        );
+    }
+    // With the binary's page cache charged too (a node's first start), the peaks still
+    // fit the limit without reclaiming it.
+    for (what, peak) in [("cold start", peak_cold), ("restart", peak_warm)] {
+        assert!(
+            peak + binary_bytes <= limit,
+            "{what}: peak {} MiB and the binary's {} MiB of page cache exceed {} MiB",
+            peak / MIB,
+            binary_bytes / MIB,
             limit / MIB
         );
     }
