@@ -33,19 +33,7 @@ pub fn load_tc_with(
     let entries = loader::conntrack_entries(flows)?;
     let mut ebpf =
         loader::load_object_with(pins, entries, loader::DEFAULT_SERVICE_ENTRIES, fib_hop_ttl)?;
-    for name in TC_PROGRAMS {
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(name)
-            .ok_or_else(|| anyhow::anyhow!("no program {name}"))?
-            .try_into()?;
-        prog.load().map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
-    }
-    let prog: &mut aya::programs::Xdp = ebpf
-        .program_mut(XDP_PROGRAM)
-        .ok_or_else(|| anyhow::anyhow!("no program {XDP_PROGRAM}"))?
-        .try_into()?;
-    prog.load()
-        .map_err(|e| anyhow::anyhow!("{XDP_PROGRAM}: {e}"))?;
+    load_tc_programs(&mut ebpf)?;
     Ok(ebpf)
 }
 
@@ -66,6 +54,12 @@ pub fn load_tc_resizing(pins: &PinDir, flows: u32) -> anyhow::Result<aya::Ebpf> 
     }
     l.override_global(loader::CT_FALLBACK_GLOBAL, &1u8, true);
     let mut ebpf = l.load(loader::EBPF_OBJECT)?;
+    load_tc_programs(&mut ebpf)?;
+    Ok(ebpf)
+}
+
+/// Both TC programs and the XDP program of `ebpf` through the verifier.
+fn load_tc_programs(ebpf: &mut aya::Ebpf) -> anyhow::Result<()> {
     for name in TC_PROGRAMS {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
@@ -79,7 +73,7 @@ pub fn load_tc_resizing(pins: &PinDir, flows: u32) -> anyhow::Result<aya::Ebpf> 
         .try_into()?;
     prog.load()
         .map_err(|e| anyhow::anyhow!("{XDP_PROGRAM}: {e}"))?;
-    Ok(ebpf)
+    Ok(())
 }
 
 /// One `BPF_PROG_TEST_RUN` of `prog` (a TC classifier or the XDP program) on `data`, `repeat` times (the same
