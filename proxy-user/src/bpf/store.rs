@@ -10,9 +10,9 @@ use super::{BpfMaps, FamilyMaps};
 use crate::{
     batch,
     codec::{self, FamilyAbi, SvcKey},
-    pins::BackendEntry as _,
     counters::CounterKind,
     model::{Backend, Family, Frontend, Proto},
+    pins::BackendEntry as _,
     store::{BatchFailed, Dump, FrontendValue, Group, MapKind, MapStore, Op, StoreError},
 };
 

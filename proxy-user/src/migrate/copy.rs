@@ -168,8 +168,7 @@ pub(super) fn highest_in_use(
         if steps > u64::from(info.max_entries) * 2 + 16 {
             break;
         }
-        if array && (!bpf_sys::map_lookup(fd, &key, &mut value)? || value.iter().all(|b| *b == 0))
-        {
+        if array && (!bpf_sys::map_lookup(fd, &key, &mut value)? || value.iter().all(|b| *b == 0)) {
             continue;
         }
         highest = highest.max(Some(u32::from_ne_bytes(key)));

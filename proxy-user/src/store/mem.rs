@@ -108,6 +108,13 @@ impl MapStore for MemStore {
     }
 
     fn apply(&mut self, op: &Op) -> Result<(), StoreError> {
+        // The backend maps are arrays indexed by id: an id past their size is refused
+        // (the kernel's `E2BIG`), as a full map.
+        if let Op::PutBackend { id, .. } = op {
+            if self.svc_growable && *id >= self.sizes.get(SizedMap::Backend) {
+                return Err(StoreError::Full { map: "BACKEND" });
+            }
+        }
         let s = &mut self.state;
         match op {
             Op::PutBackend { id, backend, proto } => {

@@ -137,7 +137,9 @@ impl<F: FamilyAbi> FamilyMaps<F> {
         }
         Ok(Self {
             svc: pins.hash(F::SVC, ro).map_err(|e| pin_error(pins, e))?,
-            backend: pins.backends(F::BACKEND, ro).map_err(|e| pin_error(pins, e))?,
+            backend: pins
+                .backends(F::BACKEND, ro)
+                .map_err(|e| pin_error(pins, e))?,
             revnat: pins.hash(F::REVNAT, ro).map_err(|e| pin_error(pins, e))?,
             node,
             src,
