@@ -215,6 +215,24 @@ fn same_layout(old: &bpf_sys::MapInfo, new: &bpf_sys::MapInfo) -> bool {
     types && old.key_size == new.key_size && old.value_size == new.value_size
 }
 
+/// How [`copy_map`] writes: its update flags, and whether it skips all-zero entries.
+/// Insert-if-absent is for hash maps: an array has every entry (`BPF_NOEXIST` fails). An
+/// array into an array: an all-zero entry (a free id's, or never written) is what the
+/// new array holds already; not copying it also lets a shrunk array take the entries in
+/// use (the highest below its size: `count_entries`).
+fn write_mode(old: &bpf_sys::MapInfo, new: &bpf_sys::MapInfo, only_absent: bool) -> (u64, bool) {
+    let array = |i: &bpf_sys::MapInfo| {
+        i.map_type == bpf_sys::map_type::ARRAY || i.map_type == bpf_sys::map_type::PERCPU_ARRAY
+    };
+    let (old_array, new_array) = (array(old), array(new));
+    let flags = if only_absent && !old_array && !new_array {
+        bpf_sys::NOEXIST
+    } else {
+        bpf_sys::ANY
+    };
+    (flags, old_array && new_array)
+}
+
 /// Copies the entries of map `name` of `old` into map `name` of `new`, through `conv`.
 /// `only_absent`: insert-if-absent (hash maps), for the copies around the swap. For
 /// conntrack copied as bytes, an entry present in both with another translation (backend,
@@ -241,20 +259,7 @@ pub fn copy_map(
     let mut next = key.clone();
     let mut value = vec![0u8; value_buf_len(&oi)?];
     let same_shape = same_layout(&oi, &ni);
-    let is_array =
-        oi.map_type == bpf_sys::map_type::ARRAY || oi.map_type == bpf_sys::map_type::PERCPU_ARRAY;
-    // Insert-if-absent is for hash maps: an array has every entry (`BPF_NOEXIST` fails).
-    let new_is_array =
-        ni.map_type == bpf_sys::map_type::ARRAY || ni.map_type == bpf_sys::map_type::PERCPU_ARRAY;
-    // An array into an array: an all-zero entry (a free id's, or never written) is what
-    // the new array holds already; not copying it also lets a shrunk array take the
-    // entries in use (the highest below its size: `count_entries`).
-    let skip_zero = is_array && new_is_array;
-    let flags = if only_absent && !is_array && !new_is_array {
-        bpf_sys::NOEXIST
-    } else {
-        bpf_sys::ANY
-    };
+    let (flags, skip_zero) = write_mode(&oi, &ni, only_absent);
     // Expired conntrack entries are not carried over (the datapath treats them as
     // absent): a shrink copies the live flows only.
     let skip_expired = is_conntrack(name) && matches!(conv, Convert::Bytes) && same_shape;
