@@ -215,6 +215,54 @@ fn same_layout(old: &bpf_sys::MapInfo, new: &bpf_sys::MapInfo) -> bool {
     types && old.key_size == new.key_size && old.value_size == new.value_size
 }
 
+/// [`copy_map`] into an array (`BACKEND4/6`: a resize, or hash maps of an earlier build)
+/// by batch calls: every entry read by `BPF_MAP_LOOKUP_BATCH`, the all-zero ones of an
+/// array dropped (free ids), written by `BPF_MAP_UPDATE_BATCH` in chunks; a walk key by
+/// key costs two syscalls for every index of an array. `None`: not such a copy, or the
+/// kernel has no batch lookup for the old map (the walk then copies).
+fn batched_into_array(
+    old: &OwnedFd,
+    new: &OwnedFd,
+    (oi, ni): (&bpf_sys::MapInfo, &bpf_sys::MapInfo),
+    conv: Convert,
+    only_absent: bool,
+) -> io::Result<Option<CopyCount>> {
+    let eligible = !only_absent
+        && matches!(conv, Convert::Bytes)
+        && same_layout(oi, ni)
+        && ni.map_type == bpf_sys::map_type::ARRAY
+        && !oi.per_cpu();
+    if !eligible {
+        return Ok(None);
+    }
+    let (ks, vs) = (oi.key_size as usize, oi.value_size as usize);
+    let Ok((keys, values, n)) = crate::batch::lookup_raw(old.as_fd(), ks, vs) else {
+        return Ok(None);
+    };
+    let (mut k, mut v) = (
+        Vec::with_capacity(keys.len()),
+        Vec::with_capacity(values.len()),
+    );
+    for i in 0..n {
+        let value = &values[i * vs..(i + 1) * vs];
+        if oi.map_type == bpf_sys::map_type::ARRAY && value.iter().all(|b| *b == 0) {
+            continue;
+        }
+        k.extend_from_slice(&keys[i * ks..(i + 1) * ks]);
+        v.extend_from_slice(value);
+    }
+    let copied = k.len() / ks;
+    const CHUNK: usize = 4096;
+    for (kc, vc) in k.chunks(CHUNK * ks).zip(v.chunks(CHUNK * vs)) {
+        let count = u32::try_from(kc.len() / ks).unwrap_or(u32::MAX);
+        bpf_sys::map_update_batch_raw(new.as_fd(), kc, vc, count).map_err(|e| e.error)?;
+    }
+    Ok(Some(CopyCount {
+        copied: copied as u64,
+        ..CopyCount::default()
+    }))
+}
+
 /// How [`copy_map`] writes: its update flags, and whether it skips all-zero entries.
 /// Insert-if-absent is for hash maps: an array has every entry (`BPF_NOEXIST` fails). An
 /// array into an array: an all-zero entry (a free id's, or never written) is what the
@@ -259,6 +307,9 @@ pub fn copy_map(
     let mut next = key.clone();
     let mut value = vec![0u8; value_buf_len(&oi)?];
     let same_shape = same_layout(&oi, &ni);
+    if let Some(count) = batched_into_array(&old_fd, &new_fd, (&oi, &ni), conv, only_absent)? {
+        return Ok(count);
+    }
     let (flags, skip_zero) = write_mode(&oi, &ni, only_absent);
     // Expired conntrack entries are not carried over (the datapath treats them as
     // absent): a shrink copies the live flows only.
