@@ -55,6 +55,23 @@ pub struct Backend4 {
     pub flags: u8,
 }
 
+impl Backend4 {
+    /// The entry of a free id (`BACKEND4` is an array: "deleting" writes it).
+    pub const FREE: Self = Self {
+        addr: 0,
+        port: 0,
+        proto: 0,
+        flags: 0,
+    };
+
+    /// Whether the id holds a backend: every backend written has a protocol (6, 17,
+    /// 132); protocol 0 is a free id's entry (never written, or freed).
+    #[inline(always)]
+    pub fn in_use(&self) -> bool {
+        self.proto != 0
+    }
+}
+
 /// `BACKEND6` value.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -63,6 +80,22 @@ pub struct Backend6 {
     pub port: u16,
     pub proto: u8,
     pub flags: u8,
+}
+
+impl Backend6 {
+    /// The entry of a free id ([`Backend4::FREE`]).
+    pub const FREE: Self = Self {
+        addr: [0; 4],
+        port: 0,
+        proto: 0,
+        flags: 0,
+    };
+
+    /// Whether the id holds a backend ([`Backend4::in_use`]).
+    #[inline(always)]
+    pub fn in_use(&self) -> bool {
+        self.proto != 0
+    }
 }
 
 /// `REVNAT4` value (key: service id): the frontend and, for the CLI, the Service's

@@ -214,8 +214,11 @@ impl Family for V4 {
 
     #[inline(always)]
     fn backend(id: u32) -> Option<(u32, u16)> {
-        // SAFETY: copied out at once.
-        unsafe { BACKEND4.get(&id).map(|b| (b.addr, b.port)) }
+        // An array: a free id's entry (protocol 0) is no backend.
+        BACKEND4
+            .get(id)
+            .filter(|b| b.in_use())
+            .map(|b| (b.addr, b.port))
     }
 
     type Entry = SockRevNat4Entry;
@@ -243,8 +246,11 @@ impl Family for V4 {
 
     #[inline(always)]
     fn backend_entry(id: u32) -> Option<(u32, u16, u8)> {
-        // SAFETY: copied out at once.
-        unsafe { BACKEND4.get(&id).map(|b| (b.addr, b.port, b.flags)) }
+        // An array: a free id's entry (protocol 0) is no backend.
+        BACKEND4
+            .get(id)
+            .filter(|b| b.in_use())
+            .map(|b| (b.addr, b.port, b.flags))
     }
 
     #[inline(always)]
@@ -299,8 +305,11 @@ impl Family for V6 {
 
     #[inline(always)]
     fn backend(id: u32) -> Option<([u32; 4], u16)> {
-        // SAFETY: copied out at once.
-        unsafe { BACKEND6.get(&id).map(|b| (b.addr, b.port)) }
+        // An array: a free id's entry (protocol 0) is no backend.
+        BACKEND6
+            .get(id)
+            .filter(|b| b.in_use())
+            .map(|b| (b.addr, b.port))
     }
 
     type Entry = SockRevNat6Entry;
@@ -328,8 +337,11 @@ impl Family for V6 {
 
     #[inline(always)]
     fn backend_entry(id: u32) -> Option<([u32; 4], u16, u8)> {
-        // SAFETY: copied out at once.
-        unsafe { BACKEND6.get(&id).map(|b| (b.addr, b.port, b.flags)) }
+        // An array: a free id's entry (protocol 0) is no backend.
+        BACKEND6
+            .get(id)
+            .filter(|b| b.in_use())
+            .map(|b| (b.addr, b.port, b.flags))
     }
 
     #[inline(always)]

@@ -34,13 +34,16 @@ pub static SVC4: HashMap<Svc4Key, SvcValue> = HashMap::pinned(MAX_SVC_ENTRIES, B
 #[map]
 pub static SVC6: HashMap<Svc6Key, SvcValue> = HashMap::pinned(MAX_SVC_ENTRIES, BPF_F_NO_PREALLOC);
 
-/// Backend id -> IPv4 endpoint, shared by all frontends that use it.
+/// Backend id -> IPv4 endpoint, shared by all frontends that use it. An array indexed by
+/// the id (ids are dense, one space for both families): an entry of protocol 0 (never
+/// written, or freed: the writer writes the zero entry) is no backend, as a missing hash
+/// entry was.
 #[map]
-pub static BACKEND4: HashMap<u32, Backend4> = HashMap::pinned(MAX_BACKENDS, BPF_F_NO_PREALLOC);
+pub static BACKEND4: Array<Backend4> = Array::pinned(MAX_BACKENDS, 0);
 
-/// Backend id -> IPv6 endpoint.
+/// Backend id -> IPv6 endpoint (an array, as `BACKEND4`).
 #[map]
-pub static BACKEND6: HashMap<u32, Backend6> = HashMap::pinned(MAX_BACKENDS, BPF_F_NO_PREALLOC);
+pub static BACKEND6: Array<Backend6> = Array::pinned(MAX_BACKENDS, 0);
 
 /// Service id -> IPv4 frontend (reply translation, CLI).
 #[map]

@@ -36,7 +36,7 @@ pub trait FamilyAbi: 'static {
     /// An address as the maps hold it (network order).
     type Addr: Pod + Copy + PartialEq;
     type SvcKey: Pod;
-    type Backend: Pod;
+    type Backend: crate::pins::BackendEntry;
     type RevNat: Pod;
     type SrcRange: Pod;
 

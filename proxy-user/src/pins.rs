@@ -302,6 +302,16 @@ impl PinDir {
         Ok(PinnedHash { map, fd })
     }
 
+    /// Opens backend array `name` (`BACKEND4/6`) for one-element and batch calls.
+    pub fn backends<V: Pod>(
+        &self,
+        name: &str,
+        access: Access,
+    ) -> Result<PinnedBackends<V>, PinError> {
+        let (map, fd) = self.typed_with_fd(name, access)?;
+        Ok(PinnedBackends { map, fd })
+    }
+
     /// Pins the map object `fd` (also) as `name` here (`BPF_OBJ_PIN`).
     pub fn pin_map(&self, name: &str, fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
         bpf_sys::obj_pin(fd, &self.map_path(name))
@@ -407,6 +417,63 @@ impl<K: Pod, V: Pod> PinnedHash<K, V> {
                 self.map.iter().collect()
             }
         }
+    }
+}
+
+/// A `BACKEND4`/`BACKEND6` value: the maps are arrays indexed by backend id, where the
+/// entry of a free id is [`Self::FREE`] (protocol 0).
+pub trait BackendEntry: Pod + PartialEq {
+    /// The entry of a free id (never written, or freed: what "deleting" writes).
+    const FREE: Self;
+    /// Whether the id holds a backend (the datapath's test too).
+    fn in_use(&self) -> bool;
+}
+
+impl BackendEntry for proxy_common::Backend4 {
+    const FREE: Self = Self::FREE;
+    fn in_use(&self) -> bool {
+        Self::in_use(self)
+    }
+}
+
+impl BackendEntry for proxy_common::Backend6 {
+    const FREE: Self = Self::FREE;
+    fn in_use(&self) -> bool {
+        Self::in_use(self)
+    }
+}
+
+/// A pinned backend array (`BACKEND4/6`): the typed aya array for one-element calls, and
+/// a descriptor of the same map for the batch calls. Reads skip the free ids.
+pub struct PinnedBackends<V: Pod> {
+    pub map: Array<MapData, V>,
+    pub fd: OwnedFd,
+}
+
+impl<V: BackendEntry> PinnedBackends<V> {
+    /// The backend of id `id`: `None` for a free id or one past the array's end.
+    pub fn get(&self, id: u32) -> Result<Option<V>, MapError> {
+        match self.map.get(&id, 0) {
+            Ok(v) => Ok(v.in_use().then_some(v)),
+            Err(MapError::OutOfBounds { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every id in use with its backend: by batch lookups, else index by index.
+    pub fn read_all(&self) -> Result<Vec<(u32, V)>, MapError> {
+        let all: Vec<(u32, V)> = match crate::batch::lookup::<u32, V>(self.fd.as_fd()) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::debug!(error = %e, "batch lookup failed; reading index by index");
+                let mut out = Vec::new();
+                for (id, v) in self.map.iter().enumerate() {
+                    out.push((id as u32, v?));
+                }
+                out
+            }
+        };
+        Ok(all.into_iter().filter(|(_, v)| v.in_use()).collect())
     }
 }
 

@@ -38,6 +38,16 @@ fn backend(i: u32) -> Backend4 {
     }
 }
 
+fn revnat(i: u32) -> RevNat4 {
+    RevNat4 {
+        addr: v4_word(std::net::Ipv4Addr::from(0x0a60_0000 + i)),
+        port: port_net(80),
+        proto: proxy_common::proto::TCP,
+        scope: 0,
+        name: name_bytes("default/x:http"),
+    }
+}
+
 #[test]
 fn batch_calls_round_trip_on_the_real_no_prealloc_maps() {
     require_root();
@@ -45,22 +55,22 @@ fn batch_calls_round_trip_on_the_real_no_prealloc_maps() {
     let _ebpf = load(&pins);
     let dir = Pins::new(&pins.path);
     let fd = dir
-        .open_fd(names::BACKEND4, Access::ReadWrite)
-        .expect("BACKEND4");
+        .open_fd(names::REVNAT4, Access::ReadWrite)
+        .expect("REVNAT4");
 
     // Update: 5,000 entries in one call into a BPF_F_NO_PREALLOC hash map.
     let ids: Vec<u32> = (1..=5000).collect();
-    let values: Vec<Backend4> = ids.iter().map(|i| backend(*i)).collect();
+    let values: Vec<RevNat4> = ids.iter().map(|i| revnat(*i)).collect();
     batch::update(fd.as_fd(), &ids, &values).expect("update batch into a NO_PREALLOC map");
     // Lookup: every entry back, exactly (several chunks of 4,096).
-    let mut got = batch::lookup::<u32, Backend4>(fd.as_fd()).expect("lookup batch");
+    let mut got = batch::lookup::<u32, RevNat4>(fd.as_fd()).expect("lookup batch");
     got.sort_by_key(|(k, _)| *k);
     assert_eq!(got.len(), 5000);
-    assert!(got.iter().all(|(k, v)| *v == backend(*k)));
+    assert!(got.iter().all(|(k, v)| *v == revnat(*k)));
     // The typed one-element view agrees.
-    let typed: HashMap<MapData, u32, Backend4> =
-        dir.typed(names::BACKEND4, Access::ReadOnly).expect("typed");
-    assert_eq!(typed.get(&4321, 0).expect("get"), backend(4321));
+    let typed: HashMap<MapData, u32, RevNat4> =
+        dir.typed(names::REVNAT4, Access::ReadOnly).expect("typed");
+    assert_eq!(typed.get(&4321, 0).expect("get"), revnat(4321));
 
     // Delete: the odd ids plus ids that are not there (skipped, as one-element deletes
     // of absent keys are).
@@ -68,7 +78,7 @@ fn batch_calls_round_trip_on_the_real_no_prealloc_maps() {
     del.extend([9001, 9002]);
     del.insert(10, 9003);
     batch::delete(fd.as_fd(), &del).expect("delete batch");
-    let left: Vec<u32> = batch::lookup::<u32, Backend4>(fd.as_fd())
+    let left: Vec<u32> = batch::lookup::<u32, RevNat4>(fd.as_fd())
         .expect("lookup")
         .into_iter()
         .map(|(k, _)| k)
@@ -77,8 +87,8 @@ fn batch_calls_round_trip_on_the_real_no_prealloc_maps() {
     assert!(left.iter().all(|k| k % 2 == 0));
 
     // Through a read-only descriptor the kernel refuses the batch write.
-    let ro = dir.open_fd(names::BACKEND4, Access::ReadOnly).expect("ro");
-    let err = batch::update(ro.as_fd(), &[1u32], &[backend(1)]).expect_err("read-only");
+    let ro = dir.open_fd(names::REVNAT4, Access::ReadOnly).expect("ro");
+    let err = batch::update(ro.as_fd(), &[1u32], &[revnat(1)]).expect_err("read-only");
     assert_eq!(err.errno(), Some(libc::EPERM), "{:?}", err.error);
     assert_eq!(err.done, 0);
 
@@ -127,6 +137,56 @@ fn batch_calls_round_trip_on_the_real_no_prealloc_maps() {
             "{e}"
         ),
     }
+}
+
+/// `BACKEND4` is an array indexed by backend id: a batch update writes the ids, a
+/// "delete" writes the free entry (arrays cannot delete: `BPF_MAP_DELETE_BATCH` fails),
+/// and the reader skips the free ids, so a deleted backend reads as absent; an id past
+/// the array's end is refused (`E2BIG`: a full map), never half-written.
+#[test]
+fn backend_arrays_take_batches_and_read_back_only_the_ids_in_use() {
+    require_root();
+    let pins = PinDir::new();
+    let _ebpf = load(&pins);
+    let dir = Pins::new(&pins.path);
+    let info = dir.map_info(names::BACKEND4).expect("info");
+    assert_eq!(
+        info.map_type,
+        bpf_sys::map_type::ARRAY,
+        "BACKEND4 is an array"
+    );
+    let arr = dir
+        .backends::<Backend4>(names::BACKEND4, Access::ReadWrite)
+        .expect("BACKEND4");
+    assert!(arr.read_all().expect("read").is_empty(), "no id in use");
+    let ids: Vec<u32> = (1..=5000).collect();
+    let values: Vec<Backend4> = ids.iter().map(|i| backend(*i)).collect();
+    batch::update(arr.fd.as_fd(), &ids, &values).expect("update batch into the array");
+    let odd: Vec<u32> = ids.iter().copied().filter(|i| i % 2 == 1).collect();
+    assert!(
+        batch::delete(arr.fd.as_fd(), &odd).is_err(),
+        "arrays cannot delete"
+    );
+    let free = vec![Backend4::FREE; odd.len()];
+    batch::update(arr.fd.as_fd(), &odd, &free).expect("free entries written");
+    let left = arr.read_all().expect("read");
+    assert_eq!(left.len(), 2500);
+    assert!(left.iter().all(|(k, v)| k % 2 == 0 && *v == backend(*k)));
+    assert_eq!(
+        arr.get(4321).expect("get"),
+        None,
+        "a freed id reads as absent"
+    );
+    assert_eq!(arr.get(4322).expect("get"), Some(backend(4322)));
+    assert_eq!(
+        arr.get(info.max_entries).expect("get"),
+        None,
+        "past the end"
+    );
+    let err = batch::update(arr.fd.as_fd(), &[info.max_entries], &[backend(1)])
+        .expect_err("past the end");
+    assert_eq!(err.errno(), Some(libc::E2BIG), "{:?}", err.error);
+    assert_eq!(err.done, 0);
 }
 
 /// Large values (`MAGLEV`'s 4 KiB chunks) are read back in calls of about 1 MiB (259

@@ -553,6 +553,73 @@ fn a_udp_flow_whose_backend_is_gone_is_balanced_afresh_tcp_is_not() {
     );
 }
 
+/// The backend maps are arrays indexed by id: a freed id's entry (the zero entry the
+/// writer writes, arrays cannot delete) is no backend, exactly as a missing hash entry
+/// was. A slot still naming a freed id (not something the writer's order leaves, forced
+/// here) sends no packet to the endpoint that id held, nor to the zero address: a new
+/// flow is counted `backend_missing` and passed untranslated, and an existing UDP flow
+/// leaves the endpoint; both families.
+#[test]
+fn a_freed_backend_id_is_no_backend_to_the_datapath() {
+    use proxy_user::{model::Family, store::Op, MapStore as _};
+    let mut bed = Bed::new();
+    for (vip, pod, client, family) in [
+        ("10.96.0.60:53", "10.1.1.2:5353", "198.51.100.7", Family::V4),
+        (
+            "[2001:db8:96::60]:53",
+            "[2001:db8:2::2]:5353",
+            "2001:db8::7",
+            Family::V6,
+        ),
+    ] {
+        let vip_sa = sa(vip);
+        let fe = Frontend::new(vip_sa.ip(), 53, Proto::Udp);
+        bed.writer
+            .upsert(&entry(fe, &[(pod, LOCAL)], 0))
+            .expect("upsert");
+        let from = |port: u16| SocketAddr::new(client.parse().expect("ip"), port);
+        let q = |port: u16| Pkt::udp(&from(port).to_string(), vip);
+        assert_eq!(bed.run(TC_INGRESS, &q(5000)).1.dst, sa(pod));
+        assert_eq!(bed.run(TC_INGRESS, &q(5000)).1.dst, sa(pod));
+        let dump = bed.writer.store().dump().expect("dump");
+        let id = *dump.slots.get(&(fe, 1)).expect("slot 1");
+        // The id freed under its slot (the zero entry written), as the store frees one.
+        bed.writer
+            .store_mut()
+            .apply(&Op::DelBackend { id, family })
+            .expect("free the id");
+        assert!(
+            !bed.writer
+                .store()
+                .dump()
+                .expect("dump")
+                .backends
+                .contains_key(&id),
+            "a freed id reads back as absent"
+        );
+        let missing = |bed: &Bed| {
+            bed.writer
+                .store()
+                .stats()
+                .expect("stats")
+                .into_iter()
+                .find(|(r, _)| *r == Reason::BackendMissing)
+                .map_or(0, |(_, n)| n)
+        };
+        let before = missing(&bed);
+        let (verdict, out) = bed.run(TC_INGRESS, &q(6000));
+        assert_eq!(
+            (verdict, out.dst),
+            (TC_ACT_OK, vip_sa),
+            "a new flow: no backend"
+        );
+        assert!(missing(&bed) > before, "counted backend_missing");
+        let (_, out) = bed.run(TC_INGRESS, &q(5000));
+        assert_ne!(out.dst, sa(pod), "the existing flow left the freed backend");
+        assert!(!out.dst.ip().is_unspecified(), "{}", out.dst);
+    }
+}
+
 /// The backend generation kept in the original conntrack entry of the UDP flow from
 /// client port `sport` (`ct_flags::GEN_SHIFT`).
 fn udp_entry_gen(bed: &Bed, sport: u16) -> u32 {

@@ -68,7 +68,7 @@ fn main() {
         cluster_ip_client(Path::new(&netns));
         return;
     }
-    let tests: [(&str, fn()); 12] = [
+    let tests: [(&str, fn()); 13] = [
         (
             "upgrade_from_previous_release_keeps_every_connection",
             upgrade_from_previous_release_keeps_every_connection,
@@ -88,6 +88,10 @@ fn main() {
         (
             "a_build_with_more_outcome_counters_migrates_the_pinned_counter_array",
             a_build_with_more_outcome_counters_migrates_the_pinned_counter_array,
+        ),
+        (
+            "hash_pinned_backends_of_an_earlier_build_are_copied_into_the_arrays",
+            hash_pinned_backends_of_an_earlier_build_are_copied_into_the_arrays,
         ),
         (
             "conntrack_grown_online_keeps_every_flow_and_its_backend",
@@ -863,6 +867,21 @@ fn pinned_entries<K: aya::Pod + Ord, V: aya::Pod>(
     map.iter().map(|e| e.expect("entry")).collect()
 }
 
+/// `BACKEND4`'s backends by id, whichever kind the pins hold it as (a hash map before
+/// this build, an array since: its free ids skipped).
+fn backend_entries(pins: &Path) -> std::collections::BTreeMap<u32, proxy_common::Backend4> {
+    let dir = proxy_user::pins::PinDir::new(pins);
+    let ro = proxy_user::pins::Access::ReadOnly;
+    let info = dir.map_info(map_names::BACKEND4).expect("BACKEND4");
+    if info.map_type == bpf_sys::map_type::ARRAY {
+        let arr = dir
+            .backends::<proxy_common::Backend4>(map_names::BACKEND4, ro)
+            .expect("BACKEND4");
+        return arr.read_all().expect("read").into_iter().collect();
+    }
+    pinned_entries(pins, map_names::BACKEND4)
+}
+
 fn map_id(pins: &Path, name: &str) -> u32 {
     aya::maps::MapData::from_pin(pins.join(name))
         .expect("pinned map")
@@ -982,6 +1001,9 @@ fn upgrade_under_traffic(step: Step) {
         "affinity entries before the upgrade"
     );
     let old_maps = map_ids(&pins);
+    // The backends (hash maps before this build's arrays): carried over id for id.
+    let backends_before = backend_entries(&pins);
+    assert!(!backends_before.is_empty(), "backends before the upgrade");
     let old_progs = program_ids(&env, &c);
     assert_eq!(
         old_progs.len(),
@@ -1047,6 +1069,19 @@ fn upgrade_under_traffic(step: Step) {
         (0, 0, 0),
         "ClusterIP: failed TCP, failed UDP, UDP answers from another source"
     );
+    // Every backend the old maps held is in this build's arrays under the same id.
+    assert_eq!(
+        proxy_user::pins::PinDir::new(&pins)
+            .map_info(map_names::BACKEND4)
+            .expect("BACKEND4")
+            .map_type,
+        bpf_sys::map_type::ARRAY,
+        "BACKEND4 is an array after the upgrade"
+    );
+    let backends_after = backend_entries(&pins);
+    for (id, b) in &backends_before {
+        assert_eq!(backends_after.get(id), Some(b), "backend {id} carried over");
+    }
     match step {
         Step::FromRelease => {
             // Conntrack shared: every NodePort answer from the NodePort.
@@ -1474,6 +1509,101 @@ fn a_build_with_more_outcome_counters_migrates_the_pinned_counter_array() {
     assert!(errors.is_empty(), "{errors:?}");
     assert!(flows.iter().all(Result::is_ok), "{flows:?}");
     assert!(tcp.0 > 0 && udp.0 > 0, "traffic went on: {tcp:?} {udp:?}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// A hash map pinned at `path` as an earlier build of ABI 4 made `BACKEND4/6` (no
+/// preallocation), holding `entries` (id, value bytes).
+fn pin_backend_hash(path: &Path, value_size: u32, max: u32, entries: &[(u32, Vec<u8>)]) {
+    const BPF_MAP_TYPE_HASH: u32 = 1;
+    const BPF_F_NO_PREALLOC: u32 = 1;
+    let fd = bpf_sys::map_create(BPF_MAP_TYPE_HASH, 4, value_size, max, BPF_F_NO_PREALLOC)
+        .unwrap_or_else(|e| panic!("BPF_MAP_CREATE: {e}"));
+    for (id, v) in entries {
+        bpf_sys::map_update(std::os::fd::AsFd::as_fd(&fd), &id.to_ne_bytes(), v, 0)
+            .unwrap_or_else(|e| panic!("BPF_MAP_UPDATE_ELEM: {e}"));
+    }
+    bpf_sys::obj_pin(std::os::fd::AsFd::as_fd(&fd), path)
+        .unwrap_or_else(|e| panic!("BPF_OBJ_PIN: {e}"));
+}
+
+/// Issue 27: `BACKEND4/6` became arrays within ABI 4. Pins of an earlier build of this
+/// ABI (hash maps, another object hash in `META`) must not get the program swap (the
+/// writer opens arrays): the staged migration copies every backend into arrays, id for
+/// id, made large enough for the highest id of either family (ids are one space: here an
+/// IPv6 id past the arrays' pinned size), while the NodePort keeps answering: no new
+/// connection or exchange fails, no long-lived flow breaks.
+fn hash_pinned_backends_of_an_earlier_build_are_copied_into_the_arrays() {
+    let env = TestEnv::outside_cgroup();
+    let c = Cluster::ipv4("ebu-");
+    let _uninstall = UninstallIn::new(&c.node_a, &env.pins.path);
+    let dir = manifests();
+    let mut agent = Agent::start(&new_agent(), &env, &c, &dir, &[]);
+    agent.wait_healthy();
+    agent.stop();
+    let pins = env.pins.path.clone();
+    let before = backend_entries(&pins);
+    assert!(!before.is_empty(), "backends written");
+    let size = proxy_user::pins::PinDir::new(&pins)
+        .max_entries(map_names::BACKEND4)
+        .expect("BACKEND4");
+    let b4: Vec<(u32, Vec<u8>)> = before
+        .iter()
+        .map(|(id, b)| {
+            let mut v = b.addr.to_ne_bytes().to_vec();
+            v.extend(b.port.to_ne_bytes());
+            v.extend([b.proto, b.flags]);
+            (*id, v)
+        })
+        .collect();
+    // An IPv6 backend of an id past the arrays' size (no frontend names it: the writer
+    // frees it at adoption).
+    let mut v6 = vec![0u8; 16];
+    v6[15] = 9;
+    v6.extend(8080u16.to_be_bytes());
+    v6.extend([proxy_common::proto::TCP, 0]);
+    let far = size + 100;
+    for (name, value_size, entries) in [
+        (map_names::BACKEND4, 8, b4),
+        (map_names::BACKEND6, 24, vec![(far, v6)]),
+    ] {
+        let path = pins.join(name);
+        fs::remove_file(&path).expect("unpin");
+        pin_backend_hash(&path, value_size, size, &entries);
+    }
+    {
+        let map = aya::maps::MapData::from_pin(pins.join(map_names::META)).expect("META");
+        let mut meta: aya::maps::Array<_, u32> =
+            aya::maps::Array::try_from(aya::maps::Map::Array(map)).expect("array");
+        meta.set(meta::OBJECT_HASH, 0x0bad_b0d5, 0)
+            .expect("write META");
+    }
+    let ext = ExtClients::start(&c, 2);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut agent = Agent::start(&new_agent(), &env, &c, &dir, &[]);
+    agent.wait_healthy();
+    std::thread::sleep(Duration::from_millis(500));
+    let (tcp, udp, flows, errors) = ext.finish();
+    let log = agent.logs();
+    assert!(
+        log.contains("is of another type than this build's"),
+        "{log}"
+    );
+    assert!(!log.contains("replaced the running programs"), "{log}");
+    let dir_pins = proxy_user::pins::PinDir::new(&pins);
+    for name in [map_names::BACKEND4, map_names::BACKEND6] {
+        let info = dir_pins.map_info(name).expect("pinned");
+        assert_eq!(info.map_type, bpf_sys::map_type::ARRAY, "{name}");
+        assert!(info.max_entries > far, "{name}: room for id {far}");
+    }
+    let after = backend_entries(&pins);
+    for (id, b) in &before {
+        assert_eq!(after.get(id), Some(b), "backend {id} carried over");
+    }
+    assert!(errors.is_empty(), "{errors:?}\n{log}");
+    assert!(flows.iter().all(Result::is_ok), "{flows:?}");
+    assert!(tcp.0 > 0 && udp.0 > 0, "traffic went on: {tcp:?} {udp:?}");
+    assert_eq!((tcp.1, udp.1), (0, 0), "{errors:?}");
     let _ = fs::remove_dir_all(&dir);
 }
 

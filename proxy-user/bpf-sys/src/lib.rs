@@ -68,6 +68,7 @@ pub const ENOTSUPP: i32 = 524;
 
 /// Map types the project tells apart (`enum bpf_map_type`).
 pub mod map_type {
+    pub const HASH: u32 = 1;
     pub const ARRAY: u32 = 2;
     pub const PERCPU_HASH: u32 = 5;
     pub const PERCPU_ARRAY: u32 = 6;

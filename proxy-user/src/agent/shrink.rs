@@ -1,5 +1,6 @@
 //! The service-side maps shrunk online: a kind the writer grows (`SVC4/6`, `BACKEND4/6`,
-//! `BACKEND_CONNS`, `REVNAT4/6`, `AFFINITY`, `MAGLEV`) whose entries in use stay under
+//! `BACKEND_CONNS`, `REVNAT4/6`, `AFFINITY`, `MAGLEV`) whose entries in use (the backend
+//! arrays: their highest id in use, plus one) stay under
 //! `writer::SVC_LOW_WATER` (a quarter) of its size for [`SHRINK_AFTER`] is resized to the
 //! power of two that holds them twice over, never below its floor (`loader::shrunk`);
 //! every kind due then shrinks in ONE staged migration (`migrate::resize_maps`, as a

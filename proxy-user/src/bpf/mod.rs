@@ -19,7 +19,7 @@ use proxy_common::{map_names as names, MaglevChunk, MaglevKey, NodeConfig, Reaso
 use crate::{
     batch,
     codec::{FamilyAbi, Ipv4, Ipv6},
-    pins::{Access, PinDir, PinnedHash},
+    pins::{Access, PinDir, PinnedBackends, PinnedHash},
     store::{MapStore, StoreError},
 };
 
@@ -57,7 +57,7 @@ fn bump_gen(map: &mut Array<MapData, u32>) -> Result<u32, MapError> {
 /// their `*6` twins): the store's code over them is written once (`store.rs`).
 struct FamilyMaps<F: FamilyAbi> {
     svc: Pair<F::SvcKey, SvcValue>,
-    backend: Pair<u32, F::Backend>,
+    backend: PinnedBackends<F::Backend>,
     revnat: Pair<u32, F::RevNat>,
     node: Pair<F::Addr, u8>,
     src_range: LpmTrie<MapData, F::SrcRange, u8>,
@@ -67,7 +67,7 @@ impl<F: FamilyAbi> FamilyMaps<F> {
     fn open(pins: &PinDir) -> Result<Self, OpenError> {
         Ok(Self {
             svc: open_pair(pins, F::SVC)?,
-            backend: open_pair(pins, F::BACKEND)?,
+            backend: pins.backends(F::BACKEND, Access::ReadWrite)?,
             revnat: open_pair(pins, F::REVNAT)?,
             node: open_pair(pins, F::NODE_ADDRS)?,
             src_range: pins.typed(F::SRC_RANGE, Access::ReadWrite)?,

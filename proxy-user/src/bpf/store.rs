@@ -12,6 +12,7 @@ use crate::{
     codec::{self, FamilyAbi, SvcKey},
     counters::CounterKind,
     model::{Backend, Family, Frontend, Proto},
+    pins::BackendEntry as _,
     store::{BatchFailed, Dump, FrontendValue, Group, MapKind, MapStore, Op, StoreError},
 };
 
@@ -29,6 +30,18 @@ pub(super) fn map_err(map: &'static str) -> impl Fn(MapError) -> StoreError {
 }
 
 pub(crate) use crate::store::ignore_missing;
+
+/// An error of a `BACKEND4/6` write: an id past the array's end (aya refuses it before
+/// the kernel would with `E2BIG`) is a full map, like a hash map's `E2BIG`.
+fn backend_err<F: FamilyAbi>(id: u32) -> impl Fn(MapError) -> StoreError {
+    move |source| match source {
+        MapError::OutOfBounds { .. } => {
+            tracing::debug!(id, map = F::BACKEND, "backend id past the array's end");
+            StoreError::Full { map: F::BACKEND }
+        }
+        source => map_err(F::BACKEND)(source),
+    }
+}
 
 pub(super) fn corrupt(map: &'static str, detail: String) -> StoreError {
     StoreError::Corrupt { map, detail }
@@ -135,12 +148,15 @@ impl<F: FamilyAbi> FamilyMaps<F> {
                     .ok_or_else(|| misrouted::<F>(op))?;
                 self.backend
                     .map
-                    .insert(id, v, 0)
-                    .map_err(map_err(F::BACKEND))
+                    .set(*id, v, 0)
+                    .map_err(backend_err::<F>(*id))
             }
-            Op::DelBackend { id, .. } => {
-                ignore_missing(self.backend.map.remove(id)).map_err(map_err(F::BACKEND))
-            }
+            // An array cannot delete: the free id's entry is written (an id past the
+            // array's end holds nothing).
+            Op::DelBackend { id, .. } => match self.backend.map.set(*id, F::Backend::FREE, 0) {
+                Err(MapError::OutOfBounds { .. }) => Ok(()),
+                r => r.map_err(backend_err::<F>(*id)),
+            },
             Op::PutSlot { .. } | Op::PutFrontend { .. } | Op::DelSlot { .. } => {
                 let Some((k, v)) = svc_entry(op) else {
                     unreachable!("an SVC op")
@@ -188,7 +204,13 @@ impl<F: FamilyAbi> FamilyMaps<F> {
     fn apply_batch(&self, group: Group, ops: &[Op]) -> Result<(), batch::BatchError> {
         let delete = group.delete;
         match group.map {
-            MapKind::Backend if delete => batch::delete(self.backend.fd.as_fd(), &backend_ids(ops)),
+            MapKind::Backend if delete => {
+                // An array cannot delete (`BPF_MAP_DELETE_BATCH` fails on one): the free
+                // ids' entries are written.
+                let ids = backend_ids(ops);
+                let free = vec![F::Backend::FREE; ids.len()];
+                batch::update(self.backend.fd.as_fd(), &ids, &free)
+            }
             MapKind::Backend => {
                 let (ids, vals) = keys_values(ops, |op| match op {
                     Op::PutBackend { id, backend, proto } => {
@@ -251,6 +273,7 @@ impl<F: FamilyAbi> FamilyMaps<F> {
 
     /// `BACKEND4/6` read back, into `out`.
     fn read_backends(&self, out: &mut Vec<(u32, (Backend, Proto))>) -> Result<(), StoreError> {
+        // The ids in use (a free id's entry is skipped).
         for (id, b) in self.backend.read_all().map_err(map_err(F::BACKEND))? {
             let b = codec::decode_backend::<F>(&b).ok_or_else(|| {
                 let proto = codec::backend_proto::<F>(&b);

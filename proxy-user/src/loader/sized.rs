@@ -15,7 +15,8 @@ pub enum SizedMap {
     Conntrack,
     /// `SVC4`/`SVC6`: a frontend's slot 0 and its slots (ceiling `--service-map-entries`).
     Service,
-    /// `BACKEND4`/`BACKEND6`: one entry per distinct backend of the family.
+    /// `BACKEND4`/`BACKEND6`: arrays indexed by backend id (one id space for both
+    /// families): room for the highest id in use, not the count.
     Backend,
     /// `BACKEND_CONNS`: one entry per backend that got a connection, both families.
     BackendConns,
@@ -76,7 +77,7 @@ impl SizedMap {
 
     /// The size a fresh node creates the maps at (conntrack and the service maps: their
     /// own start flags). Hash maps without preallocation cost 16 B of bucket array per
-    /// entry at creation; `AFFINITY` (LRU) 104 B.
+    /// entry at creation; the backend arrays 8 / 24 B; `AFFINITY` (LRU) 104 B.
     pub const fn floor(self) -> u32 {
         match self {
             SizedMap::Conntrack

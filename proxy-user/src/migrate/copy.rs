@@ -123,10 +123,15 @@ fn reconcile(new: std::os::fd::BorrowedFd<'_>, key: &[u8], value: &[u8]) -> io::
     Ok(Reconciled::Merged)
 }
 
-/// Entries in map `name` of `pins`.
+/// Entries in map `name` of `pins`. For an array (`BACKEND4/6`, indexed by a dense id)
+/// the entries a copy into another array needs room for: its highest index whose entry
+/// is not all zero, plus one (a free id's entry is zero and not copied).
 pub(super) fn count_entries(pins: &PinDir, name: &str) -> io::Result<u64> {
     let fd = open(pins, name)?;
     let info = bpf_sys::map_info(fd.as_fd())?;
+    if info.map_type == bpf_sys::map_type::ARRAY {
+        return Ok(highest_in_use(fd.as_fd(), &info)?.map_or(0, |i| u64::from(i) + 1));
+    }
     let mut key = vec![0u8; info.key_size as usize];
     let mut next = key.clone();
     let mut n = 0u64;
@@ -140,6 +145,140 @@ pub(super) fn count_entries(pins: &PinDir, name: &str) -> io::Result<u64> {
         }
     }
     Ok(n)
+}
+
+/// The highest key in use of a map keyed by `u32` (`BACKEND4/6`): of a hash map, its
+/// highest key; of an array, its highest index whose entry is not all zero. `None`:
+/// nothing in use.
+pub(super) fn highest_in_use(
+    fd: std::os::fd::BorrowedFd<'_>,
+    info: &bpf_sys::MapInfo,
+) -> io::Result<Option<u32>> {
+    if info.key_size != 4 || info.per_cpu() {
+        return Ok(None);
+    }
+    let array = info.map_type == bpf_sys::map_type::ARRAY;
+    let (mut key, mut next) = ([0u8; 4], [0u8; 4]);
+    let mut value = vec![0u8; info.value_size as usize];
+    let (mut have, mut highest, mut steps) = (false, None, 0u64);
+    while bpf_sys::map_next_key(fd, have.then_some(&key[..]), &mut next)? {
+        key = next;
+        have = true;
+        steps += 1;
+        if steps > u64::from(info.max_entries) * 2 + 16 {
+            break;
+        }
+        if array && (!bpf_sys::map_lookup(fd, &key, &mut value)? || value.iter().all(|b| *b == 0)) {
+            continue;
+        }
+        highest = highest.max(Some(u32::from_ne_bytes(key)));
+    }
+    Ok(highest)
+}
+
+/// `sizes` with room in the backend arrays (`BACKEND4/6`, indexed by id) for every id
+/// the pinned backend maps hold, of either family (one id space): an upgrade from hash
+/// maps (whose ids may pass their size: the other family's ids count too), or a size
+/// asked below the highest id, takes the next power of two above it.
+pub(super) fn backend_room(pins: &PinDir, sizes: super::Sizes) -> super::Sizes {
+    let kind = super::SizedMap::Backend;
+    let mut need = 0u64;
+    for name in kind.maps() {
+        let Ok(fd) = open(pins, name) else {
+            continue;
+        };
+        let highest = bpf_sys::map_info(fd.as_fd()).and_then(|i| highest_in_use(fd.as_fd(), &i));
+        if let Ok(Some(h)) = highest {
+            need = need.max(u64::from(h) + 1);
+        }
+    }
+    if need <= u64::from(sizes.get(kind)) {
+        return sizes;
+    }
+    let to = u32::try_from(need.next_power_of_two()).unwrap_or(u32::MAX);
+    tracing::info!(
+        highest_id = need - 1,
+        entries = to,
+        "the backend arrays are made large enough for every backend id in use"
+    );
+    sizes.with(kind, to)
+}
+
+/// Whether entries of a map of `old`'s type are copied as bytes into one of `new`'s: the
+/// same type, or a hash map into an array of the same key and value (`BACKEND4/6`, hash
+/// maps before they were arrays: the key is the index).
+fn same_layout(old: &bpf_sys::MapInfo, new: &bpf_sys::MapInfo) -> bool {
+    let types = old.map_type == new.map_type
+        || (old.map_type == bpf_sys::map_type::HASH
+            && new.map_type == bpf_sys::map_type::ARRAY
+            && old.key_size == 4);
+    types && old.key_size == new.key_size && old.value_size == new.value_size
+}
+
+/// [`copy_map`] into an array (`BACKEND4/6`: a resize, or hash maps of an earlier build)
+/// by batch calls: every entry read by `BPF_MAP_LOOKUP_BATCH`, the all-zero ones of an
+/// array dropped (free ids), written by `BPF_MAP_UPDATE_BATCH` in chunks; a walk key by
+/// key costs two syscalls for every index of an array. `None`: not such a copy, or the
+/// kernel has no batch lookup for the old map (the walk then copies).
+fn batched_into_array(
+    old: &OwnedFd,
+    new: &OwnedFd,
+    (oi, ni): (&bpf_sys::MapInfo, &bpf_sys::MapInfo),
+    conv: Convert,
+    only_absent: bool,
+) -> io::Result<Option<CopyCount>> {
+    let eligible = !only_absent
+        && matches!(conv, Convert::Bytes)
+        && same_layout(oi, ni)
+        && ni.map_type == bpf_sys::map_type::ARRAY
+        && !oi.per_cpu();
+    if !eligible {
+        return Ok(None);
+    }
+    let (ks, vs) = (oi.key_size as usize, oi.value_size as usize);
+    let Ok((keys, values, n)) = crate::batch::lookup_raw(old.as_fd(), ks, vs) else {
+        return Ok(None);
+    };
+    let (mut k, mut v) = (
+        Vec::with_capacity(keys.len()),
+        Vec::with_capacity(values.len()),
+    );
+    for i in 0..n {
+        let value = &values[i * vs..(i + 1) * vs];
+        if oi.map_type == bpf_sys::map_type::ARRAY && value.iter().all(|b| *b == 0) {
+            continue;
+        }
+        k.extend_from_slice(&keys[i * ks..(i + 1) * ks]);
+        v.extend_from_slice(value);
+    }
+    let copied = k.len() / ks;
+    const CHUNK: usize = 4096;
+    for (kc, vc) in k.chunks(CHUNK * ks).zip(v.chunks(CHUNK * vs)) {
+        let count = u32::try_from(kc.len() / ks).unwrap_or(u32::MAX);
+        bpf_sys::map_update_batch_raw(new.as_fd(), kc, vc, count).map_err(|e| e.error)?;
+    }
+    Ok(Some(CopyCount {
+        copied: copied as u64,
+        ..CopyCount::default()
+    }))
+}
+
+/// How [`copy_map`] writes: its update flags, and whether it skips all-zero entries.
+/// Insert-if-absent is for hash maps: an array has every entry (`BPF_NOEXIST` fails). An
+/// array into an array: an all-zero entry (a free id's, or never written) is what the
+/// new array holds already; not copying it also lets a shrunk array take the entries in
+/// use (the highest below its size: `count_entries`).
+fn write_mode(old: &bpf_sys::MapInfo, new: &bpf_sys::MapInfo, only_absent: bool) -> (u64, bool) {
+    let array = |i: &bpf_sys::MapInfo| {
+        i.map_type == bpf_sys::map_type::ARRAY || i.map_type == bpf_sys::map_type::PERCPU_ARRAY
+    };
+    let (old_array, new_array) = (array(old), array(new));
+    let flags = if only_absent && !old_array && !new_array {
+        bpf_sys::NOEXIST
+    } else {
+        bpf_sys::ANY
+    };
+    (flags, old_array && new_array)
 }
 
 /// Copies the entries of map `name` of `old` into map `name` of `new`, through `conv`.
@@ -167,15 +306,11 @@ pub fn copy_map(
     let mut key = vec![0u8; oi.key_size as usize];
     let mut next = key.clone();
     let mut value = vec![0u8; value_buf_len(&oi)?];
-    let same_shape =
-        oi.map_type == ni.map_type && oi.key_size == ni.key_size && oi.value_size == ni.value_size;
-    let is_array =
-        oi.map_type == bpf_sys::map_type::ARRAY || oi.map_type == bpf_sys::map_type::PERCPU_ARRAY;
-    let flags = if only_absent && !is_array {
-        bpf_sys::NOEXIST
-    } else {
-        bpf_sys::ANY
-    };
+    let same_shape = same_layout(&oi, &ni);
+    if let Some(count) = batched_into_array(&old_fd, &new_fd, (&oi, &ni), conv, only_absent)? {
+        return Ok(count);
+    }
+    let (flags, skip_zero) = write_mode(&oi, &ni, only_absent);
     // Expired conntrack entries are not carried over (the datapath treats them as
     // absent): a shrink copies the live flows only.
     let skip_expired = is_conntrack(name) && matches!(conv, Convert::Bytes) && same_shape;
@@ -193,6 +328,9 @@ pub fn copy_map(
         }
         if !bpf_sys::map_lookup(old_fd.as_fd(), &key, &mut value)? {
             continue; // gone meanwhile
+        }
+        if skip_zero && value.iter().all(|b| *b == 0) {
+            continue;
         }
         if skip_expired && crate::ctsize::expired_entry(&key, &value, now) {
             count.expired += 1;

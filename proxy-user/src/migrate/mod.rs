@@ -260,6 +260,16 @@ pub fn prepare_sized(
         );
         return migrate(pins, found, sizes).map(|()| Vec::new());
     }
+    if let Some((map, pinned)) = type_changed(pins)? {
+        info!(
+            map,
+            pinned_type = pinned,
+            "a pinned map is of another type than this build's (backends: hash maps before \
+             they were arrays): migrating through the staging directory (its entries are \
+             copied)"
+        );
+        return migrate(pins, found, sizes).map(|()| Vec::new());
+    }
     if let Some((map, pinned)) = counters_grew(pins)? {
         info!(
             map,
@@ -480,6 +490,23 @@ fn counters_grew(pins: &PinDir) -> Result<Option<(&'static str, u32)>, LoadError
         let entries = pins.map_info(name)?.max_entries;
         if entries < Reason::COUNT {
             return Ok(Some((name, entries)));
+        }
+    }
+    Ok(None)
+}
+
+/// The maps this build made arrays within ABI 4 (`BACKEND4/6`, hash maps before): pins
+/// of such a map as another type (an earlier build of this ABI) take the staged
+/// migration, which copies the entries into arrays; a program swap would keep the hash
+/// maps, which the writer no longer opens. `(map, its pinned type)`.
+fn type_changed(pins: &PinDir) -> Result<Option<(&'static str, u32)>, LoadError> {
+    for name in [map_names::BACKEND4, map_names::BACKEND6] {
+        if !pins.map_path(name).exists() {
+            continue;
+        }
+        let t = pins.map_info(name)?.map_type;
+        if t != bpf_sys::map_type::ARRAY {
+            return Ok(Some((name, t)));
         }
     }
     Ok(None)

@@ -117,6 +117,7 @@ pub(super) fn migrate(pins: &PinDir, from: u32, sizes: Option<Sizes>) -> Result<
     set_marker(&m.staging, from, "staged")?;
     // Unless resized, each map keeps its pinned size (a map this layout adds: compiled).
     let sizes = sizes.unwrap_or_else(|| Sizes::pinned_or(pins, Sizes::compiled()));
+    let sizes = super::copy::backend_room(pins, sizes);
     let mut loader = EbpfLoader::new();
     loader.default_map_pin_directory(m.staging.path());
     for kind in SizedMap::ALL {

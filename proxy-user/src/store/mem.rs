@@ -65,6 +65,19 @@ impl MemStore {
         }
     }
 
+    /// The backend maps are arrays indexed by id: an id past their size is refused (the
+    /// kernel's `E2BIG`), as a full map.
+    fn check_backend_room(&self, op: &Op) -> Result<(), StoreError> {
+        match op {
+            Op::PutBackend { id, .. }
+                if self.svc_growable && *id >= self.sizes.get(SizedMap::Backend) =>
+            {
+                Err(StoreError::Full { map: "BACKEND" })
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn check_svc_room(&self, exists: bool) -> Result<(), StoreError> {
         match self.svc_capacity {
             Some(cap) if !exists && self.svc_len() >= cap => Err(StoreError::Full { map: "SVC" }),
@@ -108,6 +121,7 @@ impl MapStore for MemStore {
     }
 
     fn apply(&mut self, op: &Op) -> Result<(), StoreError> {
+        self.check_backend_room(op)?;
         let s = &mut self.state;
         match op {
             Op::PutBackend { id, backend, proto } => {

@@ -53,7 +53,8 @@ impl<S: MapStore> Writer<S> {
     /// map, except the service maps): the service maps, the `SVC` entries of each family
     /// plus each upsert's growth (a new frontend's slot 0 and slots; a programmed one's
     /// new slots beyond its old count); backends, those programmed plus
-    /// the upserts' unknown ones; reverse NAT, the frontends plus the new ones; Maglev,
+    /// the upserts' unknown ones (the backend arrays: the highest id they may reach, one
+    /// past it); reverse NAT, the frontends plus the new ones; Maglev,
     /// the chunks of every table plus one table per Maglev upsert; affinity, its
     /// ceiling as soon as one frontend has `ClientIP` affinity (the LRU's demand is its
     /// clients, unknown here), else nothing. Not `exact`: the backends not known are
@@ -110,6 +111,10 @@ impl<S: MapStore> Writer<S> {
             }
         }
         let backends = self.backends.len() + if exact { new_backends.len() } else { unknown };
+        // `BACKEND4/6` are arrays indexed by id (one id space for both families): they
+        // need room for the highest id, which the lowest-free allocation keeps at most
+        // the highest allocated now or the live ids plus the new ones (0 is never used).
+        let ids = (self.backend_alloc.next as usize).max(backends + 1);
         let affinity = if affinity {
             ceilings.get(SizedMap::Affinity) as usize * SVC_HIGH_WATER.0 / SVC_HIGH_WATER.1 + 1
         } else {
@@ -117,7 +122,7 @@ impl<S: MapStore> Writer<S> {
         };
         vec![
             (SizedMap::Service, svc[0].max(svc[1])),
-            (SizedMap::Backend, backends),
+            (SizedMap::Backend, ids),
             (SizedMap::BackendConns, backends),
             (SizedMap::RevNat, frontends),
             (SizedMap::Affinity, affinity),

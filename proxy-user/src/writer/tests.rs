@@ -1613,3 +1613,89 @@ fn maps_made_at_the_first_syncs_sizes_grow_nothing_at_that_sync() {
         start
     );
 }
+
+/// `n` frontends of one backend each, all distinct: `10.96.x.y` -> `10.1.x.y:8080`.
+fn distinct(n: usize) -> Vec<ServiceEntry> {
+    (0..n)
+        .map(|i| {
+            let (a, b) = (i / 256, i % 256);
+            svc(
+                vip(&format!("10.96.{a}.{b}"), 80),
+                &[&format!("10.1.{a}.{b}:8080")],
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn backend_arrays_keep_room_for_the_highest_id_of_either_family() {
+    use crate::loader::{SizedMap, Sizes};
+    // `BACKEND4/6` are arrays indexed by backend id, one id space for both families.
+    let mut w = Writer::new(MemStore {
+        svc_capacity: Some(1 << 17),
+        svc_growable: true,
+        sizes: Sizes::floors().with(SizedMap::Backend, 1 << 16),
+        ..MemStore::default()
+    });
+    w.set_svc_ceiling(1 << 17);
+    let mut desired = distinct(20_000);
+    // IPv6 frontends after them: their backends take ids past 20,000, in BACKEND6.
+    for i in 0..10 {
+        desired.push(svc(
+            vip(&format!("fd00::96:{i}"), 80),
+            &[&format!("[fd00::1:{i}]:8080")],
+        ));
+    }
+    let report = w.sync(desired.clone());
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let dump = w.store().dump().expect("dump");
+    let v6_ids: Vec<u32> = dump
+        .backends
+        .iter()
+        .filter(|(_, (b, _))| b.addr.is_ipv6())
+        .map(|(id, _)| *id)
+        .collect();
+    assert_eq!(v6_ids.len(), 10);
+    assert!(v6_ids.iter().all(|id| *id > 20_000), "{v6_ids:?}");
+    // Most IPv4 frontends go: 5,010 backends live, the highest id still 20,010. A shrink
+    // to what is live (under 1/4 of 65,536) would leave ids past the arrays' end.
+    let kept = desired.split_off(15_000);
+    let report = w.sync(kept);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(w.store().dump().expect("dump").backends.len(), 5_010);
+    let shrink = w.svc_shrinkable();
+    assert!(
+        shrink
+            .iter()
+            .all(|(kind, _, to)| *kind != SizedMap::Backend || *to > 20_010),
+        "{shrink:?}"
+    );
+}
+
+#[test]
+fn an_id_past_the_backend_arrays_at_their_ceiling_is_a_counted_full_map() {
+    use crate::loader::{SizedMap, Sizes};
+    let mut w = Writer::new(MemStore {
+        svc_capacity: Some(1 << 14),
+        svc_growable: true,
+        sizes: Sizes::floors().with(SizedMap::Backend, 32),
+        ..MemStore::default()
+    });
+    w.set_svc_ceiling(1 << 14);
+    // The arrays may grow to 64 entries: ids 1..=63.
+    w.ceilings = w.ceilings.map(|c| c.with(SizedMap::Backend, 64));
+    let report = w.sync(distinct(70));
+    // Grown first, to the ceiling; the 7 frontends whose backend id would pass it fail,
+    // each left unprogrammed (no frontend half-written), the others are served.
+    assert_eq!(w.store().grown, vec![vec![(SizedMap::Backend, 64)]]);
+    assert_eq!(report.errors.len(), 7, "{:?}", report.errors);
+    assert!(
+        report.errors.iter().all(|e| e.to_string().contains("full")),
+        "{:?}",
+        report.errors
+    );
+    let dump = w.store().dump().expect("dump");
+    assert_eq!(dump, w.expected_dump());
+    assert_eq!(dump.frontends.len(), 63);
+    assert!(dump.backends.keys().all(|id| *id < 64));
+}

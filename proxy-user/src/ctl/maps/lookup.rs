@@ -190,9 +190,15 @@ impl Maps {
         if s.services.backends.contains_key(&id) {
             return Ok(());
         }
-        let b = match lookup(&self.v4.backend, &id, names::BACKEND4)? {
+        // Arrays: a free id (or one past the end) reads as no backend.
+        let read = |name| move |source| Error::Read { map: name, source };
+        let b = match self.v4.backend.get(id).map_err(read(names::BACKEND4))? {
             Some(b) => backend::<Ipv4>(id, &b, &mut s.warnings),
-            None => lookup(&self.v6.backend, &id, names::BACKEND6)?
+            None => self
+                .v6
+                .backend
+                .get(id)
+                .map_err(read(names::BACKEND6))?
                 .and_then(|b| backend::<Ipv6>(id, &b, &mut s.warnings)),
         };
         if let Some(b) = b {

@@ -23,7 +23,7 @@ use super::{
 };
 use crate::{
     model::{v4_from_word, v6_from_words},
-    pins::{Access, PinDir, PinError, PinnedHash},
+    pins::{Access, PinDir, PinError, PinnedBackends, PinnedHash},
 };
 
 pub use crate::pins::BPF_F_RDONLY;
@@ -116,7 +116,7 @@ pub fn monotonic_ns() -> u64 {
 /// when pinned), read by the generic readers of `read.rs`.
 struct FamilyMaps<F: FamilyAbi> {
     svc: PinnedHash<F::SvcKey, SvcValue>,
-    backend: PinnedHash<u32, F::Backend>,
+    backend: PinnedBackends<F::Backend>,
     revnat: PinnedHash<u32, F::RevNat>,
     node: Option<HashMap<MapData, F::Addr, u8>>,
     src: Option<LpmTrie<MapData, F::SrcRange, u8>>,
@@ -137,7 +137,9 @@ impl<F: FamilyAbi> FamilyMaps<F> {
         }
         Ok(Self {
             svc: pins.hash(F::SVC, ro).map_err(|e| pin_error(pins, e))?,
-            backend: pins.hash(F::BACKEND, ro).map_err(|e| pin_error(pins, e))?,
+            backend: pins
+                .backends(F::BACKEND, ro)
+                .map_err(|e| pin_error(pins, e))?,
             revnat: pins.hash(F::REVNAT, ro).map_err(|e| pin_error(pins, e))?,
             node,
             src,

@@ -170,9 +170,10 @@ pub(super) fn backend<F: FamilyAbi>(
     decoded
 }
 
-/// One family's `BACKEND` map into `s.services`.
+/// One family's `BACKEND` map into `s.services` (the ids in use: a free id's entry is
+/// skipped).
 fn read_backends_of<F: FamilyAbi>(
-    map: &PinnedHash<u32, F::Backend>,
+    map: &crate::pins::PinnedBackends<F::Backend>,
     s: &mut Snapshot,
 ) -> Result<()> {
     for (id, b) in map.read_all().map_err(read_err(F::BACKEND))? {
