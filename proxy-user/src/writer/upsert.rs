@@ -256,36 +256,26 @@ impl<S: MapStore> Writer<S> {
         }
         if s.old_slots.is_empty() {
             // A new frontend (every frontend of a first sync): each of its backends gains
-            // one reference, nothing else changes.
+            // one reference, nothing else changes (no sets to build).
             for id in unique(&s.layout) {
                 if let Some(refs) = self.backends.refs_mut(id) {
                     *refs += 1;
                 }
             }
-            self.services.insert(
-                s.fe,
-                Programmed {
-                    value: s.value,
-                    name: s.name,
-                    source_ranges: s.want_ranges,
-                    slots: s.layout,
-                    maglev: s.maglev,
-                },
-            );
-            return;
-        }
-        let old_set: HashSet<u32> = s.old_slots.iter().copied().collect();
-        let new_set: HashSet<u32> = s.layout.iter().copied().collect();
-        for id in unique(&s.layout) {
-            if !old_set.contains(&id) {
-                if let Some(refs) = self.backends.refs_mut(id) {
-                    *refs += 1;
+        } else {
+            let old_set: HashSet<u32> = s.old_slots.iter().copied().collect();
+            let new_set: HashSet<u32> = s.layout.iter().copied().collect();
+            for id in unique(&s.layout) {
+                if !old_set.contains(&id) {
+                    if let Some(refs) = self.backends.refs_mut(id) {
+                        *refs += 1;
+                    }
                 }
             }
-        }
-        for id in unique(&s.old_slots) {
-            if id != 0 && !new_set.contains(&id) {
-                self.unref_backend(id);
+            for id in unique(&s.old_slots) {
+                if id != 0 && !new_set.contains(&id) {
+                    self.unref_backend(id);
+                }
             }
         }
         self.services.insert(
