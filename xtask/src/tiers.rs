@@ -14,6 +14,7 @@ pub const UNPRIVILEGED: &[&str] = &[
     "desired_state_memory",
     "docs_agree",
     "kubectl",
+    "loader_btf",
     "structure",
 ];
 
