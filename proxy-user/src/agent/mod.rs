@@ -62,7 +62,7 @@ pub struct AgentOptions {
     pub min_sync_interval: Duration,
     /// Period of the full re-diff; health turns 503 after twice this without a sync.
     pub sync_interval: Duration,
-    /// How often the manifests directory is polled.
+    /// How often the manifests directory is polled (besides its inotify watch).
     pub manifests_poll: Duration,
     /// `--api-idle-timeout`: an API request or watch silent this long is retried.
     pub api_idle_timeout: Duration,

@@ -252,7 +252,8 @@ struct RunArgs {
     /// can otherwise claim any address with an externalIP (CVE-2020-8554).
     #[arg(long, env = "PROXY_EXTERNAL_IP_CIDRS", value_parser = parse_cidrs)]
     external_ip_cidrs: Option<CidrList>,
-    /// How often the manifests directory is checked for changes.
+    /// How often the manifests directory is checked for changes besides inotify, which
+    /// reports a file written, renamed or deleted at once.
     #[arg(long, env = "PROXY_MANIFESTS_POLL", default_value = "100ms", value_parser = parse_duration)]
     manifests_poll: Duration,
     /// An API request or watch that receives nothing (no answer, no event, no bookmark:

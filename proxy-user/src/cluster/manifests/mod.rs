@@ -1,6 +1,7 @@
 //! The manifests-directory source: Services, EndpointSlices and Nodes as YAML (or JSON)
-//! files, several documents per file, `kind: List` included; the directory is polled and
-//! only files whose size or modification time changed are read again.
+//! files, several documents per file, `kind: List` included; the directory is read again
+//! when inotify reports a file written, renamed or deleted in it (`watch.rs`), and at
+//! every poll, and only files whose size or modification time changed are read again.
 //!
 //! The first scan yields one [`Update::Snapshot`] per kind (the initial lists); later
 //! scans yield the difference as `Apply`/`Delete`; [`spawn`] sends each scan's updates as
@@ -29,6 +30,7 @@ mod parallel_tests;
 mod parse;
 #[cfg(test)]
 mod tests;
+mod watch;
 mod yaml;
 
 use parse::{check_nesting, parse_file, parse_files, read_text, Decoding, Found};
@@ -70,6 +72,9 @@ pub struct ManifestsDir {
     /// The most threads a batch of the last scan was decoded on (logged).
     last_threads: usize,
 }
+
+/// The shortest time between two scans when changes keep coming.
+const MIN_SCAN_GAP: Duration = Duration::from_millis(10);
 
 /// The most threads a scan decodes objects on.
 const MAX_PARSE_THREADS: usize = 8;
@@ -417,9 +422,10 @@ impl ManifestsDir {
     }
 }
 
-/// Polls the directory every `interval` and sends what changed, until the receiver goes.
-/// Runs on a thread of its own: reading and parsing files (a pathological one included)
-/// never takes a thread of the async runtime, which serves health and metrics.
+/// Reads the directory when it changes (inotify) and at least every `interval`, and sends
+/// what changed, until the receiver goes. Runs on a thread of its own: reading and parsing
+/// files (a pathological one included) never takes a thread of the async runtime, which
+/// serves health and metrics.
 pub fn spawn(
     mut dir: ManifestsDir,
     interval: Duration,
@@ -430,6 +436,8 @@ pub fn spawn(
         .spawn(move || {
             // The directory itself unreadable: reported once per new error.
             let mut dir_error: Option<String> = None;
+            let dir_path = dir.dir.clone();
+            let mut watch = watch::DirWatch::new(&dir_path);
             loop {
                 let started = std::time::Instant::now();
                 match dir.scan() {
@@ -456,7 +464,10 @@ pub fn spawn(
                 if tx.is_closed() {
                     return;
                 }
-                std::thread::sleep(interval.saturating_sub(started.elapsed()));
+                // A change read at once; a stream of them at most one scan per
+                // `MIN_SCAN_GAP` (the files unchanged since are not read again anyway).
+                std::thread::sleep(MIN_SCAN_GAP.saturating_sub(started.elapsed()));
+                watch.wait(&dir_path, interval.saturating_sub(started.elapsed()));
             }
         })
 }

@@ -633,3 +633,71 @@ fn the_changes_of_one_read_arrive_as_one_update() {
     thread.join().expect("the thread ends with the receiver");
     fs::remove_dir_all(&tmp).expect("cleanup");
 }
+
+/// The next update, or `None` once `within` has passed.
+fn recv_within(rx: &mut tokio::sync::mpsc::Receiver<Update>, within: Duration) -> Option<Update> {
+    let deadline = std::time::Instant::now() + within;
+    while std::time::Instant::now() < deadline {
+        match rx.try_recv() {
+            Ok(u) => return Some(u),
+            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("the manifests thread ended: {e}"),
+        }
+    }
+    None
+}
+
+#[test]
+fn a_file_written_renamed_or_deleted_is_read_at_once_not_at_the_next_poll() {
+    // A poll of an hour: every change below can only arrive through the directory's
+    // inotify watch, within a bound far under the poll (and loose under CI's load).
+    let tmp = tempdir();
+    let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+    let dir = ManifestsDir::new(&tmp, SourceCounters::default());
+    let thread = spawn(dir, Duration::from_secs(3600), tx).expect("spawn");
+    let within = Duration::from_secs(10);
+    recv_within(&mut rx, within).expect("the first read");
+    // Written in place: read once it is closed.
+    fs::write(tmp.join("a.yaml"), SVC).expect("write");
+    let u = recv_within(&mut rx, within).expect("a file written in place is read at once");
+    assert_eq!(names(&[u]), ["apply Service default/web"]);
+    // Renamed in (an atomic replace).
+    fs::write(tmp.join("b.tmp"), SLICE).expect("write");
+    fs::rename(tmp.join("b.tmp"), tmp.join("b.yaml")).expect("rename");
+    let u = recv_within(&mut rx, within).expect("a file renamed in is read at once");
+    assert_eq!(names(&[u]), ["apply EndpointSlice default/web-1"]);
+    // Deleted.
+    fs::remove_file(tmp.join("a.yaml")).expect("remove");
+    let u = recv_within(&mut rx, within).expect("a file deleted is seen at once");
+    assert_eq!(names(&[u]), ["delete Service default/web"]);
+    drop(rx);
+    // The thread ends at its next wake-up; make one.
+    fs::write(tmp.join("c.yaml"), "").expect("write");
+    thread.join().expect("the thread ends with the receiver");
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
+
+#[test]
+fn a_directory_removed_and_made_again_is_watched_again() {
+    let tmp = tempdir();
+    let mut w = watch::DirWatch::new(&tmp);
+    assert!(w.is_watching(), "inotify watch of {}", tmp.display());
+    fs::remove_dir_all(&tmp).expect("remove");
+    assert!(
+        w.wait(&tmp, Duration::from_secs(10)),
+        "the removal wakes the wait"
+    );
+    assert!(!w.is_watching(), "the watch went with the directory");
+    fs::create_dir(&tmp).expect("make again");
+    // The next wait makes the watch again; a file written then wakes it.
+    assert!(!w.wait(&tmp, Duration::from_millis(1)));
+    assert!(w.is_watching());
+    fs::write(tmp.join("a.yaml"), SVC).expect("write");
+    assert!(
+        w.wait(&tmp, Duration::from_secs(10)),
+        "a file written in the new directory"
+    );
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
