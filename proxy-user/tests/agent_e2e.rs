@@ -2027,6 +2027,17 @@ fn service_maps_grow_online_during_a_sync_of_20000_new_services() {
         logs.contains("service-side maps grown online before the sync's writes"),
         "{logs}"
     );
+    // The growth re-makes only the maps it resizes: conntrack and the others are shared
+    // before the staged load (no preallocated conntrack table made to be thrown away, no
+    // second load of the programs).
+    let staged = logs
+        .lines()
+        .find(|l| l.contains("staged layout loaded"))
+        .unwrap_or_else(|| panic!("no staged load in the log: {logs}"));
+    assert!(
+        staged.contains("shared_after_load=0") && !staged.contains("pre_shared=0"),
+        "{staged}"
+    );
 }
 
 /// Issue 27: on a fresh node (nothing pinned) the agent reads its first lists before it

@@ -89,6 +89,7 @@
 
 mod copy;
 mod hooks;
+mod preshare;
 mod rules;
 mod state;
 pub mod v3;

@@ -21,7 +21,7 @@ use crate::{
 };
 
 /// `(CT*_PREV, CT*)`: where a resize keeps each conntrack table it replaces.
-const PREVIOUS_CT: [(&str, &str); 2] = [
+pub(super) const PREVIOUS_CT: [(&str, &str); 2] = [
     (map_names::CT4_PREV, map_names::CT4),
     (map_names::CT6_PREV, map_names::CT6),
 ];
@@ -118,6 +118,7 @@ pub(super) fn migrate(pins: &PinDir, from: u32, sizes: Option<Sizes>) -> Result<
     // Unless resized, each map keeps its pinned size (a map this layout adds: compiled).
     let sizes = sizes.unwrap_or_else(|| Sizes::pinned_or(pins, Sizes::compiled()));
     let sizes = super::copy::backend_room(pins, sizes);
+    let pre_shared = super::preshare::pre_share(&m.pins, &m.staging, from, &sizes)?;
     let mut loader = EbpfLoader::new();
     loader.default_map_pin_directory(m.staging.path());
     for kind in SizedMap::ALL {
@@ -128,6 +129,11 @@ pub(super) fn migrate(pins: &PinDir, from: u32, sizes: Option<Sizes>) -> Result<
     let mut ebpf = loader.load(EBPF_OBJECT)?;
     let shared = m.share_unchanged()?;
     let fallback = m.keep_previous_conntrack()?;
+    info!(
+        pre_shared,
+        shared_after_load = shared,
+        "staged layout loaded (maps shared after the load cost a second load)"
+    );
     if shared > 0 || fallback {
         // Load again: the programs must reference the shared maps (and, for a conntrack
         // resize, look a miss up in the tables being replaced).
@@ -185,6 +191,9 @@ impl Migration {
             };
             let oi = bpf_sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
             let ni = self.staging.map_info(name)?;
+            if oi.id == ni.id {
+                continue; // shared before the load (`pre_share`)
+            }
             if (oi.map_type, oi.key_size, oi.value_size)
                 != (ni.map_type, ni.key_size, ni.value_size)
             {
@@ -212,6 +221,9 @@ impl Migration {
             };
             let oi = bpf_sys::map_info(old_fd.as_fd()).map_err(io_err("reading", &old))?;
             let ni = self.staging.map_info(&name)?;
+            if oi.id == ni.id {
+                continue; // shared before the load (`pre_share`)
+            }
             // Socket storage and the events' ring buffer (`EVENTS`) have no keys to copy.
             let storage = matches!(
                 ni.map_type,
