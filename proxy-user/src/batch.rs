@@ -105,19 +105,22 @@ pub fn delete<K: Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> 
     Ok(())
 }
 
-/// Every entry of a map, by `BPF_MAP_LOOKUP_BATCH` in chunks: raw keys and values
-/// (`value_size` bytes each; per-CPU maps: the per-CPU values, 8-byte aligned, one after
-/// the other). `Err` when the map type has no batch lookup (`ENOTSUPP`, `EINVAL`) or the
-/// call fails: the caller then iterates key by key.
-pub fn lookup_raw(
+/// Every entry of a map, by `BPF_MAP_LOOKUP_BATCH` in chunks of at most a mebibyte,
+/// handed to `each` as raw key and value bytes (`value_size` bytes each; per-CPU maps:
+/// the per-CPU values, 8-byte aligned, one after the other) as each chunk arrives: only
+/// one chunk is held, whatever the map's size (a `BACKEND6` array of 2,097,152 entries
+/// read whole was 56 MiB of buffers, twice over once converted). `Err` when the map type
+/// has no batch lookup (`ENOTSUPP`, `EINVAL`) or a call fails, possibly after some
+/// entries were handed over: the caller then starts again key by key.
+pub fn lookup_each(
     fd: BorrowedFd<'_>,
     key_size: usize,
     value_size: usize,
-) -> io::Result<(Vec<u8>, Vec<u8>, usize)> {
+    mut each: impl FnMut(&[u8], &[u8]),
+) -> io::Result<()> {
+    let mut chunk = lookup_chunk(key_size + value_size);
     let mut keys = Vec::new();
     let mut values = Vec::new();
-    let mut total = 0usize;
-    let mut chunk = lookup_chunk(key_size + value_size);
     // Batch tokens: an opaque position (a bucket index for hash maps, a key for arrays).
     let token_len = key_size.max(8);
     let mut token_in = vec![0u8; token_len];
@@ -125,21 +128,26 @@ pub fn lookup_raw(
     let mut first = true;
     loop {
         let n = chunk as usize;
-        keys.resize((total + n) * key_size, 0);
-        values.resize((total + n) * value_size, 0);
+        keys.resize(n * key_size, 0);
+        values.resize(n * value_size, 0);
         let r = bpf_sys::map_lookup_batch(
             fd,
             (!first).then_some(&token_in[..]),
             &mut token_out,
-            &mut keys[total * key_size..],
-            &mut values[total * value_size..],
+            &mut keys,
+            &mut values,
             chunk,
         );
         match r {
             Ok((got, end)) => {
-                total += got as usize;
+                for i in 0..got as usize {
+                    each(
+                        &keys[i * key_size..(i + 1) * key_size],
+                        &values[i * value_size..(i + 1) * value_size],
+                    );
+                }
                 if end == bpf_sys::BatchEnd::End {
-                    break;
+                    return Ok(());
                 }
                 first = false;
                 token_in.copy_from_slice(&token_out);
@@ -151,34 +159,57 @@ pub fn lookup_raw(
             Err(e) => return Err(e),
         }
     }
-    keys.truncate(total * key_size);
-    values.truncate(total * value_size);
+}
+
+/// Every entry of a map as raw keys and values, one after the other ([`lookup_each`]).
+pub fn lookup_raw(
+    fd: BorrowedFd<'_>,
+    key_size: usize,
+    value_size: usize,
+) -> io::Result<(Vec<u8>, Vec<u8>, usize)> {
+    let (mut keys, mut values, mut total) = (Vec::new(), Vec::new(), 0usize);
+    lookup_each(fd, key_size, value_size, |k, v| {
+        keys.extend_from_slice(k);
+        values.extend_from_slice(v);
+        total += 1;
+    })?;
     Ok((keys, values, total))
+}
+
+/// Every entry of a map whose keys and values are `K` and `V` for which `keep` holds,
+/// by batch lookups ([`lookup_each`]: the entries left out are never held).
+pub fn lookup_where<K: Pod, V: Pod>(
+    fd: BorrowedFd<'_>,
+    mut keep: impl FnMut(&K, &V) -> bool,
+) -> io::Result<Vec<(K, V)>> {
+    let mut out = Vec::new();
+    lookup_each(
+        fd,
+        std::mem::size_of::<K>(),
+        std::mem::size_of::<V>(),
+        |k, v| {
+            let (k, v) = (read_pod::<K>(k), read_pod::<V>(v));
+            if keep(&k, &v) {
+                out.push((k, v));
+            }
+        },
+    )?;
+    Ok(out)
 }
 
 /// Every entry of a map whose keys and values are `K` and `V`, by batch lookups.
 pub fn lookup<K: Pod, V: Pod>(fd: BorrowedFd<'_>) -> io::Result<Vec<(K, V)>> {
-    let ks = std::mem::size_of::<K>();
-    let vs = std::mem::size_of::<V>();
-    let (keys, values, n) = lookup_raw(fd, ks, vs)?;
-    Ok((0..n)
-        .map(|i| (read_pod(&keys[i * ks..]), read_pod(&values[i * vs..])))
-        .collect())
+    lookup_where(fd, |_, _| true)
 }
 
 /// Every key of a per-CPU map with `u64` values, and the sum of its per-CPU values.
 pub fn lookup_percpu_sum<K: Pod>(fd: BorrowedFd<'_>, ncpus: usize) -> io::Result<Vec<(K, u64)>> {
-    let ks = std::mem::size_of::<K>();
-    let vs = 8 * ncpus;
-    let (keys, values, n) = lookup_raw(fd, ks, vs)?;
-    Ok((0..n)
-        .map(|i| {
-            let sum = (0..ncpus)
-                .map(|c| read_pod::<u64>(&values[i * vs + c * 8..]))
-                .sum();
-            (read_pod(&keys[i * ks..]), sum)
-        })
-        .collect())
+    let mut out = Vec::new();
+    lookup_each(fd, std::mem::size_of::<K>(), 8 * ncpus, |k, v| {
+        let sum = (0..ncpus).map(|c| read_pod::<u64>(&v[c * 8..])).sum();
+        out.push((read_pod(k), sum));
+    })?;
+    Ok(out)
 }
 
 fn read_pod<T: Pod>(bytes: &[u8]) -> T {

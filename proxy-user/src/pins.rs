@@ -462,18 +462,21 @@ impl<V: BackendEntry> PinnedBackends<V> {
 
     /// Every id in use with its backend: by batch lookups, else index by index.
     pub fn read_all(&self) -> Result<Vec<(u32, V)>, MapError> {
-        let all: Vec<(u32, V)> = match crate::batch::lookup::<u32, V>(self.fd.as_fd()) {
-            Ok(v) => v,
+        // The free ids left out as they are read: an array sized for growth is mostly free.
+        match crate::batch::lookup_where::<u32, V>(self.fd.as_fd(), |_, v| v.in_use()) {
+            Ok(v) => Ok(v),
             Err(e) => {
                 tracing::debug!(error = %e, "batch lookup failed; reading index by index");
                 let mut out = Vec::new();
                 for (id, v) in self.map.iter().enumerate() {
-                    out.push((id as u32, v?));
+                    let v = v?;
+                    if v.in_use() {
+                        out.push((id as u32, v));
+                    }
                 }
-                out
+                Ok(out)
             }
-        };
-        Ok(all.into_iter().filter(|(_, v)| v.in_use()).collect())
+        }
     }
 }
 

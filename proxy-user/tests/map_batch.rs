@@ -189,6 +189,49 @@ fn backend_arrays_take_batches_and_read_back_only_the_ids_in_use() {
     assert_eq!(err.done, 0);
 }
 
+/// A backend array is read chunk by chunk as it arrives (`batch::lookup_each`: one chunk
+/// of about 1 MiB held, not the whole array): every index visited exactly once and in
+/// order across the chunks' borders, and `read_all` keeps exactly the ids in use, the
+/// last index included.
+#[test]
+fn backend_arrays_are_read_chunk_by_chunk_every_index_once() {
+    require_root();
+    let pins = PinDir::new();
+    let _ebpf = load(&pins);
+    let dir = Pins::new(&pins.path);
+    let max = dir.map_info(names::BACKEND4).expect("info").max_entries;
+    assert!(
+        max > 200_000,
+        "the array spans several chunks: {max} entries"
+    );
+    let arr = dir
+        .backends::<Backend4>(names::BACKEND4, Access::ReadWrite)
+        .expect("BACKEND4");
+    // Ids around where chunks of ~87,000 twelve-byte entries end, and the last one.
+    let ids: Vec<u32> = (1..max).step_by(997).chain([max - 1]).collect();
+    let values: Vec<Backend4> = ids.iter().map(|i| backend(*i)).collect();
+    batch::update(arr.fd.as_fd(), &ids, &values).expect("update");
+    let mut seen = 0u32;
+    batch::lookup_each(
+        arr.fd.as_fd(),
+        4,
+        std::mem::size_of::<Backend4>(),
+        |k, _| {
+            let k = u32::from_ne_bytes(k.try_into().expect("4 bytes"));
+            assert_eq!(k, seen, "every index once, in order");
+            seen += 1;
+        },
+    )
+    .expect("lookup");
+    assert_eq!(seen, max);
+    let got = arr.read_all().expect("read");
+    assert_eq!(got.len(), ids.len());
+    assert!(got
+        .iter()
+        .zip(&ids)
+        .all(|((k, v), id)| k == id && *v == backend(*id)));
+}
+
 /// Large values (`MAGLEV`'s 4 KiB chunks) are read back in calls of about 1 MiB (259
 /// chunks each, not 4,096: a zeroed 16.5 MiB buffer even for an empty map), every entry
 /// exactly once.

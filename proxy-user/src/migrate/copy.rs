@@ -161,11 +161,15 @@ pub(super) fn highest_in_use(
     // By batch lookups (an array's walk key by key costs two syscalls for every index:
     // a million at 262,144 entries per map); the walk where the kernel has none.
     let vs = info.value_size as usize;
-    if let Ok((keys, values, n)) = crate::batch::lookup_raw(fd, 4, vs) {
-        return Ok((0..n)
-            .filter(|&i| !array || values[i * vs..(i + 1) * vs].iter().any(|b| *b != 0))
-            .map(|i| u32::from_ne_bytes(keys[i * 4..i * 4 + 4].try_into().expect("4 bytes")))
-            .max());
+    let mut highest = None;
+    let batched = crate::batch::lookup_each(fd, 4, vs, |k, v| {
+        if !array || v.iter().any(|b| *b != 0) {
+            let key = u32::from_ne_bytes(k.try_into().expect("4 bytes"));
+            highest = highest.max(Some(key));
+        }
+    });
+    if batched.is_ok() {
+        return Ok(highest);
     }
     let (mut key, mut next) = ([0u8; 4], [0u8; 4]);
     let mut value = vec![0u8; info.value_size as usize];
@@ -245,29 +249,46 @@ fn batched_into_array(
         return Ok(None);
     }
     let (ks, vs) = (oi.key_size as usize, oi.value_size as usize);
-    let Ok((keys, values, n)) = crate::batch::lookup_raw(old.as_fd(), ks, vs) else {
-        return Ok(None);
-    };
-    let (mut k, mut v) = (
-        Vec::with_capacity(keys.len()),
-        Vec::with_capacity(values.len()),
-    );
-    for i in 0..n {
-        let value = &values[i * vs..(i + 1) * vs];
-        if oi.map_type == bpf_sys::map_type::ARRAY && value.iter().all(|b| *b == 0) {
-            continue;
-        }
-        k.extend_from_slice(&keys[i * ks..(i + 1) * ks]);
-        v.extend_from_slice(value);
-    }
-    let copied = k.len() / ks;
+    // Written as read, 4,096 entries at a time: only a chunk of each side is held (an
+    // array of millions of mostly free ids is not read whole first). A failed read falls
+    // back to the walk, which writes again what was written here (the same values).
     const CHUNK: usize = 4096;
-    for (kc, vc) in k.chunks(CHUNK * ks).zip(v.chunks(CHUNK * vs)) {
-        let count = u32::try_from(kc.len() / ks).unwrap_or(u32::MAX);
-        bpf_sys::map_update_batch_raw(new.as_fd(), kc, vc, count).map_err(|e| e.error)?;
+    let (mut k, mut v) = (
+        Vec::with_capacity(CHUNK * ks),
+        Vec::with_capacity(CHUNK * vs),
+    );
+    let (mut copied, mut failed) = (0u64, None);
+    let mut flush = |k: &mut Vec<u8>, v: &mut Vec<u8>, failed: &mut Option<io::Error>| {
+        if k.is_empty() || failed.is_some() {
+            return;
+        }
+        let count = u32::try_from(k.len() / ks).unwrap_or(u32::MAX);
+        match bpf_sys::map_update_batch_raw(new.as_fd(), k, v, count) {
+            Ok(_) => copied += u64::from(count),
+            Err(e) => *failed = Some(e.error),
+        }
+        k.clear();
+        v.clear();
+    };
+    let read = crate::batch::lookup_each(old.as_fd(), ks, vs, |key, value| {
+        if oi.map_type == bpf_sys::map_type::ARRAY && value.iter().all(|b| *b == 0) {
+            return;
+        }
+        k.extend_from_slice(key);
+        v.extend_from_slice(value);
+        if k.len() >= CHUNK * ks {
+            flush(&mut k, &mut v, &mut failed);
+        }
+    });
+    if read.is_err() {
+        return Ok(None);
+    }
+    flush(&mut k, &mut v, &mut failed);
+    if let Some(e) = failed {
+        return Err(e);
     }
     Ok(Some(CopyCount {
-        copied: copied as u64,
+        copied,
         ..CopyCount::default()
     }))
 }
