@@ -701,3 +701,36 @@ fn a_directory_removed_and_made_again_is_watched_again() {
     );
     fs::remove_dir_all(&tmp).expect("cleanup");
 }
+
+#[test]
+fn a_configmap_volumes_data_swap_is_read_at_once() {
+    // kubelet's atomic writer: the files are symlinks through `..data`, itself a symlink
+    // to a timestamped directory; an update writes a new directory and renames a new
+    // `..data` link over the old one (`IN_MOVED_TO` on the watched directory).
+    use std::os::unix::fs::symlink;
+    let tmp = tempdir();
+    fs::create_dir(tmp.join("..2026_12_05_1")).expect("dir");
+    fs::write(tmp.join("..2026_12_05_1/web.yaml"), SVC).expect("write");
+    symlink("..2026_12_05_1", tmp.join("..data")).expect("..data");
+    symlink("..data/web.yaml", tmp.join("web.yaml")).expect("web.yaml");
+    let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+    let dir = ManifestsDir::new(&tmp, SourceCounters::default());
+    let thread = spawn(dir, Duration::from_secs(3600), tx).expect("spawn");
+    let within = Duration::from_secs(10);
+    let first = recv_within(&mut rx, within).expect("the first read");
+    assert!(names(&[first])[0].contains("snapshot Service [default/web]"));
+    fs::create_dir(tmp.join("..2026_12_05_2")).expect("dir");
+    fs::write(
+        tmp.join("..2026_12_05_2/web.yaml"),
+        SVC.replace("10.96.0.10", "10.96.0.11"),
+    )
+    .expect("write");
+    symlink("..2026_12_05_2", tmp.join("..data_tmp")).expect("..data_tmp");
+    fs::rename(tmp.join("..data_tmp"), tmp.join("..data")).expect("swap ..data");
+    let u = recv_within(&mut rx, within).expect("the swap is read at once");
+    assert_eq!(names(&[u]), ["apply Service default/web"]);
+    drop(rx);
+    fs::write(tmp.join("wake.yaml"), "").expect("write");
+    thread.join().expect("the thread ends with the receiver");
+    fs::remove_dir_all(&tmp).expect("cleanup");
+}
