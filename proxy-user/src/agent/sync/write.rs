@@ -305,10 +305,19 @@ impl<S: MapStore> Syncer<S> {
                 },
             }
         }
-        for fe in removals.iter().chain(list.iter().map(|e| &e.frontend)) {
-            if !failed.contains(fe) {
-                self.refused.remove(fe);
+        if !self.refused.is_empty() {
+            for fe in removals.iter().chain(list.iter().map(|e| &e.frontend)) {
+                if !failed.contains(fe) {
+                    self.refused.remove(fe);
+                }
             }
+        }
+        if list.len() >= FREE_APART {
+            // Freed on a thread of its own: a first sync's entries are hundreds of
+            // thousands of allocations, off the time to programmed.
+            let _ = std::thread::Builder::new()
+                .name("sync-free".into())
+                .spawn(move || drop((list, owner_of)));
         }
     }
 
@@ -403,6 +412,10 @@ impl<S: MapStore> Syncer<S> {
             .inc();
     }
 }
+
+/// A sync writing at least this many frontends frees its desired state on a thread of
+/// its own.
+const FREE_APART: usize = 8192;
 
 /// A sync prepared ([`Syncer::prepare`]), not yet written.
 pub struct Prepared {
