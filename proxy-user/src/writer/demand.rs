@@ -75,24 +75,18 @@ impl<S: MapStore> Writer<S> {
         let mut chunks = held.chunks;
         let mut affinity = held.affinity > 0;
         let table = proxy_common::maglev::chunks(self.maglev.table_size) as usize;
-        // A fresh node's first sync (and its sizing): no backend known, none looked up;
-        // exact, the distinct ones counted apart ([`distinct_backends`]).
-        let none_known = self.backends.len() == 0;
-        let apart = exact && none_known;
         // Sized once (a first sync's upserts name a million backends at 100,000 Services).
         let mut new_backends: HashSet<BackendKey> = HashSet::with_capacity_and_hasher(
-            if exact && !apart {
+            if exact {
                 upserts.iter().map(|e| e.backends.len()).sum()
             } else {
                 0
             },
             Default::default(),
         );
-        let mut unknown = if apart {
-            distinct_backends(upserts)
-        } else {
-            0
-        };
+        let mut unknown = 0usize;
+        // A fresh node's first sync (and its sizing): no backend known, none looked up.
+        let none_known = self.backends.len() == 0;
         for e in upserts {
             // A new frontend's slot 0 and slots; a programmed one's slots beyond its count.
             let now = self.services.get(&e.frontend);
@@ -105,9 +99,6 @@ impl<S: MapStore> Writer<S> {
                 chunks += table;
             }
             affinity |= e.flags & svc_flags::AFFINITY != 0;
-            if apart {
-                continue;
-            }
             for b in &e.backends {
                 let key = (*b, e.frontend.proto);
                 if none_known || self.backends.id_of(&key).is_none() {
@@ -119,12 +110,7 @@ impl<S: MapStore> Writer<S> {
                 }
             }
         }
-        let backends = self.backends.len()
-            + if exact && !apart {
-                new_backends.len()
-            } else {
-                unknown
-            };
+        let backends = self.backends.len() + if exact { new_backends.len() } else { unknown };
         // `BACKEND4/6` are arrays indexed by id (one id space for both families): they
         // need room for the highest id, which the lowest-free allocation keeps at most
         // the highest allocated now or the live ids plus the new ones (0 is never used).
@@ -220,43 +206,6 @@ impl<S: MapStore> Writer<S> {
     ) -> Result<Vec<crate::loader::MapResize>, crate::store::StoreError> {
         self.store.grow_maps(to)
     }
-}
-
-/// Upserts naming at least this many backends have their distinct ones counted on two
-/// threads ([`distinct_backends`]).
-const PARALLEL_DISTINCT: usize = 1 << 16;
-
-/// How many distinct backends (with their protocol) `upserts` name. Many (a fresh
-/// node's sizing: half a million at 50,000 Services, the set's inserts a quarter of
-/// it): counted on two threads, each keeping the keys of one half of a hash space.
-fn distinct_backends(upserts: &[&ServiceEntry]) -> usize {
-    use std::hash::BuildHasher as _;
-    let total: usize = upserts.iter().map(|e| e.backends.len()).sum();
-    let parts = foldhash::fast::RandomState::default();
-    let count = |part: Option<u64>| -> usize {
-        let mut set: HashSet<BackendKey> = HashSet::with_capacity_and_hasher(
-            if part.is_some() { total / 2 + total / 16 } else { total },
-            Default::default(),
-        );
-        for e in upserts {
-            for b in &e.backends {
-                let key = (*b, e.frontend.proto);
-                if part.is_none_or(|p| parts.hash_one(key) & 1 == p) {
-                    set.insert(key);
-                }
-            }
-        }
-        set.len()
-    };
-    if total < PARALLEL_DISTINCT {
-        return count(None);
-    }
-    std::thread::scope(|s| {
-        let other = s.spawn(|| count(Some(1)));
-        let mine = count(Some(0));
-        // A panic on the other thread: its half counted here instead.
-        mine + other.join().unwrap_or_else(|_| count(Some(1)))
-    })
 }
 
 /// The kinds of `needed` that pass [`SVC_HIGH_WATER`] of their size in `sizes`, each
