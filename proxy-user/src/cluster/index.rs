@@ -111,11 +111,7 @@ fn candidates(
     // Where each address:port sits in `candidates`: linear in the endpoints, so a
     // Service with tens of thousands of them costs no more than its size.
     // Few endpoints (most Services): found by a scan of the candidates, no map.
-    let small = slices
-        .iter()
-        .map(|s| s.endpoints.len())
-        .sum::<usize>()
-        <= SMALL_SCAN;
+    let small = slices.iter().map(|s| s.endpoints.len()).sum::<usize>() <= SMALL_SCAN;
     let mut seen: HashMap<(IpAddr, u16), usize> = HashMap::default();
     for slice in slices.iter().filter(|s| s.family == family) {
         let Some(sp) = slice

@@ -157,7 +157,12 @@ pub(super) fn phase(op: &Op, removal: bool) -> usize {
 /// most), one reverse-NAT entry and one slot 0 per frontend (the phases [`phase`] gives
 /// those ops).
 pub(super) fn reserve_new(phases: &mut [Plan], frontends: usize, backends: usize) {
-    for (at, n) in [(5, backends), (6, frontends), (8, backends), (10, frontends)] {
+    for (at, n) in [
+        (5, backends),
+        (6, frontends),
+        (8, backends),
+        (10, frontends),
+    ] {
         phases[at].reserve(n);
     }
 }

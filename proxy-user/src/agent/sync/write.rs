@@ -69,7 +69,12 @@ impl<S: MapStore> Syncer<S> {
     /// re-diff due again if it was one (which builds the claims afresh).
     pub fn requeue(&mut self, p: Prepared) {
         if p.full {
-            let since = p.keys.iter().map(|(_, t)| *t).min().unwrap_or_else(Instant::now);
+            let since = p
+                .keys
+                .iter()
+                .map(|(_, t)| *t)
+                .min()
+                .unwrap_or_else(Instant::now);
             self.full_due.get_or_insert(since);
         }
         for (key, t) in p.keys {
@@ -191,10 +196,12 @@ impl<S: MapStore> Syncer<S> {
     // bookkeeping share the loop's state.
     fn desired(&mut self, keys: &[(ObjKey, Instant)], full: bool) -> Desired {
         let started = Instant::now();
-        let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> = HashMap::default();
+        let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> =
+            HashMap::with_capacity_and_hasher(keys.len(), Default::default());
         // A fresh node's entries, computed to size its maps, nothing changed since.
         let mut prepared = self.prepared.take().unwrap_or_default();
-        let mut touched: BTreeSet<Frontend> = BTreeSet::new();
+        // Gathered, then sorted once (a tree built frontend by frontend cost more).
+        let mut touched: Vec<Frontend> = Vec::new();
         if full {
             self.claims.clear();
             touched.extend(self.writer.frontends().copied());
@@ -221,6 +228,8 @@ impl<S: MapStore> Syncer<S> {
         if full {
             touched.extend(self.claims.frontends().copied());
         }
+        touched.sort_unstable();
+        touched.dedup();
 
         let mut removals = Vec::new();
         let mut upserts: Vec<(ObjKey, ServiceEntry)> = Vec::new();
