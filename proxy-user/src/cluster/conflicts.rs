@@ -127,6 +127,11 @@ impl Claims {
             .map(|r| &r.key)
     }
 
+    /// Whether more than one Service claims `fe` (else it has no losers).
+    pub fn contested(&self, fe: &Frontend) -> bool {
+        self.by_frontend.get(fe).is_some_and(|c| c.len() > 1)
+    }
+
     /// The claimants of `fe` that do not own it (`held_by` as in [`Self::owner`]).
     pub fn losers<'a>(
         &'a self,

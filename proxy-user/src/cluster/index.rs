@@ -110,6 +110,8 @@ fn candidates(
     let mut candidates: Vec<(EndpointInfo, u16)> = Vec::new();
     // Where each address:port sits in `candidates`: linear in the endpoints, so a
     // Service with tens of thousands of them costs no more than its size.
+    // Few endpoints (most Services): found by a scan of the candidates, no map.
+    let small = slices.iter().map(|s| s.endpoints.len()).sum::<usize>() <= SMALL_SCAN;
     let mut seen: HashMap<(IpAddr, u16), usize> = HashMap::default();
     for slice in slices.iter().filter(|s| s.family == family) {
         let Some(sp) = slice
@@ -124,12 +126,21 @@ fn candidates(
             // one endpoint, and a non-terminating copy replaces a terminating one
             // whatever the order of the slices (endpointslicecache.go
             // addEndpoints: `if !exists || !terminating`).
-            match seen.get(&(ep.addr, sp.port)) {
+            let at = if small {
+                candidates
+                    .iter()
+                    .position(|(e, p)| e.addr == ep.addr && *p == sp.port)
+            } else {
+                seen.get(&(ep.addr, sp.port)).copied()
+            };
+            match at {
                 None => {
-                    seen.insert((ep.addr, sp.port), candidates.len());
+                    if !small {
+                        seen.insert((ep.addr, sp.port), candidates.len());
+                    }
                     candidates.push((ep.clone(), sp.port));
                 }
-                Some(&i) if !ep.terminating => candidates[i].0 = ep.clone(),
+                Some(i) if !ep.terminating => candidates[i].0 = ep.clone(),
                 Some(_) => {}
             }
         }
@@ -190,16 +201,30 @@ fn backends_of(
     chosen: &[&EndpointInfo],
     node: &NodeInfo,
 ) -> Vec<Backend> {
-    let chosen: HashSet<*const EndpointInfo> =
-        chosen.iter().map(|c| *c as *const EndpointInfo).collect();
-    let mut b: Vec<Backend> = candidates
-        .iter()
-        .filter(|(e, _)| chosen.contains(&(e as *const EndpointInfo)))
-        .map(|(e, p)| backend(e, *p, node))
-        .collect();
+    // The chosen endpoints come in the candidates' order (every rule filters them in
+    // order): one walk, no set; a set only if that ever did not hold.
+    let mut b: Vec<Backend> = Vec::with_capacity(chosen.len());
+    let mut next = chosen.iter().peekable();
+    for (e, p) in candidates {
+        if next.next_if(|c| std::ptr::eq(**c, e)).is_some() {
+            b.push(backend(e, *p, node));
+        }
+    }
+    if next.peek().is_some() {
+        let chosen: HashSet<*const EndpointInfo> =
+            chosen.iter().map(|c| *c as *const EndpointInfo).collect();
+        b = candidates
+            .iter()
+            .filter(|(e, _)| chosen.contains(&(e as *const EndpointInfo)))
+            .map(|(e, p)| backend(e, *p, node))
+            .collect();
+    }
     b.sort();
     b
 }
+
+/// Up to this many endpoints, [`candidates`] finds repeats by a scan (no hash map).
+const SMALL_SCAN: usize = 16;
 
 fn unspecified(family: Family) -> IpAddr {
     match family {
@@ -425,14 +450,17 @@ impl Index {
 
     /// Replaces every slice at once. Returns the Services touched.
     pub fn replace_slices(&mut self, all: Vec<(ObjKey, SliceInfo)>) -> Vec<ObjKey> {
-        let mut touched: BTreeSet<ObjKey> = self.slices_by_service.keys().cloned().collect();
+        // Sorted once at the end (a tree built key by key cost more at 50,000).
+        let mut touched: Vec<ObjKey> = self.slices_by_service.keys().cloned().collect();
         self.slices = HashMap::with_capacity_and_hasher(all.len(), Default::default());
         self.slices_by_service = HashMap::with_capacity_and_hasher(all.len(), Default::default());
         for (key, info) in all {
             self.set_slice(key, Some(info));
         }
         touched.extend(self.slices_by_service.keys().cloned());
-        touched.into_iter().collect()
+        touched.sort_unstable();
+        touched.dedup();
+        touched
     }
 
     pub fn service(&self, key: &ObjKey) -> Option<&ServiceInfo> {
@@ -450,6 +478,19 @@ impl Index {
     /// Whether a Service is known (slices of unknown Services wait for it).
     pub fn has_service(&self, key: &ObjKey) -> bool {
         self.services.contains_key(key)
+    }
+
+    /// Whether every slice's Service is in the index (no slice waits for its Service):
+    /// one hash lookup per Service rather than a search of the Services per slice (every
+    /// full re-diff asks; at 50,000 Services the searches cost tens of milliseconds).
+    pub fn no_orphan_slices(&self) -> bool {
+        self.slices_by_service.len() <= self.services.len()
+            && self
+                .services
+                .keys()
+                .filter(|k| self.slices_by_service.contains_key(*k))
+                .count()
+                == self.slices_by_service.len()
     }
 
     pub fn service_keys(&self) -> impl Iterator<Item = &ObjKey> {

@@ -9,7 +9,7 @@ use std::{
 use tracing::{error, warn};
 
 use super::{
-    plan::{phase, Plan, PHASES},
+    plan::{phase, reserve_new, Plan, PHASES},
     SyncReport, Writer,
 };
 
@@ -268,6 +268,7 @@ impl<S: MapStore> Writer<S> {
             }
         }
         let upserts = range.start.saturating_sub(gone.len())..range.end.saturating_sub(gone.len());
+        self.reserve_new(&mut phases, &desired[upserts.clone()]);
         for entry in &desired[upserts] {
             match self.stage_upsert(entry) {
                 Err(e) => report.errors.push(e),
@@ -285,6 +286,26 @@ impl<S: MapStore> Writer<S> {
             }
         }
         (phases, report)
+    }
+
+    /// Room in the phases for what the new frontends of `entries` write (a backend and
+    /// a slot per backend, reverse NAT and slot 0 each; a first sync's rounds hold
+    /// nothing else), and in the backends' table for their backends: reserved once
+    /// rather than grown op by op. Programmed frontends reserve nothing (what they
+    /// write is their difference, often nothing).
+    fn reserve_new(&mut self, phases: &mut [Plan], entries: &[&ServiceEntry]) {
+        let (mut frontends, mut backends) = (0, 0);
+        for e in entries {
+            if !self.services.contains_key(&e.frontend) {
+                frontends += 1;
+                backends += e.backends.len();
+            }
+        }
+        if frontends == 0 {
+            return;
+        }
+        reserve_new(phases, frontends, backends);
+        self.backends.reserve(backends);
     }
 
     /// Releases ids freed during a written round.

@@ -277,6 +277,10 @@ impl<S: MapStore> Syncer<S> {
 
     /// The same over every slice (full syncs).
     pub(super) fn report_orphans(&mut self) {
+        if self.index.no_orphan_slices() {
+            self.orphans_reported.clear();
+            return;
+        }
         let orphans: BTreeMap<ObjKey, ObjKey> = self
             .index
             .slices()

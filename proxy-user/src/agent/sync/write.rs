@@ -23,45 +23,86 @@ use crate::{
 
 impl<S: MapStore> Syncer<S> {
     /// Writes what is pending. Call when [`Self::ready`] and [`Self::pending`].
-    // Long: one sync's steps in the order the module doc gives (resolve conflicts, write,
-    // refused, triggers, metrics); each is a few lines over the same outcome.
     pub fn sync(&mut self, now: Instant) -> SyncOutcome {
+        match self.prepare(now) {
+            Some(p) => self.sync_prepared(p, now),
+            None => SyncOutcome::default(),
+        }
+    }
+
+    /// The first half of [`Self::sync`]: which Services it covers, each frontend's owner
+    /// (the claims), the removals and upserts in write order, nothing written (`None`:
+    /// not [`Self::ready`]). A fresh node builds it while its maps are made
+    /// (`agent::start`); [`Self::sync_prepared`] writes it, or [`Self::requeue`] puts it
+    /// back.
+    pub fn prepare(&mut self, now: Instant) -> Option<Prepared> {
         if !self.ready() {
-            return SyncOutcome::default();
+            return None;
         }
         let start = Instant::now();
+        let flags = (self.nodes_changed, self.service_cidrs_changed);
         self.nodes_changed = false;
         self.service_cidrs_changed = false;
         let full = self.full_due.is_some();
         let keys: Vec<(ObjKey, Instant)> = if full {
             let since = self.full_due.take().unwrap_or(now);
-            // Every Service (the index's keys come sorted), the held ones, and the dirty
-            // ones with their own times: sorted, one per key (a dirty key's time wins).
-            let mut all: Vec<(ObjKey, Instant, bool)> = self
-                .index
-                .service_keys()
-                .chain(self.held.keys())
-                .map(|k| (k.clone(), since, false))
-                .chain(self.dirty.drain().map(|(k, t)| (k, t, true)))
-                .collect();
-            all.sort_by(|a, b| a.0.cmp(&b.0).then(b.2.cmp(&a.2)));
-            all.dedup_by(|later, first| later.0 == first.0);
-            all.into_iter().map(|(k, t, _)| (k, t)).collect()
+            self.full_keys(since)
         } else {
             let mut keys: Vec<_> = self.dirty.drain().collect();
             keys.sort();
             keys
         };
+        if full {
+            self.report_orphans();
+        }
+        let desired = self.desired(&keys, full);
+        Some(Prepared {
+            start,
+            full,
+            flags,
+            keys,
+            desired,
+        })
+    }
 
+    /// A prepared sync not written: its Services dirty again (their times kept), a full
+    /// re-diff due again if it was one (which builds the claims afresh).
+    pub fn requeue(&mut self, p: Prepared) {
+        if p.full {
+            let since = p
+                .keys
+                .iter()
+                .map(|(_, t)| *t)
+                .min()
+                .unwrap_or_else(Instant::now);
+            self.full_due.get_or_insert(since);
+        }
+        for (key, t) in p.keys {
+            self.dirty.entry(key).or_insert(t);
+        }
+        self.nodes_changed |= p.flags.0;
+        self.service_cidrs_changed |= p.flags.1;
+    }
+
+    /// The second half of [`Self::sync`]: writes a prepared sync (nothing else may have
+    /// changed the syncer or its writer since [`Self::prepare`]), then what failed or was
+    /// refused, the triggers and the metrics.
+    // Long: one sync's steps in the order the module doc gives (write, refused, triggers,
+    // metrics); each is a few lines over the same outcome.
+    pub fn sync_prepared(&mut self, p: Prepared, now: Instant) -> SyncOutcome {
+        let Prepared {
+            start,
+            full,
+            keys,
+            desired,
+            ..
+        } = p;
         let mut outcome = SyncOutcome {
             ran: true,
             full,
             ..SyncOutcome::default()
         };
-        if full {
-            self.report_orphans();
-        }
-        self.write(&keys, full, now, &mut outcome);
+        self.write(desired, now, &mut outcome);
         self.synced_once = true;
 
         let done = Instant::now();
@@ -121,24 +162,46 @@ impl<S: MapStore> Syncer<S> {
         outcome
     }
 
-    /// Writes the frontends `keys` claim or claimed (`full`: every frontend, removing
+    /// A full re-diff's keys: every Service, the held ones, and the dirty ones (their own
+    /// time wins over `since`), sorted, one per key. The index's keys come sorted and
+    /// unique: taken in their order with their dirty time; only the few others (held
+    /// Services, dirty Services no longer in the index) make a sort (a first sync
+    /// sorted 100,000 keys, every Service dirty, at 50,000).
+    fn full_keys(&mut self, since: Instant) -> Vec<(ObjKey, Instant)> {
+        let dirty = &mut self.dirty;
+        let mut all: Vec<(ObjKey, Instant)> = self
+            .index
+            .service_keys()
+            .map(|k| (k.clone(), dirty.remove(k).unwrap_or(since)))
+            .collect();
+        let mut others: Vec<(ObjKey, Instant)> = self
+            .held
+            .keys()
+            .filter(|k| !self.index.has_service(k))
+            .map(|k| (k.clone(), self.dirty.remove(k).unwrap_or(since)))
+            .collect();
+        others.extend(self.dirty.drain());
+        if !others.is_empty() {
+            all.extend(others);
+            all.sort_by(|a, b| a.0.cmp(&b.0));
+        }
+        all
+    }
+
+    /// What the frontends `keys` claim or claimed need (`full`: every frontend, removing
     /// what nobody claims, pinned leftovers of a previous agent included). Each frontend
     /// gets its owner's entry (`cluster::conflicts`): a change of owner is one rewrite
     /// of the frontend, never a removal followed by an insert.
     // Long: one pass over the claimed frontends: owner, entry, write or remove, and its
     // bookkeeping share the loop's state.
-    fn write(
-        &mut self,
-        keys: &[(ObjKey, Instant)],
-        full: bool,
-        now: Instant,
-        outcome: &mut SyncOutcome,
-    ) {
+    fn desired(&mut self, keys: &[(ObjKey, Instant)], full: bool) -> Desired {
         let started = Instant::now();
-        let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> = HashMap::default();
+        let mut entries: HashMap<ObjKey, Vec<ServiceEntry>> =
+            HashMap::with_capacity_and_hasher(keys.len(), Default::default());
         // A fresh node's entries, computed to size its maps, nothing changed since.
         let mut prepared = self.prepared.take().unwrap_or_default();
-        let mut touched: BTreeSet<Frontend> = BTreeSet::new();
+        // Gathered, then sorted once (a tree built frontend by frontend cost more).
+        let mut touched: Vec<Frontend> = Vec::new();
         if full {
             self.claims.clear();
             touched.extend(self.writer.frontends().copied());
@@ -165,6 +228,8 @@ impl<S: MapStore> Syncer<S> {
         if full {
             touched.extend(self.claims.frontends().copied());
         }
+        touched.sort_unstable();
+        touched.dedup();
 
         let mut removals = Vec::new();
         let mut upserts: Vec<(ObjKey, ServiceEntry)> = Vec::new();
@@ -194,15 +259,31 @@ impl<S: MapStore> Syncer<S> {
         let owner_of: HashMap<Frontend, ObjKey> =
             list.iter().map(|e| e.frontend).zip(owners).collect();
         write_order(&mut list);
-        // Removals first (they free map room for the additions), then the upserts in
-        // write order; in batches when there are many (the first sync, a relist).
+        Desired {
+            removals,
+            list,
+            owner_of,
+            built_ms: started.elapsed().as_secs_f64() * 1e3,
+        }
+    }
+
+    /// Writes `desired`: removals first (they free map room for the additions), then the
+    /// upserts in write order; in batches when there are many (the first sync, a
+    /// relist). What failed is retried, what was refused reported.
+    fn write(&mut self, desired: Desired, now: Instant, outcome: &mut SyncOutcome) {
+        let Desired {
+            removals,
+            list,
+            owner_of,
+            built_ms,
+        } = desired;
         let planned = Instant::now();
         let report = self.writer.write_many(&removals, &list);
         self.svc_growths();
         debug!(
             frontends = list.len(),
             removals = removals.len(),
-            desired_ms = planned.duration_since(started).as_secs_f64() * 1e3,
+            desired_ms = built_ms,
             write_ms = planned.elapsed().as_secs_f64() * 1e3,
             "sync: desired state built, written"
         );
@@ -233,10 +314,19 @@ impl<S: MapStore> Syncer<S> {
                 },
             }
         }
-        for fe in removals.iter().chain(list.iter().map(|e| &e.frontend)) {
-            if !failed.contains(fe) {
-                self.refused.remove(fe);
+        if !self.refused.is_empty() {
+            for fe in removals.iter().chain(list.iter().map(|e| &e.frontend)) {
+                if !failed.contains(fe) {
+                    self.refused.remove(fe);
+                }
             }
+        }
+        if list.len() >= FREE_APART {
+            // Freed on a thread of its own: a first sync's entries are hundreds of
+            // thousands of allocations, off the time to programmed.
+            let _ = std::thread::Builder::new()
+                .name("sync-free".into())
+                .spawn(move || drop((list, owner_of)));
         }
     }
 
@@ -275,6 +365,11 @@ impl<S: MapStore> Syncer<S> {
 
     /// Reports each Service that claims `fe` without owning it, once.
     fn report_conflicts(&mut self, fe: &Frontend) {
+        // One claimant or none, nothing reported for it: nothing to do (most frontends;
+        // the sets below cost a first sync tens of milliseconds at 50,000).
+        if !self.claims.contested(fe) && !self.conflicts_reported.contains_key(fe) {
+            return;
+        }
         let held_by = self.writer.programmed_name(fe);
         let losers: BTreeSet<ObjKey> = self.claims.losers(fe, held_by).cloned().collect();
         let owner = self.claims.owner(fe, held_by).cloned();
@@ -325,6 +420,28 @@ impl<S: MapStore> Syncer<S> {
             })
             .inc();
     }
+}
+
+/// A sync writing at least this many frontends frees its desired state on a thread of
+/// its own.
+const FREE_APART: usize = 8192;
+
+/// A sync prepared ([`Syncer::prepare`]), not yet written.
+pub struct Prepared {
+    start: Instant,
+    full: bool,
+    /// `nodes_changed`, `service_cidrs_changed` as they were (put back by a requeue).
+    flags: (bool, bool),
+    keys: Vec<(ObjKey, Instant)>,
+    desired: Desired,
+}
+
+/// The frontends a sync removes and writes, and who owns each written one.
+struct Desired {
+    removals: Vec<Frontend>,
+    list: Vec<ServiceEntry>,
+    owner_of: HashMap<Frontend, ObjKey>,
+    built_ms: f64,
 }
 
 fn err_frontend(e: &WriteError) -> Option<&Frontend> {
