@@ -566,7 +566,7 @@ async fn after_sync<S: crate::MapStore>(
 /// Hands the heap's free pages back to the kernel after a large sync (the initial one, a
 /// relist, the periodic full re-diff): parsing thousands of objects leaves most of the
 /// peak free but still resident, about half the agent's RSS at 10,000 Services.
-fn release_freed_memory() {
+pub(crate) fn release_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: glibc's malloc_trim has no preconditions.
     unsafe {
