@@ -6,8 +6,7 @@ use proxy_common::{map_names, meta, ABI_VERSION};
 
 use super::{
     copy::Convert,
-    rules::{converter, force_mode, io_err, Force},
-    state::PREVIOUS_CT,
+    rules::{converter, force_mode, io_err, Force, PREVIOUS_CT},
     SizedMap, Sizes,
 };
 use crate::{

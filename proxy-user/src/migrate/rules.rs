@@ -147,3 +147,9 @@ pub(super) fn swap_pause() -> Option<std::time::Duration> {
 
 /// [`FAIL_ENV`] fails one migration per process (the first to pass the step).
 static FAILED_ONCE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `(CT*_PREV, CT*)`: where a resize keeps each conntrack table it replaces.
+pub(super) const PREVIOUS_CT: [(&str, &str); 2] = [
+    (map_names::CT4_PREV, map_names::CT4),
+    (map_names::CT6_PREV, map_names::CT6),
+];

@@ -12,6 +12,7 @@ use super::{
     hooks::{pinned_hooks, swap_hooks},
     rules::{
         converter, crash_point, force_mode, io_err, kept_as, kept_maps, Force, DATAPATH_WRITTEN,
+        PREVIOUS_CT,
     },
     v3, SizedMap, Sizes,
 };
@@ -19,12 +20,6 @@ use crate::{
     loader::{object_hash, LoadError, CT_FALLBACK_GLOBAL, EBPF_OBJECT},
     pins::{Access, PinDir},
 };
-
-/// `(CT*_PREV, CT*)`: where a resize keeps each conntrack table it replaces.
-pub(super) const PREVIOUS_CT: [(&str, &str); 2] = [
-    (map_names::CT4_PREV, map_names::CT4),
-    (map_names::CT6_PREV, map_names::CT6),
-];
 
 /// Whether the staging directory holds a replaced conntrack table
 /// (`Migration::keep_previous_conntrack`): the staged programs then need the fallback.
