@@ -29,13 +29,14 @@ pub use flow::{
 };
 pub use reason::Reason;
 pub use service::{
-    Backend4, Backend6, MaglevChunk, MaglevKey, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key,
-    Svc6Key, SvcValue, NAME_LEN,
+    svc_chunk_of, Backend4, Backend6, MaglevChunk, MaglevKey, RevNat4, RevNat6, SrcRange4,
+    SrcRange6, Svc4Key, Svc6Key, SvcEntry, SvcValue, NAME_LEN, SVC_CHUNK_SLOTS,
 };
 
 /// Bumped whenever a key, value or map definition changes incompatibly. The loader stores
 /// it in the `META` map; pins of an older version are migrated (`proxy-user/src/migrate`).
-/// 4: `SOCK_REVNAT4/6` became per-socket storage (`SK_STORAGE`) instead of a node-wide LRU.
+/// 4: `SOCK_REVNAT4/6` became per-socket storage (`SK_STORAGE`) instead of a node-wide LRU;
+/// `BACKEND4/6` arrays; `SVC4/6` entries hold a chunk of 24 backend slots ([`SvcEntry`]).
 pub const ABI_VERSION: u32 = 4;
 
 /// Map names, as they appear in the object file, under the pin directory and in bpftool.
@@ -469,7 +470,8 @@ mod user {
         event, AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
         FlowCounts, MaglevChunk, MaglevKey, NodeConfig, RevNat4, RevNat6, SockRevNat4,
         SockRevNat4Entry, SockRevNat4V3, SockRevNat4V3Key, SockRevNat6, SockRevNat6Entry,
-        SockRevNat6V3, SockRevNat6V3Key, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
+        SockRevNat6V3, SockRevNat6V3Key, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcEntry,
+        SvcValue,
     };
 
     macro_rules! pod {
@@ -486,6 +488,7 @@ mod user {
         Svc4Key,
         Svc6Key,
         SvcValue,
+        SvcEntry,
         Backend4,
         Backend6,
         RevNat4,
@@ -548,7 +551,8 @@ mod tests {
     fn abi_sizes_and_no_implicit_padding() {
         assert_layout!(Svc4Key, size 12, align 4, fields [u32, u16, u16, u8, u8, [u8; 2]]);
         assert_layout!(Svc6Key, size 24, align 4, fields [[u32; 4], u16, u16, u8, u8, [u8; 2]]);
-        assert_layout!(SvcValue, size 16, align 4, fields [u32, u32, u16, u16, u32]);
+        assert_layout!(SvcValue, size 12, align 4, fields [u32, u16, u16, u32]);
+        assert_layout!(SvcEntry, size 108, align 4, fields [SvcValue, [u32; SVC_CHUNK_SLOTS]]);
         assert_layout!(Backend4, size 8, align 4, fields [u32, u16, u8, u8]);
         assert_layout!(Backend6, size 20, align 4, fields [[u32; 4], u16, u8, u8]);
         assert_layout!(RevNat4, size 72, align 4, fields [u32, u16, u8, u8, [u8; NAME_LEN]]);
@@ -583,10 +587,10 @@ mod tests {
     #[test]
     fn field_offsets_are_fixed() {
         assert_eq!(core::mem::offset_of!(Svc4Key, port), 4);
-        assert_eq!(core::mem::offset_of!(Svc4Key, slot), 6);
+        assert_eq!(core::mem::offset_of!(Svc4Key, chunk), 6);
         assert_eq!(core::mem::offset_of!(Svc4Key, proto), 8);
         assert_eq!(core::mem::offset_of!(Svc6Key, port), 16);
-        assert_eq!(core::mem::offset_of!(SvcValue, count), 8);
+        assert_eq!(core::mem::offset_of!(SvcValue, count), 4);
         assert_eq!(core::mem::offset_of!(SockRevNat6Entry, backend_port), 32);
     }
 

@@ -12,8 +12,9 @@ pub const NAME_LEN: usize = 64;
 pub struct Svc4Key {
     pub addr: u32,
     pub port: u16,
-    /// 0 for the frontend entry, `1..=count` for backend slots.
-    pub slot: u16,
+    /// 0 for the frontend entry (which holds slots `1..=SVC_CHUNK_SLOTS`), `c >= 1` for
+    /// the chunk of slots `c * SVC_CHUNK_SLOTS + 1 ..= (c + 1) * SVC_CHUNK_SLOTS`.
+    pub chunk: u16,
     pub proto: u8,
     /// `scope::ALL` or `scope::EXTERNAL_LOCAL`.
     pub scope: u8,
@@ -26,23 +27,55 @@ pub struct Svc4Key {
 pub struct Svc6Key {
     pub addr: [u32; 4],
     pub port: u16,
-    pub slot: u16,
+    pub chunk: u16,
     pub proto: u8,
     pub scope: u8,
     pub _pad: [u8; 2],
 }
 
-/// `SVC4`/`SVC6` value. In slot 0: `count`, `service_id`, `flags`, `affinity_timeout`.
-/// In slot n: `backend_id` (and `service_id`, for dumps).
+/// Backend slots held by one `SVC4`/`SVC6` entry: the frontend entry (chunk 0) holds
+/// slots `1..=24`, chunk `c` slots `24c + 1 ..= 24c + 24`. 24 fills the kernel's 192-byte
+/// allocation class for a hash element of either family (`docs/deploy.md`): most Services
+/// cost one element for their frontend and all its slots, not one per slot.
+pub const SVC_CHUNK_SLOTS: usize = 24;
+
+/// The chunk holding backend slot `slot` (`1..=count`) and the slot's index in it.
+#[inline(always)]
+pub const fn svc_chunk_of(slot: u16) -> (u16, usize) {
+    let i = slot.wrapping_sub(1) as usize;
+    ((i / SVC_CHUNK_SLOTS) as u16, i % SVC_CHUNK_SLOTS)
+}
+
+/// The frontend's fields of an `SVC4`/`SVC6` entry (chunk 0): `count`, `service_id`,
+/// `flags`, `affinity_timeout`. In a chunk `c >= 1`: `service_id` only (for dumps).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct SvcValue {
-    pub backend_id: u32,
     pub service_id: u32,
     pub count: u16,
     pub flags: u16,
     /// Session affinity timeout in seconds (0: no affinity).
     pub affinity_timeout: u32,
+}
+
+/// `SVC4`/`SVC6` value: the frontend's fields and the backend ids of one chunk of its
+/// slots (0 past the count).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SvcEntry {
+    pub head: SvcValue,
+    pub backends: [u32; SVC_CHUNK_SLOTS],
+}
+
+impl SvcEntry {
+    /// The backend id of the slot at index `i` of this chunk, if it names one.
+    #[inline(always)]
+    pub fn backend_at(&self, i: usize) -> Option<u32> {
+        match self.backends.get(i) {
+            Some(&id) if id != 0 => Some(id),
+            _ => None,
+        }
+    }
 }
 
 /// `BACKEND4` value.
@@ -139,12 +172,12 @@ pub struct SrcRange6 {
 }
 
 impl Svc4Key {
-    /// The key of slot `slot` of frontend `addr:port/proto` in `scope`.
-    pub const fn new(addr: u32, port: u16, proto: u8, scope: u8, slot: u16) -> Self {
+    /// The key of chunk `chunk` of frontend `addr:port/proto` in `scope`.
+    pub const fn new(addr: u32, port: u16, proto: u8, scope: u8, chunk: u16) -> Self {
         Self {
             addr,
             port,
-            slot,
+            chunk,
             proto,
             scope,
             _pad: [0; 2],
@@ -153,12 +186,12 @@ impl Svc4Key {
 }
 
 impl Svc6Key {
-    /// The key of slot `slot` of frontend `addr:port/proto` in `scope`.
-    pub const fn new(addr: [u32; 4], port: u16, proto: u8, scope: u8, slot: u16) -> Self {
+    /// The key of chunk `chunk` of frontend `addr:port/proto` in `scope`.
+    pub const fn new(addr: [u32; 4], port: u16, proto: u8, scope: u8, chunk: u16) -> Self {
         Self {
             addr,
             port,
-            slot,
+            chunk,
             proto,
             scope,
             _pad: [0; 2],

@@ -4,8 +4,9 @@
 
 use aya_ebpf::bindings::bpf_sock;
 use proxy_common::{
-    affinity_kind, limits::SOCK_REVNAT_SLOTS, scope, svc_flags, Reason, SockRevNat4Entry,
-    SockRevNat4V3Key, SockRevNat6Entry, SockRevNat6V3Key, Svc4Key, Svc6Key, SvcValue,
+    affinity_kind, limits::SOCK_REVNAT_SLOTS, scope, svc_chunk_of, svc_flags, Reason,
+    SockRevNat4Entry, SockRevNat4V3Key, SockRevNat6Entry, SockRevNat6V3Key, Svc4Key, Svc6Key,
+    SvcValue, SVC_CHUNK_SLOTS,
 };
 
 use core::ptr::{read_volatile, write_volatile};
@@ -20,8 +21,8 @@ use crate::maps::{
 pub trait Family {
     type Addr: Copy + PartialEq;
 
-    /// The `SVC` entry for `slot` of frontend `addr:port/proto`.
-    fn svc(addr: Self::Addr, port: u16, proto: u8, slot: u16) -> Option<SvcValue>;
+    /// The frontend `addr:port/proto` (its `SVC` entry's frontend fields).
+    fn svc(addr: Self::Addr, port: u16, proto: u8) -> Option<SvcValue>;
     /// The all-zero address: NodePort frontends are keyed by it.
     fn zero() -> Self::Addr;
     /// One of the node's addresses (`NODE_ADDRS`): NodePorts answer on it.
@@ -33,9 +34,13 @@ pub trait Family {
     fn rev_table(sk: *mut bpf_sock, create: bool) -> Option<RevTable<Self::Entry>>;
     /// One reverse entry: `backend -> (frontend, service id)`.
     type Entry: RevEntry<Addr = Self::Addr>;
-    /// The `SVC` entry for `slot` of frontend `addr:port/proto` in `scope` (`scope::ALL`
-    /// or the external-local twin, which only the TC path reads).
-    fn svc_in(addr: Self::Addr, port: u16, proto: u8, scope: u8, slot: u16) -> Option<SvcValue>;
+    /// The frontend `addr:port/proto` in `scope` (`scope::ALL` or the external-local
+    /// twin, which only the TC path reads).
+    fn svc_in(addr: Self::Addr, port: u16, proto: u8, scope: u8) -> Option<SvcValue>;
+    /// The backend id backend slot `slot` (`1..=count`) of frontend `addr:port/proto` in
+    /// `scope` names: read from the `SVC` entry of the slot's chunk (the frontend's own
+    /// entry for slots `1..=24`).
+    fn slot_backend(addr: Self::Addr, port: u16, proto: u8, scope: u8, slot: u16) -> Option<u32>;
     /// The backend's address, port and `backend_flags`.
     fn backend_entry(id: u32) -> Option<(Self::Addr, u16, u8)>;
     /// The previous layout's reverse entry of the socket `cookie` for `backend`
@@ -193,12 +198,8 @@ impl Family for V4 {
     type Addr = u32;
 
     #[inline(always)]
-    fn svc(addr: u32, port: u16, proto: u8, slot: u16) -> Option<SvcValue> {
-        // SAFETY: the value is copied out at once.
-        unsafe {
-            SVC4.get(&Svc4Key::new(addr, port, proto, scope::ALL, slot))
-                .copied()
-        }
+    fn svc(addr: u32, port: u16, proto: u8) -> Option<SvcValue> {
+        Self::svc_in(addr, port, proto, scope::ALL)
     }
 
     #[inline(always)]
@@ -236,12 +237,27 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn svc_in(addr: u32, port: u16, proto: u8, scope: u8, slot: u16) -> Option<SvcValue> {
-        // SAFETY: copied out at once.
+    fn svc_in(addr: u32, port: u16, proto: u8, scope: u8) -> Option<SvcValue> {
+        // SAFETY: the frontend's fields are copied out at once.
         unsafe {
-            SVC4.get(&Svc4Key::new(addr, port, proto, scope, slot))
-                .copied()
+            SVC4.get(&Svc4Key::new(addr, port, proto, scope, 0))
+                .map(|e| e.head)
         }
+    }
+
+    #[inline(always)]
+    fn slot_backend(addr: u32, port: u16, proto: u8, scope: u8, slot: u16) -> Option<u32> {
+        let (chunk, i) = svc_chunk_of(slot);
+        // SAFETY: one id read out of a live map value.
+        let e = unsafe { SVC4.get(&Svc4Key::new(addr, port, proto, scope, chunk)) }?;
+        // LLVM knows `i < SVC_CHUNK_SLOTS` (a remainder) and would drop the bounds check
+        // the verifier needs (as in `maglev::slot`).
+        // SAFETY: a read of a local.
+        let i = unsafe { read_volatile(&i) };
+        if i >= SVC_CHUNK_SLOTS {
+            return None;
+        }
+        e.backend_at(i)
     }
 
     #[inline(always)]
@@ -284,12 +300,8 @@ impl Family for V6 {
     type Addr = [u32; 4];
 
     #[inline(always)]
-    fn svc(addr: [u32; 4], port: u16, proto: u8, slot: u16) -> Option<SvcValue> {
-        // SAFETY: copied out at once.
-        unsafe {
-            SVC6.get(&Svc6Key::new(addr, port, proto, scope::ALL, slot))
-                .copied()
-        }
+    fn svc(addr: [u32; 4], port: u16, proto: u8) -> Option<SvcValue> {
+        Self::svc_in(addr, port, proto, scope::ALL)
     }
 
     #[inline(always)]
@@ -327,12 +339,27 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn svc_in(addr: [u32; 4], port: u16, proto: u8, scope: u8, slot: u16) -> Option<SvcValue> {
-        // SAFETY: copied out at once.
+    fn svc_in(addr: [u32; 4], port: u16, proto: u8, scope: u8) -> Option<SvcValue> {
+        // SAFETY: the frontend's fields are copied out at once.
         unsafe {
-            SVC6.get(&Svc6Key::new(addr, port, proto, scope, slot))
-                .copied()
+            SVC6.get(&Svc6Key::new(addr, port, proto, scope, 0))
+                .map(|e| e.head)
         }
+    }
+
+    #[inline(always)]
+    fn slot_backend(addr: [u32; 4], port: u16, proto: u8, scope: u8, slot: u16) -> Option<u32> {
+        let (chunk, i) = svc_chunk_of(slot);
+        // SAFETY: one id read out of a live map value.
+        let e = unsafe { SVC6.get(&Svc6Key::new(addr, port, proto, scope, chunk)) }?;
+        // LLVM knows `i < SVC_CHUNK_SLOTS` (a remainder) and would drop the bounds check
+        // the verifier needs (as in `maglev::slot`).
+        // SAFETY: a read of a local.
+        let i = unsafe { read_volatile(&i) };
+        if i >= SVC_CHUNK_SLOTS {
+            return None;
+        }
+        e.backend_at(i)
     }
 
     #[inline(always)]
@@ -376,12 +403,7 @@ impl Family for V6 {
 /// else for one of the node's addresses the NodePort entry), over this family's maps.
 #[inline(always)]
 pub fn frontend<F: Family>(addr: F::Addr, port: u16, proto: u8) -> Option<(SvcValue, F::Addr)> {
-    proxy_common::lookup::frontend(
-        addr,
-        F::zero(),
-        |a| F::svc(a, port, proto, 0),
-        F::is_node_addr,
-    )
+    proxy_common::lookup::frontend(addr, F::zero(), |a| F::svc(a, port, proto), F::is_node_addr)
 }
 
 /// The outcome of the forward path when the destination was a frontend.
@@ -413,7 +435,7 @@ pub fn xlate_fwd<F: Family>(
             Reason::NoBackend
         });
     }
-    let slot_backend = |s: u16| F::svc(key_addr, port, proto, s).map(|e| e.backend_id);
+    let slot_backend = |s: u16| F::slot_backend(key_addr, port, proto, scope::ALL, s);
     let client = || {
         let n = netns();
         affinity::key(

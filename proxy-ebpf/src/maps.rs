@@ -21,18 +21,19 @@ use proxy_common::{
     AffinityKey, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, FlowCounts,
     MaglevChunk, MaglevKey, NodeConfig, Reason, RevNat4, RevNat6, SockRevNat4, SockRevNat4V3,
     SockRevNat4V3Key, SockRevNat6, SockRevNat6V3, SockRevNat6V3Key, SrcRange4, SrcRange6, Svc4Key,
-    Svc6Key, SvcValue,
+    Svc6Key, SvcEntry,
 };
 
 use crate::pkt::state::{Bucket, Fib, FibHop, FibHopKey4, FibHopKey6, Scratch};
 
-/// IPv4 frontends (slot 0) and their backend slots (1..=count).
+/// IPv4 frontends (chunk 0: the frontend and its slots 1..=24) and the further chunks
+/// of 24 backend slots of frontends with more.
 #[map]
-pub static SVC4: HashMap<Svc4Key, SvcValue> = HashMap::pinned(MAX_SVC_ENTRIES, BPF_F_NO_PREALLOC);
+pub static SVC4: HashMap<Svc4Key, SvcEntry> = HashMap::pinned(MAX_SVC_ENTRIES, BPF_F_NO_PREALLOC);
 
-/// IPv6 frontends and their backend slots.
+/// IPv6 frontends and their backend slots, as `SVC4`.
 #[map]
-pub static SVC6: HashMap<Svc6Key, SvcValue> = HashMap::pinned(MAX_SVC_ENTRIES, BPF_F_NO_PREALLOC);
+pub static SVC6: HashMap<Svc6Key, SvcEntry> = HashMap::pinned(MAX_SVC_ENTRIES, BPF_F_NO_PREALLOC);
 
 /// Backend id -> IPv4 endpoint, shared by all frontends that use it. An array indexed by
 /// the id (ids are dense, one space for both families): an entry of protocol 0 (never

@@ -7,7 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use aya::{maps::lpm_trie::Key as LpmKey, Pod};
 use proxy_common::{
     map_names as names, Backend4, Backend6, NodeConfig, RevNat4, RevNat6, SrcRange4, SrcRange6,
-    Svc4Key, Svc6Key, SvcValue, NAME_LEN,
+    Svc4Key, Svc6Key, SvcEntry, SvcValue, NAME_LEN, SVC_CHUNK_SLOTS,
 };
 
 use crate::{
@@ -42,7 +42,7 @@ pub trait FamilyAbi: 'static {
 
     /// The address in the model.
     fn ip(a: Self::Addr) -> IpAddr;
-    /// A `SVC` key's frontend fields and slot.
+    /// A `SVC` key's frontend fields and chunk.
     fn svc_fields(k: &Self::SvcKey) -> (Fields<Self::Addr>, u16);
     /// A `BACKEND` value's fields (`scope` holds `backend_flags`).
     fn backend_fields(b: &Self::Backend) -> Fields<Self::Addr>;
@@ -110,7 +110,7 @@ macro_rules! family_abi {
                     proto: k.proto,
                     scope: k.scope,
                 };
-                (f, k.slot)
+                (f, k.chunk)
             }
             fn backend_fields(b: &$backendv) -> Fields<$addr> {
                 Fields {
@@ -206,36 +206,48 @@ pub enum SvcKey {
     V6(Svc6Key),
 }
 
-/// The `SVC` key of `fe`'s slot `slot` (0: the frontend itself).
-pub fn svc_key(fe: &Frontend, slot: u16) -> SvcKey {
+/// The `SVC` key of `fe`'s chunk `chunk` (0: the frontend itself).
+pub fn svc_key(fe: &Frontend, chunk: u16) -> SvcKey {
     let (port, proto) = (port_net(fe.port), fe.proto.number());
     match fe.addr {
-        IpAddr::V4(a) => SvcKey::V4(Svc4Key::new(v4_word(a), port, proto, fe.scope, slot)),
-        IpAddr::V6(a) => SvcKey::V6(Svc6Key::new(v6_words(a), port, proto, fe.scope, slot)),
+        IpAddr::V4(a) => SvcKey::V4(Svc4Key::new(v4_word(a), port, proto, fe.scope, chunk)),
+        IpAddr::V6(a) => SvcKey::V6(Svc6Key::new(v6_words(a), port, proto, fe.scope, chunk)),
     }
 }
 
-/// Slot 0's value.
-pub fn frontend_value(v: &FrontendValue) -> SvcValue {
-    SvcValue {
-        backend_id: 0,
-        service_id: v.service_id,
-        count: v.count,
-        flags: v.flags,
-        affinity_timeout: v.affinity_timeout,
+/// An entry's backend ids: `backends` (at most [`SVC_CHUNK_SLOTS`]), then zeros.
+fn chunk_backends(backends: &[u32]) -> [u32; SVC_CHUNK_SLOTS] {
+    let mut out = [0; SVC_CHUNK_SLOTS];
+    let n = backends.len().min(SVC_CHUNK_SLOTS);
+    out[..n].copy_from_slice(&backends[..n]);
+    out
+}
+
+/// The frontend's entry (chunk 0): its fields and the backend ids of slots `1..=24`.
+pub fn frontend_value(v: &FrontendValue, backends: &[u32]) -> SvcEntry {
+    SvcEntry {
+        head: SvcValue {
+            service_id: v.service_id,
+            count: v.count,
+            flags: v.flags,
+            affinity_timeout: v.affinity_timeout,
+        },
+        backends: chunk_backends(backends),
     }
 }
 
-/// A slot's value (slot >= 1).
-pub fn slot_value(backend_id: u32, service_id: u32) -> SvcValue {
-    SvcValue {
-        backend_id,
-        service_id,
-        ..SvcValue::default()
+/// The entry of a further chunk (`>= 1`): the service id (for dumps) and its ids.
+pub fn chunk_value(service_id: u32, backends: &[u32]) -> SvcEntry {
+    SvcEntry {
+        head: SvcValue {
+            service_id,
+            ..SvcValue::default()
+        },
+        backends: chunk_backends(backends),
     }
 }
 
-/// Slot 0's value, read back.
+/// The frontend's fields, read back.
 pub fn decode_frontend_value(v: &SvcValue) -> FrontendValue {
     FrontendValue {
         service_id: v.service_id,
@@ -252,10 +264,10 @@ fn decode_frontend<F: FamilyAbi>(f: &Fields<F::Addr>) -> Option<Frontend> {
     Some(Frontend::new(F::ip(f.addr), port_host(f.port), proto).with_scope(f.scope))
 }
 
-/// The frontend and slot of a `SVC4`/`SVC6` key; `None` for an unknown protocol.
+/// The frontend and chunk of a `SVC4`/`SVC6` key; `None` for an unknown protocol.
 pub fn decode_svc<F: FamilyAbi>(k: &F::SvcKey) -> Option<(Frontend, u16)> {
-    let (f, slot) = F::svc_fields(k);
-    Some((decode_frontend::<F>(&f)?, slot))
+    let (f, chunk) = F::svc_fields(k);
+    Some((decode_frontend::<F>(&f)?, chunk))
 }
 
 /// The protocol number a `SVC` key holds (for the error naming an unknown one).
@@ -263,28 +275,37 @@ pub fn svc_proto<F: FamilyAbi>(k: &F::SvcKey) -> u8 {
     F::svc_fields(k).0.proto
 }
 
+/// The slots `(slot, backend id)` an entry of chunk `chunk` names (a 0 is no slot).
+pub fn chunk_slots(chunk: u16, v: &SvcEntry) -> impl Iterator<Item = (u16, u32)> + '_ {
+    let first = usize::from(chunk) * SVC_CHUNK_SLOTS + 1;
+    v.backends
+        .iter()
+        .enumerate()
+        .filter(|(_, id)| **id != 0)
+        .filter_map(move |(i, id)| Some((u16::try_from(first + i).ok()?, *id)))
+}
+
 /// [`put_svc`] into vectors (built into the dump's maps in bulk).
 pub fn push_svc(
     frontends: &mut Vec<(Frontend, crate::store::FrontendValue)>,
     slots: &mut Vec<((Frontend, u16), u32)>,
     fe: Frontend,
-    slot: u16,
-    v: &SvcValue,
+    chunk: u16,
+    v: &SvcEntry,
 ) {
-    if slot == 0 {
-        frontends.push((fe, decode_frontend_value(v)));
-    } else {
-        slots.push(((fe, slot), v.backend_id));
+    if chunk == 0 {
+        frontends.push((fe, decode_frontend_value(&v.head)));
     }
+    slots.extend(chunk_slots(chunk, v).map(|(slot, id)| ((fe, slot), id)));
 }
 
-/// Puts one `SVC` entry read back into a dump: slot 0 as the frontend, others as slots.
-pub fn put_svc(d: &mut Dump, fe: Frontend, slot: u16, v: &SvcValue) {
-    if slot == 0 {
-        d.frontends.insert(fe, decode_frontend_value(v));
-    } else {
-        d.slots.insert((fe, slot), v.backend_id);
+/// Puts one `SVC` entry read back into a dump: chunk 0 as the frontend and its slots,
+/// the others as their slots.
+pub fn put_svc(d: &mut Dump, fe: Frontend, chunk: u16, v: &SvcEntry) {
+    if chunk == 0 {
+        d.frontends.insert(fe, decode_frontend_value(&v.head));
     }
+    d.set_chunk(fe, chunk, &v.backends);
 }
 
 /// A `BACKEND4`/`BACKEND6` value.
@@ -461,7 +482,7 @@ mod tests {
         // The datapath compares against `user_ip4` / `user_port`: network byte order.
         assert_eq!(k.addr.to_ne_bytes(), [10, 96, 0, 10]);
         assert_eq!(k.port.to_ne_bytes(), 443u16.to_be_bytes());
-        assert_eq!((k.slot, k.proto, k.scope), (3, 6, scope::EXTERNAL_LOCAL));
+        assert_eq!((k.chunk, k.proto, k.scope), (3, 6, scope::EXTERNAL_LOCAL));
         assert_eq!(decode_svc::<Ipv4>(&k).map(|(f, _)| f), Some(f));
 
         let f6 = fe("fd00:96::a", 53, Proto::Udp);
@@ -482,23 +503,37 @@ mod tests {
     }
 
     #[test]
-    fn slot_values_round_trip_into_a_dump() {
+    fn chunked_slots_round_trip_into_a_dump() {
         let f = fe("10.96.0.10", 80, Proto::Tcp);
         let v = FrontendValue {
             service_id: 7,
-            count: 2,
+            count: 26,
             flags: proxy_common::svc_flags::AFFINITY,
             affinity_timeout: 10800,
         };
-        let raw = frontend_value(&v);
-        assert_eq!(raw.backend_id, 0, "slot 0 names no backend");
-        assert_eq!(decode_frontend_value(&raw), v);
+        // Slots 1..=24 in the frontend's own entry, 25 and 26 in chunk 1.
+        let ids: Vec<u32> = (100..126).collect();
+        let raw = frontend_value(&v, &ids[..24]);
+        assert_eq!(raw.backends[23], 123, "slot 24 is the entry's last");
+        assert_eq!(decode_frontend_value(&raw.head), v);
+        let more = chunk_value(7, &ids[24..]);
+        assert_eq!((more.head.count, more.head.service_id), (0, 7));
+        assert_eq!(&more.backends[..3], &[124, 125, 0], "zero past the count");
         let mut d = Dump::default();
         put_svc(&mut d, f, 0, &raw);
-        put_svc(&mut d, f, 1, &slot_value(42, 7));
+        put_svc(&mut d, f, 1, &more);
         assert_eq!(d.frontends.get(&f), Some(&v));
-        assert_eq!(d.slots.get(&(f, 1)), Some(&42));
-        assert_eq!(slot_value(42, 7).count, 0);
+        let slots: Vec<(u16, u32)> = d.slots.iter().map(|((_, s), id)| (*s, *id)).collect();
+        let want: Vec<(u16, u32)> = (1..=26).zip(100..126).collect();
+        assert_eq!(
+            slots, want,
+            "slot n names ids[n - 1], across the chunk boundary"
+        );
+        // A chunk rewritten with fewer ids loses the rest of its slots.
+        put_svc(&mut d, f, 1, &chunk_value(7, &[124]));
+        assert_eq!(d.slots.len(), 25);
+        assert_eq!(proxy_common::svc_chunk_of(25), (1, 0));
+        assert_eq!(proxy_common::svc_chunk_of(24), (0, 23));
     }
 
     #[test]

@@ -10,6 +10,8 @@ use std::{
 
 use tracing::debug;
 
+use proxy_common::SVC_CHUNK_SLOTS;
+
 use crate::model::{Backend, Family, Frontend, Proto};
 
 /// One map write. The writer plans a list of these per frontend, in the safe update order.
@@ -23,20 +25,29 @@ pub enum Op {
     },
     /// Delete `BACKEND{4,6}[id]` (and its connection counters).
     DelBackend { id: u32, family: Family },
-    /// `SVC{4,6}[frontend, slot] = backend_id` (slot >= 1).
-    PutSlot {
+    /// `SVC{4,6}[frontend, chunk] = backends` (chunk >= 1): the backend ids of slots
+    /// `24 * chunk + 1 ..` (at most [`SVC_CHUNK_SLOTS`]; the rest of the entry zero).
+    PutChunk {
         frontend: Frontend,
-        slot: u16,
-        backend_id: u32,
+        chunk: u16,
+        backends: Box<[u32]>,
         service_id: u32,
+        /// Written after the frontend's entry (with the surplus deletes): the chunk
+        /// rewritten without the ids past a count that shrank within it (before, it
+        /// kept them, as the live count still reached them).
+        trim: bool,
     },
-    /// `SVC{4,6}[frontend, 0] = {count, service_id, flags, affinity}`.
+    /// `SVC{4,6}[frontend, 0] = {count, service_id, flags, affinity}` with the backend ids
+    /// of slots `1..=24` (`backends`, at most [`SVC_CHUNK_SLOTS`]): one entry, written at
+    /// once.
     PutFrontend {
         frontend: Frontend,
         value: FrontendValue,
+        backends: Box<[u32]>,
     },
-    /// Delete `SVC{4,6}[frontend, slot]` (slot 0 deletes the frontend itself).
-    DelSlot { frontend: Frontend, slot: u16 },
+    /// Delete `SVC{4,6}[frontend, chunk]` (chunk 0 deletes the frontend itself, with its
+    /// first 24 slots).
+    DelChunk { frontend: Frontend, chunk: u16 },
     /// `REVNAT{4,6}[service_id] = frontend` (with the Service's name).
     PutRevNat {
         service_id: u32,
@@ -69,6 +80,9 @@ pub enum Op {
         service_id: u32,
         chunk: u32,
         value: Box<proxy_common::MaglevChunk>,
+        /// Written after the frontend's entry: its table is in use (the flag was set
+        /// before), and the entry holds slots `1..=24`, which the new table names.
+        late: bool,
     },
     /// Delete `MAGLEV[service_id, chunk]`.
     DelMaglev { service_id: u32, chunk: u32 },
@@ -110,10 +124,10 @@ impl Op {
         let (map, family, delete) = match self {
             Op::PutBackend { backend, .. } => (MapKind::Backend, backend.family(), false),
             Op::DelBackend { family, .. } => (MapKind::Backend, *family, true),
-            Op::PutSlot { frontend, .. } | Op::PutFrontend { frontend, .. } => {
+            Op::PutChunk { frontend, .. } | Op::PutFrontend { frontend, .. } => {
                 (MapKind::Svc, frontend.family(), false)
             }
-            Op::DelSlot { frontend, .. } => (MapKind::Svc, frontend.family(), true),
+            Op::DelChunk { frontend, .. } => (MapKind::Svc, frontend.family(), true),
             Op::PutRevNat { frontend, .. } => (MapKind::RevNat, frontend.family(), false),
             Op::DelRevNat { family, .. } => (MapKind::RevNat, *family, true),
             Op::PutSrcRange { addr, .. } => (MapKind::SrcRange, fam(addr), false),
@@ -136,9 +150,10 @@ impl Op {
     pub fn key(&self) -> String {
         match self {
             Op::PutBackend { id, .. } | Op::DelBackend { id, .. } => format!("backend {id}"),
-            Op::PutSlot { frontend, slot, .. } | Op::DelSlot { frontend, slot } => {
-                format!("svc {frontend} #{slot}")
+            Op::PutChunk {
+                frontend, chunk, ..
             }
+            | Op::DelChunk { frontend, chunk } => format!("svc {frontend} #{chunk}"),
             Op::PutFrontend { frontend, .. } => format!("svc {frontend} #0"),
             Op::PutRevNat { service_id, .. } | Op::DelRevNat { service_id, .. } => {
                 format!("revnat {service_id}")
@@ -163,7 +178,7 @@ impl Op {
     }
 }
 
-/// What slot 0 holds.
+/// A frontend's own fields (the head of its `SVC` entry, chunk 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct FrontendValue {
     pub service_id: u32,
@@ -183,19 +198,31 @@ impl fmt::Display for Op {
                 Ok(())
             }
             Op::DelBackend { id, family } => write!(f, "del backend {id} ({family:?})"),
-            Op::PutSlot {
+            Op::PutChunk {
                 frontend,
-                slot,
-                backend_id,
+                chunk,
+                backends,
                 ..
-            } => write!(f, "put slot {frontend} #{slot} -> backend {backend_id}"),
-            Op::PutFrontend { frontend, value } => write!(
+            } => write!(
                 f,
-                "put frontend {frontend} id={} count={} flags={:#x} affinity={}",
-                value.service_id, value.count, value.flags, value.affinity_timeout
+                "put slots {frontend} chunk {chunk} -> backends {}",
+                ids(backends)
             ),
-            Op::DelSlot { frontend, slot: 0 } => write!(f, "del frontend {frontend}"),
-            Op::DelSlot { frontend, slot } => write!(f, "del slot {frontend} #{slot}"),
+            Op::PutFrontend {
+                frontend,
+                value,
+                backends,
+            } => write!(
+                f,
+                "put frontend {frontend} id={} count={} flags={:#x} affinity={} backends {}",
+                value.service_id,
+                value.count,
+                value.flags,
+                value.affinity_timeout,
+                ids(backends)
+            ),
+            Op::DelChunk { frontend, chunk: 0 } => write!(f, "del frontend {frontend}"),
+            Op::DelChunk { frontend, chunk } => write!(f, "del slots {frontend} chunk {chunk}"),
             Op::PutRevNat {
                 service_id,
                 frontend,
@@ -227,6 +254,7 @@ impl fmt::Display for Op {
                 service_id,
                 chunk,
                 value,
+                ..
             } => write!(
                 f,
                 "put maglev {service_id} #{chunk} (M={} hash={:016x})",
@@ -236,6 +264,25 @@ impl fmt::Display for Op {
             Op::DelMaglev { service_id, chunk } => write!(f, "del maglev {service_id} #{chunk}"),
         }
     }
+}
+
+/// Backend ids as `[1 2 3]`.
+fn ids(backends: &[u32]) -> String {
+    let v: Vec<String> = backends.iter().map(|id| id.to_string()).collect();
+    format!("[{}]", v.join(" "))
+}
+
+/// The backend ids of chunk `chunk` of a frontend whose slots `1..` name `slots` (the
+/// chunk's part of them: at most [`SVC_CHUNK_SLOTS`], none past the end).
+pub fn chunk_ids(slots: &[u32], chunk: usize) -> &[u32] {
+    let from = (chunk * SVC_CHUNK_SLOTS).min(slots.len());
+    &slots[from..(from + SVC_CHUNK_SLOTS).min(slots.len())]
+}
+
+/// `SVC` entries of a frontend with `count` slots: its own (slots `1..=24`) and one per
+/// further chunk.
+pub fn svc_entries(count: usize) -> usize {
+    count.div_ceil(SVC_CHUNK_SLOTS).max(1)
 }
 
 impl fmt::Display for Snat {
@@ -270,9 +317,10 @@ pub enum StoreError {
 /// The service maps' contents, read back (adoption, dumps, tests).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Dump {
-    /// Slot 0 of every frontend.
+    /// Every frontend's own fields (chunk 0).
     pub frontends: BTreeMap<Frontend, FrontendValue>,
-    /// Slots >= 1: `(frontend, slot) -> backend id`.
+    /// Backend slots (`1..`, of every chunk, the frontend's own included), one by one:
+    /// `(frontend, slot) -> backend id`.
     pub slots: BTreeMap<(Frontend, u16), u32>,
     /// Backend id -> backend and protocol.
     pub backends: BTreeMap<u32, (Backend, Proto)>,
@@ -289,6 +337,35 @@ pub struct Dump {
 }
 
 impl Dump {
+    /// Sets the slots of chunk `chunk` of `fe` to `backends` (its ids in order; a 0 is no
+    /// slot), replacing what the chunk held: one `SVC` entry's slots read back.
+    pub fn set_chunk(&mut self, fe: Frontend, chunk: u16, backends: &[u32]) {
+        self.clear_chunk(fe, chunk);
+        let first = usize::from(chunk) * SVC_CHUNK_SLOTS + 1;
+        for (i, id) in backends.iter().enumerate().take(SVC_CHUNK_SLOTS) {
+            if let (Ok(slot), true) = (u16::try_from(first + i), *id != 0) {
+                self.slots.insert((fe, slot), *id);
+            }
+        }
+    }
+
+    /// Removes the slots of chunk `chunk` of `fe`.
+    pub fn clear_chunk(&mut self, fe: Frontend, chunk: u16) {
+        let first = usize::from(chunk) * SVC_CHUNK_SLOTS + 1;
+        let last = (first + SVC_CHUNK_SLOTS - 1).min(usize::from(u16::MAX));
+        let Ok(first) = u16::try_from(first) else {
+            return;
+        };
+        let gone: Vec<u16> = self
+            .slots
+            .range((fe, first)..=(fe, last as u16))
+            .map(|((_, s), _)| *s)
+            .collect();
+        for s in gone {
+            self.slots.remove(&(fe, s));
+        }
+    }
+
     /// A stable text rendering, one entry per line (golden files, debugging).
     pub fn render(&self) -> String {
         let mut out = String::new();

@@ -2,22 +2,28 @@
 //! writing only what changed, in an order that never shows the datapath a half-written
 //! frontend (after katran's `KatranLb` and cilium's service manager).
 //!
-//! Update order for one frontend:
+//! A frontend's `SVC` entry (chunk 0) holds its count, service id, flags and the backend
+//! ids of slots `1..=24`; a frontend with more backends has further entries (chunks
+//! `c >= 1`) of 24 slots each (`proxy_common::SVC_CHUNK_SLOTS`). Update order for one
+//! frontend:
 //! 1. new backends (`BACKEND` entries for newly allocated ids);
 //! 2. the reverse-NAT entry, for a new frontend;
-//! 3. changed or new slots `1..=new_count` (slots beyond the live count are invisible to
-//!    the datapath; a slot within it is replaced atomically by one map update);
+//! 3. changed or new chunks `>= 1` (slots beyond the live count are invisible to the
+//!    datapath; a chunk within it is replaced atomically by one map update, and a chunk
+//!    the count shrinks within keeps its ids past the new count until step 5);
 //!    then, for a frontend with `svc_flags::MAGLEV`, its Maglev table (`MAGLEV` chunks)
 //!    when it changed: it names slots `1..=new_count`, all written by now, and the flag
-//!    in slot 0 that makes the datapath read it comes next;
-//! 4. slot 0 with the new count (growing makes the new slots visible here, shrinking
-//!    hides the surplus ones here);
-//! 5. surplus slots `new_count+1..=old_count` deleted;
+//!    in the frontend's entry that makes the datapath read it comes next;
+//! 4. the frontend's entry with the new count and slots `1..=24`, in one update (growing
+//!    makes the new slots visible here, shrinking hides the surplus ones here);
+//! 5. surplus chunks deleted, a chunk the count shrank within rewritten without the ids
+//!    past it (`Op::PutChunk { trim: true }`);
 //! 6. backends no frontend references any more deleted.
 //!
-//! Removing a frontend deletes slot 0 first (it disappears atomically), then its slots and
-//! Maglev table, its reverse-NAT entry and unreferenced backends. Turning Maglev off
-//! rewrites slot 0 without the flag first, then deletes the table.
+//! Removing a frontend deletes its entry first (it disappears atomically, with its first
+//! 24 slots), then its further chunks and Maglev table, its reverse-NAT entry and
+//! unreferenced backends. Turning Maglev off rewrites the frontend's entry without the
+//! flag first, then deletes the table.
 //!
 //! If a write fails (a full map, say), the writes already made for that frontend are
 //! undone in reverse order, the in-memory model is left as it was, and the error names
@@ -30,9 +36,9 @@
 //! in rounds of [`BATCH_CHUNK_FRONTENDS`] frontends (removals first, then upserts in
 //! their order): each round plans its frontends and then writes phase by phase across
 //! all of them, one batch call per phase and map (`BPF_MAP_UPDATE_BATCH` /
-//! `BPF_MAP_DELETE_BATCH`): removals (slot 0, slots, source ranges, reverse NAT,
-//! backends), then the order above (backends, reverse NAT, source ranges, slots, slot 0,
-//! surplus slots, stale source ranges, backends). A group of at least [`SPLIT_MIN_OPS`]
+//! `BPF_MAP_DELETE_BATCH`): removals (frontend entries, their chunks, source ranges,
+//! reverse NAT, backends), then the order above (backends, reverse NAT, source ranges,
+//! chunks, frontend entries, surplus and trimmed chunks, stale source ranges, backends). A group of at least [`SPLIT_MIN_OPS`]
 //! inserts is written as two batch calls at once, on two threads (`split.rs`: the
 //! kernel's per-element allocation scales across CPUs); the next phase waits for both. Each frontend's own writes keep the
 //! update order (all of a frontend's ops are in one round); ops of different frontends

@@ -52,15 +52,11 @@ fn corrupted_pins_are_repaired_on_adoption_and_traffic_is_right_afterwards() {
     let d = maps.dump().expect("dump");
     let web_sid = d.frontends[&web].service_id;
     let api_backend = d.slots[&(api, 1)];
+    let web_first = d.slots[&(web, 1)];
     for op in [
-        // api takes web's service id (slot 0 and its slot), and claims two slots of which
-        // only one exists; web's second slot names a backend that does not exist.
-        Op::PutSlot {
-            frontend: api,
-            slot: 1,
-            backend_id: api_backend,
-            service_id: web_sid,
-        },
+        // api takes web's service id, and claims two slots of which only one exists
+        // (slots 1..=24 live in the frontend's own entry); web's second slot names a
+        // backend that does not exist.
         Op::PutFrontend {
             frontend: api,
             value: FrontendValue {
@@ -68,12 +64,12 @@ fn corrupted_pins_are_repaired_on_adoption_and_traffic_is_right_afterwards() {
                 count: 2,
                 ..d.frontends[&api]
             },
+            backends: vec![api_backend].into(),
         },
-        Op::PutSlot {
+        Op::PutFrontend {
             frontend: web,
-            slot: 2,
-            backend_id: 999,
-            service_id: web_sid,
+            value: d.frontends[&web],
+            backends: vec![web_first, 999].into(),
         },
     ] {
         maps.apply(&op).expect("corrupt");

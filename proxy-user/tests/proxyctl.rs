@@ -42,7 +42,7 @@ use std::{
 use aya::maps::{Array, HashMap, Map, MapData, MapError};
 use proxy_common::{
     backend_flags, ct_flags, map_names, proto, scope, svc_flags, Ct4Key, Ct4Value, Ct6Key,
-    Ct6Value, Svc4Key, SvcValue,
+    Ct6Value, Svc4Key, SvcEntry,
 };
 use proxy_user::{
     ctl::maps::{monotonic_ns, open_pinned_rdonly},
@@ -533,7 +533,7 @@ fn maps_opened_like_proxyctl_refuse_writes() {
     // The descriptor proxyctl uses: BPF_OBJ_GET with BPF_F_RDONLY.
     let fd = open_pinned_rdonly(&pin.join(map_names::SVC4)).expect("read-only open");
     let data = MapData::from_fd(fd).expect("map data");
-    let mut svc4: HashMap<MapData, Svc4Key, SvcValue> = Map::from_map_data(data)
+    let mut svc4: HashMap<MapData, Svc4Key, SvcEntry> = Map::from_map_data(data)
         .expect("map")
         .try_into()
         .expect("typed");
@@ -543,7 +543,7 @@ fn maps_opened_like_proxyctl_refuse_writes() {
         other => panic!("expected a refused syscall, got {other:?}"),
     };
     assert_eq!(
-        errno(svc4.insert(key, SvcValue::default(), 0)),
+        errno(svc4.insert(key, SvcEntry::default(), 0)),
         Some(libc::EPERM)
     );
     assert_eq!(errno(svc4.remove(&key)), Some(libc::EPERM));

@@ -497,7 +497,7 @@ fn full_service_map_is_refused_cleanly() {
             80,
             Proto::Tcp,
         );
-        // Zero backends keeps each frontend at two entries (slot 0 and revnat).
+        // Zero backends keeps each frontend at two entries (its own and revnat).
         if let Err(e) = env.writer().upsert(&ServiceEntry::new(fe, vec![])) {
             errors.push((fe, e));
         }
@@ -903,7 +903,7 @@ fn an_unconnected_udp_socket_keeps_its_newest_reverse_entries() {
 fn reverse_entries_of_the_previous_layout_are_read_moved_and_deleted() {
     use proxy_common::{
         map_names, scope, SockRevNat4V3, SockRevNat4V3Key, SockRevNat6V3, SockRevNat6V3Key,
-        Svc4Key, Svc6Key, SvcValue,
+        Svc4Key, Svc6Key, SvcEntry,
     };
     let mut env = TestEnv::new(1);
     env.serve_all(PORT);
@@ -920,9 +920,9 @@ fn reverse_entries_of_the_previous_layout_are_read_moved_and_deleted() {
             u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
         })
     };
-    let svc4: aya::maps::HashMap<_, Svc4Key, SvcValue> =
+    let svc4: aya::maps::HashMap<_, Svc4Key, SvcEntry> =
         aya::maps::HashMap::try_from(aya::maps::Map::HashMap(open(map_names::SVC4))).expect("SVC4");
-    let svc6: aya::maps::HashMap<_, Svc6Key, SvcValue> =
+    let svc6: aya::maps::HashMap<_, Svc6Key, SvcEntry> =
         aya::maps::HashMap::try_from(aya::maps::Map::HashMap(open(map_names::SVC6))).expect("SVC6");
     let id4 = svc4
         .get(
@@ -930,6 +930,7 @@ fn reverse_entries_of_the_previous_layout_are_read_moved_and_deleted() {
             0,
         )
         .expect("frontend")
+        .head
         .service_id;
     let id6 = svc6
         .get(
@@ -937,6 +938,7 @@ fn reverse_entries_of_the_previous_layout_are_read_moved_and_deleted() {
             0,
         )
         .expect("frontend")
+        .head
         .service_id;
     let mut kept4: aya::maps::HashMap<_, SockRevNat4V3Key, SockRevNat4V3> =
         aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(open(map_names::SOCK_REVNAT4_V3)))

@@ -23,7 +23,7 @@ use std::{
 };
 
 use anyhow::{bail, Context as _, Result};
-use proxy_common::{Backend4, Ct4Key, Ct4Value, Ct6Key, Ct6Value, Svc4Key, SvcValue};
+use proxy_common::{Backend4, Ct4Key, Ct4Value, Ct6Key, Ct6Value, Svc4Key, Svc6Key, SvcEntry};
 use proxy_testbed::memcg::MemCgroup;
 
 #[derive(clap::Args)]
@@ -77,7 +77,7 @@ struct Shape {
     value: usize,
 }
 
-fn shapes() -> [Shape; 4] {
+fn shapes() -> [Shape; 5] {
     use std::mem::size_of;
     [
         Shape {
@@ -86,9 +86,14 @@ fn shapes() -> [Shape; 4] {
             value: size_of::<Backend4>(),
         },
         Shape {
-            maps: "SVC4 (Svc4Key -> SvcValue)",
+            maps: "SVC4 (Svc4Key -> SvcEntry: a frontend and 24 slots)",
             key: size_of::<Svc4Key>(),
-            value: size_of::<SvcValue>(),
+            value: size_of::<SvcEntry>(),
+        },
+        Shape {
+            maps: "SVC6 (Svc6Key -> SvcEntry)",
+            key: size_of::<Svc6Key>(),
+            value: size_of::<SvcEntry>(),
         },
         Shape {
             maps: "CT4 (Ct4Key -> Ct4Value)",

@@ -349,7 +349,7 @@ fn pick<F: PktFamily>(p: &Pkt<F::Addr>, out: &mut Chosen<F::Addr>) -> Result<boo
     // The local-only twin. While a policy change is being written the flag and the twin
     // can disagree for a moment; without a twin the frontend's own entry serves.
     if front.flags & svc_flags::ETP_LOCAL != 0 {
-        if let Some(local) = F::svc_in(fe_addr, p.dport, p.proto, scope::EXTERNAL_LOCAL, 0) {
+        if let Some(local) = F::svc_in(fe_addr, p.dport, p.proto, scope::EXTERNAL_LOCAL) {
             // Endpoints elsewhere but none here: DROP. A twin without LOCAL_ONLY and
             // without backends means no endpoint anywhere: REJECT below, like any
             // Service without endpoints (kube-proxy: `!hasEndpoints` -> REJECT).
@@ -482,7 +482,7 @@ fn choose<F: PktFamily>(
     sc: u8,
     preferred: u16,
 ) -> u32 {
-    let slot_backend = |s: u16| F::svc_in(fe_addr, p.dport, p.proto, sc, s).map(|e| e.backend_id);
+    let slot_backend = |s: u16| F::slot_backend(fe_addr, p.dport, p.proto, sc, s);
     let client = || {
         let (addr, kind) = F::client(p.saddr);
         affinity::key(front, addr, kind)

@@ -197,15 +197,20 @@ mod tests {
         store::MemStore,
     };
 
-    /// `n` Services of one endpoint each (2 `SVC` entries, a backend, a frontend).
+    /// `n` Services of the same 25 endpoints (2 `SVC` entries each: the frontend's own,
+    /// with slots 1..=24, and chunk 1 with slot 25; 25 backends in all; a frontend each).
     fn services(n: u32) -> Vec<ServiceEntry> {
         (0..n)
             .map(|i| {
                 let vip = std::net::Ipv4Addr::from(0x0a60_0000 + i);
-                let be = std::net::Ipv4Addr::from(0x0a80_0000 + i);
                 let mut e = ServiceEntry::new(
                     Frontend::new(vip, 80, Proto::Tcp),
-                    [std::net::SocketAddr::from((be, 8080))],
+                    (0..25).map(|j| {
+                        std::net::SocketAddr::from((
+                            std::net::Ipv4Addr::from(0x0a80_0000 + j),
+                            8080,
+                        ))
+                    }),
                 );
                 e.name = format!("default/s{i}:http");
                 e
@@ -231,8 +236,8 @@ mod tests {
         let mut w = writer();
         let mut s = Shrinker::new(hold);
         let t0 = Instant::now();
-        // 10,000 Services: SVC 20,000 entries (grown to 32,768), REVNAT and the
-        // backends 10,000 (grown to 16,384, and the backends' 16,384 floor).
+        // 10,000 Services: SVC 20,000 entries (grown to 32,768), REVNAT 10,000 (grown to
+        // 16,384), the backends 25 (at their floor).
         let many = services(10_000);
         let r = w.sync(many.clone());
         assert!(r.errors.is_empty(), "{:?}", r.errors);

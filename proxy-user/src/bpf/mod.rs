@@ -14,7 +14,7 @@ use aya::{
     maps::{lpm_trie::LpmTrie, Array, MapData, MapError, PerCpuArray, PerCpuHashMap},
     Pod,
 };
-use proxy_common::{map_names as names, MaglevChunk, MaglevKey, NodeConfig, Reason, SvcValue};
+use proxy_common::{map_names as names, MaglevChunk, MaglevKey, NodeConfig, Reason, SvcEntry};
 
 use crate::{
     batch,
@@ -56,7 +56,7 @@ fn bump_gen(map: &mut Array<MapData, u32>) -> Result<u32, MapError> {
 /// One family's maps (`SVC4`, `BACKEND4`, `REVNAT4`, `NODE_ADDRS4`, `SRC_RANGE4`, or
 /// their `*6` twins): the store's code over them is written once (`store.rs`).
 struct FamilyMaps<F: FamilyAbi> {
-    svc: Pair<F::SvcKey, SvcValue>,
+    svc: Pair<F::SvcKey, SvcEntry>,
     backend: PinnedBackends<F::Backend>,
     revnat: Pair<u32, F::RevNat>,
     node: Pair<F::Addr, u8>,

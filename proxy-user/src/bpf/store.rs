@@ -4,7 +4,7 @@
 use std::os::fd::AsFd as _;
 
 use aya::maps::MapError;
-use proxy_common::{map_names as names, MaglevKey, SvcValue};
+use proxy_common::{map_names as names, MaglevKey, SvcEntry};
 
 use super::{BpfMaps, FamilyMaps};
 use crate::{
@@ -61,23 +61,28 @@ pub(super) fn unsupported() -> BatchFailed {
     }
 }
 
-/// The `SVC` key and value an op writes (`PutSlot`, `PutFrontend`) or the key it deletes.
-pub(super) fn svc_entry(op: &Op) -> Option<(SvcKey, Option<SvcValue>)> {
+/// The `SVC` key and value an op writes (`PutChunk`, `PutFrontend`) or the key it deletes.
+pub(super) fn svc_entry(op: &Op) -> Option<(SvcKey, Option<SvcEntry>)> {
     match op {
-        Op::PutSlot {
+        Op::PutChunk {
             frontend,
-            slot,
-            backend_id,
+            chunk,
+            backends,
             service_id,
+            ..
         } => Some((
-            codec::svc_key(frontend, *slot),
-            Some(codec::slot_value(*backend_id, *service_id)),
+            codec::svc_key(frontend, *chunk),
+            Some(codec::chunk_value(*service_id, backends)),
         )),
-        Op::PutFrontend { frontend, value } => Some((
+        Op::PutFrontend {
+            frontend,
+            value,
+            backends,
+        } => Some((
             codec::svc_key(frontend, 0),
-            Some(codec::frontend_value(value)),
+            Some(codec::frontend_value(value, backends)),
         )),
-        Op::DelSlot { frontend, slot } => Some((codec::svc_key(frontend, *slot), None)),
+        Op::DelChunk { frontend, chunk } => Some((codec::svc_key(frontend, *chunk), None)),
         _ => None,
     }
 }
@@ -157,7 +162,7 @@ impl<F: FamilyAbi> FamilyMaps<F> {
                 Err(MapError::OutOfBounds { .. }) => Ok(()),
                 r => r.map_err(backend_err::<F>(*id)),
             },
-            Op::PutSlot { .. } | Op::PutFrontend { .. } | Op::DelSlot { .. } => {
+            Op::PutChunk { .. } | Op::PutFrontend { .. } | Op::DelChunk { .. } => {
                 let Some((k, v)) = svc_entry(op) else {
                     unreachable!("an SVC op")
                 };
@@ -284,16 +289,17 @@ impl<F: FamilyAbi> FamilyMaps<F> {
         Ok(())
     }
 
-    /// `SVC4/6` read back: slot 0 into `frontends`, the others into `slots`.
+    /// `SVC4/6` read back: each frontend's fields into `frontends`, every chunk's slots
+    /// into `slots`.
     fn read_svc(
         &self,
         frontends: &mut Vec<(Frontend, FrontendValue)>,
         slots: &mut Vec<((Frontend, u16), u32)>,
     ) -> Result<(), StoreError> {
         for (k, v) in self.svc.read_all().map_err(map_err(F::SVC))? {
-            let (fe, slot) = codec::decode_svc::<F>(&k)
+            let (fe, chunk) = codec::decode_svc::<F>(&k)
                 .ok_or_else(|| corrupt(F::SVC, format!("proto {}", codec::svc_proto::<F>(&k))))?;
-            codec::push_svc(frontends, slots, fe, slot, &v);
+            codec::push_svc(frontends, slots, fe, chunk, &v);
         }
         Ok(())
     }
@@ -409,6 +415,7 @@ impl MapStore for BpfMaps {
                 service_id,
                 chunk,
                 value,
+                ..
             } => {
                 let key = MaglevKey {
                     service_id: *service_id,

@@ -2,7 +2,7 @@
 
 use std::{
     io,
-    os::fd::{AsFd, OwnedFd},
+    os::fd::{AsFd, BorrowedFd, OwnedFd},
 };
 
 use crate::pins::{open_pinned, Access, PinDir};
@@ -20,6 +20,15 @@ pub enum Convert {
     With(ConvertFn),
     /// Cannot be converted (the reason is logged with the count).
     Drop(&'static str),
+    /// Changed layout where several old entries make one new one (`SVC4/6`: ABI 3's
+    /// entry per backend slot into ABI 4's chunk of 24): `key` names the new entry an old
+    /// one goes into (`None` drops it); `into` writes the old entry's part into that
+    /// entry's value as the new map holds it so far (zeros when absent), `false` when it
+    /// cannot.
+    Merge {
+        key: fn(&[u8]) -> Option<Vec<u8>>,
+        into: fn(&[u8], &[u8], &mut [u8]) -> bool,
+    },
 }
 
 /// Bytes of one value as lookup/update see it (per-CPU maps: one 8-byte-aligned slot
@@ -228,6 +237,56 @@ fn same_layout(old: &bpf_sys::MapInfo, new: &bpf_sys::MapInfo) -> bool {
     types && old.key_size == new.key_size && old.value_size == new.value_size
 }
 
+/// Writes one old entry into the new map through `conv`: whether it was written (false:
+/// present, insert-if-absent), `None` when it is dropped (not converted).
+fn write_entry(
+    new_fd: &OwnedFd,
+    ni: &bpf_sys::MapInfo,
+    conv: Convert,
+    (key, value): (&[u8], &[u8]),
+    flags: u64,
+    same_shape: bool,
+) -> io::Result<Option<bool>> {
+    Ok(match conv {
+        Convert::Bytes if same_shape => {
+            Some(bpf_sys::map_update(new_fd.as_fd(), key, value, flags)?)
+        }
+        Convert::Bytes | Convert::Drop(_) => None,
+        Convert::With(f) => match f(key, value) {
+            Some((k, v)) => Some(bpf_sys::map_update(new_fd.as_fd(), &k, &v, flags)?),
+            None => None,
+        },
+        Convert::Merge { key: to, into } => {
+            merge_into(new_fd.as_fd(), ni, (key, value), to, into)?.then_some(true)
+        }
+    })
+}
+
+/// One old entry merged into the new map's entry `to(key)` ([`Convert::Merge`]): read
+/// (zeros when absent), `into`, written back. False: dropped.
+fn merge_into(
+    new: BorrowedFd<'_>,
+    ni: &bpf_sys::MapInfo,
+    (key, value): (&[u8], &[u8]),
+    to: fn(&[u8]) -> Option<Vec<u8>>,
+    into: fn(&[u8], &[u8], &mut [u8]) -> bool,
+) -> io::Result<bool> {
+    let Some(nk) = to(key) else {
+        return Ok(false);
+    };
+    if nk.len() != ni.key_size as usize {
+        return Ok(false);
+    }
+    let mut nv = vec![0u8; ni.value_size as usize];
+    if !bpf_sys::map_lookup(new, &nk, &mut nv)? {
+        nv.fill(0);
+    }
+    if !into(key, value, &mut nv) {
+        return Ok(false);
+    }
+    bpf_sys::map_update(new, &nk, &nv, bpf_sys::ANY)
+}
+
 /// [`copy_map`] into an array (`BACKEND4/6`: a resize, or hash maps of an earlier build)
 /// by batch calls: every entry read by `BPF_MAP_LOOKUP_BATCH`, the all-zero ones of an
 /// array dropped (free ids), written by `BPF_MAP_UPDATE_BATCH` in chunks; a walk key by
@@ -366,21 +425,10 @@ pub fn copy_map(
             count.expired += 1;
             continue;
         }
-        let written = match conv {
-            Convert::Bytes if same_shape => {
-                bpf_sys::map_update(new_fd.as_fd(), &key, &value, flags)?
-            }
-            Convert::Bytes | Convert::Drop(_) => {
-                count.dropped += 1;
-                continue;
-            }
-            Convert::With(f) => match f(&key, &value) {
-                Some((k, v)) => bpf_sys::map_update(new_fd.as_fd(), &k, &v, flags)?,
-                None => {
-                    count.dropped += 1;
-                    continue;
-                }
-            },
+        let Some(written) = write_entry(&new_fd, &ni, conv, (&key, &value), flags, same_shape)?
+        else {
+            count.dropped += 1;
+            continue;
         };
         if written {
             count.copied += 1;

@@ -55,7 +55,11 @@ pub(super) const DATAPATH_WRITTEN: [&str; 6] = [
 /// match, and dropped (named and counted in the log) when they do not.
 pub fn converter(from: u32, map: &str) -> Convert {
     if force_mode() == Some(Force::Copy) {
-        // Test hook: every map as if its layout had changed.
+        // Test hook: every map as if its layout had changed. The service maps' layout
+        // did change since ABI 3: at this ABI they go through a same-layout conversion.
+        if from == proxy_common::ABI_VERSION && matches!(map, map_names::SVC4 | map_names::SVC6) {
+            return Convert::With(same_svc_entry);
+        }
         return v3::convert(map).unwrap_or(Convert::Bytes);
     }
     match (from, map) {
@@ -65,8 +69,17 @@ pub fn converter(from: u32, map: &str) -> Convert {
         (3, map_names::SOCK_REVNAT4 | map_names::SOCK_REVNAT6) => {
             Convert::Drop(v3::SOCK_REVNAT_KEPT)
         }
+        // ABI 4 holds a frontend's backend slots 24 to an entry (`SvcEntry`): ABI 3's
+        // entry per slot merged into its chunk.
+        (3, map_names::SVC4 | map_names::SVC6) => v3::convert(map).unwrap_or(Convert::Bytes),
         _ => Convert::Bytes,
     }
+}
+
+/// A `SVC4/6` entry of this layout, converted to itself (checked: an entry of another size
+/// is refused).
+fn same_svc_entry(k: &[u8], v: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+    (v.len() == size_of::<proxy_common::SvcEntry>()).then(|| (k.to_vec(), v.to_vec()))
 }
 
 /// Maps of this layout that are an older layout's map object kept as it is under another

@@ -328,7 +328,7 @@ impl Migration {
             if count.dropped > 0 {
                 let why = match conv {
                     Convert::Drop(why) => why,
-                    Convert::With(_) => "the converter refused them",
+                    Convert::With(_) | Convert::Merge { .. } => "the converter refused them",
                     Convert::Bytes => "the layout changed and no converter exists",
                 };
                 warn!(map = %name, entries = count.dropped, why, "entries not converted");

@@ -83,8 +83,18 @@ pub const SOCK_REVNAT_KEPT: &str =
 
 pub fn convert(map: &str) -> Option<Convert> {
     let f: ConvertFn = match map {
-        "SVC4" => svc4,
-        "SVC6" => svc6,
+        "SVC4" => {
+            return Some(Convert::Merge {
+                key: svc4_key,
+                into: svc4_into,
+            })
+        }
+        "SVC6" => {
+            return Some(Convert::Merge {
+                key: svc6_key,
+                into: svc6_into,
+            })
+        }
         "BACKEND4" => backend4,
         "BACKEND6" => backend6,
         "REVNAT4" => revnat4,
@@ -112,40 +122,62 @@ fn out<K: bytemuck::Pod, V: bytemuck::Pod>(k: K, v: V) -> Entry {
     ))
 }
 
-fn svc_value(o: SvcValue) -> cur::SvcValue {
-    cur::SvcValue {
-        backend_id: o.backend_id,
-        service_id: o.service_id,
-        count: o.count,
-        flags: o.flags,
-        affinity_timeout: o.affinity_timeout,
+/// The ABI-4 `SVC4` key an ABI-3 entry goes into: slot 0 and slots 1..=24 into the
+/// frontend's entry (chunk 0), slot `s` into chunk `(s - 1) / 24`.
+pub fn svc4_key(k: &[u8]) -> Option<Vec<u8>> {
+    let k: Svc4Key = read(k)?;
+    let chunk = if k.slot == 0 {
+        0
+    } else {
+        cur::svc_chunk_of(k.slot).0
+    };
+    let key = cur::Svc4Key::new(k.addr, k.port, k.proto, k.scope, chunk);
+    Some(bytemuck::bytes_of(&key).to_vec())
+}
+
+/// [`svc4_key`] for `SVC6`.
+pub fn svc6_key(k: &[u8]) -> Option<Vec<u8>> {
+    let k: Svc6Key = read(k)?;
+    let chunk = if k.slot == 0 {
+        0
+    } else {
+        cur::svc_chunk_of(k.slot).0
+    };
+    let key = cur::Svc6Key::new(k.addr, k.port, k.proto, k.scope, chunk);
+    Some(bytemuck::bytes_of(&key).to_vec())
+}
+
+/// An ABI-3 `SVC4` entry written into its ABI-4 entry `out`: slot 0's fields into the
+/// head, a slot's backend id into its place in the chunk.
+pub fn svc4_into(k: &[u8], v: &[u8], out: &mut [u8]) -> bool {
+    read::<Svc4Key>(k).is_some_and(|k| svc_into(k.slot, v, out))
+}
+
+/// [`svc4_into`] for `SVC6`.
+pub fn svc6_into(k: &[u8], v: &[u8], out: &mut [u8]) -> bool {
+    read::<Svc6Key>(k).is_some_and(|k| svc_into(k.slot, v, out))
+}
+
+fn svc_into(slot: u16, v: &[u8], out: &mut [u8]) -> bool {
+    let (Some(o), Some(mut e)) = (read::<SvcValue>(v), read::<cur::SvcEntry>(out)) else {
+        return false;
+    };
+    if slot == 0 {
+        e.head = cur::SvcValue {
+            service_id: o.service_id,
+            count: o.count,
+            flags: o.flags,
+            affinity_timeout: o.affinity_timeout,
+        };
+    } else {
+        let (chunk, i) = cur::svc_chunk_of(slot);
+        e.backends[i] = o.backend_id;
+        if chunk > 0 {
+            e.head.service_id = o.service_id;
+        }
     }
-}
-
-pub fn svc4(k: &[u8], v: &[u8]) -> Entry {
-    let (k, v): (Svc4Key, SvcValue) = (read(k)?, read(v)?);
-    let key = cur::Svc4Key {
-        addr: k.addr,
-        port: k.port,
-        slot: k.slot,
-        proto: k.proto,
-        scope: k.scope,
-        _pad: [0; 2],
-    };
-    out(key, svc_value(v))
-}
-
-pub fn svc6(k: &[u8], v: &[u8]) -> Entry {
-    let (k, v): (Svc6Key, SvcValue) = (read(k)?, read(v)?);
-    let key = cur::Svc6Key {
-        addr: k.addr,
-        port: k.port,
-        slot: k.slot,
-        proto: k.proto,
-        scope: k.scope,
-        _pad: [0; 2],
-    };
-    out(key, svc_value(v))
+    out.copy_from_slice(bytemuck::bytes_of(&e));
+    true
 }
 
 pub fn backend4(k: &[u8], v: &[u8]) -> Entry {
@@ -299,6 +331,58 @@ mod tests {
         );
         assert_eq!((nv.last_seen, nv.packets), (12, 13));
         assert_eq!(ct4(&[0; 15], bytemuck::bytes_of(&v)), None);
-        assert_eq!(svc4(&[0; 12], &[0; 8]), None);
+    }
+
+    /// ABI 3's entry per slot merges into ABI 4's chunks: slot 0's fields and slots
+    /// 1..=24 into the frontend's entry, slot 25 into chunk 1, whatever the order.
+    #[test]
+    fn service_slots_merge_into_chunks() {
+        let key = |slot| Svc4Key {
+            addr: 0x0a60_000a,
+            port: 80u16.to_be(),
+            slot,
+            proto: 6,
+            scope: 0,
+            _pad: [0; 2],
+        };
+        let val = |backend_id, count| SvcValue {
+            backend_id,
+            service_id: 7,
+            count,
+            flags: 1,
+            affinity_timeout: 30,
+        };
+        let mut entries: std::collections::BTreeMap<Vec<u8>, Vec<u8>> = Default::default();
+        let mut old = vec![(key(0), val(0, 25))];
+        old.extend((1..=25).map(|s| (key(s), val(100 + u32::from(s), 0))));
+        old.reverse(); // slots before their frontend
+        for (k, v) in old {
+            let nk = svc4_key(bytemuck::bytes_of(&k)).expect("key");
+            let e = entries
+                .entry(nk)
+                .or_insert_with(|| vec![0; size_of::<cur::SvcEntry>()]);
+            assert!(svc4_into(bytemuck::bytes_of(&k), bytemuck::bytes_of(&v), e));
+        }
+        assert_eq!(entries.len(), 2, "the frontend's entry and chunk 1");
+        let get = |chunk| {
+            let k = cur::Svc4Key::new(0x0a60_000a, 80u16.to_be(), 6, 0, chunk);
+            let v = &entries[bytemuck::bytes_of(&k)];
+            bytemuck::pod_read_unaligned::<cur::SvcEntry>(v)
+        };
+        let front = get(0);
+        assert_eq!(
+            (front.head.service_id, front.head.count, front.head.flags),
+            (7, 25, 1)
+        );
+        assert_eq!(front.head.affinity_timeout, 30);
+        let want: Vec<u32> = (101..=124).collect();
+        assert_eq!(front.backends.to_vec(), want);
+        let more = get(1);
+        assert_eq!((more.head.service_id, more.head.count), (7, 0));
+        assert_eq!(&more.backends[..2], &[125, 0]);
+        assert!(
+            !svc4_into(&[0; 12], &[0; 8], &mut [0; 108]),
+            "a short entry"
+        );
     }
 }

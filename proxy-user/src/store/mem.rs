@@ -11,8 +11,12 @@ use crate::loader::{SizedMap, Sizes};
 pub struct MemStore {
     pub state: Dump,
     pub log: Vec<Op>,
-    /// Maximum number of `SVC` entries (slot 0 and slots together), like `max_entries`.
+    /// Maximum number of `SVC` entries (frontends and further chunks together), like
+    /// `max_entries`.
     pub svc_capacity: Option<usize>,
+    /// The further chunks (`>= 1`) of slots `state` holds, `SVC` entries of their own
+    /// (kept by [`MapStore::apply`]; [`Self::with_state`] counts them in a dump).
+    pub chunks: BTreeSet<(crate::model::Frontend, u16)>,
     /// Whether [`MapStore::grow_svc`] may raise `svc_capacity` (like the pinned maps):
     /// the sizes grown to, in order.
     pub svc_growable: bool,
@@ -50,7 +54,7 @@ impl MemStore {
     }
 
     fn svc_len(&self) -> usize {
-        self.state.frontends.len() + self.state.slots.len()
+        self.state.frontends.len() + self.chunks.len()
     }
 
     /// Checks the batch contract: one group, distinct entries.
@@ -76,6 +80,63 @@ impl MemStore {
             }
             _ => Ok(()),
         }
+    }
+
+    /// A store holding `state` (maps read back, as a restarted agent finds them).
+    pub fn with_state(state: Dump) -> Self {
+        let chunks = state
+            .slots
+            .keys()
+            .map(|(fe, slot)| (*fe, proxy_common::svc_chunk_of(*slot).0))
+            .filter(|(_, chunk)| *chunk > 0)
+            .collect();
+        Self {
+            state,
+            chunks,
+            ..Self::default()
+        }
+    }
+
+    /// The further chunks (`>= 1`) of slots the store holds: `SVC` entries of their own.
+    pub fn chunks(&self) -> &BTreeSet<(crate::model::Frontend, u16)> {
+        &self.chunks
+    }
+
+    /// An `SVC` write: the frontend's entry or a further chunk, its slots into the dump.
+    fn apply_svc(&mut self, op: &Op) -> Result<(), StoreError> {
+        match op {
+            Op::PutChunk {
+                frontend,
+                chunk,
+                backends,
+                ..
+            } => {
+                let exists = self.chunks.contains(&(*frontend, *chunk));
+                self.check_svc_room(exists)?;
+                self.chunks.insert((*frontend, *chunk));
+                self.state.set_chunk(*frontend, *chunk, backends);
+            }
+            Op::PutFrontend {
+                frontend,
+                value,
+                backends,
+            } => {
+                let exists = self.state.frontends.contains_key(frontend);
+                self.check_svc_room(exists)?;
+                self.state.frontends.insert(*frontend, *value);
+                self.state.set_chunk(*frontend, 0, backends);
+            }
+            Op::DelChunk { frontend, chunk } => {
+                if *chunk == 0 {
+                    self.state.frontends.remove(frontend);
+                } else {
+                    self.chunks.remove(&(*frontend, *chunk));
+                }
+                self.state.clear_chunk(*frontend, *chunk);
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     fn check_svc_room(&self, exists: bool) -> Result<(), StoreError> {
@@ -130,26 +191,8 @@ impl MapStore for MemStore {
             Op::DelBackend { id, .. } => {
                 s.backends.remove(id);
             }
-            Op::PutSlot {
-                frontend,
-                slot,
-                backend_id,
-                ..
-            } => {
-                let exists = self.state.slots.contains_key(&(*frontend, *slot));
-                self.check_svc_room(exists)?;
-                self.state.slots.insert((*frontend, *slot), *backend_id);
-            }
-            Op::PutFrontend { frontend, value } => {
-                let exists = self.state.frontends.contains_key(frontend);
-                self.check_svc_room(exists)?;
-                self.state.frontends.insert(*frontend, *value);
-            }
-            Op::DelSlot { frontend, slot: 0 } => {
-                s.frontends.remove(frontend);
-            }
-            Op::DelSlot { frontend, slot } => {
-                s.slots.remove(&(*frontend, *slot));
+            Op::PutChunk { .. } | Op::PutFrontend { .. } | Op::DelChunk { .. } => {
+                self.apply_svc(op)?;
             }
             Op::PutRevNat {
                 service_id,
@@ -188,6 +231,7 @@ impl MapStore for MemStore {
                 service_id,
                 chunk,
                 value,
+                ..
             } => {
                 s.maglev.insert((*service_id, *chunk), value.clone());
             }

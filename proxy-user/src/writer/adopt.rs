@@ -10,19 +10,19 @@ use crate::{
     fasthash::{HashMap, HashSet},
     maglev::{self, Params as MaglevParams},
     model::Frontend,
-    store::{write_batch, Dump, FrontendValue, MapStore, Op, StoreError},
+    store::{chunk_ids, svc_entries, write_batch, Dump, FrontendValue, MapStore, Op, StoreError},
 };
 
 /// The order adoption writes its repairs and deletions in: what nothing reaches first,
 /// then rewrites in the update order, unreferenced backends last.
 pub(super) fn adopt_phase(op: &Op) -> usize {
     match op {
-        Op::DelSlot { .. } | Op::DelMaglev { .. } => 0,
+        Op::DelChunk { .. } | Op::DelMaglev { .. } => 0,
         Op::DelSrcRange { .. } => 1,
         Op::DelRevNat { .. } => 2,
         Op::PutRevNat { .. } => 3,
         Op::PutSrcRange { .. } => 4,
-        Op::PutSlot { .. } => 5,
+        Op::PutChunk { .. } => 5,
         Op::PutFrontend { .. } => 6,
         Op::DelBackend { .. } => 7,
         _ => 8,
@@ -146,12 +146,22 @@ impl<S: MapStore> Writer<S> {
                     });
                 }
             }
-            let slots = self.adopt_slots(dump, fe, &value, duplicate, report, orphans);
+            let slots = self.adopt_slots(dump, fe, &value, report);
             if duplicate {
                 orphans.push(Op::PutFrontend {
                     frontend: *fe,
                     value,
+                    backends: chunk_ids(&slots, 0).into(),
                 });
+                for chunk in 1..svc_entries(slots.len()) {
+                    orphans.push(Op::PutChunk {
+                        frontend: *fe,
+                        chunk: chunk as u16,
+                        backends: chunk_ids(&slots, chunk).into(),
+                        service_id: value.service_id,
+                        trim: false,
+                    });
+                }
             }
             self.services.insert(
                 *fe,
@@ -168,16 +178,13 @@ impl<S: MapStore> Writer<S> {
 
     /// One frontend's slots 1..=count, in order (one tree walk, not a lookup per slot):
     /// a slot missing, dangling or naming a backend of another protocol or family becomes
-    /// 0 (a repair); each distinct backend gets one reference. A frontend with a new id
-    /// has its slots rewritten.
+    /// 0 (a repair); each distinct backend gets one reference.
     fn adopt_slots(
         &mut self,
         dump: &Dump,
         fe: &Frontend,
         value: &FrontendValue,
-        duplicate: bool,
         report: &mut AdoptReport,
-        orphans: &mut Vec<Op>,
     ) -> Vec<u32> {
         let mut slots = Vec::with_capacity(usize::from(value.count));
         // Distinct ids seen (one reference per frontend even if two slots share one):
@@ -214,14 +221,6 @@ impl<S: MapStore> Writer<S> {
             };
             if id == 0 {
                 report.missing_slots += 1;
-            }
-            if duplicate && id != 0 {
-                orphans.push(Op::PutSlot {
-                    frontend: *fe,
-                    slot,
-                    backend_id: id,
-                    service_id: value.service_id,
-                });
             }
             slots.push(id);
         }
@@ -313,10 +312,18 @@ impl<S: MapStore> Writer<S> {
         }
     }
 
-    /// Slots past their frontend's count (or of no frontend) go. In frontend order, one
-    /// lookup per frontend.
+    /// Slots past their frontend's count go: a chunk wholly past it is deleted, a chunk
+    /// the count ends in is rewritten without them (its own entry, for slots 1..=24). In
+    /// frontend order, one lookup per frontend.
     fn collect_dead_slots(&self, dump: &Dump, orphans: &mut Vec<Op>) {
+        // Entries rewritten already (a frontend given a new service id): not twice.
+        let mut rewritten: HashSet<String> = orphans
+            .iter()
+            .filter(|o| matches!(o, Op::PutFrontend { .. } | Op::PutChunk { .. }))
+            .map(Op::key)
+            .collect();
         let mut current: Option<(Frontend, usize)> = None;
+        let mut done: Option<(Frontend, u16)> = None;
         for (fe, slot) in dump.slots.keys() {
             let count = match current {
                 Some((f, n)) if f == *fe => n,
@@ -326,12 +333,39 @@ impl<S: MapStore> Writer<S> {
                     n
                 }
             };
-            let live = usize::from(*slot) <= count;
-            if !live {
-                orphans.push(Op::DelSlot {
+            let chunk = proxy_common::svc_chunk_of(*slot).0;
+            if usize::from(*slot) <= count || done == Some((*fe, chunk)) {
+                continue;
+            }
+            done = Some((*fe, chunk));
+            if usize::from(chunk) >= svc_entries(count) {
+                orphans.push(Op::DelChunk {
                     frontend: *fe,
-                    slot: *slot,
+                    chunk,
                 });
+                continue;
+            }
+            let Some(p) = self.services.get(fe) else {
+                continue;
+            };
+            let backends = chunk_ids(&p.slots, usize::from(chunk)).into();
+            let op = if chunk > 0 {
+                Op::PutChunk {
+                    frontend: *fe,
+                    chunk,
+                    backends,
+                    service_id: p.value.service_id,
+                    trim: false,
+                }
+            } else {
+                Op::PutFrontend {
+                    frontend: *fe,
+                    value: p.value,
+                    backends,
+                }
+            };
+            if rewritten.insert(op.key()) {
+                orphans.push(op);
             }
         }
     }
@@ -457,7 +491,7 @@ fn service_id_owners(dump: &Dump) -> HashMap<u32, Frontend> {
 fn is_deletion(op: &Op) -> bool {
     matches!(
         op,
-        Op::DelSlot { .. }
+        Op::DelChunk { .. }
             | Op::DelSrcRange { .. }
             | Op::DelRevNat { .. }
             | Op::DelBackend { .. }

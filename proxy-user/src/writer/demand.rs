@@ -11,7 +11,7 @@ use crate::{
     fasthash::HashSet,
     loader::{grown, SizedMap, Sizes},
     model::ServiceEntry,
-    store::MapStore,
+    store::{svc_entries, MapStore},
 };
 
 /// The service maps grown (or not) before a sync ([`Writer::take_svc_growths`]).
@@ -88,13 +88,14 @@ impl<S: MapStore> Writer<S> {
         // A fresh node's first sync (and its sizing): no backend known, none looked up.
         let none_known = self.backends.len() == 0;
         for e in upserts {
-            // A new frontend's slot 0 and slots; a programmed one's slots beyond its count.
+            // A new frontend's entry and further slot chunks; a programmed one's chunks
+            // beyond those it has.
             let now = self.services.get(&e.frontend);
             if now.is_none() {
                 frontends += 1;
             }
-            svc[usize::from(e.frontend.addr.is_ipv6())] +=
-                (1 + e.backends.len()).saturating_sub(now.map_or(0, |p| 1 + p.slots.len()));
+            svc[usize::from(e.frontend.addr.is_ipv6())] += svc_entries(e.backends.len())
+                .saturating_sub(now.map_or(0, |p| svc_entries(p.slots.len())));
             if e.flags & svc_flags::MAGLEV != 0 {
                 chunks += table;
             }

@@ -132,8 +132,8 @@ pub(super) const PHASES: usize = 14;
 pub(super) fn phase(op: &Op, removal: bool) -> usize {
     if removal {
         return match op {
-            Op::DelSlot { slot: 0, .. } => 0,
-            Op::DelSlot { .. } | Op::DelMaglev { .. } => 1,
+            Op::DelChunk { chunk: 0, .. } => 0,
+            Op::DelChunk { .. } | Op::DelMaglev { .. } => 1,
             Op::DelSrcRange { .. } => 2,
             Op::DelRevNat { .. } => 3,
             _ => 4,
@@ -143,26 +143,24 @@ pub(super) fn phase(op: &Op, removal: bool) -> usize {
         Op::PutBackend { .. } => 0,
         Op::PutRevNat { .. } => 1,
         Op::PutSrcRange { .. } => 2,
-        Op::PutSlot { .. } => 3,
-        Op::PutMaglev { .. } => 4,
+        Op::PutChunk { trim: false, .. } => 3,
+        Op::PutMaglev { late: false, .. } => 4,
         Op::PutFrontend { .. } => 5,
-        Op::DelSlot { .. } | Op::DelMaglev { .. } => 6,
+        Op::DelChunk { .. }
+        | Op::DelMaglev { .. }
+        | Op::PutChunk { trim: true, .. }
+        | Op::PutMaglev { late: true, .. } => 6,
         Op::DelSrcRange { .. } => 7,
         _ => 8,
     }
 }
 
 /// Reserves in a batched round's `phases` the room `frontends` new frontends with
-/// `backends` backends in all take: one `BACKEND` write and one slot per backend (at
-/// most), one reverse-NAT entry and one slot 0 per frontend (the phases [`phase`] gives
-/// those ops).
+/// `backends` backends in all take: one `BACKEND` write per backend (at most), one
+/// reverse-NAT entry and one frontend entry per frontend, and the further slot chunks of
+/// those with more than 24 backends (a few; the phases [`phase`] gives those ops).
 pub(super) fn reserve_new(phases: &mut [Plan], frontends: usize, backends: usize) {
-    for (at, n) in [
-        (5, backends),
-        (6, frontends),
-        (8, backends),
-        (10, frontends),
-    ] {
+    for (at, n) in [(5, backends), (6, frontends), (10, frontends)] {
         phases[at].reserve(n);
     }
 }

@@ -13,7 +13,8 @@ use crate::model::Frontend;
 /// Totals over the programmed frontends.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(super) struct Tally {
-    /// `SVC` entries of each family (IPv4, IPv6): slot 0 and one per slot.
+    /// `SVC` entries of each family (IPv4, IPv6): a frontend's own and one per further
+    /// chunk of 24 slots.
     pub svc: [usize; 2],
     /// Maglev chunks written for the frontends' tables.
     pub chunks: usize,
@@ -23,7 +24,7 @@ pub(super) struct Tally {
 
 impl Tally {
     fn apply(&mut self, fe: &Frontend, p: &Programmed, add: bool) {
-        let svc = 1 + p.slots.len();
+        let svc = crate::store::svc_entries(p.slots.len());
         let chunks = p.maglev.map_or(0, |(_, n)| n as usize);
         let affinity = usize::from(p.value.flags & svc_flags::AFFINITY != 0);
         let family = &mut self.svc[usize::from(fe.addr.is_ipv6())];

@@ -1,15 +1,11 @@
-//! One frontend removed: staged as a [`Plan`] (slot 0 first, then its slots, Maglev
-//! chunks, source ranges, reverse-NAT entry and the backends only it used), applied,
+//! One frontend removed: staged as a [`Plan`] (its entry first, then its further slot
+//! chunks, Maglev chunks, source ranges, reverse-NAT entry and the backends only it used), applied,
 //! committed to the model or undone.
 
-use super::{
-    plan::Plan,
-    upsert::{slot_no, unique},
-    Programmed, WriteError, Writer,
-};
+use super::{plan::Plan, upsert::unique, Programmed, WriteError, Writer};
 use crate::{
     model::Frontend,
-    store::{MapStore, Op},
+    store::{chunk_ids, svc_entries, MapStore, Op},
 };
 
 impl<S: MapStore> Writer<S> {
@@ -29,33 +25,35 @@ impl<S: MapStore> Writer<S> {
         Ok(plan.len())
     }
 
-    /// Plans the removal of one frontend: slot 0 first, then its slots, source ranges,
+    /// Plans the removal of one frontend: its entry first, then its slot chunks, source ranges,
     /// reverse-NAT entry and the backends only it used.
     pub(super) fn stage_remove(&self, fe: &Frontend) -> Option<(Plan, Programmed)> {
         let old = self.services.get(fe)?.clone();
         let sid = old.value.service_id;
         let mut plan = Plan::default();
         plan.push(
-            Op::DelSlot {
+            Op::DelChunk {
                 frontend: *fe,
-                slot: 0,
+                chunk: 0,
             },
             Op::PutFrontend {
                 frontend: *fe,
                 value: old.value,
+                backends: chunk_ids(&old.slots, 0).into(),
             },
         );
-        for (i, id) in old.slots.iter().enumerate() {
+        for chunk in 1..svc_entries(old.slots.len()) {
             plan.push(
-                Op::DelSlot {
+                Op::DelChunk {
                     frontend: *fe,
-                    slot: slot_no(i),
+                    chunk: chunk as u16,
                 },
-                Op::PutSlot {
+                Op::PutChunk {
                     frontend: *fe,
-                    slot: slot_no(i),
-                    backend_id: *id,
+                    chunk: chunk as u16,
+                    backends: chunk_ids(&old.slots, chunk).into(),
                     service_id: sid,
+                    trim: false,
                 },
             );
         }
@@ -116,6 +114,7 @@ impl<S: MapStore> Writer<S> {
                         service_id: sid,
                         chunk,
                         value: Box::new(*c),
+                        late: false,
                     },
                     None => Op::DelMaglev {
                         service_id: sid,

@@ -88,18 +88,16 @@ mod tests {
         store::{BatchFault, MemStore},
     };
 
-    /// `n` frontends of 10 backends each, none shared: every group of a first sync
-    /// holds 10 x n ops (slots, backends) or n (slot 0, reverse NAT).
+    /// `n` frontends of one backend each, none shared: every group of a first sync
+    /// (backends, reverse NAT, the frontends' entries with their one slot) holds n ops.
     fn entries(n: u32) -> Vec<ServiceEntry> {
         (0..n)
             .map(|i| {
                 let fe = Frontend::new(std::net::Ipv4Addr::from(0x0a60_0000 + i), 80, Proto::Tcp);
-                let pods = (0..10).map(|j| {
-                    std::net::SocketAddr::from((
-                        std::net::Ipv4Addr::from(0x0a01_0000 + i * 10 + j),
-                        8080,
-                    ))
-                });
+                let pods = [std::net::SocketAddr::from((
+                    std::net::Ipv4Addr::from(0x0a01_0000 + i),
+                    8080,
+                ))];
                 let mut e = ServiceEntry::new(fe, pods);
                 e.name = format!("default/s{i}:http");
                 e
@@ -118,10 +116,12 @@ mod tests {
 
     #[test]
     fn split_groups_write_what_one_batch_writes() {
-        let n = 600;
+        // One round of frontends, every group of it large enough to be split.
+        let n = 4096;
+        assert!(n as usize >= SPLIT_MIN_OPS, "every group must be split");
         assert!(
-            n as usize * 10 >= SPLIT_MIN_OPS,
-            "the slot group must be split"
+            n as usize <= crate::writer::BATCH_CHUNK_FRONTENDS,
+            "one round"
         );
         let mut split = Writer::new(store(true, None, None));
         let mut whole = Writer::new(store(false, None, None));
@@ -132,13 +132,14 @@ mod tests {
         let d = split.store().dump().expect("dump");
         assert_eq!(d, split.expected_dump());
         assert_eq!(d, whole.store().dump().expect("dump"));
-        // The slot and backend groups went in two calls each, the rest in one.
+        // The backend, reverse-NAT and SVC groups went in two calls each.
         let (sc, wc) = (split.take_write_counts(), whole.take_write_counts());
-        assert_eq!(sc.batch_calls, wc.batch_calls + 2, "{sc:?} {wc:?}");
-        assert_eq!((sc.split, wc.split), (2, 0));
+        assert_eq!(wc.batch_calls, 3, "{wc:?}");
+        assert_eq!(sc.batch_calls, wc.batch_calls + 3, "{sc:?} {wc:?}");
+        assert_eq!((sc.split, wc.split), (3, 0));
         assert_eq!((sc.batch, sc.single), (wc.batch, wc.single));
-        // Batches of at most half the slots: the groups were split.
-        assert!(split.store().batches.iter().all(|b| *b <= n as usize * 5));
+        // Batches of at most half a group: the groups were split.
+        assert!(split.store().batches.iter().all(|b| *b <= n as usize / 2));
     }
 
     /// A map that fills up in the middle of a split group: the writes of BOTH halves
@@ -146,10 +147,11 @@ mod tests {
     /// maps end exactly as the model says and as without splitting.
     #[test]
     fn a_split_group_that_fails_undoes_exactly_what_both_halves_wrote() {
-        let n = 600;
+        let n = 4096;
         let cases = [
-            // The second half's batch fills the map: the first half is whole.
-            (n as usize * 10 / 2 + 1000, None),
+            // The second half's batch of the frontends' entries fills the map: the first
+            // half is whole.
+            (n as usize / 2 + 1000, None),
             // The first half's one-by-one tail fills the map after both halves' batch
             // calls stopped early: the second half's batch part must be undone too.
             (
@@ -174,8 +176,8 @@ mod tests {
                 whole.store().dump().expect("dump"),
                 "capacity {capacity}"
             );
-            // Every frontend that fits is programmed (11 entries each).
-            assert_eq!(d.frontends.len(), capacity / 11, "capacity {capacity}");
+            // Every frontend that fits is programmed (one entry each).
+            assert_eq!(d.frontends.len(), capacity, "capacity {capacity}");
         }
     }
 }

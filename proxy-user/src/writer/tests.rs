@@ -152,11 +152,26 @@ const B: &str = "10.0.2.1:8080";
 const C: &str = "10.0.3.1:8080";
 const D: &str = "10.0.4.1:8080";
 
+/// Pods `10.0.i.1:8080` for `i` in `range` (pods 1 to 4 are A to D).
+fn pods(range: std::ops::RangeInclusive<usize>) -> Vec<String> {
+    range.map(|i| format!("10.0.{i}.1:8080")).collect()
+}
+
+/// A frontend served by `pods` (as [`svc`], for owned names).
+fn svc_of(fe: Frontend, pods: &[String]) -> ServiceEntry {
+    ServiceEntry::new(fe, pods.iter().map(|p| pod(p)))
+}
+
+/// The backend ids `1..=24` of a frontend's own entry, as a log line shows them.
+const IDS_1_TO_24: &str = "[1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24]";
+
 #[test]
 fn install_writes_backends_revnat_slots_then_frontend() {
     let mut w = writer();
     let fe = vip("10.96.0.10", 80);
-    assert_eq!(w.upsert(&svc(fe, &[A, B, C])).expect("upsert"), 8);
+    // A Service of at most 24 backends is one SVC entry: its slots go in the frontend's
+    // entry, written last.
+    assert_eq!(w.upsert(&svc(fe, &[A, B, C])).expect("upsert"), 5);
     assert_eq!(
         log(&mut w),
         "\
@@ -164,10 +179,7 @@ put backend 1 = 10.0.1.1:8080/tcp
 put backend 2 = 10.0.2.1:8080/tcp
 put backend 3 = 10.0.3.1:8080/tcp
 put revnat 1 = 10.96.0.10:80/tcp
-put slot 10.96.0.10:80/tcp #1 -> backend 1
-put slot 10.96.0.10:80/tcp #2 -> backend 2
-put slot 10.96.0.10:80/tcp #3 -> backend 3
-put frontend 10.96.0.10:80/tcp id=1 count=3 flags=0x0 affinity=0
+put frontend 10.96.0.10:80/tcp id=1 count=3 flags=0x0 affinity=0 backends [1 2 3]
 "
     );
     assert_eq!(
@@ -187,22 +199,72 @@ revnat 1 = 10.96.0.10:80/tcp
     assert_eq!(w.upsert(&svc(fe, &[A, B, C])).expect("upsert"), 0);
     assert_eq!(w.upsert(&svc(fe, &[C, A, B])).expect("upsert"), 0);
     assert_eq!(log(&mut w), "");
+
+    // 26 backends: slots 25 and 26 in chunk 1, written before the frontend's entry.
+    let mut w = writer();
+    let big = vip("10.96.0.20", 80);
+    assert_eq!(w.upsert(&svc_of(big, &pods(1..=26))).expect("upsert"), 29);
+    let mut want: String = (1..=26)
+        .map(|i| format!("put backend {i} = 10.0.{i}.1:8080/tcp\n"))
+        .collect();
+    want.push_str(&format!(
+        "\
+put revnat 1 = 10.96.0.20:80/tcp
+put slots 10.96.0.20:80/tcp chunk 1 -> backends [25 26]
+put frontend 10.96.0.20:80/tcp id=1 count=26 flags=0x0 affinity=0 backends {IDS_1_TO_24}
+"
+    ));
+    assert_eq!(log(&mut w), want);
+    assert_eq!(w.store().inner.chunks().len(), 1, "two SVC entries");
+    assert_eq!(w.upsert(&svc_of(big, &pods(1..=26))).expect("upsert"), 0);
 }
 
 #[test]
-fn grow_writes_new_slot_before_count() {
+fn grow_writes_new_slots_before_the_count() {
     let mut w = writer();
     let fe = vip("10.96.0.10", 80);
+    // Within the frontend's own entry: the new slot and the count in one write.
     w.upsert(&svc(fe, &[A, B, C])).expect("upsert");
     log(&mut w);
-    assert_eq!(w.upsert(&svc(fe, &[A, B, C, D])).expect("upsert"), 3);
+    assert_eq!(w.upsert(&svc(fe, &[A, B, C, D])).expect("upsert"), 2);
     assert_eq!(
         log(&mut w),
         "\
 put backend 4 = 10.0.4.1:8080/tcp
-put slot 10.96.0.10:80/tcp #4 -> backend 4
-put frontend 10.96.0.10:80/tcp id=1 count=4 flags=0x0 affinity=0
+put frontend 10.96.0.10:80/tcp id=1 count=4 flags=0x0 affinity=0 backends [1 2 3 4]
 "
+    );
+    // Past 24: a new chunk is written before the count reaches it ...
+    let big = vip("10.96.0.20", 80);
+    w.upsert(&svc_of(big, &pods(1..=24))).expect("upsert");
+    log(&mut w);
+    assert_eq!(w.upsert(&svc_of(big, &pods(1..=26))).expect("upsert"), 4);
+    assert_eq!(
+        log(&mut w),
+        format!(
+            "\
+put backend 25 = 10.0.25.1:8080/tcp
+put backend 26 = 10.0.26.1:8080/tcp
+put slots 10.96.0.20:80/tcp chunk 1 -> backends [25 26]
+put frontend 10.96.0.20:80/tcp id=2 count=26 flags=0x0 affinity=0 backends {IDS_1_TO_24}
+"
+        )
+    );
+    // ... and a chunk that grows is rewritten whole before the count reaches its new
+    // slots.
+    assert_eq!(w.upsert(&svc_of(big, &pods(1..=30))).expect("upsert"), 6);
+    assert_eq!(
+        log(&mut w),
+        format!(
+            "\
+put backend 27 = 10.0.27.1:8080/tcp
+put backend 28 = 10.0.28.1:8080/tcp
+put backend 29 = 10.0.29.1:8080/tcp
+put backend 30 = 10.0.30.1:8080/tcp
+put slots 10.96.0.20:80/tcp chunk 1 -> backends [25 26 27 28 29 30]
+put frontend 10.96.0.20:80/tcp id=2 count=30 flags=0x0 affinity=0 backends {IDS_1_TO_24}
+"
+        )
     );
 }
 
@@ -212,26 +274,89 @@ fn shrink_moves_tail_into_hole_then_count_then_deletes() {
     let fe = vip("10.96.0.10", 80);
     w.upsert(&svc(fe, &[A, B, C])).expect("upsert");
     log(&mut w);
+    // Within the frontend's own entry: the tail moved into the hole and the count in one
+    // write, then the backend.
     w.upsert(&svc(fe, &[A, C])).expect("upsert");
     assert_eq!(
         log(&mut w),
         "\
-put slot 10.96.0.10:80/tcp #2 -> backend 3
-put frontend 10.96.0.10:80/tcp id=1 count=2 flags=0x0 affinity=0
-del slot 10.96.0.10:80/tcp #3
+put frontend 10.96.0.10:80/tcp id=1 count=2 flags=0x0 affinity=0 backends [1 3]
 del backend 2 (V4)
 "
     );
-    // A replacement reuses the freed id and only rewrites one slot.
+    // A replacement reuses the freed id and only rewrites the one entry.
     w.upsert(&svc(fe, &[A, C, D])).expect("upsert");
     assert_eq!(
         log(&mut w),
         "\
 put backend 2 = 10.0.4.1:8080/tcp
-put slot 10.96.0.10:80/tcp #3 -> backend 2
-put frontend 10.96.0.10:80/tcp id=1 count=3 flags=0x0 affinity=0
+put frontend 10.96.0.10:80/tcp id=1 count=3 flags=0x0 affinity=0 backends [1 3 2]
 "
     );
+
+    // 30 -> 26 backends, a hole at slot 25 (chunk 1): the tail (slot 27) moves into it
+    // while chunk 1 keeps the slots past the new count; then the count; then chunk 1
+    // loses them; then the backends.
+    let mut w = writer();
+    let big = vip("10.96.0.20", 80);
+    w.upsert(&svc_of(big, &pods(1..=30))).expect("upsert");
+    log(&mut w);
+    let mut kept = pods(1..=24);
+    kept.extend(pods(26..=27));
+    assert_eq!(w.upsert(&svc_of(big, &kept)).expect("upsert"), 7);
+    assert_eq!(
+        log(&mut w),
+        format!(
+            "\
+put slots 10.96.0.20:80/tcp chunk 1 -> backends [27 26 27 28 29 30]
+put frontend 10.96.0.20:80/tcp id=1 count=26 flags=0x0 affinity=0 backends {IDS_1_TO_24}
+put slots 10.96.0.20:80/tcp chunk 1 -> backends [27 26]
+del backend 25 (V4)
+del backend 28 (V4)
+del backend 29 (V4)
+del backend 30 (V4)
+"
+        )
+    );
+    // A replacement reuses the lowest freed id and rewrites chunk 1 and the count.
+    kept.extend(pods(31..=31));
+    assert_eq!(w.upsert(&svc_of(big, &kept)).expect("upsert"), 3);
+    assert_eq!(
+        log(&mut w),
+        format!(
+            "\
+put backend 25 = 10.0.31.1:8080/tcp
+put slots 10.96.0.20:80/tcp chunk 1 -> backends [27 26 25]
+put frontend 10.96.0.20:80/tcp id=1 count=27 flags=0x0 affinity=0 backends {IDS_1_TO_24}
+"
+        )
+    );
+}
+
+#[test]
+fn shrink_out_of_a_chunk_deletes_it_after_the_count() {
+    let mut w = writer();
+    let fe = vip("10.96.0.10", 80);
+    w.upsert(&svc_of(fe, &pods(1..=30))).expect("upsert");
+    log(&mut w);
+    // 30 -> 20, a hole at slot 3: the tail (slot 21) moves into it in the frontend's
+    // entry with the new count; chunk 1 (slots 25..=30) goes after it; then the backends.
+    let mut kept = pods(1..=2);
+    kept.extend(pods(4..=21));
+    assert_eq!(w.upsert(&svc_of(fe, &kept)).expect("upsert"), 12);
+    let mut want = "\
+put frontend 10.96.0.10:80/tcp id=1 count=20 flags=0x0 affinity=0 \
+backends [1 2 21 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20]
+del slots 10.96.0.10:80/tcp chunk 1
+del backend 3 (V4)
+"
+    .to_string();
+    for id in 22..=30 {
+        want.push_str(&format!("del backend {id} (V4)\n"));
+    }
+    assert_eq!(log(&mut w), want);
+    assert!(w.store().inner.chunks().is_empty());
+    assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
 }
 
 #[test]
@@ -244,8 +369,7 @@ fn zero_backends_keeps_the_frontend_with_count_zero() {
     assert_eq!(
         log(&mut w),
         "\
-put frontend 10.96.0.10:80/tcp id=1 count=0 flags=0x0 affinity=0
-del slot 10.96.0.10:80/tcp #1
+put frontend 10.96.0.10:80/tcp id=1 count=0 flags=0x0 affinity=0 backends []
 del backend 1 (V4)
 "
     );
@@ -269,8 +393,6 @@ fn shared_backends_are_reference_counted() {
         log(&mut w),
         "\
 del frontend 10.96.0.10:80/tcp
-del slot 10.96.0.10:80/tcp #1
-del slot 10.96.0.10:80/tcp #2
 del revnat 1 (V4)
 del backend 1 (V4)
 "
@@ -280,8 +402,6 @@ del backend 1 (V4)
         log(&mut w),
         "\
 del frontend 10.96.0.11:80/tcp
-del slot 10.96.0.11:80/tcp #1
-del slot 10.96.0.11:80/tcp #2
 del revnat 2 (V4)
 del backend 2 (V4)
 del backend 3 (V4)
@@ -315,18 +435,17 @@ fn ipv6_frontend_and_flags() {
         "\
 put backend 1 = [fd00:10::1]:8080/tcp flags=0x1
 put revnat 1 = [fd00:96::10]:80/tcp
-put slot [fd00:96::10]:80/tcp #1 -> backend 1
-put frontend [fd00:96::10]:80/tcp id=1 count=1 flags=0x1 affinity=10800
+put frontend [fd00:96::10]:80/tcp id=1 count=1 flags=0x1 affinity=10800 backends [1]
 "
     );
-    // The endpoint stops terminating: a new backend id, swapped in one slot write.
+    // The endpoint stops terminating: a new backend id, swapped in one entry write.
     e.backends[0].flags = 0;
     w.upsert(&e).expect("upsert");
     assert_eq!(
         log(&mut w),
         "\
 put backend 2 = [fd00:10::1]:8080/tcp
-put slot [fd00:96::10]:80/tcp #1 -> backend 2
+put frontend [fd00:96::10]:80/tcp id=1 count=1 flags=0x1 affinity=10800 backends [2]
 del backend 1 (V6)
 "
     );
@@ -370,67 +489,111 @@ fn bad_entries_are_refused_before_any_write() {
 fn a_failed_write_rolls_back_and_leaves_the_model_unchanged() {
     let fe = vip("10.96.0.10", 80);
     let other = vip("10.96.0.20", 80);
-    // Fail at every possible point of an update and check the result each time.
-    let mut failures = 0;
-    for fail_at in 0..8 {
-        let mut w = writer();
-        w.upsert(&svc(fe, &[A, B, C])).expect("upsert");
-        w.upsert(&svc(other, &[C])).expect("upsert");
-        let before = w.store().dump().expect("dump");
-        w.store_mut().fail_after = Some(fail_at);
-        let Err(err) = w.upsert(&svc(fe, &[A, C, D])) else {
-            // The update has fewer operations than fail_at: it went through.
+    // 30 backends -> 27: pods 25 and 28..=30 go (30 stays in `other`), pod 31 comes into
+    // the hole at slot 25.
+    let mut big_after = pods(1..=24);
+    big_after.extend(pods(31..=31));
+    big_after.extend(pods(26..=27));
+    let cases = [
+        // put backend D, put frontend (D in B's hole, slot 2), del backend B: three
+        // failure points.
+        (
+            pods(1..=3),
+            vec![C.to_string()],
+            vec![A.to_string(), C.to_string(), D.to_string()],
+            3,
+        ),
+        // put backend 31, put chunk 1 (31 in slot 25, the slots past 27 kept), put
+        // frontend (count 27), put chunk 1 (trimmed), del backends 25, 28, 29: seven.
+        (pods(1..=30), pods(30..=30), big_after, 7),
+    ];
+    for (initial, others, update, points) in cases {
+        // Fail at every possible point of an update and check the result each time.
+        let mut failures = 0;
+        for fail_at in 0..points + 2 {
+            let mut w = writer();
+            w.upsert(&svc_of(fe, &initial)).expect("upsert");
+            w.upsert(&svc_of(other, &others)).expect("upsert");
+            let before = w.store().dump().expect("dump");
+            w.store_mut().fail_after = Some(fail_at);
+            let Err(err) = w.upsert(&svc_of(fe, &update)) else {
+                // The update has fewer operations than fail_at: it went through.
+                assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+                continue;
+            };
+            failures += 1;
+            assert_eq!(err.reason().label(), "map_full");
+            assert!(err
+                .to_string()
+                .starts_with("frontend 10.96.0.10:80/tcp: map SVC4 is full"));
+            assert!(!err.to_string().contains("incompletely"), "{err}");
+            assert_eq!(w.store().dump().expect("dump"), before, "fail_at={fail_at}");
+            assert_eq!(
+                w.expected_dump(),
+                before,
+                "model changed, fail_at={fail_at}"
+            );
+            // And the writer still works afterwards.
+            w.upsert(&svc_of(fe, &update)).expect("upsert");
             assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
-            continue;
-        };
-        failures += 1;
-        assert_eq!(err.reason().label(), "map_full");
-        assert!(err
-            .to_string()
-            .starts_with("frontend 10.96.0.10:80/tcp: map SVC4 is full"));
-        assert!(!err.to_string().contains("incompletely"), "{err}");
-        assert_eq!(w.store().dump().expect("dump"), before, "fail_at={fail_at}");
-        assert_eq!(
-            w.expected_dump(),
-            before,
-            "model changed, fail_at={fail_at}"
-        );
-        // And the writer still works afterwards.
-        w.upsert(&svc(fe, &[A, C, D])).expect("upsert");
-        assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
+        }
+        assert_eq!(failures, points, "{} backends", initial.len());
     }
-    // put backend D, put slot #2 -> D (B's hole), del backend B: three failure points.
-    assert_eq!(failures, 3);
 }
 
 #[test]
 fn a_full_map_refuses_a_new_frontend_without_leftovers() {
     let mut w = Writer::new(MemStore {
-        svc_capacity: Some(4),
+        svc_capacity: Some(2),
         ..MemStore::default()
     });
     w.upsert(&svc(vip("10.96.0.10", 80), &[A, B]))
-        .expect("fits: 3 entries");
+        .expect("fits: 1 entry");
     let before = w.store().dump().expect("dump");
+    w.store_mut().take_log();
+    // 26 backends: chunk 1 fits, the frontend's own entry does not.
+    let wide = pods(11..=36);
     let err = w
-        .upsert(&svc(vip("10.96.0.11", 80), &[C]))
+        .upsert(&svc_of(vip("10.96.0.11", 80), &wide))
         .expect_err("needs 2 more");
     assert_eq!(err.reason().label(), "map_full");
     assert!(err.to_string().contains("10.96.0.11:80/tcp"), "{err}");
     assert_eq!(w.store().dump().expect("dump"), before);
-    // The service id and backend id it had reserved are free again.
-    w.remove(&vip("10.96.0.10", 80)).expect("remove");
-    w.upsert(&svc(vip("10.96.0.11", 80), &[C]))
-        .expect("fits now");
+    // The chunk written first (slots 25, 26: backend ids 27, 28) is undone.
+    let svc_log: Vec<String> = w
+        .store_mut()
+        .take_log()
+        .lines()
+        .filter(|l| l.contains(" slots ") || l.contains(" frontend "))
+        .map(str::to_string)
+        .collect();
     assert_eq!(
-        w.store().state.render(),
-        "\
-frontend 10.96.0.11:80/tcp id=1 count=1 flags=0x0 affinity=0
-  slot 1 -> backend 1 (10.0.3.1:8080)
-backend 1 = 10.0.3.1:8080/tcp flags=0x0
-revnat 1 = 10.96.0.11:80/tcp
-"
+        svc_log,
+        [
+            "put slots 10.96.0.11:80/tcp chunk 1 -> backends [27 28]",
+            "del slots 10.96.0.11:80/tcp chunk 1",
+        ]
     );
+    assert!(w.store().chunks().is_empty());
+    // The service id and backend ids it had reserved are free again.
+    w.remove(&vip("10.96.0.10", 80)).expect("remove");
+    w.upsert(&svc_of(vip("10.96.0.11", 80), &wide))
+        .expect("fits now");
+    let mut want = "frontend 10.96.0.11:80/tcp id=1 count=26 flags=0x0 affinity=0\n".to_string();
+    for i in 1..=26 {
+        want.push_str(&format!(
+            "  slot {i} -> backend {i} (10.0.{}.1:8080)\n",
+            i + 10
+        ));
+    }
+    for i in 1..=26 {
+        want.push_str(&format!(
+            "backend {i} = 10.0.{}.1:8080/tcp flags=0x0\n",
+            i + 10
+        ));
+    }
+    want.push_str("revnat 1 = 10.96.0.11:80/tcp\n");
+    assert_eq!(w.store().state.render(), want);
 }
 
 #[test]
@@ -463,19 +626,20 @@ fn adopt_rebuilds_the_model_and_deletes_orphans_only() {
         .upsert(&ServiceEntry::new(dns, [pod("10.0.1.1:53")]))
         .expect("upsert");
     let mut store = std::mem::take(first.store_mut());
-    // Leftovers of an agent that died mid-update: a slot past the count, a backend and a
-    // reverse-NAT entry nothing reaches.
+    // Leftovers of an agent that died mid-update: a chunk of slots past the count, a
+    // backend and a reverse-NAT entry nothing reaches.
     for op in [
         Op::PutBackend {
             id: 9,
             backend: Backend::new(pod(D)),
             proto: Proto::Tcp,
         },
-        Op::PutSlot {
+        Op::PutChunk {
             frontend: http,
-            slot: 4,
-            backend_id: 9,
+            chunk: 1,
+            backends: vec![9].into(),
             service_id: 1,
+            trim: false,
         },
         Op::PutRevNat {
             service_id: 7,
@@ -500,7 +664,7 @@ fn adopt_rebuilds_the_model_and_deletes_orphans_only() {
     assert_eq!(
         log(&mut second),
         "\
-del slot 10.96.0.10:80/tcp #4
+del slots 10.96.0.10:80/tcp chunk 1
 del revnat 7 (V4)
 del backend 9 (V4)
 "
@@ -517,8 +681,7 @@ del backend 9 (V4)
         "\
 put backend 5 = 10.0.4.1:8080/tcp
 put revnat 3 = 10.96.0.11:80/tcp
-put slot 10.96.0.11:80/tcp #1 -> backend 5
-put frontend 10.96.0.11:80/tcp id=3 count=1 flags=0x0 affinity=0
+put frontend 10.96.0.11:80/tcp id=3 count=1 flags=0x0 affinity=0 backends [5]
 "
     );
 }
@@ -527,20 +690,41 @@ put frontend 10.96.0.11:80/tcp id=3 count=1 flags=0x0 affinity=0
 fn adopt_repairs_a_missing_slot_on_the_next_write() {
     let mut first = writer();
     let fe = vip("10.96.0.10", 80);
+    // And one of 26 backends (ids 3..=28), whose slot 26 (in chunk 1) is lost.
+    let big = vip("10.96.0.20", 80);
+    let wide = pods(11..=36);
     first.upsert(&svc(fe, &[A, B])).expect("upsert");
+    first.upsert(&svc_of(big, &wide)).expect("upsert");
     let mut store = std::mem::take(first.store_mut());
     store.inner.state.slots.remove(&(fe, 2));
+    store.inner.state.slots.remove(&(big, 26));
     store.lenient = true;
     store.inner.take_log();
     let (mut second, report) = Writer::adopt(store).expect("adopt");
-    assert_eq!(report.missing_slots, 1);
-    // Backend 2 was only reachable through the lost slot: it is an orphan now.
-    assert_eq!(log(&mut second), "del backend 2 (V4)\n");
+    assert_eq!(report.missing_slots, 2);
+    // Backends 2 and 28 were only reachable through the lost slots: orphans now.
+    assert_eq!(
+        log(&mut second),
+        "del backend 2 (V4)\ndel backend 28 (V4)\n"
+    );
+    // The next write of each rewrites just the entry that lost a slot.
     second.upsert(&svc(fe, &[A, B])).expect("upsert");
     assert_eq!(
         log(&mut second),
-        "put backend 2 = 10.0.2.1:8080/tcp\nput slot 10.96.0.10:80/tcp #2 -> backend 2\n"
+        "\
+put backend 2 = 10.0.2.1:8080/tcp
+put frontend 10.96.0.10:80/tcp id=1 count=2 flags=0x0 affinity=0 backends [1 2]
+"
     );
+    second.upsert(&svc_of(big, &wide)).expect("upsert");
+    assert_eq!(
+        log(&mut second),
+        "\
+put backend 28 = 10.0.36.1:8080/tcp
+put slots 10.96.0.20:80/tcp chunk 1 -> backends [27 28]
+"
+    );
+    assert_eq!(second.store().dump().expect("dump"), second.expected_dump());
 }
 
 #[test]
@@ -576,13 +760,19 @@ fn random_changes_keep_maps_equal_to_the_model_at_every_step() {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut w = writer();
     let frontends: Vec<Frontend> = (0..6).map(|i| vip(&format!("10.96.0.{i}"), 80)).collect();
-    let pods: Vec<String> = (0..10).map(|i| format!("10.0.{i}.1:8080")).collect();
+    let pods: Vec<String> = (0..64).map(|i| format!("10.0.{i}.1:8080")).collect();
     for step in 0..2000 {
         let fe = frontends[rng.below(frontends.len() as u64) as usize];
         if rng.below(5) == 0 {
             w.remove(&fe).expect("remove");
         } else {
-            let n = rng.below(7) as usize;
+            // Mostly a few backends; a third of the time up to 80 draws (of 64 pods),
+            // past the 24 slots of a frontend's own entry and into further chunks.
+            let n = if rng.below(3) == 0 {
+                rng.below(80)
+            } else {
+                rng.below(7)
+            } as usize;
             let chosen: Vec<&str> = (0..n)
                 .map(|_| pods[rng.below(pods.len() as u64) as usize].as_str())
                 .collect();
@@ -738,19 +928,19 @@ fn span(log: &[Op], f: impl Fn(&Op) -> bool) -> Option<(usize, usize)> {
 #[test]
 fn a_large_sync_writes_one_batch_per_phase_in_the_update_order() {
     let mut w = batch_writer();
-    let report = w.sync(many(40, 3, 0));
+    let report = w.sync(many(40, 30, 0));
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     assert_eq!(report.changed, 40);
-    // 42 distinct backends, 40 reverse-NAT entries, 120 slots, 40 frontends: one batch
-    // each, in that order.
-    assert_eq!(w.store().inner.batches, [42, 40, 120, 40]);
+    // 64 distinct backends, 40 reverse-NAT entries, 40 chunks of slots 25..=30, 40
+    // frontends (with slots 1..=24): one batch each, in that order.
+    assert_eq!(w.store().inner.batches, [64, 40, 40, 40]);
     let log = w.store().inner.log.clone();
     let log = &log;
     let backends = span(log, |op| matches!(op, Op::PutBackend { .. })).expect("backends");
     let revnat = span(log, |op| matches!(op, Op::PutRevNat { .. })).expect("revnat");
-    let slots = span(log, |op| matches!(op, Op::PutSlot { .. })).expect("slots");
-    let slot0 = span(log, |op| matches!(op, Op::PutFrontend { .. })).expect("slot 0");
-    assert!(backends.1 < revnat.0 && revnat.1 < slots.0 && slots.1 < slot0.0);
+    let chunks = span(log, |op| matches!(op, Op::PutChunk { .. })).expect("chunks");
+    let entries = span(log, |op| matches!(op, Op::PutFrontend { .. })).expect("frontends");
+    assert!(backends.1 < revnat.0 && revnat.1 < chunks.0 && chunks.1 < entries.0);
     assert_eq!(report.ops, log.len());
     let counts = w.take_write_counts();
     assert_eq!(
@@ -761,7 +951,7 @@ fn a_large_sync_writes_one_batch_per_phase_in_the_update_order() {
     // The same as frontend by frontend.
     let mut seq = writer();
     seq.set_batch_threshold(usize::MAX);
-    seq.sync(many(40, 3, 0));
+    seq.sync(many(40, 30, 0));
     assert!(seq.store().inner.batches.is_empty());
     assert_eq!(
         served(&w.store().dump().expect("dump")),
@@ -772,16 +962,25 @@ fn a_large_sync_writes_one_batch_per_phase_in_the_update_order() {
         seq.store().dump().expect("dump"),
         "same ids too, from empty maps"
     );
+    // Services of a few backends: one entry each, no chunk.
+    let mut small = batch_writer();
+    small.sync(many(40, 3, 0));
+    assert_eq!(small.store().inner.batches, [42, 40, 40]);
 }
 
 #[test]
 fn a_large_shrinking_sync_hides_slots_before_deleting_them_and_backends_last() {
     let mut w = batch_writer();
-    w.sync(many(40, 4, 0));
+    w.sync(many(40, 30, 0));
     w.store_mut().inner.log.clear();
     w.store_mut().inner.batches.clear();
-    // Every frontend loses two backends, ten frontends go away.
-    let report = w.sync(many(30, 2, 0));
+    // Ten frontends go away; of the others, ten shrink to 20 backends (out of their
+    // chunk 1), twenty lose four (their count shrinks within chunk 1).
+    let mut desired = many(30, 26, 0);
+    for e in &mut desired[..10] {
+        e.backends.truncate(20);
+    }
+    let report = w.sync(desired);
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     assert_eq!((report.removed, report.changed), (10, 30));
     let log = &w.store().inner.log;
@@ -789,31 +988,47 @@ fn a_large_shrinking_sync_hides_slots_before_deleting_them_and_backends_last() {
         IpAddr::V4(a) => a.octets()[3] >= 30,
         IpAddr::V6(_) => false,
     };
-    let hide = span(log, |op| matches!(op, Op::DelSlot { slot: 0, .. })).expect("slot 0");
+    let hide = span(log, |op| matches!(op, Op::DelChunk { chunk: 0, .. })).expect("entry");
     let gone_slots = span(
         log,
-        |op| matches!(op, Op::DelSlot { frontend, slot } if *slot > 0 && is_removed(frontend)),
+        |op| matches!(op, Op::DelChunk { frontend, chunk } if *chunk > 0 && is_removed(frontend)),
     )
     .expect("removed slots");
     let count = span(log, |op| matches!(op, Op::PutFrontend { .. })).expect("counts");
+    let trimmed = span(
+        log,
+        |op| matches!(op, Op::PutChunk { frontend, trim: true, .. } if !is_removed(frontend)),
+    )
+    .expect("trimmed chunks");
     let surplus = span(
         log,
-        |op| matches!(op, Op::DelSlot { frontend, slot } if *slot > 0 && !is_removed(frontend)),
+        |op| matches!(op, Op::DelChunk { frontend, chunk } if *chunk > 0 && !is_removed(frontend)),
     )
-    .expect("surplus");
+    .expect("surplus chunks");
+    assert!(
+        !log.iter()
+            .any(|op| matches!(op, Op::PutChunk { trim: false, .. })),
+        "the shrunk chunks keep their ids past the new count until trimmed"
+    );
     let del_backend = |op: &Op| matches!(op, Op::DelBackend { .. });
-    // Removals: slot 0 of every removed frontend first, then their slots, then (before
-    // any update) the backends only they used.
+    // Removals: every removed frontend's entry first, then its further chunks, then
+    // (before any update) the backends only they used.
     assert!(hide.1 < gone_slots.0);
     let removal_backends = span(&log[..count.0], del_backend).expect("removal backends");
     assert!(gone_slots.1 < removal_backends.0);
-    // Shrinking: the counts go down before the surplus slots go, backends go last.
-    assert!(count.1 < surplus.0);
-    assert!(!log[count.0..surplus.1].iter().any(del_backend));
-    assert!(span(&log[surplus.1..], del_backend).is_some());
+    // Shrinking: the counts go down before the chunks lose their surplus ids or go,
+    // backends go last.
+    assert!(count.1 < trimmed.0 && count.1 < surplus.0);
+    let last = trimmed.1.max(surplus.1);
+    assert!(!log[count.0..last].iter().any(del_backend));
+    assert!(span(&log[last..], del_backend).is_some());
     assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
-    assert!(
-        w.store().inner.batches.len() >= 5,
+    // Removals: 10 entries, 10 chunks 1, 10 reverse-NAT entries, the 5 backends only
+    // they used (pods 59..=63). Updates: 30 frontend entries, 20 chunks 1 trimmed, 10
+    // deleted, the 4 backends no longer used (pods 55..=58).
+    assert_eq!(
+        w.store().inner.batches,
+        [10, 10, 10, 5, 30, 20, 10, 4],
         "{:?}",
         w.store().inner.batches
     );
@@ -828,7 +1043,12 @@ fn batched_and_one_by_one_syncs_serve_the_same_at_every_step() {
     seq.set_batch_threshold(usize::MAX);
     for step in 0..150 {
         let n = rng.below(50) as usize;
-        let k = rng.below(6) as usize;
+        // Past 24 backends a frontend's slots take further chunks.
+        let k = if rng.below(3) == 0 {
+            rng.below(60)
+        } else {
+            rng.below(6)
+        } as usize;
         let shift = rng.below(64) as usize;
         let mut desired = many(n, k, shift);
         // Some frontends keep their previous state, some flip a flag.
@@ -882,17 +1102,18 @@ fn a_failing_batch_call_is_finished_element_by_element() {
             batch_fault: Some(BatchFault { after: 5, errno }),
             ..CheckingStore::default()
         });
-        let report = w.sync(many(40, 3, 0));
+        let report = w.sync(many(40, 30, 0));
         assert!(report.errors.is_empty(), "{:?}", report.errors);
         let counts = w.take_write_counts();
-        // Four batch calls, each failing after 5 elements: 20 by batch, the rest alone.
+        // Four batch calls (backends, reverse NAT, chunks 1, frontends), each failing
+        // after 5 elements: 20 by batch, the rest alone.
         assert_eq!(counts.batch_calls, 4, "errno {errno}");
         assert_eq!(counts.fallbacks, 4);
         assert_eq!(counts.batch, 20);
         assert_eq!(counts.single, report.ops as u64 - 20);
         assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
         let mut clean = batch_writer();
-        clean.sync(many(40, 3, 0));
+        clean.sync(many(40, 30, 0));
         assert_eq!(
             w.store().dump().expect("dump"),
             clean.store().dump().expect("dump")
@@ -902,8 +1123,9 @@ fn a_failing_batch_call_is_finished_element_by_element() {
 
 #[test]
 fn a_failed_element_in_a_batched_sync_undoes_it_and_names_the_frontend() {
-    // Room for 40 frontends of 2 slots (3 entries each) but not for a 41st.
-    let capacity = 40 * 3;
+    // Room for 40 frontends of 30 slots (2 entries each: their own and chunk 1) but not
+    // for a 41st.
+    let capacity = 40 * 2;
     let mut w = Writer::new(CheckingStore {
         batches: true,
         inner: MemStore {
@@ -912,14 +1134,15 @@ fn a_failed_element_in_a_batched_sync_undoes_it_and_names_the_frontend() {
         },
         ..CheckingStore::default()
     });
-    w.sync(many(40, 2, 0));
+    w.sync(many(40, 30, 0));
     let before = w.store().dump().expect("dump");
     w.take_write_counts();
     w.set_batch_threshold(0);
-    // Ten frontends change their backends (slots replaced in place) and a 41st comes,
-    // which does not fit.
-    let mut desired = many(30, 2, 0);
-    let mut extra = many(41, 2, 7);
+    // Ten frontends change their backends (pods 23..=29 of each, in slots 24..=30, are
+    // replaced: chunk 1 and their own entry rewritten in place) and a 41st comes, which
+    // does not fit: its chunk 1 fails in the batch that rewrites the ten chunks 1.
+    let mut desired = many(30, 30, 0);
+    let mut extra = many(41, 30, 64 - 7);
     desired.extend(extra.drain(30..));
     let report = w.sync(desired.clone());
     // The batched attempt failed on SVC4 and was undone; the one-by-one rerun names the
@@ -946,7 +1169,7 @@ fn a_failed_element_in_a_batched_sync_undoes_it_and_names_the_frontend() {
         ..CheckingStore::default()
     });
     seq.set_batch_threshold(usize::MAX);
-    seq.sync(many(40, 2, 0));
+    seq.sync(many(40, 30, 0));
     let r = seq.sync(desired);
     assert!(seq.store().inner.batches.is_empty());
     assert_eq!(r.errors.len(), 1);
@@ -1108,8 +1331,8 @@ fn adoption_repairs_corrupted_pins_and_trusts_no_broken_entry() {
     );
     assert_eq!(report.missing_slots, 3);
     let d = second.store().dump().expect("dump");
-    // Ids unique again, every reverse-NAT entry names its frontend, the twin's slot and
-    // slot 0 carry its new id.
+    // Ids unique again, every reverse-NAT entry names its frontend, the twin's entry
+    // carries its new id.
     let ids: HashSet<u32> = d.frontends.values().map(|v| v.service_id).collect();
     assert_eq!(ids.len(), d.frontends.len(), "{}", d.render());
     for (fe, v) in &d.frontends {
@@ -1139,9 +1362,9 @@ fn adoption_repairs_corrupted_pins_and_trusts_no_broken_entry() {
     assert_eq!(d, second.expected_dump());
     assert_consistent(
         &d,
-        &Op::DelSlot {
+        &Op::DelChunk {
             frontend: web,
-            slot: 0,
+            chunk: 0,
         },
     );
     assert_eq!(
@@ -1195,12 +1418,11 @@ fn maglev_table_is_written_before_the_flag_and_deleted_after_it() {
     let frontend = lines
         .iter()
         .position(|l| l.starts_with("put frontend"))
-        .expect("slot 0");
-    let last_slot = lines
-        .iter()
-        .rposition(|l| l.starts_with("put slot"))
-        .expect("slots");
-    assert!(last_slot < first_chunk && first_chunk < frontend, "{l}");
+        .expect("the frontend's entry");
+    // Three backends: their slots are in the frontend's entry, written with the flag
+    // (the datapath takes no table entry past the count).
+    assert!(!l.contains("put slots"), "{l}");
+    assert!(first_chunk < frontend, "{l}");
     // 4093 entries: 3 chunks.
     assert_eq!(
         lines.iter().filter(|l| l.starts_with("put maglev")).count(),
@@ -1209,20 +1431,26 @@ fn maglev_table_is_written_before_the_flag_and_deleted_after_it() {
     );
     // The maps give every flow the backend the user-space table gives it.
     let d = w.store().inner.state.clone();
-    let pods: Vec<(SocketAddr, u16)> = [A, B, C].iter().map(|p| pod(p)).zip(1..).collect();
-    let t = crate::maglev::table(small_maglev(), &pods);
+    let slotted: Vec<(SocketAddr, u16)> = [A, B, C].iter().map(|p| pod(p)).zip(1..).collect();
+    let t = crate::maglev::table(small_maglev(), &slotted);
     for h in crate::maglev::sample_flows(1000) {
-        let want = pods[usize::from(t[crate::maglev::index(h, 4093)]) - 1].0;
+        let want = slotted[usize::from(t[crate::maglev::index(h, 4093)]) - 1].0;
         assert_eq!(maglev_backend(&d, &fe, h), want);
     }
 
     // Unchanged: nothing written.
     assert_eq!(w.upsert(&maglev_svc(fe, &[C, A, B])).expect("upsert"), 0);
-    // A backend leaves: slots, then the table, then slot 0; most flows stay.
+    // A backend leaves: the table in use names slots the frontend's entry holds, so the
+    // entry (slots and count) first, then the table (before it, the new table would send
+    // flows to slot 2, still B's); most flows stay.
     w.upsert(&maglev_svc(fe, &[A, C])).expect("upsert");
     let l = log(&mut w);
-    let frontend = l.find("put frontend").expect("slot 0");
-    assert!(l.find("put maglev").expect("table") < frontend, "{l}");
+    let frontend = l.find("put frontend").expect("the frontend's entry");
+    assert!(frontend < l.find("put maglev").expect("table"), "{l}");
+    assert!(
+        l.rfind("put maglev").expect("table") < l.find("del backend").expect("B"),
+        "{l}"
+    );
     let after = w.store().inner.state.clone();
     let flows = crate::maglev::sample_flows(10_000);
     let moved = flows
@@ -1235,19 +1463,59 @@ fn maglev_table_is_written_before_the_flag_and_deleted_after_it() {
         assert_ne!(maglev_backend(&after, &fe, *h), pod(B));
     }
 
-    // Maglev off: slot 0 without the flag first, then the chunks go.
+    // Maglev off: the frontend's entry without the flag first, then the chunks go.
     w.upsert(&svc(fe, &[A, C])).expect("upsert");
     let l = log(&mut w);
     assert!(l.starts_with("put frontend"), "{l}");
     assert_eq!(l.matches("del maglev").count(), 3, "{l}");
     assert!(w.store().inner.state.maglev.is_empty());
 
-    // On again, then removed: slot 0 goes first, then the table.
+    // On again, then removed: the frontend's entry goes first, then the table.
     w.upsert(&maglev_svc(fe, &[A, C])).expect("upsert");
     log(&mut w);
     w.remove(&fe).expect("remove");
     let l = log(&mut w);
     assert!(l.starts_with("del frontend"), "{l}");
+    assert_eq!(l.matches("del maglev").count(), 3, "{l}");
+    assert!(w.store().inner.state.maglev.is_empty());
+    assert_eq!(w.expected_dump(), w.store().inner.state);
+
+    // 26 backends: chunk 1 (slots 25, 26) before the table it names, the table before
+    // the flag.
+    let big = vip("10.96.0.20", 80);
+    let wide = pods(1..=26);
+    let wide_refs: Vec<&str> = wide.iter().map(String::as_str).collect();
+    w.upsert(&maglev_svc(big, &wide_refs)).expect("upsert");
+    let l = log(&mut w);
+    let at = |prefix: &str| l.find(prefix).unwrap_or_else(|| panic!("{prefix}: {l}"));
+    let rat = |prefix: &str| l.rfind(prefix).unwrap_or_else(|| panic!("{prefix}: {l}"));
+    assert!(rat("put slots") < at("put maglev"), "{l}");
+    assert!(rat("put maglev") < at("put frontend"), "{l}");
+    assert_eq!(l.matches("put maglev").count(), 3, "{l}");
+    // Slot 25's backend leaves: slot 26's moves into slot 25 (chunk 1 keeps slot 26 for
+    // the count still 26), the count, then chunk 1 loses slot 26 and the table in use
+    // (after the slots it names) is rewritten.
+    let mut fewer = wide_refs.clone();
+    fewer.remove(24);
+    w.upsert(&maglev_svc(big, &fewer)).expect("upsert");
+    let l = log(&mut w);
+    let at = |prefix: &str| l.find(prefix).unwrap_or_else(|| panic!("{prefix}: {l}"));
+    let rat = |prefix: &str| l.rfind(prefix).unwrap_or_else(|| panic!("{prefix}: {l}"));
+    assert_eq!(l.matches("put slots").count(), 2, "{l}");
+    assert!(at("put slots") < at("put frontend"), "{l}");
+    assert!(at("put frontend") < rat("put slots"), "{l}");
+    assert!(at("put frontend") < at("put maglev"), "{l}");
+    assert!(rat("put maglev") < at("del backend"), "{l}");
+    assert!(rat("put slots") < at("del backend"), "{l}");
+    let d = w.store().inner.state.clone();
+    for h in crate::maglev::sample_flows(1000) {
+        assert_ne!(maglev_backend(&d, &big, h), pod(wide_refs[24]));
+    }
+    // Removed: the frontend's entry first, then chunk 1 and the table.
+    w.remove(&big).expect("remove");
+    let l = log(&mut w);
+    assert!(l.starts_with("del frontend"), "{l}");
+    assert_eq!(l.matches("del slots").count(), 1, "{l}");
     assert_eq!(l.matches("del maglev").count(), 3, "{l}");
     assert!(w.store().inner.state.maglev.is_empty());
     assert_eq!(w.expected_dump(), w.store().inner.state);
@@ -1272,7 +1540,8 @@ fn maglev_tables_survive_adoption_without_writes_and_stale_ones_are_rewritten() 
     assert_eq!(report.orphans_deleted, 0);
     // The adopted totals are the writer's: the tables' chunks counted.
     assert_eq!(w2.services.tally, w.services.tally);
-    assert!(w2.services.tally.chunks > 0 && w2.services.tally.svc[0] == 2 + 5);
+    // Two frontends of at most 24 backends: one SVC entry each.
+    assert!(w2.services.tally.chunks > 0 && w2.services.tally.svc[0] == 2);
     w2.store_mut().log.clear();
     let r = w2.sync(desired.clone());
     assert_eq!(r.ops, 0, "{}", w2.store_mut().take_log());
@@ -1311,7 +1580,8 @@ fn maglev_in_a_batched_sync_keeps_the_order() {
     assert!(r.errors.is_empty());
     assert_eq!(w.store().inner.state.maglev.len(), 15);
     assert_eq!(w.expected_dump(), w.store().inner.state);
-    // Remove all: slot 0 first (checked after every op by the store), tables after.
+    // Remove all: the frontends' entries first (checked after every op by the store),
+    // tables after.
     let r = w.sync(Vec::new());
     assert!(r.errors.is_empty());
     assert!(w.store().inner.state.maglev.is_empty());
@@ -1338,8 +1608,8 @@ fn a_batched_sync_in_rounds_holds_one_round_and_writes_what_one_round_writes() {
             (b.ops, b.changed, b.removed),
             "step {step}"
         );
-        // No batch carries more than one round's ops (3 slots + 3 backends a frontend,
-        // or its removal): the rounds are really separate.
+        // No batch carries more than one round's ops (3 backends and an entry a
+        // frontend, or its removal): the rounds are really separate.
         let batches = &w.store().inner.batches;
         assert!(batches.len() > 4, "step {step}: {batches:?}");
         assert!(
@@ -1370,8 +1640,9 @@ fn a_batched_sync_in_rounds_holds_one_round_and_writes_what_one_round_writes() {
 
 #[test]
 fn a_failed_round_is_undone_and_the_rest_written_one_by_one() {
-    // Room for 40 frontends of 2 slots (3 entries each) but not for a 41st.
-    let capacity = 40 * 3;
+    // Room for 40 frontends of 30 slots (2 entries each: their own and chunk 1) but not
+    // for a 41st.
+    let capacity = 40 * 2;
     let store = || CheckingStore {
         batches: true,
         inner: MemStore {
@@ -1382,13 +1653,13 @@ fn a_failed_round_is_undone_and_the_rest_written_one_by_one() {
     };
     let mut w = Writer::new(store());
     w.set_batch_chunk(8);
-    w.sync(many(40, 2, 0));
+    w.sync(many(40, 30, 0));
     w.set_batch_threshold(0);
     w.take_write_counts();
     // 4 frontends removed (round 1), 36 changed, 5 new in the last round: the last new
     // one does not fit, after 5 rounds written.
-    let mut desired = many(36, 2, 3);
-    let mut extra = many(45, 2, 7);
+    let mut desired = many(36, 30, 3);
+    let mut extra = many(45, 30, 7);
     desired.extend(extra.drain(40..));
     let report = w.sync(desired.clone());
     assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
@@ -1402,7 +1673,7 @@ fn a_failed_round_is_undone_and_the_rest_written_one_by_one() {
     // What a one-by-one writer serves with the same input.
     let mut seq = Writer::new(store());
     seq.set_batch_threshold(usize::MAX);
-    seq.sync(many(40, 2, 0));
+    seq.sync(many(40, 30, 0));
     let r = seq.sync(desired);
     assert_eq!(r.errors.len(), 1);
     assert_eq!(r.errors[0].to_string(), err);
@@ -1411,7 +1682,7 @@ fn a_failed_round_is_undone_and_the_rest_written_one_by_one() {
         served(&seq.store().dump().expect("dump"))
     );
     // And the next sync still writes nothing more than needed.
-    let again = w.sync(many(30, 2, 4));
+    let again = w.sync(many(30, 30, 4));
     assert!(again.errors.is_empty(), "{:?}", again.errors);
     assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
 }
@@ -1433,31 +1704,33 @@ fn svc_growth_doubles_to_the_high_water_mark_within_the_ceiling() {
 
 #[test]
 fn a_sync_that_would_not_fit_grows_the_service_maps_first() {
-    // 64 entries, growable up to 4,096; 40 frontends x 10 backends need 440.
+    // 64 entries, growable up to 4,096; 100 frontends x 50 backends (3 entries each:
+    // their own and chunks 1 and 2) need 300.
     let mut w = Writer::new(MemStore {
         svc_capacity: Some(64),
         svc_growable: true,
         ..MemStore::default()
     });
     w.set_svc_ceiling(4096);
-    let report = w.sync(many(40, 10, 0));
+    let report = w.sync(many(100, 50, 0));
     assert!(report.errors.is_empty(), "{:?}", report.errors);
-    assert_eq!(w.frontends().count(), 40);
+    assert_eq!(w.frontends().count(), 100);
     assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
-    // One growth, before any write: x2 until 440 is within 3/4.
-    assert_eq!(w.store().svc_grown, vec![1024]);
+    // One growth, before any write: x2 until 300 is within 3/4 (256 x 3/4 = 192, 512 x
+    // 3/4 = 384).
+    assert_eq!(w.store().svc_grown, vec![512]);
     let growths = w.take_svc_growths();
     assert!(
-        matches!(&growths[..], [SvcGrowth::Grown { resized, needed: 440 }] if resized[0].to == 1024),
+        matches!(&growths[..], [SvcGrowth::Grown { resized, needed: 300 }] if resized[0].to == 512),
         "{growths:?}"
     );
-    assert_eq!(w.svc_entries(), [440, 0]);
-    // Unchanged: nothing grows. 30 more need 770 > 768: x2 again.
-    w.sync(many(40, 10, 0));
+    assert_eq!(w.svc_entries(), [300, 0]);
+    // Unchanged: nothing grows. 29 more need 387 > 384: x2 again.
+    w.sync(many(100, 50, 0));
     assert!(w.take_svc_growths().is_empty());
-    let report = w.sync(many(70, 10, 0));
+    let report = w.sync(many(129, 50, 0));
     assert!(report.errors.is_empty(), "{:?}", report.errors);
-    assert_eq!(w.store().svc_grown, vec![1024, 2048]);
+    assert_eq!(w.store().svc_grown, vec![512, 1024]);
     assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
 }
 
@@ -1471,11 +1744,12 @@ fn at_the_ceiling_what_does_not_fit_is_refused_whole_as_before() {
         ..MemStore::default()
     });
     w.set_svc_ceiling(256);
-    let report = w.sync(many(40, 10, 0));
+    let report = w.sync(many(100, 50, 0));
     assert_eq!(w.store().svc_grown, vec![256]);
-    // 23 frontends of 11 entries fit in 256.
-    assert_eq!(w.frontends().count(), 23);
-    assert_eq!(report.errors.len(), 17, "{:?}", report.errors);
+    // 85 frontends of 3 entries fit in 256; the next ones' chunks 1 fit in the last
+    // entry, their chunks 2 not: each refused whole.
+    assert_eq!(w.frontends().count(), 85);
+    assert_eq!(report.errors.len(), 15, "{:?}", report.errors);
     assert!(report
         .errors
         .iter()
@@ -1487,16 +1761,17 @@ fn at_the_ceiling_what_does_not_fit_is_refused_whole_as_before() {
         svc_growable: true,
         ..MemStore::default()
     });
-    fixed.sync(many(40, 10, 0));
+    fixed.sync(many(100, 50, 0));
     assert!(fixed.store().svc_grown.is_empty());
-    assert_eq!(fixed.frontends().count(), 5);
+    assert_eq!(fixed.frontends().count(), 21);
+    assert_eq!(fixed.store().dump().expect("dump"), fixed.expected_dump());
 }
 
 #[test]
 fn one_growth_carries_every_map_the_sync_would_overfill() {
     use crate::loader::{SizedMap, Sizes};
     // Service maps of 64 entries, backends 32, reverse NAT 16, the rest at their floors:
-    // 40 frontends x 10 backends (49 distinct) need 440, 49 and 40.
+    // 40 frontends x 50 backends (64 distinct; 3 SVC entries each) need 120, 64 and 40.
     let mut w = Writer::new(MemStore {
         svc_capacity: Some(64),
         svc_growable: true,
@@ -1506,14 +1781,14 @@ fn one_growth_carries_every_map_the_sync_would_overfill() {
         ..MemStore::default()
     });
     w.set_svc_ceiling(4096);
-    let report = w.sync(many(40, 10, 0));
+    let report = w.sync(many(40, 50, 0));
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     assert_eq!(w.store().dump().expect("dump"), w.expected_dump());
     // One growth, before any write, of the three that need it (x2 to within 3/4).
     assert_eq!(
         w.store().grown,
         vec![vec![
-            (SizedMap::Service, 1024),
+            (SizedMap::Service, 256),
             (SizedMap::Backend, 128),
             (SizedMap::RevNat, 64),
         ]]
@@ -1525,7 +1800,7 @@ fn one_growth_carries_every_map_the_sync_would_overfill() {
     );
     // The first ClientIP frontend: AFFINITY (at its 1,024 floor) grows to its ceiling,
     // alone (the rest fits).
-    let mut sticky = many(41, 10, 0);
+    let mut sticky = many(41, 50, 0);
     sticky[40].flags |= proxy_common::svc_flags::AFFINITY;
     sticky[40].affinity_timeout = 10_800;
     let report = w.sync(sticky.clone());
@@ -1572,7 +1847,7 @@ fn maglev_frontends_grow_the_maglev_map_by_their_tables() {
 fn maps_made_at_the_first_syncs_sizes_grow_nothing_at_that_sync() {
     use crate::loader::{SizedMap, Sizes};
     // What the writer grows maps of the start sizes to at the first sync of 40 frontends
-    // x 10 backends ...
+    // x 50 backends (3 SVC entries each) ...
     let start = Sizes::floors()
         .with(SizedMap::Service, 64)
         .with(SizedMap::Backend, 32)
@@ -1586,12 +1861,16 @@ fn maps_made_at_the_first_syncs_sizes_grow_nothing_at_that_sync() {
     };
     let mut grown = Writer::new(store(start));
     grown.set_svc_ceiling(4096);
-    grown.sync(many(40, 10, 0));
+    grown.sync(many(40, 50, 0));
     let [to] = &grown.store().grown[..] else {
         panic!("{:?}", grown.store().grown);
     };
+    assert!(
+        to.iter().any(|(kind, _)| *kind == SizedMap::Service),
+        "the service maps grow too: {to:?}"
+    );
     // ... is what a fresh node makes them at ...
-    let desired = many(40, 10, 0);
+    let desired = many(40, 50, 0);
     let refs: Vec<&ServiceEntry> = desired.iter().collect();
     let first = super::first_sync_sizes(&refs, start, &ceilings, Default::default());
     assert_eq!(

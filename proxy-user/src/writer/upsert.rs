@@ -10,7 +10,7 @@ use crate::{
     fasthash::{HashMap, HashSet},
     maglev,
     model::{Backend, Frontend, ServiceEntry},
-    store::{FrontendValue, MapStore, Op},
+    store::{chunk_ids, svc_entries, FrontendValue, MapStore, Op},
 };
 
 /// An op and the op that undoes it (planned later with [`Plan::push`]).
@@ -76,29 +76,37 @@ impl<S: MapStore> Writer<S> {
                 range_op(service_id, false, *r),
             );
         }
-        // 3. Changed slots 1..=new_count, then the Maglev table (after the slots it
-        //    names, before the flag in slot 0).
+        // 3. Changed chunks of slots past the frontend's own 24, then the Maglev table
+        //    (after the slots it names, before the flag in the frontend's entry; a table
+        //    in use after the entry, which holds slots 1..=24).
         let layout = stable_layout(&old_slots, &ids);
-        stage_slots(&mut plan, fe, service_id, &old_slots, &layout);
+        let mut after_entry = stage_chunks(&mut plan, fe, service_id, &old_slots, &layout);
         let (maglev_state, maglev_dels) = self.stage_maglev(
-            &mut plan,
+            (&mut plan, &mut after_entry),
             entry,
             service_id,
             old,
             &layout,
             (&ids, &backends),
         );
-        // 4. Slot 0 with the new count.
+        // 4. The frontend's entry: the new count and slots 1..=24, at once.
         let value = FrontendValue {
             service_id,
             count: layout.len() as u16,
             flags: entry.flags,
             affinity_timeout: entry.affinity_timeout,
         };
-        stage_frontend(&mut plan, fe, old, value);
-        // 5. Surplus slots; then table chunks no longer used, once slot 0 no longer asks
-        //    for them; then stale source ranges.
-        stage_surplus_slots(&mut plan, fe, service_id, &old_slots, layout.len());
+        stage_frontend(&mut plan, fe, old, value, &layout);
+        // 5. Surplus chunks; then table chunks no longer used, once the frontend no
+        //    longer asks for them; then stale source ranges.
+        stage_surplus_chunks(
+            &mut plan,
+            fe,
+            service_id,
+            &old_slots,
+            layout.len(),
+            after_entry,
+        );
         for (op, undo) in maglev_dels {
             plan.push(op, undo);
         }
@@ -168,7 +176,7 @@ impl<S: MapStore> Writer<S> {
     /// the new table state and those deletions.
     fn stage_maglev(
         &self,
-        plan: &mut Plan,
+        (plan, after_entry): (&mut Plan, &mut Vec<OpAndUndo>),
         entry: &ServiceEntry,
         service_id: u32,
         old: Option<&Programmed>,
@@ -179,10 +187,14 @@ impl<S: MapStore> Writer<S> {
         let mut maglev_state = None;
         let mut maglev_dels = Vec::new();
         let old_table = old.and_then(|p| self.programmed_table(p));
+        // A table the datapath reads already (the flag set) goes after the frontend's
+        // entry: it names the new slots 1..=24, which that entry holds.
+        let late = old.is_some_and(|p| p.value.flags & proxy_common::svc_flags::MAGLEV != 0);
         let put_chunk = |chunk: u32, c: &proxy_common::MaglevChunk| Op::PutMaglev {
             service_id,
             chunk,
             value: Box::new(*c),
+            late,
         };
         let del_chunk = |chunk: u32| Op::DelMaglev { service_id, chunk };
         let undo_chunk = |chunk: u32| match old_table.as_ref().and_then(|t| t.get(chunk as usize)) {
@@ -205,7 +217,12 @@ impl<S: MapStore> Writer<S> {
             if old_maglev.map(|(f, _)| f) != Some(fp) {
                 let chunks = maglev::chunks(&maglev::table(self.maglev, &inputs));
                 for (i, c) in chunks.iter().enumerate() {
-                    plan.push(put_chunk(i as u32, c), undo_chunk(i as u32));
+                    let put = (put_chunk(i as u32, c), undo_chunk(i as u32));
+                    if late {
+                        after_entry.push(put);
+                    } else {
+                        plan.push(put.0, put.1);
+                    }
                 }
             }
             if let Some((_, old_n)) = old_maglev {
@@ -336,75 +353,113 @@ fn range_op(service_id: u32, put: bool, (addr, prefix): (IpAddr, u8)) -> Op {
     }
 }
 
-/// Step 3: the slots `1..=layout.len()` that changed, each undone to what it held.
-fn stage_slots(plan: &mut Plan, fe: Frontend, service_id: u32, old_slots: &[u32], layout: &[u32]) {
-    for (i, id) in layout.iter().enumerate() {
-        let slot = slot_no(i);
-        let before = old_slots.get(i).copied();
-        if before == Some(*id) {
+/// Step 3: the chunks `>= 1` of slots `25..=layout.len()` that changed, each undone to
+/// what it held (deleted if it is new). A chunk the count shrinks within keeps the ids
+/// past the new count (the live count still reaches them): its trim is returned, for
+/// step 5.
+fn stage_chunks(
+    plan: &mut Plan,
+    fe: Frontend,
+    service_id: u32,
+    old_slots: &[u32],
+    layout: &[u32],
+) -> Vec<OpAndUndo> {
+    let mut trims = Vec::new();
+    for chunk in 1..svc_entries(layout.len()) {
+        let (now, before) = (chunk_ids(layout, chunk), chunk_ids(old_slots, chunk));
+        if now == before {
             continue;
         }
-        plan.push(
-            Op::PutSlot {
+        let put = |ids: &[u32], trim: bool| Op::PutChunk {
+            frontend: fe,
+            chunk: chunk as u16,
+            backends: ids.into(),
+            service_id,
+            trim,
+        };
+        if before.len() > now.len() {
+            let kept: Vec<u32> = now.iter().chain(&before[now.len()..]).copied().collect();
+            if kept != before {
+                plan.push(put(&kept, false), put(before, false));
+            }
+            trims.push((put(now, true), put(&kept, false)));
+            continue;
+        }
+        let undo = if before.is_empty() {
+            Op::DelChunk {
                 frontend: fe,
-                slot,
-                backend_id: *id,
-                service_id,
-            },
-            match before {
-                Some(prev) if prev != 0 => Op::PutSlot {
-                    frontend: fe,
-                    slot,
-                    backend_id: prev,
-                    service_id,
-                },
-                _ => Op::DelSlot { frontend: fe, slot },
-            },
-        );
+                chunk: chunk as u16,
+            }
+        } else {
+            put(before, false)
+        };
+        plan.push(put(now, false), undo);
     }
+    trims
 }
 
-/// Step 4: slot 0, when its value changed.
-fn stage_frontend(plan: &mut Plan, fe: Frontend, old: Option<&Programmed>, value: FrontendValue) {
-    if old.map(|p| p.value) != Some(value) {
-        plan.push(
-            Op::PutFrontend {
-                frontend: fe,
-                value,
-            },
-            match old {
-                Some(p) => Op::PutFrontend {
-                    frontend: fe,
-                    value: p.value,
-                },
-                None => Op::DelSlot {
-                    frontend: fe,
-                    slot: 0,
-                },
-            },
-        );
+/// Step 4: the frontend's entry, when its fields or its first 24 slots changed.
+fn stage_frontend(
+    plan: &mut Plan,
+    fe: Frontend,
+    old: Option<&Programmed>,
+    value: FrontendValue,
+    layout: &[u32],
+) {
+    let first = chunk_ids(layout, 0);
+    if let Some(p) = old {
+        if p.value == value && chunk_ids(&p.slots, 0) == first {
+            return;
+        }
     }
+    plan.push(
+        Op::PutFrontend {
+            frontend: fe,
+            value,
+            backends: first.into(),
+        },
+        match old {
+            Some(p) => Op::PutFrontend {
+                frontend: fe,
+                value: p.value,
+                backends: chunk_ids(&p.slots, 0).into(),
+            },
+            None => Op::DelChunk {
+                frontend: fe,
+                chunk: 0,
+            },
+        },
+    );
 }
 
-/// Step 5: the slots past the new count deleted.
-fn stage_surplus_slots(
+/// Step 5: the chunks past the new count's deleted, then what goes after the frontend's
+/// entry (`trims`, from step 3: the chunk the count shrank within trimmed, a Maglev table
+/// in use).
+fn stage_surplus_chunks(
     plan: &mut Plan,
     fe: Frontend,
     service_id: u32,
     old_slots: &[u32],
     new_count: usize,
+    trims: Vec<OpAndUndo>,
 ) {
-    for (i, old_id) in old_slots.iter().enumerate().skip(new_count) {
-        let slot = slot_no(i);
+    for chunk in svc_entries(new_count)..svc_entries(old_slots.len()) {
         plan.push(
-            Op::DelSlot { frontend: fe, slot },
-            Op::PutSlot {
+            Op::DelChunk {
                 frontend: fe,
-                slot,
-                backend_id: *old_id,
+                chunk: chunk as u16,
+            },
+            Op::PutChunk {
+                frontend: fe,
+                chunk: chunk as u16,
+                backends: chunk_ids(old_slots, chunk).into(),
                 service_id,
+                trim: false,
             },
         );
+    }
+    for (op, undo) in trims {
+        plan.push(op, undo);
     }
 }
 

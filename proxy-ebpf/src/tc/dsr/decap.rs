@@ -201,7 +201,7 @@ fn option_trusted<F: PktFamily>(front: F::Addr, port: u16, proto: u8, client: F:
     let Some((fe, _)) = proxy_common::lookup::frontend(
         front,
         F::zero(),
-        |a| F::svc(a, port, proto, 0),
+        |a| F::svc(a, port, proto),
         F::dsr_trusted,
     ) else {
         return false;

@@ -127,8 +127,7 @@ fn incremental_changes_write_only_the_touched_service() {
         s.writer.store_mut().take_log(),
         "\
 put backend 3 = 10.0.0.3:8080/tcp
-put slot 10.96.0.10:80/tcp #3 -> backend 3
-put frontend 10.96.0.10:80/tcp id=1 count=3 flags=0x0 affinity=0
+put frontend 10.96.0.10:80/tcp id=1 count=3 flags=0x0 affinity=0 backends [1 2 3]
 "
     );
     // A change that flips back writes nothing.
@@ -256,19 +255,28 @@ fn two_services_claiming_one_address_do_not_fight() {
 fn failed_writes_stay_dirty_and_succeed_on_retry() {
     let t = Instant::now();
     let store = MemStore {
-        svc_capacity: Some(2),
+        svc_capacity: Some(1),
         ..MemStore::default()
     };
     let (mut s, metrics) = syncer(store);
-    initial(&mut s, t);
+    // 26 endpoints: the frontend's own entry and chunk 1.
+    let ips: Vec<String> = (1..=26).map(|i| format!("10.0.0.{i}")).collect();
+    let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+    s.handle(snapshot(Kind::Service, vec![svc("web", "10.96.0.10")]), t);
+    s.handle(
+        snapshot(Kind::EndpointSlice, vec![slice("web-1", "web", &ips)]),
+        t,
+    );
+    s.handle(snapshot(Kind::Node, vec![]), t);
     let out = s.sync(t);
-    assert_eq!(out.failed, 1, "web needs 3 SVC entries, 2 fit");
+    assert_eq!(out.failed, 1, "web needs 2 SVC entries, 1 fits");
     assert!(s.pending(), "kept for a retry");
     assert!(metrics.render().contains("reason=\"map_full\"} 1"));
+    assert_eq!(maps(&s), "", "nothing of web left");
     s.writer.store_mut().svc_capacity = None;
     let out = s.sync(t + Duration::from_secs(1));
     assert_eq!(out.failed, 0);
-    assert!(maps(&s).contains("10.96.0.10:80/tcp id=1 count=2"));
+    assert!(maps(&s).contains("10.96.0.10:80/tcp id=1 count=26"));
     assert!(!s.pending());
 }
 
@@ -743,10 +751,7 @@ fn a_large_first_sync_is_batched_and_a_restart_on_its_maps_writes_nothing() {
     assert_eq!(maps(&single), maps(&batched));
 
     // Restart: a new agent adopts these maps and its first sync writes nothing.
-    let pinned = MemStore {
-        state: batched.writer().store().state.clone(),
-        ..MemStore::default()
-    };
+    let pinned = MemStore::with_state(batched.writer().store().state.clone());
     let (mut again, _) = syncer(pinned);
     feed(&mut again);
     let out2 = again.sync(t);
@@ -838,10 +843,7 @@ fn a_restart_on_changed_pins_writes_exactly_the_difference() {
     let expected_log = up.writer_mut().store_mut().take_log();
 
     // A new agent on the old pins, with the new lists.
-    let (mut restarted, _) = syncer(MemStore {
-        state: pinned,
-        ..MemStore::default()
-    });
+    let (mut restarted, _) = syncer(MemStore::with_state(pinned));
     feed(&mut restarted, true);
     let out = restarted.sync(t);
     assert!(out.ran && out.full && out.failed == 0, "{out:?}");
@@ -875,8 +877,8 @@ fn a_restart_on_changed_pins_writes_exactly_the_difference() {
         .collect();
     for op in &restarted.writer().store().log {
         let fe = match op {
-            Op::PutSlot { frontend, .. }
-            | Op::DelSlot { frontend, .. }
+            Op::PutChunk { frontend, .. }
+            | Op::DelChunk { frontend, .. }
             | Op::PutFrontend { frontend, .. }
             | Op::PutRevNat { frontend, .. } => frontend,
             _ => continue,
@@ -887,10 +889,9 @@ fn a_restart_on_changed_pins_writes_exactly_the_difference() {
         );
     }
     // And a second restart on the now current pins writes nothing.
-    let (mut again, _) = syncer(MemStore {
-        state: restarted.writer().store().state.clone(),
-        ..MemStore::default()
-    });
+    let (mut again, _) = syncer(MemStore::with_state(
+        restarted.writer().store().state.clone(),
+    ));
     feed(&mut again, true);
     assert_eq!(again.sync(t).ops, 0);
     assert!(again.writer().store().log.is_empty());
@@ -950,10 +951,7 @@ fn a_restart_on_unchanged_pins_writes_nothing_for_names_longer_than_the_map_keep
         "the test's names must be longer than the map keeps"
     );
 
-    let (mut restarted, _) = syncer(MemStore {
-        state: up.writer().store().state.clone(),
-        ..MemStore::default()
-    });
+    let (mut restarted, _) = syncer(MemStore::with_state(up.writer().store().state.clone()));
     feed(&mut restarted);
     let out = restarted.sync(t);
     assert!(out.ran && out.full && out.failed == 0, "{out:?}");

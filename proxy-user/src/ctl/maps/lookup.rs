@@ -7,7 +7,7 @@ use std::{
 };
 
 use aya::maps::{HashMap, MapData, MapError};
-use proxy_common::{map_names as names, Ct4Key, Ct6Key, MaglevKey, SvcValue};
+use proxy_common::{map_names as names, Ct4Key, Ct6Key, MaglevKey, SvcEntry};
 
 use super::{
     read::{self, backend, lookup},
@@ -148,8 +148,8 @@ impl Maps {
         Ok(Some(table))
     }
 
-    pub(super) fn svc_get(&self, fe: &Frontend, slot: u16) -> Result<Option<SvcValue>> {
-        match codec::svc_key(fe, slot) {
+    pub(super) fn svc_get(&self, fe: &Frontend, chunk: u16) -> Result<Option<SvcEntry>> {
+        match codec::svc_key(fe, chunk) {
             codec::SvcKey::V4(k) => lookup(&self.v4.svc, &k, names::SVC4),
             codec::SvcKey::V6(k) => lookup(&self.v6.svc, &k, names::SVC6),
         }
@@ -160,17 +160,24 @@ impl Maps {
         let Some(v) = self.svc_get(&fe, 0)? else {
             return Ok(false);
         };
-        s.services
-            .frontends
-            .insert(fe, codec::decode_frontend_value(&v));
-        for slot in 1..=v.count {
-            if let Some(sv) = self.svc_get(&fe, slot)? {
-                s.services.slots.insert((fe, slot), sv.backend_id);
-                self.load_backend(s, sv.backend_id)?;
+        codec::put_svc(&mut s.services, fe, 0, &v);
+        let count = usize::from(v.head.count);
+        for chunk in 1..crate::store::svc_entries(count) {
+            if let Some(c) = self.svc_get(&fe, chunk as u16)? {
+                codec::put_svc(&mut s.services, fe, chunk as u16, &c);
             }
         }
-        if let Some(entry) = self.revnat(v.service_id, fe.addr.is_ipv4())? {
-            s.services.revnat.insert(v.service_id, entry);
+        let ids: Vec<u32> = s
+            .services
+            .slots
+            .range((fe, 1)..=(fe, v.head.count))
+            .map(|(_, id)| *id)
+            .collect();
+        for id in ids {
+            self.load_backend(s, id)?;
+        }
+        if let Some(entry) = self.revnat(v.head.service_id, fe.addr.is_ipv4())? {
+            s.services.revnat.insert(v.head.service_id, entry);
         }
         Ok(true)
     }
@@ -250,7 +257,7 @@ impl Maps {
 /// [`Maps::scan_slot0`] over one family's `SVC` map: the slot-0 entries whose address is
 /// the one of `want`.
 fn scan_slot0_in<F: FamilyAbi>(
-    map: &PinnedHash<F::SvcKey, SvcValue>,
+    map: &PinnedHash<F::SvcKey, SvcEntry>,
     want: codec::SvcKey,
     s: &mut Snapshot,
 ) -> Result<()> {
@@ -264,7 +271,7 @@ fn scan_slot0_in<F: FamilyAbi>(
             if let Some((fe, _)) = codec::decode_svc::<F>(&k) {
                 s.services
                     .frontends
-                    .insert(fe, codec::decode_frontend_value(&v));
+                    .insert(fe, codec::decode_frontend_value(&v.head));
             }
         }
     }

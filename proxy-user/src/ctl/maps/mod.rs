@@ -14,7 +14,7 @@ use std::{
 use aya::maps::{lpm_trie::LpmTrie, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
 use proxy_common::{
     affinity_kind, map_names as names, AffinityKey, AffinityValue, Ct4Key, Ct4Value, Ct6Key,
-    Ct6Value, MaglevChunk, MaglevKey, SvcValue,
+    Ct6Value, MaglevChunk, MaglevKey, SvcEntry,
 };
 
 use super::{
@@ -115,7 +115,7 @@ pub fn monotonic_ns() -> u64 {
 /// One family's service maps (`SVC`, `BACKEND`, `REVNAT`; `NODE_ADDRS` and `SRC_RANGE`
 /// when pinned), read by the generic readers of `read.rs`.
 struct FamilyMaps<F: FamilyAbi> {
-    svc: PinnedHash<F::SvcKey, SvcValue>,
+    svc: PinnedHash<F::SvcKey, SvcEntry>,
     backend: PinnedBackends<F::Backend>,
     revnat: PinnedHash<u32, F::RevNat>,
     node: Option<HashMap<MapData, F::Addr, u8>>,

@@ -10,7 +10,7 @@ use aya::maps::{
     lpm_trie::{Key as LpmKey, LpmTrie},
     HashMap, MapData, MapError, PerCpuArray,
 };
-use proxy_common::{map_names as names, Ct4Key, Ct4Value, Ct6Key, Ct6Value, Reason, SvcValue};
+use proxy_common::{map_names as names, Ct4Key, Ct4Value, Ct6Key, Ct6Value, Reason, SvcEntry};
 
 use super::{read_err, Cidr, CtEntry, Error, Maps, Result, Snapshot};
 use crate::{
@@ -186,12 +186,12 @@ fn read_backends_of<F: FamilyAbi>(
 
 /// One family's `SVC` map into `s.services`; an unknown protocol is a warning.
 fn read_svc_of<F: FamilyAbi>(
-    map: &PinnedHash<F::SvcKey, SvcValue>,
+    map: &PinnedHash<F::SvcKey, SvcEntry>,
     s: &mut Snapshot,
 ) -> Result<()> {
     for (k, v) in map.read_all().map_err(read_err(F::SVC))? {
         match codec::decode_svc::<F>(&k) {
-            Some((fe, slot)) => codec::put_svc(&mut s.services, fe, slot, &v),
+            Some((fe, chunk)) => codec::put_svc(&mut s.services, fe, chunk, &v),
             None => s.warnings.push(format!(
                 "{}: unknown protocol {}",
                 F::SVC,
