@@ -178,6 +178,7 @@ impl<S: MapStore> Syncer<S> {
         maglev: crate::maglev::Params,
     ) -> crate::loader::Sizes {
         // Computed on two threads (nothing else runs meanwhile: the maps wait for it).
+        let t0 = std::time::Instant::now();
         let keys: Vec<&ObjKey> = self.index.service_keys().collect();
         let index = &self.index;
         let part = |ks: &[&ObjKey]| -> Vec<(ObjKey, Vec<crate::model::ServiceEntry>)> {
@@ -195,7 +196,13 @@ impl<S: MapStore> Syncer<S> {
         first.extend(second.unwrap_or_else(|_| part(b)));
         let entries: HashMap<ObjKey, Vec<crate::model::ServiceEntry>> = first.into_iter().collect();
         let refs: Vec<&crate::model::ServiceEntry> = entries.values().flatten().collect();
+        let t1 = std::time::Instant::now();
         let sizes = crate::writer::first_sync_sizes(&refs, start, ceilings, maglev);
+        tracing::debug!(
+            entries_ms = (t1 - t0).as_secs_f64() * 1e3,
+            sizes_ms = t1.elapsed().as_secs_f64() * 1e3,
+            "first sync sized"
+        );
         self.prepared = Some(entries);
         sizes
     }
