@@ -948,7 +948,7 @@ kube-proxy (iptables mode) would have written (iptables-save):
   -A KUBE-SEP-IL4VJWN5MLWXOYV7 -s 10.240.1.2/32 -m comment --comment "default/echo" -j KUBE-MARK-MASQ
   -A KUBE-SEP-IL4VJWN5MLWXOYV7 -p tcp -m comment --comment "default/echo" -m tcp -j DNAT --to-destination 10.240.1.2:8080
   kube-proxy: every new connection walks KUBE-SERVICES rule by rule to this Service's rule, then jumps to the only endpoint.
-  ebpf-proxy: one hash lookup of {10.96.0.20, 8080, tcp} (slot 0); slot 1; then the slot and the backend: a few hash lookups, whatever the number of services.
+  ebpf-proxy: one hash lookup of {10.96.0.20, 8080, tcp} (the frontend's entry, with slots 1..=24); slot 1; then the slot's backend id (in that entry up to slot 24) and the backend: a few lookups, whatever the number of services.
 
 $ proxyctl explain 10.96.0.10:80
 10.96.0.10:80/tcp: Service default/web:http, ClusterIP
@@ -982,7 +982,7 @@ kube-proxy (iptables mode) would have written (iptables-save):
   -A KUBE-SEP-C5FLLS3IQGBRARSU -s 10.244.9.3/32 -m comment --comment "default/web:http" -j KUBE-MARK-MASQ
   -A KUBE-SEP-C5FLLS3IQGBRARSU -p tcp -m comment --comment "default/web:http" -m recent --set --name KUBE-SEP-C5FLLS3IQGBRARSU --mask 255.255.255.255 --rsource -m tcp -j DNAT --to-destination 10.244.9.3:8080
   kube-proxy: every new connection walks KUBE-SERVICES rule by rule to this Service's rule, then the statistic rules in order (1/3, then 1/2 of the rest, ..., the last takes what is left): 1/3 each.
-  ebpf-proxy: one hash lookup of {10.96.0.10, 80, tcp} (slot 0); slot = 1 + random % 3; then the slot and the backend: a few hash lookups, whatever the number of services.
+  ebpf-proxy: one hash lookup of {10.96.0.10, 80, tcp} (the frontend's entry, with slots 1..=24); slot = 1 + random % 3; then the slot's backend id (in that entry up to slot 24) and the backend: a few lookups, whatever the number of services.
 
 note: sessionAffinity ClientIP (10800s): a client (its network namespace at the socket hooks, its source address at TC) goes back to the backend it used last while it reconnects within that time (`proxyctl affinity` lists them)
 
@@ -1018,7 +1018,7 @@ kube-proxy (iptables mode) would have written (iptables-save):
   -A KUBE-SEP-C5FLLS3IQGBRARSU -s 10.244.9.3/32 -m comment --comment "default/web:http" -j KUBE-MARK-MASQ
   -A KUBE-SEP-C5FLLS3IQGBRARSU -p tcp -m comment --comment "default/web:http" -m tcp -j DNAT --to-destination 10.244.9.3:8080
   kube-proxy: every new connection walks all of KUBE-SERVICES (the node-port jump is its last rule), then KUBE-NODEPORTS rule by rule to this port's rule, then jumps to the only endpoint.
-  ebpf-proxy: {192.168.50.1, 30080, tcp} misses, 192.168.50.1 is in NODE_ADDRS4, {0.0.0.0, 30080, tcp} matches, its ext-local twin holds the slots; slot 1; then the slot and the backend: a few hash lookups, whatever the number of services.
+  ebpf-proxy: {192.168.50.1, 30080, tcp} misses, 192.168.50.1 is in NODE_ADDRS4, {0.0.0.0, 30080, tcp} matches, its ext-local twin holds the slots; slot 1; then the slot's backend id (in that entry up to slot 24) and the backend: a few lookups, whatever the number of services.
 
 note: a NodePort frontend has address 0.0.0.0: TC and the socket hooks match it on every node address (NODE_ADDRS4) after the exact address missed
 
@@ -1058,7 +1058,7 @@ kube-proxy (iptables mode) would have written (iptables-save):
   -A KUBE-SEP-5EBKPBC6FIMK7SEO -s 10.240.1.2/32 -m comment --comment "kube-system/dns:dns" -j KUBE-MARK-MASQ
   -A KUBE-SEP-5EBKPBC6FIMK7SEO -p udp -m comment --comment "kube-system/dns:dns" -m udp -j DNAT --to-destination 10.240.1.2:53
   kube-proxy: every new connection walks KUBE-SERVICES rule by rule to this Service's rule, then jumps to the only endpoint.
-  ebpf-proxy: one hash lookup of {10.96.0.53, 53, udp} (slot 0); slot 1; then the slot and the backend: a few hash lookups, whatever the number of services.
+  ebpf-proxy: one hash lookup of {10.96.0.53, 53, udp} (the frontend's entry, with slots 1..=24); slot 1; then the slot's backend id (in that entry up to slot 24) and the backend: a few lookups, whatever the number of services.
 
 $ proxyctl explain [fd00:96::10]:80
 [fd00:96::10]:80/tcp: Service default/web6:http, ClusterIP
@@ -1085,7 +1085,7 @@ kube-proxy (iptables mode) would have written (ip6tables-save):
   -A KUBE-SEP-RS7H6OHFSHUFGCJS -s fd00:244::7/128 -m comment --comment "default/web6:http" -j KUBE-MARK-MASQ
   -A KUBE-SEP-RS7H6OHFSHUFGCJS -p tcp -m comment --comment "default/web6:http" -m tcp -j DNAT --to-destination [fd00:244::7]:8080
   kube-proxy: every new connection walks KUBE-SERVICES rule by rule to this Service's rule, then the statistic rules in order (1/2, then 1/1 of the rest, ..., the last takes what is left): 1/2 each.
-  ebpf-proxy: one hash lookup of {fd00:96::10, 80, tcp} (slot 0); slot = 1 + random % 2; then the slot and the backend: a few hash lookups, whatever the number of services.
+  ebpf-proxy: one hash lookup of {fd00:96::10, 80, tcp} (the frontend's entry, with slots 1..=24); slot = 1 + random % 2; then the slot's backend id (in that entry up to slot 24) and the backend: a few lookups, whatever the number of services.
 
 $ proxyctl explain 192.0.2.10:443
 192.0.2.10:443/tcp: Service default/lb:https, LoadBalancer
@@ -1114,7 +1114,7 @@ kube-proxy (iptables mode) would have written (iptables-save):
   *filter
   -A KUBE-PROXY-FIREWALL -d 192.0.2.10/32 -p tcp -m comment --comment "default/lb:https traffic not accepted by KUBE-FW-WMXB4IV4XJUTQTS2" -m tcp --dport 443 -j DROP
   kube-proxy: every new connection walks KUBE-SERVICES rule by rule to this Service's rule, then jumps to the only endpoint.
-  ebpf-proxy: one hash lookup of {192.0.2.10, 443, tcp} (slot 0); slot 1; then the slot and the backend: a few hash lookups, whatever the number of services.
+  ebpf-proxy: one hash lookup of {192.0.2.10, 443, tcp} (the frontend's entry, with slots 1..=24); slot 1; then the slot's backend id (in that entry up to slot 24) and the backend: a few lookups, whatever the number of services.
 
 note: loadBalancerSourceRanges: only sources in 203.0.113.0/24 are accepted from outside
 

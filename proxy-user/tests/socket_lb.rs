@@ -67,6 +67,71 @@ fn counter(maps: &BpfMaps, reason: Reason) -> u64 {
         .expect("reason")
 }
 
+/// A Service of 30 endpoints (3 pods x 10 ports): its first 24 backend slots live in the
+/// frontend's own `SVC4` entry, slots 25..=30 in a second entry (a chunk). `connect()`
+/// reaches every one of them, the ones past slot 24 included; after the count shrinks
+/// within the second chunk (30 -> 26) and grows back, only the backends in the count
+/// answer and none is refused.
+#[test]
+fn connect_reaches_every_backend_across_the_chunks_of_a_large_service() {
+    let mut env = TestEnv::new(3);
+    let pods: Vec<SocketAddr> = (0..10u16)
+        .flat_map(|p| {
+            (1..=3).map(move |i| SocketAddr::new(IpAddr::V4(Topology::pod_v4(i)), PORT + p))
+        })
+        .collect();
+    for b in &pods {
+        let i = (1..=3)
+            .find(|i| b.ip() == IpAddr::V4(Topology::pod_v4(*i)))
+            .expect("a pod");
+        let server = support::Server::tcp(&env.topo.pods[i - 1], *b, &b.to_string());
+        env.servers.push(server);
+    }
+    let fe = Frontend::new(VIP4, 80, Proto::Tcp);
+    install_service(&mut env, fe, pods.clone());
+    let chunks = |env: &mut TestEnv| -> Vec<u16> {
+        let d = env.writer().store().dump().expect("dump");
+        let mut c: Vec<u16> = d
+            .slots
+            .keys()
+            .map(|(_, s)| proxy_common::svc_chunk_of(*s).0)
+            .collect();
+        c.dedup();
+        c
+    };
+    assert_eq!(chunks(&mut env), [0, 1], "slots 1..=24 and 25..=30");
+    let answers = |env: &TestEnv, n: usize| {
+        env.in_client(|| {
+            let mut seen = BTreeMap::new();
+            for _ in 0..n {
+                let (who, peer) = tcp_ask(fe.socket_addr()).expect("connect to the VIP");
+                assert_eq!(peer, fe.socket_addr());
+                *seen.entry(who).or_insert(0) += 1;
+            }
+            seen
+        })
+    };
+    // 20 connections per backend on average: the odds that one is missed by chance are
+    // about 1e-7; a slot the datapath cannot read is a refused connection.
+    let want: Vec<String> = {
+        let mut w: Vec<String> = pods.iter().map(|b| b.to_string()).collect();
+        w.sort();
+        w
+    };
+    let seen = answers(&env, 600);
+    assert_eq!(seen.keys().cloned().collect::<Vec<_>>(), want, "{seen:?}");
+    // 30 -> 26: the count shrinks within the second chunk.
+    install_service(&mut env, fe, pods[..26].to_vec());
+    let seen = answers(&env, 520);
+    let mut want26: Vec<String> = pods[..26].iter().map(|b| b.to_string()).collect();
+    want26.sort();
+    assert_eq!(seen.keys().cloned().collect::<Vec<_>>(), want26, "{seen:?}");
+    // Back to 30.
+    install_service(&mut env, fe, pods.clone());
+    let seen = answers(&env, 600);
+    assert_eq!(seen.keys().cloned().collect::<Vec<_>>(), want, "{seen:?}");
+}
+
 #[test]
 fn tcp_clusterip_spreads_evenly_over_three_backends() {
     let mut env = TestEnv::new(3);

@@ -213,8 +213,40 @@ fn manifests() -> PathBuf {
             y += &format!("- {{addresses: [\"{addr}\"], nodeName: {node}}}\n");
         }
     }
+    // A ClusterIP of 30 endpoints (no traffic): ABI 3 held an entry per backend slot, this
+    // build holds slots 1..=24 in the frontend's entry and 25..=30 in a second one.
+    y += "---\napiVersion: v1\nkind: Service\nmetadata: {name: wide, namespace: default}\nspec:\n  clusterIP: 10.96.0.12\n  clusterIPs: [10.96.0.12]\n  ports:\n  - {name: http, port: 80, targetPort: 8080, protocol: TCP}\n";
+    y += "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: wide-ipv4, namespace: default, labels: {kubernetes.io/service-name: wide}}\naddressType: IPv4\nports:\n- {name: http, port: 8080, protocol: TCP}\nendpoints:\n";
+    for i in 1..=WIDE {
+        y += &format!("- {{addresses: [\"10.2.9.{i}\"], nodeName: node-b}}\n");
+    }
     fs::write(dir.join("web.yaml"), y).expect("write manifest");
     dir
+}
+
+/// Endpoints of the `wide` Service ([`manifests`]).
+const WIDE: u16 = 30;
+
+/// The `wide` Service's frontend after an upgrade: converted whole (every slot of its
+/// count there, naming a backend of the maps), with no repair by the new agent's adoption
+/// (which would have rewritten a slot the conversion lost).
+fn assert_wide_converted(pins: &Path, log: &str) {
+    use proxy_user::MapStore as _;
+    assert!(!log.contains("adoption: slot"), "{log}");
+    let d = proxy_user::bpf::BpfMaps::open(pins)
+        .expect("open")
+        .dump()
+        .expect("dump");
+    let fe = proxy_user::Frontend::new(
+        std::net::Ipv4Addr::new(10, 96, 0, 12),
+        80,
+        proxy_user::Proto::Tcp,
+    );
+    assert_eq!(d.frontends.get(&fe).map(|v| v.count), Some(WIDE), "{d:?}");
+    for slot in 1..=WIDE {
+        let id = d.slots.get(&(fe, slot)).expect("every slot converted");
+        assert!(d.backends.contains_key(id), "slot {slot}: backend {id}");
+    }
 }
 
 // --- agents ---
@@ -1082,6 +1114,7 @@ fn upgrade_under_traffic(step: Step) {
     for (id, b) in &backends_before {
         assert_eq!(backends_after.get(id), Some(b), "backend {id} carried over");
     }
+    assert_wide_converted(&pins, &log);
     match step {
         Step::FromRelease => {
             // Conntrack shared: every NodePort answer from the NodePort.

@@ -91,7 +91,7 @@ pub(super) async fn fresh(opts: &AgentOptions, s: Start) -> anyhow::Result<Start
 /// loaded (verified: 0.1-0.2 s) and attached on a blocking thread while the first sync
 /// writes every frontend into the maps here. A program attached during the writes sees
 /// each frontend whole or not at all: the writer's order (`writer` module doc: backends,
-/// reverse NAT, slots, then slot 0 in its own phase after all of a round's slots) is
+/// reverse NAT, further slot chunks, then the frontends' entries in their own phase) is
 /// what every later sync relies on too, and a frontend not yet written is what the node
 /// had before (no translation). `/healthz` turns 200 only after both (the sync's
 /// follow-up runs in the sync loop, after this returns). The writer's ceilings are set

@@ -1,5 +1,5 @@
-//! `proxyctl services`: one row per frontend (slot 0 of `SVC4/6`) with its kind, scope,
-//! Service name (from `REVNAT`), flags, and under it every backend slot with its backend's
+//! `proxyctl services`: one row per frontend (its entry of `SVC4/6`, chunk 0) with its kind,
+//! scope, Service name (from `REVNAT`), flags, and under it every backend slot with its backend's
 //! address, state and connection count. Gaps (a slot or backend the count reaches but the
 //! maps do not hold) are shown as `missing` and listed as problems.
 

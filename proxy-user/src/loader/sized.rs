@@ -13,7 +13,7 @@ use crate::pins::PinDir;
 pub enum SizedMap {
     /// `CT4`/`CT6`: `crate::ctsize` grows them (`--conntrack-start` .. `--conntrack-max`).
     Conntrack,
-    /// `SVC4`/`SVC6`: a frontend's slot 0 and its slots (ceiling `--service-map-entries`).
+    /// `SVC4`/`SVC6`: a frontend's entry and its further chunks of 24 slots (ceiling `--service-map-entries`).
     Service,
     /// `BACKEND4`/`BACKEND6`: arrays indexed by backend id (one id space for both
     /// families): room for the highest id in use, not the count.

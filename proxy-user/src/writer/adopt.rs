@@ -108,8 +108,8 @@ impl<S: MapStore> Writer<S> {
     }
 
     /// Every frontend with its slots. A frontend sharing its service id with another
-    /// (see [`service_id_owners`]) gets a fresh id, rewritten in its slots, slot 0 and
-    /// source ranges.
+    /// (see [`service_id_owners`]) gets a fresh id, rewritten in its entry, its slot
+    /// chunks and source ranges.
     fn adopt_frontends(
         &mut self,
         dump: &Dump,

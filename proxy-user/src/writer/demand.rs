@@ -42,8 +42,8 @@ impl<S: MapStore> Writer<S> {
         std::mem::take(&mut self.svc_growths)
     }
 
-    /// `SVC` entries of each family (IPv4, IPv6) the maps hold: slot 0 and one per slot
-    /// of every programmed frontend.
+    /// `SVC` entries of each family (IPv4, IPv6) the maps hold: each programmed
+    /// frontend's entry and its further chunks of 24 slots.
     pub fn svc_entries(&self) -> [usize; 2] {
         self.services.tally().svc
     }
@@ -51,8 +51,8 @@ impl<S: MapStore> Writer<S> {
     /// The entries each map the writer grows holds at most while `upserts` are written
     /// (bounds: removals are not subtracted; both families counted for each family's
     /// map, except the service maps): the service maps, the `SVC` entries of each family
-    /// plus each upsert's growth (a new frontend's slot 0 and slots; a programmed one's
-    /// new slots beyond its old count); backends, those programmed plus
+    /// plus each upsert's growth (a new frontend's entry and chunks; a programmed one's
+    /// chunks beyond those it has); backends, those programmed plus
     /// the upserts' unknown ones (the backend arrays: the highest id they may reach, one
     /// past it); reverse NAT, the frontends plus the new ones; Maglev,
     /// the chunks of every table plus one table per Maglev upsert; affinity, its

@@ -288,8 +288,8 @@ impl<S: MapStore> Writer<S> {
         (phases, report)
     }
 
-    /// Room in the phases for what the new frontends of `entries` write (a backend and
-    /// a slot per backend, reverse NAT and slot 0 each; a first sync's rounds hold
+    /// Room in the phases for what the new frontends of `entries` write (a backend per
+    /// backend, reverse NAT and the frontend's entry each; a first sync's rounds hold
     /// nothing else), and in the backends' table for their backends: reserved once
     /// rather than grown op by op. Programmed frontends reserve nothing (what they
     /// write is their difference, often nothing).

@@ -56,7 +56,7 @@ impl<S: MapStore> Writer<S> {
             .services
             .get(&fe)
             .map_or_else(Vec::new, |p| p.slots.clone());
-        // A new frontend: a backend and a slot per backend, reverse NAT, slot 0.
+        // A new frontend: a backend per backend, reverse NAT, its entry.
         let mut plan = Plan::with_capacity(2 * backends.len() + 2);
 
         // 1. New backends.
@@ -70,12 +70,7 @@ impl<S: MapStore> Writer<S> {
         stage_revnat(&mut plan, fe, service_id, old, &entry.name);
         let want_ranges: BTreeSet<(IpAddr, u8)> = entry.source_ranges.iter().copied().collect();
         let old_ranges = old.map(|p| p.source_ranges.clone()).unwrap_or_default();
-        for r in want_ranges.difference(&old_ranges) {
-            plan.push(
-                range_op(service_id, true, *r),
-                range_op(service_id, false, *r),
-            );
-        }
+        stage_ranges(&mut plan, (service_id, true), &want_ranges, &old_ranges);
         // 3. Changed chunks of slots past the frontend's own 24, then the Maglev table
         //    (after the slots it names, before the flag in the frontend's entry; a table
         //    in use after the entry, which holds slots 1..=24).
@@ -110,12 +105,7 @@ impl<S: MapStore> Writer<S> {
         for (op, undo) in maglev_dels {
             plan.push(op, undo);
         }
-        for r in old_ranges.difference(&want_ranges) {
-            plan.push(
-                range_op(service_id, false, *r),
-                range_op(service_id, true, *r),
-            );
-        }
+        stage_ranges(&mut plan, (service_id, false), &old_ranges, &want_ranges);
         // 6. Backends this frontend stops using and nobody else uses.
         self.stage_unused_backends(&mut plan, &old_slots, &layout);
 
@@ -171,7 +161,7 @@ impl<S: MapStore> Writer<S> {
     }
 
     /// Step 3 (Maglev): the table's chunks when the slots' fingerprint changed; the
-    /// chunks no longer used are returned (with their undo) to be planned after slot 0.
+    /// chunks no longer used are returned (with their undo) to be planned after the frontend's entry.
     /// `(ids, backends)`: the wanted backends and their ids, in the same order. Returns
     /// the new table state and those deletions.
     fn stage_maglev(
@@ -333,6 +323,22 @@ fn stage_revnat(
             plan.push(put_revnat(name), put_revnat(&p.name))
         }
         Some(_) => {}
+    }
+}
+
+/// The source ranges in `these` and not in `others`, written (`put`: `these` are the
+/// wanted ones) or deleted (`these` are the old ones), each undone by the opposite.
+fn stage_ranges(
+    plan: &mut Plan,
+    (service_id, put): (u32, bool),
+    these: &BTreeSet<(IpAddr, u8)>,
+    others: &BTreeSet<(IpAddr, u8)>,
+) {
+    for r in these.difference(others) {
+        plan.push(
+            range_op(service_id, put, *r),
+            range_op(service_id, !put, *r),
+        );
     }
 }
 

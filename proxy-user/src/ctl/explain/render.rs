@@ -57,7 +57,10 @@ pub(super) fn comparison(doc: &ExplainDoc) -> String {
             fe(primary)
         )
     } else {
-        format!("one hash lookup of {} (slot 0)", fe(primary))
+        format!(
+            "one hash lookup of {} (the frontend's entry, with slots 1..=24)",
+            fe(primary)
+        )
     };
     if p.frontend != primary.frontend {
         lookups.push_str(", its ext-local twin holds the slots");
@@ -69,7 +72,8 @@ pub(super) fn comparison(doc: &ExplainDoc) -> String {
     };
     format!(
         "  kube-proxy: every new connection {walk}, {pick}.\n  ebpf-proxy: {lookups}; {slot}; \
-         then the slot and the backend: a few hash lookups, whatever the number of services.\n"
+         then the slot's backend id (in that entry up to slot 24) and the backend: a few \
+         lookups, whatever the number of services.\n"
     )
 }
 

@@ -243,8 +243,8 @@ impl Maps {
         Ok(())
     }
 
-    /// Every frontend on `addr` (any port and protocol): slot 0 of each, by one scan of
-    /// its family's `SVC` map.
+    /// Every frontend on `addr` (any port and protocol): the entry (chunk 0) of each, by
+    /// one scan of its family's `SVC` map.
     pub(super) fn scan_slot0(&self, s: &mut Snapshot, addr: IpAddr) -> Result<()> {
         let want = codec::svc_key(&Frontend::new(addr, 0, Proto::Tcp), 0);
         match addr {
@@ -254,7 +254,7 @@ impl Maps {
     }
 }
 
-/// [`Maps::scan_slot0`] over one family's `SVC` map: the slot-0 entries whose address is
+/// [`Maps::scan_slot0`] over one family's `SVC` map: the frontends' entries (chunk 0) whose address is
 /// the one of `want`.
 fn scan_slot0_in<F: FamilyAbi>(
     map: &PinnedHash<F::SvcKey, SvcEntry>,
