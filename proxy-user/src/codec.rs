@@ -275,16 +275,6 @@ pub fn svc_proto<F: FamilyAbi>(k: &F::SvcKey) -> u8 {
     F::svc_fields(k).0.proto
 }
 
-/// The slots `(slot, backend id)` an entry of chunk `chunk` names (a 0 is no slot).
-pub fn chunk_slots(chunk: u16, v: &SvcEntry) -> impl Iterator<Item = (u16, u32)> + '_ {
-    let first = usize::from(chunk) * SVC_CHUNK_SLOTS + 1;
-    v.backends
-        .iter()
-        .enumerate()
-        .filter(|(_, id)| **id != 0)
-        .filter_map(move |(i, id)| Some((u16::try_from(first + i).ok()?, *id)))
-}
-
 /// [`put_svc`] into vectors (built into the dump's maps in bulk).
 pub fn push_svc(
     frontends: &mut Vec<(Frontend, crate::store::FrontendValue)>,
@@ -296,7 +286,7 @@ pub fn push_svc(
     if chunk == 0 {
         frontends.push((fe, decode_frontend_value(&v.head)));
     }
-    slots.extend(chunk_slots(chunk, v).map(|(slot, id)| ((fe, slot), id)));
+    slots.extend(crate::store::chunk_slots(chunk, &v.backends).map(|(slot, id)| ((fe, slot), id)));
 }
 
 /// Puts one `SVC` entry read back into a dump: chunk 0 as the frontend and its slots,

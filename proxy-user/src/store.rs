@@ -279,6 +279,18 @@ pub fn chunk_ids(slots: &[u32], chunk: usize) -> &[u32] {
     &slots[from..(from + SVC_CHUNK_SLOTS).min(slots.len())]
 }
 
+/// The slots `(slot, backend id)` the ids `backends` of chunk `chunk` name (at most
+/// [`SVC_CHUNK_SLOTS`]; a 0 is no slot).
+pub fn chunk_slots(chunk: u16, backends: &[u32]) -> impl Iterator<Item = (u16, u32)> + '_ {
+    let first = usize::from(chunk) * SVC_CHUNK_SLOTS + 1;
+    backends
+        .iter()
+        .take(SVC_CHUNK_SLOTS)
+        .enumerate()
+        .filter(|(_, id)| **id != 0)
+        .filter_map(move |(i, id)| Some((u16::try_from(first + i).ok()?, *id)))
+}
+
 /// `SVC` entries of a frontend with `count` slots: its own (slots `1..=24`) and one per
 /// further chunk.
 pub fn svc_entries(count: usize) -> usize {
@@ -341,11 +353,8 @@ impl Dump {
     /// slot), replacing what the chunk held: one `SVC` entry's slots read back.
     pub fn set_chunk(&mut self, fe: Frontend, chunk: u16, backends: &[u32]) {
         self.clear_chunk(fe, chunk);
-        let first = usize::from(chunk) * SVC_CHUNK_SLOTS + 1;
-        for (i, id) in backends.iter().enumerate().take(SVC_CHUNK_SLOTS) {
-            if let (Ok(slot), true) = (u16::try_from(first + i), *id != 0) {
-                self.slots.insert((fe, slot), *id);
-            }
+        for (slot, id) in chunk_slots(chunk, backends) {
+            self.slots.insert((fe, slot), id);
         }
     }
 

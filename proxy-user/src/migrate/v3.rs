@@ -122,15 +122,20 @@ fn out<K: bytemuck::Pod, V: bytemuck::Pod>(k: K, v: V) -> Entry {
     ))
 }
 
+/// The ABI-4 chunk of ABI-3 slot `slot` (0: the frontend itself, in chunk 0).
+fn chunk_of(slot: u16) -> u16 {
+    if slot == 0 {
+        0
+    } else {
+        cur::svc_chunk_of(slot).0
+    }
+}
+
 /// The ABI-4 `SVC4` key an ABI-3 entry goes into: slot 0 and slots 1..=24 into the
 /// frontend's entry (chunk 0), slot `s` into chunk `(s - 1) / 24`.
 pub fn svc4_key(k: &[u8]) -> Option<Vec<u8>> {
     let k: Svc4Key = read(k)?;
-    let chunk = if k.slot == 0 {
-        0
-    } else {
-        cur::svc_chunk_of(k.slot).0
-    };
+    let chunk = chunk_of(k.slot);
     let key = cur::Svc4Key::new(k.addr, k.port, k.proto, k.scope, chunk);
     Some(bytemuck::bytes_of(&key).to_vec())
 }
@@ -138,11 +143,7 @@ pub fn svc4_key(k: &[u8]) -> Option<Vec<u8>> {
 /// [`svc4_key`] for `SVC6`.
 pub fn svc6_key(k: &[u8]) -> Option<Vec<u8>> {
     let k: Svc6Key = read(k)?;
-    let chunk = if k.slot == 0 {
-        0
-    } else {
-        cur::svc_chunk_of(k.slot).0
-    };
+    let chunk = chunk_of(k.slot);
     let key = cur::Svc6Key::new(k.addr, k.port, k.proto, k.scope, chunk);
     Some(bytemuck::bytes_of(&key).to_vec())
 }

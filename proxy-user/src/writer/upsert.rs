@@ -160,8 +160,10 @@ impl<S: MapStore> Writer<S> {
         (ids, new_backend_ids)
     }
 
-    /// Step 3 (Maglev): the table's chunks when the slots' fingerprint changed; the
-    /// chunks no longer used are returned (with their undo) to be planned after the frontend's entry.
+    /// Step 3 (Maglev): the table's chunks when the slots' fingerprint changed (into
+    /// `after_entry` when the table is in use already: it names slots the frontend's
+    /// entry holds); the chunks no longer used are returned (with their undo) to be
+    /// planned after the frontend's entry.
     /// `(ids, backends)`: the wanted backends and their ids, in the same order. Returns
     /// the new table state and those deletions.
     fn stage_maglev(
