@@ -6,7 +6,7 @@ use aya_ebpf::bindings::bpf_sock;
 use proxy_common::{
     affinity_kind, limits::SOCK_REVNAT_SLOTS, scope, svc_chunk_of, svc_flags, Reason,
     SockRevNat4Entry, SockRevNat4V3Key, SockRevNat6Entry, SockRevNat6V3Key, Svc4Key, Svc6Key,
-    SvcValue, SVC_CHUNK_SLOTS,
+    SvcEntry, SvcValue, SVC_CHUNK_SLOTS,
 };
 
 use core::ptr::{read_volatile, write_volatile};
@@ -250,14 +250,7 @@ impl Family for V4 {
         let (chunk, i) = svc_chunk_of(slot);
         // SAFETY: one id read out of a live map value.
         let e = unsafe { SVC4.get(&Svc4Key::new(addr, port, proto, scope, chunk)) }?;
-        // LLVM knows `i < SVC_CHUNK_SLOTS` (a remainder) and would drop the bounds check
-        // the verifier needs (as in `maglev::slot`).
-        // SAFETY: a read of a local.
-        let i = unsafe { read_volatile(&i) };
-        if i >= SVC_CHUNK_SLOTS {
-            return None;
-        }
-        e.backend_at(i)
+        chunk_backend(e, i)
     }
 
     #[inline(always)]
@@ -352,14 +345,7 @@ impl Family for V6 {
         let (chunk, i) = svc_chunk_of(slot);
         // SAFETY: one id read out of a live map value.
         let e = unsafe { SVC6.get(&Svc6Key::new(addr, port, proto, scope, chunk)) }?;
-        // LLVM knows `i < SVC_CHUNK_SLOTS` (a remainder) and would drop the bounds check
-        // the verifier needs (as in `maglev::slot`).
-        // SAFETY: a read of a local.
-        let i = unsafe { read_volatile(&i) };
-        if i >= SVC_CHUNK_SLOTS {
-            return None;
-        }
-        e.backend_at(i)
+        chunk_backend(e, i)
     }
 
     #[inline(always)]
@@ -396,6 +382,19 @@ impl Family for V6 {
             _pad: [0; 6],
         });
     }
+}
+
+/// The backend id at index `i` (`< SVC_CHUNK_SLOTS`, from `svc_chunk_of`) of the chunk
+/// entry `e`. LLVM knows the bound (a remainder) and would drop the bounds check the
+/// verifier needs (as in `maglev::slot`): a volatile reload keeps it.
+#[inline(always)]
+fn chunk_backend(e: &SvcEntry, i: usize) -> Option<u32> {
+    // SAFETY: a read of a local.
+    let i = unsafe { read_volatile(&i) };
+    if i >= SVC_CHUNK_SLOTS {
+        return None;
+    }
+    e.backend_at(i)
 }
 
 /// The frontend `addr:port/proto` is, and the address its slots are keyed by: the one
