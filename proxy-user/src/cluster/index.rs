@@ -31,7 +31,7 @@ pub fn service_entries(
     for family in families(svc) {
         for port in &svc.ports {
             let candidates = candidates(slices, family, port);
-            let eps: Vec<&EndpointInfo> = candidates.iter().map(|(e, _)| e).collect();
+            let eps: Vec<&EndpointInfo> = candidates.iter().map(|(e, _)| *e).collect();
             let backends = |chosen: &[&EndpointInfo]| backends_of(&candidates, chosen, node);
             let cluster = backends(&cluster_endpoints(&eps, node));
             let local = || backends(&local_endpoints(&eps, node));
@@ -46,11 +46,7 @@ pub fn service_entries(
             } else {
                 0
             };
-            let name = if port.name.is_empty() {
-                svc.key.to_string()
-            } else {
-                format!("{}:{}", svc.key, port.name)
-            };
+            let name = entry_name(&svc.key, &port.name);
             let mut base = 0;
             if svc.affinity_timeout.is_some() {
                 base |= svc_flags::AFFINITY;
@@ -102,16 +98,19 @@ pub fn service_entries(
 /// The endpoints serving `port` in `family`: from the slices of that family whose port of
 /// the same name (the service port's targetPort, resolved) has the same protocol, each
 /// address:port once.
-fn candidates(
-    slices: &[&SliceInfo],
+fn candidates<'a>(
+    slices: &[&'a SliceInfo],
     family: Family,
     port: &ServicePortInfo,
-) -> Vec<(EndpointInfo, u16)> {
-    let mut candidates: Vec<(EndpointInfo, u16)> = Vec::new();
+) -> Vec<(&'a EndpointInfo, u16)> {
+    // References into the slices, sized once: a first sync computes this for every
+    // Service port on two threads, whose clones and regrowths met on the allocator's lock.
+    let endpoints = slices.iter().map(|s| s.endpoints.len()).sum::<usize>();
+    let mut candidates: Vec<(&EndpointInfo, u16)> = Vec::with_capacity(endpoints);
     // Where each address:port sits in `candidates`: linear in the endpoints, so a
     // Service with tens of thousands of them costs no more than its size.
     // Few endpoints (most Services): found by a scan of the candidates, no map.
-    let small = slices.iter().map(|s| s.endpoints.len()).sum::<usize>() <= SMALL_SCAN;
+    let small = endpoints <= SMALL_SCAN;
     let mut seen: HashMap<(IpAddr, u16), usize> = HashMap::default();
     for slice in slices.iter().filter(|s| s.family == family) {
         let Some(sp) = slice
@@ -138,9 +137,9 @@ fn candidates(
                     if !small {
                         seen.insert((ep.addr, sp.port), candidates.len());
                     }
-                    candidates.push((ep.clone(), sp.port));
+                    candidates.push((ep, sp.port));
                 }
-                Some(i) if !ep.terminating => candidates[i].0 = ep.clone(),
+                Some(i) if !ep.terminating => candidates[i].0 = ep,
                 Some(_) => {}
             }
         }
@@ -197,7 +196,7 @@ fn families(svc: &ServiceInfo) -> Vec<Family> {
 /// The backends of the `chosen` endpoints, in the order of `candidates` (the chosen
 /// endpoints are references into it).
 fn backends_of(
-    candidates: &[(EndpointInfo, u16)],
+    candidates: &[(&EndpointInfo, u16)],
     chosen: &[&EndpointInfo],
     node: &NodeInfo,
 ) -> Vec<Backend> {
@@ -206,7 +205,7 @@ fn backends_of(
     let mut b: Vec<Backend> = Vec::with_capacity(chosen.len());
     let mut next = chosen.iter().peekable();
     for (e, p) in candidates {
-        if next.next_if(|c| std::ptr::eq(**c, e)).is_some() {
+        if next.next_if(|c| std::ptr::eq(**c, *e)).is_some() {
             b.push(backend(e, *p, node));
         }
     }
@@ -215,12 +214,24 @@ fn backends_of(
             chosen.iter().map(|c| *c as *const EndpointInfo).collect();
         b = candidates
             .iter()
-            .filter(|(e, _)| chosen.contains(&(e as *const EndpointInfo)))
+            .filter(|(e, _)| chosen.contains(&(*e as *const EndpointInfo)))
             .map(|(e, p)| backend(e, *p, node))
             .collect();
     }
     b.sort();
     b
+}
+
+/// `namespace/name` or `namespace/name:port`, the name an entry carries, in one allocation.
+fn entry_name(key: &ObjKey, port: &str) -> String {
+    use std::fmt::Write;
+    let mut name = String::with_capacity(key.namespace.len() + key.name.len() + port.len() + 2);
+    let _ = write!(name, "{key}");
+    if !port.is_empty() {
+        name.push(':');
+        name.push_str(port);
+    }
+    name
 }
 
 /// Up to this many endpoints, [`candidates`] finds repeats by a scan (no hash map).
@@ -256,7 +267,8 @@ pub fn has_any_endpoints(eps: &[&EndpointInfo]) -> bool {
 /// Cluster-wide traffic: the ready endpoints (narrowed by topology hints when they
 /// apply); if none is ready, the serving-and-terminating ones.
 pub fn cluster_endpoints<'a>(eps: &[&'a EndpointInfo], node: &NodeInfo) -> Vec<&'a EndpointInfo> {
-    let ready: Vec<&EndpointInfo> = eps.iter().copied().filter(|e| e.ready).collect();
+    let mut ready: Vec<&EndpointInfo> = Vec::with_capacity(eps.len());
+    ready.extend(eps.iter().copied().filter(|e| e.ready));
     if !ready.is_empty() {
         return apply_topology(ready, node);
     }

@@ -203,11 +203,18 @@ impl<S: MapStore> Writer<S> {
         let chunk = self.batch_chunk.max(1);
         let mut report = SyncReport::default();
         let mut start = 0;
+        // Time planning (the model) and applying (the kernel's batch calls), for the log.
+        let (mut plan_s, mut apply_s) = (0f64, 0f64);
         while start < total {
             let end = (start + chunk).min(total);
+            let t = std::time::Instant::now();
             let (phases, round) = self.plan_round(gone, desired, start..end);
             let frees = self.deferred_frees.take().unwrap_or_default();
-            match self.apply_phases(phases) {
+            let planned = std::time::Instant::now();
+            plan_s += (planned - t).as_secs_f64();
+            let applied = self.apply_phases(phases);
+            apply_s += planned.elapsed().as_secs_f64();
+            match applied {
                 Ok(()) => {
                     self.release(frees);
                     report.ops += round.ops;
@@ -242,6 +249,12 @@ impl<S: MapStore> Writer<S> {
                 }
             }
         }
+        tracing::debug!(
+            frontends = total,
+            plan_ms = plan_s * 1e3,
+            apply_ms = apply_s * 1e3,
+            "batched sync written"
+        );
         (report, gone.len(), desired.len())
     }
 

@@ -1978,3 +1978,66 @@ fn an_id_past_the_backend_arrays_at_their_ceiling_is_a_counted_full_map() {
     assert_eq!(dump.frontends.len(), 63);
     assert!(dump.backends.keys().all(|id| *id < 64));
 }
+
+#[test]
+fn the_exact_backend_count_counts_each_address_port_protocol_and_flags_once() {
+    use crate::loader::{SizedMap, Sizes};
+    // A backend is `{addr, port, protocol, flags}`: the same pod port behind two
+    // Services is one backend; another port, protocol, family or flags is another.
+    let sa = |s: &str| s.parse::<SocketAddr>().expect("addr");
+    let entry = |fe: Frontend, backends: &[(&str, u8)]| ServiceEntry {
+        backends: backends
+            .iter()
+            .map(|&(a, flags)| crate::model::Backend { addr: sa(a), flags })
+            .collect(),
+        ..ServiceEntry::new(fe, [])
+    };
+    let udp = |s: &str, port| Frontend::new(s.parse::<IpAddr>().expect("ip"), port, Proto::Udp);
+    let terminating = proxy_common::backend_flags::TERMINATING;
+    let desired = [
+        entry(
+            vip("10.96.0.1", 80),
+            &[("10.1.0.1:8080", 0), ("10.1.0.2:8080", 0)],
+        ),
+        // The same two again, behind another Service: no new backend.
+        entry(
+            vip("10.96.0.2", 80),
+            &[("10.1.0.2:8080", 0), ("10.1.0.1:8080", 0)],
+        ),
+        // Another port of a known address: new.
+        entry(vip("10.96.0.3", 80), &[("10.1.0.1:9090", 0)]),
+        // The same address and port over UDP: new.
+        entry(udp("10.96.0.4", 53), &[("10.1.0.1:8080", 0)]),
+        // Terminating: new (its flags differ).
+        entry(vip("10.96.0.5", 80), &[("10.1.0.1:8080", terminating)]),
+        // IPv6, twice the same and one more.
+        entry(
+            vip("fd00::1", 80),
+            &[("[fd01::1]:8080", 0), ("[fd01::2]:8080", 0)],
+        ),
+        entry(vip("fd00::2", 80), &[("[fd01::1]:8080", 0)]),
+        // An IPv4-mapped IPv6 address is not the IPv4 one.
+        entry(vip("fd00::3", 80), &[("[::ffff:10.1.0.1]:8080", 0)]),
+    ];
+    let refs: Vec<&ServiceEntry> = desired.iter().collect();
+    let w = Writer::new(MemStore::default());
+    let needed = w.needed(&refs, &Sizes::compiled(), true);
+    let of = |kind| needed.iter().find(|(k, _)| *k == kind).map(|(_, n)| *n);
+    // 10.1.0.1:8080, 10.1.0.2:8080, 10.1.0.1:9090, UDP 10.1.0.1:8080, terminating
+    // 10.1.0.1:8080, [fd01::1]:8080, [fd01::2]:8080, [::ffff:10.1.0.1]:8080.
+    assert_eq!(of(SizedMap::BackendConns), Some(8));
+    assert_eq!(
+        of(SizedMap::Backend),
+        Some(9),
+        "ids 1..=8, one past the highest"
+    );
+    // The bound counts every one named (11).
+    let bound = w.needed(&refs, &Sizes::compiled(), false);
+    assert_eq!(
+        bound
+            .iter()
+            .find(|(k, _)| *k == SizedMap::BackendConns)
+            .map(|(_, n)| *n),
+        Some(11)
+    );
+}
