@@ -27,13 +27,12 @@ pub fn service_entries(
     slices: &[&SliceInfo],
     node: &NodeInfo,
 ) -> Vec<ServiceEntry> {
-    let mut out = Vec::new();
-    for family in families(svc) {
+    let mut out = Vec::with_capacity(svc.ports.len() * svc.cluster_ips.len());
+    for family in families(svc).into_iter().flatten() {
         for port in &svc.ports {
             let candidates = candidates(slices, family, port);
             let eps: Vec<&EndpointInfo> = candidates.iter().map(|(e, _)| *e).collect();
             let backends = |chosen: &[&EndpointInfo]| backends_of(&candidates, chosen, node);
-            let cluster = backends(&cluster_endpoints(&eps, node));
             let local = || backends(&local_endpoints(&eps, node));
             // kube-proxy's `hasEndpoints`: a usable (ready, or serving and terminating)
             // endpoint anywhere. A Local policy without a local endpoint DROPs only then;
@@ -46,53 +45,99 @@ pub fn service_entries(
             } else {
                 0
             };
-            let name = entry_name(&svc.key, &port.name);
+            let cluster_ips = svc.cluster_ips.iter().filter(|ip| Family::of(ip) == family);
+            let external = external_frontends(svc, family, port);
+            // The cluster backends and the name, cloned for each entry but the last that
+            // takes them (most Service ports have one frontend: no copy).
+            let per_external = 1 + usize::from(svc.external_local);
+            let mut name = Shared::new(
+                entry_name(&svc.key, &port.name),
+                cluster_ips.clone().count() + external.len() * per_external,
+            );
+            let cluster_uses = external.len()
+                + if svc.internal_local {
+                    0
+                } else {
+                    cluster_ips.clone().count()
+                };
+            let mut cluster = Shared::new(
+                if cluster_uses > 0 {
+                    backends(&cluster_endpoints(&eps, node))
+                } else {
+                    Vec::new()
+                },
+                cluster_uses,
+            );
             let mut base = 0;
             if svc.affinity_timeout.is_some() {
                 base |= svc_flags::AFFINITY;
             }
-            let entry = |frontend: Frontend, backends: Vec<Backend>, flags: u16| ServiceEntry {
+            let mut entry = |frontend: Frontend, backends: Vec<Backend>, flags: u16| ServiceEntry {
                 frontend,
                 backends,
                 flags: base | flags,
                 affinity_timeout: svc.affinity_timeout.unwrap_or(0),
-                name: name.clone(),
+                name: name.take(),
                 source_ranges: if flags & svc_flags::SOURCE_RANGES != 0 {
                     svc.source_ranges.clone()
                 } else {
                     Vec::new()
                 },
             };
-            for ip in svc.cluster_ips.iter().filter(|ip| Family::of(ip) == family) {
+            for ip in cluster_ips {
                 let fe = Frontend::new(*ip, port.port, port.proto);
                 out.push(if svc.internal_local {
                     entry(fe, local(), local_only)
                 } else {
-                    entry(fe, cluster.clone(), 0)
+                    entry(fe, cluster.take(), 0)
                 });
             }
             // External frontends: cluster endpoints for every client the socket hooks
             // see (pods, the node), and the local-only twin for traffic from outside
             // when externalTrafficPolicy is Local.
-            for (fe, mut kind) in external_frontends(svc, family, port) {
+            for (fe, mut kind) in external {
                 // The TC path's choice for traffic from outside (the socket hooks ignore it).
                 if svc.maglev {
                     kind |= svc_flags::MAGLEV;
                 }
                 if svc.external_local {
-                    out.push(entry(fe, cluster.clone(), kind | svc_flags::ETP_LOCAL));
+                    out.push(entry(fe, cluster.take(), kind | svc_flags::ETP_LOCAL));
                     out.push(entry(
                         fe.with_scope(proxy_common::scope::EXTERNAL_LOCAL),
                         local(),
                         kind | local_only,
                     ));
                 } else {
-                    out.push(entry(fe, cluster.clone(), kind));
+                    out.push(entry(fe, cluster.take(), kind));
                 }
             }
         }
     }
     out
+}
+
+/// A value handed to `uses` takers: a clone to each but the last, which takes it.
+struct Shared<T> {
+    value: Option<T>,
+    left: usize,
+}
+
+impl<T: Clone + Default> Shared<T> {
+    fn new(value: T, uses: usize) -> Self {
+        Self {
+            value: Some(value),
+            left: uses,
+        }
+    }
+
+    fn take(&mut self) -> T {
+        self.left = self.left.saturating_sub(1);
+        if self.left == 0 {
+            self.value.take().unwrap_or_default()
+        } else {
+            self.value.clone().unwrap_or_default()
+        }
+    }
 }
 
 /// The endpoints serving `port` in `family`: from the slices of that family whose port of
@@ -182,12 +227,15 @@ fn external_frontends(
     external
 }
 
-/// The families of the Service's cluster IPs, in their order.
-fn families(svc: &ServiceInfo) -> Vec<Family> {
-    let mut families: Vec<Family> = Vec::new();
+/// The families of the Service's cluster IPs, in their order (at most two).
+fn families(svc: &ServiceInfo) -> [Option<Family>; 2] {
+    let mut families = [None, None];
     for ip in &svc.cluster_ips {
-        if !families.contains(&Family::of(ip)) {
-            families.push(Family::of(ip));
+        let f = Some(Family::of(ip));
+        if families[0].is_none() {
+            families[0] = f;
+        } else if families[0] != f && families[1].is_none() {
+            families[1] = f;
         }
     }
     families

@@ -205,6 +205,8 @@ impl Backends {
 
     /// Room for `n` more backends.
     pub(super) fn reserve(&mut self, n: usize) {
+        // Ids are dense: the entries grow by about as many.
+        self.by_id.reserve(n);
         let (by_id, hasher) = (&self.by_id, &self.hasher);
         self.ids
             .reserve(n, |j| Self::hash(hasher, &by_id[*j as usize].key));
