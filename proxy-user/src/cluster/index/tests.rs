@@ -951,3 +951,82 @@ fn no_local_endpoints_counts_local_policies_without_a_local_endpoint() {
     );
     assert_eq!(index.no_local_endpoints(), NoLocalEndpoints::default());
 }
+
+/// Every frontend of a Service port carries the port's name and the backends its rule
+/// gives, however many frontends share them: dual-stack cluster IPs, a NodePort,
+/// `externalIPs`, LoadBalancer ingress IPs, and the ext-local twins of
+/// `externalTrafficPolicy: Local`, on two ports (one unnamed).
+#[test]
+fn every_frontend_of_a_port_gets_its_name_and_backends() {
+    let svc = service("shop", "web")
+        .cluster_ips(&["172.30.0.10", "fd00:30::10"])
+        .port("http", 80, "TCP")
+        .port("", 81, "TCP")
+        .set("type", json!("LoadBalancer"))
+        .set("ipFamilies", json!(["IPv4", "IPv6"]))
+        .set("externalTrafficPolicy", json!("Local"))
+        .set("externalIPs", json!(["192.0.2.7", "2001:db8::7"]))
+        .status(json!({"loadBalancer": {"ingress": [
+            {"ip": "203.0.113.1"}, {"ip": "2001:db8:1::1"}
+        ]}}))
+        .build();
+    let mut svc = svc;
+    for (i, p) in svc
+        .spec
+        .as_mut()
+        .expect("spec")
+        .ports
+        .as_mut()
+        .expect("ports")
+        .iter_mut()
+        .enumerate()
+    {
+        p.node_port = Some(30080 + i as i32);
+    }
+    let info = ServiceInfo::from_k8s(&svc, None)
+        .expect("valid")
+        .expect("selected");
+    let v4 = slice("shop", "web-4", "web", "IPv4")
+        .port("http", 8080, "TCP")
+        .port("", 8081, "TCP")
+        .ep("10.180.0.1", json!({"nodeName": "node-a"}))
+        .ep("10.180.0.2", json!({"nodeName": "node-b"}))
+        .build();
+    let v6 = slice("shop", "web-6", "web", "IPv6")
+        .port("http", 8080, "TCP")
+        .port("", 8081, "TCP")
+        .ep("fd00:180::1", json!({"nodeName": "node-b"}))
+        .build();
+    let slices: Vec<SliceInfo> = [v4, v6]
+        .iter()
+        .map(|s| {
+            SliceInfo::from_k8s(s, None)
+                .expect("valid")
+                .expect("selected")
+        })
+        .collect();
+    let refs: Vec<&SliceInfo> = slices.iter().collect();
+    let entries = service_entries(&info, &refs, &node());
+    // Per family and port: the cluster IP, the NodePort, one external IP, one LB IP,
+    // and the ext-local twins of the last three: 7; x 2 ports x 2 families.
+    assert_eq!(entries.len(), 28, "{}", render(&entries));
+    for e in &entries {
+        let port = e.frontend.port;
+        let second = port == 81 || port == 30081;
+        let want = if second { "shop/web" } else { "shop/web:http" };
+        assert_eq!(e.name, want, "{:?}", e.frontend);
+        let target = if second { 8081 } else { 8080 };
+        let ext_local = e.frontend.scope == proxy_common::scope::EXTERNAL_LOCAL;
+        let got: Vec<String> = e.backends.iter().map(|b| b.addr.to_string()).collect();
+        let want: Vec<String> = match (e.frontend.addr.is_ipv6(), ext_local) {
+            (false, false) => vec![
+                format!("10.180.0.1:{target}"),
+                format!("10.180.0.2:{target}"),
+            ],
+            (false, true) => vec![format!("10.180.0.1:{target}")],
+            (true, false) => vec![format!("[fd00:180::1]:{target}")],
+            (true, true) => vec![],
+        };
+        assert_eq!(got, want, "{:?}", e.frontend);
+    }
+}
