@@ -166,7 +166,22 @@ impl Index {
         self.slices = HashMap::with_capacity_and_hasher(all.len(), Default::default());
         self.slices_by_service = HashMap::with_capacity_and_hasher(all.len(), Default::default());
         for (key, info) in all {
-            self.set_slice(key, Some(info));
+            // Into empty tables: no previous copy to unlink, no touched list per slice (a
+            // list of 100,000 slices made as many vectors). A key listed twice (not from
+            // the API) goes through `set_slice`, which unlinks the first copy.
+            if self.slices.contains_key(&key) {
+                self.set_slice(key, Some(info));
+                continue;
+            }
+            let key = shared(key, &info.key);
+            let set = self
+                .slices_by_service
+                .entry(info.service.clone())
+                .or_default();
+            if let Err(at) = set.binary_search(&key) {
+                set.insert(at, key.clone());
+            }
+            self.slices.insert(key, info);
         }
         touched.extend(self.slices_by_service.keys().cloned());
         touched.sort_unstable();

@@ -1030,3 +1030,58 @@ fn every_frontend_of_a_port_gets_its_name_and_backends() {
         assert_eq!(got, want, "{:?}", e.frontend);
     }
 }
+
+/// A list that names one slice twice (a manifests directory can): the last copy holds,
+/// under its own Service only, as a watch would leave it.
+#[test]
+fn a_slice_listed_twice_is_kept_once_under_its_last_service() {
+    let mut index = Index::new(node());
+    let web = ObjKey::new("default", "web");
+    let other = ObjKey::new("default", "other");
+    let info = |name: &str| {
+        ServiceInfo::from_k8s(
+            &service("default", name)
+                .cluster_ips(&[if name == "web" {
+                    "172.30.0.10"
+                } else {
+                    "172.30.0.11"
+                }])
+                .port("http", 80, "TCP")
+                .build(),
+            None,
+        )
+        .expect("ok")
+        .expect("selected")
+    };
+    index.replace_services(vec![
+        (web.clone(), info("web")),
+        (other.clone(), info("other")),
+    ]);
+    let s = |svc: &str, ip: &str| {
+        SliceInfo::from_k8s(
+            &slice("default", "web-1", svc, "IPv4")
+                .port("http", 8080, "TCP")
+                .ep(ip, READY())
+                .build(),
+            None,
+        )
+        .expect("ok")
+        .expect("selected")
+    };
+    let key = ObjKey::new("default", "web-1");
+    let touched = index.replace_slices(vec![
+        (key.clone(), s("web", "10.180.0.1")),
+        (key.clone(), s("other", "10.180.0.2")),
+    ]);
+    // Touched: the Services whose slices differ from before the list (web had none).
+    assert_eq!(touched, [other.clone()]);
+    assert_eq!(
+        render(&index.entries(&web)),
+        "172.30.0.10:80/tcp flags=0x0 affinity=0 -> []\n"
+    );
+    assert_eq!(
+        render(&index.entries(&other)),
+        "172.30.0.11:80/tcp flags=0x0 affinity=0 -> [10.180.0.2:8080]\n"
+    );
+    assert_eq!(index.slices().count(), 1);
+}
