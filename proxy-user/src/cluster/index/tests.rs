@@ -1074,7 +1074,7 @@ fn a_slice_listed_twice_is_kept_once_under_its_last_service() {
         (key.clone(), s("other", "10.180.0.2")),
     ]);
     // Touched: the Services whose slices differ from before the list (web had none).
-    assert_eq!(touched, [other.clone()]);
+    assert_eq!(touched, std::slice::from_ref(&other));
     assert_eq!(
         render(&index.entries(&web)),
         "172.30.0.10:80/tcp flags=0x0 affinity=0 -> []\n"
