@@ -120,20 +120,26 @@ impl Index {
             touched.push(old.service);
         }
         if let Some(info) = info {
-            let key = shared(key, &info.key);
-            let set = self
-                .slices_by_service
-                .entry(info.service.clone())
-                .or_default();
-            if let Err(at) = set.binary_search(&key) {
-                set.insert(at, key.clone());
-            }
             if !touched.contains(&info.service) {
                 touched.push(info.service.clone());
             }
-            self.slices.insert(key, info);
+            self.link_slice(key, info);
         }
         touched
+    }
+
+    /// Puts slice `key` into the tables, under its Service (no copy of it is there: the
+    /// caller unlinked it, or the tables are fresh).
+    fn link_slice(&mut self, key: ObjKey, info: SliceInfo) {
+        let key = shared(key, &info.key);
+        let set = self
+            .slices_by_service
+            .entry(info.service.clone())
+            .or_default();
+        if let Err(at) = set.binary_search(&key) {
+            set.insert(at, key.clone());
+        }
+        self.slices.insert(key, info);
     }
 
     /// Replaces every Service at once (initial list or relist). Returns all touched keys.
@@ -171,17 +177,9 @@ impl Index {
             // the API) goes through `set_slice`, which unlinks the first copy.
             if self.slices.contains_key(&key) {
                 self.set_slice(key, Some(info));
-                continue;
+            } else {
+                self.link_slice(key, info);
             }
-            let key = shared(key, &info.key);
-            let set = self
-                .slices_by_service
-                .entry(info.service.clone())
-                .or_default();
-            if let Err(at) = set.binary_search(&key) {
-                set.insert(at, key.clone());
-            }
-            self.slices.insert(key, info);
         }
         touched.extend(self.slices_by_service.keys().cloned());
         touched.sort_unstable();
