@@ -753,22 +753,26 @@ fn malformed_objects_name_the_cause() {
     );
 }
 
+/// Slice `default/web-1` of Service `svc`: one ready endpoint `ip`, port "http" 8080.
+fn web_1_of(svc: &str, ip: &str) -> SliceInfo {
+    SliceInfo::from_k8s(
+        &slice("default", "web-1", svc, "IPv4")
+            .port("http", 8080, "TCP")
+            .ep(ip, READY())
+            .build(),
+        None,
+    )
+    .expect("ok")
+    .expect("selected")
+}
+
 #[test]
 fn index_tracks_which_services_an_update_touches() {
     let mut index = Index::new(node());
     let web = ObjKey::new("default", "web");
     let info = ServiceInfo::from_k8s(&basic().build(), None).expect("ok");
     assert_eq!(index.set_service(web.clone(), info), web);
-    let s = |svc: &str, ip: &str| {
-        SliceInfo::from_k8s(
-            &slice("default", "web-1", svc, "IPv4")
-                .port("http", 8080, "TCP")
-                .ep(ip, READY())
-                .build(),
-            None,
-        )
-        .expect("ok")
-    };
+    let s = |svc: &str, ip: &str| Some(web_1_of(svc, ip));
     let slice_key = ObjKey::new("default", "web-1");
     assert_eq!(
         index.set_slice(slice_key.clone(), s("web", "10.180.0.1")),
@@ -1057,17 +1061,7 @@ fn a_slice_listed_twice_is_kept_once_under_its_last_service() {
         (web.clone(), info("web")),
         (other.clone(), info("other")),
     ]);
-    let s = |svc: &str, ip: &str| {
-        SliceInfo::from_k8s(
-            &slice("default", "web-1", svc, "IPv4")
-                .port("http", 8080, "TCP")
-                .ep(ip, READY())
-                .build(),
-            None,
-        )
-        .expect("ok")
-        .expect("selected")
-    };
+    let s = web_1_of;
     let key = ObjKey::new("default", "web-1");
     let touched = index.replace_slices(vec![
         (key.clone(), s("web", "10.180.0.1")),
